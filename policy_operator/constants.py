@@ -1,0 +1,87 @@
+"""Every name that crosses a process, pod or API boundary, in one place.
+
+The operator writes these names into manifests and the runtime reads them back
+from its environment; keeping both sides on the same constants is what makes a
+rename safe.  Modelled on LeaderWorkerSet's typed constants.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --- API ---------------------------------------------------------------------
+GROUP: Final = "policyoperator.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "PolicyServer"
+PLURAL: Final = "policyservers"
+SINGULAR: Final = "policyserver"
+SHORT_NAME: Final = "ps"
+FIELD_MANAGER: Final = "policy-operator"
+
+# --- Labels ------------------------------------------------------------------
+LABEL_NAME: Final = "app.kubernetes.io/name"
+LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
+LABEL_COMPONENT: Final = "app.kubernetes.io/component"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
+LABEL_VERSION: Final = "app.kubernetes.io/version"
+LABEL_POLICYSERVER: Final = f"{GROUP}/policyserver"
+LABEL_CHECKPOINT_KEY: Final = f"{GROUP}/checkpoint-key"
+
+APP_NAME: Final = "policy-server"
+MANAGED_BY: Final = "policy-operator"
+COMPONENT_SERVER: Final = "server"
+COMPONENT_FETCH: Final = "checkpoint-fetch"
+COMPONENT_CACHE: Final = "checkpoint-cache"
+
+# --- Annotations -------------------------------------------------------------
+ANNOTATION_TEMPLATE_HASH: Final = f"{GROUP}/template-hash"
+ANNOTATION_CHECKPOINT_SOURCE: Final = f"{GROUP}/checkpoint-source"
+ANNOTATION_CHECKPOINT_REVISION: Final = f"{GROUP}/checkpoint-revision"
+ANNOTATION_RANKS_READY: Final = f"{GROUP}/ranks-ready"
+
+# --- Conditions and phases -----------------------------------------------------
+COND_VALID: Final = "Valid"
+COND_CHECKPOINT_READY: Final = "CheckpointReady"
+COND_AVAILABLE: Final = "Available"
+COND_PROGRESSING: Final = "Progressing"
+
+PHASE_PENDING: Final = "Pending"
+PHASE_DOWNLOADING: Final = "Downloading"
+PHASE_STARTING: Final = "Starting"
+PHASE_READY: Final = "Ready"
+PHASE_DEGRADED: Final = "Degraded"
+PHASE_FAILED: Final = "Failed"
+
+# --- Runtime environment variables (operator -> pod -> runtime) -----------------
+ENV_CHECKPOINT: Final = "POLICY_CHECKPOINT"
+ENV_CFGP: Final = "POLICY_CFGP"
+ENV_DP: Final = "POLICY_DP"
+ENV_GUIDANCE: Final = "POLICY_GUIDANCE"
+ENV_STEPS: Final = "POLICY_STEPS"
+ENV_PORT: Final = "POLICY_PORT"
+ENV_DEVICE: Final = "POLICY_DEVICE"
+ENV_AUTH_TOKEN_FILE: Final = "POLICY_AUTH_TOKEN_FILE"
+ENV_POLICY_CLASS: Final = "POLICY_CLASS"
+ENV_HEARTBEAT_S: Final = "POLICY_HEARTBEAT_S"
+ENV_DRAIN_GRACE_S: Final = "POLICY_DRAIN_GRACE_S"
+ENV_PG_TIMEOUT_S: Final = "POLICY_PG_TIMEOUT_S"
+ENV_HF_TOKEN: Final = "HF_TOKEN"
+ENV_HF_ENDPOINT: Final = "HF_ENDPOINT"
+
+# --- Ports, paths, files --------------------------------------------------------
+DEFAULT_PORT: Final = 8000  # openpi's default serve_policy port
+PORT_NAME: Final = "ws"
+CACHE_MOUNT_PATH: Final = "/models"
+COMPLETE_MARKER: Final = ".complete.json"
+CONFIG_FILE: Final = "config.json"
+WEIGHTS_FILE: Final = "model.safetensors"
+MANIFEST_FILE: Final = "manifest.json"
+
+HEALTHZ_PATH: Final = "/healthz"
+READYZ_PATH: Final = "/readyz"
+METRICS_PATH: Final = "/metrics"
+
+# --- Resources -------------------------------------------------------------------
+GPU_RESOURCE: Final = "nvidia.com/gpu"
