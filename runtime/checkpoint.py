@@ -101,3 +101,14 @@ def verify_checkpoint(directory: str | os.PathLike[str], *, hashes: bool = True)
             if digest != entry.sha256:
                 raise CheckpointError(f"{entry.name}: sha256 {digest} != {entry.sha256} from {MANIFEST_FILE}")
     return entries
+
+
+def checkpoint_key(source: str, revision: str | None = None) -> str:
+    """Directory name of one (source, revision) inside the shared cache volume.
+
+    The operator names the fetch Job and the pods' checkpoint path with it and
+    ``policyserver fetch`` downloads into ``DEST/<key>/``, so a checkpoint change
+    lands in a new directory and never touches the one pods are serving from.
+    """
+    digest = hashlib.sha256(f"{source}\n{revision or ''}".encode()).hexdigest()
+    return digest[:16]
