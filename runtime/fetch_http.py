@@ -1,0 +1,275 @@
+"""Resumable, hashed HTTP(S) downloads with the standard library.
+
+Why stdlib and not huggingface_hub's downloader: a plain checkpoint directory on
+an HTTP server has no hub API, and since huggingface_hub 1.x partial files are
+process-unique and deleted, so a killed download cannot be resumed with it.
+Here a file grows in ``NAME.part`` next to a small ``NAME.part.json`` holding the
+server's validator; the next run asks for ``Range: bytes=<size>-`` with
+``If-Range`` so a changed file restarts from zero instead of being spliced.
+The sha256 is computed while the bytes stream in, so a verified download reads
+each byte from disk zero extra times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import queue
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import BinaryIO
+from urllib.parse import urlsplit
+
+from policy_operator import __version__
+from policy_operator.runtime.fetch_errors import SourceError, redact_url
+from policy_operator.runtime.fetch_progress import Progress
+
+USER_AGENT = f"policyserver-fetch/{__version__}"
+CHUNK = 4 << 20
+TIMEOUT_S = 60.0
+ATTEMPTS = 5  # per file, counting only attempts that made no progress
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+class _RangeNotSatisfiable(Exception):
+    pass
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    return parts.scheme, (parts.hostname or ""), parts.port
+
+
+class _TokenRedirects(urllib.request.HTTPRedirectHandler):
+    """Keep the bearer token on same-origin redirects and drop it on any other.
+
+    The token is an *unredirected* header, so urllib never copies it; we put it
+    back only when the redirect stays on the origin it was meant for (a CDN or a
+    signed-URL store must never see it).
+    """
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and self._token and _origin(req.full_url) == _origin(newurl):
+            new.add_unredirected_header("Authorization", f"Bearer {self._token}")
+        return new
+
+
+def open_url(
+    url: str, *, token: str | None = None, headers: dict[str, str] | None = None, method: str = "GET",
+    timeout: float = TIMEOUT_S,
+) -> http.client.HTTPResponse:
+    """Open ``url``; every failure becomes a SourceError naming the (redacted) URL."""
+    req = urllib.request.Request(url, method=method, headers={"User-Agent": USER_AGENT, **(headers or {})})
+    req.add_header("Accept-Encoding", "identity")
+    if token:
+        req.add_unredirected_header("Authorization", f"Bearer {token}")
+    opener = urllib.request.build_opener(_TokenRedirects(token))
+    shown = redact_url(url)
+    try:
+        return opener.open(req, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        if exc.code == 416:
+            raise _RangeNotSatisfiable() from None
+        if exc.code in (401, 403):
+            hint = "a token is required" if not token else "the token was refused"
+            raise SourceError(f"{shown}: HTTP {exc.code} {exc.reason} ({hint})") from None
+        if exc.code == 404:
+            raise SourceError(f"{shown}: HTTP 404 not found") from None
+        raise SourceError(f"{shown}: HTTP {exc.code} {exc.reason}", retryable=exc.code >= 500 or exc.code == 429) from None
+    except urllib.error.URLError as exc:
+        raise SourceError(f"cannot reach {shown}: {exc.reason}", retryable=True) from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise SourceError(f"cannot reach {shown}: {exc}", retryable=True) from None
+
+
+def fetch_small(url: str, *, token: str | None = None, limit: int = 64 << 20) -> bytes:
+    """A small document (manifest.json) read whole into memory."""
+    with open_url(url, token=token) as resp:
+        data = resp.read(limit + 1)
+    if len(data) > limit:
+        raise SourceError(f"{redact_url(url)}: larger than {limit} bytes, not a manifest")
+    return data
+
+
+def head_size(url: str, *, token: str | None = None) -> int | None:
+    """Content-Length from a HEAD request, or None where the server will not say."""
+    try:
+        with open_url(url, token=token, method="HEAD") as resp:
+            length = resp.headers.get("Content-Length")
+    except SourceError as exc:
+        if " 405 " in str(exc) or " 501 " in str(exc):
+            return None
+        raise
+    return int(length) if length and length.isdigit() else None
+
+
+class _HashingWriter:
+    """Write chunks to a file while a second thread hashes them.
+
+    hashlib and file writes both release the GIL, so on two cores hashing
+    overlaps the socket reads instead of adding to them.  Buffers cycle through
+    a small pool so no chunk is copied.
+    """
+
+    def __init__(self, f: BinaryIO, hasher: hashlib._Hash, *, buffers: int = 4) -> None:
+        self._f = f
+        self._hasher = hasher
+        self._free: queue.Queue[bytearray] = queue.Queue()
+        for _ in range(buffers):
+            self._free.put(bytearray(CHUNK))
+        self._full: queue.Queue[tuple[bytearray, int] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fetch-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._full.get()) is not None:
+            buf, n = item
+            try:
+                self._hasher.update(memoryview(buf)[:n])
+            except BaseException as exc:  # noqa: BLE001 - re-raised by close()
+                self._error = exc
+            self._free.put(buf)
+
+    def buffer(self) -> bytearray:
+        return self._free.get()
+
+    def commit(self, buf: bytearray, n: int) -> None:
+        self._f.write(memoryview(buf)[:n])
+        self._full.put((buf, n))
+
+    def release(self, buf: bytearray) -> None:
+        self._free.put(buf)
+
+    def close(self) -> None:
+        self._full.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _hash_prefix(path: Path, hasher: hashlib._Hash) -> int:
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            hasher.update(chunk)
+            n += len(chunk)
+    return n
+
+
+def _validator(resp: http.client.HTTPResponse) -> str | None:
+    etag = resp.headers.get("ETag")
+    if etag and not etag.startswith("W/"):
+        return etag
+    return resp.headers.get("Last-Modified")
+
+
+def download_file(
+    url: str, target: Path, *, size: int | None, token: str | None, progress: Progress,
+) -> str:
+    """Download ``url`` to ``target`` (resuming ``target.part``); returns the sha256 hex digest.
+
+    ``target`` appears only once all bytes are on disk and fsynced; a failed or
+    killed run leaves just the ``.part`` for the next run to continue.
+    """
+    part = target.with_name(target.name + ".part")
+    meta = target.with_name(target.name + ".part.json")
+    shown = redact_url(url)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    offset = part.stat().st_size if part.exists() else 0
+    validator: str | None = None
+    if offset and meta.exists():
+        try:
+            validator = json.loads(meta.read_text()).get("validator")
+        except (OSError, ValueError):
+            validator = None
+    if offset and (size is not None and offset > size or not validator):
+        part.unlink()  # longer than the file, or no way to know it is the same file
+        progress.advance(-offset)
+        offset = 0
+    hasher = hashlib.sha256()
+    if offset:
+        _hash_prefix(part, hasher)
+
+    stalled = 0
+    while True:
+        headers = {}
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+            if validator:
+                headers["If-Range"] = validator
+        try:
+            resp = open_url(url, token=token, headers=headers)
+        except _RangeNotSatisfiable:
+            if size is not None and offset == size:
+                break  # every byte was already there
+            part.unlink(missing_ok=True)
+            progress.advance(-offset)
+            offset, hasher = 0, hashlib.sha256()
+            continue
+        except SourceError as exc:
+            stalled += 1
+            if not exc.retryable or stalled >= ATTEMPTS:
+                raise
+            time.sleep(min(2.0**stalled, 10.0))
+            continue
+        with resp:
+            if offset and resp.status == 200:  # validator changed or Range ignored: start over
+                progress.advance(-offset)
+                offset, hasher = 0, hashlib.sha256()
+                with open(part, "wb"):
+                    pass
+            elif resp.status == 206:
+                match = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
+                if not match or int(match.group(1)) != offset:
+                    raise SourceError(f"{shown}: server answered Range {offset}- with "
+                                      f"Content-Range {resp.headers.get('Content-Range')!r}")
+            validator = _validator(resp)
+            meta.write_text(json.dumps({"url": shown, "validator": validator}))
+            length = resp.headers.get("Content-Length")
+            expected_end = offset + int(length) if length and length.isdigit() else None
+            if size is not None and expected_end is not None and expected_end != size:
+                raise SourceError(f"{shown}: server says {expected_end} bytes, the listing says {size}")
+            before = offset
+            with open(part, "ab") as f:
+                sink = _HashingWriter(f, hasher)
+                try:
+                    while True:
+                        buf = sink.buffer()
+                        n = resp.readinto(buf)
+                        if not n:
+                            sink.release(buf)
+                            break
+                        sink.commit(buf, n)
+                        offset += n
+                        progress.advance(n)
+                except (OSError, http.client.HTTPException):
+                    pass  # connection dropped mid-body: keep what we have and ask for the rest
+                finally:
+                    sink.close()
+                    f.flush()
+                    os.fsync(f.fileno())
+            end = expected_end if expected_end is not None else size
+            if end is None or offset >= end:
+                break
+            stalled = 0 if offset > before else stalled + 1
+            if stalled >= ATTEMPTS:
+                raise SourceError(f"{shown}: connection keeps dropping at byte {offset} of {end}")
+            time.sleep(min(2.0**stalled, 10.0) if stalled else 0.2)
+
+    if size is not None and offset != size:
+        raise SourceError(f"{shown}: got {offset} bytes, the listing says {size}")
+    os.replace(part, target)
+    meta.unlink(missing_ok=True)
+    return hasher.hexdigest()
