@@ -119,8 +119,13 @@ class _HashingWriter:
 
     hashlib and file writes both release the GIL, so on two cores hashing
     overlaps the socket reads instead of adding to them.  Buffers cycle through
-    a small pool so no chunk is copied.
+    a small pool so no chunk is copied.  A third thread ``fdatasync``s every
+    ``SYNC_EVERY`` bytes, so the disk writes back while the network is still
+    delivering and the final fsync (needed before the marker may claim the file)
+    finds little left to do.
     """
+
+    SYNC_EVERY = 64 << 20
 
     def __init__(self, f: BinaryIO, hasher: hashlib._Hash, *, buffers: int = 4) -> None:
         self._f = f
@@ -130,8 +135,24 @@ class _HashingWriter:
             self._free.put(bytearray(CHUNK))
         self._full: queue.Queue[tuple[bytearray, int] | None] = queue.Queue()
         self._error: BaseException | None = None
+        self._unsynced = 0
+        self._sync_wanted = threading.Event()
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="fetch-hash", daemon=True)
         self._thread.start()
+        self._syncer = threading.Thread(target=self._sync, name="fetch-sync", daemon=True)
+        self._syncer.start()
+
+    def _sync(self) -> None:
+        while True:
+            self._sync_wanted.wait()
+            self._sync_wanted.clear()
+            if self._closing:
+                return
+            try:
+                os.fdatasync(self._f.fileno())
+            except OSError:
+                pass  # the final fsync reports it
 
     def _run(self) -> None:
         while (item := self._full.get()) is not None:
@@ -148,6 +169,11 @@ class _HashingWriter:
     def commit(self, buf: bytearray, n: int) -> None:
         self._f.write(memoryview(buf)[:n])
         self._full.put((buf, n))
+        self._unsynced += n
+        if self._unsynced >= self.SYNC_EVERY:
+            self._unsynced = 0
+            self._f.flush()
+            self._sync_wanted.set()
 
     def release(self, buf: bytearray) -> None:
         self._free.put(buf)
@@ -155,8 +181,31 @@ class _HashingWriter:
     def close(self) -> None:
         self._full.put(None)
         self._thread.join()
+        self._closing = True
+        self._sync_wanted.set()
+        self._syncer.join()
         if self._error is not None:
             raise self._error
+
+
+def _fill(resp: http.client.HTTPResponse, buf: bytearray, max_wait_s: float = 0.5) -> int:
+    """Read into ``buf`` until it is full, the body ends, or ``max_wait_s`` passed.
+
+    ``readinto`` would block until the whole buffer is full; on a slow link that
+    freezes both the progress line and what a killed run leaves on disk.
+    """
+    view = memoryview(buf)
+    filled = 0
+    deadline = time.monotonic() + max_wait_s
+    while filled < len(buf):
+        data = resp.read1(len(buf) - filled)
+        if not data:
+            break
+        view[filled:filled + len(data)] = data
+        filled += len(data)
+        if time.monotonic() > deadline:
+            break
+    return filled
 
 
 def _hash_prefix(path: Path, hasher: hashlib._Hash) -> int:
@@ -247,7 +296,7 @@ def download_file(
                 try:
                     while True:
                         buf = sink.buffer()
-                        n = resp.readinto(buf)
+                        n = _fill(resp, buf)
                         if not n:
                             sink.release(buf)
                             break

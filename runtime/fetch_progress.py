@@ -124,6 +124,6 @@ class Progress:
         moved = self._current() - self.initial
         resumed = f", {human_bytes(self.initial)} already present" if self.initial else ""
         return (
-            f"{self.label}: done, {files} files, {human_bytes(moved)} in {elapsed:.1f}s "
+            f"done, {files} files, {human_bytes(moved)} in {elapsed:.1f}s "
             f"({moved / elapsed / 1e6:.1f} MB/s{resumed}) -> {path}"
         )

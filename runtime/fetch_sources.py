@@ -342,6 +342,8 @@ class HfSource(Source):
                 local_dir=staging, cache_dir=staging / ".cache" / "hub", token=self.token or None,
                 endpoint=self.endpoint, allow_patterns=[glob.escape(f.name) for f in needed], max_workers=4,
             )
+        progress.poll = None
+        progress.done = max(progress.done, on_disk())
         return {}
 
 

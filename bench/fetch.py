@@ -1,0 +1,158 @@
+"""Throughput of ``policyserver fetch`` over loopback, next to curl and cp of the same bytes.
+
+Not a test: it prints and writes ``bench/results/fetch.md``.  One file of
+``--size`` random bytes is served by the test suite's ``CheckpointServer``
+(sendfile, no throttle) as a checkpoint directory with a manifest, then:
+
+* ``fetch``: ``policyserver fetch`` (Python API): download, in-stream sha256,
+  fsync, marker, rename - everything a real fetch does;
+* ``curl``: ``curl -o`` of the same URL (no hash, no fsync);
+* ``curl + sha256sum + fsync``: what a shell script would need to match fetch's guarantees;
+* ``cp``: a local copy, the disk's own ceiling.
+
+Each is run ``--repeat`` times; the table shows the best run (least noise from
+other processes).  Disk use peaks at about 2 x ``--size`` (each result is
+deleted before the next run).
+
+    .venv/bin/python bench/fetch.py --size 1GiB --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from policy_operator.runtime.checkpoint import write_manifest  # noqa: E402
+from policy_operator.runtime.fetch import fetch  # noqa: E402
+from tests.support.http_checkpoint_server import CheckpointServer  # noqa: E402
+
+_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 512MiB or 1GiB")
+    return int(float(num) * _UNITS[unit])
+
+
+def make_source(root: Path, size: int) -> Path:
+    ckpt = root / "ckpt"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text('{"bench": true}\n')
+    block = os.urandom(8 << 20)
+    with open(ckpt / "model.safetensors", "wb") as f:
+        left = size
+        while left > 0:
+            f.write(block[: min(left, len(block))])
+            left -= len(block)
+    write_manifest(ckpt)
+    return ckpt
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def timed(fn) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=parse_size, default=parse_size("1GiB"), help="bytes to move (default 1GiB)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--workdir", default=None, help="where the bytes go (default: a temp dir under /tmp)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "fetch.md"))
+    args = parser.parse_args()
+
+    curl = shutil.which("curl")
+    root = Path(tempfile.mkdtemp(prefix="bench-fetch-", dir=args.workdir))
+    try:
+        src_dir = make_source(root / "src", args.size)
+        weights = src_dir / "model.safetensors"
+        results: dict[str, list[float]] = {}
+        with CheckpointServer(root / "src") as server:
+            url = server.url_for("ckpt/")
+            file_url = server.url_for("ckpt/model.safetensors")
+            for _ in range(args.repeat):
+                dest = root / "dest"
+
+                def run_fetch() -> None:
+                    fetch(url, dest, progress=False)
+
+                results.setdefault("fetch (sha256 + fsync + marker)", []).append(timed(run_fetch))
+                shutil.rmtree(dest)
+                if curl:
+                    out = root / "curl.out"
+
+                    def run_curl() -> None:
+                        subprocess.run([curl, "-sSf", "-o", str(out), file_url], check=True)
+
+                    results.setdefault("curl", []).append(timed(run_curl))
+                    out.unlink()
+
+                    def run_curl_checked() -> None:
+                        subprocess.run([curl, "-sSf", "-o", str(out), file_url], check=True)
+                        hashlib.sha256(out.read_bytes()) if args.size < (256 << 20) else subprocess.run(
+                            ["sha256sum", str(out)], check=True, capture_output=True)
+                        fsync_file(out)
+
+                    results.setdefault("curl + sha256sum + fsync", []).append(timed(run_curl_checked))
+                    out.unlink()
+                copy = root / "copy.out"
+                results.setdefault("cp", []).append(timed(lambda: subprocess.run(["cp", str(weights), str(copy)], check=True)))
+                copy.unlink()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    best = {name: min(times) for name, times in results.items()}
+    mbps = {name: args.size / t / 1e6 for name, t in best.items()}
+    fetch_name = next(iter(best))
+    lines = [
+        "# `policyserver fetch` loopback throughput",
+        "",
+        f"{args.size / (1 << 20):.0f} MiB in one file (+ config.json, manifest.json), best of {args.repeat}, "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}. "
+        "Reproduce: `.venv/bin/python bench/fetch.py --size "
+        f"{args.size >> 20}MiB --repeat {args.repeat}`.",
+        "",
+        "| method | seconds | MB/s | fetch / method |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, t in best.items():
+        lines.append(f"| {name} | {t:.2f} | {mbps[name]:.0f} | {mbps[fetch_name] / mbps[name]:.2f}x |")
+    if "curl" in mbps:
+        ratio = mbps[fetch_name] / mbps["curl"]
+        lines += ["", f"fetch vs plain curl: **{ratio:.2f}x** (target >= 0.9x); "
+                      f"vs curl + sha256sum + fsync: **{mbps[fetch_name] / mbps['curl + sha256sum + fsync']:.2f}x**."]
+    else:
+        lines += ["", "curl is not installed here: no curl rows."]
+    text = "\n".join(lines) + "\n"
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

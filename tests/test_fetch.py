@@ -1,0 +1,362 @@
+"""``policyserver fetch`` against real loopback HTTP servers, real processes and real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from policy_operator.constants import COMPLETE_MARKER, MANIFEST_FILE
+from policy_operator.runtime.checkpoint import CheckpointError, sha256_file, write_manifest
+from policy_operator.runtime.fetch import (
+    EXIT_DISK_FULL,
+    EXIT_SOURCE,
+    EXIT_USAGE,
+    EXIT_VERIFY,
+    UsageError,
+    VerificationError,
+    check_complete,
+    fetch,
+    read_marker,
+    request_key,
+)
+from tests.support.http_checkpoint_server import CheckpointServer
+from tests.support.net import free_port, wait_for
+
+MiB = 1 << 20
+CLI_TIMEOUT_S = 120
+
+
+def make_checkpoint(directory: Path, weights_size: int = 2 * MiB) -> Path:
+    """A checkpoint-shaped directory of arbitrary bytes (no torch needed) with its manifest."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({"policy": "test", "action_dim": 7}))
+    (directory / "model.safetensors").write_bytes(os.urandom(weights_size))
+    (directory / "norm").mkdir(exist_ok=True)
+    (directory / "norm" / "stats.json").write_text('{"mean": [0.0]}')
+    write_manifest(directory)
+    return directory
+
+
+def same_tree(a: Path, b: Path) -> None:
+    for name in ("config.json", "model.safetensors", "norm/stats.json", MANIFEST_FILE):
+        assert sha256_file(a / name) == sha256_file(b / name), name
+
+
+def run_fetch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "policy_operator.cli", "fetch", *args], env=env,
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+
+
+def popen_fetch(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "policy_operator.cli", "fetch", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture()
+def src_root(tmp_path: Path) -> Path:
+    make_checkpoint(tmp_path / "srv" / "ckpt")
+    return tmp_path / "srv"
+
+
+@pytest.fixture()
+def server(src_root: Path):
+    with CheckpointServer(src_root) as srv:
+        yield srv
+
+
+def test_http_fetch_verifies_then_second_fetch_sends_nothing(server, src_root, tmp_path, cli_env):
+    url = server.url_for("ckpt/")
+    dest = tmp_path / "models"
+    first = run_fetch(cli_env, url, str(dest))
+    assert first.returncode == 0, first.stderr
+    final = dest / request_key(url)
+    assert first.stdout.strip().splitlines()[-1] == str(final)
+    same_tree(src_root / "ckpt", final)
+    marker = check_complete(final, verify=True)
+    assert marker["source"] == url and marker["revision"] is None
+    assert set(marker["files"]) == {"config.json", "model.safetensors", "norm/stats.json", MANIFEST_FILE}
+    assert marker["files"]["model.safetensors"]["sha256"] == sha256_file(src_root / "ckpt" / "model.safetensors")
+    assert sorted(r.path for r in server.requests) == sorted(
+        f"/ckpt/{n}" for n in ("manifest.json", "config.json", "model.safetensors", "norm/stats.json"))
+    assert not (dest / ".fetch" / final.name).exists(), "staging dir left behind"
+    assert "done, 4 files" in first.stderr
+
+    before = len(server.requests)
+    for extra in ([], ["--verify"]):
+        again = run_fetch(cli_env, url, str(dest), *extra)
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.strip().splitlines()[-1] == str(final)
+        assert "already complete" in again.stderr
+    assert len(server.requests) == before, "a complete checkpoint must not touch the network"
+
+
+def test_four_concurrent_processes_download_once(server, src_root, tmp_path, cli_env):
+    server.throttle_bps = 4 * MiB  # ~0.5 s per download, so the four overlap
+    url = server.url_for("ckpt/")
+    dest = tmp_path / "models"
+    procs = [popen_fetch(cli_env, url, str(dest)) for _ in range(4)]
+    outs = [p.communicate(timeout=CLI_TIMEOUT_S) for p in procs]
+    final = dest / request_key(url)
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert out.strip().splitlines()[-1] == str(final)
+    assert server.count("/ckpt/model.safetensors") == 1
+    assert server.count("/ckpt/manifest.json") == 1
+    assert sum("completed by another fetcher" in err or "already complete" in err for _, err in outs) == 3
+    same_tree(src_root / "ckpt", final)
+    check_complete(final, verify=True)
+
+
+def test_killed_fetch_resumes_with_a_range_request(tmp_path, cli_env):
+    root = tmp_path / "srv"
+    make_checkpoint(root / "ckpt", weights_size=8 * MiB)
+    with CheckpointServer(root, throttle_bps=1 * MiB) as server:
+        url = server.url_for("ckpt/")
+        dest = tmp_path / "models"
+        key = request_key(url)
+        part = dest / ".fetch" / key / "model.safetensors.part"
+        proc = popen_fetch(cli_env, url, str(dest))
+        try:
+            wait_for(lambda: part.exists() and part.stat().st_size >= 3 * MiB, timeout=60, what="3 MiB on disk")
+        finally:
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+        # at 1 MiB/s three seconds have passed: the periodic progress line must be there
+        assert re.search(r"fetch: [\d.]+ MiB / [\d.]+ MiB \(\d+\.\d%\) [\d.]+ MB/s", err), err
+        assert not (dest / key).exists() and read_marker(dest / key) is None
+        resumed_from = part.stat().st_size
+        assert 0 < resumed_from < 8 * MiB
+
+        server.throttle_bps = None
+        server.reset_log()
+        done = run_fetch(cli_env, url, str(dest))
+        assert done.returncode == 0, done.stderr
+        ranges = [r.range for r in server.requests if r.path == "/ckpt/model.safetensors"]
+        assert ranges == [f"bytes={resumed_from}-"]
+        assert server.count("/ckpt/config.json") == 0, "finished files are reused, not fetched again"
+        same_tree(root / "ckpt", dest / key)
+        check_complete(dest / key, verify=True)
+
+
+def test_resume_restarts_a_file_that_changed_on_the_server(tmp_path):
+    """If-Range: a partial file of an older version must not be spliced with the new one."""
+    root = tmp_path / "srv"
+    ckpt = make_checkpoint(root / "ckpt", weights_size=1 * MiB)
+    with CheckpointServer(root) as server:
+        url = server.url_for("ckpt/")
+        dest = tmp_path / "models"
+        staging = dest / ".fetch" / request_key(url)
+        staging.mkdir(parents=True)
+        (staging / "model.safetensors.part").write_bytes(b"x" * 1000)
+        (staging / "model.safetensors.part.json").write_text(json.dumps({"validator": '"stale-etag"'}))
+        final = fetch(url, dest, progress=False)
+        assert [r.range for r in server.requests if r.path == "/ckpt/model.safetensors"] == ["bytes=1000-"]
+        same_tree(ckpt, final)
+
+
+def test_corrupt_source_fails_with_both_hashes_and_leaves_no_marker(server, src_root, tmp_path, cli_env):
+    weights = src_root / "ckpt" / "model.safetensors"
+    good = weights.read_bytes()
+    promised = sha256_file(weights)
+    weights.write_bytes(bytes([good[0] ^ 0xFF]) + good[1:])  # same size, one byte flipped after the manifest
+    served = sha256_file(weights)
+    url = server.url_for("ckpt/")
+    dest = tmp_path / "models"
+    key = request_key(url)
+    bad = run_fetch(cli_env, url, str(dest))
+    assert bad.returncode == EXIT_VERIFY, bad.stderr
+    assert "model.safetensors" in bad.stderr and promised in bad.stderr and served in bad.stderr
+    assert not (dest / key).exists()
+    assert not (dest / ".fetch" / key / "model.safetensors").exists(), "the bad file must be deleted"
+    assert (dest / ".fetch" / key / "config.json").exists(), "good files stay for the next run"
+
+    weights.write_bytes(good)
+    server.reset_log()
+    ok = run_fetch(cli_env, url, str(dest))
+    assert ok.returncode == 0, ok.stderr
+    assert [r.path for r in server.requests if r.method == "GET"] == ["/ckpt/manifest.json", "/ckpt/model.safetensors"]
+    check_complete(dest / key, verify=True)
+
+
+def test_wrong_sha256_flag_and_bad_flags(server, tmp_path, cli_env):
+    url = server.url_for("ckpt/")
+    dest = tmp_path / "models"
+    wrong = "0" * 64
+    res = run_fetch(cli_env, url, str(dest), "--sha256", f"model.safetensors={wrong}")
+    assert res.returncode == EXIT_VERIFY, res.stderr
+    assert "--sha256" in res.stderr and wrong in res.stderr and "model.safetensors" in res.stderr
+    assert read_marker(dest / request_key(url)) is None
+
+    assert run_fetch(cli_env, url, str(dest), "--sha256", f"nosuchfile={wrong}").returncode == EXIT_USAGE
+    bad_hash = run_fetch(cli_env, url, str(dest), "--sha256", "model.safetensors=abc")
+    assert bad_hash.returncode == EXIT_USAGE and "64-digit" in bad_hash.stderr
+    assert run_fetch(cli_env, url, str(dest), "--sha256", "no-equals-sign").returncode == EXIT_USAGE
+
+
+def test_token_reaches_the_server_and_appears_nowhere(src_root, tmp_path, cli_env):
+    token = "tok-HTTP-5ecret-value-81"
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    with CheckpointServer(src_root, token=token) as server:
+        url = server.url_for("ckpt/")
+        dest = tmp_path / "models"
+        denied = run_fetch(cli_env, url, str(dest))
+        assert denied.returncode == EXIT_SOURCE and "401" in denied.stderr
+        # HF_TOKEN is for the hub only: it must not be offered to an arbitrary web server
+        leaked = run_fetch({**cli_env, "HF_TOKEN": token}, url, str(dest))
+        assert leaked.returncode == EXIT_SOURCE
+        assert all(r.headers.get("Authorization") is None for r in server.requests)
+
+        wrong_file = tmp_path / "wrong"
+        wrong_file.write_text("tok-wrong-one-42")
+        wrong = run_fetch(cli_env, url, str(dest), "--token-file", str(wrong_file))
+        assert wrong.returncode == EXIT_SOURCE and "tok-wrong-one-42" not in wrong.stdout + wrong.stderr
+
+        server.reset_log()
+        ok = run_fetch(cli_env, url, str(dest), "--token-file", str(token_file))
+        assert ok.returncode == 0, ok.stderr
+        assert server.requests and all(r.headers.get("Authorization") == "<redacted>" for r in server.requests)
+        for res in (denied, leaked, wrong, ok):
+            assert token not in res.stdout + res.stderr
+        assert token not in (dest / request_key(url) / COMPLETE_MARKER).read_text()
+    assert run_fetch(cli_env, url, str(dest), "--token-file", str(tmp_path / "missing")).returncode == EXIT_USAGE
+
+
+def test_single_file_url(server, src_root, tmp_path, cli_env):
+    url = server.url_for("ckpt/model.safetensors")
+    digest = sha256_file(src_root / "ckpt" / "model.safetensors")
+    res = run_fetch(cli_env, url, str(tmp_path / "models"), "--sha256", f"model.safetensors={digest}")
+    assert res.returncode == 0, res.stderr
+    final = Path(res.stdout.strip().splitlines()[-1])
+    assert sorted(p.name for p in final.iterdir()) == [COMPLETE_MARKER, "model.safetensors"]
+    assert check_complete(final, verify=True)["files"]["model.safetensors"]["sha256"] == digest
+
+
+def test_file_url_and_plain_path(src_root, tmp_path, cli_env):
+    ckpt = src_root / "ckpt"
+    dest = tmp_path / "models"
+    for source in (f"file://{ckpt}", str(ckpt)):
+        res = run_fetch(cli_env, source, str(dest))
+        assert res.returncode == 0, res.stderr
+        final = Path(res.stdout.strip().splitlines()[-1])
+        assert final == dest / request_key(source)
+        same_tree(ckpt, final)
+        check_complete(final, verify=True)
+    assert len([p for p in dest.iterdir() if not p.name.startswith(".")]) == 2
+
+    # no manifest: every file is taken as found; a single file works too
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    (loose / "a.bin").write_bytes(b"abc")
+    final = fetch(str(loose), dest, progress=False)
+    assert (final / "a.bin").read_bytes() == b"abc"
+    final = fetch(f"file://{loose / 'a.bin'}", dest, progress=False)
+    assert sorted(p.name for p in final.iterdir()) == [COMPLETE_MARKER, "a.bin"]
+
+    # a local checkpoint whose manifest does not match its files is refused
+    (ckpt / "config.json").write_text('{"edited": true}')
+    with pytest.raises(VerificationError, match="config.json"):
+        fetch(str(ckpt), tmp_path / "other", progress=False)
+    assert run_fetch(cli_env, str(tmp_path / "does-not-exist"), str(dest)).returncode == EXIT_SOURCE
+
+
+def test_unknown_scheme_and_bad_sources_are_usage_errors(tmp_path, cli_env):
+    res = run_fetch(cli_env, "gs://bucket/ckpt/", str(tmp_path / "models"))
+    assert res.returncode == EXIT_USAGE and "unsupported source scheme gs://" in res.stderr
+    assert not (tmp_path / "models").exists(), "a usage error must not touch the volume"
+    for source in ("hf://only-one-part", "hf://org/repo@", "file://otherhost/x"):
+        res = run_fetch(cli_env, source, str(tmp_path / "models"))
+        assert res.returncode == EXIT_USAGE, (source, res.stderr)
+    with pytest.raises(UsageError, match="conflicts"):
+        fetch("hf://org/repo@v1", tmp_path, revision="v2", progress=False)
+
+
+def test_s3_without_boto3_is_a_clear_error(tmp_path, cli_env):
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        res = run_fetch(cli_env, "s3://bucket/ckpt/", str(tmp_path))
+        assert res.returncode == EXIT_USAGE and "boto3" in res.stderr
+    else:
+        pytest.skip("boto3 is installed: the missing-client path cannot be exercised")
+
+
+def test_unreachable_source(tmp_path, cli_env):
+    res = run_fetch(cli_env, f"http://127.0.0.1:{free_port()}/ckpt/", str(tmp_path))
+    assert res.returncode == EXIT_SOURCE and "cannot reach" in res.stderr
+
+
+def test_damaged_checkpoint_is_detected_and_repaired(server, src_root, tmp_path):
+    url = server.url_for("ckpt/")
+    dest = tmp_path / "models"
+    final = fetch(url, dest, progress=False)
+    weights = final / "model.safetensors"
+
+    # same size, different bytes: only --verify can tell, and then only that file is fetched again
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0x01
+    weights.write_bytes(bytes(data))
+    server.reset_log()
+    assert fetch(url, dest, progress=False) == final and server.requests == []
+    with pytest.raises(CheckpointError, match="model.safetensors: sha256 differs"):
+        check_complete(final, verify=True)
+    fetch(url, dest, verify=True, progress=False)
+    assert [r.path for r in server.requests] == ["/ckpt/manifest.json", "/ckpt/model.safetensors"]
+    check_complete(final, verify=True)
+
+    # a truncated file is caught by the size check alone
+    with open(weights, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: size 10 != \d+"):
+        check_complete(final)
+    server.reset_log()
+    fetch(url, dest, progress=False)
+    assert server.count("/ckpt/model.safetensors") == 1
+    same_tree(src_root / "ckpt", final)
+
+    # no marker at all (e.g. a directory copied in by hand) is not trusted either
+    (final / COMPLETE_MARKER).unlink()
+    with pytest.raises(CheckpointError, match="no valid .complete.json"):
+        check_complete(final)
+    server.reset_log()
+    fetch(url, dest, progress=False)
+    assert [r.path for r in server.requests] == ["/ckpt/manifest.json"], "verified files are reused"
+    assert read_marker(final) is not None
+    with pytest.raises(CheckpointError, match="no such directory"):
+        check_complete(tmp_path / "nothing-here")
+
+
+def test_disk_full_exits_5(server, tmp_path, cli_env):
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare to mount a small tmpfs in a private mount namespace")
+    dest = tmp_path / "small"
+    dest.mkdir()
+    url = server.url_for("ckpt/")
+    script = f'mount -t tmpfs -o size=1m tmpfs "{dest}" && exec "$@"'
+    cmd = ["unshare", "-m", "sh", "-c", script, "sh", sys.executable, "-m", "policy_operator.cli", "fetch", url, str(dest)]
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=1m tmpfs "{dest}"'],
+                           capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {probe.stderr.decode().strip()}")
+    res = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert res.returncode == EXIT_DISK_FULL, res.stderr
+    assert "MiB more needed" in res.stderr
+    assert server.count("/ckpt/model.safetensors") == 0, "refused before downloading"
+
+
+def test_git_blob_sha1_matches_git():
+    from policy_operator.runtime.fetch import git_blob_sha1
+
+    if shutil.which("git") is None:
+        pytest.skip("git not installed")
+    path = Path(__file__)
+    expected = subprocess.run(["git", "hash-object", str(path)], capture_output=True, text=True, check=True).stdout
+    assert git_blob_sha1(path) == expected.strip()
+
