@@ -85,3 +85,15 @@ METRICS_PATH: Final = "/metrics"
 
 # --- Resources -------------------------------------------------------------------
 GPU_RESOURCE: Final = "nvidia.com/gpu"
+
+# --- Operator (PolicyServer reconciler) --------------------------------------------
+FINALIZER: Final = f"{GROUP}/finalizer"
+PEERING_NAME: Final = "policy-operator"
+CATEGORY: Final = "all"
+ANNOTATION_LAST_HANDLED: Final = f"{GROUP}/last-handled-configuration"
+SECRET_TOKEN_KEY: Final = "token"  # key of the Secrets named by checkpoint.secretRef / auth.secretRef
+CHECKPOINT_TOKEN_DIR: Final = "/var/run/secrets/policy-checkpoint"
+AUTH_TOKEN_DIR: Final = "/var/run/secrets/policy-auth"
+LABEL_JOB_NAME: Final = "batch.kubernetes.io/job-name"  # set by the Job controller on its pods
+ENV_HOME: Final = "HOME"  # pointed at the writable /tmp: the root filesystem is read-only
+ENV_XDG_CACHE_HOME: Final = "XDG_CACHE_HOME"

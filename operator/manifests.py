@@ -1,0 +1,468 @@
+"""Pure builders for a PolicyServer's children: cache PVC, fetch Job, StatefulSet, Services.
+
+No API calls and no kopf here: each builder takes the parsed spec and returns
+a plain dict, so every variant can be checked offline against the Kubernetes
+schemas (``tests/test_manifests.py``).  Names are deterministic functions of
+the PolicyServer (and, for the Job, of the checkpoint), which is what makes
+reconciling idempotent: a restarted operator finds what it created by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from policy_operator.constants import (
+    ANNOTATION_CHECKPOINT_REVISION,
+    ANNOTATION_CHECKPOINT_SOURCE,
+    ANNOTATION_TEMPLATE_HASH,
+    APP_NAME,
+    AUTH_TOKEN_DIR,
+    CACHE_MOUNT_PATH,
+    CHECKPOINT_TOKEN_DIR,
+    COMPONENT_CACHE,
+    COMPONENT_FETCH,
+    COMPONENT_SERVER,
+    ENV_HF_TOKEN,
+    ENV_HOME,
+    ENV_XDG_CACHE_HOME,
+    GPU_RESOURCE,
+    HEALTHZ_PATH,
+    LABEL_CHECKPOINT_KEY,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_PART_OF,
+    LABEL_POLICYSERVER,
+    MANAGED_BY,
+    PORT_NAME,
+    READYZ_PATH,
+    SECRET_TOKEN_KEY,
+)
+from policy_operator.operator.spec import PolicyServerSpec
+
+# The image's user is not known; any non-root uid works because the runtime
+# only reads the image's files and writes to the volumes mounted below.
+RUN_AS_USER = 1000
+TOKEN_FILE = SECRET_TOKEN_KEY
+PRESTOP_SLEEP_S = 5  # long enough for endpoint controllers to drop the pod before SIGTERM
+TORCHRUN_KILL_S = 30  # torchrun SIGKILLs ranks this long after forwarding SIGTERM
+GRACE_MARGIN_S = 10
+TMP_PATH = "/tmp"
+SHM_PATH = "/dev/shm"
+VOL_CACHE, VOL_TMP, VOL_SHM = "checkpoint-cache", "tmp", "dshm"
+VOL_CHECKPOINT_TOKEN, VOL_AUTH_TOKEN = "checkpoint-token", "auth-token"
+SERVER_CONTAINER, VERIFY_CONTAINER, FETCH_CONTAINER = "server", "verify-checkpoint", "fetch"
+WORKER_MODULE = "policy_operator.runtime.worker"
+# policyserver fetch exit codes that no retry can fix (usage, verification, disk full):
+# fail the Job at once instead of burning backoffLimit attempts on them.
+FETCH_FATAL_EXIT_CODES = (2, 4, 5)
+
+
+@dataclass(frozen=True)
+class Names:
+    """Every child name of one PolicyServer, in one place."""
+
+    policyserver: str
+
+    @property
+    def pvc(self) -> str:
+        return f"{self.policyserver}-cache"
+
+    @property
+    def statefulset(self) -> str:
+        return self.policyserver
+
+    @property
+    def service(self) -> str:
+        return self.policyserver
+
+    @property
+    def headless_service(self) -> str:
+        return f"{self.policyserver}-pods"
+
+    def job(self, key: str) -> str:
+        return f"{self.policyserver}-fetch-{key}"
+
+
+@dataclass(frozen=True)
+class ServingCheckpoint:
+    """The checkpoint a StatefulSet's pods load, which lags the spec while a new one downloads."""
+
+    key: str
+    source: str
+    revision: str | None = None
+
+    @property
+    def path(self) -> str:
+        return f"{CACHE_MOUNT_PATH}/{self.key}"
+
+    @classmethod
+    def of(cls, spec: PolicyServerSpec) -> ServingCheckpoint:
+        return cls(spec.checkpoint.key, spec.checkpoint.source, spec.checkpoint.revision)
+
+
+def selector_labels(name: str, component: str = COMPONENT_SERVER) -> dict[str, str]:
+    """The immutable part of the labels: StatefulSet and Service selectors use exactly these."""
+    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: name, LABEL_COMPONENT: component}
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    return {**selector_labels(name, component), LABEL_MANAGED_BY: MANAGED_BY, LABEL_PART_OF: APP_NAME,
+            LABEL_POLICYSERVER: name}
+
+
+def selector_string(name: str) -> str:
+    """``status.selector`` for the scale subresource (kubectl scale, HPA)."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def claim_name(spec: PolicyServerSpec) -> str:
+    return spec.storage.existing_claim or Names(spec.name).pvc
+
+
+def endpoint(spec: PolicyServerSpec) -> str:
+    return f"ws://{Names(spec.name).service}.{spec.namespace}.svc:{spec.service.port}"
+
+
+def _pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        # a checkpoint volume holds a few large files; never chown them all on every mount
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _home_env() -> list[dict[str, Any]]:
+    return [{"name": ENV_HOME, "value": TMP_PATH}, {"name": ENV_XDG_CACHE_HOME, "value": f"{TMP_PATH}/.cache"}]
+
+
+def _secret_volume(volume: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": volume, "secret": {"secretName": secret, "items": [{"key": key, "path": TOKEN_FILE}],
+                                       "defaultMode": 0o440}}
+
+
+# --- PVC ------------------------------------------------------------------------------
+
+def build_pvc(spec: PolicyServerSpec) -> dict[str, Any]:
+    storage = spec.storage
+    pvc: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": Names(spec.name).pvc, "namespace": spec.namespace,
+                     "labels": labels(spec.name, COMPONENT_CACHE)},
+        "spec": {
+            "accessModes": list(storage.access_modes_for(spec.replicas)),
+            "volumeMode": "Filesystem",
+            "resources": {"requests": {"storage": storage.size}},
+        },
+    }
+    if storage.storage_class_name is not None:
+        pvc["spec"]["storageClassName"] = storage.storage_class_name
+    return pvc
+
+
+# --- fetch Job ------------------------------------------------------------------------
+
+def fetch_command(spec: PolicyServerSpec) -> list[str]:
+    ck = spec.checkpoint
+    cmd = ["policyserver", "fetch", ck.source, CACHE_MOUNT_PATH]
+    if ck.revision is not None:
+        cmd += ["--revision", ck.revision]
+    for file, digest in ck.sha256:
+        cmd += ["--sha256", f"{file}={digest}"]
+    if ck.secret_ref is not None:
+        cmd += ["--token-file", f"{CHECKPOINT_TOKEN_DIR}/{TOKEN_FILE}"]
+    return cmd
+
+
+def build_fetch_job(spec: PolicyServerSpec) -> dict[str, Any]:
+    ck = spec.checkpoint
+    job_labels = {**labels(spec.name, COMPONENT_FETCH), LABEL_CHECKPOINT_KEY: ck.key}
+    env = _home_env()
+    mounts = [{"name": VOL_CACHE, "mountPath": CACHE_MOUNT_PATH}, {"name": VOL_TMP, "mountPath": TMP_PATH}]
+    volumes: list[dict[str, Any]] = [
+        {"name": VOL_CACHE, "persistentVolumeClaim": {"claimName": claim_name(spec)}},
+        {"name": VOL_TMP, "emptyDir": {}},
+    ]
+    if ck.secret_ref is not None:
+        volumes.append(_secret_volume(VOL_CHECKPOINT_TOKEN, ck.secret_ref.name, ck.secret_ref.key))
+        mounts.append({"name": VOL_CHECKPOINT_TOKEN, "mountPath": CHECKPOINT_TOKEN_DIR, "readOnly": True})
+        if ck.is_hf:
+            env.append({"name": ENV_HF_TOKEN, "valueFrom": {"secretKeyRef": {
+                "name": ck.secret_ref.name, "key": ck.secret_ref.key}}})
+    env += [copy.deepcopy(dict(e)) for e in ck.fetch_job.env]
+    container: dict[str, Any] = {
+        "name": FETCH_CONTAINER,
+        "image": spec.image,
+        "command": fetch_command(spec),
+        "env": env,
+        "volumeMounts": mounts,
+        "securityContext": _container_security_context(),
+        # the last lines of a failed fetch ("policyserver fetch: error: ...") become the
+        # termination message, which the operator copies into CheckpointReady
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": copy.deepcopy(dict(ck.fetch_job.resources)) or {
+            "requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "securityContext": _pod_security_context(),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    _apply_scheduling(pod_spec, spec)
+    job_spec: dict[str, Any] = {
+        "backoffLimit": ck.fetch_job.backoff_limit,
+        "ttlSecondsAfterFinished": ck.fetch_job.ttl_seconds_after_finished,
+        "podFailurePolicy": {"rules": [
+            {"action": "FailJob", "onExitCodes": {"containerName": FETCH_CONTAINER, "operator": "In",
+                                                  "values": list(FETCH_FATAL_EXIT_CODES)}},
+            # a drained or preempted node is not the download's fault
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        ]},
+        "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
+    }
+    if ck.fetch_job.active_deadline_seconds is not None:
+        job_spec["activeDeadlineSeconds"] = ck.fetch_job.active_deadline_seconds
+    annotations = {ANNOTATION_CHECKPOINT_SOURCE: ck.source}
+    if ck.revision is not None:
+        annotations[ANNOTATION_CHECKPOINT_REVISION] = ck.revision
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": Names(spec.name).job(ck.key), "namespace": spec.namespace, "labels": job_labels,
+                     "annotations": annotations},
+        "spec": job_spec,
+    }
+
+
+# --- StatefulSet ----------------------------------------------------------------------
+
+def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint) -> list[str]:
+    rt, layout = spec.runtime, spec.layout
+    cmd = [
+        "torchrun", "--standalone", f"--nproc-per-node={layout.world_size}", "--max-restarts=0",
+        "-m", WORKER_MODULE,
+        "--checkpoint", serving.path,
+        "--port", str(spec.service.port),
+        "--cfgp", str(layout.cfgp),
+        "--dp", str(layout.dp),
+        "--guidance", repr(rt.guidance),
+        "--steps", str(rt.steps),
+        "--device", rt.device,
+    ]
+    if spec.auth.secret_ref is not None:
+        cmd += ["--auth-token-file", f"{AUTH_TOKEN_DIR}/{TOKEN_FILE}"]
+    cmd += ["--drain-grace-s", str(rt.drain_grace_seconds)]
+    return cmd + list(rt.extra_args)
+
+
+def termination_grace_seconds(spec: PolicyServerSpec) -> int:
+    """preStop sleep + torchrun's own SIGTERM->SIGKILL window + a margin, so the kubelet never kills first."""
+    return PRESTOP_SLEEP_S + max(TORCHRUN_KILL_S, spec.runtime.drain_grace_seconds) + GRACE_MARGIN_S
+
+
+def _server_resources(spec: PolicyServerSpec) -> dict[str, Any]:
+    requests = dict(spec.resources.requests)
+    limits = dict(spec.resources.limits)
+    if spec.gpus_per_pod:
+        # extended resources: requests must equal limits; setting both states it plainly
+        requests[GPU_RESOURCE] = str(spec.gpus_per_pod)
+        limits[GPU_RESOURCE] = str(spec.gpus_per_pod)
+    resources: dict[str, Any] = {}
+    if requests:
+        resources["requests"] = requests
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def _apply_scheduling(pod_spec: dict[str, Any], spec: PolicyServerSpec) -> None:
+    sched = spec.scheduling
+    if sched.node_selector:
+        pod_spec["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        pod_spec["tolerations"] = [copy.deepcopy(dict(t)) for t in sched.tolerations]
+    if sched.affinity:
+        pod_spec["affinity"] = copy.deepcopy(dict(sched.affinity))
+    if sched.priority_class_name:
+        pod_spec["priorityClassName"] = sched.priority_class_name
+    if sched.service_account_name:
+        pod_spec["serviceAccountName"] = sched.service_account_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+
+
+def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint) -> dict[str, Any]:
+    port = spec.service.port
+    rt = spec.runtime
+    mounts = [
+        {"name": VOL_CACHE, "mountPath": CACHE_MOUNT_PATH, "readOnly": True},
+        {"name": VOL_TMP, "mountPath": TMP_PATH},
+        {"name": VOL_SHM, "mountPath": SHM_PATH},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": VOL_CACHE, "persistentVolumeClaim": {"claimName": claim_name(spec), "readOnly": True}},
+        {"name": VOL_TMP, "emptyDir": {}},
+        # NCCL moves tensors between local ranks through /dev/shm; the runtime's 64 MiB default is too small
+        {"name": VOL_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
+    ]
+    if spec.auth.secret_ref is not None:
+        volumes.append(_secret_volume(VOL_AUTH_TOKEN, spec.auth.secret_ref.name, spec.auth.secret_ref.key))
+        mounts.append({"name": VOL_AUTH_TOKEN, "mountPath": AUTH_TOKEN_DIR, "readOnly": True})
+
+    def http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": PORT_NAME}, "periodSeconds": period, "timeoutSeconds": 3,
+                "failureThreshold": failures}
+
+    startup_period = 5
+    server: dict[str, Any] = {
+        "name": SERVER_CONTAINER,
+        "image": spec.image,
+        "command": worker_command(spec, serving),
+        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        "env": _home_env() + [copy.deepcopy(dict(e)) for e in rt.env],
+        "volumeMounts": mounts,
+        "resources": _server_resources(spec),
+        "securityContext": _container_security_context(),
+        # model load + warm-up can take minutes: liveness only starts once the process answers
+        "startupProbe": http_probe(HEALTHZ_PATH, startup_period,
+                                   max(1, -(-rt.startup_timeout_seconds // startup_period))),
+        "livenessProbe": http_probe(HEALTHZ_PATH, 10, 3),
+        "readinessProbe": http_probe(READYZ_PATH, 5, 2),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    verify: dict[str, Any] = {
+        "name": VERIFY_CONTAINER,
+        "image": spec.image,
+        "command": ["policyserver", "checkpoint", "verify", serving.path, "--require-marker"],
+        "env": _home_env(),
+        "volumeMounts": mounts[:2],
+        "securityContext": _container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+    }
+    if spec.image_pull_policy:
+        server["imagePullPolicy"] = verify["imagePullPolicy"] = spec.image_pull_policy
+    pod_spec: dict[str, Any] = {
+        "securityContext": _pod_security_context(),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "initContainers": [verify],
+        "containers": [server],
+        "volumes": volumes,
+    }
+    _apply_scheduling(pod_spec, spec)
+    annotations = {ANNOTATION_CHECKPOINT_SOURCE: serving.source}
+    if serving.revision is not None:
+        annotations[ANNOTATION_CHECKPOINT_REVISION] = serving.revision
+    template = {
+        "metadata": {"labels": {**labels(spec.name, COMPONENT_SERVER), LABEL_CHECKPOINT_KEY: serving.key},
+                     "annotations": annotations},
+        "spec": pod_spec,
+    }
+    template["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH] = template_hash(template)
+    return template
+
+
+def template_hash(template: dict[str, Any]) -> str:
+    """A digest of everything that should roll the pods (image, runtime, checkpoint...)."""
+    body = copy.deepcopy(template)
+    body.get("metadata", {}).get("annotations", {}).pop(ANNOTATION_TEMPLATE_HASH, None)
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def build_statefulset(spec: PolicyServerSpec, serving: ServingCheckpoint | None = None) -> dict[str, Any]:
+    serving = serving or ServingCheckpoint.of(spec)
+    names = Names(spec.name)
+    template = build_pod_template(spec, serving)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {
+            "name": names.statefulset, "namespace": spec.namespace,
+            "labels": {**labels(spec.name, COMPONENT_SERVER), LABEL_CHECKPOINT_KEY: serving.key},
+            "annotations": {ANNOTATION_TEMPLATE_HASH: template["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH]},
+        },
+        "spec": {
+            "replicas": spec.replicas,
+            "serviceName": names.headless_service,
+            # pods are independent replicas: start and replace them all at once, not in ordinal order
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
+            "selector": {"matchLabels": selector_labels(spec.name)},
+            "template": template,
+        },
+    }
+
+
+# --- Services -------------------------------------------------------------------------
+
+def _service_ports(spec: PolicyServerSpec) -> list[dict[str, Any]]:
+    return [{"name": PORT_NAME, "port": spec.service.port, "targetPort": PORT_NAME, "protocol": "TCP"}]
+
+
+def build_service(spec: PolicyServerSpec) -> dict[str, Any]:
+    svc: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": Names(spec.name).service, "namespace": spec.namespace,
+                     "labels": labels(spec.name, COMPONENT_SERVER)},
+        "spec": {"type": spec.service.type, "selector": selector_labels(spec.name), "ports": _service_ports(spec)},
+    }
+    if spec.service.annotations:
+        svc["metadata"]["annotations"] = dict(spec.service.annotations)
+    return svc
+
+
+def build_headless_service(spec: PolicyServerSpec) -> dict[str, Any]:
+    """Per-pod DNS (``<name>-0.<name>-pods``) for the StatefulSet, including pods not ready yet."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": Names(spec.name).headless_service, "namespace": spec.namespace,
+                     "labels": labels(spec.name, COMPONENT_SERVER)},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector_labels(spec.name),
+                 "ports": _service_ports(spec)},
+    }
+
+
+def service_fingerprint(svc: dict[str, Any]) -> tuple[Any, ...]:
+    """The spec fields of a Service the operator owns; the API server adds others (clusterIP, nodePort...)."""
+    spec = svc.get("spec") or {}
+    ports = tuple((p.get("name"), p.get("port"), p.get("targetPort"), p.get("protocol", "TCP"))
+                  for p in spec.get("ports") or [])
+    return (spec.get("type", "ClusterIP"), tuple(sorted((spec.get("selector") or {}).items())), ports)
+
+
+def service_needs_patch(existing: dict[str, Any], desired: dict[str, Any]) -> bool:
+    """True when the operator's fields differ; annotations others added (cloud controllers) are left alone."""
+    if service_fingerprint(existing) != service_fingerprint(desired):
+        return True
+    have = (existing.get("metadata") or {}).get("annotations") or {}
+    want = (desired.get("metadata") or {}).get("annotations") or {}
+    return any(have.get(k) != v for k, v in want.items())
