@@ -6,9 +6,17 @@ Not a test: it prints and writes ``bench/results/fetch.md``.  One file of
 
 * ``fetch``: ``policyserver fetch`` (Python API): download, in-stream sha256,
   fsync, marker, rename - everything a real fetch does;
-* ``curl``: ``curl -o`` of the same URL (no hash, no fsync);
+* ``fetch, fsync patched out``: the same with ``os.fsync``/``os.fdatasync``
+  replaced by no-ops *in this benchmark process only*, to compare the download
+  path itself with plain curl (neither then waits for the disk);
+* ``curl``: ``curl -o`` of the same URL (no hash, no fsync: the bytes may still
+  be only in the page cache when it exits);
+* ``curl + fsync``: the same durability as fetch, without verification;
 * ``curl + sha256sum + fsync``: what a shell script would need to match fetch's guarantees;
-* ``cp``: a local copy, the disk's own ceiling.
+* ``cp``: a local copy (page cache to page cache).
+
+Like is compared with like: fetch against ``curl + fsync`` and the patched
+fetch against plain ``curl``; the target for both ratios is >= 0.9x.
 
 Each is run ``--repeat`` times; the table shows the best run (least noise from
 other processes).  Disk use peaks at about 2 x ``--size`` (each result is
@@ -20,6 +28,7 @@ deleted before the next run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import platform
@@ -71,6 +80,21 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+FETCH = "fetch (sha256 + fsync + marker)"
+FETCH_NOSYNC = "fetch, fsync patched out"
+CURL_SYNC = "curl + fsync"
+
+
+@contextlib.contextmanager
+def no_fsync():  # type: ignore[no-untyped-def]
+    real = os.fsync, os.fdatasync
+    os.fsync = os.fdatasync = lambda fd: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        os.fsync, os.fdatasync = real
+
+
 def timed(fn) -> float:  # type: ignore[no-untyped-def]
     start = time.perf_counter()
     fn()
@@ -100,7 +124,10 @@ def main() -> int:
                 def run_fetch() -> None:
                     fetch(url, dest, progress=False)
 
-                results.setdefault("fetch (sha256 + fsync + marker)", []).append(timed(run_fetch))
+                results.setdefault(FETCH, []).append(timed(run_fetch))
+                shutil.rmtree(dest)
+                with no_fsync():
+                    results.setdefault(FETCH_NOSYNC, []).append(timed(run_fetch))
                 shutil.rmtree(dest)
                 if curl:
                     out = root / "curl.out"
@@ -109,6 +136,13 @@ def main() -> int:
                         subprocess.run([curl, "-sSf", "-o", str(out), file_url], check=True)
 
                     results.setdefault("curl", []).append(timed(run_curl))
+                    out.unlink()
+
+                    def run_curl_synced() -> None:
+                        run_curl()
+                        fsync_file(out)
+
+                    results.setdefault(CURL_SYNC, []).append(timed(run_curl_synced))
                     out.unlink()
 
                     def run_curl_checked() -> None:
@@ -127,7 +161,6 @@ def main() -> int:
 
     best = {name: min(times) for name, times in results.items()}
     mbps = {name: args.size / t / 1e6 for name, t in best.items()}
-    fetch_name = next(iter(best))
     lines = [
         "# `policyserver fetch` loopback throughput",
         "",
@@ -140,13 +173,20 @@ def main() -> int:
         "| --- | ---: | ---: | ---: |",
     ]
     for name, t in best.items():
-        lines.append(f"| {name} | {t:.2f} | {mbps[name]:.0f} | {mbps[fetch_name] / mbps[name]:.2f}x |")
+        lines.append(f"| {name} | {t:.2f} | {mbps[name]:.0f} | {mbps[FETCH] / mbps[name]:.2f}x |")
+    lines.append("")
     if "curl" in mbps:
-        ratio = mbps[fetch_name] / mbps["curl"]
-        lines += ["", f"fetch vs plain curl: **{ratio:.2f}x** (target >= 0.9x); "
-                      f"vs curl + sha256sum + fsync: **{mbps[fetch_name] / mbps['curl + sha256sum + fsync']:.2f}x**."]
+        lines += [
+            f"- like for like, durable: fetch / (curl + fsync) = **{mbps[FETCH] / mbps[CURL_SYNC]:.2f}x** (target >= 0.9x)",
+            f"- like for like, page cache only: patched fetch / curl = **{mbps[FETCH_NOSYNC] / mbps['curl']:.2f}x** "
+            "(target >= 0.9x)",
+            f"- fetch / plain curl = **{mbps[FETCH] / mbps['curl']:.2f}x** (the brief's target >= 0.9x), "
+            "although only fetch waits for the disk",
+            f"- fetch / (curl + sha256sum + fsync) = {mbps[FETCH] / mbps['curl + sha256sum + fsync']:.2f}x: "
+            "hashing in-stream instead of re-reading",
+        ]
     else:
-        lines += ["", "curl is not installed here: no curl rows."]
+        lines.append("curl is not installed here: no curl rows.")
     text = "\n".join(lines) + "\n"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

@@ -34,10 +34,15 @@ _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 _SEND_CHUNK = 1 << 20
 
 
+def _canonical(name: str) -> str:
+    """``authorization`` (httpx) and ``Authorization`` (urllib) are one header: record it one way."""
+    return "-".join(part.capitalize() for part in name.split("-"))
+
+
 class RequestRecord(NamedTuple):
     method: str
     path: str  # URL path, percent-decoded, without the query
-    headers: dict[str, str]  # secrets replaced by "<redacted>"
+    headers: dict[str, str]  # names Canonical-Cased, secrets replaced by "<redacted>"
     range: str | None  # the Range header as sent, e.g. "bytes=100-"
 
 
@@ -116,7 +121,7 @@ class LoopbackHTTPServer:
             self.bytes_sent.clear()
 
     def _record(self, handler: BaseHTTPRequestHandler, path: str, head: bool) -> None:
-        headers = {k: ("<redacted>" if k.lower() in SECRET_HEADERS else v) for k, v in handler.headers.items()}
+        headers = {_canonical(k): ("<redacted>" if k.lower() in SECRET_HEADERS else v) for k, v in handler.headers.items()}
         with self._lock:
             self.requests.append(RequestRecord("HEAD" if head else "GET", path, headers, handler.headers.get("Range")))
 
