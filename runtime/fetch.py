@@ -133,7 +133,7 @@ def _fetch(source: str, dest: Path, revision: str | None, overrides: dict[str, s
     try:
         work.mkdir(parents=True, exist_ok=True)
         with _locked(work / f"{key}.lock", key, log):
-            if _is_complete(final, shown, rev, verify, log, quiet=True):
+            if _is_complete(final, shown, rev, verify, log):
                 log(f"{shown}: completed by another fetcher in {final}")
                 return final
             _download(src, shown, rev, key, overrides, work / key, final, log)
@@ -240,11 +240,28 @@ def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dic
     records = _verify_staged(staging, files, digests, overrides, shown)
     _check_manifest(staging, records)
     _prune(staging, set(records))
+    _fsync_tree(staging, records)
     write_marker(staging, make_marker(key=key, source=shown, revision=rev, resolved_revision=src.resolved_revision,
                                       files=records))
     os.rename(staging, final)
     fsync_dir(final.parent)
     log(progress.summary(len(files), final))
+
+
+def _fsync_tree(staging: Path, records: dict[str, dict[str, object]]) -> None:
+    """Make every byte and directory entry durable before the marker may vouch for them.
+
+    HTTP downloads are already synced (a no-op here); files written by
+    huggingface_hub or copied from a local source are not.
+    """
+    for name in records:
+        fd = os.open(staging / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for directory in {(staging / name).parent for name in records}:
+        fsync_dir(directory)
 
 
 def _part_size(path: Path) -> int:

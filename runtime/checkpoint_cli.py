@@ -1,0 +1,56 @@
+"""Create or verify checkpoint directories (config.json + model.safetensors + manifest.json).
+
+``init`` writes the reference policy with seeded random weights; ``verify`` is
+what the serving pod's init container runs against the shared volume: it
+trusts the files, not a status flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from policy_operator.runtime.checkpoint import CheckpointError, verify_checkpoint
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+    p = sub.add_parser("init", help="write a reference-policy checkpoint with seeded random weights",
+                       description="Write a reference-policy checkpoint with seeded random weights.")
+    p.add_argument("directory")
+    p.add_argument("--size", choices=["tiny", "small", "base"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(_action=_init)
+    p = sub.add_parser("verify", help="check a checkpoint against its manifest (and completion marker)",
+                       description="Check a checkpoint directory against its manifest.")
+    p.add_argument("directory")
+    p.add_argument("--require-marker", action="store_true",
+                   help="also require the completion marker written by 'policyserver fetch'")
+    p.add_argument("--hashes", action="store_true", help="re-hash every file (default: sizes only)")
+    p.set_defaults(_action=_verify)
+
+
+def _init(args: argparse.Namespace) -> int:
+    from policy_operator.runtime.reference import init_checkpoint
+
+    path = init_checkpoint(args.directory, args.size, args.seed)
+    print(path)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    try:
+        if args.require_marker:
+            from policy_operator.runtime.fetch import check_complete
+
+            check_complete(args.directory, verify=args.hashes)
+        entries = verify_checkpoint(args.directory, hashes=args.hashes)
+    except CheckpointError as exc:
+        print(f"policyserver: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.directory}: {len(entries)} files verified ({'sha256' if args.hashes else 'sizes'})")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    return args._action(args)

@@ -1,0 +1,132 @@
+"""Send RoboLab-shaped observations to a policy server and print latency percentiles.
+
+Speaks the same wire protocol as openpi-client (``runtime/wire.py``); with
+``--concurrency N`` it opens N connections that send in parallel, which is how
+a dp>1 pod is seen serving requests concurrently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+
+def robolab_observation(metadata: dict[str, Any], seed: int, *, fixed_seed: int | None = None) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    obs: dict[str, Any] = {
+        "observation/image": rng.integers(0, 256, size=(224, 224, 3), dtype=np.uint8),
+        "observation/joint_position": rng.standard_normal(int(metadata.get("joint_dim", 7))).astype(np.float32),
+        "observation/gripper_position": rng.random(int(metadata.get("gripper_dim", 1))).astype(np.float32),
+        "prompt": "put the banana in the bowl",
+    }
+    if fixed_seed is not None:
+        obs["seed"] = fixed_seed
+    return obs
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="ws://127.0.0.1:8000", help="server URL (default %(default)s)")
+    parser.add_argument("--n", type=int, default=10, help="requests per connection (default %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=1, help="parallel connections (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=None, help="fixed sampling seed sent with every request")
+    parser.add_argument("--token-file", default=None, help="bearer token for a server started with auth")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--timeout", type=float, default=60.0)
+
+
+def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, token: str | None = None,
+               timeout: float = 60.0) -> dict[str, Any]:
+    from websockets.sync.client import connect
+
+    from policy_operator.runtime import wire
+
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    latencies: list[float] = []
+    infer_ms: list[float] = []
+    shapes: set[tuple[int, ...]] = set()
+    replicas: dict[int, int] = {}
+    errors: list[str] = []
+    meta_box: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def one(worker: int) -> None:
+        try:
+            with connect(url, additional_headers=headers, max_size=None, open_timeout=timeout,
+                         compression=None) as ws:
+                meta = wire.unpackb(ws.recv(timeout=timeout))
+                with lock:
+                    meta_box.append(meta)
+                for i in range(n):
+                    frame = wire.packb(robolab_observation(meta, worker * 100003 + i, fixed_seed=seed))
+                    t0 = time.perf_counter()
+                    ws.send(frame)
+                    reply = ws.recv(timeout=timeout)
+                    dt = (time.perf_counter() - t0) * 1e3
+                    if isinstance(reply, str):
+                        raise RuntimeError(f"server error: {reply}")
+                    msg = wire.unpackb(reply)
+                    with lock:
+                        latencies.append(dt)
+                        infer_ms.append(float(msg["server_timing"]["infer_ms"]))
+                        shapes.add(tuple(np.asarray(msg["actions"]).shape))
+                        r = int(msg["server_timing"].get("replica", 0))
+                        replicas[r] = replicas.get(r, 0) + 1
+        except Exception as exc:  # noqa: BLE001 - reported in the summary
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=one, args=(w,)) for w in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    return {
+        "url": url,
+        "metadata": meta_box[0] if meta_box else None,
+        "requests": len(latencies),
+        "errors": errors,
+        "action_shapes": sorted(shapes),
+        "latency_ms": {"p50": percentile(latencies, 50), "p90": percentile(latencies, 90),
+                       "p99": percentile(latencies, 99), "mean": statistics.fmean(latencies) if latencies else None},
+        "infer_ms_p50": percentile(infer_ms, 50),
+        "requests_per_s": len(latencies) / wall if wall > 0 else None,
+        "replicas": replicas,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    meta = s["metadata"] or {}
+    lat = s["latency_ms"]
+    rows = [
+        ("server", f"{meta.get('policy_name', '?')} {meta.get('server_version', '')} layout={meta.get('layout')}"),
+        ("requests", f"{s['requests']} ok, {len(s['errors'])} failed"),
+        ("action shape", ", ".join("x".join(map(str, sh)) for sh in s["action_shapes"]) or "-"),
+        ("latency p50 / p90 / p99", f"{lat['p50']:.1f} / {lat['p90']:.1f} / {lat['p99']:.1f} ms"),
+        ("server infer p50", f"{s['infer_ms_p50']:.1f} ms"),
+        ("throughput", f"{s['requests_per_s']:.1f} requests/s"),
+        ("replicas used", ", ".join(f"{k}: {v}" for k, v in sorted(s["replicas"].items())) or "-"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    lines += [f"  error: {e}" for e in s["errors"][:5]]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    token = open(args.token_file).read().strip() if args.token_file else None
+    summary = run_client(args.url, args.n, args.concurrency, args.seed, token, args.timeout)
+    print(json.dumps(summary, indent=2, default=str) if args.json else format_summary(summary))
+    return 0 if summary["requests"] and not summary["errors"] else 1

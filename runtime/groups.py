@@ -1,0 +1,96 @@
+"""Process groups of one pod, built once from the ``ParallelLayout``.
+
+Two kinds of group, for the seed PR's bug 2: ranks that wait for work wait on
+*gloo control groups with a year-long timeout*, so a server idle for longer
+than the NCCL/gloo PG timeout never trips a watchdog; the per-step CFG
+exchange uses the default backend (NCCL on CUDA) with the normal timeout, and
+only while a request runs.
+
+* ``world_ctrl``: everyone; start-up (checkpoint path broadcast).
+* ``replica_ctrl``: the ranks of this rank's replica; driver -> peers requests.
+* ``cfg``: same ranks, default backend; the per-step all_gather (cfgp=2 only).
+* ``dispatch[k]``: {0, driver of replica k} for k >= 1; the ingress on rank 0
+  hands replica k its requests and gets results back.
+
+``torch.distributed.new_group`` must be called by every rank, in the same
+order, for every group: that is why all groups are built here in one loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from policy_operator.layout import ParallelLayout
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT = timedelta(days=365)
+
+
+@dataclass
+class Groups:
+    layout: ParallelLayout
+    rank: int
+    world_ctrl: dist.ProcessGroup | None = None
+    replica_ctrl: dist.ProcessGroup | None = None
+    cfg: dist.ProcessGroup | None = None
+    dispatch: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+
+    @property
+    def dp_index(self) -> int:
+        return self.layout.coords(self.rank)[0]
+
+    @property
+    def cfg_index(self) -> int:
+        return self.layout.coords(self.rank)[1]
+
+    @property
+    def driver(self) -> int:
+        return self.layout.driver_rank(self.dp_index)
+
+
+def init_distributed(layout: ParallelLayout, device: torch.device, pg_timeout: timedelta) -> Groups:
+    """Join the torchrun job and build every group; single-process serving skips it."""
+    if layout.world_size == 1:
+        return Groups(layout, 0)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend=backend, timeout=pg_timeout, **kwargs)
+    rank = dist.get_rank()
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(f"torchrun started {dist.get_world_size()} ranks for {layout.label}")
+    groups = Groups(layout, rank)
+    groups.world_ctrl = dist.new_group(list(range(layout.world_size)), backend="gloo", timeout=CONTROL_TIMEOUT)
+    for k in range(layout.dp):
+        ranks = layout.replica_ranks(k)
+        ctrl = dist.new_group(ranks, backend="gloo", timeout=CONTROL_TIMEOUT) if layout.cfgp > 1 else None
+        cfg = dist.new_group(ranks, timeout=pg_timeout) if layout.cfgp > 1 else None
+        if rank in ranks:
+            groups.replica_ctrl, groups.cfg = ctrl, cfg
+    for k in range(1, layout.dp):
+        g = dist.new_group([0, layout.driver_rank(k)], backend="gloo", timeout=CONTROL_TIMEOUT)
+        if rank in (0, layout.driver_rank(k)):
+            groups.dispatch[k] = g
+    log.info("rank %d/%d joined %s (backend %s, pid %d)", rank, layout.world_size, layout.label, backend, os.getpid())
+    return groups
+
+
+def select_device(name: str) -> torch.device:
+    """One GPU per rank by LOCAL_RANK; CPU otherwise."""
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda but no CUDA device is visible")
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        if index >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK {index} but only {torch.cuda.device_count()} CUDA devices are visible")
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if name != "cpu":
+        raise ValueError(f"unknown device {name!r}")
+    return torch.device("cpu")

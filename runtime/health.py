@@ -1,0 +1,168 @@
+"""Per-rank heartbeats: the source of truth for ``/readyz``.
+
+Every rank publishes ``{state, ts, pid}`` every heartbeat period from its own
+thread; the ingress reads all of them.  A rank is ready when its state is warm
+or serving and its last beat is younger than ``stale_after`` (1.5 periods), so
+a dead or frozen rank flips ``/readyz`` to 503 within two periods.  Under
+torchrun the board lives in the c10d TCPStore hosted by the torchrun agent, so
+it survives any one rank; single-process serving keeps it in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+from typing import Any, Protocol
+
+from policy_operator.layout import ParallelLayout
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "policy-operator/heartbeat/"
+
+
+class RankState(str, Enum):
+    LOADING = "loading"
+    WARM = "warm"
+    SERVING = "serving"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+READY_STATES = {RankState.WARM.value, RankState.SERVING.value}
+
+
+class KV(Protocol):
+    def set(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str) -> bytes | None: ...
+
+
+class MemoryKV:
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._lock:
+            self._data[key] = value
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._data.get(key)
+
+
+class StoreKV:
+    """A c10d TCPStore client of its own (one per thread that uses it)."""
+
+    def __init__(self, host: str, port: int, timeout_s: float = 30.0) -> None:
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+    @classmethod
+    def from_env(cls) -> StoreKV:
+        return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes | None:
+        # check() never blocks, unlike get() on a key that is not there yet
+        return self._store.get(key) if self._store.check([key]) else None
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    dp_index: int
+    cfg_index: int
+    state: str
+    age_s: float | None
+    ready: bool
+    pid: int | None = None
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "dp_index": self.dp_index, "cfg_index": self.cfg_index, "state": self.state,
+                "age_s": None if self.age_s is None else round(self.age_s, 3), "ready": self.ready, "pid": self.pid,
+                "detail": self.detail}
+
+
+class Heartbeat:
+    """Publishes this rank's state every period until stopped."""
+
+    def __init__(self, kv_factory: Callable[[], KV], rank: int, period_s: float) -> None:
+        self._kv_factory = kv_factory
+        self.rank = rank
+        self.period_s = period_s
+        self._state = RankState.LOADING
+        self._detail = ""
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def set_state(self, state: RankState, detail: str = "") -> None:
+        if state != self._state and not {state, self._state} <= {RankState.WARM, RankState.SERVING}:
+            log.info("rank %d: %s -> %s %s", self.rank, self._state.value, state.value, detail)
+        self._state, self._detail = state, detail
+        self._wake.set()
+
+    @property
+    def state(self) -> RankState:
+        return self._state
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        kv = self._kv_factory()
+        while not self._stop.is_set():
+            value = json.dumps({"state": self._state.value, "ts": time.time(), "pid": os.getpid(), "detail": self._detail})
+            try:
+                kv.set(f"{KEY_PREFIX}{self.rank}", value.encode())
+            except Exception:  # noqa: BLE001 - the store is gone: the launcher is going down
+                log.warning("rank %d: heartbeat store unreachable", self.rank)
+            self._wake.wait(self.period_s)
+            self._wake.clear()
+
+
+class Board:
+    """Reads every rank's heartbeat for ``/readyz`` and the watchdog."""
+
+    def __init__(self, kv: KV, layout: ParallelLayout, period_s: float, stale_factor: float = 1.5) -> None:
+        self._kv = kv
+        self.layout = layout
+        self.stale_after = period_s * stale_factor
+
+    def read(self, rank: int, now: float | None = None) -> RankStatus:
+        dp_index, cfg_index = self.layout.coords(rank)
+        now = time.time() if now is None else now
+        try:
+            raw = self._kv.get(f"{KEY_PREFIX}{rank}")
+        except Exception as exc:  # noqa: BLE001
+            return RankStatus(rank, dp_index, cfg_index, "unknown", None, False, detail=f"store error: {exc}")
+        if raw is None:
+            return RankStatus(rank, dp_index, cfg_index, "unknown", None, False, detail="no heartbeat yet")
+        beat = json.loads(raw)
+        age = max(0.0, now - float(beat["ts"]))
+        fresh = age <= self.stale_after
+        state = beat["state"] if fresh else "stale"
+        return RankStatus(rank, dp_index, cfg_index, state, age, fresh and beat["state"] in READY_STATES,
+                          beat.get("pid"), beat.get("detail", ""))
+
+    def snapshot(self) -> list[RankStatus]:
+        now = time.time()
+        return [self.read(r, now) for r in range(self.layout.world_size)]

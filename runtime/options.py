@@ -1,0 +1,99 @@
+"""Flags of ``policyserver serve``, shared verbatim by the torchrun worker.
+
+The operator writes these flags into pod specs and ``serve`` forwards them to
+``torchrun -m policy_operator.runtime.worker``, so there is exactly one
+definition.  No torch import here: ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from policy_operator.constants import DEFAULT_PORT
+from policy_operator.runtime.server import DEFAULT_MAX_MESSAGE_BYTES
+
+DEFAULT_GUIDANCE = 3.0
+DEFAULT_STEPS = 10
+DEFAULT_CACHE_DIR = ".cache/checkpoints"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    checkpoint: str
+    revision: str | None
+    cache_dir: str
+    policy: str
+    host: str
+    port: int
+    device: str
+    dtype: str
+    cfgp: int
+    dp: int
+    guidance: float
+    steps: int
+    cfg_mode: str
+    max_message_bytes: int
+    error_format: str
+    auth_token_file: str | None
+    heartbeat_s: float
+    drain_grace_s: float
+    pg_timeout_s: float
+    threads: int | None
+    compile: bool
+    log_level: str
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from policy_operator.runtime.policy import DEFAULT_POLICY
+
+    g = p.add_argument_group("model")
+    g.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory, or a source (hf://org/repo[@rev], http(s)://, s3://, file://) that "
+                        "global rank 0 downloads once into --cache-dir")
+    g.add_argument("--revision", default=None, help="revision of a hf:// source")
+    g.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="where a source is downloaded (default %(default)s)")
+    g.add_argument("--policy", default=DEFAULT_POLICY, help="Policy class as pkg.module:Class (default %(default)s)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default %(default)s)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the denoiser (CUDA)")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
+    g = p.add_argument_group("layout and sampling")
+    g.add_argument("--cfgp", type=int, default=1, help="classifier-free-guidance parallel degree, 1 or 2")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel replicas in this pod (outermost rank axis)")
+    g.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE, help="CFG scale g (default %(default)s)")
+    g.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="denoising steps (default %(default)s)")
+    g.add_argument("--cfg-mode", choices=["auto", "sequential", "batched"], default="auto",
+                   help="how cfgp=1 runs both branches; auto = batched on cuda, sequential on cpu")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT)
+    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="larger frames are refused with close code 1009 (default %(default)s)")
+    g.add_argument("--error-format", choices=["text", "dict"], default="text",
+                   help="text = openpi's text frame + close 1011; dict = {'type': 'error'} reply, connection kept")
+    g.add_argument("--auth-token-file", default=None, help="require 'Authorization: Bearer|Api-Key <token>'")
+    g = p.add_argument_group("health and lifecycle")
+    g.add_argument("--heartbeat-s", type=float, default=1.0, help="rank heartbeat period (default %(default)s)")
+    g.add_argument("--drain-grace-s", type=float, default=20.0,
+                   help="on SIGTERM, how long in-flight requests may finish (default %(default)s)")
+    g.add_argument("--pg-timeout-s", type=float, default=1800.0,
+                   help="timeout of the per-request collectives; idle waits never use it (default %(default)s)")
+    g.add_argument("--log-level", default="INFO")
+
+
+def to_argv(opts: ServeOptions) -> list[str]:
+    """The flags that reproduce ``opts``: what ``serve`` hands to the torchrun worker."""
+    argv: list[str] = []
+    for name in ServeOptions.__dataclass_fields__:
+        value = getattr(opts, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv

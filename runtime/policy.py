@@ -1,0 +1,131 @@
+"""The ``Policy`` interface every served model implements.
+
+Serving splits a flow-matching policy at the seams that matter for
+parallelism: ``prepare`` validates and preprocesses on the replica driver
+*before* anything is sent to other ranks (a bad request must never reach a
+collective); ``condition`` + ``denoise_step`` are the only per-CFG-branch work,
+so with ``cfgp=2`` each rank runs one branch; ``postprocess`` runs on the
+output rank only.  A real model plugs in by import path
+(``--policy pkg.module:Class``) and implements the same methods.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+import torch
+
+DEFAULT_POLICY = "policy_operator.runtime.reference:ReferencePolicy"
+
+
+class Branch(IntEnum):
+    """CFG branch; the value is the cfg index of the rank that computes it under cfgp=2."""
+
+    COND = 0
+    UNCOND = 1
+
+
+class InvalidObservation(ValueError):
+    """The observation is unusable; the message goes back to the client verbatim."""
+
+    kind = "invalid_observation"
+
+
+@dataclass
+class Sample:
+    """A validated request, ready to broadcast: CPU tensors plus small metadata.
+
+    Kept on the CPU so it crosses the gloo control group cheaply and every rank
+    moves it to its own device.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Policy(ABC):
+    """A flow-matching action policy split for CFG-parallel serving."""
+
+    name: str = "policy"
+    #: sampler defaults, overridable per server with --steps / --guidance
+    default_steps: int = 10
+    default_guidance: float = 1.0
+
+    @classmethod
+    @abstractmethod
+    def load(cls, checkpoint: str, *, device: torch.device, dtype: torch.dtype) -> Policy:
+        """Build the model from a checkpoint directory onto ``device``."""
+
+    @property
+    @abstractmethod
+    def action_shape(self) -> tuple[int, int]:
+        """(horizon, action_dim) of one action chunk."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abstractmethod
+    def prepare(self, obs: Mapping[str, Any]) -> Sample:
+        """Validate and preprocess one observation; raise InvalidObservation on bad input."""
+
+    @abstractmethod
+    def condition(self, sample: Sample, branch: Branch) -> torch.Tensor:
+        """Per-request context of one CFG branch (batch 1), computed once per request.
+
+        The unconditional branch must cost the same as the conditional one
+        (e.g. learned null tokens of the same length), or cfg ranks wait on
+        each other every step.
+        """
+
+    @abstractmethod
+    def denoise_step(self, context: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Flow velocity at ``x`` and time ``t`` for a batch of contexts (batch = 1 or 2)."""
+
+    @abstractmethod
+    def init_noise(self, seed: int) -> torch.Tensor:
+        """x at t=1, a deterministic function of ``seed`` on every device."""
+
+    @abstractmethod
+    def postprocess(self, x: torch.Tensor) -> np.ndarray:
+        """Final x -> float32 actions [horizon, action_dim] (output rank only)."""
+
+    def compile(self) -> None:
+        """Optional speed-up hook (``--compile``), e.g. torch.compile of the denoiser."""
+
+    def metadata(self) -> dict[str, Any]:
+        horizon, action_dim = self.action_shape
+        return {"policy_name": self.name, "action_horizon": horizon, "action_dim": action_dim}
+
+    def example_observation(self, seed: int = 0) -> dict[str, Any]:
+        """A valid observation, used for warm-up and by the bundled client."""
+        raise NotImplementedError
+
+
+def load_policy_class(path: str) -> type[Policy]:
+    """Resolve ``pkg.module:Class``; errors name the path so a typo is obvious."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--policy must look like 'pkg.module:Class', got {path!r}")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import policy {path!r}: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise ValueError(f"{path!r} is not a subclass of policy_operator.runtime.policy.Policy")
+    return cls
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(table)}") from None

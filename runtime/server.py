@@ -1,0 +1,184 @@
+"""The openpi-compatible WebSocket server, with health, readiness and metrics on the same port.
+
+Protocol (docs/protocol.md): on connect the server sends the metadata map;
+each binary frame is one observation, answered by ``{"actions",
+"server_timing"}``.  A bad frame or observation fails that request only: by
+default (``--error-format text``, openpi's own behaviour) the server sends a
+text frame with the reason and closes with 1011, which openpi-client raises
+as ``RuntimeError``; with ``--error-format dict`` it sends
+``{"type": "error", "error": {"kind", "message"}}`` and keeps the connection.
+
+Plain HTTP ``GET /healthz``, ``/readyz`` and ``/metrics`` are answered before
+the WebSocket upgrade (the Service exposes one port).  Inference never runs on
+the event loop, so probes and keepalive pings answer during long requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import http
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import websockets
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
+from policy_operator.runtime import wire
+from policy_operator.runtime.engine import Engine, NotReady
+from policy_operator.runtime.metrics import ServerMetrics
+from policy_operator.runtime.policy import InvalidObservation
+from policy_operator.runtime.replica import RequestFailed
+
+log = logging.getLogger(__name__)
+
+ErrorFormat = Literal["text", "dict"]
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    error_format: ErrorFormat = "text"
+    auth_token: str | None = None
+
+
+def read_token(path: str | None) -> str | None:
+    if not path:
+        return None
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"auth token file {path} is empty")
+    return token
+
+
+def _response(status: int, body: bytes, content_type: str) -> Response:
+    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))), ("Connection", "close")])
+    return Response(status, http.HTTPStatus(status).phrase, headers, body)
+
+
+def _json(status: int, payload: dict[str, Any]) -> Response:
+    return _response(status, json.dumps(payload).encode(), "application/json")
+
+
+class PolicyWebSocketServer:
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics()
+        self._server: Server | None = None
+
+    # --- HTTP before the upgrade ---------------------------------------------------------
+    def _authorized(self, request: Request) -> bool:
+        if self.config.auth_token is None:
+            return True
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() not in ("bearer", "api-key"):
+            return False
+        return hmac.compare_digest(token.strip().encode(), self.config.auth_token.encode())
+
+    def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == HEALTHZ_PATH:
+            return _json(200, {"status": "ok"})
+        if path == READYZ_PATH:
+            body = self.engine.readiness()
+            self.metrics.ranks_ready.set(body["ranks_ready"])
+            return _json(200 if body["ready"] else 503, body)
+        if path == METRICS_PATH:
+            return _response(200, self.metrics.render(), self.metrics.content_type)
+        if not self._authorized(request):
+            self.metrics.errors.labels("unauthorized").inc()
+            return _json(401, {"error": "missing or invalid token (Authorization: Bearer <token> or Api-Key <token>)"})
+        if not self.engine.accepting:
+            return _json(503, {"error": "server is shutting down" if self.engine.draining else "server is not ready yet"})
+        if request.headers.get("Upgrade", "").lower() != "websocket":
+            return _json(404, {"error": f"no such path {path}; WebSocket clients connect to /"})
+        return None
+
+    # --- the WebSocket session ---------------------------------------------------------
+    async def handler(self, ws: ServerConnection) -> None:
+        self.metrics.connections.inc()
+        try:
+            await ws.send(wire.packb(self.engine.metadata()))
+            prev_total_ms: float | None = None
+            async for message in ws:
+                started = time.perf_counter()
+                self.metrics.in_flight.inc()
+                try:
+                    reply = await self._answer(message)
+                except NotReady as exc:
+                    self.metrics.errors.labels(exc.kind).inc()
+                    await ws.close(1001, str(exc))
+                    return
+                except Exception as exc:  # noqa: BLE001 - one request fails, the server carries on
+                    kind = getattr(exc, "kind", "internal")
+                    if kind == "internal":
+                        log.exception("request failed")
+                    self.metrics.errors.labels(kind).inc()
+                    if not await self._send_error(ws, kind, str(exc)):
+                        return
+                    continue
+                finally:
+                    self.metrics.in_flight.dec()
+                reply["server_timing"]["prev_total_ms"] = prev_total_ms
+                await ws.send(wire.packb(reply))
+                prev_total_ms = (time.perf_counter() - started) * 1e3
+                self.metrics.latency.observe(prev_total_ms / 1e3)
+        except websockets.ConnectionClosed:
+            pass
+        finally:
+            self.metrics.connections.dec()
+
+    async def _answer(self, message: bytes | str) -> dict[str, Any]:
+        obs = wire.decode_observation(message)
+        result = await self.engine.infer(obs)
+        self.metrics.requests.labels(str(result.replica)).inc()
+        self.metrics.infer.labels(str(result.replica)).observe(result.infer_ms / 1e3)
+        self.metrics.queue.observe(result.queue_ms / 1e3)
+        return {
+            "actions": result.actions,
+            "server_timing": {"infer_ms": result.infer_ms, "queue_ms": result.queue_ms,
+                              "prepare_ms": result.prepare_ms, "replica": result.replica},
+        }
+
+    async def _send_error(self, ws: ServerConnection, kind: str, message: str) -> bool:
+        """Reply with the error; False when the connection is closed afterwards."""
+        if self.config.error_format == "dict":
+            await ws.send(wire.packb(wire.error_dict(kind, message)))
+            return True
+        await ws.send(f"{kind}: {message}")
+        await ws.close(1011, f"{kind}: {message}"[:120])
+        return False
+
+    # --- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        self._server = await serve(
+            self.handler, self.config.host, self.config.port,
+            process_request=self.process_request,
+            max_size=self.config.max_message_bytes,
+            compression=None,
+        )
+        log.info("listening on ws://%s:%d", self.config.host, self.port)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close(close_connections=True)
+            await self._server.wait_closed()
+
+

@@ -1,0 +1,245 @@
+"""The torchrun program: one process per rank of a ``cfgp x dp`` pod.
+
+Global rank 0 hosts the ingress (WebSocket server + router) and drives replica
+0; the drivers of replicas >= 1 wait for work from rank 0; cfg peers wait for
+their driver.  Start-up order is chosen so a pod is observable at once: rank 0
+binds the port first (``/healthz`` 200, ``/readyz`` 503 listing every rank as
+loading), then rank 0 alone resolves (and if needed downloads) the checkpoint
+while the others wait on the gloo control group, then every rank loads and
+each replica warms itself up.
+
+Run as ``torchrun --nproc-per-node=C*D -m policy_operator.runtime.worker
+<serve flags>``; ``policyserver serve`` does exactly that, or runs this module
+in-process when the layout has a single rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+from policy_operator.layout import LayoutError, ParallelLayout
+from policy_operator.runtime import options
+
+log = logging.getLogger("policy_operator.runtime.worker")
+
+EXIT_LAYOUT = 2
+EXIT_LOAD = 3
+EXIT_WATCHDOG = 4
+
+
+def _setup_logging(level: str, rank: int) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+
+
+def validate_layout(opts: options.ServeOptions) -> ParallelLayout:
+    """Fail before any download or model load; the message is one line."""
+    world = int(os.environ.get("WORLD_SIZE", opts.cfgp * opts.dp))
+    layout = ParallelLayout(opts.cfgp, opts.dp, world_size=world)
+    layout.check_guidance(opts.guidance)
+    if opts.steps < 1:
+        raise LayoutError(f"--steps must be >= 1, got {opts.steps}")
+    return layout
+
+
+def resolve_checkpoint(opts: options.ServeOptions) -> str:
+    """A local directory as is; a source is fetched once (file lock + completion marker)."""
+    if Path(opts.checkpoint).is_dir():
+        return opts.checkpoint
+    if "://" not in opts.checkpoint:
+        raise FileNotFoundError(f"checkpoint directory {opts.checkpoint} does not exist")
+    from policy_operator.runtime.fetch import fetch
+
+    return str(fetch(opts.checkpoint, opts.cache_dir, revision=opts.revision))
+
+
+class Runtime:
+    """Everything one rank builds, shared by the rank-0 and other-rank paths."""
+
+    def __init__(self, opts: options.ServeOptions, layout: ParallelLayout) -> None:
+        import torch
+
+        from policy_operator.runtime.groups import init_distributed, select_device
+        from policy_operator.runtime.health import Board, Heartbeat, MemoryKV, StoreKV
+
+        self.opts = opts
+        self.layout = layout
+        device_name = opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = select_device(device_name)
+        self.groups = init_distributed(layout, self.device, timedelta(seconds=opts.pg_timeout_s))
+        self.rank = self.groups.rank
+        if layout.world_size > 1:
+            self.kv_factory = StoreKV.from_env
+        else:
+            memory = MemoryKV()
+            self.kv_factory = lambda: memory
+        self.heartbeat = Heartbeat(self.kv_factory, self.rank, opts.heartbeat_s).start()
+        self.board_factory = lambda: Board(self.kv_factory(), layout, opts.heartbeat_s)
+        cfg_mode = opts.cfg_mode if opts.cfg_mode != "auto" else ("batched" if self.device.type == "cuda" else "sequential")
+        from policy_operator.runtime.replica import SamplerSettings
+
+        self.settings = SamplerSettings(opts.steps, opts.guidance, cfg_mode)  # type: ignore[arg-type]
+
+    def load(self):
+        """Checkpoint path from rank 0, model on this rank, warm-up by the replica's driver."""
+        import torch
+        import torch.distributed as dist
+
+        from policy_operator.runtime.health import RankState
+        from policy_operator.runtime.policy import load_policy_class, parse_dtype
+        from policy_operator.runtime.replica import Job, ReplicaWorker
+
+        if self.opts.threads:
+            torch.set_num_threads(self.opts.threads)  # per thread under OpenMP: set on the model thread
+        path = None
+        if self.rank == 0:
+            self.heartbeat.set_state(RankState.LOADING, "resolving checkpoint")
+            path = resolve_checkpoint(self.opts)
+        if self.layout.world_size > 1:
+            box = [path]
+            dist.broadcast_object_list(box, src=0, group=self.groups.world_ctrl)
+            path = box[0]
+        self.heartbeat.set_state(RankState.LOADING, f"loading {path}")
+        cls = load_policy_class(self.opts.policy)
+        policy = cls.load(path, device=self.device, dtype=parse_dtype(self.opts.dtype))
+        if self.opts.compile:
+            policy.compile()
+        worker = ReplicaWorker(policy, self.groups, self.settings, self.heartbeat)
+        if self.groups.cfg_index == 0:
+            warm = policy.prepare(policy.example_observation(0))
+            worker.execute(Job("warmup", warm, 0))
+            log.info("replica %d warmed up", self.groups.dp_index)
+        return worker
+
+
+# --- global rank 0 ------------------------------------------------------------------------
+async def _serve_rank0(rt: Runtime) -> int:
+    from policy_operator.runtime.engine import Engine, ReplicaHandle, remote_call, remote_shutdown
+    from policy_operator.runtime.health import RankState
+    from policy_operator.runtime.server import PolicyWebSocketServer, ServerConfig, read_token
+
+    opts = rt.opts
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = Engine(rt.layout, rt.settings, rt.board_factory())
+    config = ServerConfig(opts.host, opts.port, opts.max_message_bytes, opts.error_format,  # type: ignore[arg-type]
+                          read_token(opts.auth_token_file))
+    server = PolicyWebSocketServer(engine, config)
+    await server.start()
+    print(f"policyserver: listening on ws://{opts.host}:{server.port} ({rt.layout.label})", flush=True)
+
+    model_pool = ThreadPoolExecutor(1, thread_name_prefix="model")
+    load = loop.run_in_executor(model_pool, rt.load)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if not load.done():  # SIGTERM while loading: nothing to drain
+        await server.stop()
+        log.info("stopped while loading")
+        os._exit(0)
+    try:
+        worker = load.result()
+    except Exception as exc:  # noqa: BLE001 - a broken checkpoint must restart the pod, with a reason
+        rt.heartbeat.set_state(RankState.FAILED, str(exc))
+        engine.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("loading the policy failed: %s", engine.load_error)
+        print(f"policyserver: error: {engine.load_error}", file=sys.stderr, flush=True)
+        await server.stop()
+        return EXIT_LOAD
+    replicas = [ReplicaHandle(0, model_pool, worker.execute_reply)]
+    engine.shutdown_calls.append((model_pool, worker.shutdown_peers))
+    for k in range(1, rt.layout.dp):
+        lane = ThreadPoolExecutor(1, thread_name_prefix=f"replica{k}")
+        driver, group = rt.layout.driver_rank(k), rt.groups.dispatch[k]
+        replicas.append(ReplicaHandle(k, lane, remote_call(k, driver, group)))
+        engine.shutdown_calls.append((lane, remote_shutdown(driver, group)))
+    engine.attach(worker.policy, replicas)
+    print("policyserver: ready", flush=True)
+
+    await stopper
+    log.info("SIGTERM: draining up to %.1fs", opts.drain_grace_s)
+    rt.heartbeat.set_state(RankState.STOPPING)
+    drained = await engine.drain(opts.drain_grace_s)
+    await server.stop()
+    await loop.run_in_executor(None, engine.stop_replicas)
+    rt.heartbeat.stop()
+    log.info("rank 0 exiting 0 (%s)", "drained" if drained else "grace period over")
+    return 0
+
+
+# --- every other rank ------------------------------------------------------------------------
+def _watchdog(rt: Runtime) -> None:
+    """Exit when rank 0 or the launcher is gone, instead of holding a GPU forever."""
+    parent = os.getppid()
+    board = rt.board_factory()
+    limit = max(10 * rt.opts.heartbeat_s, 10.0)
+    seen = None
+    while True:
+        time.sleep(rt.opts.heartbeat_s)
+        if os.getppid() != parent:
+            log.error("launcher exited; rank %d exiting", rt.rank)
+            os._exit(EXIT_WATCHDOG)
+        status = board.read(0)
+        if status.age_s is not None and status.age_s <= board.stale_after:
+            seen = time.monotonic()
+        elif seen is not None and time.monotonic() - seen > limit:
+            log.error("rank 0 silent for %.0fs; rank %d exiting", limit, rt.rank)
+            os._exit(EXIT_WATCHDOG)
+
+
+def _serve_other(rt: Runtime) -> int:
+    grace = rt.opts.drain_grace_s + 5.0
+
+    def on_sigterm(signum, frame):  # torchrun signals every rank; only rank 0's sentinel ends the loop
+        log.info("rank %d: SIGTERM, waiting for rank 0's shutdown (at most %.0fs)", rt.rank, grace)
+        threading.Timer(grace, lambda: os._exit(0)).start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    threading.Thread(target=_watchdog, args=(rt,), name="watchdog", daemon=True).start()
+    worker = rt.load()
+    if rt.groups.cfg_index == 0:
+        worker.driver_loop()
+    else:
+        worker.peer_loop()
+    rt.heartbeat.stop()
+    log.info("rank %d exiting 0", rt.rank)
+    return 0
+
+
+def run(opts: options.ServeOptions) -> int:
+    try:
+        layout = validate_layout(opts)
+    except LayoutError as exc:
+        print(f"policyserver: error: {exc}", file=sys.stderr)
+        return EXIT_LAYOUT
+    rank = int(os.environ.get("RANK", "0"))
+    _setup_logging(opts.log_level, rank)
+    rt = Runtime(opts, layout)
+    if rt.rank == 0:
+        code = asyncio.run(_serve_rank0(rt))
+    else:
+        code = _serve_other(rt)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: process groups and pools hold no state worth flushing
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="policy_operator.runtime.worker", description=__doc__.splitlines()[0])
+    options.add_arguments(parser)
+    return run(options.ServeOptions.from_args(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
