@@ -40,6 +40,7 @@ import kmock
 from kmock._internal.rendering import StreamingError  # kmock 0.8 does not re-export it; RawHandler.__call__ unwraps it
 
 from . import kube_patches as patches
+from . import kube_protobuf
 from . import kube_schema
 from .kube_selectors import SelectorError, fields_match, label_selector_to_string, labels_match, metadata_problems
 from .kube_selectors import parse_field_selector, parse_label_selector
@@ -71,6 +72,9 @@ _SYSTEM_METADATA = ("name", "namespace", "uid", "creationTimestamp", "deletionTi
 _BUILTIN_COLUMNS = {
     ("", "pods"): [{"name": "Status", "type": "string", "jsonPath": ".status.phase"}, AGE_COLUMN],
     ("", "namespaces"): [{"name": "Status", "type": "string", "jsonPath": ".status.phase"}, AGE_COLUMN],
+    ("", "events"): [{"name": "Type", "type": "string", "jsonPath": ".type"}, {"name": "Reason", "type": "string", "jsonPath": ".reason"},
+                     {"name": "Object", "type": "string", "jsonPath": ".involvedObject.name"},
+                     {"name": "Message", "type": "string", "jsonPath": ".message"}, AGE_COLUMN],
 }
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -171,6 +175,14 @@ def _header(request: kmock.Request, name: str) -> str:
     return next((v for k, v in request.headers.items() if k.lower() == name.lower()), "")
 
 
+def _respond(result: Any, status: int = 200) -> kmock.Response:
+    """Always an explicit Response: kmock copies a returned Response's status and headers onto the reaction's
+    own (shared) Response, so one 201 would otherwise stick to every later answer of this reaction."""
+    if isinstance(result, kmock.Response):
+        return result
+    return kmock.Response(status=status, headers={"Content-Type": "application/json"}, payload=result)
+
+
 def _strict(request: kmock.Request) -> bool:
     return request.params.get("fieldValidation") == "Strict"
 
@@ -256,7 +268,10 @@ class ApiServer(kmock.KubernetesEmulator):
     async def _parse(self, raw: aiohttp.web.BaseRequest) -> kmock.Request:
         body = await raw.read()
         try:
-            data = json.loads(body) if body else None
+            if "protobuf" in raw.headers.get("Content-Type", ""):  # kubectl's typed generators (create namespace, ...)
+                data = kube_protobuf.decode(body)
+            else:
+                data = json.loads(body) if body else None
         except ValueError:
             data = None
         t = parse_api_path(raw.path)
@@ -291,14 +306,14 @@ class ApiServer(kmock.KubernetesEmulator):
         if method == "GET":
             found = self._serve_discovery(path, request)
             if found is not None:
-                return found
+                return _respond(found)
         t = parse_api_path(path)
         if t is None or t.plural is None:
             raise NotImplementedError  # not an API path: kmock's own fallback answers 404
         result = self._serve_resource(method, t, request)
         if method != "GET":
             self._collect_garbage()
-        return result
+        return _respond(result)
 
     # --- discovery --------------------------------------------------------------------------
 
@@ -406,6 +421,9 @@ class ApiServer(kmock.KubernetesEmulator):
             served = t.subresource in info.subresources
             raise _error(404, "NotFound", f"{_NO_RESOURCE} ({t.plural}/{t.subresource}"
                          + (" is not emulated; add a kmock reaction for it)" if served else " does not exist)"))
+        if "protobuf" in _header(request, "Content-Type") and request.data is None:
+            raise _error(415, "UnsupportedMediaType", "the emulator decodes protobuf bodies of Namespace, ConfigMap, Secret and "
+                         "ServiceAccount only; send JSON (kubectl apply -f / create -f)")
         if request.params.get("dryRun"):
             raise _bad_request("dryRun is not supported by the Kubernetes emulator")
         if method == "GET":
@@ -416,9 +434,9 @@ class ApiServer(kmock.KubernetesEmulator):
             obj = self._require(t, info, res)
             return self._scale_view(res, obj) if t.subresource == "scale" else self._presenter(request, res)(obj)
         if method == "POST" and t.name is None:
-            return kmock.Response(status=201, payload=self._create(t, info, res, request.data, strict=_strict(request)))
+            return _respond(status=201, result=self._create(t, info, res, request.data, strict=_strict(request)))
         if method == "POST" and t.subresource == "binding":
-            return kmock.Response(status=201, payload=self._bind(t, info, res, request.data))
+            return _respond(status=201, result=self._bind(t, info, res, request.data))
         if method == "DELETE" and t.name is None:
             return self._delete_collection(t, info, res, request)
         if method == "PUT" and t.name is not None:
@@ -535,6 +553,8 @@ class ApiServer(kmock.KubernetesEmulator):
         elif res == NAMESPACES:
             meta.setdefault("labels", {})["kubernetes.io/metadata.name"] = meta["name"]
             obj["status"] = {"phase": "Active"}
+        elif (res.group, res.plural) == ("", "secrets"):
+            obj.setdefault("type", "Opaque")
         elif (res.group, res.plural) == ("", "services") and isinstance(obj.get("spec"), dict):
             spec = obj["spec"]
             spec.setdefault("type", "ClusterIP")
@@ -610,7 +630,7 @@ class ApiServer(kmock.KubernetesEmulator):
             key = self._key(info, res, t.namespace, str(t.name))
             if self._peek(key) is None and content_type == patches.APPLY and t.subresource is None and isinstance(body, dict):
                 body.setdefault("metadata", {}).setdefault("name", t.name)  # server-side apply creates what is missing
-                return kmock.Response(status=201, payload=self._create(t, info, res, body, strict=_strict(request)))
+                return _respond(status=201, result=self._create(t, info, res, body, strict=_strict(request)))
             old = self._require(t, info, res)
             base = self._scale_view(res, old) if t.subresource == "scale" else old
             patched = patches.apply_patch(content_type, base, body, custom=res in self._custom)
@@ -896,7 +916,7 @@ class ApiServer(kmock.KubernetesEmulator):
         bookmark = {"kind": info.kind, "apiVersion": t.group_version,
                     "metadata": {"annotations": {"k8s.io/initial-events-end": "true"}}} if params.get("sendInitialEvents") == "true" else None
         stream = self._watch_stream(res, matches, since, timeout, self._presenter(request, res), bookmark)
-        return kmock.Response(headers={"Content-Type": "application/json"}, payload=stream)
+        return kmock.Response(status=200, headers={"Content-Type": "application/json"}, payload=stream)
 
     async def _watch_stream(self, res: kmock.resource, matches: Callable[[dict[str, Any] | None], bool], since: int | None,
                             timeout: float | None, present: Callable[[dict[str, Any]], dict[str, Any]],

@@ -28,7 +28,8 @@ kopf: register ``kube.kopf_login(registry)`` (an ``@kopf.on.login`` returning
 reads it).
 
 kmock stays reachable: ``kube.api`` is the handler, so a test can inject faults
-(``kube.api["get /api/v1/pods"] << 500``), assert on ``kube.api.requests`` or
+(``kube.api["get /api/v1/pods"] << 500``), assert on the requests it recorded
+(``list(kube.api)``, ``kube.api["patch"]``, ``kube.api[kmock.resource("v1/pods")]``) or
 inspect ``kube.api.objects[...]`` with its history.  Mutating ``kube.api``
 from the test thread races the server thread; write through HTTP instead.
 
@@ -162,7 +163,7 @@ class KubeEmulator:
         async with api:
             # Not kmock.Server: it also patches aiohttp's resolver process-wide, which breaks when
             # several emulators in several threads stop out of order; a plain aiohttp runner suffices.
-            runner = aiohttp.web.ServerRunner(aiohttp.web.Server(api, handler_cancellation=True), shutdown_timeout=2.0)
+            runner = aiohttp.web.ServerRunner(aiohttp.web.Server(api, handler_cancellation=True, access_log=None), shutdown_timeout=2.0)
             await runner.setup()
             site = aiohttp.web.TCPSite(runner, self.host, 0)
             await site.start()
