@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "client": ("policy_operator.runtime.client", "send RoboLab-shaped observations and print latency"),
     "checkpoint": ("policy_operator.runtime.checkpoint_cli", "create or verify checkpoint directories"),
     "fetch": ("policy_operator.runtime.fetch", "download a checkpoint once into a shared volume"),
+    "demo": ("policy_operator.runtime.demo", "serve a tiny checkpoint on 1 and 2 ranks and compare"),
     "bench": ("policy_operator.runtime.bench", "measure CFG / data-parallel speed-ups side by side"),
     "operator": ("policy_operator.operator.main", "run the kopf operator that reconciles PolicyServers"),
 }

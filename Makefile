@@ -1,0 +1,40 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Both create .venv if missing and install the project with its dev extras.
+# CPU path (default): torch==2.13.0, a CPU wheel on this machine's disk.
+# CUDA path: `make install TORCH_SPEC='torch'` (or use the image's torch) -- see docs/install.md.
+
+VENV       ?= .venv
+PYTHON     ?= python3
+TORCH_SPEC ?= torch==2.13.0
+PY         := $(VENV)/bin/python
+STAMP      := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo demo-cluster test bench images clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/policyserver demo
+
+demo-cluster: install
+	$(PY) -m tests.support.demo_cluster
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(PY) bench/runtime.py
+
+images:
+	docker build -f runtime/Dockerfile -t policy-operator-runtime:dev .
+	docker build -f operator/Dockerfile -t policy-operator:dev .
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache
