@@ -1,0 +1,79 @@
+"""Routing across dp replicas, in the style of the DP-serving seed's test_dp_routing.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from policy_operator.runtime.router import Router, all_ready
+
+
+def test_single_replica_is_degenerate() -> None:
+    r = Router(1)
+    assert [r.acquire() for _ in range(3)] == [0, 0, 0]
+    assert r.in_flight == [3]
+
+
+def test_idle_pod_round_robins() -> None:
+    r = Router(3)
+    picks = []
+    for _ in range(6):
+        i = r.acquire()
+        picks.append(i)
+        r.release(i)
+    assert picks == [0, 1, 2, 0, 1, 2]
+
+
+def test_least_in_flight_wins() -> None:
+    r = Router(2)
+    a = r.acquire()
+    b = r.acquire()
+    assert {a, b} == {0, 1}  # concurrent requests spread over both replicas
+    r.release(a)
+    assert r.acquire() == a  # the one that finished is the least loaded
+    c = r.acquire()
+    assert r.in_flight == [2, 1] or r.in_flight == [1, 2]
+    assert c in (0, 1)
+
+
+def test_busy_replica_is_skipped() -> None:
+    r = Router(3)
+    first = r.acquire()
+    for _ in range(4):
+        i = r.acquire()
+        assert i != first  # the busy replica never gets a request while others idle
+        r.release(i)
+
+
+def test_session_sticks_even_when_busy() -> None:
+    r = Router(2)
+    s = r.acquire("robot-a")
+    other = r.acquire("robot-b")
+    assert other != s
+    for _ in range(3):
+        assert r.acquire("robot-a") == s  # state of a session lives on its replica
+    assert r.in_flight[s] == 4
+
+
+def test_session_table_is_bounded() -> None:
+    r = Router(2, max_sessions=2)
+    first = r.acquire("a")
+    r.release(first)
+    r.acquire("b")
+    r.acquire("c")  # evicts "a"
+    r.release(0)
+    r.release(1)
+    assert "a" not in r._sessions and set(r._sessions) == {"b", "c"}
+
+
+def test_release_without_acquire_is_an_error() -> None:
+    r = Router(2)
+    with pytest.raises(RuntimeError):
+        r.release(1)
+
+
+def test_ready_only_when_every_rank_answers() -> None:
+    ranks = [{"rank": 0, "ready": True}, {"rank": 1, "ready": True}]
+    assert all_ready(ranks, 2)
+    assert not all_ready(ranks[:1], 2)  # a replica that never reported
+    assert not all_ready([ranks[0], {"rank": 1, "ready": False}], 2)
+    assert not all_ready([], 1)
