@@ -31,6 +31,9 @@ from tests.support.net import free_port, wait_for
 
 MiB = 1 << 20
 CLI_TIMEOUT_S = 120
+# The fetch module's own entry point: same add_arguments/main as `policyserver fetch`, without the
+# start-up cost of importing every other subcommand. The registration itself is tested below.
+FETCH_CMD = [sys.executable, "-m", "policy_operator.runtime.fetch"]
 
 
 def make_checkpoint(directory: Path, weights_size: int = 2 * MiB) -> Path:
@@ -50,12 +53,12 @@ def same_tree(a: Path, b: Path) -> None:
 
 
 def run_fetch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "policy_operator.cli", "fetch", *args], env=env,
+    return subprocess.run([*FETCH_CMD, *args], env=env,
                           capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
 
 
 def popen_fetch(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "policy_operator.cli", "fetch", *args], env=env,
+    return subprocess.Popen([*FETCH_CMD, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -95,6 +98,17 @@ def test_http_fetch_verifies_then_second_fetch_sends_nothing(server, src_root, t
         assert again.stdout.strip().splitlines()[-1] == str(final)
         assert "already complete" in again.stderr
     assert len(server.requests) == before, "a complete checkpoint must not touch the network"
+
+
+def test_registered_as_policyserver_fetch(server, tmp_path, cli_env):
+    url = server.url_for("ckpt/")
+    res = subprocess.run(["policyserver", "fetch", url, str(tmp_path / "models"), "--quiet"], env=cli_env,
+                         capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(tmp_path / "models" / request_key(url)) and res.stderr == ""
+    usage = subprocess.run(["policyserver", "fetch"], env=cli_env, capture_output=True, text=True,
+                           timeout=CLI_TIMEOUT_S)
+    assert usage.returncode == EXIT_USAGE and "SOURCE" in usage.stderr
 
 
 def test_four_concurrent_processes_download_once(server, src_root, tmp_path, cli_env):
@@ -340,7 +354,7 @@ def test_disk_full_exits_5(server, tmp_path, cli_env):
     dest.mkdir()
     url = server.url_for("ckpt/")
     script = f'mount -t tmpfs -o size=1m tmpfs "{dest}" && exec "$@"'
-    cmd = ["unshare", "-m", "sh", "-c", script, "sh", sys.executable, "-m", "policy_operator.cli", "fetch", url, str(dest)]
+    cmd = ["unshare", "-m", "sh", "-c", script, "sh", *FETCH_CMD, url, str(dest)]
     probe = subprocess.run(["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=1m tmpfs "{dest}"'],
                            capture_output=True, timeout=30)
     if probe.returncode != 0:

@@ -16,6 +16,7 @@ from policy_operator.runtime.fetch import EXIT_SOURCE, EXIT_USAGE, EXIT_VERIFY, 
 from tests.support.hub_stub import HubStub
 
 MiB = 1 << 20
+FETCH_CMD = [sys.executable, "-m", "policy_operator.runtime.fetch"]  # see tests/test_fetch.py
 REPO = "lab/pi0-tiny"
 TOKEN = "hf_stubTOKEN0123456789secret"
 
@@ -40,7 +41,7 @@ def hub_env(cli_env: dict[str, str], hub: HubStub, home: Path, token: str | None
 
 
 def run_fetch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "policy_operator.cli", "fetch", *args], env=env,
+    return subprocess.run([*FETCH_CMD, *args], env=env,
                           capture_output=True, text=True, timeout=120)
 
 
