@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 import threading
 import urllib.parse
 import urllib.request
@@ -17,13 +19,14 @@ from typing import Any
 
 import kopf
 import kubernetes.client
+import kubernetes.watch
 import pytest
 import yaml
 from kopf.testing import KopfRunner
 
 from tests.support import kube_patches, kube_schema, kube_selectors, kube_tables
 from tests.support.kube_emulator import KubeEmulator, KubectlError, api_path
-from tests.support.kube_fixtures import kube  # noqa: F401 - the fixture
+from tests.support.kube_fixtures import kube, kube_module  # noqa: F401 - the fixtures
 from tests.support.net import wait_for
 
 GV = "example.test/v1"
@@ -465,6 +468,14 @@ def test_garbage_collection_in_foreground_and_orphaning(kube: KubeEmulator) -> N
     assert kube.get("v1", "secrets", "orphan", "default")["metadata"]["ownerReferences"] == []
 
 
+def test_delete_collection_by_selector(kube: KubeEmulator) -> None:
+    for name, tier in (("a", "x"), ("b", "x"), ("c", "y")):
+        kube.create("v1", "configmaps", configmap(name, {"tier": tier}), "default")
+    deleted = kube.request("DELETE", "/api/v1/namespaces/default/configmaps", params={"labelSelector": "tier=x"})
+    assert sorted(i["metadata"]["name"] for i in deleted["items"]) == ["a", "b"]
+    assert [c["metadata"]["name"] for c in kube.list("v1", "configmaps", "default")] == ["c"]
+
+
 def test_deleting_a_namespace_deletes_its_content(kube: KubeEmulator) -> None:
     kube.create_namespace("gone")
     kube.create("v1", "configmaps", configmap("a"), "gone")
@@ -483,6 +494,7 @@ def test_deleting_a_namespace_deletes_its_content(kube: KubeEmulator) -> None:
 
 def test_discovery_of_builtin_groups(kube: KubeEmulator) -> None:
     assert kube.request("GET", "/api")["versions"] == ["v1"]
+    assert kube.kubectl("get", "--raw", "/readyz").stdout == "ok"
     core = kube.request("GET", "/api/v1")
     assert core["groupVersion"] == "v1"  # kmock says "/v1", which kubectl rejects
     groups = {g["name"]: g for g in kube.request("GET", "/apis")["groups"]}
@@ -596,6 +608,10 @@ def test_kmock_reactions_still_intercept(kube: KubeEmulator) -> None:
     assert exc.value.status == 503
     assert kube.get("v1", "configmaps", "healthy", "default") is None  # other paths keep the emulated semantics
     assert len(kube.api["get /api/v1/namespaces/default/configmaps/faulty"]) == 1
+    kube.create("v1", "configmaps", configmap("tracked"), "default")
+    kube.patch("v1", "configmaps", "tracked", {"data": {"k": "v"}}, "default")
+    history = kube.api.objects["v1/configmaps", "default", "tracked"].history  # kmock keeps every stored version
+    assert [v.raw["data"] for v in history] == [{}, {"k": "v"}]
 
 
 def test_typed_client_works_against_the_emulator(kube: KubeEmulator) -> None:
@@ -609,6 +625,22 @@ def test_typed_client_works_against_the_emulator(kube: KubeEmulator) -> None:
     apps.create_namespaced_stateful_set("default", body)
     apps.patch_namespaced_stateful_set_status("s", "default", {"status": {"replicas": 1, "readyReplicas": 1}})
     assert apps.read_namespaced_stateful_set("s", "default").status.ready_replicas == 1
+
+
+def test_client_watch_follows_pods_of_a_node(kube: KubeEmulator) -> None:
+    """What a kubelet (the local node) does: watch the pods bound to it and report their status."""
+    for name, node in (("mine", "node-1"), ("other", "node-2")):
+        kube.create("v1", "pods", {"metadata": {"name": name}, "spec": {"nodeName": node, "containers": []}}, "default")
+    core = kubernetes.client.CoreV1Api(kube.api_client)
+    seen = []
+    for event in kubernetes.watch.Watch().stream(core.list_pod_for_all_namespaces, field_selector="spec.nodeName=node-1", timeout_seconds=5):
+        seen.append((event["type"], event["object"].metadata.name, event["object"].status.phase))
+        if len(seen) == 1:
+            kube.patch_status("v1", "pods", "other", {"phase": "Running"}, "default")  # not ours: filtered out
+            kube.patch_status("v1", "pods", "mine", {"phase": "Running"}, "default")
+        else:
+            break
+    assert seen == [("ADDED", "mine", "Pending"), ("MODIFIED", "mine", "Running")]
 
 
 # --- the real kopf operator ----------------------------------------------------------------------------------
@@ -664,6 +696,26 @@ def test_toy_kopf_operator(kube: KubeEmulator, tmp_path: Path) -> None:
     assert released == ["t1"]
     namespace_lists = [r for r in kube.api if r.url.path == "/api/v1/namespaces" and r.method.value == "GET"]
     assert namespace_lists, "kopf lists namespaces at start (500 in plain kmock)"
+
+
+def test_kopf_in_a_subprocess_logs_in_through_kubeconfig(kube: KubeEmulator, tmp_path: Path) -> None:
+    operator = tmp_path / "operator.py"
+    operator.write_text("import kopf\n\n@kopf.on.create('v1', 'configmaps')\ndef mark(patch, **_):\n    patch.metadata.labels['seen'] = 'yes'\n")
+    proc = subprocess.Popen([sys.executable, "-m", "kopf", "run", "--standalone", "--namespace=default", str(operator)],
+                            env=kube.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        kube.create("v1", "configmaps", configmap("c"), "default")
+        wait_for(lambda: (kube.get("v1", "configmaps", "c", "default")["metadata"].get("labels") or {}).get("seen") == "yes", 30,
+                 what="the subprocess operator's label")
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=30)[0]
+    assert "login_via_client' succeeded" in output  # kopf's own kubeconfig login, pointed here by KUBECONFIG
+
+
+def test_module_scoped_fixture_is_one_server(kube_module: KubeEmulator) -> None:
+    kube_module.create_namespace("module-shared")
+    assert kube_module.get("v1", "namespaces", "module-shared")["metadata"]["name"] == "module-shared"
 
 
 # --- the pure pieces ---------------------------------------------------------------------------------------------

@@ -303,6 +303,8 @@ class ApiServer(kmock.KubernetesEmulator):
     async def _serve(self, request: kmock.Request) -> Any:
         method = request.method.value
         path = "/" + request.url.path.strip("/")
+        if method == "GET" and path in ("/healthz", "/livez", "/readyz"):
+            return kmock.Response(status=200, headers={"Content-Type": "text/plain"}, payload=b"ok")
         if method == "GET":
             found = self._serve_discovery(path, request)
             if found is not None:
@@ -320,7 +322,7 @@ class ApiServer(kmock.KubernetesEmulator):
     def _serve_discovery(self, path: str, request: kmock.Request) -> dict[str, Any] | None:
         groups = self._groups()
         if path == "/":
-            return {"paths": sorted({"/api", "/api/v1", "/apis", "/version", "/openapi/v2", "/openapi/v3"}
+            return {"paths": sorted({"/api", "/api/v1", "/apis", "/version", "/openapi/v3", "/healthz", "/livez", "/readyz"}
                                     | {f"/apis/{g}" for g in groups} | {f"/apis/{g}/{v}" for g, vs in groups.items() for v in vs})}
         if path == "/version":
             return SERVER_VERSION
@@ -413,7 +415,7 @@ class ApiServer(kmock.KubernetesEmulator):
     def _serve_resource(self, method: str, t: ApiPath, request: kmock.Request) -> Any:
         res = kmock.resource(t.group, t.version, t.plural)
         if res not in self.resources:
-            raise _error(404, "NotFound", f"{_NO_RESOURCE} ({t.qualified} is not served; apply its CRD first?)")
+            raise _error(404, "NotFound", f"{_NO_RESOURCE} ({t.qualified} is not served: a CRD not applied yet, or an API the emulator leaves out)")
         info = self.resources[res]
         if (t.namespace is not None and not info.namespaced) or (info.namespaced and t.namespace is None and (t.name or method == "POST")):
             raise _error(404, "NotFound", f"{_NO_RESOURCE} ({t.qualified} is {'' if info.namespaced else 'not '}namespaced)")
@@ -940,6 +942,10 @@ class ApiServer(kmock.KubernetesEmulator):
         else:
             position = since
         while not self._closing:
+            if position < self._floor:  # fell behind by more than history_limit events while streaming
+                yield {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                                                   "reason": "Expired", "code": 410, "message": f"too old resource version: {position}"}}
+                return
             tick = self._tick
             changes = self._log[bisect.bisect_right(self._log, position, key=lambda c: c.rv):]
             for change in changes:
