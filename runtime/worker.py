@@ -171,6 +171,9 @@ async def _serve_rank0(rt: Runtime) -> int:
     log.info("SIGTERM: draining up to %.1fs", opts.drain_grace_s)
     rt.heartbeat.set_state(RankState.STOPPING)
     drained = await engine.drain(opts.drain_grace_s)
+    # Keep answering /readyz (503 now) for a heartbeat period before the port closes,
+    # so probes and load balancers observe the drain instead of a refused connection.
+    await asyncio.sleep(min(opts.heartbeat_s, opts.drain_grace_s))
     await server.stop()
     await loop.run_in_executor(None, engine.stop_replicas)
     rt.heartbeat.stop()
