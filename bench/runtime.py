@@ -1,0 +1,223 @@
+"""Runtime benchmark: CFG strategies, CFG-parallel, data-parallel and server overhead, side by side.
+
+Every row comes from the same run on the same machine, so ratios compare like
+with like.  Servers are real ``policyserver serve`` processes (torchrun for
+multi-rank layouts); latency is the server's own ``infer_ms`` unless marked as
+a WebSocket round trip.
+
+    python bench/runtime.py                       # CPU, tiny model, 1 thread per rank
+    python bench/runtime.py --device cuda --size base --dtype bfloat16   # on the GPU
+
+CPU caveat (2 cores here): cfgp=2 is compared with a 1-thread single rank, the
+fair baseline when each rank owns one core; a GPU run compares one GPU per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, checkpoint: Path, args: argparse.Namespace, cfgp: int, dp: int, cfg_mode: str) -> None:
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", str(checkpoint), "--host",
+               "127.0.0.1", "--port", str(self.port), "--cfgp", str(cfgp), "--dp", str(dp), "--steps",
+               str(args.steps), "--guidance", "3.0", "--device", args.device, "--dtype", args.dtype,
+               "--cfg-mode", cfg_mode, "--log-level", "WARNING"]
+        if args.device == "cpu":
+            cmd += ["--threads", "1"]
+        if args.compile:
+            cmd += ["--compile"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as r:
+                    if json.loads(r.read())["ready"]:
+                        break
+            except Exception:  # noqa: BLE001
+                pass
+            time.sleep(0.2)
+        else:
+            raise TimeoutError("server not ready")
+        self.url = f"ws://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _session(url: str, n: int, seed: int, out: list[tuple[float, float]]) -> None:
+    from websockets.sync.client import connect
+
+    from policy_operator.runtime import wire
+    from policy_operator.runtime.client import robolab_observation
+
+    with connect(url, compression=None, max_size=None) as ws:
+        meta = wire.unpackb(ws.recv(timeout=60))
+        frames = [wire.packb(robolab_observation(meta, seed + i, fixed_seed=i)) for i in range(n)]
+        for frame in frames:
+            t0 = time.perf_counter()
+            ws.send(frame)
+            reply = wire.unpackb(ws.recv(timeout=600))
+            out.append(((time.perf_counter() - t0) * 1e3, float(reply["server_timing"]["infer_ms"])))
+
+
+def measure(url: str, n: int, concurrency: int = 1, warmup: int = 3) -> dict[str, float]:
+    _session(url, warmup, 999, [])
+    results: list[tuple[float, float]] = []
+    threads = [threading.Thread(target=_session, args=(url, n, 1000 * c, results)) for c in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    rtt = [r for r, _ in results]
+    infer = [i for _, i in results]
+    return {"rtt_p50": float(np.percentile(rtt, 50)), "rtt_p99": float(np.percentile(rtt, 99)),
+            "infer_p50": float(np.percentile(infer, 50)), "wall_s": wall, "n": len(results),
+            "rps": len(results) / wall, "overhead_p50": float(np.percentile(np.subtract(rtt, infer), 50))}
+
+
+def in_process_infer(checkpoint: Path, args: argparse.Namespace, n: int) -> float:
+    """The same request without any server: prepare + sample + postprocess, one thread."""
+    import torch
+
+    from policy_operator.runtime.policy import parse_dtype
+    from policy_operator.runtime.reference import ReferencePolicy
+    from policy_operator.runtime.sampler import sample_actions
+
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    policy = ReferencePolicy.load(str(checkpoint), device=device, dtype=parse_dtype(args.dtype))
+    obs = policy.example_observation(0)
+    mode = "batched" if args.device == "cuda" else "sequential"
+    times = []
+    for i in range(n + 3):
+        t0 = time.perf_counter()
+        x = sample_actions(policy, policy.prepare(obs), i, steps=args.steps, guidance=3.0, mode=mode)
+        policy.postprocess(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[3:])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="small", choices=["tiny", "small", "base"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--n", type=int, default=20, help="requests per measurement")
+    p.add_argument("--dp", type=int, default=2, help="replicas for the data-parallel rows")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--out", default=None, help="markdown file (default bench/results/runtime-<device>.md)")
+    args = p.parse_args()
+
+    from policy_operator.runtime.reference import init_checkpoint
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-runtime-"))
+    checkpoint = init_checkpoint(tmp / args.size, args.size)
+    rows: list[tuple[str, str, float, float, str]] = []
+
+    def run(label: str, cfgp: int, dp: int, mode: str, concurrency: int = 1) -> dict[str, float]:
+        server = Server(checkpoint, args, cfgp, dp, mode)
+        try:
+            m = measure(server.url, args.n, concurrency)
+        finally:
+            server.close()
+        print(f"{label:<44} infer p50 {m['infer_p50']:8.2f} ms  rtt p50 {m['rtt_p50']:8.2f} ms  "
+              f"wall {m['wall_s']:.2f}s", flush=True)
+        return m
+
+    seq = run("cfgp=1 sequential CFG (1 rank)", 1, 1, "sequential")
+    bat = run("cfgp=1 batched CFG (1 rank)", 1, 1, "batched")
+    par = run("cfgp=2 CFG-parallel (2 ranks)", 2, 1, "sequential")
+    one = run(f"dp={args.dp}: 1 client", 1, args.dp, "sequential" if args.device == "cpu" else "batched")
+    many = run(f"dp={args.dp}: {args.dp} concurrent clients", 1, args.dp,
+               "sequential" if args.device == "cpu" else "batched", concurrency=args.dp)
+    base = run("dp=1: same clients, serialized", 1, 1, "sequential" if args.device == "cpu" else "batched",
+               concurrency=args.dp)
+    inproc = in_process_infer(checkpoint, args, args.n)
+
+    rows = [
+        ("sequential CFG, 1 rank", f"{seq['infer_p50']:.2f}", 1.0, "baseline"),
+        ("batched CFG, 1 rank", f"{bat['infer_p50']:.2f}", bat["infer_p50"] / seq["infer_p50"], "vs sequential"),
+        ("cfgp=2, 2 ranks", f"{par['infer_p50']:.2f}", par["infer_p50"] / seq["infer_p50"],
+         "vs sequential (target <= 0.55 when compute-bound)"),
+        (f"dp={args.dp}, {args.dp} concurrent (wall per request)", f"{many['wall_s'] / args.n * 1e3:.2f}",
+         (many["wall_s"] / args.n) / (one["wall_s"] / args.n), f"vs 1 client on dp={args.dp} (target <= 1.1)"),
+        (f"dp=1, {args.dp} concurrent (wall per request)", f"{base['wall_s'] / args.n * 1e3:.2f}",
+         (base["wall_s"] / args.n) / (one["wall_s"] / args.n), "control: serialized on one replica (~dp x)"),
+    ]
+    overhead = seq["rtt_p50"] - inproc
+    out = Path(args.out or REPO / "bench" / "results" / f"runtime-{args.device}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"# Runtime benchmark ({args.device}, size={args.size}, steps={args.steps}, dtype={args.dtype}"
+        f"{', compiled' if args.compile else ''})",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores{'; ' + _gpu_name() if args.device == 'cuda' else ''}. "
+        f"{args.n} requests per row, p50 of the server's infer_ms unless stated. One run, side by side.",
+        "",
+        "| configuration | ms | ratio | compared with |",
+        "|---|---:|---:|---|",
+        *[f"| {a} | {b} | {c:.2f} | {d} |" for a, b, c, d in rows],
+        "",
+        "| server overhead | ms |",
+        "|---|---:|",
+        f"| WebSocket round trip p50 (sequential, 1 rank) | {seq['rtt_p50']:.2f} |",
+        f"| in-process prepare + sample + postprocess p50 | {inproc:.2f} |",
+        f"| overhead = round trip - in-process | {overhead:.2f} |",
+        f"| overhead = round trip - server infer_ms (p50 per request) | {seq['overhead_p50']:.2f} |",
+        "",
+        f"Reproduce: `python bench/runtime.py --device {args.device} --size {args.size} --steps {args.steps} "
+        f"--dtype {args.dtype}{' --compile' if args.compile else ''}`",
+        "",
+    ]
+    out.write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
