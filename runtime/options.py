@@ -11,11 +11,11 @@ import argparse
 from dataclasses import dataclass
 
 from policy_operator.constants import DEFAULT_PORT
-from policy_operator.runtime.server import DEFAULT_MAX_MESSAGE_BYTES
 
 DEFAULT_GUIDANCE = 3.0
 DEFAULT_STEPS = 10
 DEFAULT_CACHE_DIR = ".cache/checkpoints"
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,13 @@ from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 from policy_operator.runtime import wire
 from policy_operator.runtime.engine import Engine, NotReady
 from policy_operator.runtime.metrics import ServerMetrics
+from policy_operator.runtime.options import DEFAULT_MAX_MESSAGE_BYTES
 from policy_operator.runtime.policy import InvalidObservation
 from policy_operator.runtime.replica import RequestFailed
 
 log = logging.getLogger(__name__)
 
 ErrorFormat = Literal["text", "dict"]
-DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
