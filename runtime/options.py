@@ -16,6 +16,7 @@ DEFAULT_GUIDANCE = 3.0
 DEFAULT_STEPS = 10
 DEFAULT_CACHE_DIR = ".cache/checkpoints"
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+DEFAULT_POLICY = "policy_operator.runtime.reference:ReferencePolicy"
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,6 @@ class ServeOptions:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from policy_operator.runtime.policy import DEFAULT_POLICY
-
     g = p.add_argument_group("model")
     g.add_argument("--checkpoint", required=True,
                    help="checkpoint directory, or a source (hf://org/repo[@rev], http(s)://, s3://, file://) that "

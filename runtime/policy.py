@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-DEFAULT_POLICY = "policy_operator.runtime.reference:ReferencePolicy"
+from policy_operator.runtime.options import DEFAULT_POLICY  # noqa: F401 - re-exported
 
 
 class Branch(IntEnum):
