@@ -52,7 +52,9 @@ class Server:
         if args.device == "cpu":
             cmd += ["--threads", "1"]
         if args.compile:
-            cmd += ["--compile"]
+            cmd += ["--compile", args.compile]
+        if args.backend != "auto":
+            cmd += ["--backend", args.backend]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -143,7 +145,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--n", type=int, default=20, help="requests per measurement")
     p.add_argument("--dp", type=int, default=2, help="replicas for the data-parallel rows")
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", default=None, metavar="MODE", help="torch.compile mode for the servers")
+    p.add_argument("--backend", default="auto", help="gloo lets ranks share one GPU (functional check)")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/runtime-<device>.md)")
     args = p.parse_args()
 
@@ -188,7 +191,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [
         f"# Runtime benchmark ({args.device}, size={args.size}, steps={args.steps}, dtype={args.dtype}"
-        f"{', compiled' if args.compile else ''})",
+        f"{', compile=' + args.compile if args.compile else ''}, backend={args.backend})",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores{'; ' + _gpu_name() if args.device == 'cuda' else ''}. "
         f"{args.n} requests per row, p50 of the server's infer_ms unless stated. One run, side by side.",
@@ -205,7 +208,8 @@ def main() -> int:
         f"| overhead = round trip - server infer_ms (p50 per request) | {seq['overhead_p50']:.2f} |",
         "",
         f"Reproduce: `python bench/runtime.py --device {args.device} --size {args.size} --steps {args.steps} "
-        f"--dtype {args.dtype}{' --compile' if args.compile else ''}`",
+        f"--dtype {args.dtype}"
+        f"{' --compile ' + args.compile if args.compile else ''} --backend {args.backend}`",
         "",
     ]
     out.write_text("\n".join(lines))

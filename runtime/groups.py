@@ -55,12 +55,20 @@ class Groups:
         return self.layout.driver_rank(self.dp_index)
 
 
-def init_distributed(layout: ParallelLayout, device: torch.device, pg_timeout: timedelta) -> Groups:
+def data_backend(device: torch.device, requested: str = "auto") -> str:
+    """NCCL on CUDA, gloo on CPU; gloo on CUDA only as a functional check of ranks sharing one GPU."""
+    if requested != "auto":
+        return requested
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(layout: ParallelLayout, device: torch.device, pg_timeout: timedelta,
+                     backend: str = "auto") -> Groups:
     """Join the torchrun job and build every group; single-process serving skips it."""
     if layout.world_size == 1:
         return Groups(layout, 0)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    backend = data_backend(device, backend)
+    kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend=backend, timeout=pg_timeout, **kwargs)
     rank = dist.get_rank()
     if dist.get_world_size() != layout.world_size:
@@ -81,12 +89,18 @@ def init_distributed(layout: ParallelLayout, device: torch.device, pg_timeout: t
     return groups
 
 
-def select_device(name: str) -> torch.device:
-    """One GPU per rank by LOCAL_RANK; CPU otherwise."""
+def select_device(name: str, share: bool = False) -> torch.device:
+    """One GPU per rank by LOCAL_RANK; CPU otherwise.
+
+    ``share`` lets ranks outnumber GPUs (``--backend gloo`` functional checks on
+    one GPU); in production a missing GPU is an error, not a silent share.
+    """
     if name == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda but no CUDA device is visible")
         index = int(os.environ.get("LOCAL_RANK", "0"))
+        if share:
+            index %= torch.cuda.device_count()
         if index >= torch.cuda.device_count():
             raise RuntimeError(f"LOCAL_RANK {index} but only {torch.cuda.device_count()} CUDA devices are visible")
         torch.cuda.set_device(index)

@@ -40,8 +40,9 @@ class ServeOptions:
     heartbeat_s: float
     drain_grace_s: float
     pg_timeout_s: float
+    backend: str
     threads: int | None
-    compile: bool
+    compile: str | None
     log_level: str
 
     @classmethod
@@ -59,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default=DEFAULT_POLICY, help="Policy class as pkg.module:Class (default %(default)s)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default %(default)s)")
-    g.add_argument("--compile", action="store_true", help="torch.compile the denoiser (CUDA)")
+    g.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                   help="torch.compile the denoiser; MODE default | reduce-overhead (CUDA graphs) | max-autotune")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
     g = p.add_argument_group("layout and sampling")
     g.add_argument("--cfgp", type=int, default=1, help="classifier-free-guidance parallel degree, 1 or 2")
@@ -82,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long in-flight requests may finish (default %(default)s)")
     g.add_argument("--pg-timeout-s", type=float, default=1800.0,
                    help="timeout of the per-request collectives; idle waits never use it (default %(default)s)")
+    g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="per-step collective backend; auto = nccl on cuda, gloo on cpu; gloo on cuda lets ranks "
+                        "share one GPU (functional checks only)")
     g.add_argument("--log-level", default="INFO")
 
 

@@ -96,7 +96,7 @@ class Policy(ABC):
     def postprocess(self, x: torch.Tensor) -> np.ndarray:
         """Final x -> float32 actions [horizon, action_dim] (output rank only)."""
 
-    def compile(self) -> None:
+    def compile(self, mode: str = "default") -> None:
         """Optional speed-up hook (``--compile``), e.g. torch.compile of the denoiser."""
 
     def metadata(self) -> dict[str, Any]:

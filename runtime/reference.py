@@ -214,9 +214,10 @@ class ReferencePolicy(Policy):
             raise CheckpointError(f"{root / WEIGHTS_FILE} does not match {CONFIG_FILE}: {exc}") from exc
         return cls(cfg, model, device, dtype)
 
-    def compile(self) -> None:
-        # Shapes are fixed per checkpoint (batch 1 or 2), so one compiled graph per batch size.
-        self.model.velocity = torch.compile(self.model.velocity, dynamic=False)  # type: ignore[method-assign]
+    def compile(self, mode: str = "default") -> None:
+        # Shapes are fixed per checkpoint (batch 1 or 2), so one graph per batch size;
+        # mode="reduce-overhead" also replays each step as a CUDA graph.
+        self.model.velocity = torch.compile(self.model.velocity, mode=mode, dynamic=False)  # type: ignore[method-assign]
 
     @property
     def action_shape(self) -> tuple[int, int]:

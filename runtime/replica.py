@@ -67,7 +67,10 @@ class ReplicaWorker:
         self.settings = settings
         self.heartbeat = heartbeat
         self.completed = 0
-        self._cfg = CfgGroup(groups.cfg, groups.cfg_index) if groups.layout.cfgp == 2 else None
+        self._cfg = None
+        if groups.layout.cfgp == 2:
+            staging = policy.device.type == "cuda" and dist.get_backend(groups.cfg) == "gloo"
+            self._cfg = CfgGroup(groups.cfg, groups.cfg_index, staging)
 
     def _sample(self, job: Job) -> torch.Tensor:
         s = self.settings

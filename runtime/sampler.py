@@ -46,6 +46,7 @@ class CfgGroup:
 
     group: dist.ProcessGroup
     cfg_index: int  # 0 = conditional branch, 1 = unconditional
+    host_staging: bool = False  # gloo with CUDA tensors: exchange through host memory
 
 
 def sample_actions(
@@ -82,8 +83,11 @@ def sample_actions(
                     v, failed = torch.zeros_like(x), failed + 1
                     ctx = None  # stop computing, keep joining the collectives
                 payload = torch.cat([v.float().flatten(), failed.reshape(1)])
+                if cfg_group.host_staging:
+                    payload = payload.cpu()
                 gathered = [torch.empty_like(payload) for _ in range(2)]
                 dist.all_gather(gathered, payload, group=cfg_group.group)
+                gathered = [g.to(x.device, non_blocking=True) for g in gathered]
                 c = gathered[0][:-1].view_as(x).to(x.dtype)
                 u = gathered[1][:-1].view_as(x).to(x.dtype)
                 failed = torch.maximum(gathered[0][-1], gathered[1][-1])

@@ -75,8 +75,8 @@ class Runtime:
         self.opts = opts
         self.layout = layout
         device_name = opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = select_device(device_name)
-        self.groups = init_distributed(layout, self.device, timedelta(seconds=opts.pg_timeout_s))
+        self.device = select_device(device_name, share=opts.backend == "gloo")
+        self.groups = init_distributed(layout, self.device, timedelta(seconds=opts.pg_timeout_s), opts.backend)
         self.rank = self.groups.rank
         if layout.world_size > 1:
             self.kv_factory = StoreKV.from_env
@@ -113,7 +113,7 @@ class Runtime:
         cls = load_policy_class(self.opts.policy)
         policy = cls.load(path, device=self.device, dtype=parse_dtype(self.opts.dtype))
         if self.opts.compile:
-            policy.compile()
+            policy.compile(self.opts.compile)
         worker = ReplicaWorker(policy, self.groups, self.settings, self.heartbeat)
         if self.groups.cfg_index == 0:
             warm = policy.prepare(policy.example_observation(0))
