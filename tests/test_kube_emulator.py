@@ -549,7 +549,10 @@ def test_bad_crds_are_rejected(kube: KubeEmulator) -> None:
 
 def test_kubectl_workflow(widgets: KubeEmulator, tmp_path: Path) -> None:
     kube = widgets
-    kube.kubectl("create", "namespace", "flow")
+    kube.kubectl("create", "namespace", "flow")  # kubectl sends this one (and create secret/configmap) as protobuf
+    kube.kubectl("create", "secret", "generic", "token", "-n", "flow", "--from-literal=t=tok")
+    secret = kube.get("v1", "secrets", "token", "flow")
+    assert (secret["data"], secret["type"]) == ({"t": "dG9r"}, "Opaque")
     kube.kubectl("apply", "-n", "flow", "-f", str(write_yaml(tmp_path / "w.yaml", widget("w") | {"metadata": {"name": "w", "labels": {"t": "1"}}})))
     assert kube.kubectl("get", "wd", "-n", "flow", "-l", "t=1", "-o", "name").stdout.strip() == "widget.example.test/w"
     kube.kubectl("apply", "-n", "flow", "-f", str(write_yaml(tmp_path / "w.yaml", widget("w", size="big"))))  # an update: merge patch
@@ -561,6 +564,8 @@ def test_kubectl_workflow(widgets: KubeEmulator, tmp_path: Path) -> None:
     watcher.join()
     streamed = kube.kubectl("get", "wd", "-n", "flow", "-w", "--request-timeout=2s", check=False)
     assert "w " in streamed.stdout  # `get -w` lists, then watches until the client timeout
+    assert kube.kubectl("get", "wd", "-A", "--no-headers").stdout.split()[:2] == ["flow", "w"]
+    assert "Kind:         Widget" in kube.kubectl("describe", "widget", "w", "-n", "flow").stdout
     kube.kubectl("delete", "-n", "flow", "widget", "w", "--timeout=20s")
     assert kube.get(GV, "widgets", "w", "flow") is None
     with pytest.raises(KubectlError, match="NotFound"):
