@@ -31,7 +31,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def _free_port() -> int:
@@ -95,6 +94,18 @@ def _session(url: str, n: int, seed: int, out: list[tuple[float, float]]) -> Non
             out.append(((time.perf_counter() - t0) * 1e3, float(reply["server_timing"]["infer_ms"])))
 
 
+def fixed_seed_actions(url: str) -> np.ndarray:
+    from websockets.sync.client import connect
+
+    from policy_operator.runtime import wire
+    from policy_operator.runtime.client import robolab_observation
+
+    with connect(url, compression=None, max_size=None) as ws:
+        meta = wire.unpackb(ws.recv(timeout=60))
+        ws.send(wire.packb(robolab_observation(meta, 5, fixed_seed=1234)))
+        return np.array(wire.unpackb(ws.recv(timeout=600))["actions"])
+
+
 def measure(url: str, n: int, concurrency: int = 1, warmup: int = 3) -> dict[str, float]:
     _session(url, warmup, 999, [])
     results: list[tuple[float, float]] = []
@@ -147,19 +158,24 @@ def main() -> int:
     p.add_argument("--dp", type=int, default=2, help="replicas for the data-parallel rows")
     p.add_argument("--compile", default=None, metavar="MODE", help="torch.compile mode for the servers")
     p.add_argument("--backend", default="auto", help="gloo lets ranks share one GPU (functional check)")
+    p.add_argument("--checkpoint", default=None, help="reuse a checkpoint instead of initialising one")
+    p.add_argument("--clients", default="1", help="comma-separated client counts for the throughput table")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/runtime-<device>.md)")
     args = p.parse_args()
 
     from policy_operator.runtime.reference import init_checkpoint
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-runtime-"))
-    checkpoint = init_checkpoint(tmp / args.size, args.size)
-    rows: list[tuple[str, str, float, float, str]] = []
+    if args.checkpoint:
+        checkpoint = Path(args.checkpoint)
+    else:
+        checkpoint = init_checkpoint(Path(tempfile.mkdtemp(prefix="bench-runtime-")) / args.size, args.size)
+    actions: dict[str, np.ndarray] = {}
 
     def run(label: str, cfgp: int, dp: int, mode: str, concurrency: int = 1) -> dict[str, float]:
         server = Server(checkpoint, args, cfgp, dp, mode)
         try:
             m = measure(server.url, args.n, concurrency)
+            actions[label] = fixed_seed_actions(server.url)
         finally:
             server.close()
         print(f"{label:<44} infer p50 {m['infer_p50']:8.2f} ms  rtt p50 {m['rtt_p50']:8.2f} ms  "
@@ -174,17 +190,23 @@ def main() -> int:
                "sequential" if args.device == "cpu" else "batched", concurrency=args.dp)
     base = run("dp=1: same clients, serialized", 1, 1, "sequential" if args.device == "cpu" else "batched",
                concurrency=args.dp)
+    fast = "sequential" if args.device == "cpu" else "batched"
+    throughput = [(c, run(f"1 rank, {fast} CFG, {c} concurrent clients", 1, 1, fast, concurrency=c))
+                  for c in (int(x) for x in args.clients.split(","))]
     inproc = in_process_infer(checkpoint, args, args.n)
+    ref = actions["cfgp=1 sequential CFG (1 rank)"]
+    equality = [(label, float(np.abs(a - ref).max()), bool(np.array_equal(a, ref))) for label, a in actions.items()]
 
     rows = [
         ("sequential CFG, 1 rank", f"{seq['infer_p50']:.2f}", 1.0, "baseline"),
         ("batched CFG, 1 rank", f"{bat['infer_p50']:.2f}", bat["infer_p50"] / seq["infer_p50"], "vs sequential"),
         ("cfgp=2, 2 ranks", f"{par['infer_p50']:.2f}", par["infer_p50"] / seq["infer_p50"],
          "vs sequential (target <= 0.55 when compute-bound)"),
-        (f"dp={args.dp}, {args.dp} concurrent (wall per request)", f"{many['wall_s'] / args.n * 1e3:.2f}",
-         (many["wall_s"] / args.n) / (one["wall_s"] / args.n), f"vs 1 client on dp={args.dp} (target <= 1.1)"),
-        (f"dp=1, {args.dp} concurrent (wall per request)", f"{base['wall_s'] / args.n * 1e3:.2f}",
-         (base["wall_s"] / args.n) / (one["wall_s"] / args.n), "control: serialized on one replica (~dp x)"),
+        (f"dp={args.dp}, {args.dp} concurrent clients (wall per round of {args.dp})",
+         f"{many['wall_s'] / args.n * 1e3:.2f}", many["wall_s"] / one["wall_s"],
+         f"vs 1 client on dp={args.dp} (target <= 1.1)"),
+        (f"dp=1, {args.dp} concurrent clients (wall per round of {args.dp})", f"{base['wall_s'] / args.n * 1e3:.2f}",
+         base["wall_s"] / one["wall_s"], "control: serialized on one replica (~dp x)"),
     ]
     overhead = seq["rtt_p50"] - inproc
     out = Path(args.out or REPO / "bench" / "results" / f"runtime-{args.device}.md")
@@ -199,6 +221,15 @@ def main() -> int:
         "| configuration | ms | ratio | compared with |",
         "|---|---:|---:|---|",
         *[f"| {a} | {b} | {c:.2f} | {d} |" for a, b, c, d in rows],
+        "",
+        "| throughput (1 rank) | clients | p50 ms | p99 ms | requests/s |",
+        "|---|---:|---:|---:|---:|",
+        *[f"| WebSocket round trip | {c} | {m['rtt_p50']:.2f} | {m['rtt_p99']:.2f} | {m['rps']:.1f} |"
+          for c, m in throughput],
+        "",
+        "| same seed, every server | max abs diff vs sequential 1 rank | bitwise equal |",
+        "|---|---:|---|",
+        *[f"| {label} | {d:.1e} | {eq} |" for label, d, eq in equality],
         "",
         "| server overhead | ms |",
         "|---|---:|",
