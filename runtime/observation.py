@@ -42,7 +42,10 @@ def _float_vector(obs: Mapping[str, Any], key: str, size: int) -> np.ndarray:
     if key not in obs:
         raise InvalidObservation(f"missing key {key!r}")
     value = obs[key]
-    arr = np.asarray(value) if isinstance(value, (list, tuple, float, int, np.generic)) else value
+    try:
+        arr = np.asarray(value) if isinstance(value, (list, tuple, float, int, np.generic)) else value
+    except (ValueError, TypeError) as exc:  # a ragged list such as [1, [2, 3]]
+        raise InvalidObservation(f"{key!r} must be a flat list of numbers: {exc}") from None
     if not isinstance(arr, np.ndarray):
         raise InvalidObservation(f"{key!r} must be a float array, got {type(value).__name__}")
     if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:

@@ -55,7 +55,10 @@ class ServerConfig:
 def read_token(path: str | None) -> str | None:
     if not path:
         return None
-    token = Path(path).read_text().strip()
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read auth token file {path}: {exc.strerror or exc}") from None
     if not token:
         raise ValueError(f"auth token file {path} is empty")
     return token
@@ -158,7 +161,8 @@ class PolicyWebSocketServer:
             await ws.send(wire.packb(wire.error_dict(kind, message)))
             return True
         await ws.send(f"{kind}: {message}")
-        await ws.close(1011, f"{kind}: {message}"[:120])
+        # A close reason may hold 123 bytes of UTF-8; cut by bytes, not characters, or close() itself raises.
+        await ws.close(1011, f"{kind}: {message}".encode()[:123].decode("utf-8", "ignore"))
         return False
 
     # --- lifecycle ----------------------------------------------------------------------

@@ -90,7 +90,8 @@ def unpackb(data: bytes) -> Any:
         return msgpack.unpackb(data, object_hook=_unpack_hook, strict_map_key=False)
     except WireError:
         raise
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+    except (ValueError, TypeError, OverflowError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        # OverflowError: a scalar whose value does not fit its dtype ({"__npgeneric__", "dtype": "<i8", "data": 2**64-1})
         raise WireError(f"frame is not valid msgpack: {exc}") from exc
 
 

@@ -221,9 +221,12 @@ def _serve_other(rt: Runtime) -> int:
 
 
 def run(opts: options.ServeOptions) -> int:
+    from policy_operator.runtime.server import read_token
+
     try:
         layout = validate_layout(opts)
-    except LayoutError as exc:
+        read_token(opts.auth_token_file)  # a missing or empty token file is a usage error, not a traceback later
+    except ValueError as exc:  # LayoutError is one
         print(f"policyserver: error: {exc}", file=sys.stderr)
         return EXIT_LAYOUT
     rank = int(os.environ.get("RANK", "0"))
