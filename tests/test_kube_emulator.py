@@ -38,24 +38,42 @@ WIDGET_CRD = {
         "group": "example.test",
         "scope": "Namespaced",
         "names": {"plural": "widgets", "singular": "widget", "kind": "Widget", "shortNames": ["wd"], "categories": ["all"]},
-        "versions": [{
-            "name": "v1", "served": True, "storage": True,
-            "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
-                                                     "labelSelectorPath": ".status.selector"}},
-            "additionalPrinterColumns": [
-                {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
-                {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
-                {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-            ],
-            "schema": {"openAPIV3Schema": {"type": "object", "properties": {
-                "spec": {"type": "object", "properties": {
-                    "replicas": {"type": "integer", "default": 1, "minimum": 0},
-                    "size": {"type": "string", "enum": ["small", "big"]},
-                    "port": {"x-kubernetes-int-or-string": True},
-                }},
-                "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-            }}},
-        }],
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {
+                    "status": {},
+                    "scale": {
+                        "specReplicasPath": ".spec.replicas",
+                        "statusReplicasPath": ".status.replicas",
+                        "labelSelectorPath": ".status.selector",
+                    },
+                },
+                "additionalPrinterColumns": [
+                    {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+                    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "properties": {
+                                    "replicas": {"type": "integer", "default": 1, "minimum": 0},
+                                    "size": {"type": "string", "enum": ["small", "big"]},
+                                    "port": {"x-kubernetes-int-or-string": True},
+                                },
+                            },
+                            "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                        },
+                    }
+                },
+            }
+        ],
     },
 }
 # A CRD without a status subresource: .status is then an ordinary field of the main resource.
@@ -64,10 +82,17 @@ GADGET_CRD = {
     "kind": "CustomResourceDefinition",
     "metadata": {"name": "gadgets.example.test"},
     "spec": {
-        "group": "example.test", "scope": "Cluster",
+        "group": "example.test",
+        "scope": "Cluster",
         "names": {"plural": "gadgets", "singular": "gadget", "kind": "Gadget"},
-        "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-            "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+            }
+        ],
     },
 }
 
@@ -107,6 +132,7 @@ def widgets(kube: KubeEmulator) -> KubeEmulator:
 
 
 # --- CREATE ---------------------------------------------------------------------------------
+
 
 def test_create_fills_server_metadata(kube: KubeEmulator) -> None:
     created = kube.create("v1", "configmaps", configmap("a", x="1"), "default")
@@ -181,11 +207,14 @@ def test_list_has_kind_resource_version_and_pages(kube: KubeEmulator) -> None:
     assert int(full["metadata"]["resourceVersion"]) >= max(int(i["metadata"]["resourceVersion"]) for i in full["items"])
     first = kube.request("GET", "/api/v1/namespaces/default/configmaps", params={"limit": "2"})
     assert [i["metadata"]["name"] for i in first["items"]] == ["cm0", "cm1"] and first["metadata"]["remainingItemCount"] == 3
-    rest = kube.request("GET", "/api/v1/namespaces/default/configmaps", params={"limit": "10", "continue": first["metadata"]["continue"]})
+    rest = kube.request(
+        "GET", "/api/v1/namespaces/default/configmaps", params={"limit": "10", "continue": first["metadata"]["continue"]}
+    )
     assert [i["metadata"]["name"] for i in rest["items"]] == ["cm2", "cm3", "cm4"] and "continue" not in rest["metadata"]
 
 
 # --- PATCH and PUT --------------------------------------------------------------------------------
+
 
 def test_merge_patch_bumps_resource_version_and_generation_on_spec_change(widgets: KubeEmulator) -> None:
     created = widgets.create(GV, "widgets", widget("w", size="small"), "default")
@@ -203,8 +232,10 @@ def test_merge_patch_bumps_resource_version_and_generation_on_spec_change(widget
 def test_json_patch_with_test_op_as_kopf_sends_it(kube: KubeEmulator) -> None:
     cm = kube.create("v1", "configmaps", configmap("j"), "default")
     rv = cm["metadata"]["resourceVersion"]
-    ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": rv},
-           {"op": "add", "path": "/metadata/finalizers", "value": ["example.test/f"]}]
+    ops = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+        {"op": "add", "path": "/metadata/finalizers", "value": ["example.test/f"]},
+    ]
     patched = kube.patch("v1", "configmaps", "j", ops, "default", patch_type="json")
     assert patched["metadata"]["finalizers"] == ["example.test/f"] and patched["metadata"]["resourceVersion"] != rv
     with pytest.raises(kubernetes.client.ApiException) as exc:  # the same test op, now stale
@@ -216,16 +247,26 @@ def test_merge_patch_with_stale_resource_version_conflicts(kube: KubeEmulator) -
     cm = kube.create("v1", "configmaps", configmap("m"), "default")
     kube.patch("v1", "configmaps", "m", {"data": {"x": "1"}}, "default")
     with pytest.raises(kubernetes.client.ApiException) as exc:
-        kube.patch("v1", "configmaps", "m", {"metadata": {"resourceVersion": cm["metadata"]["resourceVersion"]}, "data": {"x": "2"}}, "default")
+        kube.patch(
+            "v1",
+            "configmaps",
+            "m",
+            {"metadata": {"resourceVersion": cm["metadata"]["resourceVersion"]}, "data": {"x": "2"}},
+            "default",
+        )
     assert exc.value.status == 409 and status_of(exc)["reason"] == "Conflict"
 
 
 def test_strategic_merge_patch_merges_lists_by_key(kube: KubeEmulator) -> None:
     pod = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "a", "image": "a:1"}, {"name": "b", "image": "b:1"}]}}
     kube.create("v1", "pods", pod, "default")
-    patched = kube.patch("v1", "pods", "p", {"spec": {"containers": [{"name": "b", "image": "b:2"}]}}, "default", patch_type="strategic")
+    patched = kube.patch(
+        "v1", "pods", "p", {"spec": {"containers": [{"name": "b", "image": "b:2"}]}}, "default", patch_type="strategic"
+    )
     assert patched["spec"]["containers"] == [{"name": "a", "image": "a:1"}, {"name": "b", "image": "b:2"}]
-    merged = kube.patch("v1", "pods", "p", {"spec": {"containers": [{"name": "b", "image": "b:3"}]}}, "default", patch_type="merge")
+    merged = kube.patch(
+        "v1", "pods", "p", {"spec": {"containers": [{"name": "b", "image": "b:3"}]}}, "default", patch_type="merge"
+    )
     assert merged["spec"]["containers"] == [{"name": "b", "image": "b:3"}]  # a JSON merge patch replaces lists
 
 
@@ -256,8 +297,14 @@ def test_put_of_custom_resource_needs_resource_version(widgets: KubeEmulator) ->
 
 # --- subresources ---------------------------------------------------------------------------------
 
+
 def test_status_subresource_split_for_builtins(kube: KubeEmulator) -> None:
-    job = kube.create("batch/v1", "jobs", {"metadata": {"name": "j"}, "spec": {"template": {"spec": {"containers": []}}}, "status": {"succeeded": 9}}, "default")
+    job = kube.create(
+        "batch/v1",
+        "jobs",
+        {"metadata": {"name": "j"}, "spec": {"template": {"spec": {"containers": []}}}, "status": {"succeeded": 9}},
+        "default",
+    )
     assert "status" not in job  # create ignores .status for resources with a status subresource
     assert job["spec"]["template"]["metadata"]["labels"]["batch.kubernetes.io/job-name"] == "j"
     patched = kube.patch_status("batch/v1", "jobs", "j", {"succeeded": 1}, "default")
@@ -266,7 +313,9 @@ def test_status_subresource_split_for_builtins(kube: KubeEmulator) -> None:
     assert ignored["status"] == {"succeeded": 1} and ignored["metadata"]["labels"] == {"k": "v"}
     not_spec = kube.patch("batch/v1", "jobs", "j", {"spec": {"parallelism": 3}}, "default", subresource="status")
     assert "parallelism" not in not_spec["spec"]  # a /status write changes only .status
-    pod = kube.create("v1", "pods", {"metadata": {"name": "p"}, "spec": {"containers": []}, "status": {"phase": "Running"}}, "default")
+    pod = kube.create(
+        "v1", "pods", {"metadata": {"name": "p"}, "spec": {"containers": []}, "status": {"phase": "Running"}}, "default"
+    )
     assert pod["status"] == {"phase": "Pending"}  # as kube-apiserver sets it
 
 
@@ -277,7 +326,9 @@ def test_status_subresource_split_for_custom_resources(widgets: KubeEmulator) ->
     main = widgets.patch(GV, "widgets", "w", {"status": {"phase": "Lost"}, "spec": {"size": "big"}}, "default")
     assert main["status"] == {"phase": "Ready"} and main["spec"]["size"] == "big" and main["metadata"]["generation"] == 2
     status = widgets.get(GV, "widgets", "w", "default")
-    replaced = widgets.replace(GV, "widgets", {**status, "status": {"phase": "Done"}, "spec": {"size": "small"}}, "default", subresource="status")
+    replaced = widgets.replace(
+        GV, "widgets", {**status, "status": {"phase": "Done"}, "spec": {"size": "small"}}, "default", subresource="status"
+    )
     assert replaced["status"] == {"phase": "Done"} and replaced["spec"]["size"] == "big"
 
 
@@ -315,9 +366,14 @@ def test_scale_subresource_of_a_statefulset(kube: KubeEmulator) -> None:
 
 
 def test_pod_binding_and_graceful_deletion_on_a_node(kube: KubeEmulator) -> None:
-    kube.create("v1", "pods", {"metadata": {"name": "p"}, "spec": {"containers": [], "terminationGracePeriodSeconds": 30}}, "default")
-    kube.request("POST", api_path("v1", "pods", "p", "default", "binding"),
-                 {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "p"}, "target": {"kind": "Node", "name": "node-1"}})
+    kube.create(
+        "v1", "pods", {"metadata": {"name": "p"}, "spec": {"containers": [], "terminationGracePeriodSeconds": 30}}, "default"
+    )
+    kube.request(
+        "POST",
+        api_path("v1", "pods", "p", "default", "binding"),
+        {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "p"}, "target": {"kind": "Node", "name": "node-1"}},
+    )
     assert kube.get("v1", "pods", "p", "default")["spec"]["nodeName"] == "node-1"
     terminating = kube.delete("v1", "pods", "p", "default")
     assert terminating["metadata"]["deletionGracePeriodSeconds"] == 30 and kube.get("v1", "pods", "p", "default") is not None
@@ -327,19 +383,27 @@ def test_pod_binding_and_graceful_deletion_on_a_node(kube: KubeEmulator) -> None
 
 # --- selectors -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("selector", "expected"), [
-    ("app=web", ["a", "b"]),
-    ("app==web,tier=front", ["a"]),
-    ("app!=web", ["c", "d"]),
-    ("tier in (front, back)", ["a", "b", "c"]),
-    ("tier notin (front)", ["b", "c", "d"]),
-    ("tier", ["a", "b", "c"]),
-    ("!tier", ["d"]),
-    ("app=web,!tier", []),
-])
+
+@pytest.mark.parametrize(
+    ("selector", "expected"),
+    [
+        ("app=web", ["a", "b"]),
+        ("app==web,tier=front", ["a"]),
+        ("app!=web", ["c", "d"]),
+        ("tier in (front, back)", ["a", "b", "c"]),
+        ("tier notin (front)", ["b", "c", "d"]),
+        ("tier", ["a", "b", "c"]),
+        ("!tier", ["d"]),
+        ("app=web,!tier", []),
+    ],
+)
 def test_label_selectors_on_list(kube: KubeEmulator, selector: str, expected: list[str]) -> None:
-    for name, labels in {"a": {"app": "web", "tier": "front"}, "b": {"app": "web", "tier": "back"},
-                         "c": {"app": "db", "tier": "back"}, "d": {"app": "db"}}.items():
+    for name, labels in {
+        "a": {"app": "web", "tier": "front"},
+        "b": {"app": "web", "tier": "back"},
+        "c": {"app": "db", "tier": "back"},
+        "d": {"app": "db"},
+    }.items():
         kube.create("v1", "configmaps", configmap(name, labels), "default")
     assert [o["metadata"]["name"] for o in kube.list("v1", "configmaps", "default", label_selector=selector)] == expected
 
@@ -366,6 +430,7 @@ def test_field_selectors_on_list(kube: KubeEmulator) -> None:
 
 # --- watch -------------------------------------------------------------------------------------------
 
+
 def test_watch_streams_json_lines_with_json_content_type(kube: KubeEmulator) -> None:
     kube.create("v1", "configmaps", configmap("before"), "default")
     with watch(kube, "/api/v1/namespaces/default/configmaps", timeoutSeconds="5") as (response, events):
@@ -376,7 +441,9 @@ def test_watch_streams_json_lines_with_json_content_type(kube: KubeEmulator) -> 
         kube.request("DELETE", api_path("v1", "configmaps", "before", "default"))
         deleted = next(events)
     assert (modified["type"], modified["object"]["data"]) == ("MODIFIED", {"x": "1"})
-    assert deleted["type"] == "DELETED" and int(deleted["object"]["metadata"]["resourceVersion"]) > int(modified["object"]["metadata"]["resourceVersion"])
+    assert deleted["type"] == "DELETED" and int(deleted["object"]["metadata"]["resourceVersion"]) > int(
+        modified["object"]["metadata"]["resourceVersion"]
+    )
 
 
 def test_watch_resumes_from_a_resource_version(kube: KubeEmulator) -> None:
@@ -400,7 +467,10 @@ def test_watch_from_an_expired_resource_version_is_410(tmp_path: Path) -> None:
 
 def test_watch_applies_selectors_and_reports_objects_leaving_them(kube: KubeEmulator) -> None:
     kube.create("v1", "configmaps", configmap("x", {"app": "a"}), "default")
-    with watch(kube, "/api/v1/configmaps", labelSelector="app=a", fieldSelector="metadata.name=x", timeoutSeconds="5") as (_, events):
+    with watch(kube, "/api/v1/configmaps", labelSelector="app=a", fieldSelector="metadata.name=x", timeoutSeconds="5") as (
+        _,
+        events,
+    ):
         assert next(events)["type"] == "ADDED"
         kube.create("v1", "configmaps", configmap("y", {"app": "a"}), "default")  # filtered out by name
         kube.patch("v1", "configmaps", "x", {"metadata": {"labels": {"app": "b"}}}, "default")
@@ -412,14 +482,21 @@ def test_watch_applies_selectors_and_reports_objects_leaving_them(kube: KubeEmul
 
 def test_initial_events_end_with_a_bookmark(kube: KubeEmulator) -> None:
     kube.create("v1", "configmaps", configmap("i"), "default")
-    with watch(kube, "/api/v1/namespaces/default/configmaps", sendInitialEvents="true", resourceVersionMatch="NotOlderThan",
-               allowWatchBookmarks="true", timeoutSeconds="5") as (_, events):
+    with watch(
+        kube,
+        "/api/v1/namespaces/default/configmaps",
+        sendInitialEvents="true",
+        resourceVersionMatch="NotOlderThan",
+        allowWatchBookmarks="true",
+        timeoutSeconds="5",
+    ) as (_, events):
         added, bookmark = next(events), next(events)
     assert added["type"] == "ADDED"
     assert bookmark["type"] == "BOOKMARK" and bookmark["object"]["metadata"]["annotations"]["k8s.io/initial-events-end"] == "true"
 
 
 # --- delete, finalizers, garbage collection ---------------------------------------------------------------
+
 
 def test_delete_waits_for_finalizers(kube: KubeEmulator) -> None:
     kube.create("v1", "configmaps", {"metadata": {"name": "f", "finalizers": ["example.test/hold"]}}, "default")
@@ -436,7 +513,10 @@ def test_delete_waits_for_finalizers(kube: KubeEmulator) -> None:
 
 
 def _owned(name: str, *owners: dict[str, Any]) -> dict[str, Any]:
-    refs = [{"apiVersion": o["apiVersion"], "kind": o["kind"], "name": o["metadata"]["name"], "uid": o["metadata"]["uid"]} for o in owners]
+    refs = [
+        {"apiVersion": o["apiVersion"], "kind": o["kind"], "name": o["metadata"]["name"], "uid": o["metadata"]["uid"]}
+        for o in owners
+    ]
     return {"metadata": {"name": name, "ownerReferences": refs}}
 
 
@@ -454,7 +534,12 @@ def test_garbage_collection_in_background(kube: KubeEmulator) -> None:
 
 def test_garbage_collection_in_foreground_and_orphaning(kube: KubeEmulator) -> None:
     owner = kube.create("v1", "configmaps", configmap("owner"), "default")
-    kube.create("v1", "secrets", {**_owned("held", owner), "metadata": {**_owned("held", owner)["metadata"], "finalizers": ["x/y"]}}, "default")
+    kube.create(
+        "v1",
+        "secrets",
+        {**_owned("held", owner), "metadata": {**_owned("held", owner)["metadata"], "finalizers": ["x/y"]}},
+        "default",
+    )
     kube.delete("v1", "configmaps", "owner", "default", propagation="Foreground")
     waiting = kube.get("v1", "configmaps", "owner", "default")
     assert "foregroundDeletion" in waiting["metadata"]["finalizers"]  # blocked by its dependent
@@ -492,6 +577,7 @@ def test_deleting_a_namespace_deletes_its_content(kube: KubeEmulator) -> None:
 
 # --- discovery, CRDs, kubectl -------------------------------------------------------------------------
 
+
 def test_discovery_of_builtin_groups(kube: KubeEmulator) -> None:
     assert kube.request("GET", "/api")["versions"] == ["v1"]
     assert kube.kubectl("get", "--raw", "/readyz").stdout == "ok"
@@ -516,8 +602,15 @@ def test_crd_registration_through_kubectl(kube: KubeEmulator, tmp_path: Path) ->
     table = kube.kubectl("get", "wd").stdout.split("\n")
     assert table[0].split() == ["NAME", "REPLICAS", "READY", "AGE"] and table[1].split()[:2] == ["w", "2"]
     assert "widget.example.test/w" in kube.kubectl("get", "all", "-o", "name").stdout  # categories: [all]
-    kube.kubectl("patch", "widget", "w", "--subresource=status", "--type=merge", "-p",
-                 json.dumps({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
+    kube.kubectl(
+        "patch",
+        "widget",
+        "w",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}),
+    )
     assert kube.kubectl("get", "widgets", "w", "--no-headers").stdout.split()[:3] == ["w", "2", "True"]
     doc = yaml.safe_load(kube.kubectl("get", "widget", "w", "-o", "yaml").stdout)
     assert doc["metadata"]["labels"] == {"app": "w"} and doc["status"]["conditions"][0]["status"] == "True"
@@ -544,7 +637,9 @@ def test_bad_crds_are_rejected(kube: KubeEmulator) -> None:
     with pytest.raises(kubernetes.client.ApiException) as exc:
         kube.create("apiextensions.k8s.io/v1", "customresourcedefinitions", bad)
     message = status_of(exc)["message"]
-    assert exc.value.status == 422 and "must be spec.names.plural" in message and "exactly one version marked as storage" in message
+    assert (
+        exc.value.status == 422 and "must be spec.names.plural" in message and "exactly one version marked as storage" in message
+    )
 
 
 def test_kubectl_workflow(widgets: KubeEmulator, tmp_path: Path) -> None:
@@ -553,12 +648,22 @@ def test_kubectl_workflow(widgets: KubeEmulator, tmp_path: Path) -> None:
     kube.kubectl("create", "secret", "generic", "token", "-n", "flow", "--from-literal=t=tok")
     secret = kube.get("v1", "secrets", "token", "flow")
     assert (secret["data"], secret["type"]) == ({"t": "dG9r"}, "Opaque")
-    kube.kubectl("apply", "-n", "flow", "-f", str(write_yaml(tmp_path / "w.yaml", widget("w") | {"metadata": {"name": "w", "labels": {"t": "1"}}})))
+    kube.kubectl(
+        "apply",
+        "-n",
+        "flow",
+        "-f",
+        str(write_yaml(tmp_path / "w.yaml", widget("w") | {"metadata": {"name": "w", "labels": {"t": "1"}}})),
+    )
     assert kube.kubectl("get", "wd", "-n", "flow", "-l", "t=1", "-o", "name").stdout.strip() == "widget.example.test/w"
-    kube.kubectl("apply", "-n", "flow", "-f", str(write_yaml(tmp_path / "w.yaml", widget("w", size="big"))))  # an update: merge patch
+    kube.kubectl(
+        "apply", "-n", "flow", "-f", str(write_yaml(tmp_path / "w.yaml", widget("w", size="big")))
+    )  # an update: merge patch
     assert kube.get(GV, "widgets", "w", "flow")["spec"]["size"] == "big"
 
-    watcher = threading.Thread(target=lambda: kube.patch_status(GV, "widgets", "w", {"conditions": [{"type": "Ready", "status": "True"}]}, "flow"))
+    watcher = threading.Thread(
+        target=lambda: kube.patch_status(GV, "widgets", "w", {"conditions": [{"type": "Ready", "status": "True"}]}, "flow")
+    )
     watcher.start()
     kube.kubectl("wait", "-n", "flow", "--for=jsonpath={.status.conditions[0].status}=True", "widget/w", "--timeout=20s")
     watcher.join()
@@ -582,13 +687,29 @@ def test_builtin_apply_update_uses_strategic_merge(kube: KubeEmulator, tmp_path:
 
 
 def test_events_are_stored_and_listable_in_both_apis(kube: KubeEmulator) -> None:
-    core = {"metadata": {"name": "e1"}, "involvedObject": {"kind": "ConfigMap", "name": "cm", "namespace": "default"},
-            "reason": "Made", "message": "hello", "type": "Normal"}
+    core = {
+        "metadata": {"name": "e1"},
+        "involvedObject": {"kind": "ConfigMap", "name": "cm", "namespace": "default"},
+        "reason": "Made",
+        "message": "hello",
+        "type": "Normal",
+    }
     kube.create("v1", "events", core, "default")
-    kube.create("v1", "events", {**core, "metadata": {"name": "e2"}, "involvedObject": {"kind": "ConfigMap", "name": "other"}}, "default")
+    kube.create(
+        "v1", "events", {**core, "metadata": {"name": "e2"}, "involvedObject": {"kind": "ConfigMap", "name": "other"}}, "default"
+    )
     assert [e["reason"] for e in kube.events("default", involved_name="cm")] == ["Made"]
-    modern = {"metadata": {"name": "e3"}, "regarding": {"kind": "Pod", "name": "p"}, "reason": "Pulled", "note": "ok",
-              "type": "Normal", "action": "Pull", "reportingController": "kubelet", "reportingInstance": "n1", "eventTime": "2025-01-01T00:00:00.000000Z"}
+    modern = {
+        "metadata": {"name": "e3"},
+        "regarding": {"kind": "Pod", "name": "p"},
+        "reason": "Pulled",
+        "note": "ok",
+        "type": "Normal",
+        "action": "Pull",
+        "reportingController": "kubelet",
+        "reportingInstance": "n1",
+        "eventTime": "2025-01-01T00:00:00.000000Z",
+    }
     kube.create("events.k8s.io/v1", "events", modern, "default")
     assert [e["note"] for e in kube.list("events.k8s.io/v1", "events", "default")] == ["ok"]
     assert "Made" in kube.kubectl("get", "events", "-n", "default").stdout
@@ -621,12 +742,21 @@ def test_kmock_reactions_still_intercept(kube: KubeEmulator) -> None:
 
 def test_typed_client_works_against_the_emulator(kube: KubeEmulator) -> None:
     core = kubernetes.client.CoreV1Api(kube.api_client)
-    core.create_namespaced_config_map("default", kubernetes.client.V1ConfigMap(metadata=kubernetes.client.V1ObjectMeta(name="typed"), data={"a": "b"}))
+    core.create_namespaced_config_map(
+        "default", kubernetes.client.V1ConfigMap(metadata=kubernetes.client.V1ObjectMeta(name="typed"), data={"a": "b"})
+    )
     listed = core.list_namespaced_config_map("default", label_selector="!nothing")
     assert [c.metadata.name for c in listed.items] == ["typed"] and listed.kind == "ConfigMapList"
     apps = kubernetes.client.AppsV1Api(kube.api_client)
-    body = {"metadata": {"name": "s"}, "spec": {"replicas": 1, "selector": {"matchLabels": {"a": "s"}}, "serviceName": "s",
-                                                 "template": {"metadata": {"labels": {"a": "s"}}, "spec": {"containers": [{"name": "c", "image": "i"}]}}}}
+    body = {
+        "metadata": {"name": "s"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"a": "s"}},
+            "serviceName": "s",
+            "template": {"metadata": {"labels": {"a": "s"}}, "spec": {"containers": [{"name": "c", "image": "i"}]}},
+        },
+    }
     apps.create_namespaced_stateful_set("default", body)
     apps.patch_namespaced_stateful_set_status("s", "default", {"status": {"replicas": 1, "readyReplicas": 1}})
     assert apps.read_namespaced_stateful_set("s", "default").status.ready_replicas == 1
@@ -638,7 +768,9 @@ def test_client_watch_follows_pods_of_a_node(kube: KubeEmulator) -> None:
         kube.create("v1", "pods", {"metadata": {"name": name}, "spec": {"nodeName": node, "containers": []}}, "default")
     core = kubernetes.client.CoreV1Api(kube.api_client)
     seen = []
-    for event in kubernetes.watch.Watch().stream(core.list_pod_for_all_namespaces, field_selector="spec.nodeName=node-1", timeout_seconds=5):
+    for event in kubernetes.watch.Watch().stream(
+        core.list_pod_for_all_namespaces, field_selector="spec.nodeName=node-1", timeout_seconds=5
+    ):
         seen.append((event["type"], event["object"].metadata.name, event["object"].status.phase))
         if len(seen) == 1:
             kube.patch_status("v1", "pods", "other", {"phase": "Running"}, "default")  # not ours: filtered out
@@ -655,12 +787,26 @@ TOY_CRD = {
     "kind": "CustomResourceDefinition",
     "metadata": {"name": "toys.example.test"},
     "spec": {
-        "group": "example.test", "scope": "Namespaced",
+        "group": "example.test",
+        "scope": "Namespaced",
         "names": {"plural": "toys", "singular": "toy", "kind": "Toy"},
-        "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
-                      "schema": {"openAPIV3Schema": {"type": "object", "properties": {
-                          "spec": {"type": "object", "properties": {"greeting": {"type": "string"}}},
-                          "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}}}],
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {"type": "object", "properties": {"greeting": {"type": "string"}}},
+                            "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                        },
+                    }
+                },
+            }
+        ],
     },
 }
 
@@ -674,7 +820,12 @@ def test_toy_kopf_operator(kube: KubeEmulator, tmp_path: Path) -> None:
 
     @kopf.on.create("example.test", "v1", "toys", registry=registry)
     def make_configmap(spec: dict[str, Any], name: str, namespace: str, body: Any, patch: Any, **_: Any) -> None:
-        child = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-cm"}, "data": {"greeting": spec["greeting"]}}
+        child = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"{name}-cm"},
+            "data": {"greeting": spec["greeting"]},
+        }
         kopf.adopt(child, owner=body)
         kube.create("v1", "configmaps", child, namespace)
         patch.status["phase"] = "Ready"
@@ -688,12 +839,20 @@ def test_toy_kopf_operator(kube: KubeEmulator, tmp_path: Path) -> None:
     settings.watching.server_timeout = 10  # exercise server-side watch timeouts and reconnections too
     with KopfRunner(["run", "--standalone", "--namespace=toys", "--verbose"], registry=registry, settings=settings, timeout=30):
         toy = kube.create(GV, "toys", {"metadata": {"name": "t1"}, "spec": {"greeting": "hi"}}, "toys")
-        ready = wait_for(lambda: (kube.get(GV, "toys", "t1", "toys") or {}).get("status", {}).get("phase") == "Ready", 20, what="status.phase=Ready")
+        ready = wait_for(
+            lambda: (kube.get(GV, "toys", "t1", "toys") or {}).get("status", {}).get("phase") == "Ready",
+            20,
+            what="status.phase=Ready",
+        )
         assert ready
         cm = kube.get("v1", "configmaps", "t1-cm", "toys")
         assert cm["data"] == {"greeting": "hi"} and cm["metadata"]["ownerReferences"][0]["uid"] == toy["metadata"]["uid"]
         assert kube.get(GV, "toys", "t1", "toys")["metadata"]["finalizers"] == ["kopf.zalando.org/KopfFinalizerMarker"]
-        wait_for(lambda: any(e["reason"] == "ConfigMapCreated" for e in kube.events("toys", involved_name="t1")), 20, what="kopf's event")
+        wait_for(
+            lambda: any(e["reason"] == "ConfigMapCreated" for e in kube.events("toys", involved_name="t1")),
+            20,
+            what="kopf's event",
+        )
 
         kube.delete(GV, "toys", "t1", "toys")
         wait_for(lambda: kube.get(GV, "toys", "t1", "toys") is None, 20, what="the finalizer removed by kopf")
@@ -705,13 +864,23 @@ def test_toy_kopf_operator(kube: KubeEmulator, tmp_path: Path) -> None:
 
 def test_kopf_in_a_subprocess_logs_in_through_kubeconfig(kube: KubeEmulator, tmp_path: Path) -> None:
     operator = tmp_path / "operator.py"
-    operator.write_text("import kopf\n\n@kopf.on.create('v1', 'configmaps')\ndef mark(patch, **_):\n    patch.metadata.labels['seen'] = 'yes'\n")
-    proc = subprocess.Popen([sys.executable, "-m", "kopf", "run", "--standalone", "--namespace=default", str(operator)],
-                            env=kube.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    operator.write_text(
+        "import kopf\n\n@kopf.on.create('v1', 'configmaps')\ndef mark(patch, **_):\n    patch.metadata.labels['seen'] = 'yes'\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kopf", "run", "--standalone", "--namespace=default", str(operator)],
+        env=kube.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         kube.create("v1", "configmaps", configmap("c"), "default")
-        wait_for(lambda: (kube.get("v1", "configmaps", "c", "default")["metadata"].get("labels") or {}).get("seen") == "yes", 30,
-                 what="the subprocess operator's label")
+        wait_for(
+            lambda: (kube.get("v1", "configmaps", "c", "default")["metadata"].get("labels") or {}).get("seen") == "yes",
+            30,
+            what="the subprocess operator's label",
+        )
     finally:
         proc.terminate()
         output = proc.communicate(timeout=30)[0]
@@ -725,6 +894,7 @@ def test_module_scoped_fixture_is_one_server(kube_module: KubeEmulator) -> None:
 
 # --- the pure pieces ---------------------------------------------------------------------------------------------
 
+
 def test_selector_parsing_and_matching() -> None:
     reqs = kube_selectors.parse_label_selector("a=1, b != 2, c in (x,y), d notin (z), e, !f, g>3")
     assert [r.op for r in reqs] == ["=", "!=", "in", "notin", "exists", "!", ">"]
@@ -732,43 +902,88 @@ def test_selector_parsing_and_matching() -> None:
     assert not kube_selectors.labels_match(reqs, {"metadata": {"labels": {"a": "1", "c": "x", "e": "", "g": "3"}}})
     with pytest.raises(kube_selectors.SelectorError):
         kube_selectors.parse_label_selector("bad key=1")
-    sel = {"matchLabels": {"a": "1"}, "matchExpressions": [{"key": "b", "operator": "In", "values": ["y", "x"]}, {"key": "c", "operator": "DoesNotExist"}]}
+    sel = {
+        "matchLabels": {"a": "1"},
+        "matchExpressions": [{"key": "b", "operator": "In", "values": ["y", "x"]}, {"key": "c", "operator": "DoesNotExist"}],
+    }
     assert kube_selectors.label_selector_to_string(sel) == "a=1,b in (x,y),!c"
 
 
 def test_schema_pruning_keeps_embedded_and_preserved_fields() -> None:
-    schema = {"type": "object", "properties": {
-        "spec": {"type": "object", "properties": {
-            "template": {"type": "object", "x-kubernetes-embedded-resource": True, "x-kubernetes-preserve-unknown-fields": True},
-            "items": {"type": "array", "items": {"type": "object", "properties": {"n": {"type": "integer", "default": 0}}}},
-            "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-        }}}}
-    obj = {"apiVersion": "x/v1", "kind": "X", "metadata": {"name": "n"}, "junk": 1,
-           "spec": {"template": {"apiVersion": "v1", "kind": "Pod", "anything": 1}, "items": [{"n": 1, "m": 2}, {}], "labels": {"a": "b"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "spec": {
+                "type": "object",
+                "properties": {
+                    "template": {
+                        "type": "object",
+                        "x-kubernetes-embedded-resource": True,
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    },
+                    "items": {
+                        "type": "array",
+                        "items": {"type": "object", "properties": {"n": {"type": "integer", "default": 0}}},
+                    },
+                    "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                },
+            }
+        },
+    }
+    obj = {
+        "apiVersion": "x/v1",
+        "kind": "X",
+        "metadata": {"name": "n"},
+        "junk": 1,
+        "spec": {
+            "template": {"apiVersion": "v1", "kind": "Pod", "anything": 1},
+            "items": [{"n": 1, "m": 2}, {}],
+            "labels": {"a": "b"},
+        },
+    }
     dropped = kube_schema.prune(obj, schema)
     kube_schema.apply_defaults(obj, schema)
     assert sorted(dropped) == ["junk", "spec.items[0].m"]
-    assert obj["spec"] == {"template": {"apiVersion": "v1", "kind": "Pod", "anything": 1}, "items": [{"n": 1}, {"n": 0}], "labels": {"a": "b"}}
+    assert obj["spec"] == {
+        "template": {"apiVersion": "v1", "kind": "Pod", "anything": 1},
+        "items": [{"n": 1}, {"n": 0}],
+        "labels": {"a": "b"},
+    }
     assert kube_schema.validate(obj, schema) == []
 
 
 def test_strategic_merge_directives() -> None:
-    target = {"metadata": {"finalizers": ["a"]}, "spec": {"containers": [{"name": "x", "env": [{"name": "A", "value": "1"}]}, {"name": "y"}]}}
-    patch = {"metadata": {"finalizers": ["b"], "$deleteFromPrimitiveList/finalizers": ["a"]},
-             "spec": {"containers": [{"name": "x", "env": [{"name": "B", "value": "2"}]}, {"name": "y", "$patch": "delete"}],
-                      "$setElementOrder/containers": [{"name": "x"}]}}
+    target = {
+        "metadata": {"finalizers": ["a"]},
+        "spec": {"containers": [{"name": "x", "env": [{"name": "A", "value": "1"}]}, {"name": "y"}]},
+    }
+    patch = {
+        "metadata": {"finalizers": ["b"], "$deleteFromPrimitiveList/finalizers": ["a"]},
+        "spec": {
+            "containers": [{"name": "x", "env": [{"name": "B", "value": "2"}]}, {"name": "y", "$patch": "delete"}],
+            "$setElementOrder/containers": [{"name": "x"}],
+        },
+    }
     result = kube_patches.strategic_merge_patch(target, patch)
-    assert result == {"metadata": {"finalizers": ["b"]}, "spec": {"containers": [{"name": "x", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}]}}
+    assert result == {
+        "metadata": {"finalizers": ["b"]},
+        "spec": {"containers": [{"name": "x", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}]},
+    }
 
 
 def test_printer_jsonpath_and_ages() -> None:
-    obj = {"metadata": {"name": "n", "creationTimestamp": "2020-01-01T00:00:00Z"},
-           "status": {"conditions": [{"type": "A", "status": "False"}, {"type": "Ready", "status": "True"}], "n": 3}}
+    obj = {
+        "metadata": {"name": "n", "creationTimestamp": "2020-01-01T00:00:00Z"},
+        "status": {"conditions": [{"type": "A", "status": "False"}, {"type": "Ready", "status": "True"}], "n": 3},
+    }
     assert kube_tables.jsonpath_values(obj, '.status.conditions[?(@.type=="Ready")].status') == ["True"]
     assert kube_tables.jsonpath_values(obj, "{.status.conditions[*].type}") == ["A", "Ready"]
     assert kube_tables.jsonpath_values(obj, ".status.conditions[-1].type") == ["Ready"]
     assert [kube_tables.human_duration(s) for s in (5, 125, 3600 * 5 + 60, 86400 * 3)] == ["5s", "2m5s", "5h1m", "3d"]
-    cols = [{"name": "N", "type": "integer", "jsonPath": ".status.n"}, {"name": "Gone", "type": "string", "jsonPath": ".status.gone"}]
+    cols = [
+        {"name": "N", "type": "integer", "jsonPath": ".status.n"},
+        {"name": "Gone", "type": "string", "jsonPath": ".status.gone"},
+    ]
     row = kube_tables.table([obj], cols, "1")["rows"][0]
     assert row["cells"] == ["n", 3, None] and row["object"]["kind"] == "PartialObjectMetadata"
     with pytest.raises(ValueError):

@@ -29,7 +29,6 @@ import json
 import random
 import re
 import uuid
-import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,42 +38,47 @@ import attrs
 import kmock
 from kmock._internal.rendering import StreamingError  # kmock 0.8 does not re-export it; RawHandler.__call__ unwraps it
 
+from . import kube_crds as crds
+from . import kube_discovery as discovery
 from . import kube_patches as patches
 from . import kube_protobuf
 from . import kube_schema
 from .kube_selectors import SelectorError, fields_match, label_selector_to_string, labels_match, metadata_problems
 from .kube_selectors import parse_field_selector, parse_label_selector
-from .kube_tables import AGE_COLUMN, check_jsonpath, jsonpath_values, table
+from .kube_tables import AGE_COLUMN, jsonpath_values, table
 
 Key = tuple[kmock.resource, "str | None", str]
 
-SERVER_VERSION = {
-    "major": "1", "minor": "32", "gitVersion": "v1.32.0+kube-emulator", "gitCommit": "0" * 40,
-    "gitTreeState": "clean", "buildDate": "2025-01-01T00:00:00Z", "goVersion": "go1.23", "compiler": "gc",
-    "platform": "linux/amd64",
-}
 CORE_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 NAMESPACES = kmock.resource("", "v1", "namespaces")
 PODS = kmock.resource("", "v1", "pods")
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 FOREGROUND = "foregroundDeletion"
-ALL_VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
 
 # Groups in kmock's bundled (K3s) list that are CRDs or aggregated/virtual APIs elsewhere: not served here.
 _UNSERVED_GROUPS = {"metrics.k8s.io", "gateway.networking.k8s.io", "authentication.k8s.io", "authorization.k8s.io"}
 _UNSERVED = {("", "bindings")}
 _SERVED_SUBRESOURCES = {"status", "scale", "binding"}
-_SUBRESOURCE_VERBS = {"status": ["get", "patch", "update"], "scale": ["get", "patch", "update"], "binding": ["create"],
-                      "eviction": ["create"], "token": ["create"], "exec": ["create", "get"], "attach": ["create", "get"],
-                      "portforward": ["create", "get"], "proxy": ["create", "delete", "get", "patch", "update"]}
-_SYSTEM_METADATA = ("name", "namespace", "uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds",
-                    "generation", "resourceVersion")
+_SYSTEM_METADATA = (
+    "name",
+    "namespace",
+    "uid",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "generation",
+    "resourceVersion",
+)
 _BUILTIN_COLUMNS = {
     ("", "pods"): [{"name": "Status", "type": "string", "jsonPath": ".status.phase"}, AGE_COLUMN],
     ("", "namespaces"): [{"name": "Status", "type": "string", "jsonPath": ".status.phase"}, AGE_COLUMN],
-    ("", "events"): [{"name": "Type", "type": "string", "jsonPath": ".type"}, {"name": "Reason", "type": "string", "jsonPath": ".reason"},
-                     {"name": "Object", "type": "string", "jsonPath": ".involvedObject.name"},
-                     {"name": "Message", "type": "string", "jsonPath": ".message"}, AGE_COLUMN],
+    ("", "events"): [
+        {"name": "Type", "type": "string", "jsonPath": ".type"},
+        {"name": "Reason", "type": "string", "jsonPath": ".reason"},
+        {"name": "Object", "type": "string", "jsonPath": ".involvedObject.name"},
+        {"name": "Message", "type": "string", "jsonPath": ".message"},
+        AGE_COLUMN,
+    ],
 }
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -112,28 +116,9 @@ def parse_api_path(path: str) -> ApiPath | None:
     # /api/v1/namespaces/NAME/status and /finalize are the Namespace's own subresources, not a namespace prefix.
     if len(rest) >= 3 and rest[0] == "namespaces" and not (len(rest) == 3 and group == "" and rest[2] in ("status", "finalize")):
         namespace, rest = rest[1], rest[2:]
-    return ApiPath(group, version, rest[0] if rest else None, namespace, rest[1] if len(rest) > 1 else None,
-                   "/".join(rest[2:]) or None)
-
-
-@dataclass(frozen=True)
-class ScaleSpec:
-    spec_path: str  # e.g. ".spec.replicas"
-    status_path: str
-    selector_path: str | None  # CRDs: a string field; built-ins render .spec.selector
-
-
-_BUILTIN_SCALE = ScaleSpec(".spec.replicas", ".status.replicas", None)
-
-
-@dataclass(frozen=True)
-class CustomKind:
-    """What a served CRD version adds beyond kmock's ResourceInfo (used for discovery)."""
-
-    crd: str
-    columns: list[dict[str, Any]]
-    scale: ScaleSpec | None
-    schema: dict[str, Any] | None
+    return ApiPath(
+        group, version, rest[0] if rest else None, namespace, rest[1] if len(rest) > 1 else None, "/".join(rest[2:]) or None
+    )
 
 
 @dataclass(frozen=True)
@@ -154,8 +139,14 @@ def _not_found(t: ApiPath, name: str | None) -> kmock.KubernetesError:
 
 
 def _invalid(kind: str, name: str | None, causes: list[str]) -> kmock.KubernetesError:
-    return _error(422, "Invalid", f'{kind} "{name}" is invalid: {", ".join(causes)}', name=name, kind=kind,
-                  causes=[{"message": c} for c in causes])
+    return _error(
+        422,
+        "Invalid",
+        f'{kind} "{name}" is invalid: {", ".join(causes)}',
+        name=name,
+        kind=kind,
+        causes=[{"message": c} for c in causes],
+    )
 
 
 def _bad_request(message: str) -> kmock.KubernetesError:
@@ -187,14 +178,6 @@ def _strict(request: kmock.Request) -> bool:
     return request.params.get("fieldValidation") == "Strict"
 
 
-def _version_priority(version: str) -> tuple[Any, ...]:
-    """Kubernetes' version ordering: GA before beta before alpha, higher numbers first, then the rest."""
-    m = re.fullmatch(r"v(\d+)(?:(alpha|beta)(\d+))?", version)
-    if not m:
-        return (3, 0, 0, version)
-    return ({None: 0, "beta": 1, "alpha": 2}[m[2]], -int(m[1]), -int(m[3] or 0), version)
-
-
 def _first(obj: Any, path: str | None) -> Any:
     values = jsonpath_values(obj, path) if path else []
     return values[0] if values else None
@@ -218,7 +201,7 @@ class ApiServer(kmock.KubernetesEmulator):
     _floor: int = attrs.field(default=0, init=False)  # watches may resume from any rv >= this
     _tick: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
     _closing: bool = attrs.field(default=False, init=False)
-    _custom: dict[kmock.resource, CustomKind] = attrs.field(factory=dict, init=False)
+    _custom: dict[kmock.resource, crds.CustomKind] = attrs.field(factory=dict, init=False)
     _next_ip: int = attrs.field(default=1, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -228,7 +211,7 @@ class ApiServer(kmock.KubernetesEmulator):
             if res.group in _UNSERVED_GROUPS or (res.group, res.plural) in _UNSERVED:
                 del self.resources[res]
         # Below user reactions (priority 0), above kmock's own fallbacks (-inf, 0): tests can still intercept.
-        (self.fallback ** 1) << self._serve
+        (self.fallback**1) << self._serve
         for name in CORE_NAMESPACES:
             self._create(ApiPath("", "v1", "namespaces"), self.resources[NAMESPACES], NAMESPACES, {"metadata": {"name": name}})
 
@@ -276,11 +259,21 @@ class ApiServer(kmock.KubernetesEmulator):
             data = None
         t = parse_api_path(raw.path)
         return kmock.Request(
-            id=len(self._requests), raw_request=raw, url=raw.url, method=raw.method, params=dict(raw.query),
-            headers=dict(raw.headers), cookies=dict(raw.cookies), body=body, text=body.decode("utf-8", "replace"),
-            data=data, action=self._action(raw.method, t, raw.query.get("watch")),
+            id=len(self._requests),
+            raw_request=raw,
+            url=raw.url,
+            method=raw.method,
+            params=dict(raw.query),
+            headers=dict(raw.headers),
+            cookies=dict(raw.cookies),
+            body=body,
+            text=body.decode("utf-8", "replace"),
+            data=data,
+            action=self._action(raw.method, t, raw.query.get("watch")),
             resource=kmock.resource(t.group, t.version, t.plural) if t and t.plural else None,
-            namespace=t.namespace if t else None, name=t.name if t else None, subresource=t.subresource if t else None,
+            namespace=t.namespace if t else None,
+            name=t.name if t else None,
+            subresource=t.subresource if t else None,
         )
 
     @staticmethod
@@ -320,112 +313,74 @@ class ApiServer(kmock.KubernetesEmulator):
     # --- discovery --------------------------------------------------------------------------
 
     def _serve_discovery(self, path: str, request: kmock.Request) -> dict[str, Any] | None:
-        groups = self._groups()
         if path == "/":
-            return {"paths": sorted({"/api", "/api/v1", "/apis", "/version", "/openapi/v3", "/healthz", "/livez", "/readyz"}
-                                    | {f"/apis/{g}" for g in groups} | {f"/apis/{g}/{v}" for g, vs in groups.items() for v in vs})}
+            return {"paths": discovery.root_paths(self.resources)}
         if path == "/version":
-            return SERVER_VERSION
+            return discovery.SERVER_VERSION
         if path == "/api":
-            return {"kind": "APIVersions", "versions": ["v1"],
-                    "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": f"{request.url.host}:{request.url.port}"}]}
+            return {
+                "kind": "APIVersions",
+                "versions": ["v1"],
+                "serverAddressByClientCIDRs": [
+                    {"clientCIDR": "0.0.0.0/0", "serverAddress": f"{request.url.host}:{request.url.port}"}
+                ],
+            }
+        groups = discovery.served_groups(self.resources)
         if path == "/apis":
-            return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [self._group_doc(g, groups[g]) for g in sorted(groups)]}
+            return {
+                "kind": "APIGroupList",
+                "apiVersion": "v1",
+                "groups": [discovery.group_doc(g, groups[g]) for g in sorted(groups)],
+            }
         if path == "/openapi/v3":
-            index = {("api/v1" if not g else f"apis/{g}/{v}"): (g, v) for g, vs in {"": ["v1"], **groups}.items() for v in vs}
-            return {"paths": {key: {"serverRelativeURL": f"/openapi/v3/{key}?hash={self._openapi_hash(*gv)}"} for key, gv in index.items()}}
+            return discovery.openapi_index(self.resources)
+        found: dict[str, Any] | None
         if m := re.fullmatch(r"/openapi/v3/api/(v1)|/openapi/v3/apis/([^/]+)/([^/]+)", path):
-            return self._openapi_doc(*((m[2], m[3]) if m[2] else ("", m[1])))
-        if path.startswith("/openapi/"):
+            found = discovery.openapi_doc(self.resources, *((m[2], m[3]) if m[2] else ("", m[1])))
+        elif path.startswith("/openapi/"):
             raise _error(404, "NotFound", "the emulator serves OpenAPI v3 path stubs only (no schemas, no v2)")
-        if m := re.fullmatch(r"/apis/([^/]+)", path):
-            if m[1] not in groups:
-                raise _error(404, "NotFound", _NO_RESOURCE)
-            return {"kind": "APIGroup", "apiVersion": "v1", **self._group_doc(m[1], groups[m[1]])}
-        if m := re.fullmatch(r"/api/(v1)|/apis/([^/]+)/([^/]+)", path):
-            group, version = (m[2], m[3]) if m[2] else ("", m[1])
-            return self._resource_list(group, version)
-        return None
-
-    def _groups(self) -> dict[str, list[str]]:
-        versions: dict[str, set[str]] = {}
-        for res in self.resources:
-            if res.group:
-                versions.setdefault(res.group, set()).add(res.version)
-        return {g: sorted(vs, key=_version_priority) for g, vs in versions.items()}
-
-    @staticmethod
-    def _group_doc(group: str, versions: list[str]) -> dict[str, Any]:
-        docs = [{"groupVersion": f"{group}/{v}", "version": v} for v in versions]
-        return {"name": group, "versions": docs, "preferredVersion": docs[0]}
-
-    def _openapi_doc(self, group: str, version: str) -> dict[str, Any]:
-        """Per-group-version OpenAPI v3 stubs: PATCH paths declaring ``fieldValidation``, and no schemas.
-
-        That is all kubectl's query-param verifier looks for: it then validates on the server
-        (``?fieldValidation=Strict``) instead of downloading /openapi/v2 schemas to validate itself,
-        so kubectl needs no ``--validate=false``.  Without schemas kubectl's strategic merge for
-        built-ins falls back to its compiled-in types.
-        """
-        paths: dict[str, Any] = {}
-        prefix = f"/apis/{group}/{version}" if group else "/api/v1"
-        for res, info in self.resources.items():
-            if (res.group, res.version) == (group, version):
-                scope = "/namespaces/{namespace}" if info.namespaced else ""
-                paths[f"{prefix}{scope}/{res.plural}/{{name}}"] = {"patch": {
-                    "x-kubernetes-group-version-kind": {"group": group, "version": version, "kind": info.kind},
-                    "parameters": [{"name": p, "in": "query", "schema": {"type": "string"}} for p in ("fieldValidation", "fieldManager")],
-                    "responses": {"200": {"description": "OK"}},
-                }}
-        if not paths:
+        elif m := re.fullmatch(r"/apis/([^/]+)", path):
+            found = (
+                {"kind": "APIGroup", "apiVersion": "v1", **discovery.group_doc(m[1], groups[m[1]])} if m[1] in groups else None
+            )
+        elif m := re.fullmatch(r"/api/(v1)|/apis/([^/]+)/([^/]+)", path):
+            found = discovery.resource_list(self.resources, *((m[2], m[3]) if m[2] else ("", m[1])))
+        else:
+            return None
+        if found is None:
             raise _error(404, "NotFound", _NO_RESOURCE)
-        return {"openapi": "3.0.0", "info": {"title": "Kubernetes emulator", "version": SERVER_VERSION["gitVersion"]},
-                "paths": paths, "components": {"schemas": {}}}
-
-    def _openapi_hash(self, group: str, version: str) -> str:
-        """Changes whenever the group-version's resources change, so kubectl's cached copy is refreshed."""
-        served = sorted((r.plural, str(i.kind), bool(i.namespaced)) for r, i in self.resources.items() if (r.group, r.version) == (group, version))
-        return format(zlib.crc32(json.dumps(served).encode()), "08x")
-
-    def _resource_list(self, group: str, version: str) -> dict[str, Any]:
-        entries: list[dict[str, Any]] = []
-        for res, info in sorted(self.resources.items(), key=lambda item: item[0].plural):
-            if res.group != group or res.version != version:
-                continue
-            entry = {"name": res.plural, "singularName": info.singular or "", "namespaced": bool(info.namespaced),
-                     "kind": info.kind, "verbs": sorted(info.verbs)}
-            if info.shortnames:
-                entry["shortNames"] = sorted(info.shortnames)
-            if info.categories:
-                entry["categories"] = sorted(info.categories)
-            entries.append(entry)
-            for sub in sorted(info.subresources):  # no shortNames here: kubectl would find "ps" ambiguous
-                sub_entry = {"name": f"{res.plural}/{sub}", "singularName": "", "namespaced": bool(info.namespaced),
-                             "kind": "Scale" if sub == "scale" else info.kind, "verbs": _SUBRESOURCE_VERBS.get(sub, ["get"])}
-                if sub == "scale":
-                    sub_entry.update(group="autoscaling", version="v1")
-                entries.append(sub_entry)
-        if not entries and group:
-            raise _error(404, "NotFound", _NO_RESOURCE)
-        return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{group}/{version}" if group else version,
-                "resources": entries}
+        return found
 
     # --- resource requests --------------------------------------------------------------------
 
     def _serve_resource(self, method: str, t: ApiPath, request: kmock.Request) -> Any:
         res = kmock.resource(t.group, t.version, t.plural)
         if res not in self.resources:
-            raise _error(404, "NotFound", f"{_NO_RESOURCE} ({t.qualified} is not served: a CRD not applied yet, or an API the emulator leaves out)")
+            raise _error(
+                404,
+                "NotFound",
+                f"{_NO_RESOURCE} ({t.qualified} is not served: a CRD not applied yet, or an API the emulator leaves out)",
+            )
         info = self.resources[res]
-        if (t.namespace is not None and not info.namespaced) or (info.namespaced and t.namespace is None and (t.name or method == "POST")):
+        if (t.namespace is not None and not info.namespaced) or (
+            info.namespaced and t.namespace is None and (t.name or method == "POST")
+        ):
             raise _error(404, "NotFound", f"{_NO_RESOURCE} ({t.qualified} is {'' if info.namespaced else 'not '}namespaced)")
         if t.subresource is not None and (t.subresource not in info.subresources or t.subresource not in _SERVED_SUBRESOURCES):
             served = t.subresource in info.subresources
-            raise _error(404, "NotFound", f"{_NO_RESOURCE} ({t.plural}/{t.subresource}"
-                         + (" is not emulated; add a kmock reaction for it)" if served else " does not exist)"))
+            raise _error(
+                404,
+                "NotFound",
+                f"{_NO_RESOURCE} ({t.plural}/{t.subresource}"
+                + (" is not emulated; add a kmock reaction for it)" if served else " does not exist)"),
+            )
         if "protobuf" in _header(request, "Content-Type") and request.data is None:
-            raise _error(415, "UnsupportedMediaType", "the emulator decodes protobuf bodies of Namespace, ConfigMap, Secret and "
-                         "ServiceAccount only; send JSON (kubectl apply -f / create -f)")
+            raise _error(
+                415,
+                "UnsupportedMediaType",
+                "the emulator decodes protobuf bodies of Namespace, ConfigMap, Secret and "
+                "ServiceAccount only; send JSON (kubectl apply -f / create -f)",
+            )
         if request.params.get("dryRun"):
             raise _bad_request("dryRun is not supported by the Kubernetes emulator")
         if method == "GET":
@@ -447,13 +402,18 @@ class ApiServer(kmock.KubernetesEmulator):
             return self._patch(t, info, res, request)
         if method == "DELETE" and t.name is not None:
             return self._delete(t, info, res, request)
-        raise _error(405, "MethodNotAllowed", f"the server does not allow this method on the requested resource ({method} {t.qualified})")
+        raise _error(
+            405, "MethodNotAllowed", f"the server does not allow this method on the requested resource ({method} {t.qualified})"
+        )
 
     def _key(self, info: kmock.ResourceInfo, res: kmock.resource, namespace: str | None, name: str) -> Key:
         return (res, namespace if info.namespaced else None, name)
 
+    def _stored(self, key: Key) -> kmock.Object | None:
+        return self.objects[key] if key in self.objects else None
+
     def _peek(self, key: Key) -> dict[str, Any] | None:
-        obj = self._objects._objects.get(key)
+        obj = self._stored(key)
         return None if obj is None or obj.deleted else obj.raw
 
     def _require(self, t: ApiPath, info: kmock.ResourceInfo, res: kmock.resource) -> dict[str, Any]:
@@ -463,18 +423,18 @@ class ApiServer(kmock.KubernetesEmulator):
         return copy.deepcopy(obj)
 
     def _live(self, res: kmock.resource | None = None) -> list[tuple[Key, dict[str, Any]]]:
-        return [(key, obj.raw) for key, obj in self._objects.items() if not obj.deleted and (res is None or key[0] == res)]
+        return [(key, obj.raw) for key, obj in self.objects.items() if not obj.deleted and (res is None or key[0] == res)]
 
     def _commit(self, key: Key, kind: str, old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
         """The one place state changes: a new global resourceVersion, the store, the watch log, CRD registration."""
         self._rv += 1
         new["metadata"]["resourceVersion"] = str(self._rv)
-        stored = self._objects._objects.get(key)
+        stored = self._stored(key)
         if kind == "DELETED":
             if stored is not None:
                 stored.delete()
         elif stored is None:
-            self._objects[key] = new
+            self.objects[key] = new
         else:
             stored.history.append(new)
         self._log.append(Change(self._rv, key, kind, old, new))
@@ -484,21 +444,29 @@ class ApiServer(kmock.KubernetesEmulator):
             del self._log[:drop]
         self._tick.set()
         self._tick = asyncio.Event()
-        if key[0] == CRDS:
-            self._unregister_crd(key[2])
+        if key[0] == CRDS:  # (re)register the kinds a CRD serves as soon as it is stored; drop them once it is gone
+            for res in [r for r, custom in self._custom.items() if custom.crd == key[2]]:
+                del self._custom[res]
+                del self.resources[res]
             if kind != "DELETED":
-                self._register_crd(new)
+                for res, info, custom in crds.served_kinds(new):
+                    self.resources[res] = info
+                    self._custom[res] = custom
         return new
 
     # --- create ----------------------------------------------------------------------------
 
-    def _create(self, t: ApiPath, info: kmock.ResourceInfo, res: kmock.resource, body: Any, *, strict: bool = False) -> dict[str, Any]:
+    def _create(
+        self, t: ApiPath, info: kmock.ResourceInfo, res: kmock.resource, body: Any, *, strict: bool = False
+    ) -> dict[str, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("metadata", {}), dict):
             raise _bad_request("the request body must be a JSON object with an object in metadata")
         obj = copy.deepcopy(body)
         meta = obj.setdefault("metadata", {})
         if obj.get("apiVersion") not in (None, "", t.group_version):
-            raise _bad_request(f"the API version in the data ({obj['apiVersion']}) does not match the expected API version ({t.group_version})")
+            raise _bad_request(
+                f"the API version in the data ({obj['apiVersion']}) does not match the expected API version ({t.group_version})"
+            )
         if obj.get("kind") not in (None, "", info.kind):
             raise _bad_request(f"the kind in the data ({obj['kind']}) does not match the expected kind ({info.kind})")
         obj["apiVersion"], obj["kind"] = t.group_version, info.kind
@@ -522,10 +490,22 @@ class ApiServer(kmock.KubernetesEmulator):
             if namespace is None:
                 raise _error(404, "NotFound", f'namespaces "{t.namespace}" not found', name=t.namespace, kind="namespaces")
             if namespace["metadata"].get("deletionTimestamp"):
-                raise _error(403, "Forbidden", f'{t.qualified} "{name}" is forbidden: unable to create new content in '
-                             f"namespace {t.namespace} because it is being terminated")
-        for field in ("uid", "resourceVersion", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds",
-                      "generation", "managedFields", "selfLink"):
+                raise _error(
+                    403,
+                    "Forbidden",
+                    f'{t.qualified} "{name}" is forbidden: unable to create new content in '
+                    f"namespace {t.namespace} because it is being terminated",
+                )
+        for field in (
+            "uid",
+            "resourceVersion",
+            "creationTimestamp",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+            "generation",
+            "managedFields",
+            "selfLink",
+        ):
             meta.pop(field, None)
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
         if "status" in info.subresources:
@@ -543,8 +523,11 @@ class ApiServer(kmock.KubernetesEmulator):
         else:
             ok = len(name) <= 253 and bool(_DNS_SUBDOMAIN.match(name))
         if not ok:
-            rule = ("an RFC 1123 label (at most 63 lowercase alphanumerics or '-')" if label_named
-                    else "a lowercase RFC 1123 subdomain (lowercase alphanumerics, '-' or '.', at most 253)")
+            rule = (
+                "an RFC 1123 label (at most 63 lowercase alphanumerics or '-')"
+                if label_named
+                else "a lowercase RFC 1123 subdomain (lowercase alphanumerics, '-' or '.', at most 253)"
+            )
             raise _invalid(info.kind, name, [f'metadata.name: Invalid value: "{name}": must be {rule}'])
 
     def _defaults_on_create(self, res: kmock.resource, obj: dict[str, Any]) -> None:
@@ -565,17 +548,34 @@ class ApiServer(kmock.KubernetesEmulator):
                 self._next_ip += 1
             if spec.get("clusterIP"):
                 spec.setdefault("clusterIPs", [spec["clusterIP"]])
-        elif (res.group, res.plural) == ("batch", "jobs") and isinstance(obj.get("spec"), dict) and not obj["spec"].get("manualSelector"):
+        elif (
+            (res.group, res.plural) == ("batch", "jobs")
+            and isinstance(obj.get("spec"), dict)
+            and not obj["spec"].get("manualSelector")
+        ):
             uid, name = meta["uid"], meta["name"]
             obj["spec"]["selector"] = {"matchLabels": {"batch.kubernetes.io/controller-uid": uid}}
             template = obj["spec"].setdefault("template", {})
             if isinstance(template, dict):
-                template.setdefault("metadata", {}).setdefault("labels", {}).update({
-                    "batch.kubernetes.io/controller-uid": uid, "batch.kubernetes.io/job-name": name,
-                    "controller-uid": uid, "job-name": name})
+                template.setdefault("metadata", {}).setdefault("labels", {}).update(
+                    {
+                        "batch.kubernetes.io/controller-uid": uid,
+                        "batch.kubernetes.io/job-name": name,
+                        "controller-uid": uid,
+                        "job-name": name,
+                    }
+                )
 
-    def _conform(self, t: ApiPath, info: kmock.ResourceInfo, res: kmock.resource, obj: dict[str, Any], old: dict[str, Any] | None,
-                 *, strict: bool = False) -> None:
+    def _conform(
+        self,
+        t: ApiPath,
+        info: kmock.ResourceInfo,
+        res: kmock.resource,
+        obj: dict[str, Any],
+        old: dict[str, Any] | None,
+        *,
+        strict: bool = False,
+    ) -> None:
         """Validate metadata, then prune/default/validate custom resources by their CRD schema (422 on failure).
 
         ``strict`` is ``?fieldValidation=Strict`` (kubectl's default): pruned fields are then a 400, as on a
@@ -589,17 +589,22 @@ class ApiServer(kmock.KubernetesEmulator):
         if old is not None and old["metadata"].get("deletionTimestamp"):
             added = set(meta.get("finalizers") or []) - set(old["metadata"].get("finalizers") or [])
             if added:
-                causes.append(f"metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {sorted(added)}")
+                causes.append(
+                    "metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted, "
+                    f"found new finalizers {sorted(added)}"
+                )
         if res == CRDS and not causes:
-            causes += self._crd_problems(obj)
+            causes += crds.crd_problems(obj)
             if not causes:
-                obj["status"] = self._crd_status(obj, old)
+                obj["status"] = crds.crd_status(obj, old)
         custom = self._custom.get(res)
         if custom is not None and custom.schema and not causes:
             dropped = kube_schema.prune(obj, custom.schema)
             if strict and dropped:
-                raise _bad_request(f'{info.kind} in version "{t.version}" cannot be handled as a {info.kind}: strict decoding error: '
-                                   + ", ".join(f'unknown field "{path}"' for path in dropped))
+                raise _bad_request(
+                    f'{info.kind} in version "{t.version}" cannot be handled as a {info.kind}: strict decoding error: '
+                    + ", ".join(f'unknown field "{path}"' for path in dropped)
+                )
             kube_schema.apply_defaults(obj, custom.schema)
             causes += kube_schema.validate(obj, custom.schema)
         if causes:
@@ -607,7 +612,9 @@ class ApiServer(kmock.KubernetesEmulator):
 
     # --- update: PUT, PATCH, subresources -------------------------------------------------------
 
-    def _replace(self, t: ApiPath, info: kmock.ResourceInfo, res: kmock.resource, body: Any, *, strict: bool = False) -> dict[str, Any]:
+    def _replace(
+        self, t: ApiPath, info: kmock.ResourceInfo, res: kmock.resource, body: Any, *, strict: bool = False
+    ) -> dict[str, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("metadata", {}), dict):
             raise _bad_request("the request body must be a JSON object with an object in metadata")
         old = self._require(t, info, res)
@@ -616,7 +623,9 @@ class ApiServer(kmock.KubernetesEmulator):
             raise _bad_request(f"the name of the object ({meta['name']}) does not match the name on the URL ({t.name})")
         rv = meta.get("resourceVersion")
         if rv is None and res in self._custom and t.subresource is None:
-            raise _invalid(f"{info.kind}.{t.group}", t.name, ["metadata.resourceVersion: Invalid value: 0: must be specified for an update"])
+            raise _invalid(
+                f"{info.kind}.{t.group}", t.name, ["metadata.resourceVersion: Invalid value: 0: must be specified for an update"]
+            )
         if rv is not None and rv != old["metadata"]["resourceVersion"]:
             raise self._conflict(t)
         if t.subresource == "scale":
@@ -627,7 +636,9 @@ class ApiServer(kmock.KubernetesEmulator):
         content_type = _header(request, "Content-Type").split(";")[0].strip().lower()
         try:
             if content_type not in patches.PATCH_TYPES:
-                raise patches.PatchError(f"the patch content type {content_type!r} is not supported; use one of {', '.join(patches.PATCH_TYPES)}", 415)
+                raise patches.PatchError(
+                    f"the patch content type {content_type!r} is not supported; use one of {', '.join(patches.PATCH_TYPES)}", 415
+                )
             body = patches.decode_patch(content_type, request.body)
             key = self._key(info, res, t.namespace, str(t.name))
             if self._peek(key) is None and content_type == patches.APPLY and t.subresource is None and isinstance(body, dict):
@@ -648,11 +659,26 @@ class ApiServer(kmock.KubernetesEmulator):
         return self._update(t, info, res, old, patched, strict=_strict(request))
 
     def _conflict(self, t: ApiPath) -> kmock.KubernetesError:
-        return _error(409, "Conflict", f'Operation cannot be fulfilled on {t.qualified} "{t.name}": the object has been modified; '
-                      "please apply your changes to the latest version and try again", name=t.name, group=t.group, kind=t.plural)
+        return _error(
+            409,
+            "Conflict",
+            f'Operation cannot be fulfilled on {t.qualified} "{t.name}": the object has been modified; '
+            "please apply your changes to the latest version and try again",
+            name=t.name,
+            group=t.group,
+            kind=t.plural,
+        )
 
-    def _update(self, t: ApiPath, info: kmock.ResourceInfo, res: kmock.resource, old: dict[str, Any], candidate: dict[str, Any],
-                *, strict: bool = False) -> dict[str, Any]:
+    def _update(
+        self,
+        t: ApiPath,
+        info: kmock.ResourceInfo,
+        res: kmock.resource,
+        old: dict[str, Any],
+        candidate: dict[str, Any],
+        *,
+        strict: bool = False,
+    ) -> dict[str, Any]:
         """Turn a client's full new state into the stored one: status split, system metadata, generation, no-op detection."""
         status_sub = "status" in info.subresources
         if t.subresource == "status":  # the status strategy: everything from the old object but .status
@@ -692,29 +718,41 @@ class ApiServer(kmock.KubernetesEmulator):
             return self._commit(key, "DELETED", old, new)
         return self._commit(key, "MODIFIED", old, new)
 
-    def _scale_spec(self, res: kmock.resource) -> ScaleSpec | None:
+    def _scale_spec(self, res: kmock.resource) -> crds.ScaleSpec | None:
         if res in self._custom:
             return self._custom[res].scale
-        return _BUILTIN_SCALE
+        return crds.BUILTIN_SCALE
 
     def _scale_view(self, res: kmock.resource, obj: dict[str, Any]) -> dict[str, Any]:
         spec = self._scale_spec(res)
         assert spec is not None  # only resources whose discovery lists "scale" get here
         meta = obj["metadata"]
-        selector = _first(obj, spec.selector_path) if spec.selector_path else label_selector_to_string((obj.get("spec") or {}).get("selector"))
+        selector = (
+            _first(obj, spec.selector_path)
+            if spec.selector_path
+            else label_selector_to_string((obj.get("spec") or {}).get("selector"))
+        )
         status: dict[str, Any] = {"replicas": int(_first(obj, spec.status_path) or 0)}
         if selector:
             status["selector"] = str(selector)
-        return {"kind": "Scale", "apiVersion": "autoscaling/v1",
-                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta},
-                "spec": {"replicas": int(_first(obj, spec.spec_path) or 0)}, "status": status}
+        return {
+            "kind": "Scale",
+            "apiVersion": "autoscaling/v1",
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta},
+            "spec": {"replicas": int(_first(obj, spec.spec_path) or 0)},
+            "status": status,
+        }
 
-    def _write_scale(self, t: ApiPath, info: kmock.ResourceInfo, res: kmock.resource, old: dict[str, Any], scale: dict[str, Any]) -> dict[str, Any]:
+    def _write_scale(
+        self, t: ApiPath, info: kmock.ResourceInfo, res: kmock.resource, old: dict[str, Any], scale: dict[str, Any]
+    ) -> dict[str, Any]:
         spec = self._scale_spec(res)
         assert spec is not None
         replicas = (scale.get("spec") or {}).get("replicas")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
-            raise _invalid("Scale.autoscaling", t.name, [f"spec.replicas: Invalid value: {json.dumps(replicas)}: must be an integer >= 0"])
+            raise _invalid(
+                "Scale.autoscaling", t.name, [f"spec.replicas: Invalid value: {json.dumps(replicas)}: must be an integer >= 0"]
+            )
         new = copy.deepcopy(old)
         _set_path(new, spec.spec_path, replicas)
         main = ApiPath(t.group, t.version, t.plural, t.namespace, t.name)
@@ -727,7 +765,12 @@ class ApiServer(kmock.KubernetesEmulator):
             raise _invalid("Binding", t.name, ["target.name: Required value"])
         old = self._require(t, info, res)
         if (old.get("spec") or {}).get("nodeName"):
-            raise _error(409, "Conflict", f'Operation cannot be fulfilled on pods/binding "{t.name}": pod {t.name} is already assigned to node "{old["spec"]["nodeName"]}"')
+            raise _error(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on pods/binding "{t.name}": '
+                f'pod {t.name} is already assigned to node "{old["spec"]["nodeName"]}"',
+            )
         new = copy.deepcopy(old)
         new.setdefault("spec", {})["nodeName"] = node
         conditions = [c for c in new.setdefault("status", {}).get("conditions", []) if c.get("type") != "PodScheduled"]
@@ -743,15 +786,31 @@ class ApiServer(kmock.KubernetesEmulator):
         meta = old["metadata"]
         for field in ("uid", "resourceVersion"):
             if preconditions.get(field) and preconditions[field] != meta.get(field):
-                raise _error(409, "Conflict", f"Precondition failed: {field} in precondition: {preconditions[field]}, {field} in object meta: {meta.get(field)}")
+                raise _error(
+                    409,
+                    "Conflict",
+                    f"Precondition failed: {field} in precondition: {preconditions[field]}, "
+                    f"{field} in object meta: {meta.get(field)}",
+                )
         return self._delete_object(self._key(info, res, t.namespace, str(t.name)), old, policy, grace)
 
-    def _delete_collection(self, t: ApiPath, info: kmock.ResourceInfo, res: kmock.resource, request: kmock.Request) -> dict[str, Any]:
+    def _delete_collection(
+        self, t: ApiPath, info: kmock.ResourceInfo, res: kmock.resource, request: kmock.Request
+    ) -> dict[str, Any]:
         policy, grace, _ = self._delete_options(request)
         victims = self._select(t, res, request)
-        items = [self._delete_object(self._key(info, res, o["metadata"].get("namespace"), o["metadata"]["name"]), copy.deepcopy(o), policy, grace)
-                 for o in victims]
-        return {"kind": f"{info.kind}List", "apiVersion": t.group_version, "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+        items = [
+            self._delete_object(
+                self._key(info, res, o["metadata"].get("namespace"), o["metadata"]["name"]), copy.deepcopy(o), policy, grace
+            )
+            for o in victims
+        ]
+        return {
+            "kind": f"{info.kind}List",
+            "apiVersion": t.group_version,
+            "metadata": {"resourceVersion": str(self._rv)},
+            "items": items,
+        }
 
     @staticmethod
     def _delete_options(request: kmock.Request) -> tuple[str, int | None, dict[str, Any]]:
@@ -769,7 +828,9 @@ class ApiServer(kmock.KubernetesEmulator):
             raise _bad_request(f"gracePeriodSeconds must be an integer, got {grace!r}") from None
         return policy, grace, options.get("preconditions") or {}
 
-    def _delete_object(self, key: Key, old: dict[str, Any], policy: str = "Background", grace: int | None = None) -> dict[str, Any]:
+    def _delete_object(
+        self, key: Key, old: dict[str, Any], policy: str = "Background", grace: int | None = None
+    ) -> dict[str, Any]:
         """Delete now, or mark for deletion (deletionTimestamp) while finalizers, a kubelet or content hold it."""
         res, meta = key[0], old["metadata"]
         if meta.get("deletionTimestamp"):
@@ -864,24 +925,37 @@ class ApiServer(kmock.KubernetesEmulator):
             fields = parse_field_selector(request.params.get("fieldSelector"))
         except SelectorError as exc:
             raise _bad_request(str(exc)) from exc
-        objs = [o for k, o in self._live(res) if (t.namespace is None or k[1] == t.namespace)
-                and (t.name is None or k[2] == t.name) and labels_match(labels, o) and fields_match(fields, o)]
+        objs = [
+            o
+            for k, o in self._live(res)
+            if (t.namespace is None or k[1] == t.namespace)
+            and (t.name is None or k[2] == t.name)
+            and labels_match(labels, o)
+            and fields_match(fields, o)
+        ]
         return sorted(objs, key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
 
     def _list(self, t: ApiPath, info: kmock.ResourceInfo, res: kmock.resource, request: kmock.Request) -> dict[str, Any]:
         objs = self._select(t, res, request)
         try:
             limit = int(request.params.get("limit") or 0)
-            start = int(json.loads(base64.urlsafe_b64decode(request.params["continue"]))["start"]) if request.params.get("continue") else 0
+            start = (
+                int(json.loads(base64.urlsafe_b64decode(request.params["continue"]))["start"])
+                if request.params.get("continue")
+                else 0
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise _bad_request(f"invalid limit or continue token: {exc}") from exc
-        page = objs[start:start + limit] if limit > 0 else objs[start:]
+        page = objs[start : start + limit] if limit > 0 else objs[start:]
         meta: dict[str, Any] = {"resourceVersion": str(self._rv)}
         if limit > 0 and start + limit < len(objs):
             meta["continue"] = base64.urlsafe_b64encode(json.dumps({"start": start + limit}).encode()).decode()
             meta["remainingItemCount"] = len(objs) - start - limit
         if "as=Table" in _header(request, "Accept"):
-            return {**table(page, self._columns(res), str(self._rv), request.params.get("includeObject", "Metadata")), "metadata": meta}
+            return {
+                **table(page, self._columns(res), str(self._rv), request.params.get("includeObject", "Metadata")),
+                "metadata": meta,
+            }
         return {"kind": f"{info.kind}List", "apiVersion": t.group_version, "metadata": meta, "items": page}
 
     def _columns(self, res: kmock.resource) -> list[dict[str, Any]]:
@@ -912,17 +986,30 @@ class ApiServer(kmock.KubernetesEmulator):
             if obj is None:
                 return False
             meta = obj["metadata"]
-            return ((t.namespace is None or meta.get("namespace") == t.namespace) and (t.name is None or meta["name"] == t.name)
-                    and labels_match(labels, obj) and fields_match(fields, obj))
+            return (
+                (t.namespace is None or meta.get("namespace") == t.namespace)
+                and (t.name is None or meta["name"] == t.name)
+                and labels_match(labels, obj)
+                and fields_match(fields, obj)
+            )
 
-        bookmark = {"kind": info.kind, "apiVersion": t.group_version,
-                    "metadata": {"annotations": {"k8s.io/initial-events-end": "true"}}} if params.get("sendInitialEvents") == "true" else None
+        bookmark = (
+            {"kind": info.kind, "apiVersion": t.group_version, "metadata": {"annotations": {"k8s.io/initial-events-end": "true"}}}
+            if params.get("sendInitialEvents") == "true"
+            else None
+        )
         stream = self._watch_stream(res, matches, since, timeout, self._presenter(request, res), bookmark)
         return kmock.Response(status=200, headers={"Content-Type": "application/json"}, payload=stream)
 
-    async def _watch_stream(self, res: kmock.resource, matches: Callable[[dict[str, Any] | None], bool], since: int | None,
-                            timeout: float | None, present: Callable[[dict[str, Any]], dict[str, Any]],
-                            bookmark: dict[str, Any] | None) -> AsyncIterator[Any]:
+    async def _watch_stream(
+        self,
+        res: kmock.resource,
+        matches: Callable[[dict[str, Any] | None], bool],
+        since: int | None,
+        timeout: float | None,
+        present: Callable[[dict[str, Any]], dict[str, Any]],
+        bookmark: dict[str, Any] | None,
+    ) -> AsyncIterator[Any]:
         yield b""  # send the headers now: clients wait for them even when nothing happens
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -935,19 +1022,38 @@ class ApiServer(kmock.KubernetesEmulator):
                 bookmark["metadata"]["resourceVersion"] = str(position)
                 yield {"type": "BOOKMARK", "object": bookmark}
         elif since < self._floor:
-            yield {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                                               "reason": "Expired", "code": 410,
-                                               "message": f"too old resource version: {since} ({self._floor})"}}
+            yield {
+                "type": "ERROR",
+                "object": {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "metadata": {},
+                    "status": "Failure",
+                    "reason": "Expired",
+                    "code": 410,
+                    "message": f"too old resource version: {since} ({self._floor})",
+                },
+            }
             return
         else:
             position = since
         while not self._closing:
             if position < self._floor:  # fell behind by more than history_limit events while streaming
-                yield {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                                                   "reason": "Expired", "code": 410, "message": f"too old resource version: {position}"}}
+                yield {
+                    "type": "ERROR",
+                    "object": {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "metadata": {},
+                        "status": "Failure",
+                        "reason": "Expired",
+                        "code": 410,
+                        "message": f"too old resource version: {position}",
+                    },
+                }
                 return
             tick = self._tick
-            changes = self._log[bisect.bisect_right(self._log, position, key=lambda c: c.rv):]
+            changes = self._log[bisect.bisect_right(self._log, position, key=lambda c: c.rv) :]
             for change in changes:
                 position = change.rv
                 event = self._watch_event(change, res, matches)
@@ -964,7 +1070,9 @@ class ApiServer(kmock.KubernetesEmulator):
                 return
 
     @staticmethod
-    def _watch_event(change: Change, res: kmock.resource, matches: Callable[[dict[str, Any] | None], bool]) -> tuple[str, dict[str, Any]] | None:
+    def _watch_event(
+        change: Change, res: kmock.resource, matches: Callable[[dict[str, Any] | None], bool]
+    ) -> tuple[str, dict[str, Any]] | None:
         """The event a filtered watch sees: objects entering/leaving a selector arrive as ADDED/DELETED."""
         if change.key[0] != res:
             return None
@@ -974,88 +1082,3 @@ class ApiServer(kmock.KubernetesEmulator):
         if now:
             return ("MODIFIED" if was else "ADDED", change.new)
         return ("DELETED", change.new) if was else None
-
-    # --- custom resource definitions ------------------------------------------------------------
-
-    def _crd_problems(self, crd: dict[str, Any]) -> list[str]:
-        spec = crd.get("spec") if isinstance(crd.get("spec"), dict) else {}
-        names = spec.get("names") if isinstance(spec.get("names"), dict) else {}
-        group, plural, kind = spec.get("group"), names.get("plural"), names.get("kind")
-        causes = [f"{path}: Required value" for path, value in
-                  (("spec.group", group), ("spec.names.plural", plural), ("spec.names.kind", kind)) if not value]
-        if spec.get("scope") not in ("Namespaced", "Cluster"):
-            causes.append(f'spec.scope: Unsupported value: {json.dumps(spec.get("scope"))}: supported values: "Cluster", "Namespaced"')
-        if group and plural and crd["metadata"]["name"] != f"{plural}.{group}":
-            causes.append(f'metadata.name: Invalid value: "{crd["metadata"]["name"]}": must be spec.names.plural+"."+spec.group')
-        versions = spec.get("versions") if isinstance(spec.get("versions"), list) else []
-        if sum(1 for v in versions if isinstance(v, dict) and v.get("storage") is True) != 1:
-            causes.append("spec.versions: Invalid value: must have exactly one version marked as storage version")
-        for n, version in enumerate(versions):
-            where = f"spec.versions[{n}]"
-            if not isinstance(version, dict) or not version.get("name"):
-                causes.append(f"{where}.name: Required value")
-                continue
-            causes += [f"{where}.{f}: Required value" for f in ("served", "storage") if not isinstance(version.get(f), bool)]
-            if not isinstance((version.get("schema") or {}).get("openAPIV3Schema"), dict):
-                causes.append(f"{where}.schema.openAPIV3Schema: Required value: schemas are required")
-            for m, column in enumerate(version.get("additionalPrinterColumns") or []):
-                if not column.get("name") or not column.get("jsonPath"):
-                    causes.append(f"{where}.additionalPrinterColumns[{m}]: Required value: name and jsonPath")
-                    continue
-                if column.get("type") not in ("integer", "number", "string", "boolean", "date"):
-                    causes.append(f'{where}.additionalPrinterColumns[{m}].type: Unsupported value: {json.dumps(column.get("type"))}')
-                try:
-                    check_jsonpath(column["jsonPath"])
-                except ValueError as exc:
-                    causes.append(f"{where}.additionalPrinterColumns[{m}].jsonPath: Invalid value: {exc}")
-            scale = (version.get("subresources") or {}).get("scale")
-            if scale is not None:
-                for f, prefix in (("specReplicasPath", ".spec."), ("statusReplicasPath", ".status.")):
-                    if not str(scale.get(f) or "").startswith(prefix):
-                        causes.append(f"{where}.subresources.scale.{f}: Invalid value: {json.dumps(scale.get(f))}: should be a json path under {prefix}")
-        return causes
-
-    @staticmethod
-    def _crd_status(crd: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
-        names = dict(crd["spec"]["names"])
-        names.setdefault("singular", names["kind"].lower())
-        names.setdefault("listKind", f"{names['kind']}List")
-        old_conditions = ((old or {}).get("status") or {}).get("conditions") or [{}]
-        since = old_conditions[0].get("lastTransitionTime") or _now()
-        storage = next(v["name"] for v in crd["spec"]["versions"] if v.get("storage"))
-        stored = ((old or {}).get("status") or {}).get("storedVersions") or []
-        return {
-            "conditions": [
-                {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts", "message": "no conflicts found", "lastTransitionTime": since},
-                {"type": "Established", "status": "True", "reason": "InitialNamesAccepted",
-                 "message": "the initial names have been accepted", "lastTransitionTime": since},
-            ],
-            "acceptedNames": names,
-            "storedVersions": sorted(set(stored) | {storage}),
-        }
-
-    def _register_crd(self, crd: dict[str, Any]) -> None:
-        spec, names = crd["spec"], crd["spec"]["names"]
-        for version in spec["versions"]:
-            if not version.get("served"):
-                continue
-            res = kmock.resource(spec["group"], version["name"], names["plural"])
-            subresources = version.get("subresources") or {}
-            scale = subresources.get("scale")
-            self.resources[res] = kmock.ResourceInfo(
-                namespaced=spec["scope"] == "Namespaced", kind=names["kind"], singular=names.get("singular") or names["kind"].lower(),
-                verbs=ALL_VERBS, shortnames=names.get("shortNames") or [], categories=names.get("categories") or [],
-                subresources=[s for s in ("status", "scale") if s in subresources],
-            )
-            self._custom[res] = CustomKind(
-                crd=crd["metadata"]["name"], columns=list(version.get("additionalPrinterColumns") or []),
-                scale=ScaleSpec(scale["specReplicasPath"], scale["statusReplicasPath"], scale.get("labelSelectorPath")) if scale else None,
-                schema=(version.get("schema") or {}).get("openAPIV3Schema"),
-            )
-
-    def _unregister_crd(self, name: str) -> None:
-        for res in [r for r, custom in self._custom.items() if custom.crd == name]:
-            del self._custom[res]
-            if res in self.resources:
-                del self.resources[res]
-

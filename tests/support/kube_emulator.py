@@ -75,9 +75,13 @@ class KubectlError(subprocess.CalledProcessError):
         return f"{super().__str__()}\nstdout: {self.stdout}\nstderr: {self.stderr}"
 
 
-def api_path(group_version: str, plural: str, name: str | None = None, namespace: str | None = None,
-             subresource: str | None = None) -> str:
-    """The REST path of a resource: ``api_path("apps/v1", "statefulsets", "s", "ns")`` -> /apis/apps/v1/namespaces/ns/statefulsets/s."""
+def api_path(
+    group_version: str, plural: str, name: str | None = None, namespace: str | None = None, subresource: str | None = None
+) -> str:
+    """The REST path of a resource.
+
+    ``api_path("apps/v1", "statefulsets", "s", "ns")`` is /apis/apps/v1/namespaces/ns/statefulsets/s.
+    """
     if not group_version or not plural or group_version.count("/") > 1:
         raise ValueError(f"expected a group_version like 'v1' or 'apps/v1' and a plural, got {group_version!r}, {plural!r}")
     path = f"/api/{group_version}" if "/" not in group_version else f"/apis/{group_version}"
@@ -99,8 +103,14 @@ def kopf_connection_info(url: str, namespace: str = "default") -> kopf.Connectio
 class KubeEmulator:
     """Start/stop the emulated API server and reach it: ``url``, ``kubeconfig``, ``kubectl()``, ``api_client``, helpers."""
 
-    def __init__(self, workdir: str | os.PathLike[str] | None = None, *, host: str = "127.0.0.1",
-                 history_limit: int = 10_000, start_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        history_limit: int = 10_000,
+        start_timeout: float = 10.0,
+    ) -> None:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="kube-emulator-"))
         self.host = host
@@ -163,7 +173,9 @@ class KubeEmulator:
         async with api:
             # Not kmock.Server: it also patches aiohttp's resolver process-wide, which breaks when
             # several emulators in several threads stop out of order; a plain aiohttp runner suffices.
-            runner = aiohttp.web.ServerRunner(aiohttp.web.Server(api, handler_cancellation=True, access_log=None), shutdown_timeout=2.0)
+            runner = aiohttp.web.ServerRunner(
+                aiohttp.web.Server(api, handler_cancellation=True, access_log=None), shutdown_timeout=2.0
+            )
             await runner.setup()
             site = aiohttp.web.TCPSite(runner, self.host, 0)
             await site.start()
@@ -179,12 +191,23 @@ class KubeEmulator:
                 await runner.cleanup()
 
     def _write_kubeconfig(self) -> None:
-        self.kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "kube-emulator",
-            "clusters": [{"name": "kube-emulator", "cluster": {"server": self.url}}],
-            "users": [{"name": "kube-emulator", "user": {"token": TOKEN}}],
-            "contexts": [{"name": "kube-emulator", "context": {"cluster": "kube-emulator", "user": "kube-emulator", "namespace": "default"}}],
-        }))
+        self.kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "kube-emulator",
+                    "clusters": [{"name": "kube-emulator", "cluster": {"server": self.url}}],
+                    "users": [{"name": "kube-emulator", "user": {"token": TOKEN}}],
+                    "contexts": [
+                        {
+                            "name": "kube-emulator",
+                            "context": {"cluster": "kube-emulator", "user": "kube-emulator", "namespace": "default"},
+                        }
+                    ],
+                }
+            )
+        )
 
     @property
     def api(self) -> ApiServer:
@@ -201,7 +224,9 @@ class KubeEmulator:
 
     def raise_internal_errors(self) -> None:
         if self.internal_errors:
-            raise AssertionError(f"the Kubernetes emulator failed internally: {self.internal_errors!r}") from self.internal_errors[0]
+            raise AssertionError(
+                f"the Kubernetes emulator failed internally: {self.internal_errors!r}"
+            ) from self.internal_errors[0]
 
     @property
     def env(self) -> dict[str, str]:
@@ -212,7 +237,9 @@ class KubeEmulator:
 
     # --- clients ----------------------------------------------------------------------------
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against the emulator with its own kubeconfig and discovery cache."""
         argv = [KUBECTL, f"--kubeconfig={self.kubeconfig}", f"--cache-dir={self.workdir / 'kubectl-cache'}", *args]
         proc = subprocess.run(argv, capture_output=True, text=True, input=input, timeout=timeout, env=self.env, check=False)
@@ -233,8 +260,15 @@ class KubeEmulator:
         def login_to_kube_emulator(**_: Any) -> kopf.ConnectionInfo:
             return kopf_connection_info(url)
 
-    def request(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
-                params: dict[str, str] | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        content_type: str = "application/json",
+        params: dict[str, str] | None = None,
+    ) -> Any:
         """One HTTP call through ``api_client``; returns the decoded JSON, raises ``ApiException`` on >= 400."""
         url = self.url + path + ("?" + urllib.parse.urlencode(params) if params else "")
         headers = {"Accept": "application/json"}
@@ -243,7 +277,9 @@ class KubeEmulator:
         response = self.api_client.call_api(method, url, header_params=headers, body=body, _request_timeout=30)
         response.read()
         if not 200 <= response.status < 300:
-            kubernetes.client.ApiException.from_response(http_resp=response, body=response.data.decode("utf-8", "replace"), data=None)
+            kubernetes.client.ApiException.from_response(
+                http_resp=response, body=response.data.decode("utf-8", "replace"), data=None
+            )
             raise kubernetes.client.ApiException(http_resp=response)  # for statuses from_response does not map
         return json.loads(response.data) if response.data else None
 
@@ -261,28 +297,63 @@ class KubeEmulator:
                 return None
             raise
 
-    def list(self, group_version: str, plural: str, namespace: str | None = None, *,
-             label_selector: str | None = None, field_selector: str | None = None) -> list[dict[str, Any]]:
+    def list(
+        self,
+        group_version: str,
+        plural: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> list[dict[str, Any]]:
         params = {k: v for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v}
         return self.request("GET", api_path(group_version, plural, namespace=namespace), params=params)["items"]
 
-    def patch(self, group_version: str, plural: str, name: str, patch: Any, namespace: str | None = None, *,
-              subresource: str | None = None, patch_type: str = "merge") -> dict[str, Any]:
+    def patch(
+        self,
+        group_version: str,
+        plural: str,
+        name: str,
+        patch: Any,
+        namespace: str | None = None,
+        *,
+        subresource: str | None = None,
+        patch_type: str = "merge",
+    ) -> dict[str, Any]:
         """PATCH with ``patch_type`` "merge" (RFC 7386), "json" (RFC 6902 ops) or "strategic" (built-ins only)."""
         if patch_type not in PATCH_TYPES:
             raise ValueError(f"patch_type must be one of {sorted(PATCH_TYPES)}, got {patch_type!r}")
-        return self.request("PATCH", api_path(group_version, plural, name, namespace, subresource), patch, content_type=PATCH_TYPES[patch_type])
+        return self.request(
+            "PATCH", api_path(group_version, plural, name, namespace, subresource), patch, content_type=PATCH_TYPES[patch_type]
+        )
 
-    def patch_status(self, group_version: str, plural: str, name: str, status: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
+    def patch_status(
+        self, group_version: str, plural: str, name: str, status: dict[str, Any], namespace: str | None = None
+    ) -> dict[str, Any]:
         """Merge ``status`` into the object's .status through the status subresource (what a controller or kubelet does)."""
         return self.patch(group_version, plural, name, {"status": status}, namespace, subresource="status")
 
-    def replace(self, group_version: str, plural: str, body: dict[str, Any], namespace: str | None = None, *,
-                subresource: str | None = None) -> dict[str, Any]:
+    def replace(
+        self,
+        group_version: str,
+        plural: str,
+        body: dict[str, Any],
+        namespace: str | None = None,
+        *,
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
         return self.request("PUT", api_path(group_version, plural, body["metadata"]["name"], namespace, subresource), body)
 
-    def delete(self, group_version: str, plural: str, name: str, namespace: str | None = None, *,
-               propagation: str = "Background", grace_period: int | None = None) -> dict[str, Any]:
+    def delete(
+        self,
+        group_version: str,
+        plural: str,
+        name: str,
+        namespace: str | None = None,
+        *,
+        propagation: str = "Background",
+        grace_period: int | None = None,
+    ) -> dict[str, Any]:
         options: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation}
         if grace_period is not None:
             options["gracePeriodSeconds"] = grace_period
@@ -295,7 +366,9 @@ class KubeEmulator:
         """Create (or replace) every CustomResourceDefinition in a YAML file; their kinds are served on return."""
         docs = [doc for doc in yaml.safe_load_all(Path(path).read_text()) if doc]
         if not docs or any(doc.get("kind") != "CustomResourceDefinition" for doc in docs):
-            raise ValueError(f"{path} must hold only CustomResourceDefinition documents, found kinds {[d.get('kind') for d in docs]}")
+            raise ValueError(
+                f"{path} must hold only CustomResourceDefinition documents, found kinds {[d.get('kind') for d in docs]}"
+            )
         stored = []
         for doc in docs:
             existing = self.get("apiextensions.k8s.io/v1", "customresourcedefinitions", doc["metadata"]["name"])

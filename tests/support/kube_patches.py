@@ -48,10 +48,19 @@ def merge_patch(target: Any, patch: Any) -> Any:
 # Strategic merge keys of the built-in types (from the `patchMergeKey` tags of k8s.io/api):
 # lists of objects under these field names merge element-wise by that key instead of replacing.
 _MERGE_KEYS = {
-    "containers": "name", "initContainers": "name", "ephemeralContainers": "name",
-    "env": "name", "volumes": "name", "imagePullSecrets": "name", "resourceClaims": "name",
-    "volumeMounts": "mountPath", "volumeDevices": "devicePath", "conditions": "type",
-    "ownerReferences": "uid", "hostAliases": "ip", "topologySpreadConstraints": "topologyKey",
+    "containers": "name",
+    "initContainers": "name",
+    "ephemeralContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "imagePullSecrets": "name",
+    "resourceClaims": "name",
+    "volumeMounts": "mountPath",
+    "volumeDevices": "devicePath",
+    "conditions": "type",
+    "ownerReferences": "uid",
+    "hostAliases": "ip",
+    "topologySpreadConstraints": "topologyKey",
 }
 # Lists of scalars with `patchStrategy: merge`: the patch's items are added (a set union).
 _MERGED_SCALAR_LISTS = {"finalizers"}

@@ -21,12 +21,24 @@ class ProtobufUnsupported(ValueError):
 
 
 # field number -> (JSON name, how to decode). "meta" is ObjectMeta, "map"/"bmap" are map<string,string|bytes>.
-_META = {1: ("name", "str"), 2: ("generateName", "str"), 3: ("namespace", "str"), 11: ("labels", "map"),
-         12: ("annotations", "map"), 14: ("finalizers", "strs")}
+_META = {
+    1: ("name", "str"),
+    2: ("generateName", "str"),
+    3: ("namespace", "str"),
+    11: ("labels", "map"),
+    12: ("annotations", "map"),
+    14: ("finalizers", "strs"),
+}
 _KINDS: dict[str, dict[int, tuple[str, Any]]] = {
     "Namespace": {1: ("metadata", _META), 2: ("spec", {1: ("finalizers", "strs")})},
     "ConfigMap": {1: ("metadata", _META), 2: ("data", "map"), 3: ("binaryData", "bmap"), 4: ("immutable", "bool")},
-    "Secret": {1: ("metadata", _META), 2: ("data", "bmap"), 3: ("type", "str"), 4: ("stringData", "map"), 5: ("immutable", "bool")},
+    "Secret": {
+        1: ("metadata", _META),
+        2: ("data", "bmap"),
+        3: ("type", "str"),
+        4: ("stringData", "map"),
+        5: ("immutable", "bool"),
+    },
     "ServiceAccount": {1: ("metadata", _META), 4: ("automountServiceAccountToken", "bool")},
 }
 
@@ -55,10 +67,10 @@ def _fields(buf: bytes) -> list[tuple[int, int | bytes]]:
             value, i = _varint(buf, i)
         elif wire == 2:
             size, i = _varint(buf, i)
-            value, i = buf[i:i + size], i + size
+            value, i = buf[i : i + size], i + size
         elif wire in (1, 5):
             size = 8 if wire == 1 else 4
-            value, i = buf[i:i + size], i + size
+            value, i = buf[i : i + size], i + size
         else:
             raise ValueError(f"unsupported protobuf wire type {wire}")
         out.append((number, value))
@@ -81,8 +93,8 @@ def _decode(buf: bytes, schema: dict[int, tuple[str, Any]]) -> dict[str, Any]:
             obj.setdefault(name, []).append(bytes(value).decode())  # type: ignore[arg-type]
         else:  # a map entry: key = 1, value = 2
             entry = dict(_fields(bytes(value)))  # type: ignore[arg-type]
-            raw = bytes(entry.get(2, b""))  # type: ignore[arg-type]
-            obj.setdefault(name, {})[bytes(entry.get(1, b"")).decode()] = base64.b64encode(raw).decode() if how == "bmap" else raw.decode()  # type: ignore[arg-type]
+            key, raw = bytes(entry.get(1, b"")).decode(), bytes(entry.get(2, b""))  # type: ignore[arg-type]
+            obj.setdefault(name, {})[key] = base64.b64encode(raw).decode() if how == "bmap" else raw.decode()
     return {k: v for k, v in obj.items() if v not in ("", None)}
 
 
@@ -90,9 +102,12 @@ def decode(body: bytes) -> dict[str, Any]:
     """The JSON form of a protobuf-encoded object; ProtobufUnsupported for kinds outside the table."""
     if not body.startswith(MAGIC):
         raise ProtobufUnsupported("not a Kubernetes protobuf envelope")
-    envelope = dict(_fields(body[len(MAGIC):]))
+    envelope = dict(_fields(body[len(MAGIC) :]))
     type_meta = dict(_fields(bytes(envelope.get(1, b""))))  # type: ignore[arg-type]
     api_version, kind = bytes(type_meta.get(1, b"")).decode(), bytes(type_meta.get(2, b"")).decode()  # type: ignore[arg-type]
     if kind not in _KINDS:
-        raise ProtobufUnsupported(f"protobuf bodies of kind {kind!r} are not decoded by the emulator; send JSON (kubectl apply -f)")
-    return {"apiVersion": api_version, "kind": kind, **_decode(bytes(envelope.get(2, b"")), _KINDS[kind])}  # type: ignore[arg-type]
+        raise ProtobufUnsupported(
+            f"protobuf bodies of kind {kind!r} are not decoded by the emulator; send JSON (kubectl apply -f)"
+        )
+    raw = bytes(envelope.get(2, b""))  # type: ignore[arg-type]
+    return {"apiVersion": api_version, "kind": kind, **_decode(raw, _KINDS[kind])}

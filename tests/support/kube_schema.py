@@ -58,7 +58,11 @@ def _child_schema(schema: dict[str, Any], key: str) -> dict[str, Any] | None:
 
 def _prune_value(value: Any, schema: dict[str, Any], path: str, dropped: list[str]) -> Any:
     if isinstance(value, dict):
-        if schema.get("x-kubernetes-preserve-unknown-fields") and not schema.get("properties") and "additionalProperties" not in schema:
+        if (
+            schema.get("x-kubernetes-preserve-unknown-fields")
+            and not schema.get("properties")
+            and "additionalProperties" not in schema
+        ):
             return value
         if schema.get("type") not in (None, "object") and not schema.get("x-kubernetes-preserve-unknown-fields"):
             return value  # a type mismatch is for validation to report, not for pruning to hide

@@ -20,8 +20,7 @@ class SelectorError(ValueError):
 
 # Label keys: an optional DNS-subdomain prefix and a name segment (apimachinery's validation).
 _LABEL_KEY = re.compile(
-    r"^(?:[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*/)?"
-    r"[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+    r"^(?:[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*/)?" r"[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
 _LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 _REQUIREMENT = re.compile(
@@ -120,13 +119,18 @@ def metadata_problems(meta: Mapping[str, Any]) -> list[str]:
             try:
                 _check_key(str(key), f"metadata.{field}")
             except SelectorError:
-                causes.append(f"metadata.{field}: Invalid value: {key!r}: a qualified name must be an optional DNS-subdomain prefix and '/' "
-                              "and a name of at most 63 alphanumeric characters, '-', '_' or '.', starting and ending with an alphanumeric")
+                causes.append(
+                    f"metadata.{field}: Invalid value: {key!r}: a qualified name must be an optional DNS-subdomain prefix "
+                    "and '/' and a name of at most 63 alphanumeric characters, '-', '_' or '.', "
+                    "starting and ending with an alphanumeric"
+                )
             if not isinstance(value, str):
                 causes.append(f"metadata.{field}: Invalid value: {key}={value!r}: values must be strings")
             elif field == "labels" and (len(value) > 63 or not _LABEL_VALUE.match(value)):
-                causes.append(f"metadata.labels: Invalid value: {value!r}: a valid label value must be 63 characters or less, "
-                              "empty or alphanumeric characters, '-', '_' or '.', starting and ending with an alphanumeric")
+                causes.append(
+                    f"metadata.labels: Invalid value: {value!r}: a valid label value must be 63 characters or less, "
+                    "empty or alphanumeric characters, '-', '_' or '.', starting and ending with an alphanumeric"
+                )
     return causes
 
 

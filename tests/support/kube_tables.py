@@ -27,7 +27,10 @@ _TOKEN = re.compile(
 )
 
 NAME_COLUMN = {
-    "name": "Name", "type": "string", "format": "name", "priority": 0,
+    "name": "Name",
+    "type": "string",
+    "format": "name",
+    "priority": 0,
     "description": "Name must be unique within a namespace.",
 }
 AGE_COLUMN = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp", "description": "", "priority": 0}
@@ -134,7 +137,9 @@ def _cell(column: dict[str, Any], obj: dict[str, Any]) -> Any:
     return value if isinstance(value, str) else _scalar(value)
 
 
-def table(objs: Iterable[dict[str, Any]], columns: list[dict[str, Any]], resource_version: str, include_object: str = "Metadata") -> dict[str, Any]:
+def table(
+    objs: Iterable[dict[str, Any]], columns: list[dict[str, Any]], resource_version: str, include_object: str = "Metadata"
+) -> dict[str, Any]:
     """A meta.k8s.io/v1 Table; ``include_object`` is the request's includeObject (None|Metadata|Object)."""
     columns = columns or [AGE_COLUMN]
     rows = []
@@ -149,9 +154,15 @@ def table(objs: Iterable[dict[str, Any]], columns: list[dict[str, Any]], resourc
         "kind": "Table",
         "apiVersion": "meta.k8s.io/v1",
         "metadata": {"resourceVersion": resource_version},
-        "columnDefinitions": [NAME_COLUMN] + [
-            {"name": c["name"], "type": c.get("type", "string"), "format": c.get("format", ""),
-             "description": c.get("description", ""), "priority": c.get("priority", 0)}
+        "columnDefinitions": [NAME_COLUMN]
+        + [
+            {
+                "name": c["name"],
+                "type": c.get("type", "string"),
+                "format": c.get("format", ""),
+                "description": c.get("description", ""),
+                "priority": c.get("priority", 0),
+            }
             for c in columns
         ],
         "rows": rows,
