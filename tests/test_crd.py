@@ -153,8 +153,8 @@ INVALID = [
     ("spec.parallelism.cfgp", 3, "cfgp"),
     ("spec.parallelism.cfgp", 0, "cfgp"),
     ("spec.parallelism.dp", 0, "dp"),
-    ("spec.parallelism", {"cfgp": 2}, "guidance"),  # default guidance 1.0
-    ("spec.parallelism", {"cfgp": 2, "dp": 1}, "guidance"),
+    ("spec.parallelism", {"cfgp": 2, "dp": 1}, "spec.runtime", {"guidance": 1.0}, "guidance"),
+    ("spec.parallelism", {"cfgp": 2}, "spec.runtime", {"guidance": 1}, "guidance"),
     ("spec.checkpoint.source", "ftp://host/ckpt", "source"),
     ("spec.checkpoint.source", "relative/dir", "source"),
     ("spec.checkpoint.source", "", "source"),
@@ -181,9 +181,12 @@ INVALID = [
 ]
 
 
-@pytest.mark.parametrize(("field", "value", "word"), INVALID, ids=[f"{f}={v!r}"[:60] for f, v, _ in INVALID])
-def test_invalid_spec_is_refused_by_crd_and_operator(crd: dict[str, Any], field: str, value: Any, word: str) -> None:
-    obj = _set(minimal(), field, value)
+@pytest.mark.parametrize("case", INVALID, ids=[f"{c[0]}={c[1]!r}"[:60] for c in INVALID])
+def test_invalid_spec_is_refused_by_crd_and_operator(crd: dict[str, Any], case: tuple) -> None:
+    *edits, word = case
+    obj = minimal()
+    for field, value in zip(edits[::2], edits[1::2]):
+        obj = _set(obj, field, value)
     errors = crd_schema.validate(crd, obj)
     assert errors, f"the CRD accepted {field}={value!r}"
     with pytest.raises(SpecError) as exc:
@@ -218,18 +221,29 @@ def test_defaults_of_the_crd_match_the_operator(schema: dict[str, Any]) -> None:
     assert defaulted["parallelism"] == {"cfgp": 1, "dp": 1}
     assert defaulted["replicas"] == 1
     assert defaulted["service"] == {"type": "ClusterIP", "port": C.DEFAULT_PORT}
-    assert defaulted["runtime"] == {"guidance": 1.0, "steps": 10, "drainGraceSeconds": 20,
+    assert defaulted["runtime"] == {"guidance": 3.0, "steps": 10, "drainGraceSeconds": 20,
                                     "startupTimeoutSeconds": 600, "device": "cuda"}
     assert defaulted["storage"] == {"size": "20Gi", "retainOnDelete": False}
     assert defaulted["checkpoint"]["fetchJob"] == {"backoffLimit": 3, "ttlSecondsAfterFinished": 3600}
     spec = parse({"metadata": {"name": "p"}, "spec": defaulted})
-    assert spec.runtime.guidance == 1.0 and spec.storage.size == "20Gi" and spec.service.port == C.DEFAULT_PORT
+    assert spec.runtime.guidance == 3.0 and spec.storage.size == "20Gi" and spec.service.port == C.DEFAULT_PORT
 
 
-def test_status_written_by_the_operator_fits_the_schema(crd: dict[str, Any]) -> None:
-    """A full status as conditions.build_status writes it passes the status schema (nothing pruned)."""
-    from policy_operator.operator import conditions
+def test_status_written_by_the_operator_fits_the_schema(crd: dict[str, Any], schema: dict[str, Any]) -> None:
+    """A full status as conditions.build_status writes it passes the status schema, and nothing would be pruned."""
+    from policy_operator.operator import conditions, health, observe
 
-    status = conditions.example_status()
-    obj = {**minimal(), "status": status}
+    spec = parse(load_example(REPO / "examples" / "policyserver-cfgp2-dp2.yaml"))
+    ranks = tuple(health.RankHealth(r, r // 2, r % 2, "serving", True) for r in range(4))
+    pods = [health.PodHealth("p-0", "10.0.0.1", "Running", 4, 4, True, ranks),
+            health.PodHealth("p-1", None, "Pending", 4, message="verify-checkpoint: Init:Error")]
+    update = conditions.build_status(
+        spec, checkpoint=observe.CheckpointState("Ready", "Downloaded", "done", "j"),
+        workload=observe.WorkloadState(exists=True, desired=2, current=2, serving_key=spec.checkpoint.key,
+                                       template_hash="abc"),
+        pods=pods, service_exists=True, previous=None, generation=3, now="2025-01-01T00:00:00Z")
+    obj = {**minimal(), "status": update.status}
     assert crd_schema.validate(crd, obj) == []
+    status_schema = crd_schema.to_json_schema(schema["properties"]["status"])
+    assert set(update.status) <= set(status_schema["properties"])
+    assert set(update.status["pods"][0]) <= set(status_schema["properties"]["pods"]["items"]["properties"])

@@ -1,0 +1,174 @@
+"""kopf wiring: which events start a reconcile pass, and how its failures are retried.
+
+Thin on purpose: every handler calls :func:`reconcile.reconcile` for one
+PolicyServer under that object's lock, so creation, updates, the periodic
+resync and child events (a Job finished, a StatefulSet's pods changed) all
+converge the same way.  Decisions live in the pure modules; this file only
+maps outcomes onto kopf's retry semantics:
+
+* an invalid spec -> ``kopf.PermanentError`` from change handlers (no retry
+  storm; the next edit is a new change) and nothing from the timer;
+* a transient API error -> ``kopf.TemporaryError`` with a delay;
+* an object the API rejected -> recorded in status by the reconciler, retried
+  by the timer at its normal pace.
+
+Handlers are registered on an explicit registry by :func:`register`, so the
+CLI and tests can run several independent operators in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from policy_operator.constants import (
+    ANNOTATION_LAST_HANDLED,
+    COMPONENT_FETCH,
+    COMPONENT_SERVER,
+    FINALIZER,
+    GROUP,
+    KIND,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+    PLURAL,
+    VERSION,
+)
+from policy_operator.operator import conditions
+from policy_operator.operator.health import PROBE_TIMEOUT_S
+from policy_operator.operator.kube import KubeClient, KubeError, TransientError
+from policy_operator.operator.reconcile import Outcome, reconcile
+
+RETRY_DELAY_S = 5.0
+DEFAULT_RESYNC_S = 10.0
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    resync_seconds: float = DEFAULT_RESYNC_S
+    probe_timeout: float = PROBE_TIMEOUT_S
+    retry_delay: float = RETRY_DELAY_S
+    namespaced: bool = True  # a Role suffices: no namespace or CRD scanning
+
+
+@dataclass
+class Stats:
+    """What the liveness probe reports."""
+
+    passes: int = 0
+    failures: int = 0
+    last_pass: float = 0.0
+    last_error: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"passes": self.passes, "failures": self.failures,
+                "secondsSinceLastPass": round(time.time() - self.last_pass, 1) if self.last_pass else None,
+                "lastError": self.last_error}
+
+
+def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    """kopf's state goes to our own annotations (status belongs to the CRD schema) and Events say who we are."""
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key=ANNOTATION_LAST_HANDLED.split("/", 1)[1])
+    settings.posting.reporting_component = MANAGED_BY
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = 16
+    settings.scanning.disabled = config.namespaced
+    settings.batching.error_delays = (1, 2, 5, 10, 20, 30)
+
+
+def _post(owner: dict[str, Any], event: conditions.Event) -> None:
+    kopf.event(owner, type=event.type, reason=event.reason, message=event.message)
+
+
+def _owner_name(body: kopf.Body) -> str | None:
+    for ref in body.metadata.get("ownerReferences") or []:
+        if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/") and ref.get("controller"):
+            return ref.get("name")
+    return None
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube_factory=KubeClient.from_environment) -> None:
+    """Register the operator's handlers on ``registry``."""
+    locks: dict[tuple[str, str], threading.Lock] = {}
+    stats = Stats()
+    clients: list[KubeClient] = []
+
+    def kube() -> KubeClient:
+        if not clients:
+            clients.append(kube_factory())
+        return clients[0]
+
+    def run(namespace: str, name: str, logger: logging.Logger) -> Outcome | None:
+        lock = locks.setdefault((namespace, name), threading.Lock())
+        with lock:
+            try:
+                outcome = reconcile(kube(), namespace, name, post_event=_post, probe_timeout=config.probe_timeout)
+            except TransientError as exc:
+                with stats.lock:
+                    stats.failures += 1
+                    stats.last_error = str(exc)
+                raise kopf.TemporaryError(f"transient API error, retrying: {exc}", delay=config.retry_delay) from exc
+            except KubeError as exc:
+                with stats.lock:
+                    stats.failures += 1
+                    stats.last_error = str(exc)
+                raise kopf.TemporaryError(f"API error: {exc}", delay=config.retry_delay * 6) from exc
+        with stats.lock:
+            stats.passes += 1
+            stats.last_pass = time.time()
+        if outcome is not None:
+            phase = outcome.status.get("phase")
+            logger.debug(f"reconciled: phase={phase} ready={outcome.status.get('ready')}")
+        return outcome
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        """The same credentials as KubeClient: in-cluster service account, else the kubeconfig."""
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+        configure_settings(settings, config)
+        kube()
+        logger.info(f"policy-operator reconciling {PLURAL}.{GROUP}/{VERSION} every {config.resync_seconds}s")
+
+    @kopf.on.cleanup(registry=registry)
+    def cleanup(**_: Any) -> None:
+        for client in clients:
+            client.close()
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")
+    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")
+    def on_change(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
+        outcome = run(namespace, name, logger)
+        if outcome is not None and outcome.spec_error is not None:
+            raise kopf.PermanentError(f"invalid spec: {outcome.spec_error}")
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=config.resync_seconds, registry=registry, id="resync")
+    def resync(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
+        run(namespace, name, logger)  # an invalid spec was reported by on_change; no retry storm here
+
+    def on_child(body: kopf.Body, namespace: str, logger: logging.Logger, type: str | None, **_: Any) -> None:
+        owner = _owner_name(body)
+        if owner and type is not None:  # type None: the initial listing, resume handlers cover it
+            run(namespace, owner, logger)
+
+    kopf.on.event("batch", "v1", "jobs", labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: COMPONENT_FETCH},
+                  registry=registry, id="fetch-job")(on_child)
+    kopf.on.event("apps", "v1", "statefulsets", labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: COMPONENT_SERVER},
+                  registry=registry, id="statefulset")(on_child)
+
+    @kopf.on.probe(id="reconciler", registry=registry)
+    def reconciler_probe(**_: Any) -> dict[str, Any]:
+        with stats.lock:
+            return stats.as_dict()

@@ -1,0 +1,156 @@
+"""Per-rank readiness of each server pod, read from the pod's own ``/readyz``.
+
+The kubelet's readiness probe gives one bit per pod; a pod of cfgp x dp ranks
+can be half-alive (one dp replica wedged, a CFG rank still loading).  The
+runtime's ``/readyz`` body lists every rank, so the operator polls it and
+reports ``ranksReady`` per pod and in total.  A pod that cannot be reached
+counts as zero ranks ready: an answer is the only evidence accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from policy_operator.constants import PORT_NAME, READYZ_PATH
+
+PROBE_TIMEOUT_S = 2.0
+MAX_BODY = 1 << 20
+MAX_PARALLEL_PROBES = 16
+
+
+@dataclass(frozen=True)
+class RankHealth:
+    rank: int
+    dp_index: int
+    cfg_index: int
+    state: str
+    ready: bool
+
+    def as_status(self) -> dict[str, Any]:
+        return {"rank": self.rank, "dpIndex": self.dp_index, "cfgIndex": self.cfg_index, "state": self.state,
+                "ready": self.ready}
+
+
+@dataclass(frozen=True)
+class PodHealth:
+    name: str
+    pod_ip: str | None
+    phase: str
+    world_size: int
+    ranks_ready: int = 0
+    ready: bool = False
+    ranks: tuple[RankHealth, ...] = field(default_factory=tuple)
+    message: str = ""
+
+    @property
+    def ranks_text(self) -> str:
+        return f"{self.ranks_ready}/{self.world_size}"
+
+    def as_status(self) -> dict[str, Any]:
+        item: dict[str, Any] = {"name": self.name, "phase": self.phase, "ready": self.ready,
+                                "ranksReady": self.ranks_text, "ranks": [r.as_status() for r in self.ranks]}
+        if self.pod_ip:
+            item["podIP"] = self.pod_ip
+        if self.message:
+            item["message"] = self.message
+        return item
+
+
+def parse_readyz(status_code: int, body: bytes, expected_world_size: int) -> tuple[bool, int, int, tuple[RankHealth, ...], str]:
+    """(ready, ranks_ready, world_size, ranks, message) from one /readyz answer; a malformed body is not ready."""
+    try:
+        doc = json.loads(body)
+        world_size = int(doc.get("world_size") or (doc.get("layout") or {}).get("world_size") or expected_world_size)
+        ranks = tuple(
+            RankHealth(rank=int(r["rank"]), dp_index=int(r.get("dp_index", 0)), cfg_index=int(r.get("cfg_index", 0)),
+                       state=str(r.get("state", "unknown")), ready=bool(r.get("ready", False)))
+            for r in doc.get("ranks") or []
+        )
+        ranks_ready = int(doc["ranks_ready"]) if "ranks_ready" in doc else sum(r.ready for r in ranks)
+        ready = bool(doc.get("ready")) and status_code == 200 and ranks_ready >= world_size
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        return False, 0, expected_world_size, (), f"/readyz answered {status_code} with a malformed body ({exc})"
+    message = "" if ready else _not_ready_message(ranks, ranks_ready, world_size)
+    return ready, max(0, min(ranks_ready, world_size)), world_size, ranks, message
+
+
+def _not_ready_message(ranks: Sequence[RankHealth], ranks_ready: int, world_size: int) -> str:
+    waiting = [f"rank {r.rank} {r.state}" for r in ranks if not r.ready]
+    return f"{ranks_ready}/{world_size} ranks ready" + (f" ({', '.join(waiting[:8])})" if waiting else "")
+
+
+def probe_readyz(ip: str, port: int, expected_world_size: int, timeout: float = PROBE_TIMEOUT_S):
+    url = f"http://{ip}:{port}{READYZ_PATH}"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http to a pod IP
+            return parse_readyz(response.status, response.read(MAX_BODY), expected_world_size)
+    except urllib.error.HTTPError as exc:  # 503 still carries the per-rank body
+        with exc:
+            return parse_readyz(exc.code, exc.read(MAX_BODY), expected_world_size)
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return False, 0, expected_world_size, (), f"{READYZ_PATH} unreachable: {reason}"
+
+
+def container_message(pod: Mapping[str, Any]) -> str:
+    """Why a pod is not running, in the kubelet's words (init container first: it verifies the checkpoint)."""
+    status = pod.get("status") or {}
+    for group in ("initContainerStatuses", "containerStatuses"):
+        for cs in status.get(group) or []:
+            state = cs.get("state") or {}
+            last = (cs.get("lastState") or {}).get("terminated") or {}
+            if "waiting" in state:
+                waiting = state["waiting"] or {}
+                detail = (last.get("message") or waiting.get("message") or "").strip().splitlines()
+                reason = waiting.get("reason") or "Waiting"
+                return f"{cs.get('name')}: {reason}" + (f": {detail[-1]}" if detail else "")
+            terminated = state.get("terminated")
+            if terminated and terminated.get("exitCode", 0) != 0:
+                detail = (terminated.get("message") or "").strip().splitlines()
+                return (f"{cs.get('name')}: exited {terminated.get('exitCode')} ({terminated.get('reason', 'Error')})"
+                        + (f": {detail[-1]}" if detail else ""))
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return f"unschedulable: {cond.get('message') or cond.get('reason')}"
+    return ""
+
+
+def pod_port(pod: Mapping[str, Any], default: int) -> int:
+    """The pod's own ``ws`` port: during a port change old pods still listen on the old one."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == PORT_NAME and port.get("containerPort"):
+                return int(port["containerPort"])
+    return default
+
+
+def pod_health(pod: Mapping[str, Any], port: int, world_size: int, timeout: float = PROBE_TIMEOUT_S) -> PodHealth:
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    name, phase, ip = meta.get("name", "?"), status.get("phase", "Pending"), status.get("podIP")
+    if meta.get("deletionTimestamp"):
+        return PodHealth(name, ip, "Terminating", world_size, message="terminating")
+    if phase != "Running" or not ip:
+        return PodHealth(name, ip, phase, world_size, message=container_message(pod) or phase)
+    ready, ranks_ready, ws, ranks, message = probe_readyz(ip, pod_port(pod, port), world_size, timeout)
+    return PodHealth(name, ip, phase, ws, ranks_ready, ready, ranks, message)
+
+
+def poll_pods(pods: Sequence[Mapping[str, Any]], port: int, world_size: int,
+              timeout: float = PROBE_TIMEOUT_S) -> list[PodHealth]:
+    """Every pod's health, probed concurrently so one hung pod costs one timeout, not N."""
+    ordered = sorted(pods, key=lambda p: _ordinal_key((p.get("metadata") or {}).get("name", "")))
+    if not ordered:
+        return []
+    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_PROBES, len(ordered))) as pool:
+        return list(pool.map(lambda p: pod_health(p, port, world_size, timeout), ordered))
+
+
+def _ordinal_key(name: str) -> tuple[str, int]:
+    base, _, ordinal = name.rpartition("-")
+    return (base, int(ordinal)) if ordinal.isdigit() else (name, -1)

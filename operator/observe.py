@@ -1,0 +1,129 @@
+"""What the children's status says: the fetch Job's download state and the StatefulSet's rollout.
+
+Pure functions of the objects as read from the API, so every state a Job or
+StatefulSet can be in is a unit test, not a cluster experiment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from policy_operator.constants import ANNOTATION_TEMPLATE_HASH, LABEL_CHECKPOINT_KEY
+from policy_operator.operator.health import container_message
+from policy_operator.operator.manifests import FETCH_CONTAINER, Names
+from policy_operator.operator.spec import PolicyServerSpec
+
+CK_PENDING, CK_DOWNLOADING, CK_READY, CK_FAILED = "Pending", "Downloading", "Ready", "Failed"
+
+# policyserver fetch exit codes -> condition reasons (see runtime/fetch.py)
+EXIT_REASONS = {2: "InvalidSource", 3: "SourceUnreachable", 4: "VerificationFailed", 5: "DiskFull"}
+FETCH_FAILURE_REASONS = frozenset({*EXIT_REASONS.values(), "FetchFailed", "DeadlineExceeded"})
+MAX_MESSAGE = 600
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    phase: str  # Pending | Downloading | Ready | Failed
+    reason: str
+    message: str
+    job_name: str
+
+
+def _conditions(obj: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
+    return {c.get("type", ""): c for c in ((obj or {}).get("status") or {}).get("conditions") or []}
+
+
+def _is_true(conds: Mapping[str, Mapping[str, Any]], kind: str) -> bool:
+    return conds.get(kind, {}).get("status") == "True"
+
+
+def _fetch_termination(pods: Sequence[Mapping[str, Any]]) -> tuple[int | None, str]:
+    """Exit code and last log line of the newest failed fetch container."""
+    def created(p: Mapping[str, Any]) -> str:
+        return (p.get("metadata") or {}).get("creationTimestamp") or ""
+
+    for pod in sorted(pods, key=created, reverse=True):
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            if cs.get("name") != FETCH_CONTAINER:
+                continue
+            term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
+            if term and term.get("exitCode", 0) != 0:
+                lines = [ln.strip() for ln in (term.get("message") or "").splitlines() if ln.strip()]
+                errors = [ln for ln in lines if "error" in ln.lower()]
+                return int(term["exitCode"]), (errors or lines or [""])[-1][:MAX_MESSAGE]
+    return None, ""
+
+
+def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_pods: Sequence[Mapping[str, Any]],
+                     recorded: Mapping[str, Any] | None) -> CheckpointState:
+    """Where the spec's checkpoint stands.
+
+    ``recorded`` is the last ``status.checkpoint``: a download that finished
+    stays Ready after its Job was garbage-collected (ttlSecondsAfterFinished),
+    so the cache is not fetched again; pods still verify it before serving.
+    """
+    ck = spec.checkpoint
+    job_name = Names(spec.name).job(ck.key)
+    recorded = recorded or {}
+    if job is None:
+        if recorded.get("key") == ck.key and recorded.get("phase") == CK_READY:
+            return CheckpointState(CK_READY, "Downloaded", f"{ck.path} is complete", job_name)
+        return CheckpointState(CK_PENDING, "JobPending", f"creating fetch Job {job_name}", job_name)
+    conds = _conditions(job)
+    status = job.get("status") or {}
+    if _is_true(conds, "Complete") or (status.get("succeeded") or 0) >= 1:
+        return CheckpointState(CK_READY, "Downloaded", f"{ck.path} is complete", job_name)
+    failed = status.get("failed") or 0
+    exit_code, last_line = _fetch_termination(job_pods)
+    if _is_true(conds, "Failed"):
+        cond = conds["Failed"]
+        if cond.get("reason") == "DeadlineExceeded":
+            reason = "DeadlineExceeded"
+        else:
+            reason = EXIT_REASONS.get(exit_code or 0, "FetchFailed")
+        detail = last_line or cond.get("message") or cond.get("reason") or "the fetch Job failed"
+        return CheckpointState(CK_FAILED, reason, f"fetch Job {job_name} failed: {detail}"[:MAX_MESSAGE], job_name)
+    attempts = ck.fetch_job.backoff_limit + 1
+    if (status.get("active") or 0) >= 1:
+        message = f"downloading {ck.source} (attempt {failed + 1}/{attempts})"
+        if failed and last_line:
+            message += f"; last attempt: {last_line}"
+        return CheckpointState(CK_DOWNLOADING, "Downloading", message[:MAX_MESSAGE], job_name)
+    if failed:
+        return CheckpointState(CK_DOWNLOADING, "Retrying",
+                               f"attempt {failed}/{attempts} failed: {last_line or 'see the Job'}"[:MAX_MESSAGE], job_name)
+    waiting = next((m for m in (container_message(p) for p in job_pods) if m), "")
+    return CheckpointState(CK_PENDING, "JobPending",
+                           f"waiting for the fetch pod of {job_name} to start" + (f" ({waiting})" if waiting else ""),
+                           job_name)
+
+
+@dataclass(frozen=True)
+class WorkloadState:
+    exists: bool
+    desired: int
+    current: int = 0
+    rolling: bool = False
+    serving_key: str | None = None
+    template_hash: str | None = None
+
+
+def workload_state(sts: Mapping[str, Any] | None, desired: int) -> WorkloadState:
+    """Whether the StatefulSet is still converging on its own spec (rolling out or scaling)."""
+    if sts is None:
+        return WorkloadState(exists=False, desired=desired, rolling=desired > 0)
+    meta, spec, status = sts.get("metadata") or {}, sts.get("spec") or {}, sts.get("status") or {}
+    replicas = spec.get("replicas", 1)
+    current = status.get("replicas") or 0
+    rolling = (
+        (status.get("observedGeneration") or 0) < (meta.get("generation") or 1)
+        or current != replicas
+        or (status.get("updatedReplicas") or 0) < replicas
+        or (bool(status.get("updateRevision")) and status.get("currentRevision") != status.get("updateRevision"))
+        or replicas != desired
+    )
+    return WorkloadState(exists=True, desired=desired, current=current, rolling=rolling,
+                         serving_key=(meta.get("labels") or {}).get(LABEL_CHECKPOINT_KEY),
+                         template_hash=(meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH))

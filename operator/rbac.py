@@ -1,0 +1,74 @@
+"""The API access the operator needs, and nothing more: the source of truth for the Helm chart's RBAC.
+
+Each rule says why it exists.  ``rules(all_namespaces=False)`` fits a
+namespaced Role (kopf's namespace/CRD scanning is disabled in that mode);
+``all_namespaces=True`` adds the cluster-scoped reads kopf then performs.
+The operator never reads Secrets: it only names them in pod specs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policy_operator.constants import GROUP, PLURAL
+
+
+@dataclass(frozen=True)
+class Rule:
+    api_group: str
+    resource: str
+    verbs: tuple[str, ...]
+    why: str
+    cluster_scoped: bool = False  # only needed with --all-namespaces (cluster-scoped objects)
+
+    def as_policy_rule(self) -> dict[str, list[str]]:
+        return {"apiGroups": [self.api_group], "resources": [self.resource], "verbs": list(self.verbs)}
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(GROUP, PLURAL, ("get", "list", "watch", "patch"),
+         "watch PolicyServers; kopf patches its finalizer and progress annotations"),
+    Rule(GROUP, f"{PLURAL}/status", ("get", "patch"), "write status (phase, conditions, per-rank readiness)"),
+    Rule("", "persistentvolumeclaims", ("get", "create", "patch"),
+         "create the checkpoint cache; adopt/release it as retainOnDelete changes"),
+    Rule("batch", "jobs", ("get", "list", "watch", "create"), "create the fetch Job and react to its completion"),
+    Rule("apps", "statefulsets", ("get", "list", "watch", "create", "patch"),
+         "run, roll and scale the server pods; react to their rollout"),
+    Rule("", "services", ("get", "create", "patch"), "the ClusterIP and headless Services"),
+    Rule("", "pods", ("get", "list", "patch"),
+         "find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness"),
+    Rule("", "events", ("create", "patch"), "post Events on every transition (kopf.event)"),
+    Rule("kopf.dev", "kopfpeerings", ("get", "list", "watch", "patch"),
+         "leader election between operator replicas (kopf peering, namespaced)"),
+    Rule("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch"),
+         "leader election between operator replicas (kopf peering, cluster-wide)", cluster_scoped=True),
+    Rule("", "namespaces", ("get", "list", "watch"),
+         "kopf follows namespaces when watching all of them", cluster_scoped=True),
+    Rule("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch"),
+         "kopf notices CRD changes when watching all namespaces", cluster_scoped=True),
+)
+
+
+def rules(*, all_namespaces: bool) -> list[Rule]:
+    return [r for r in RULES if all_namespaces or not r.cluster_scoped]
+
+
+def policy_rules(*, all_namespaces: bool) -> list[dict[str, list[str]]]:
+    """Kubernetes PolicyRule dicts, one per (group, resource)."""
+    return [r.as_policy_rule() for r in rules(all_namespaces=all_namespaces)]
+
+
+def allows(granted: list[dict[str, list[str]]], api_group: str, resource: str, verb: str) -> bool:
+    """Whether a list of PolicyRules grants one verb (wildcards included): what a chart test needs."""
+    for rule in granted:
+        groups, resources, verbs = rule.get("apiGroups") or [], rule.get("resources") or [], rule.get("verbs") or []
+        if (api_group in groups or "*" in groups) and (resource in resources or "*" in resources) \
+                and (verb in verbs or "*" in verbs):
+            return True
+    return False
+
+
+def missing(granted: list[dict[str, list[str]]], *, all_namespaces: bool) -> list[str]:
+    """The "group/resource:verb" triples the operator needs and ``granted`` lacks."""
+    return [f"{r.api_group or 'core'}/{r.resource}:{v}" for r in rules(all_namespaces=all_namespaces)
+            for v in r.verbs if not allows(granted, r.api_group, r.resource, v)]

@@ -1,0 +1,353 @@
+"""Manifest builders: every spec variant yields objects the Kubernetes schemas accept, calling the runtime's CLIs right.
+
+Each built object goes through kubernetes-validate in strict mode (unknown
+fields are errors) for a current Kubernetes version, and the commands written
+into the pods are parsed by the runtime's own argument parsers, so a flag the
+runtime does not know fails here rather than in a crash-looping pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from policy_operator import constants as C
+from policy_operator.operator import manifests as M
+from policy_operator.operator.spec import PolicyServerSpec, parse_spec
+from policy_operator.runtime.checkpoint import checkpoint_key
+
+REPO = Path(__file__).resolve().parents[1]
+K8S_VERSIONS = ("1.32.0", "1.37.0")
+
+
+def spec_of(obj: dict[str, Any], namespace: str = "robots") -> PolicyServerSpec:
+    return parse_spec(obj["spec"], name=obj["metadata"]["name"], namespace=namespace)
+
+
+def base(**overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {"image": "registry.example/policy:1", "checkpoint": {"source": "hf://org/policy"}}
+    spec.update(overrides)
+    return {"metadata": {"name": "ps"}, "spec": spec}
+
+
+EXAMPLES = {p.name: yaml.safe_load(p.read_text()) for p in sorted((REPO / "examples").glob("policyserver-*.yaml"))}
+VARIANTS = {
+    **EXAMPLES,
+    "auth-and-http-token": base(checkpoint={"source": "https://host/ckpt/", "secretRef": {"name": "tok", "key": "t"}},
+                                auth={"secretRef": {"name": "clients"}}),
+    "existing-claim": base(storage={"existingClaim": "shared-models"}, replicas=3),
+    "retained-rwop": base(storage={"retainOnDelete": True, "accessModes": ["ReadWriteOncePod"], "size": "5Gi"}),
+    "cpu-device": base(runtime={"device": "cpu", "guidance": 1.0, "steps": 4, "extraArgs": ["--threads", "2"],
+                                "env": [{"name": "OMP_NUM_THREADS", "value": "2"}]}),
+    "nodeport-revision": base(checkpoint={"source": "hf://org/policy", "revision": "v2", "secretRef": {"name": "hf"},
+                                          "fetchJob": {"activeDeadlineSeconds": 900,
+                                                       "resources": {"limits": {"memory": "2Gi"}}}},
+                              service={"type": "NodePort", "port": 9000, "annotations": {"a": "b"}},
+                              imagePullSecrets=[{"name": "regcred"}], priorityClassName="robots",
+                              serviceAccountName="policy", affinity={"nodeAffinity": {
+                                  "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                                      {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}}),
+    "scaled-to-zero": base(replicas=0, parallelism={"cfgp": 2, "dp": 4}),
+}
+
+
+def built(spec: PolicyServerSpec) -> list[dict[str, Any]]:
+    return [M.build_pvc(spec), M.build_fetch_job(spec), M.build_statefulset(spec), M.build_service(spec),
+            M.build_headless_service(spec)]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_object_passes_the_kubernetes_schema(variant: str, version: str) -> None:
+    for obj in built(spec_of(VARIANTS[variant])):
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_the_validator_does_reject_unknown_fields() -> None:
+    sts = M.build_statefulset(spec_of(base()))
+    sts["spec"]["template"]["spec"]["containers"][0]["gpuCount"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, K8S_VERSIONS[0], strict=True)
+
+
+# --- names and labels -------------------------------------------------------------------
+
+def test_names_are_deterministic_and_fit_label_values() -> None:
+    longest = base()
+    longest["metadata"]["name"] = "p" + "x" * 39
+    spec = spec_of(longest)
+    for obj in built(spec):
+        assert len(obj["metadata"]["name"]) <= 63
+        assert obj["metadata"]["namespace"] == "robots"
+        assert obj["metadata"]["labels"][C.LABEL_MANAGED_BY] == C.MANAGED_BY
+        assert obj["metadata"]["labels"][C.LABEL_INSTANCE] == spec.name
+    assert built(spec) == built(spec_of(longest))
+
+
+def test_selector_is_stable_and_matches_the_template() -> None:
+    sts = M.build_statefulset(spec_of(base()))
+    selector = sts["spec"]["selector"]["matchLabels"]
+    template_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= template_labels.items()
+    assert C.LABEL_CHECKPOINT_KEY not in selector  # the key changes with the checkpoint; selectors are immutable
+    other = M.build_statefulset(spec_of(base(checkpoint={"source": "s3://b/p/"}, image="other:2")))
+    assert other["spec"]["selector"] == sts["spec"]["selector"]
+    assert M.selector_string("ps") == ",".join(f"{k}={v}" for k, v in selector.items())
+    svc = M.build_service(spec_of(base()))
+    assert svc["spec"]["selector"] == selector
+
+
+# --- PVC ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("replicas", "modes", "expected"), [
+    (1, None, ["ReadWriteOnce"]),
+    (2, None, ["ReadWriteMany"]),
+    (0, None, ["ReadWriteOnce"]),
+    (3, ["ReadWriteOnce"], ["ReadWriteOnce"]),
+])
+def test_pvc_access_modes(replicas: int, modes: list[str] | None, expected: list[str]) -> None:
+    storage = {"size": "30Gi", **({"accessModes": modes} if modes else {})}
+    pvc = M.build_pvc(spec_of(base(replicas=replicas, storage=storage)))
+    assert pvc["spec"]["accessModes"] == expected
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "30Gi"
+    assert "storageClassName" not in pvc["spec"]
+
+
+def test_existing_claim_is_mounted_instead_of_the_pvc() -> None:
+    spec = spec_of(base(storage={"existingClaim": "shared-models"}))
+    job, sts = M.build_fetch_job(spec), M.build_statefulset(spec)
+    claims = [v["persistentVolumeClaim"]["claimName"] for obj in (job, sts)
+              for v in obj["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == ["shared-models", "shared-models"]
+
+
+# --- fetch Job -------------------------------------------------------------------------------
+
+def _fetch_parser() -> argparse.ArgumentParser:
+    from policy_operator.runtime import fetch
+
+    parser = argparse.ArgumentParser()
+    fetch.add_arguments(parser)
+    return parser
+
+
+def test_fetch_job_runs_the_fetch_cli_contract() -> None:
+    spec = spec_of(base(checkpoint={
+        "source": "hf://org/policy", "revision": "v2", "secretRef": {"name": "hf-token"},
+        "sha256": {"model.safetensors": "B" * 64, "config.json": "a" * 64}}))
+    job = M.build_fetch_job(spec)
+    key = checkpoint_key("hf://org/policy", "v2")
+    assert job["metadata"]["name"] == f"ps-fetch-{key}"
+    assert job["metadata"]["labels"][C.LABEL_CHECKPOINT_KEY] == key
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["command"] == [
+        "policyserver", "fetch", "hf://org/policy", C.CACHE_MOUNT_PATH, "--revision", "v2",
+        "--sha256", f"config.json={'a' * 64}", "--sha256", f"model.safetensors={'b' * 64}",
+        "--token-file", f"{C.CHECKPOINT_TOKEN_DIR}/token"]
+    args = _fetch_parser().parse_args(container["command"][2:])
+    assert (args.source, args.dest, args.revision) == ("hf://org/policy", C.CACHE_MOUNT_PATH, "v2")
+    env = {e["name"]: e for e in container["env"]}
+    assert env[C.ENV_HF_TOKEN]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    secret = next(v for v in pod["volumes"] if "secret" in v)["secret"]
+    assert secret["secretName"] == "hf-token" and secret["items"] == [{"key": "token", "path": "token"}]
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == C.CHECKPOINT_TOKEN_DIR)
+    assert mount["readOnly"] is True
+    assert {m["mountPath"] for m in container["volumeMounts"]} >= {C.CACHE_MOUNT_PATH, "/tmp"}
+    assert pod["restartPolicy"] == "Never"
+    assert job["spec"]["backoffLimit"] == 3 and job["spec"]["ttlSecondsAfterFinished"] == 3600
+    rule = job["spec"]["podFailurePolicy"]["rules"][0]
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [2, 4, 5]
+
+
+def test_fetch_job_key_follows_the_fetch_cli_for_inline_revisions() -> None:
+    """hf://repo@rev and hf://repo + revision are one checkpoint: one key, one Job, one directory."""
+    from policy_operator.runtime.fetch import request_key
+
+    inline = spec_of(base(checkpoint={"source": "hf://org/policy@v2"}))
+    split = spec_of(base(checkpoint={"source": "hf://org/policy", "revision": "v2"}))
+    assert inline.checkpoint.key == split.checkpoint.key == request_key("hf://org/policy@v2")
+    assert M.build_fetch_job(inline)["metadata"]["name"] == M.build_fetch_job(split)["metadata"]["name"]
+
+
+def test_token_for_other_schemes_is_a_file_only() -> None:
+    job = M.build_fetch_job(spec_of(base(checkpoint={"source": "https://h/c/", "secretRef": {"name": "t"}})))
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert C.ENV_HF_TOKEN not in {e["name"] for e in container["env"]}
+    assert container["command"][-2:] == ["--token-file", f"{C.CHECKPOINT_TOKEN_DIR}/token"]
+    no_secret = M.build_fetch_job(spec_of(base()))["spec"]["template"]["spec"]["containers"][0]
+    assert "--token-file" not in no_secret["command"]
+
+
+def test_job_name_changes_with_the_checkpoint_only() -> None:
+    name = M.build_fetch_job(spec_of(base()))["metadata"]["name"]
+    same = [base(image="new:2"), base(runtime={"steps": 50}), base(replicas=4), base(parallelism={"cfgp": 2})]
+    assert {M.build_fetch_job(spec_of(o))["metadata"]["name"] for o in same} == {name}
+    changed = [base(checkpoint={"source": "hf://org/policy", "revision": "v3"}),
+               base(checkpoint={"source": "hf://org/other"})]
+    names = {M.build_fetch_job(spec_of(o))["metadata"]["name"] for o in changed}
+    assert len(names) == 2 and name not in names
+
+
+def test_pods_run_as_non_root_with_read_only_root() -> None:
+    spec = spec_of(base(auth={"secretRef": {"name": "clients"}}))
+    for obj in (M.build_fetch_job(spec), M.build_statefulset(spec)):
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+        assert pod["automountServiceAccountToken"] is False
+        for container in pod["containers"] + pod.get("initContainers", []):
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            assert any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])
+            assert {"name": C.ENV_HOME, "value": "/tmp"} in container["env"]
+
+
+# --- StatefulSet ---------------------------------------------------------------------------
+
+def _server(sts: dict[str, Any]) -> dict[str, Any]:
+    return sts["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize(("cfgp", "dp"), [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4)])
+def test_gpus_and_command_follow_the_layout(cfgp: int, dp: int) -> None:
+    spec = spec_of(base(parallelism={"cfgp": cfgp, "dp": dp}, runtime={"guidance": 2.5, "steps": 8},
+                        resources={"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}}))
+    server = _server(M.build_statefulset(spec))
+    gpus = str(cfgp * dp)
+    assert server["resources"]["limits"] == {"memory": "32Gi", C.GPU_RESOURCE: gpus}
+    assert server["resources"]["requests"] == {"cpu": "4", "memory": "16Gi", C.GPU_RESOURCE: gpus}
+    path = f"{C.CACHE_MOUNT_PATH}/{spec.checkpoint.key}"
+    assert server["command"] == [
+        "torchrun", "--standalone", f"--nproc-per-node={cfgp * dp}", "--max-restarts=0",
+        "-m", "policy_operator.runtime.worker", "--checkpoint", path, "--port", "8000",
+        "--cfgp", str(cfgp), "--dp", str(dp), "--guidance", "2.5", "--steps", "8", "--device", "cuda",
+        "--drain-grace-s", "20"]
+
+
+def test_worker_command_is_the_runtimes_own() -> None:
+    """Same launch line as `policyserver serve` builds, and flags its parser accepts."""
+    serve_cli = pytest.importorskip("policy_operator.runtime.serve_cli")
+    from policy_operator.runtime import options
+
+    spec = spec_of(base(parallelism={"cfgp": 2, "dp": 2}, auth={"secretRef": {"name": "c"}},
+                        runtime={"guidance": 4.0, "extraArgs": ["--heartbeat-s", "0.5", "--dtype=bfloat16"]}))
+    command = _server(M.build_statefulset(spec))["command"]
+    worker_args = command[6:]
+    assert command == serve_cli.torchrun_argv(spec.layout.world_size, worker_args)
+    parser = argparse.ArgumentParser()
+    options.add_arguments(parser)
+    args = parser.parse_args(worker_args)
+    assert (args.cfgp, args.dp, args.guidance, args.steps, args.port) == (2, 2, 4.0, 10, 8000)
+    assert args.auth_token_file == f"{C.AUTH_TOKEN_DIR}/token"
+    assert (args.heartbeat_s, args.dtype, args.drain_grace_s, args.device) == (0.5, "bfloat16", 20.0, "cuda")
+
+
+def test_spec_defaults_are_the_runtimes() -> None:
+    pytest.importorskip("policy_operator.runtime.serve_cli")
+    from policy_operator.operator import spec as S
+    from policy_operator.runtime import options
+
+    assert (S.DEFAULT_GUIDANCE, S.DEFAULT_STEPS, C.DEFAULT_PORT) == (options.DEFAULT_GUIDANCE, options.DEFAULT_STEPS,
+                                                                      spec_of(base()).service.port)
+
+
+def test_init_container_verifies_the_cache_with_the_checkpoint_cli() -> None:
+    from policy_operator.runtime import checkpoint_cli
+
+    spec = spec_of(base())
+    init = M.build_statefulset(spec)["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["command"] == ["policyserver", "checkpoint", "verify", spec.checkpoint.path, "--require-marker"]
+    parser = argparse.ArgumentParser()
+    checkpoint_cli.add_arguments(parser)
+    args = parser.parse_args(init["command"][2:])
+    assert args.directory == spec.checkpoint.path and args.require_marker is True
+    assert all(m.get("readOnly") for m in init["volumeMounts"] if m["mountPath"] == C.CACHE_MOUNT_PATH)
+
+
+def test_probes_lifecycle_and_volumes() -> None:
+    spec = spec_of(base(resources={"shmSize": "8Gi"}, runtime={"startupTimeoutSeconds": 900}))
+    sts = M.build_statefulset(spec)
+    pod = sts["spec"]["template"]["spec"]
+    server = _server(sts)
+    assert server["readinessProbe"]["httpGet"] == {"path": C.READYZ_PATH, "port": C.PORT_NAME}
+    assert server["livenessProbe"]["httpGet"] == {"path": C.HEALTHZ_PATH, "port": C.PORT_NAME}
+    startup = server["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 900
+    assert server["ports"] == [{"name": C.PORT_NAME, "containerPort": 8000, "protocol": "TCP"}]
+    sleep = server["lifecycle"]["preStop"]["sleep"]["seconds"]
+    # preStop, then the runtime drains, then torchrun's own 30 s SIGKILL window: the kubelet must wait longer
+    assert pod["terminationGracePeriodSeconds"] > sleep + max(30, spec.runtime.drain_grace_seconds)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[M.VOL_SHM]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert volumes[M.VOL_CACHE]["persistentVolumeClaim"]["readOnly"] is True
+    mounts = {m["mountPath"]: m for m in server["volumeMounts"]}
+    assert mounts[C.CACHE_MOUNT_PATH]["readOnly"] is True and "/dev/shm" in mounts
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["serviceName"] == M.Names("ps").headless_service
+
+
+def test_cpu_device_requests_no_gpu() -> None:
+    sts = M.build_statefulset(spec_of(VARIANTS["cpu-device"]))
+    server = _server(sts)
+    assert C.GPU_RESOURCE not in str(server.get("resources"))
+    assert server["command"][server["command"].index("--device") + 1] == "cpu"
+    assert server["command"][-2:] == ["--threads", "2"]
+    assert {"name": "OMP_NUM_THREADS", "value": "2"} in server["env"]
+
+
+def test_template_hash_rolls_on_what_changes_the_pods_only() -> None:
+    def hash_of(obj: dict[str, Any]) -> str:
+        return M.build_statefulset(spec_of(obj))["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH]
+
+    original = hash_of(base())
+    assert hash_of(base()) == original
+    assert hash_of(base(replicas=5)) == original  # scaling is not a rollout
+    assert hash_of(base(storage={"retainOnDelete": True})) == original
+    rolling = [base(image="registry.example/policy:2"), base(runtime={"steps": 20}),
+               base(runtime={"env": [{"name": "X", "value": "1"}]}),
+               base(checkpoint={"source": "hf://org/policy", "revision": "v9"}),
+               base(parallelism={"cfgp": 1, "dp": 2})]
+    hashes = [hash_of(o) for o in rolling]
+    assert original not in hashes and len(set(hashes)) == len(hashes)
+    sts = M.build_statefulset(spec_of(base()))
+    template = copy.deepcopy(sts["spec"]["template"])
+    assert M.template_hash(template) == original
+
+
+def test_serving_checkpoint_overrides_the_spec() -> None:
+    """While a new checkpoint downloads, the StatefulSet keeps loading the old one."""
+    spec = spec_of(base(checkpoint={"source": "hf://org/new"}))
+    old = M.ServingCheckpoint(checkpoint_key("hf://org/old"), "hf://org/old")
+    sts = M.build_statefulset(spec, old)
+    assert f"{C.CACHE_MOUNT_PATH}/{old.key}" in _server(sts)["command"]
+    assert sts["spec"]["template"]["metadata"]["labels"][C.LABEL_CHECKPOINT_KEY] == old.key
+    assert sts["spec"]["template"]["metadata"]["annotations"][C.ANNOTATION_CHECKPOINT_SOURCE] == "hf://org/old"
+
+
+# --- Services ------------------------------------------------------------------------------
+
+def test_services_and_endpoint() -> None:
+    spec = spec_of(base(service={"type": "LoadBalancer", "port": 9100, "annotations": {"lb": "internal"}}))
+    svc, headless = M.build_service(spec), M.build_headless_service(spec)
+    assert svc["spec"]["type"] == "LoadBalancer" and svc["metadata"]["annotations"] == {"lb": "internal"}
+    assert svc["spec"]["ports"] == [{"name": C.PORT_NAME, "port": 9100, "targetPort": C.PORT_NAME, "protocol": "TCP"}]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert M.endpoint(spec) == "ws://ps.robots.svc:9100"
+
+
+def test_service_patch_ignores_fields_the_server_adds() -> None:
+    desired = M.build_service(spec_of(base(service={"annotations": {"lb": "internal"}})))
+    live = copy.deepcopy(desired)
+    live["spec"]["clusterIP"] = "10.0.0.7"
+    live["spec"]["ports"][0]["nodePort"] = 31000
+    live["metadata"]["annotations"]["cloud.example/id"] = "abc"
+    assert not M.service_needs_patch(live, desired)
+    live["spec"]["ports"][0]["port"] = 1234
+    assert M.service_needs_patch(live, desired)
