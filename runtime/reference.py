@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -200,7 +201,7 @@ class ReferencePolicy(Policy):
             cfg = PolicyConfig.from_dict(json.loads((root / CONFIG_FILE).read_text()))
         except FileNotFoundError:
             raise CheckpointError(f"{root} is not a checkpoint: {CONFIG_FILE} is missing") from None
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, ArithmeticError) as exc:  # ArithmeticError: heads or patch_size 0
             raise CheckpointError(f"{root / CONFIG_FILE}: {exc}") from exc
         with torch.device("meta"):
             model = FlowTransformer(cfg)
@@ -208,6 +209,8 @@ class ReferencePolicy(Policy):
             state = load_file(str(root / WEIGHTS_FILE), device="cpu")
         except FileNotFoundError:
             raise CheckpointError(f"{root} is not a checkpoint: {WEIGHTS_FILE} is missing") from None
+        except SafetensorError as exc:  # truncated or corrupted file
+            raise CheckpointError(f"{root / WEIGHTS_FILE} is not a readable safetensors file: {exc}") from exc
         try:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as exc:
