@@ -26,14 +26,13 @@ from policy_operator.constants import (
     COMPONENT_FETCH,
     COND_PROGRESSING,
     LABEL_CHECKPOINT_KEY,
-    LABEL_COMPONENT,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
     MANAGED_BY,
 )
 from policy_operator.operator import conditions as cond
 from policy_operator.operator import health, manifests, observe
-from policy_operator.operator.kube import AlreadyExists, KubeClient, Rejected
+from policy_operator.operator.kube import AlreadyExists, KubeClient, NotFound, Rejected
 from policy_operator.operator.manifests import Names, ServingCheckpoint
 from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
 
@@ -308,11 +307,8 @@ def annotate_pods(kube: KubeClient, namespace: str, pods: list[dict[str, Any]], 
         if ((pod.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RANKS_READY) != h.ranks_text:
             try:
                 kube.patch("Pod", namespace, h.name, {"metadata": {"annotations": {ANNOTATION_RANKS_READY: h.ranks_text}}})
-            except (Rejected, KeyError):
+            except (NotFound, Rejected):  # a pod that just vanished is not worth failing the pass
                 pass
-            except Exception as exc:  # noqa: BLE001 - a vanished pod is not worth failing the pass
-                if getattr(exc, "status", 0) != 404:
-                    raise
 
 
 def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any], *, full: bool) -> dict[str, Any] | None:
@@ -346,6 +342,8 @@ def reconcile(kube: KubeClient, namespace: str, name: str, *, post_event: Callab
     checkpoint = observe.checkpoint_state(spec, observed.job, observed.job_pods, previous.get("checkpoint"))
     the_plan = plan(spec, owner, observed, checkpoint)
     results = apply(kube, namespace, the_plan, events)
+    for event in events:  # before anything else can fail: these objects now exist
+        post_event(owner, event)
 
     names = Names(spec.name)
     sts = results.get(f"StatefulSet/{names.statefulset}", observed.statefulset)
@@ -360,7 +358,7 @@ def reconcile(kube: KubeClient, namespace: str, name: str, *, post_event: Callab
                                service_exists=service_exists, previous=previous, generation=generation,
                                now=now_rfc3339(), problem=the_plan.problem)
     _write_status(kube, namespace, name, previous, update.status, full=True)
-    for event in events + update.events:
+    for event in update.events:
         post_event(owner, event)
     return Outcome(update.status, events + update.events)
 

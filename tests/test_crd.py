@@ -247,3 +247,29 @@ def test_status_written_by_the_operator_fits_the_schema(crd: dict[str, Any], sch
     status_schema = crd_schema.to_json_schema(schema["properties"]["status"])
     assert set(update.status) <= set(status_schema["properties"])
     assert set(update.status["pods"][0]) <= set(status_schema["properties"]["pods"]["items"]["properties"])
+
+
+def test_every_spec_and_status_field_is_in_the_reference(schema: dict[str, Any]) -> None:
+    doc = (REPO / "docs" / "crd.md").read_text()
+
+    def documented(path: str) -> bool:
+        parent, _, leaf = path.rpartition(".")
+        leaf = leaf.removesuffix("[]")
+        if f"`{path}" in doc:
+            return True
+        return bool(parent) and documented(parent) and (f"`{leaf}`" in doc or f"`.{leaf}`" in doc)
+
+    missing = []
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        for name, sub in (node.get("properties") or {}).items():
+            here = f"{path}.{name}"
+            if not documented(here):
+                missing.append(here)
+            walk(sub, here)
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}[]")
+
+    for top in ("spec", "status"):
+        walk(schema["properties"][top], top)
+    assert missing == []

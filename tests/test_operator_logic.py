@@ -1,0 +1,418 @@
+"""The operator's decisions, one pure function at a time: phases, conditions, Job/rollout states, plans, /readyz."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from policy_operator import constants as C
+from policy_operator.operator import conditions as cond
+from policy_operator.operator import health, manifests, observe, rbac
+from policy_operator.operator import reconcile as rec
+from policy_operator.operator.kube import KINDS
+from policy_operator.operator.spec import parse_spec
+from tests.support.net import free_port
+
+NOW, LATER = "2025-01-01T00:00:00Z", "2025-01-01T00:05:00Z"
+OWNER = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps", "namespace": "ns", "uid": "uid-1"}}
+
+
+def spec(**overrides: Any):
+    body: dict[str, Any] = {"image": "img:1", "checkpoint": {"source": "hf://org/p"}}
+    body.update(overrides)
+    return parse_spec(body, name="ps", namespace="ns")
+
+
+# --- conditions -------------------------------------------------------------------------------
+
+def test_transition_time_moves_only_when_the_status_flips() -> None:
+    first = cond.merge_conditions(None, [cond.Condition("Available", "False", "NoReplicasReady", "0/1")],
+                                  generation=1, now=NOW)
+    same = cond.merge_conditions(first, [cond.Condition("Available", "False", "ReplicasUnavailable", "0/2")],
+                                 generation=2, now=LATER)
+    assert same[0]["lastTransitionTime"] == NOW and same[0]["observedGeneration"] == 2
+    assert same[0]["reason"] == "ReplicasUnavailable"
+    flipped = cond.merge_conditions(same, [cond.Condition("Available", "True", "ReplicasReady", "1/1")],
+                                    generation=2, now=LATER)
+    assert flipped[0]["lastTransitionTime"] == LATER
+
+
+def test_foreign_conditions_are_kept_and_ours_are_ordered() -> None:
+    previous = [{"type": "Custom", "status": "True", "reason": "X", "lastTransitionTime": NOW}]
+    merged = cond.merge_conditions(previous, [cond.Condition(t, "True", "R") for t in reversed(cond.CONDITION_TYPES)],
+                                   generation=1, now=NOW)
+    assert [c["type"] for c in merged] == [*cond.CONDITION_TYPES, "Custom"]
+
+
+def test_events_only_for_changes_warning_for_bad_reasons() -> None:
+    previous = [{"type": "Valid", "status": "True", "reason": "SpecValid"}]
+    assert cond.condition_events(previous, [cond.Condition("Valid", "True", "SpecValid", "other text")]) == []
+    [event] = cond.condition_events(previous, [cond.Condition("Valid", "False", "InvalidSpec", "bad")])
+    assert (event.type, event.reason, event.message) == ("Warning", "InvalidSpec", "Valid=False: bad")
+    [event] = cond.condition_events([], [cond.Condition("CheckpointReady", "False", "Downloading", "x")])
+    assert event.type == "Normal"
+    assert cond.phase_event("Ready", "Ready", "m") == []
+    assert cond.phase_event("Ready", "Degraded", "m")[0].type == "Warning"
+
+
+CK = {p: observe.CheckpointState(p, "r", "m", "j") for p in ("Pending", "Downloading", "Ready", "Failed")}
+
+
+def workload(exists: bool = True, desired: int = 2, rolling: bool = False, serving: str | None = "k"):
+    return observe.WorkloadState(exists=exists, desired=desired, current=desired if exists else 0, rolling=rolling,
+                                 serving_key=serving if exists else None)
+
+
+@pytest.mark.parametrize(("ck", "wl", "ready", "previous", "expected"), [
+    ("Pending", workload(exists=False), 0, None, C.PHASE_PENDING),
+    ("Downloading", workload(exists=False), 0, C.PHASE_PENDING, C.PHASE_DOWNLOADING),
+    ("Failed", workload(exists=False), 0, C.PHASE_DOWNLOADING, C.PHASE_FAILED),
+    ("Failed", workload(), 2, C.PHASE_READY, C.PHASE_DEGRADED),  # new checkpoint failed, old one still serves
+    ("Downloading", workload(), 2, C.PHASE_READY, C.PHASE_DOWNLOADING),  # new checkpoint on its way
+    ("Ready", workload(rolling=True), 0, C.PHASE_DOWNLOADING, C.PHASE_STARTING),
+    ("Ready", workload(), 1, C.PHASE_STARTING, C.PHASE_STARTING),  # never was Ready: still starting
+    ("Ready", workload(), 2, C.PHASE_STARTING, C.PHASE_READY),
+    ("Ready", workload(), 3, C.PHASE_READY, C.PHASE_READY),  # scaling down: extra ready pods
+    ("Ready", workload(), 1, C.PHASE_READY, C.PHASE_DEGRADED),
+    ("Ready", workload(), 0, C.PHASE_DEGRADED, C.PHASE_DEGRADED),
+    ("Ready", workload(rolling=True), 1, C.PHASE_READY, C.PHASE_STARTING),  # a rollout replaces pods
+    ("Ready", workload(desired=0), 0, C.PHASE_READY, C.PHASE_PENDING),
+])
+def test_phase_table(ck: str, wl: observe.WorkloadState, ready: int, previous: str | None, expected: str) -> None:
+    assert cond.decide_phase(checkpoint=CK[ck], workload=wl, ready_pods=ready, previous_phase=previous) == expected
+
+
+def _pod(name: str, ready: bool, ranks: int, world: int = 2) -> health.PodHealth:
+    return health.PodHealth(name, "10.0.0.1", "Running", world, ranks, ready)
+
+
+def test_build_status_counts_pods_and_ranks() -> None:
+    s = spec(parallelism={"cfgp": 2, "dp": 1}, replicas=2)
+    update = cond.build_status(s, checkpoint=CK["Ready"], workload=workload(), pods=[_pod("a", True, 2), _pod("b", False, 1)],
+                               service_exists=True, previous=None, generation=4, now=NOW)
+    st = update.status
+    assert (st["ready"], st["readyReplicas"], st["ranksReady"], st["replicas"]) == ("1/2", 1, "3/4", 2)
+    assert st["endpoint"] == "ws://ps.ns.svc:8000" and st["observedGeneration"] == 4
+    assert st["selector"] == manifests.selector_string("ps") and st["layout"] == "cfgp=2,dp=1"
+    available = next(c for c in st["conditions"] if c["type"] == C.COND_AVAILABLE)
+    assert (available["status"], available["reason"]) == ("True", "PartiallyReady")
+    assert {e.reason for e in update.events} >= {"SpecValid", "PartiallyReady", C.PHASE_STARTING}
+
+
+def test_losing_every_ready_pod_is_a_warning() -> None:
+    s = spec(replicas=1)
+    ready = cond.build_status(s, checkpoint=CK["Ready"], workload=workload(desired=1), pods=[_pod("a", True, 1, 1)],
+                              service_exists=True, previous=None, generation=1, now=NOW)
+    lost = cond.build_status(s, checkpoint=CK["Ready"], workload=workload(desired=1), pods=[_pod("a", False, 0, 1)],
+                             service_exists=True, previous=ready.status, generation=1, now=LATER)
+    assert lost.status["phase"] == C.PHASE_DEGRADED
+    kinds = {(e.type, e.reason) for e in lost.events}
+    assert ("Warning", "ReplicasUnavailable") in kinds and ("Warning", C.PHASE_DEGRADED) in kinds
+
+
+def test_invalid_status_keeps_what_runs() -> None:
+    previous = {"phase": "Ready", "conditions": [{"type": "Available", "status": "True", "reason": "ReplicasReady"}]}
+    update = cond.invalid_status(ValueError("spec.x: bad"), previous=previous, generation=5, now=NOW)
+    assert update.status["phase"] == C.PHASE_FAILED
+    types = {c["type"]: c for c in update.status["conditions"]}
+    assert types["Valid"]["status"] == "False" and types["Available"]["status"] == "True"
+    assert set(update.status) == {"observedGeneration", "phase", "conditions"}
+
+
+# --- observe: the fetch Job -------------------------------------------------------------------------
+
+def job(**status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "j"}, "status": status}
+
+
+def fetch_pod(exit_code: int, message: str, created: str = NOW) -> dict[str, Any]:
+    return {"metadata": {"name": f"p{exit_code}", "creationTimestamp": created},
+            "status": {"containerStatuses": [{"name": manifests.FETCH_CONTAINER,
+                                              "state": {"terminated": {"exitCode": exit_code, "message": message}}}]}}
+
+
+def test_checkpoint_states_of_a_job() -> None:
+    s = spec()
+    state = observe.checkpoint_state
+    assert state(s, None, [], None).phase == "Pending"
+    assert state(s, None, [], {"key": s.checkpoint.key, "phase": "Ready"}).phase == "Ready"  # Job gone by TTL
+    assert state(s, None, [], {"key": "other", "phase": "Ready"}).phase == "Pending"
+    waiting = {"metadata": {"name": "p"}, "status": {"containerStatuses": [
+        {"name": "fetch", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}}]}}
+    pending = state(s, job(), [waiting], None)
+    assert pending.phase == "Pending" and "ImagePullBackOff" in pending.message
+    active = state(s, job(active=1), [], None)
+    assert (active.phase, active.reason) == ("Downloading", "Downloading") and "attempt 1/4" in active.message
+    retry = state(s, job(active=1, failed=1), [fetch_pod(3, "policyserver fetch: error: 503 from host")], None)
+    assert "attempt 2/4" in retry.message and "503 from host" in retry.message
+    between = state(s, job(failed=2), [fetch_pod(3, "policyserver fetch: error: timeout")], None)
+    assert (between.phase, between.reason) == ("Downloading", "Retrying")
+    assert state(s, job(succeeded=1), [], None).phase == "Ready"
+    assert state(s, job(conditions=[{"type": "Complete", "status": "True"}]), [], None).phase == "Ready"
+
+
+@pytest.mark.parametrize(("code", "reason"), [(2, "InvalidSource"), (3, "SourceUnreachable"),
+                                               (4, "VerificationFailed"), (5, "DiskFull"), (1, "FetchFailed")])
+def test_failed_job_reason_comes_from_the_fetch_exit_code(code: int, reason: str) -> None:
+    failed = job(failed=1, conditions=[{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                                        "message": "Job has reached the specified backoff limit"}])
+    pods = [fetch_pod(1, "old", "2024-01-01T00:00:00Z"),
+            fetch_pod(code, "progress 10%\npolicyserver fetch: error: the real reason\n", NOW)]
+    state = observe.checkpoint_state(spec(), failed, pods, None)
+    assert (state.phase, state.reason) == ("Failed", reason)
+    assert "the real reason" in state.message
+
+
+def test_failed_job_without_pods_uses_the_job_message() -> None:
+    failed = job(conditions=[{"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
+                              "message": "Job was active longer than specified deadline"}])
+    state = observe.checkpoint_state(spec(), failed, [], None)
+    assert state.reason == "DeadlineExceeded" and "longer than specified deadline" in state.message
+
+
+def sts(generation: int = 2, spec_replicas: int = 2, **status: Any) -> dict[str, Any]:
+    return {"metadata": {"generation": generation, "labels": {C.LABEL_CHECKPOINT_KEY: "k"},
+                         "annotations": {C.ANNOTATION_TEMPLATE_HASH: "h"}},
+            "spec": {"replicas": spec_replicas}, "status": status}
+
+
+def test_rollout_state_of_a_statefulset() -> None:
+    done = dict(observedGeneration=2, replicas=2, updatedReplicas=2, currentRevision="r1", updateRevision="r1")
+    settled = observe.workload_state(sts(**done), 2)
+    assert not settled.rolling and settled.serving_key == "k" and settled.template_hash == "h"
+    assert observe.workload_state(sts(**{**done, "observedGeneration": 1}), 2).rolling
+    assert observe.workload_state(sts(**{**done, "updateRevision": "r2"}), 2).rolling
+    assert observe.workload_state(sts(**{**done, "updatedReplicas": 1}), 2).rolling
+    assert observe.workload_state(sts(**done), 3).rolling  # the spec asks for more than the StatefulSet has
+    assert not observe.workload_state(None, 2).exists
+
+
+# --- health: /readyz ---------------------------------------------------------------------------------
+
+def readyz_body(ranks: list[bool], cfgp: int = 2) -> bytes:
+    return json.dumps({"ready": all(ranks), "world_size": len(ranks), "ranks_ready": sum(ranks),
+                       "layout": {"cfgp": cfgp, "dp": len(ranks) // cfgp, "world_size": len(ranks)},
+                       "ranks": [{"rank": i, "dp_index": i // cfgp, "cfg_index": i % cfgp,
+                                  "state": "serving" if ok else "warming", "age_s": 0.2, "ready": ok}
+                                 for i, ok in enumerate(ranks)]}).encode()
+
+
+def test_parse_readyz() -> None:
+    ready, n, world, ranks, message = health.parse_readyz(200, readyz_body([True] * 4), 4)
+    assert (ready, n, world, message) == (True, 4, 4, "") and ranks[3].dp_index == 1 and ranks[3].cfg_index == 1
+    ready, n, world, ranks, message = health.parse_readyz(503, readyz_body([True, False, True, False]), 4)
+    assert (ready, n) == (False, 2) and message == "2/4 ranks ready (rank 1 warming, rank 3 warming)"
+    # a 200 that claims ready with missing ranks is not trusted
+    claim = json.dumps({"ready": True, "world_size": 4, "ranks_ready": 3, "ranks": []}).encode()
+    assert health.parse_readyz(200, claim, 4)[0] is False
+    ready, n, world, _, message = health.parse_readyz(200, b"<html>", 2)
+    assert (ready, n, world) == (False, 0, 2) and "malformed" in message
+
+
+@contextlib.contextmanager
+def http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_probe_readyz_over_http() -> None:
+    answers = {"code": 503, "body": readyz_body([True, False])}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(answers["code"])
+            self.end_headers()
+            self.wfile.write(answers["body"])
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    with http_server(Handler) as port:
+        assert health.probe_readyz("127.0.0.1", port, 2, timeout=2)[:2] == (False, 1)  # 503 body still read
+        answers.update(code=200, body=readyz_body([True, True]))
+        assert health.probe_readyz("127.0.0.1", port, 2, timeout=2)[:2] == (True, 2)
+    ready, n, _, _, message = health.probe_readyz("127.0.0.1", free_port(), 2, timeout=1)
+    assert (ready, n) == (False, 0) and "unreachable" in message
+
+
+def test_a_hung_pod_costs_one_timeout() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # accepts connections, never answers
+    try:
+        port = listener.getsockname()[1]
+        pods = [{"metadata": {"name": f"ps-{i}"}, "status": {"phase": "Running", "podIP": "127.0.0.1"}}
+                for i in (1, 0)]
+        result = health.poll_pods(pods, port, 2, timeout=0.3)
+        assert [p.name for p in result] == ["ps-0", "ps-1"]
+        assert all(not p.ready and p.ranks_ready == 0 and "unreachable" in p.message for p in result)
+    finally:
+        listener.close()
+
+
+def test_pod_messages_say_why_it_is_not_running() -> None:
+    init_failed = {"metadata": {"name": "ps-0"}, "status": {"phase": "Pending", "initContainerStatuses": [
+        {"name": manifests.VERIFY_CONTAINER, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+         "lastState": {"terminated": {"exitCode": 1, "message": "checkpoint /models/k: .complete.json missing\n"}}}]}}
+    h = health.pod_health(init_failed, 8000, 2)
+    assert h.message == "verify-checkpoint: CrashLoopBackOff: checkpoint /models/k: .complete.json missing"
+    unscheduled = {"metadata": {"name": "ps-1"}, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "message": "0/3 nodes have 2 free nvidia.com/gpu"}]}}
+    assert "nvidia.com/gpu" in health.pod_health(unscheduled, 8000, 2).message
+    going = {"metadata": {"name": "ps-2", "deletionTimestamp": NOW}, "status": {"phase": "Running"}}
+    assert health.pod_health(going, 8000, 2).phase == "Terminating"
+
+
+def test_pod_port_follows_the_pods_own_spec() -> None:
+    pod = {"spec": {"containers": [{"ports": [{"name": C.PORT_NAME, "containerPort": 9001}]}]}}
+    assert health.pod_port(pod, 8000) == 9001 and health.pod_port({}, 8000) == 8000
+
+
+# --- the plan -----------------------------------------------------------------------------------------
+
+def created(plan: rec.Plan) -> list[str]:
+    return [f"{a.kind}/{a.name}" for a in plan.actions if a.verb == "create"]
+
+
+def as_observed(plan: rec.Plan, observed: rec.Observed | None = None) -> rec.Observed:
+    """Feed the plan's created objects back as if the API server had stored them."""
+    observed = observed or rec.Observed()
+    for action in plan.actions:
+        if action.verb != "create":
+            continue
+        attr = {"PersistentVolumeClaim": "pvc", "Job": "job", "StatefulSet": "statefulset"}.get(action.kind)
+        if action.kind == "Service":
+            attr = "headless_service" if action.name.endswith("-pods") else "service"
+        setattr(observed, attr, action.body)
+    return observed
+
+
+def test_plan_order_and_idempotence() -> None:
+    s = spec()
+    pending = observe.checkpoint_state(s, None, [], None)
+    first = rec.plan(s, OWNER, rec.Observed(), pending)
+    assert created(first) == ["PersistentVolumeClaim/ps-cache", f"Job/ps-fetch-{s.checkpoint.key}"]
+    assert first.serving is None
+    observed = as_observed(first)
+    assert rec.plan(s, OWNER, observed, pending).actions == []  # nothing twice
+    ready = observe.CheckpointState("Ready", "Downloaded", "", "j")
+    second = rec.plan(s, OWNER, observed, ready)
+    assert created(second) == ["StatefulSet/ps", "Service/ps-pods", "Service/ps"]
+    for action in second.actions:
+        assert action.body["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert rec.plan(s, OWNER, as_observed(second, observed), ready).actions == []
+
+
+def test_plan_keeps_the_old_checkpoint_serving_while_the_new_one_downloads() -> None:
+    old, new = spec(), spec(checkpoint={"source": "hf://org/p", "revision": "v2"})
+    ready = observe.CheckpointState("Ready", "Downloaded", "", "j")
+    observed = as_observed(rec.plan(old, OWNER, rec.Observed(), ready))
+    downloading = observe.CheckpointState("Downloading", "Downloading", "", "j2")
+    observed.job = None  # the new key's Job does not exist yet
+    plan = rec.plan(new, OWNER, observed, downloading)
+    assert created(plan) == [f"Job/ps-fetch-{new.checkpoint.key}"]
+    assert plan.serving.key == old.checkpoint.key and plan.actions[1:] == []
+    rolled = rec.plan(new, OWNER, observed, ready)
+    [patch] = [a for a in rolled.actions if a.kind == "StatefulSet"]
+    assert any(op["path"] == "/spec/template" for op in patch.body)
+    assert f"{old.checkpoint.key} -> {new.checkpoint.key}" in patch.event.message
+
+
+def test_scaling_patches_replicas_not_the_template() -> None:
+    ready = observe.CheckpointState("Ready", "Downloaded", "", "j")
+    observed = as_observed(rec.plan(spec(replicas=1), OWNER, rec.Observed(), ready))
+    plan = rec.plan(spec(replicas=3), OWNER, observed, ready)
+    [patch] = plan.actions
+    assert {op["path"] for op in patch.body} == {"/metadata/annotations", "/metadata/labels", "/spec/replicas"}
+    # the RWO cache of a 1-replica PolicyServer cannot be shared by 3 pods on different nodes
+    assert [w.reason for w in plan.warnings] == ["CacheNotShared"]
+
+
+def test_plan_refuses_objects_it_does_not_own() -> None:
+    ready = observe.CheckpointState("Ready", "Downloaded", "", "j")
+    observed = as_observed(rec.plan(spec(), OWNER, rec.Observed(), ready))
+    observed.statefulset = {**observed.statefulset, "metadata": {**observed.statefulset["metadata"],
+                                                                   "ownerReferences": []}}
+    plan = rec.plan(spec(image="img:2"), OWNER, observed, ready)
+    assert plan.problem.reason == cond.R_CONFLICT and plan.actions == []
+    foreign_pvc = rec.Observed(pvc={"metadata": {"name": "ps-cache", "labels": {}}})
+    plan = rec.plan(spec(), OWNER, foreign_pvc, observe.checkpoint_state(spec(), None, [], None))
+    assert plan.problem.reason == cond.R_CONFLICT and plan.actions == []
+
+
+def test_retain_on_delete_releases_and_adopts_the_cache() -> None:
+    pending = observe.CheckpointState("Pending", "JobPending", "", "j")
+    owned = as_observed(rec.plan(spec(), OWNER, rec.Observed(), pending))
+    [release] = [a for a in rec.plan(spec(storage={"retainOnDelete": True}), OWNER, owned, pending).actions
+                 if a.kind == "PersistentVolumeClaim"]
+    assert release.body == {"metadata": {"ownerReferences": None}}
+    retained = as_observed(rec.plan(spec(storage={"retainOnDelete": True}), OWNER, rec.Observed(), pending))
+    assert "ownerReferences" not in retained.pvc["metadata"]
+    [adopt] = [a for a in rec.plan(spec(), OWNER, retained, pending).actions if a.kind == "PersistentVolumeClaim"]
+    assert adopt.body["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_existing_claim_is_never_created() -> None:
+    s = spec(storage={"existingClaim": "shared"})
+    plan = rec.plan(s, OWNER, rec.Observed(), observe.checkpoint_state(s, None, [], None))
+    assert created(plan) == [f"Job/ps-fetch-{s.checkpoint.key}"] and plan.problem.reason == "ClaimNotFound"
+    plan = rec.plan(s, OWNER, rec.Observed(pvc={"metadata": {"name": "shared"}}),
+                    observe.checkpoint_state(s, None, [], None))
+    assert plan.problem is None
+
+
+def test_status_patch_is_minimal_and_drops_stale_keys() -> None:
+    previous = {"phase": "Ready", "endpoint": "ws://x", "ready": "1/1", "kopfState": 1}
+    assert rec.status_patch(previous, {"phase": "Ready", "endpoint": "ws://x", "ready": "1/1"}, full=True) is None
+    patch = rec.status_patch(previous, {"phase": "Degraded", "ready": "1/1"}, full=True)
+    assert patch == {"phase": "Degraded", "endpoint": None}  # keys it does not own (kopfState) stay
+    assert rec.status_patch(previous, {"phase": "Failed"}, full=False) == {"phase": "Failed"}
+
+
+# --- RBAC and CLI ------------------------------------------------------------------------------------
+
+def test_rbac_covers_every_kind_the_client_touches() -> None:
+    by_resource = {(r.api_group, r.resource): r for r in rbac.RULES}
+    for kind in KINDS.values():
+        group = "" if kind.api == "/api/v1" else kind.api.split("/")[2]
+        assert (group, kind.plural) in by_resource, kind
+    assert (C.GROUP, f"{C.PLURAL}/status") in by_resource
+    assert not any(r.resource == "secrets" for r in rbac.RULES)
+
+
+def test_rbac_namespaced_vs_cluster_and_missing() -> None:
+    namespaced = rbac.policy_rules(all_namespaces=False)
+    assert not any("namespaces" in r["resources"] for r in namespaced)
+    assert rbac.missing(namespaced, all_namespaces=False) == []
+    assert "core/namespaces:list" in rbac.missing(namespaced, all_namespaces=True)
+    assert rbac.missing([{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}], all_namespaces=True) == []
+    short = [r for r in namespaced if r["resources"] != ["statefulsets"]]
+    assert rbac.missing(short, all_namespaces=False) == [f"apps/statefulsets:{v}" for v in
+                                                         ("get", "list", "watch", "create", "patch")]
+
+
+def test_cli_arguments() -> None:
+    from policy_operator.operator import main
+
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    args = parser.parse_args(["-n", "a", "-n", "b", "--peering", "ha", "--resync-seconds", "3"])
+    assert (args.namespace, args.peering, args.standalone, args.resync_seconds) == (["a", "b"], "ha", False, 3.0)
+    assert args.log_format == "json"
+    for bad in ([], ["-n", "a", "-A"], ["-A", "--standalone", "--peering", "x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
