@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 from policy_operator.constants import DEFAULT_PORT
 
@@ -88,6 +89,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-step collective backend; auto = nccl on cuda, gloo on cpu; gloo on cuda lets ranks "
                         "share one GPU (functional checks only)")
     g.add_argument("--log-level", default="INFO")
+
+
+def read_token(path: str | None) -> str | None:
+    """The --auth-token-file token; here, torch-free, so ``serve`` checks it before exec'ing torchrun."""
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read auth token file {path}: {exc.strerror or exc}") from None
+    if not token:
+        raise ValueError(f"auth token file {path} is empty")
+    return token
 
 
 def to_argv(opts: ServeOptions) -> list[str]:

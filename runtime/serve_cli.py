@@ -13,7 +13,6 @@ import os
 import shutil
 import sys
 
-from policy_operator.layout import LayoutError, ParallelLayout
 from policy_operator.runtime import options
 
 WORKER_MODULE = "policy_operator.runtime.worker"
@@ -30,11 +29,12 @@ def torchrun_argv(nproc: int, worker_args: list[str]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from policy_operator.runtime.worker import preflight  # torch-free
+
     opts = options.ServeOptions.from_args(args)
     try:
-        layout = ParallelLayout(opts.cfgp, opts.dp)
-        layout.check_guidance(opts.guidance)
-    except LayoutError as exc:
+        layout = preflight(opts)  # here too, or every torchrun rank would print it and torchrun a traceback
+    except ValueError as exc:  # LayoutError is one
         print(f"policyserver: error: {exc}", file=sys.stderr)
         return 2
     if layout.world_size == 1 and "WORLD_SIZE" not in os.environ:

@@ -22,7 +22,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import websockets
@@ -34,7 +33,7 @@ from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 from policy_operator.runtime import wire
 from policy_operator.runtime.engine import Engine, NotReady
 from policy_operator.runtime.metrics import ServerMetrics
-from policy_operator.runtime.options import DEFAULT_MAX_MESSAGE_BYTES
+from policy_operator.runtime.options import DEFAULT_MAX_MESSAGE_BYTES, read_token  # noqa: F401 - re-exported
 from policy_operator.runtime.policy import InvalidObservation
 from policy_operator.runtime.replica import RequestFailed
 
@@ -50,18 +49,6 @@ class ServerConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     error_format: ErrorFormat = "text"
     auth_token: str | None = None
-
-
-def read_token(path: str | None) -> str | None:
-    if not path:
-        return None
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read auth token file {path}: {exc.strerror or exc}") from None
-    if not token:
-        raise ValueError(f"auth token file {path} is empty")
-    return token
 
 
 def _response(status: int, body: bytes, content_type: str) -> Response:

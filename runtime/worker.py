@@ -220,12 +220,16 @@ def _serve_other(rt: Runtime) -> int:
     return 0
 
 
-def run(opts: options.ServeOptions) -> int:
-    from policy_operator.runtime.server import read_token
+def preflight(opts: options.ServeOptions) -> ParallelLayout:
+    """Every check that needs no torch (layout, guidance, steps, token file); raises ValueError, one line."""
+    layout = validate_layout(opts)
+    options.read_token(opts.auth_token_file)  # missing or empty: a usage error, not a traceback after loading
+    return layout
 
+
+def run(opts: options.ServeOptions) -> int:
     try:
-        layout = validate_layout(opts)
-        read_token(opts.auth_token_file)  # a missing or empty token file is a usage error, not a traceback later
+        layout = preflight(opts)
     except ValueError as exc:  # LayoutError is one
         print(f"policyserver: error: {exc}", file=sys.stderr)
         return EXIT_LAYOUT
