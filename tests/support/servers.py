@@ -53,6 +53,9 @@ from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 from .net import wait_for
 
 VENV_BIN = Path(sys.executable).parent
+# Test plug-ins load by import path in served processes (``--policy held_policy:HeldPolicy``).  Only this
+# folder goes on their PYTHONPATH: the repository root would shadow the standard library's ``operator``.
+PLUGIN_DIR = Path(__file__).resolve().parent / "plugins"
 START_TIMEOUT_S = 90.0  # import torch + load + warm-up on 2 busy cores; torchrun adds a few seconds
 STOP_TIMEOUT_S = 30.0
 _LISTENING = re.compile(r"listening on ws://([0-9.]+):(\d+)")
@@ -65,9 +68,13 @@ class ServerExited(RuntimeError):
 
 
 def subprocess_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The venv's scripts (policyserver, torchrun) first on PATH, unbuffered, no stray tokens."""
+    """The venv's scripts (policyserver, torchrun) first on PATH, unbuffered, no stray tokens.
+
+    ``PLUGIN_DIR`` goes on PYTHONPATH so test plug-ins load by import path.
+    """
     env = dict(os.environ)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_DIR), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("HF_TOKEN", None)
     env.update(extra or {})
