@@ -1,4 +1,4 @@
-"""The ``policyserver`` command.
+"""policyserver: serve flow-matching robot action policies on multi-GPU pods, and run their operator.
 
 Each subcommand lives in the module that owns its concept and exposes
 ``add_arguments(parser)`` and ``main(args) -> int``.  Those modules keep heavy
@@ -21,7 +21,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoint": ("policy_operator.runtime.checkpoint_cli", "create or verify checkpoint directories"),
     "fetch": ("policy_operator.runtime.fetch", "download a checkpoint once into a shared volume"),
     "demo": ("policy_operator.runtime.demo", "serve a tiny checkpoint on 1 and 2 ranks and compare"),
-    "bench": ("policy_operator.runtime.bench", "measure CFG / data-parallel speed-ups side by side"),
     "operator": ("policy_operator.operator.main", "run the kopf operator that reconciles PolicyServers"),
 }
 
@@ -31,10 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"policyserver {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # a subcommand whose module is not present in this build
-            continue
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip().splitlines()[0])
         module.add_arguments(p)
         p.set_defaults(_main=module.main)
