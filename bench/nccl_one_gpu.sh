@@ -3,7 +3,7 @@
 # the same device?  (Not a speed claim.)  Prints the outcome and the first NCCL error, if any.
 set -u
 CKPT=${1:?checkpoint dir}; PORT=${2:-18200}; BACKEND=${3:-auto}
-policyserver serve --checkpoint "$CKPT" --cfgp 2 --device cuda --backend "$BACKEND" --host 127.0.0.1 --port "$PORT" \
+policyserver serve --checkpoint "$CKPT" --cfgp 2 --device cuda --backend "$BACKEND" --share-gpu --host 127.0.0.1 --port "$PORT" \
   > /tmp/nccl-$BACKEND.log 2>&1 &
 PID=$!
 for _ in $(seq 1 120); do

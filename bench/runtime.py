@@ -54,6 +54,8 @@ class Server:
             cmd += ["--compile", args.compile]
         if args.backend != "auto":
             cmd += ["--backend", args.backend]
+        if args.share_gpu:
+            cmd += ["--share-gpu"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -157,7 +159,8 @@ def main() -> int:
     p.add_argument("--n", type=int, default=20, help="requests per measurement")
     p.add_argument("--dp", type=int, default=2, help="replicas for the data-parallel rows")
     p.add_argument("--compile", default=None, metavar="MODE", help="torch.compile mode for the servers")
-    p.add_argument("--backend", default="auto", help="gloo lets ranks share one GPU (functional check)")
+    p.add_argument("--backend", default="auto", help="collective backend of the multi-rank servers")
+    p.add_argument("--share-gpu", action="store_true", help="ranks share one GPU (functional check only)")
     p.add_argument("--checkpoint", default=None, help="reuse a checkpoint instead of initialising one")
     p.add_argument("--clients", default="1", help="comma-separated client counts for the throughput table")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/runtime-<device>.md)")
@@ -240,7 +243,7 @@ def main() -> int:
         "",
         f"Reproduce: `python bench/runtime.py --device {args.device} --size {args.size} --steps {args.steps} "
         f"--dtype {args.dtype}"
-        f"{' --compile ' + args.compile if args.compile else ''} --backend {args.backend}`",
+        f"{' --compile ' + args.compile if args.compile else ''} --backend {args.backend}{' --share-gpu' if args.share_gpu else ''}`",
         "",
     ]
     out.write_text("\n".join(lines))

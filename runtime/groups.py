@@ -56,7 +56,7 @@ class Groups:
 
 
 def data_backend(device: torch.device, requested: str = "auto") -> str:
-    """NCCL on CUDA, gloo on CPU; gloo on CUDA only as a functional check of ranks sharing one GPU."""
+    """NCCL on CUDA, gloo on CPU; gloo on CUDA exchanges through host memory (functional checks)."""
     if requested != "auto":
         return requested
     return "nccl" if device.type == "cuda" else "gloo"
@@ -92,8 +92,8 @@ def init_distributed(layout: ParallelLayout, device: torch.device, pg_timeout: t
 def select_device(name: str, share: bool = False) -> torch.device:
     """One GPU per rank by LOCAL_RANK; CPU otherwise.
 
-    ``share`` lets ranks outnumber GPUs (``--backend gloo`` functional checks on
-    one GPU); in production a missing GPU is an error, not a silent share.
+    ``share`` (``--share-gpu``) lets ranks outnumber GPUs for functional checks
+    on one GPU; in production a missing GPU is an error, not a silent share.
     """
     if name == "cuda":
         if not torch.cuda.is_available():

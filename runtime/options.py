@@ -42,6 +42,7 @@ class ServeOptions:
     drain_grace_s: float
     pg_timeout_s: float
     backend: str
+    share_gpu: bool
     threads: int | None
     compile: str | None
     log_level: str
@@ -86,8 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pg-timeout-s", type=float, default=1800.0,
                    help="timeout of the per-request collectives; idle waits never use it (default %(default)s)")
     g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                   help="per-step collective backend; auto = nccl on cuda, gloo on cpu; gloo on cuda lets ranks "
-                        "share one GPU (functional checks only)")
+                   help="per-step collective backend; auto = nccl on cuda, gloo on cpu")
+    g.add_argument("--share-gpu", action="store_true",
+                   help="let ranks outnumber visible GPUs (rank i on GPU i mod count): functional checks only")
     g.add_argument("--log-level", default="INFO")
 
 

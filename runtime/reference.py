@@ -220,7 +220,13 @@ class ReferencePolicy(Policy):
     def compile(self, mode: str = "default") -> None:
         # Shapes are fixed per checkpoint (batch 1 or 2), so one graph per batch size;
         # mode="reduce-overhead" also replays each step as a CUDA graph.
-        self.model.velocity = torch.compile(self.model.velocity, mode=mode, dynamic=False)  # type: ignore[method-assign]
+        compiled = torch.compile(self.model.velocity, mode=mode, dynamic=False)
+        if mode == "reduce-overhead":
+            # A CUDA graph's output buffer is reused by its next replay; sequential CFG keeps
+            # the conditional velocity while computing the unconditional one, so copy it out.
+            self.model.velocity = lambda ctx, x, t: compiled(ctx, x, t).clone()  # type: ignore[method-assign]
+        else:
+            self.model.velocity = compiled  # type: ignore[method-assign]
 
     @property
     def action_shape(self) -> tuple[int, int]:

@@ -75,7 +75,7 @@ class Runtime:
         self.opts = opts
         self.layout = layout
         device_name = opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = select_device(device_name, share=opts.backend == "gloo")
+        self.device = select_device(device_name, share=opts.share_gpu)
         self.groups = init_distributed(layout, self.device, timedelta(seconds=opts.pg_timeout_s), opts.backend)
         self.rank = self.groups.rank
         if layout.world_size > 1:
