@@ -12,6 +12,7 @@ this operator's own ``reconciler`` probe; logs are JSON lines by default.
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 
 from policy_operator.constants import PEERING_NAME
@@ -55,6 +56,8 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("policyserver operator: --resync-seconds and --probe-timeout must be > 0")
     log_format = {"json": kopf.LogFormat.JSON, "plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL}
     kopf.configure(debug=args.debug, verbose=args.verbose, log_format=log_format[args.log_format])
+    if not args.debug:  # one access line per kubelet liveness probe is noise
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
     # exact namespace names need no namespace listing, so a Role suffices; globs need kopf's scanning
     exact = not args.all_namespaces and all(not set("*?[!") & set(ns) for ns in args.namespace)

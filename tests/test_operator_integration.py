@@ -47,8 +47,9 @@ POLICYSERVER = str(Path(sys.executable).parent / "policyserver")
 class Operator:
     """``policyserver operator`` as a subprocess against the emulator; restartable, killable."""
 
-    def __init__(self, kube: KubeEmulator, log: Path) -> None:
+    def __init__(self, kube: KubeEmulator, log: Path, peering: list[str] | None = None) -> None:
         self.kube, self.log = kube, log
+        self.peering = peering or ["--standalone"]
         self.proc: subprocess.Popen[bytes] | None = None
         self.liveness = ""
 
@@ -57,7 +58,7 @@ class Operator:
         self.liveness = f"http://127.0.0.1:{port}/healthz"
         out = self.log.open("ab")
         self.proc = subprocess.Popen(
-            [POLICYSERVER, "operator", "--namespace", NS, "--standalone", "--resync-seconds", str(RESYNC_S),
+            [POLICYSERVER, "operator", "--namespace", NS, *self.peering, "--resync-seconds", str(RESYNC_S),
              "--probe-timeout", "0.5", "--liveness", self.liveness, "--log-format", "json"],
             env=self.kube.env, stdout=out, stderr=subprocess.STDOUT)
         out.close()
@@ -508,3 +509,37 @@ def test_restart_mid_reconcile_and_api_errors_converge_without_duplicates(cluste
                                                       f"created Service {name}-pods"}
     finally:
         op.stop()
+
+
+KOPF_PEERING_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "kopfpeerings.kopf.dev"},
+    "spec": {"group": "kopf.dev", "scope": "Namespaced",
+             "names": {"kind": "KopfPeering", "plural": "kopfpeerings", "singular": "kopfpeering"},
+             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                 "type": "object", "properties": {"status": {"type": "object",
+                                                             "x-kubernetes-preserve-unknown-fields": True}}}}}]},
+}
+
+
+def test_two_replicas_elect_one_leader_through_kopf_peering(cluster: KubeEmulator, tmp_path: Path) -> None:
+    kube = cluster
+    crd_file = tmp_path / "kopfpeering.yaml"
+    crd_file.write_text(yaml.safe_dump(KOPF_PEERING_CRD))
+    kube.apply_crd(crd_file)
+    kube.create("kopf.dev/v1", "kopfpeerings", {"metadata": {"name": C.PEERING_NAME}}, NS)
+    low = Operator(kube, tmp_path / "low.log", ["--peering", C.PEERING_NAME, "--priority", "10"]).start()
+    high = Operator(kube, tmp_path / "high.log", ["--peering", C.PEERING_NAME, "--priority", "20"]).start()
+    try:
+        wait_for(lambda: "Pausing operations in favour of" in (tmp_path / "low.log").read_text(), WAIT_S,
+                 what="the lower-priority replica to pause")
+        kube.kubectl("apply", "-n", NS, "-f", str(REPO / "examples" / "policyserver-minimal.yaml"))
+        wait_for(lambda: ps_status(kube, "policy-minimal").get("phase"), WAIT_S, what="a reconcile by the leader")
+        high.settle()
+        assert low.passes() == 0 and high.passes() > 0
+        assert len(posts(kube, "jobs")) == 1 and len(posts(kube, "persistentvolumeclaims")) == 1
+        peers = kube.get("kopf.dev/v1", "kopfpeerings", C.PEERING_NAME, NS)["status"]
+        assert sorted(p["priority"] for p in peers.values()) == [10, 20]
+    finally:
+        high.stop()
+        low.stop()
