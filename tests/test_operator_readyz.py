@@ -1,0 +1,23 @@
+"""The operator's /readyz poller against a real ``policyserver serve`` (the contract, both sides real)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from policy_operator.operator import health
+from tests.support.servers import serve_policy, tiny_checkpoint  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.slow
+
+
+def test_poller_reads_every_rank_of_a_real_cfgp2_server(tiny_checkpoint: Path) -> None:  # noqa: F811
+    with serve_policy(tiny_checkpoint, "--cfgp", "2", "--dp", "1", "--guidance", "3.0", "--steps", "2",
+                      "--device", "cpu") as server:
+        pod = {"metadata": {"name": "ps-0"}, "status": {"phase": "Running", "podIP": server.host},
+               "spec": {"containers": [{"ports": [{"name": "ws", "containerPort": server.port}]}]}}
+        result = health.pod_health(pod, 1, world_size=2, timeout=5)
+        assert (result.ready, result.ranks_ready, result.world_size, result.message) == (True, 2, 2, "")
+        assert [(r.rank, r.dp_index, r.cfg_index, r.ready) for r in result.ranks] == [(0, 0, 0, True), (1, 0, 1, True)]
+        assert result.as_status()["ranksReady"] == "2/2"
