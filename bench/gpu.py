@@ -41,21 +41,25 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     ckpt = args.checkpoint or str(init_checkpoint(Path(tempfile.mkdtemp()) / args.size, args.size))
     device = torch.device("cuda")
+    # (label, dtype, cfg mode, compile mode, pinned host memory)
     configs = [
-        ("fp32, sequential CFG", torch.float32, "sequential", None),
-        ("fp32, batched CFG", torch.float32, "batched", None),
-        ("bf16, sequential CFG", torch.bfloat16, "sequential", None),
-        ("bf16, batched CFG", torch.bfloat16, "batched", None),
+        ("fp32, sequential CFG", torch.float32, "sequential", None, True),
+        ("fp32, batched CFG", torch.float32, "batched", None, True),
+        ("bf16, sequential CFG", torch.bfloat16, "sequential", None, True),
+        ("bf16, batched CFG", torch.bfloat16, "batched", None, True),
     ]
     if not args.skip_compile:
         configs += [
-            ("bf16, batched CFG, torch.compile", torch.bfloat16, "batched", "default"),
-            ("bf16, batched CFG, compile reduce-overhead (CUDA graphs)", torch.bfloat16, "batched", "reduce-overhead"),
+            ("bf16, batched CFG, torch.compile", torch.bfloat16, "batched", "default", True),
+            ("bf16, batched CFG, compile reduce-overhead (CUDA graphs)", torch.bfloat16, "batched", "reduce-overhead",
+             True),
+            ("same, pageable (not pinned) host memory", torch.bfloat16, "batched", "reduce-overhead", False),
         ]
     results = []
     reference = None
-    for label, dtype, mode, compile_mode in configs:
+    for label, dtype, mode, compile_mode, pinned in configs:
         policy = ReferencePolicy.load(ckpt, device=device, dtype=dtype)
+        policy.pin_memory = pinned
         if compile_mode:
             policy.compile(compile_mode)
         obs = policy.example_observation(0)

@@ -180,6 +180,8 @@ def _tokenize(prompt: str, length: int) -> torch.Tensor:
 
 class ReferencePolicy(Policy):
     name = "reference-flow-policy"
+    #: copy request tensors to the GPU from page-locked memory (PyTorch caches the pinned blocks)
+    pin_memory = True
 
     def __init__(self, cfg: PolicyConfig, model: FlowTransformer, device: torch.device, dtype: torch.dtype) -> None:
         self.cfg = cfg
@@ -252,13 +254,15 @@ class ReferencePolicy(Policy):
         cfg = self.cfg
         parsed = parse_observation(obs, joint_dim=cfg.joint_dim, gripper_dim=cfg.gripper_dim, max_cameras=cfg.max_cameras)
         s = cfg.image_size
-        images = torch.zeros(1, cfg.max_cameras, 3, s, s)
+        # uint8 until the device: 4x fewer bytes to broadcast and to copy to the GPU
+        images = torch.zeros(1, cfg.max_cameras, 3, s, s, dtype=torch.uint8)
         present = torch.zeros(1, cfg.max_cameras, dtype=torch.bool)
         for i, img in enumerate(parsed.cameras):
-            t = torch.from_numpy(np.array(img, dtype=np.float32, copy=True)).permute(2, 0, 1)[None]
+            t = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1)[None]
             if t.shape[-2:] != (s, s):
-                t = F.interpolate(t, size=(s, s), mode="bilinear", align_corners=False)
-            images[0, i] = t[0] / 127.5 - 1.0
+                t = F.interpolate(t.float(), size=(s, s), mode="bilinear", align_corners=False)
+                t = t.round_().clamp_(0, 255).to(torch.uint8)
+            images[0, i] = t[0]
             present[0, i] = True
         return Sample(
             tensors={
@@ -274,8 +278,10 @@ class ReferencePolicy(Policy):
     def condition(self, sample: Sample, branch: Branch) -> torch.Tensor:
         if branch is Branch.UNCOND:
             return self.model.null_context[None]
-        t = {k: v.to(self._device, non_blocking=True) for k, v in sample.tensors.items()}
-        return self.model.encode(t["images"].to(self.dtype), t["present"], t["state"].to(self.dtype), t["tokens"])
+        pin = self.pin_memory and self._device.type == "cuda"
+        t = {k: (v.pin_memory() if pin else v).to(self._device, non_blocking=True) for k, v in sample.tensors.items()}
+        images = t["images"].to(self.dtype) / 127.5 - 1.0
+        return self.model.encode(images, t["present"], t["state"].to(self.dtype), t["tokens"])
 
     @torch.inference_mode()
     def denoise_step(self, context: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
