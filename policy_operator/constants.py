@@ -97,3 +97,13 @@ AUTH_TOKEN_DIR: Final = "/var/run/secrets/policy-auth"
 LABEL_JOB_NAME: Final = "batch.kubernetes.io/job-name"  # set by the Job controller on its pods
 ENV_HOME: Final = "HOME"  # pointed at the writable /tmp: the root filesystem is read-only
 ENV_XDG_CACHE_HOME: Final = "XDG_CACHE_HOME"
+ENV_HOST: Final = "POLICY_HOST"  # default of the runtime's --host (0.0.0.0 when unset)
+
+# --- Labels the Kubernetes controllers put on the pods they create (played by tests/support/local_node.py) ---
+LABEL_CONTROLLER_REVISION_HASH: Final = "controller-revision-hash"
+LABEL_STATEFULSET_POD_NAME: Final = "statefulset.kubernetes.io/pod-name"
+LABEL_POD_INDEX: Final = "apps.kubernetes.io/pod-index"
+LABEL_JOB_CONTROLLER_UID: Final = "batch.kubernetes.io/controller-uid"
+LABEL_LEGACY_JOB_NAME: Final = "job-name"
+LABEL_LEGACY_CONTROLLER_UID: Final = "controller-uid"
+ENV_LOCAL_NODE_CONTAINER: Final = "LOCAL_NODE_CONTAINER"  # test support: marks every process of one local-node container

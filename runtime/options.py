@@ -8,10 +8,11 @@ definition.  No torch import here: ``--help`` stays instant.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from policy_operator.constants import DEFAULT_PORT
+from policy_operator.constants import DEFAULT_PORT, ENV_HOST
 
 DEFAULT_GUIDANCE = 3.0
 DEFAULT_STEPS = 10
@@ -73,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cfg-mode", choices=["auto", "sequential", "batched"], default="auto",
                    help="how cfgp=1 runs both branches; auto = batched on cuda, sequential on cpu")
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="0.0.0.0")
+    g.add_argument("--host", default=os.environ.get(ENV_HOST) or "0.0.0.0",
+                   help=f"bind address (default ${ENV_HOST} if set, else 0.0.0.0)")
     g.add_argument("--port", type=int, default=DEFAULT_PORT)
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="larger frames are refused with close code 1009 (default %(default)s)")
