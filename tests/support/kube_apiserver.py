@@ -29,6 +29,7 @@ import json
 import random
 import re
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -206,7 +207,9 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self.resources.load_bundled()
+        with warnings.catch_warnings():  # kmock 0.8 reads its bundled file with a deprecated importlib call
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.resources.load_bundled()
         for res in list(self.resources):
             if res.group in _UNSERVED_GROUPS or (res.group, res.plural) in _UNSERVED:
                 del self.resources[res]
