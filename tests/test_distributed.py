@@ -217,5 +217,6 @@ def test_mismatched_world_size_fails_before_loading(tiny_checkpoint) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=subprocess_env())
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("policyserver: error:")]
-    assert len(lines) == 3 and all("world size 3 does not match cfgp x dp = 2 x 1" in ln for ln in lines)
+    # every rank that got to speak says the same one line (torchrun stops the rest after the first exit)
+    assert lines and all("world size 3 does not match cfgp x dp = 2 x 1" in ln for ln in lines), proc.stderr[-2000:]
     assert "listening" not in proc.stdout and "loading" not in proc.stderr
