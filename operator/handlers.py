@@ -83,6 +83,9 @@ def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) 
     settings.execution.max_workers = 16
     settings.scanning.disabled = config.namespaced
     settings.batching.error_delays = (1, 2, 5, 10, 20, 30)
+    # A PolicyServer deleted while its (synchronous) resync timer runs must not wait
+    # kopf's default 60 s to notice the timer ended before the finalizer is released.
+    settings.background.cancellation_polling = 0.5
 
 
 def _post(owner: dict[str, Any], event: conditions.Event) -> None:
