@@ -1,0 +1,112 @@
+"""Two-GPU checks for cfgp=2 / dp=2 over NCCL (the 2-GPU issue), runnable on CPU too.
+
+On `nvidia-h200-x2` (NCCL_NVLS_ENABLE=0 stays set):
+
+    python bench/two_gpu.py --device cuda --pg-timeout-s 60 --idle-s 75
+    python bench/runtime.py --device cuda --size base --dtype bfloat16 --compile reduce-overhead \
+        --checkpoint /tmp/base --n 30 --clients 1,8 --out bench/results/h200x2.md
+
+This script checks, with real servers: a request succeeds after idling longer than the
+NCCL process-group timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING=1), and a bad request and a
+request that fails inside one rank's compute leave both cfgp=2 ranks alive.  On CPU
+(`--device cpu --pg-timeout-s 2 --idle-s 4`) it exercises the same code over gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def readyz(port: int) -> tuple[int | None, dict | None]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except OSError:
+        return None, None
+
+
+def request(port: int, prompt: str = "pick up the cup", seed: int = 3):
+    from websockets.sync.client import connect
+
+    from policy_operator.runtime import wire
+    from policy_operator.runtime.client import robolab_observation
+
+    with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None) as ws:
+        meta = wire.unpackb(ws.recv(timeout=60))
+        obs = robolab_observation(meta, 1, fixed_seed=seed)
+        obs["prompt"] = prompt
+        ws.send(wire.packb(obs))
+        reply = ws.recv(timeout=300)
+        return reply if isinstance(reply, str) else wire.unpackb(reply)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--size", default="small")
+    p.add_argument("--pg-timeout-s", type=float, default=60.0)
+    p.add_argument("--idle-s", type=float, default=75.0)
+    p.add_argument("--port", type=int, default=18300)
+    args = p.parse_args()
+
+    from policy_operator.runtime.reference import init_checkpoint
+
+    ckpt = init_checkpoint(Path(tempfile.mkdtemp()) / args.size, args.size)
+    env = dict(os.environ, TORCH_NCCL_ASYNC_ERROR_HANDLING="1", NCCL_NVLS_ENABLE="0",
+               PYTHONPATH=str(REPO / "tests" / "support"))  # the planted-failure policy
+    cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", str(ckpt), "--cfgp", "2",
+           "--device", args.device, "--pg-timeout-s", str(args.pg_timeout_s), "--host", "127.0.0.1",
+           "--port", str(args.port), "--policy", "faulty_policy:FaultyPolicy", "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tempfile.gettempdir(), start_new_session=True)
+    results: list[tuple[str, bool, str]] = []
+    try:
+        deadline = time.monotonic() + 300
+        while readyz(args.port)[0] != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                print("server did not become ready", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        pids = {r["rank"]: r["pid"] for r in readyz(args.port)[1]["ranks"]}
+        first = request(args.port)
+        results.append(("first request", isinstance(first, dict), ""))
+        time.sleep(args.idle_s)
+        after = request(args.port)
+        same = isinstance(after, dict) and np.array_equal(np.asarray(after["actions"]), np.asarray(first["actions"]))
+        results.append((f"request after {args.idle_s:.0f}s idle (PG timeout {args.pg_timeout_s:.0f}s)", same, ""))
+        for prompt in (123, "explode:cond", "explode:uncond"):
+            reply = request(args.port, prompt=prompt)
+            results.append((f"bad request prompt={prompt!r} answered with an error", isinstance(reply, str),
+                            str(reply)[:80]))
+        again = request(args.port)
+        ok = isinstance(again, dict) and np.array_equal(np.asarray(again["actions"]), np.asarray(first["actions"]))
+        results.append(("good request after the bad ones", ok, ""))
+        status, body = readyz(args.port)
+        alive = status == 200 and {r["rank"]: r["pid"] for r in body["ranks"]} == pids
+        results.append(("both ranks alive, same pids, /readyz 200", alive, str(pids)))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    print(f"\n| check ({args.device}, cfgp=2) | result | detail |\n|---|---|---|")
+    for name, ok, detail in results:
+        print(f"| {name} | {'pass' if ok else 'FAIL'} | {detail} |")
+    return 0 if all(ok for _, ok, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
