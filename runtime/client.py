@@ -126,7 +126,9 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    token = open(args.token_file).read().strip() if args.token_file else None
+    from policy_operator.tokens import read_token_file
+
+    token = read_token_file(args.token_file, "--token-file") if args.token_file else None
     summary = run_client(args.url, args.n, args.concurrency, args.seed, token, args.timeout)
     print(json.dumps(summary, indent=2, default=str) if args.json else format_summary(summary))
     return 0 if summary["requests"] and not summary["errors"] else 1

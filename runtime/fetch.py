@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from policy_operator.tokens import read_token_file
 from policy_operator.constants import COMPLETE_MARKER, ENV_HF_TOKEN, MANIFEST_FILE
 from policy_operator.runtime.checkpoint import CheckpointError, checkpoint_key, parse_manifest, sha256_file
 from policy_operator.runtime.fetch_errors import (
@@ -382,12 +383,9 @@ def _parse_sha256(values: list[str]) -> dict[str, str]:
 
 def _read_token(path: str) -> str:
     try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise UsageError(f"--token-file {path}: {exc.strerror}") from None
-    if not token:
-        raise UsageError(f"--token-file {path}: empty")
-    return token
+        return read_token_file(path, "--token-file")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from policy_operator.tokens import read_token_file
 from policy_operator.constants import DEFAULT_PORT, ENV_HOST
 
 DEFAULT_GUIDANCE = 3.0
@@ -97,15 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def read_token(path: str | None) -> str | None:
     """The --auth-token-file token; here, torch-free, so ``serve`` checks it before exec'ing torchrun."""
-    if not path:
-        return None
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read auth token file {path}: {exc.strerror or exc}") from None
-    if not token:
-        raise ValueError(f"auth token file {path} is empty")
-    return token
+    return read_token_file(path, "--auth-token-file") if path else None
 
 
 def to_argv(opts: ServeOptions) -> list[str]:

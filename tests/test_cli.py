@@ -85,8 +85,8 @@ def test_serve_requires_a_checkpoint() -> None:
     (["--dp", "0"], "dp=0 is not supported"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--cfgp", "2", "--steps", "0"], "--steps must be >= 1"),  # caught before torchrun is exec'd
-    (["--auth-token-file", "{missing}"], "cannot read auth token file"),
-    (["--dp", "2", "--auth-token-file", "{empty}"], "is empty"),
+    (["--auth-token-file", "{missing}"], "--auth-token-file {missing}: cannot read it"),
+    (["--dp", "2", "--auth-token-file", "{empty}"], "the file is empty"),
 ], ids=["cfgp3", "cfgp2-guidance1", "cfgp2-dp2-guidance1", "dp0", "steps0", "cfgp2-steps0", "token-missing",
         "token-empty"])
 def test_serve_refuses_bad_launches_with_one_line(tmp_path: Path, flags: list[str], words: str) -> None:
@@ -96,7 +96,7 @@ def test_serve_refuses_bad_launches_with_one_line(tmp_path: Path, flags: list[st
     result = policyserver("serve", "--checkpoint", str(tmp_path / "no-such-checkpoint"), "--host", "127.0.0.1",
                           "--port", "0", *flags)
     assert result.returncode == 2, result.stderr
-    assert words in one_error_line(result)
+    assert words.format(missing=tmp_path / "missing") in one_error_line(result)
     assert "listening" not in result.stdout and "no-such-checkpoint" not in result.stderr
 
 
@@ -156,7 +156,7 @@ def test_verify_fails_on_a_damaged_checkpoint(checkpoint_copy: Path, damage, wor
     damage(checkpoint_copy)
     result = policyserver("checkpoint", "verify", str(checkpoint_copy))
     assert result.returncode == 1
-    assert words in one_error_line(result)
+    assert words.format(missing=tmp_path / "missing") in one_error_line(result)
 
 
 def test_verify_require_marker_refuses_an_unfetched_directory(checkpoint_copy: Path, tmp_path: Path) -> None:
