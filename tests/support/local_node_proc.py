@@ -20,6 +20,7 @@ container runtime tears down a container's cgroup.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import re
 import shutil
@@ -227,7 +228,7 @@ class ContainerProcess:
         return self
 
     def _write_line(self, line: str) -> None:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1e6) % 1_000_000:06d}Z"
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
         with self._log_lock, open(self.log_path, "a", encoding="utf-8") as log:
             log.write(f"{stamp} {line}\n")
 

@@ -1,0 +1,273 @@
+"""End to end on one machine: kubectl apply -> operator -> pods that really run -> WebSocket actions.
+
+Nothing is played by the test: the API emulator stores objects, the real
+``policyserver operator`` reconciles them, the local node
+(tests/support/local_node.py) runs every pod the operator's manifests
+describe -- the fetch Job's ``policyserver fetch``, the init container's
+``policyserver checkpoint verify``, ``torchrun ... -m
+policy_operator.runtime.worker`` with gloo on CPU -- with their commands, env,
+volumes and probes as written, and the real openpi client gets actions from
+the pods.  Two PolicyServers: the cfgp=2,dp=1 sample (its checkpoint behind a
+bearer token from the sample's Secret) and the cfgp=1,dp=2 sample (two pods
+sharing one cache claim), each derived from ``examples/`` by editing the YAML
+here.  docs/e2e.md explains the set-up and the timings.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from policy_operator import constants as C
+from policy_operator.operator.manifests import SERVER_CONTAINER, Names
+from policy_operator.runtime.fetch import request_key
+from tests.support.http_checkpoint_server import CheckpointServer
+from tests.support.local_node_cluster import LocalCluster, for_local_node, free_port_on
+from tests.support.net import wait_for
+from tests.support.servers import VENV_BIN
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[1]
+NS = "robots"
+TOKEN = "e2e-checkpoint-token"
+AVAILABLE_S = 300  # two PolicyServers, 6 torch ranks and 3 torchrun agents starting on 2 busy cores
+WAIT_S = 120.0
+CFGP2, CFGP1 = "policy-cfgp2-dp1", "policy-cfgp1-dp2"
+
+
+@dataclass
+class Deployment:
+    cluster: LocalCluster
+    port: int
+    servers: dict[str, CheckpointServer]  # PolicyServer name -> the HTTP server holding its checkpoint
+    docs: dict[str, dict[str, Any]]
+    applied_at: float
+    wait_output: dict[str, str]
+
+
+def example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
+
+
+def init_checkpoint(path: Path, seed: int) -> None:
+    subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(path), "--seed", str(seed)],
+                   check=True, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    work = tmp_path_factory.mktemp("e2e")
+    init_checkpoint(work / "sources" / "a" / "ckpt", seed=0)
+    init_checkpoint(work / "sources" / "b" / "ckpt", seed=1)
+    servers = {CFGP2: CheckpointServer(work / "sources" / "a", token=TOKEN).start(),
+               CFGP1: CheckpointServer(work / "sources" / "b").start()}
+    cluster = LocalCluster(work / "cluster", NS, backoff_s=2.0)
+    try:
+        cluster.start()
+        secret = example("policyserver-cfgp2-dp1")["spec"]["checkpoint"]["secretRef"]["name"]
+        cluster.kube.create("v1", "secrets", {"metadata": {"name": secret},
+                                              "data": {C.SECRET_TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()}},
+                            NS)
+        port = free_port_on(f"127.0.0.{i}" for i in range(1, 24))
+        docs = {name: for_local_node(example(f"policyserver-{name.removeprefix('policy-')}"),
+                                     source=servers[name].url_for("ckpt/"), port=port)
+                for name in (CFGP2, CFGP1)}
+        applied_at = time.time()
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs.values()))
+        wait_output = {}
+        for name in docs:
+            try:
+                wait_output[name] = cluster.kubectl("wait", "--for=condition=Available", f"policyserver/{name}",
+                                                    f"--timeout={AVAILABLE_S}s", timeout=AVAILABLE_S + 30).stdout
+            except subprocess.CalledProcessError as exc:
+                raise AssertionError(f"{exc}\nstatus: {json.dumps(cluster.status(name), indent=1)[:4000]}\n"
+                                     f"{cluster.describe()}") from None
+        yield Deployment(cluster, port, servers, docs, applied_at, wait_output)
+    finally:
+        cluster.stop()
+        for server in servers.values():
+            server.stop()
+    cluster.node.raise_errors()
+    assert not cluster.node.processes(), "processes outlived the cluster"
+
+
+def wait_status(d: Deployment, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,
+                timeout: float = WAIT_S) -> dict[str, Any]:
+    last: dict[str, Any] = {}
+
+    def check() -> Any:
+        nonlocal last
+        last = d.cluster.status(name)
+        return predicate(last)
+
+    try:
+        wait_for(check, timeout, interval=0.2, what=what)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\nstatus: {json.dumps(last, indent=1)[:4000]}\n{d.cluster.describe()}") from None
+    return last
+
+
+def server_pods(d: Deployment, name: str) -> list[dict[str, Any]]:
+    pods = d.cluster.kube.list("v1", "pods", NS, label_selector=f"{C.LABEL_INSTANCE}={name},"
+                                                                f"{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+    return sorted(pods, key=lambda p: p["metadata"]["name"])
+
+
+def events(d: Deployment, name: str) -> list[tuple[str, str, str]]:
+    return [(e.get("type", ""), e.get("reason", ""), e.get("message", ""))
+            for e in d.cluster.kube.events(NS, involved_name=name)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes() != b""
+    except OSError:
+        return False
+
+
+# --- the tests, in the order a person would check things -------------------------------------------
+
+def test_kubectl_wait_available_and_every_rank_ready(deployment: Deployment) -> None:
+    d = deployment
+    for name in (CFGP2, CFGP1):
+        assert f"policyserver.{C.GROUP}/{name} condition met" in d.wait_output[name]
+        d.cluster.kubectl("wait", "--for=jsonpath={.status.phase}=Ready", f"policyserver/{name}",
+                          f"--timeout={int(WAIT_S)}s", timeout=WAIT_S + 30)
+    a = wait_status(d, CFGP2, lambda s: s.get("ranksReady") == "2/2", "cfgp=2: 2/2 ranks")
+    b = wait_status(d, CFGP1, lambda s: s.get("ranksReady") == "4/4", "cfgp=1,dp=2: 4/4 ranks (2 pods)")
+    assert (a["ready"], a["layout"], b["ready"], b["layout"]) == ("1/1", "cfgp=2,dp=1", "2/2", "cfgp=1,dp=2")
+    for status, cfgp in ((a, 2), (b, 1)):
+        for pod in status["pods"]:
+            assert pod["ranksReady"] == "2/2" and pod["ready"] is True
+            assert [(r["rank"], r["dpIndex"], r["cfgIndex"], r["ready"]) for r in pod["ranks"]] == \
+                [(r, r // cfgp, r % cfgp, True) for r in range(2)]
+    table = d.cluster.kubectl("get", C.SHORT_NAME).stdout.splitlines()
+    rows = {line.split()[0]: line.split() for line in table[1:]}
+    assert rows[CFGP2][1:6] == ["1/1", "2/2", "cfgp=2,dp=1", "Ready", "Ready"]
+    assert rows[CFGP1][1:6] == ["2/2", "4/4", "cfgp=1,dp=2", "Ready", "Ready"]
+
+
+def test_one_fetch_job_and_one_download_per_checkpoint(deployment: Deployment) -> None:
+    d = deployment
+    for name, doc in d.docs.items():
+        key = request_key(doc["spec"]["checkpoint"]["source"], doc["spec"]["checkpoint"].get("revision"))
+        jobs = d.cluster.kube.list("batch/v1", "jobs", NS, label_selector=f"{C.LABEL_INSTANCE}={name}")
+        assert [j["metadata"]["name"] for j in jobs] == [Names(name).job(key)]
+        assert jobs[0]["status"]["succeeded"] == 1
+        assert d.cluster.status(name)["checkpoint"]["phase"] == "Ready"
+        server = d.servers[name]
+        for file in (C.MANIFEST_FILE, C.CONFIG_FILE, C.WEIGHTS_FILE):
+            assert server.count(f"/ckpt/{file}") == 1, (name, file, server.requests)
+        fetch_pods = d.cluster.kube.list("v1", "pods", NS, label_selector=f"{C.LABEL_JOB_NAME}={jobs[0]['metadata']['name']}")
+        assert [p["status"]["phase"] for p in fetch_pods] == ["Succeeded"]
+    # the cfgp=2 sample's Secret reached the fetch as a bearer token (the server refuses requests without it)
+    assert {r.headers.get("Authorization") for r in d.servers[CFGP2].requests} == {"<redacted>"}
+    # both pods of the dp=2 PolicyServer mount the one cache claim
+    runners = [d.cluster.node.pod(NS, p["metadata"]["name"]) for p in server_pods(d, CFGP1)]
+    assert len(runners) == 2 and runners[0].claims == runners[1].claims == {(NS, Names(CFGP1).pvc)}
+
+
+def test_pods_run_torchrun_with_gloo_on_cpu(deployment: Deployment) -> None:
+    d = deployment
+    ips = set()
+    for name, cfgp in ((CFGP2, 2), (CFGP1, 1)):
+        for pod in server_pods(d, name):
+            pod_name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
+            ips.add(ip)
+            container = pod["spec"]["containers"][0]
+            assert C.GPU_RESOURCE not in json.dumps(container.get("resources") or {})
+            procs = d.cluster.node.processes(NS, pod_name, SERVER_CONTAINER)
+            agents = [p for p in procs if any(a.endswith("/torchrun") for a in p.argv[:2])]
+            assert len(agents) == 1, [p.argv for p in procs]
+            ranks = sorted((p for p in procs if p.ppid == agents[0].pid), key=lambda p: int(p.env["RANK"]))
+            assert [p.env["RANK"] for p in ranks] == ["0", "1"] and len(procs) == 3
+            for rank in ranks:
+                assert "policy_operator.runtime.worker" in rank.argv
+                argv = list(rank.argv)
+                assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--cfgp") + 1] == str(cfgp)
+                assert rank.env[C.ENV_HOST] == ip and rank.env["WORLD_SIZE"] == "2"
+            log = d.cluster.node.logs(NS, pod_name, SERVER_CONTAINER)
+            for r in (0, 1):
+                assert f"rank {r}/2 joined cfgp={cfgp},dp={2 // cfgp} (backend gloo" in log, log[-3000:]
+    assert len(ips) == 3  # three pods, three loopback addresses, one port
+
+
+@pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")  # openpi-client's
+def test_openpi_client_gets_actions_from_every_pod(deployment: Deployment) -> None:
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from policy_operator.runtime.client import robolab_observation
+
+    d = deployment
+    for name, (cfgp, dp) in ((CFGP2, (2, 1)), (CFGP1, (1, 2))):
+        for pod in server_pods(d, name):
+            client = WebsocketClientPolicy(host=pod["status"]["podIP"], port=d.port)
+            try:
+                meta = client.get_server_metadata()
+                assert meta["layout"] == {"cfgp": cfgp, "dp": dp, "world_size": 2} and meta["steps"] == 2
+                obs = robolab_observation(meta, seed=1, fixed_seed=7)
+                first, again = client.infer(obs)["actions"], client.infer(obs)["actions"]
+            finally:
+                client._ws.close()  # openpi-client 0.1.2 has no close()
+            assert first.shape == tuple(meta["action_shape"]) and np.isfinite(first).all()
+            assert np.array_equal(first, again)  # same observation and seed: same actions
+
+
+def test_killed_rank_degrades_then_the_restarted_container_recovers(deployment: Deployment) -> None:
+    d = deployment
+    (pod,) = server_pods(d, CFGP2)
+    pod_name = pod["metadata"]["name"]
+    before = pod["status"]["containerStatuses"][0]["restartCount"]
+    (rank1,) = [p for p in d.cluster.node.processes(NS, pod_name, SERVER_CONTAINER) if p.env.get("RANK") == "1"]
+    os.kill(rank1.pid, signal.SIGKILL)
+
+    degraded = wait_status(d, CFGP2, lambda s: s.get("phase") == C.PHASE_DEGRADED, "phase Degraded")
+    available = next(c for c in degraded["conditions"] if c["type"] == C.COND_AVAILABLE)
+    assert (available["status"], available["reason"]) == ("False", "ReplicasUnavailable")
+    assert degraded["ranksReady"] in ("0/2", "1/2") and degraded["readyReplicas"] == 0
+    recovered = wait_status(d, CFGP2, lambda s: s.get("phase") == C.PHASE_READY and s.get("ranksReady") == "2/2",
+                            "phase Ready again", timeout=AVAILABLE_S)
+    assert next(c for c in recovered["conditions"] if c["type"] == C.COND_AVAILABLE)["status"] == "True"
+    # the kubelet's own readiness probe (every 5 s, as the manifest says) agrees a little later
+    cs = wait_for(lambda: (c := d.cluster.kube.get("v1", "pods", pod_name, NS)["status"]["containerStatuses"][0])["ready"]
+                  and c, WAIT_S, what="the server container Ready again")
+    assert cs["restartCount"] == before + 1 and cs["started"] is True
+    last = cs["lastState"]["terminated"]
+    assert last["exitCode"] != 0 and last["reason"] == "Error"  # torchrun's exit once a rank died
+    phase_events = {(t, m.split(":", 1)[0]) for t, r, m in events(d, CFGP2) if m.startswith("phase ")}
+    assert {("Warning", "phase Ready -> Degraded"), ("Normal", "phase Degraded -> Ready")} <= phase_events
+    # the pod kept its name and address: the StatefulSet did not replace it, the kubelet restarted the container
+    assert d.cluster.kube.get("v1", "pods", pod_name, NS)["metadata"]["uid"] == pod["metadata"]["uid"]
+
+
+def test_kubectl_delete_ends_every_process(deployment: Deployment) -> None:
+    d = deployment
+    node = d.cluster.node
+    pids = [p.pid for p in node.processes()]
+    assert len(pids) == 9  # 3 pods x (torchrun + 2 ranks)
+    claims = [r.claims for r in node.pods(NS)]
+    assert claims
+    d.cluster.kubectl("delete", C.SHORT_NAME, CFGP2, CFGP1, "--timeout=120s", timeout=150)
+    try:
+        wait_for(lambda: not d.cluster.kube.list("v1", "pods", NS) and not node.processes(), WAIT_S,
+                 what="every pod gone and every process ended")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{d.cluster.describe()}") from None
+    assert not any(alive(pid) for pid in pids)
+    for gv, plural in (("apps/v1", "statefulsets"), ("batch/v1", "jobs"), ("v1", "services"),
+                       ("v1", "persistentvolumeclaims")):
+        assert d.cluster.kube.list(gv, plural, NS) == [], plural
+    wait_for(lambda: not list((node.root / "pvc" / NS).iterdir()), WAIT_S, what="cache directories removed")
