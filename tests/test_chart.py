@@ -18,6 +18,7 @@ import copy
 import io
 import json
 import re
+import shlex
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -607,3 +608,65 @@ def test_notes_follow_the_sample_and_the_watch_scope() -> None:
     assert f"-n {sample['namespace']} wait --for=condition={C.COND_AVAILABLE} {C.SINGULAR}/{sample['name']}" in text
     assert "every namespace" in notes("watch-all-namespaces")
     assert "kopf peering" in notes("two-replicas-peering") and "standalone" in notes("default")
+
+
+# --- docs/install.md and docs/upgrades.md say what the chart does --------------------------------
+
+DOCS = {name: (REPO / "docs" / name).read_text() for name in ("install.md", "upgrades.md")}
+
+
+def _code_lines(text: str) -> list[str]:
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S)
+    lines, pending = [], ""
+    for block in blocks:
+        for line in block.splitlines():
+            line = line.split("  #")[0].rstrip()
+            if line.endswith("\\"):
+                pending += line[:-1] + " "
+                continue
+            lines.append((pending + line).strip())
+            pending = ""
+    return [line for line in lines if line]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_docs_set_only_values_the_chart_has(doc: str) -> None:
+    defaults = chart().values
+    keys = re.findall(r"--set '?([A-Za-z][\w.]*)=", DOCS[doc])
+    for key in keys:
+        node: Any = defaults
+        for part in key.split("."):
+            assert isinstance(node, dict) and part in node, f"{doc}: --set {key} is not a chart value"
+            node = node[part]
+    if doc == "install.md":
+        assert {"watchNamespaces", "replicaCount", "watchAllNamespaces", "serviceMonitor.enabled",
+                "samplePolicyServer.enabled", "image.repository"} <= set(keys)
+
+
+def test_install_doc_commands_name_real_files_objects_and_flags() -> None:
+    lines = _code_lines(DOCS["install.md"])
+    applied = [m for line in lines for m in re.findall(r"apply -f (examples/\S+)", line)]
+    assert sorted(applied) == sorted(f"examples/{n}" for n in EXAMPLES if n != "policyserver-minimal.yaml")
+    waited = [m for line in lines for m in re.findall(rf"--for=condition={C.COND_AVAILABLE} {C.SINGULAR}/(\S+)", line)]
+    assert sorted(waited) == sorted(EXAMPLES[p.split("/")[1]]["metadata"]["name"] for p in applied)
+    parsed = 0
+    for line in lines:
+        if line.startswith("policyserver ") and not re.search(r"[A-Z]{3,}", line):
+            args = cli.build_parser().parse_args(shlex.split(line)[1:])
+            assert args.command in cli.COMMANDS
+            parsed += 1
+    assert parsed >= 3
+    for line in lines:
+        if line.startswith("helm install"):
+            assert "charts/policy-operator" in shlex.split(line)
+
+
+def test_upgrade_doc_matches_the_notes_and_the_operator() -> None:
+    text = DOCS["upgrades.md"]
+    assert "kubectl apply --server-side --force-conflicts -f crds/" in text
+    assert "kubectl apply --server-side --force-conflicts -f crds/" in notes("default")
+    assert C.FINALIZER in text
+    for crd in chart_crds():
+        assert crd in text
+    for path in re.findall(r"crds/[\w.-]+\.yaml", text):
+        assert (REPO / path).is_file(), path
