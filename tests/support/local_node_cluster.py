@@ -182,10 +182,13 @@ def free_port_on(hosts: Iterable[str]) -> int:
 # --- where the time goes -----------------------------------------------------------------------
 
 _LINE = re.compile(r"^(\S+Z) (.*)$")
-LOG_MARKS = (("listening", re.compile(r"policyserver: listening on")),
-             ("loading", re.compile(r"rank0 .*loading /")),
-             ("warmed up", re.compile(r"replica 0 warmed up")),
-             ("ready", re.compile(r"policyserver: ready")))
+# lines of the server container's log that end a phase: torchrun imported torch and spawns the ranks; every
+# rank imported torch and joined the gloo job; rank 0 bound the port; checkpoint loaded and warmed up; ready
+LOG_MARKS = (("torchrun spawning ranks", re.compile(r"torch/distributed/run\.py")),
+             ("rank 0 joined gloo group", re.compile(r"rank 0/\d+ joined")),
+             ("rank 0 listening", re.compile(r"policyserver: listening on")),
+             ("replica 0 loaded + warmed up", re.compile(r"replica 0 warmed up")),
+             ("policyserver: ready", re.compile(r"policyserver: ready")))
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ def phase_timings(cluster: LocalCluster, name: str, applied_at: float, available
               ("verify done", _first(events, server_pod, VERIFY_CONTAINER, "exited 0")),
               ("torchrun started", _first(events, server_pod, SERVER_CONTAINER, "started"))]
     marks = _log_marks(node.logs(ns, server_pod, SERVER_CONTAINER, run=0, timestamps=True))
-    points += [(f"rank 0 {k}", marks.get(k)) for k, _ in LOG_MARKS]
+    points += [(k, marks.get(k)) for k, _ in LOG_MARKS]
     points.append(("Available", available_at))
     known = [(label, t) for label, t in points if t is not None]
     return [Phase(f"{a} -> {b}", ta, tb) for (a, ta), (b, tb) in zip(known, known[1:])]
@@ -242,5 +245,6 @@ def phase_timings(cluster: LocalCluster, name: str, applied_at: float, available
 
 def format_timings(phases: list[Phase]) -> str:
     total = phases[-1].end - phases[0].start if phases else 0.0
-    rows = [f"{p.name:<44} {p.seconds:6.2f} s" for p in phases]
-    return "\n".join(rows + [f"{'total: kubectl apply -> Available':<44} {total:6.2f} s"])
+    width = max([len(p.name) for p in phases] + [34])
+    rows = [f"  {p.name:<{width}} {p.seconds:6.2f} s" for p in phases]
+    return "\n".join(rows + [f"  {'total: kubectl apply -> Available':<{width}} {total:6.2f} s"])
