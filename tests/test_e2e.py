@@ -102,6 +102,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             server.stop()
     cluster.node.raise_errors()
     assert not cluster.node.processes(), "processes outlived the cluster"
+    assert "Traceback" not in cluster.operator.log.read_text(), f"the operator crashed; see {cluster.operator.log}"
 
 
 def wait_status(d: Deployment, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,

@@ -295,9 +295,15 @@ class LocalNode:
     def _sync(self, ns: str) -> None:
         self._sync_claims(ns, self.kube.list("v1", "persistentvolumeclaims", ns))
         pods = self.kube.list("v1", "pods", ns, label_selector=self.label_selector)
-        for job in self.kube.list("batch/v1", "jobs", ns, label_selector=self.label_selector):
+        jobs = self.kube.list("batch/v1", "jobs", ns, label_selector=self.label_selector)
+        statefulsets = self.kube.list("apps/v1", "statefulsets", ns, label_selector=self.label_selector)
+        listed = {f"{plural}/{ns}/{o['metadata']['name']}" for plural, objs in (("jobs", jobs), ("statefulsets", statefulsets))
+                  for o in objs}
+        for key in [k for k in self._wake_at if k.split("/")[1] == ns and k not in listed]:
+            del self._wake_at[key]  # a timer of an object that is gone
+        for job in jobs:
             self._sync_job(ns, job, pods)
-        for sts in self.kube.list("apps/v1", "statefulsets", ns, label_selector=self.label_selector):
+        for sts in statefulsets:
             self._sync_statefulset(ns, sts, pods)
         self._sync_pods(ns, pods)
 

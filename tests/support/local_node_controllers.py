@@ -286,8 +286,8 @@ def plan_job(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], now: flo
     deadline = spec.get("activeDeadlineSeconds")
     new_conditions: list[dict[str, Any]] = []
     if succeeded:
-        new_conditions = [_condition("SuccessCriteriaMet", "CompletionsReached", "Reached expected number of succeeded pods", now),
-                          _condition("Complete", "CompletionsReached", "Reached expected number of succeeded pods", now)]
+        reached = ("CompletionsReached", "Reached expected number of succeeded pods", now)
+        new_conditions = [_condition("SuccessCriteriaMet", *reached), _condition("Complete", *reached)]
         status["completionTime"] = rfc3339(now)
     elif fail is None and len(counted) > limit:
         fail = ("BackoffLimitExceeded", "Job has reached the specified backoff limit")
