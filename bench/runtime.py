@@ -93,7 +93,8 @@ def _session(url: str, n: int, seed: int, out: list[tuple[float, float]]) -> Non
             t0 = time.perf_counter()
             ws.send(frame)
             reply = wire.unpackb(ws.recv(timeout=600))
-            out.append(((time.perf_counter() - t0) * 1e3, float(reply["server_timing"]["infer_ms"])))
+            st = reply["server_timing"]
+            out.append(((time.perf_counter() - t0) * 1e3, float(st["infer_ms"]), float(st["total_ms"])))
 
 
 def fixed_seed_actions(url: str) -> np.ndarray:
@@ -110,7 +111,7 @@ def fixed_seed_actions(url: str) -> np.ndarray:
 
 def measure(url: str, n: int, concurrency: int = 1, warmup: int = 3) -> dict[str, float]:
     _session(url, warmup, 999, [])
-    results: list[tuple[float, float]] = []
+    results: list[tuple[float, float, float]] = []
     threads = [threading.Thread(target=_session, args=(url, n, 1000 * c, results)) for c in range(concurrency)]
     t0 = time.perf_counter()
     for t in threads:
@@ -118,11 +119,13 @@ def measure(url: str, n: int, concurrency: int = 1, warmup: int = 3) -> dict[str
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    rtt = [r for r, _ in results]
-    infer = [i for _, i in results]
+    rtt = [r for r, _, _ in results]
+    infer = [i for _, i, _ in results]
+    total = [t for _, _, t in results]
     return {"rtt_p50": float(np.percentile(rtt, 50)), "rtt_p99": float(np.percentile(rtt, 99)),
             "infer_p50": float(np.percentile(infer, 50)), "wall_s": wall, "n": len(results),
-            "rps": len(results) / wall, "overhead_p50": float(np.percentile(np.subtract(rtt, infer), 50))}
+            "rps": len(results) / wall, "overhead_p50": float(np.percentile(np.subtract(rtt, infer), 50)),
+            "server_overhead_p50": float(np.percentile(np.subtract(total, infer), 50))}
 
 
 def in_process_infer(checkpoint: Path, args: argparse.Namespace, n: int) -> float:
@@ -242,6 +245,8 @@ def main() -> int:
         f"| in-process prepare + sample + postprocess p50 | {inproc:.2f} |",
         f"| overhead = round trip - in-process | {overhead:.2f} |",
         f"| overhead = round trip - server infer_ms (p50 per request) | {seq['overhead_p50']:.2f} |",
+        f"| of which inside the server: total_ms - infer_ms (decode, prepare, routing, hops) | "
+        f"{seq['server_overhead_p50']:.2f} |",
         "",
         f"Reproduce: `python bench/runtime.py --device {args.device} --size {args.size} --steps {args.steps} "
         f"--dtype {args.dtype}"

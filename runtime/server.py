@@ -122,6 +122,8 @@ class PolicyWebSocketServer:
                 finally:
                     self.metrics.in_flight.dec()
                 reply["server_timing"]["prev_total_ms"] = prev_total_ms
+                # frame received -> reply ready: what the server itself adds is total_ms - infer_ms
+                reply["server_timing"]["total_ms"] = (time.perf_counter() - started) * 1e3
                 await ws.send(wire.packb(reply))
                 prev_total_ms = (time.perf_counter() - started) * 1e3
                 self.metrics.latency.observe(prev_total_ms / 1e3)
