@@ -52,10 +52,7 @@ class Sample:
 class Policy(ABC):
     """A flow-matching action policy split for CFG-parallel serving."""
 
-    name: str = "policy"
-    #: sampler defaults, overridable per server with --steps / --guidance
-    default_steps: int = 10
-    default_guidance: float = 1.0
+    name: str = "policy"  # steps and guidance are the server's (--steps / --guidance), not the model's
 
     @classmethod
     @abstractmethod

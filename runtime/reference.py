@@ -47,8 +47,6 @@ class PolicyConfig:
     joint_dim: int = 7
     gripper_dim: int = 1
     prompt_tokens: int = 16
-    steps: int = 10
-    guidance: float = 3.0
     action_mean: list[float] = field(default_factory=list)
     action_std: list[float] = field(default_factory=list)
 
@@ -188,8 +186,6 @@ class ReferencePolicy(Policy):
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self._device = device
         self.dtype = dtype
-        self.default_steps = cfg.steps
-        self.default_guidance = cfg.guidance
         self.name = cfg.name
         mean = cfg.action_mean or [0.0] * cfg.action_dim
         std = cfg.action_std or [1.0] * cfg.action_dim
