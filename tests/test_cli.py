@@ -156,7 +156,7 @@ def test_verify_fails_on_a_damaged_checkpoint(checkpoint_copy: Path, damage, wor
     damage(checkpoint_copy)
     result = policyserver("checkpoint", "verify", str(checkpoint_copy))
     assert result.returncode == 1
-    assert words.format(missing=tmp_path / "missing") in one_error_line(result)
+    assert words in one_error_line(result)
 
 
 def test_verify_require_marker_refuses_an_unfetched_directory(checkpoint_copy: Path, tmp_path: Path) -> None:
