@@ -2,6 +2,8 @@
 # Both create .venv if missing and install the project with its dev extras.
 # CPU path (default): torch==2.13.0, a CPU wheel on this machine's disk.
 # CUDA path: `make install TORCH_SPEC='torch'` (or use the image's torch) -- see docs/install.md.
+# pip runs as .venv/bin/pip, never `python -m pip`: from the repository root the latter would
+# import ./operator/ in place of the standard library module before the venv is set up.
 
 VENV       ?= .venv
 PYTHON     ?= python3
@@ -14,8 +16,8 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	$(VENV)/bin/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e ".[dev]"
 	@touch $(STAMP)
 
 install: $(STAMP)
