@@ -64,7 +64,7 @@ def main() -> int:
             policy.compile(compile_mode)
         obs = policy.example_observation(0)
 
-        def once(seed: int):
+        def once(seed: int, policy=policy, obs=obs, mode=mode):
             x = sample_actions(policy, policy.prepare(obs), seed, steps=args.steps, guidance=3.0, mode=mode)
             return policy.postprocess(x)  # .cpu() inside: the one sync, at the end
 

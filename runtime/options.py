@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from policy_operator.tokens import read_token_file
 from policy_operator.constants import DEFAULT_PORT, ENV_HOST

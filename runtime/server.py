@@ -15,7 +15,6 @@ the event loop, so probes and keepalive pings answer during long requests.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import http
 import json
@@ -33,9 +32,7 @@ from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 from policy_operator.runtime import wire
 from policy_operator.runtime.engine import Engine, NotReady
 from policy_operator.runtime.metrics import ServerMetrics
-from policy_operator.runtime.options import DEFAULT_MAX_MESSAGE_BYTES, read_token  # noqa: F401 - re-exported
-from policy_operator.runtime.policy import InvalidObservation
-from policy_operator.runtime.replica import RequestFailed
+from policy_operator.runtime.options import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 

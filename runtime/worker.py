@@ -126,7 +126,8 @@ class Runtime:
 async def _serve_rank0(rt: Runtime) -> int:
     from policy_operator.runtime.engine import Engine, ReplicaHandle, remote_call, remote_shutdown
     from policy_operator.runtime.health import RankState
-    from policy_operator.runtime.server import PolicyWebSocketServer, ServerConfig, read_token
+    from policy_operator.runtime.options import read_token
+    from policy_operator.runtime.server import PolicyWebSocketServer, ServerConfig
 
     opts = rt.opts
     loop = asyncio.get_running_loop()
