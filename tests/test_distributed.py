@@ -9,6 +9,7 @@ flips /readyz, SIGTERM drains, rank 0's death ends every rank.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from websockets.sync.client import connect
 
 from policy_operator.runtime import wire
 from policy_operator.runtime.client import robolab_observation
+from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.net import wait_for
 from tests.support.servers import PolicyServerProcess, _proc_stat, serve_policy, subprocess_env, tiny_checkpoint  # noqa: F401
 
@@ -220,3 +222,20 @@ def test_mismatched_world_size_fails_before_loading(tiny_checkpoint) -> None:
     # every rank that got to speak says the same one line (torchrun stops the rest after the first exit)
     assert lines and all("world size 3 does not match cfgp x dp = 2 x 1" in ln for ln in lines), proc.stderr[-2000:]
     assert "listening" not in proc.stdout and "loading" not in proc.stderr
+
+
+def test_only_rank0_downloads_a_source_checkpoint(tiny_checkpoint, tmp_path: Path, layout_actions) -> None:
+    """Started with a URL instead of a volume: global rank 0 fetches once, the other ranks wait for its path."""
+    root = tmp_path / "srv"
+    shutil.copytree(tiny_checkpoint, root / "ckpt")
+    cache = tmp_path / "cache"
+    with CheckpointServer(root) as http:
+        url = http.url_for("ckpt/")
+        with serve_policy(url, "--cfgp", "2", "--dp", "2", "--cache-dir", str(cache), *COMMON) as server:
+            actions = np.asarray(request(server.url, seed=42)["actions"])
+        # four ranks, one download: every file of the checkpoint was fetched exactly once
+        paths = sorted(r.path for r in http.requests if r.method == "GET")
+        assert paths == sorted(f"/ckpt/{p.name}" for p in (root / "ckpt").iterdir()), paths
+    assert np.array_equal(actions, np.asarray(layout_actions[(1, 1)]["first"]["actions"]))
+    fetched = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    assert len(fetched) == 1 and (fetched[0] / ".complete.json").is_file()
