@@ -254,7 +254,7 @@ class ReferencePolicy(Policy):
         images = torch.zeros(1, cfg.max_cameras, 3, s, s, dtype=torch.uint8)
         present = torch.zeros(1, cfg.max_cameras, dtype=torch.bool)
         for i, img in enumerate(parsed.cameras):
-            t = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1)[None]
+            t = torch.from_numpy(np.array(img, copy=True)).permute(2, 0, 1)[None]  # frames are read-only
             if t.shape[-2:] != (s, s):
                 t = F.interpolate(t.float(), size=(s, s), mode="bilinear", align_corners=False)
                 t = t.round_().clamp_(0, 255).to(torch.uint8)
