@@ -31,6 +31,7 @@ from policy_operator.runtime.checkpoint import checkpoint_key
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.kube_fixtures import kube  # noqa: F401 - the fixture
 from tests.support.net import free_port, wait_for
+from tests.support.servers import stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -79,13 +80,8 @@ class Operator:
         wait_for(lambda: self.passes() >= start + passes, WAIT_S, what=f"{passes} reconcile passes")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        if self.proc is not None:
+            stop_process(self.proc, sig)
         self.proc = None
 
 

@@ -1025,35 +1025,13 @@ class ApiServer(kmock.KubernetesEmulator):
                 bookmark["metadata"]["resourceVersion"] = str(position)
                 yield {"type": "BOOKMARK", "object": bookmark}
         elif since < self._floor:
-            yield {
-                "type": "ERROR",
-                "object": {
-                    "kind": "Status",
-                    "apiVersion": "v1",
-                    "metadata": {},
-                    "status": "Failure",
-                    "reason": "Expired",
-                    "code": 410,
-                    "message": f"too old resource version: {since} ({self._floor})",
-                },
-            }
+            yield _expired(f"too old resource version: {since} ({self._floor})")
             return
         else:
             position = since
         while not self._closing:
             if position < self._floor:  # fell behind by more than history_limit events while streaming
-                yield {
-                    "type": "ERROR",
-                    "object": {
-                        "kind": "Status",
-                        "apiVersion": "v1",
-                        "metadata": {},
-                        "status": "Failure",
-                        "reason": "Expired",
-                        "code": 410,
-                        "message": f"too old resource version: {position}",
-                    },
-                }
+                yield _expired(f"too old resource version: {position}")
                 return
             tick = self._tick
             changes = self._log[bisect.bisect_right(self._log, position, key=lambda c: c.rv) :]
@@ -1085,3 +1063,9 @@ class ApiServer(kmock.KubernetesEmulator):
         if now:
             return ("MODIFIED" if was else "ADDED", change.new)
         return ("DELETED", change.new) if was else None
+
+
+def _expired(message: str) -> dict[str, Any]:
+    """The 410 Gone watch event a kube-apiserver sends when a resourceVersion fell out of its history."""
+    return {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                                        "reason": "Expired", "code": 410, "message": message}}

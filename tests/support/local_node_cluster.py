@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import signal
 import subprocess
 import urllib.request
 from collections.abc import Iterable
@@ -35,7 +34,7 @@ from policy_operator.operator.manifests import FETCH_CONTAINER, SERVER_CONTAINER
 from .kube_emulator import KubeEmulator
 from .local_node import LocalNode, NodeEvent
 from .net import free_port, wait_for
-from .servers import VENV_BIN
+from .servers import VENV_BIN, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "policyservers.yaml"
@@ -78,13 +77,7 @@ class OperatorProcess:
     def stop(self) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
         self.proc = None
 
 

@@ -146,6 +146,17 @@ def descendants(pid: int) -> dict[int, int]:
     return found
 
 
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+    """Signal a child, wait ``timeout``, then SIGKILL it: for helpers (operator, ...) that own one process."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def _kill_if_same(pid: int, start: int, sig: int) -> None:
     stat = _proc_stat(pid)
     if stat is not None and stat[1] == start:
