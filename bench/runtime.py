@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -80,23 +79,6 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def _session(url: str, n: int, seed: int, out: list[tuple[float, float]]) -> None:
-    from websockets.sync.client import connect
-
-    from policy_operator.runtime import wire
-    from policy_operator.runtime.client import robolab_observation
-
-    with connect(url, compression=None, max_size=None) as ws:
-        meta = wire.unpackb(ws.recv(timeout=60))
-        frames = [wire.packb(robolab_observation(meta, seed + i, fixed_seed=i)) for i in range(n)]
-        for frame in frames:
-            t0 = time.perf_counter()
-            ws.send(frame)
-            reply = wire.unpackb(ws.recv(timeout=600))
-            st = reply["server_timing"]
-            out.append(((time.perf_counter() - t0) * 1e3, float(st["infer_ms"]), float(st["total_ms"])))
-
-
 def fixed_seed_actions(url: str) -> np.ndarray:
     from websockets.sync.client import connect
 
@@ -110,22 +92,18 @@ def fixed_seed_actions(url: str) -> np.ndarray:
 
 
 def measure(url: str, n: int, concurrency: int = 1, warmup: int = 3) -> dict[str, float]:
-    _session(url, warmup, 999, [])
-    results: list[tuple[float, float, float]] = []
-    threads = [threading.Thread(target=_session, args=(url, n, 1000 * c, results)) for c in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    rtt = [r for r, _, _ in results]
-    infer = [i for _, i, _ in results]
-    total = [t for _, _, t in results]
+    """``policyserver client``'s own loop (runtime/client.py), after a warm-up session."""
+    from policy_operator.runtime.client import run_client
+
+    run_client(url, warmup, seed=999)
+    s = run_client(url, n, concurrency, seed=0, timeout=600)
+    if s["errors"]:
+        raise RuntimeError(f"benchmark requests failed: {s['errors'][:3]}")
+    rtt, infer, total = (np.array([r[k] for r in s["records"]]) for k in ("rtt_ms", "infer_ms", "total_ms"))
     return {"rtt_p50": float(np.percentile(rtt, 50)), "rtt_p99": float(np.percentile(rtt, 99)),
-            "infer_p50": float(np.percentile(infer, 50)), "wall_s": wall, "n": len(results),
-            "rps": len(results) / wall, "overhead_p50": float(np.percentile(np.subtract(rtt, infer), 50)),
-            "server_overhead_p50": float(np.percentile(np.subtract(total, infer), 50))}
+            "infer_p50": float(np.percentile(infer, 50)), "wall_s": s["wall_s"], "n": len(rtt),
+            "rps": s["requests_per_s"], "overhead_p50": float(np.percentile(rtt - infer, 50)),
+            "server_overhead_p50": float(np.percentile(total - infer, 50))}
 
 
 def in_process_infer(checkpoint: Path, args: argparse.Namespace, n: int) -> float:

@@ -51,8 +51,7 @@ def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, 
     from policy_operator.runtime import wire
 
     headers = {"Authorization": f"Bearer {token}"} if token else None
-    latencies: list[float] = []
-    infer_ms: list[float] = []
+    records: list[dict[str, float]] = []  # one per request: rtt_ms, infer_ms, total_ms, replica
     shapes: set[tuple[int, ...]] = set()
     replicas: dict[int, int] = {}
     errors: list[str] = []
@@ -75,11 +74,12 @@ def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, 
                     if isinstance(reply, str):
                         raise RuntimeError(f"server error: {reply}")
                     msg = wire.unpackb(reply)
+                    timing = msg["server_timing"]
+                    r = int(timing.get("replica", 0))
                     with lock:
-                        latencies.append(dt)
-                        infer_ms.append(float(msg["server_timing"]["infer_ms"]))
+                        records.append({"rtt_ms": dt, "infer_ms": float(timing["infer_ms"]),
+                                        "total_ms": float(timing.get("total_ms", "nan")), "replica": r})
                         shapes.add(tuple(np.asarray(msg["actions"]).shape))
-                        r = int(msg["server_timing"].get("replica", 0))
                         replicas[r] = replicas.get(r, 0) + 1
         except Exception as exc:  # noqa: BLE001 - reported in the summary
             with lock:
@@ -92,6 +92,7 @@ def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, 
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    latencies = [r["rtt_ms"] for r in records]
     return {
         "url": url,
         "metadata": meta_box[0] if meta_box else None,
@@ -100,9 +101,11 @@ def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, 
         "action_shapes": sorted(shapes),
         "latency_ms": {"p50": percentile(latencies, 50), "p90": percentile(latencies, 90),
                        "p99": percentile(latencies, 99), "mean": statistics.fmean(latencies) if latencies else None},
-        "infer_ms_p50": percentile(infer_ms, 50),
+        "infer_ms_p50": percentile([r["infer_ms"] for r in records], 50),
         "requests_per_s": len(latencies) / wall if wall > 0 else None,
+        "wall_s": wall,
         "replicas": replicas,
+        "records": records,
     }
 
 
