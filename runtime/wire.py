@@ -52,13 +52,18 @@ def _get(obj: dict, key: str) -> Any:
     raise WireError(f"array map without {key!r}")
 
 
+def _wire_dtype(obj: dict, what: str) -> np.dtype:
+    try:
+        dtype = np.dtype(_get(obj, "dtype"))
+    except TypeError as exc:
+        raise WireError(f"bad dtype in {what}: {exc}") from exc
+    _check_dtype(dtype)
+    return dtype
+
+
 def _unpack_hook(obj: dict) -> Any:
     if b"__ndarray__" in obj or "__ndarray__" in obj:
-        try:
-            dtype = np.dtype(_get(obj, "dtype"))
-        except TypeError as exc:
-            raise WireError(f"bad dtype in array: {exc}") from exc
-        _check_dtype(dtype)
+        dtype = _wire_dtype(obj, "array")
         shape = _get(obj, "shape")
         data = _get(obj, "data")
         if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM or not all(
@@ -72,12 +77,7 @@ def _unpack_hook(obj: dict) -> Any:
             raise WireError(f"array of shape {tuple(shape)} and dtype {dtype.str} needs {expected} bytes, got {len(data)}")
         return np.ndarray(buffer=data, dtype=dtype, shape=tuple(shape))
     if b"__npgeneric__" in obj or "__npgeneric__" in obj:
-        try:
-            dtype = np.dtype(_get(obj, "dtype"))
-        except TypeError as exc:
-            raise WireError(f"bad dtype in scalar: {exc}") from exc
-        _check_dtype(dtype)
-        return dtype.type(_get(obj, "data"))
+        return _wire_dtype(obj, "scalar").type(_get(obj, "data"))
     return obj
 
 
