@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from policy_operator.runtime.checkpoint import write_manifest  # noqa: E402
 from policy_operator.runtime.fetch import fetch  # noqa: E402
+from policy_operator.runtime.fetch_marker import fsync_path  # noqa: E402
 from tests.support.http_checkpoint_server import CheckpointServer  # noqa: E402
 
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -70,14 +71,6 @@ def make_source(root: Path, size: int) -> Path:
             left -= len(block)
     write_manifest(ckpt)
     return ckpt
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 FETCH = "fetch (sha256 + fsync + marker)"
@@ -140,7 +133,7 @@ def main() -> int:
 
                     def run_curl_synced() -> None:
                         run_curl()
-                        fsync_file(out)
+                        fsync_path(out)
 
                     results.setdefault(CURL_SYNC, []).append(timed(run_curl_synced))
                     out.unlink()
@@ -149,7 +142,7 @@ def main() -> int:
                         subprocess.run([curl, "-sSf", "-o", str(out), file_url], check=True)
                         hashlib.sha256(out.read_bytes()) if args.size < (256 << 20) else subprocess.run(
                             ["sha256sum", str(out)], check=True, capture_output=True)
-                        fsync_file(out)
+                        fsync_path(out)
 
                     results.setdefault("curl + sha256sum + fsync", []).append(timed(run_curl_checked))
                     out.unlink()

@@ -53,7 +53,7 @@ from policy_operator.runtime.fetch_errors import (
     redact_url,
     scrub,
 )
-from policy_operator.runtime.fetch_marker import check_complete, fsync_dir, make_marker, read_marker, write_marker
+from policy_operator.runtime.fetch_marker import check_complete, fsync_path, make_marker, read_marker, write_marker
 from policy_operator.runtime.fetch_progress import Progress, human_bytes
 from policy_operator.runtime.fetch_sources import HfSource, RemoteFile, Source, make_source, split_revision
 
@@ -245,7 +245,7 @@ def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dic
     write_marker(staging, make_marker(key=key, source=shown, revision=rev, resolved_revision=src.resolved_revision,
                                       files=records))
     os.rename(staging, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
     log(progress.summary(len(files), final))
 
 
@@ -262,7 +262,7 @@ def _fsync_tree(staging: Path, records: dict[str, dict[str, object]]) -> None:
         finally:
             os.close(fd)
     for directory in {(staging / name).parent for name in records}:
-        fsync_dir(directory)
+        fsync_path(directory)
 
 
 def _part_size(path: Path) -> int:

@@ -41,11 +41,12 @@ def write_marker(directory: Path, doc: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / COMPLETE_MARKER)
-    fsync_dir(directory)
+    fsync_path(directory)
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable only once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
