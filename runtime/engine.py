@@ -56,7 +56,6 @@ class ReplicaHandle:
         self.index = index
         self.executor = executor
         self._call = call
-        self.failed: str | None = None
 
     async def run(self, job: Job) -> tuple[dict[str, Any], float]:
         enqueued = time.perf_counter()

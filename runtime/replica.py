@@ -66,7 +66,6 @@ class ReplicaWorker:
         self.groups = groups
         self.settings = settings
         self.heartbeat = heartbeat
-        self.completed = 0
         self._cfg = None
         if groups.layout.cfgp == 2:
             staging = policy.device.type == "cuda" and dist.get_backend(groups.cfg) == "gloo"
@@ -79,7 +78,6 @@ class ReplicaWorker:
                               cfg_group=self._cfg)
 
     def _done(self) -> None:
-        self.completed += 1
         self.heartbeat.set_state(RankState.WARM)
 
     # --- driver side -------------------------------------------------------------
