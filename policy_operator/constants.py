@@ -17,7 +17,6 @@ KIND: Final = "PolicyServer"
 PLURAL: Final = "policyservers"
 SINGULAR: Final = "policyserver"
 SHORT_NAME: Final = "ps"
-FIELD_MANAGER: Final = "policy-operator"
 
 # --- Labels ------------------------------------------------------------------
 LABEL_NAME: Final = "app.kubernetes.io/name"
@@ -54,19 +53,10 @@ PHASE_READY: Final = "Ready"
 PHASE_DEGRADED: Final = "Degraded"
 PHASE_FAILED: Final = "Failed"
 
-# --- Runtime environment variables (operator -> pod -> runtime) -----------------
-ENV_CHECKPOINT: Final = "POLICY_CHECKPOINT"
-ENV_CFGP: Final = "POLICY_CFGP"
-ENV_DP: Final = "POLICY_DP"
-ENV_GUIDANCE: Final = "POLICY_GUIDANCE"
-ENV_STEPS: Final = "POLICY_STEPS"
+# --- Environment variables (operator -> pod -> runtime) -------------------------
+# The runtime's settings travel as `serve` flags (runtime/options.py), not env vars;
+# these are the few variables that cross the boundary.
 ENV_PORT: Final = "POLICY_PORT"
-ENV_DEVICE: Final = "POLICY_DEVICE"
-ENV_AUTH_TOKEN_FILE: Final = "POLICY_AUTH_TOKEN_FILE"
-ENV_POLICY_CLASS: Final = "POLICY_CLASS"
-ENV_HEARTBEAT_S: Final = "POLICY_HEARTBEAT_S"
-ENV_DRAIN_GRACE_S: Final = "POLICY_DRAIN_GRACE_S"
-ENV_PG_TIMEOUT_S: Final = "POLICY_PG_TIMEOUT_S"
 ENV_HF_TOKEN: Final = "HF_TOKEN"
 ENV_HF_ENDPOINT: Final = "HF_ENDPOINT"
 
