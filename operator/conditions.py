@@ -25,9 +25,9 @@ from policy_operator.constants import (
     PHASE_READY,
     PHASE_STARTING,
 )
-from policy_operator.operator.health import PodHealth
+from policy_operator.operator.rank_probe import PodHealth
 from policy_operator.operator.manifests import endpoint, selector_string
-from policy_operator.operator.observe import (
+from policy_operator.operator.child_status import (
     CK_DOWNLOADING,
     CK_FAILED,
     CK_PENDING,

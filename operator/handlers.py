@@ -40,7 +40,7 @@ from policy_operator.constants import (
     VERSION,
 )
 from policy_operator.operator import conditions
-from policy_operator.operator.health import PROBE_TIMEOUT_S
+from policy_operator.operator.rank_probe import PROBE_TIMEOUT_S
 from policy_operator.operator.kube import KubeClient, KubeError, TransientError
 from policy_operator.operator.reconcile import Outcome, reconcile
 

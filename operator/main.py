@@ -48,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
     import kopf  # heavy: only when the operator actually runs
 
     from policy_operator.operator.handlers import DEFAULT_RESYNC_S, OperatorConfig, register
-    from policy_operator.operator.health import PROBE_TIMEOUT_S
+    from policy_operator.operator.rank_probe import PROBE_TIMEOUT_S
 
     resync = DEFAULT_RESYNC_S if args.resync_seconds is None else args.resync_seconds
     probe_timeout = PROBE_TIMEOUT_S if args.probe_timeout is None else args.probe_timeout

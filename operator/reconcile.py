@@ -31,7 +31,7 @@ from policy_operator.constants import (
     MANAGED_BY,
 )
 from policy_operator.operator import conditions as cond
-from policy_operator.operator import health, manifests, observe
+from policy_operator.operator import child_status, manifests, rank_probe
 from policy_operator.operator.kube import AlreadyExists, KubeClient, NotFound, Rejected
 from policy_operator.operator.manifests import Names, ServingCheckpoint
 from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
@@ -109,10 +109,10 @@ def _escape(key: str) -> str:
 
 # --- the plan -----------------------------------------------------------------------------
 
-def serving_checkpoint(spec: PolicyServerSpec, checkpoint: observe.CheckpointState,
+def serving_checkpoint(spec: PolicyServerSpec, checkpoint: child_status.CheckpointState,
                        sts: Mapping[str, Any] | None) -> ServingCheckpoint | None:
     """The checkpoint the pods should load: the spec's once it is downloaded, else whatever they load now."""
-    if checkpoint.phase == observe.CK_READY:
+    if checkpoint.phase == child_status.CK_READY:
         return ServingCheckpoint.of(spec)
     if sts is None:
         return None
@@ -220,7 +220,7 @@ def _plan_service(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], 
 
 
 def plan(spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed,
-         checkpoint: observe.CheckpointState) -> Plan:
+         checkpoint: child_status.CheckpointState) -> Plan:
     """What to create or patch, in order: cache PVC, fetch Job, then (checkpoint ready) StatefulSet and Services."""
     result = Plan()
     _plan_pvc(result, spec, owner, observed.pvc)
@@ -230,7 +230,7 @@ def plan(spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed,
     if observed.job is not None and not labelled_ours(observed.job, spec.name):
         result.problem = _conflict("Job", job_name, "was not created for this PolicyServer")
         return result
-    if observed.job is None and checkpoint.phase != observe.CK_READY:
+    if observed.job is None and checkpoint.phase != child_status.CK_READY:
         result.actions.append(Action("create", "Job", job_name, _adopted(manifests.build_fetch_job(spec), owner),
                                      event=cond.Event("Normal", "Created",
                                                       f"created fetch Job {job_name} for {spec.checkpoint.source}")))
@@ -297,7 +297,7 @@ def apply(kube: KubeClient, namespace: str, the_plan: Plan, events: list[cond.Ev
     return results
 
 
-def annotate_pods(kube: KubeClient, namespace: str, pods: list[dict[str, Any]], healths: list[health.PodHealth]) -> None:
+def annotate_pods(kube: KubeClient, namespace: str, pods: list[dict[str, Any]], healths: list[rank_probe.PodHealth]) -> None:
     """Mirror each pod's rank readiness into an annotation, so `kubectl get pods` users see it too."""
     by_name = {(p.get("metadata") or {}).get("name"): p for p in pods}
     for h in healths:
@@ -320,7 +320,7 @@ def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any], *, full: b
 
 
 def reconcile(kube: KubeClient, namespace: str, name: str, *, post_event: Callable[[dict[str, Any], cond.Event], None],
-              probe_timeout: float = health.PROBE_TIMEOUT_S) -> Outcome | None:
+              probe_timeout: float = rank_probe.PROBE_TIMEOUT_S) -> Outcome | None:
     """One full pass; None when the PolicyServer is gone or being deleted (garbage collection does the rest)."""
     owner = kube.get("PolicyServer", namespace, name)
     if owner is None or (owner.get("metadata") or {}).get("deletionTimestamp"):
@@ -339,7 +339,7 @@ def reconcile(kube: KubeClient, namespace: str, name: str, *, post_event: Callab
         return Outcome(update.status, update.events, spec_error=exc)
 
     observed = observe_children(kube, spec)
-    checkpoint = observe.checkpoint_state(spec, observed.job, observed.job_pods, previous.get("checkpoint"))
+    checkpoint = child_status.checkpoint_state(spec, observed.job, observed.job_pods, previous.get("checkpoint"))
     the_plan = plan(spec, owner, observed, checkpoint)
     results = apply(kube, namespace, the_plan, events)
     for event in events:  # before anything else can fail: these objects now exist
@@ -348,10 +348,10 @@ def reconcile(kube: KubeClient, namespace: str, name: str, *, post_event: Callab
     names = Names(spec.name)
     sts = results.get(f"StatefulSet/{names.statefulset}", observed.statefulset)
     if observed.job is None and f"Job/{checkpoint.job_name}" in results:
-        checkpoint = observe.checkpoint_state(spec, results[f"Job/{checkpoint.job_name}"], [], previous.get("checkpoint"))
-    workload = observe.workload_state(sts, spec.replicas)
+        checkpoint = child_status.checkpoint_state(spec, results[f"Job/{checkpoint.job_name}"], [], previous.get("checkpoint"))
+    workload = child_status.workload_state(sts, spec.replicas)
     pods = kube.list("Pod", namespace, manifests.selector_labels(spec.name)) if sts is not None else []
-    healths = health.poll_pods(pods, spec.service.port, spec.layout.world_size, timeout=probe_timeout)
+    healths = rank_probe.poll_pods(pods, spec.service.port, spec.layout.world_size, timeout=probe_timeout)
     annotate_pods(kube, namespace, pods, healths)
     service_exists = observed.service is not None or f"Service/{names.service}" in results
     update = cond.build_status(spec, checkpoint=checkpoint, workload=workload, pods=healths,

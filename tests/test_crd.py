@@ -231,15 +231,15 @@ def test_defaults_of_the_crd_match_the_operator(schema: dict[str, Any]) -> None:
 
 def test_status_written_by_the_operator_fits_the_schema(crd: dict[str, Any], schema: dict[str, Any]) -> None:
     """A full status as conditions.build_status writes it passes the status schema, and nothing would be pruned."""
-    from policy_operator.operator import conditions, health, observe
+    from policy_operator.operator import child_status, conditions, rank_probe
 
     spec = parse(load_example(REPO / "examples" / "policyserver-cfgp2-dp2.yaml"))
-    ranks = tuple(health.RankHealth(r, r // 2, r % 2, "serving", True) for r in range(4))
-    pods = [health.PodHealth("p-0", "10.0.0.1", "Running", 4, 4, True, ranks),
-            health.PodHealth("p-1", None, "Pending", 4, message="verify-checkpoint: Init:Error")]
+    ranks = tuple(rank_probe.RankHealth(r, r // 2, r % 2, "serving", True) for r in range(4))
+    pods = [rank_probe.PodHealth("p-0", "10.0.0.1", "Running", 4, 4, True, ranks),
+            rank_probe.PodHealth("p-1", None, "Pending", 4, message="verify-checkpoint: Init:Error")]
     update = conditions.build_status(
-        spec, checkpoint=observe.CheckpointState("Ready", "Downloaded", "done", "j"),
-        workload=observe.WorkloadState(exists=True, desired=2, current=2, serving_key=spec.checkpoint.key,
+        spec, checkpoint=child_status.CheckpointState("Ready", "Downloaded", "done", "j"),
+        workload=child_status.WorkloadState(exists=True, desired=2, current=2, serving_key=spec.checkpoint.key,
                                        template_hash="abc"),
         pods=pods, service_exists=True, previous=None, generation=3, now="2025-01-01T00:00:00Z")
     obj = {**minimal(), "status": update.status}

@@ -15,7 +15,7 @@ import pytest
 
 from policy_operator import constants as C
 from policy_operator.operator import conditions as cond
-from policy_operator.operator import health, manifests, observe, rbac
+from policy_operator.operator import child_status, manifests, rank_probe, rbac
 from policy_operator.operator import reconcile as rec
 from policy_operator.operator.kube import KINDS
 from policy_operator.operator.spec import parse_spec
@@ -63,11 +63,11 @@ def test_events_only_for_changes_warning_for_bad_reasons() -> None:
     assert cond.phase_event("Ready", "Degraded", "m")[0].type == "Warning"
 
 
-CK = {p: observe.CheckpointState(p, "r", "m", "j") for p in ("Pending", "Downloading", "Ready", "Failed")}
+CK = {p: child_status.CheckpointState(p, "r", "m", "j") for p in ("Pending", "Downloading", "Ready", "Failed")}
 
 
 def workload(exists: bool = True, desired: int = 2, rolling: bool = False, serving: str | None = "k"):
-    return observe.WorkloadState(exists=exists, desired=desired, current=desired if exists else 0, rolling=rolling,
+    return child_status.WorkloadState(exists=exists, desired=desired, current=desired if exists else 0, rolling=rolling,
                                  serving_key=serving if exists else None)
 
 
@@ -86,12 +86,12 @@ def workload(exists: bool = True, desired: int = 2, rolling: bool = False, servi
     ("Ready", workload(rolling=True), 1, C.PHASE_READY, C.PHASE_STARTING),  # a rollout replaces pods
     ("Ready", workload(desired=0), 0, C.PHASE_READY, C.PHASE_PENDING),
 ])
-def test_phase_table(ck: str, wl: observe.WorkloadState, ready: int, previous: str | None, expected: str) -> None:
+def test_phase_table(ck: str, wl: child_status.WorkloadState, ready: int, previous: str | None, expected: str) -> None:
     assert cond.decide_phase(checkpoint=CK[ck], workload=wl, ready_pods=ready, previous_phase=previous) == expected
 
 
-def _pod(name: str, ready: bool, ranks: int, world: int = 2) -> health.PodHealth:
-    return health.PodHealth(name, "10.0.0.1", "Running", world, ranks, ready)
+def _pod(name: str, ready: bool, ranks: int, world: int = 2) -> rank_probe.PodHealth:
+    return rank_probe.PodHealth(name, "10.0.0.1", "Running", world, ranks, ready)
 
 
 def test_build_status_counts_pods_and_ranks() -> None:
@@ -127,7 +127,7 @@ def test_invalid_status_keeps_what_runs() -> None:
     assert set(update.status) == {"observedGeneration", "phase", "conditions"}
 
 
-# --- observe: the fetch Job -------------------------------------------------------------------------
+# --- child_status: the fetch Job -------------------------------------------------------------------------
 
 def job(**status: Any) -> dict[str, Any]:
     return {"metadata": {"name": "j"}, "status": status}
@@ -141,7 +141,7 @@ def fetch_pod(exit_code: int, message: str, created: str = NOW) -> dict[str, Any
 
 def test_checkpoint_states_of_a_job() -> None:
     s = spec()
-    state = observe.checkpoint_state
+    state = child_status.checkpoint_state
     assert state(s, None, [], None).phase == "Pending"
     assert state(s, None, [], {"key": s.checkpoint.key, "phase": "Ready"}).phase == "Ready"  # Job gone by TTL
     assert state(s, None, [], {"key": "other", "phase": "Ready"}).phase == "Pending"
@@ -166,7 +166,7 @@ def test_failed_job_reason_comes_from_the_fetch_exit_code(code: int, reason: str
                                         "message": "Job has reached the specified backoff limit"}])
     pods = [fetch_pod(1, "old", "2024-01-01T00:00:00Z"),
             fetch_pod(code, "progress 10%\npolicyserver fetch: error: the real reason\n", NOW)]
-    state = observe.checkpoint_state(spec(), failed, pods, None)
+    state = child_status.checkpoint_state(spec(), failed, pods, None)
     assert (state.phase, state.reason) == ("Failed", reason)
     assert "the real reason" in state.message
 
@@ -174,7 +174,7 @@ def test_failed_job_reason_comes_from_the_fetch_exit_code(code: int, reason: str
 def test_failed_job_without_pods_uses_the_job_message() -> None:
     failed = job(conditions=[{"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
                               "message": "Job was active longer than specified deadline"}])
-    state = observe.checkpoint_state(spec(), failed, [], None)
+    state = child_status.checkpoint_state(spec(), failed, [], None)
     assert state.reason == "DeadlineExceeded" and "longer than specified deadline" in state.message
 
 
@@ -186,16 +186,16 @@ def sts(generation: int = 2, spec_replicas: int = 2, **status: Any) -> dict[str,
 
 def test_rollout_state_of_a_statefulset() -> None:
     done = dict(observedGeneration=2, replicas=2, updatedReplicas=2, currentRevision="r1", updateRevision="r1")
-    settled = observe.workload_state(sts(**done), 2)
+    settled = child_status.workload_state(sts(**done), 2)
     assert not settled.rolling and settled.serving_key == "k" and settled.template_hash == "h"
-    assert observe.workload_state(sts(**{**done, "observedGeneration": 1}), 2).rolling
-    assert observe.workload_state(sts(**{**done, "updateRevision": "r2"}), 2).rolling
-    assert observe.workload_state(sts(**{**done, "updatedReplicas": 1}), 2).rolling
-    assert observe.workload_state(sts(**done), 3).rolling  # the spec asks for more than the StatefulSet has
-    assert not observe.workload_state(None, 2).exists
+    assert child_status.workload_state(sts(**{**done, "observedGeneration": 1}), 2).rolling
+    assert child_status.workload_state(sts(**{**done, "updateRevision": "r2"}), 2).rolling
+    assert child_status.workload_state(sts(**{**done, "updatedReplicas": 1}), 2).rolling
+    assert child_status.workload_state(sts(**done), 3).rolling  # the spec asks for more than the StatefulSet has
+    assert not child_status.workload_state(None, 2).exists
 
 
-# --- health: /readyz ---------------------------------------------------------------------------------
+# --- rank_probe: /readyz ---------------------------------------------------------------------------------
 
 def readyz_body(ranks: list[bool], cfgp: int = 2) -> bytes:
     return json.dumps({"ready": all(ranks), "world_size": len(ranks), "ranks_ready": sum(ranks),
@@ -206,14 +206,14 @@ def readyz_body(ranks: list[bool], cfgp: int = 2) -> bytes:
 
 
 def test_parse_readyz() -> None:
-    ready, n, world, ranks, message = health.parse_readyz(200, readyz_body([True] * 4), 4)
+    ready, n, world, ranks, message = rank_probe.parse_readyz(200, readyz_body([True] * 4), 4)
     assert (ready, n, world, message) == (True, 4, 4, "") and ranks[3].dp_index == 1 and ranks[3].cfg_index == 1
-    ready, n, world, ranks, message = health.parse_readyz(503, readyz_body([True, False, True, False]), 4)
+    ready, n, world, ranks, message = rank_probe.parse_readyz(503, readyz_body([True, False, True, False]), 4)
     assert (ready, n) == (False, 2) and message == "2/4 ranks ready (rank 1 warming, rank 3 warming)"
     # a 200 that claims ready with missing ranks is not trusted
     claim = json.dumps({"ready": True, "world_size": 4, "ranks_ready": 3, "ranks": []}).encode()
-    assert health.parse_readyz(200, claim, 4)[0] is False
-    ready, n, world, _, message = health.parse_readyz(200, b"<html>", 2)
+    assert rank_probe.parse_readyz(200, claim, 4)[0] is False
+    ready, n, world, _, message = rank_probe.parse_readyz(200, b"<html>", 2)
     assert (ready, n, world) == (False, 0, 2) and "malformed" in message
 
 
@@ -242,10 +242,10 @@ def test_probe_readyz_over_http() -> None:
             pass
 
     with http_server(Handler) as port:
-        assert health.probe_readyz("127.0.0.1", port, 2, timeout=2)[:2] == (False, 1)  # 503 body still read
+        assert rank_probe.probe_readyz("127.0.0.1", port, 2, timeout=2)[:2] == (False, 1)  # 503 body still read
         answers.update(code=200, body=readyz_body([True, True]))
-        assert health.probe_readyz("127.0.0.1", port, 2, timeout=2)[:2] == (True, 2)
-    ready, n, _, _, message = health.probe_readyz("127.0.0.1", free_port(), 2, timeout=1)
+        assert rank_probe.probe_readyz("127.0.0.1", port, 2, timeout=2)[:2] == (True, 2)
+    ready, n, _, _, message = rank_probe.probe_readyz("127.0.0.1", free_port(), 2, timeout=1)
     assert (ready, n) == (False, 0) and "unreachable" in message
 
 
@@ -257,7 +257,7 @@ def test_a_hung_pod_costs_one_timeout() -> None:
         port = listener.getsockname()[1]
         pods = [{"metadata": {"name": f"ps-{i}"}, "status": {"phase": "Running", "podIP": "127.0.0.1"}}
                 for i in (1, 0)]
-        result = health.poll_pods(pods, port, 2, timeout=0.3)
+        result = rank_probe.poll_pods(pods, port, 2, timeout=0.3)
         assert [p.name for p in result] == ["ps-0", "ps-1"]
         assert all(not p.ready and p.ranks_ready == 0 and "unreachable" in p.message for p in result)
     finally:
@@ -268,18 +268,18 @@ def test_pod_messages_say_why_it_is_not_running() -> None:
     init_failed = {"metadata": {"name": "ps-0"}, "status": {"phase": "Pending", "initContainerStatuses": [
         {"name": manifests.VERIFY_CONTAINER, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
          "lastState": {"terminated": {"exitCode": 1, "message": "checkpoint /models/k: .complete.json missing\n"}}}]}}
-    h = health.pod_health(init_failed, 8000, 2)
+    h = rank_probe.pod_health(init_failed, 8000, 2)
     assert h.message == "verify-checkpoint: CrashLoopBackOff: checkpoint /models/k: .complete.json missing"
     unscheduled = {"metadata": {"name": "ps-1"}, "status": {"phase": "Pending", "conditions": [
         {"type": "PodScheduled", "status": "False", "message": "0/3 nodes have 2 free nvidia.com/gpu"}]}}
-    assert "nvidia.com/gpu" in health.pod_health(unscheduled, 8000, 2).message
+    assert "nvidia.com/gpu" in rank_probe.pod_health(unscheduled, 8000, 2).message
     going = {"metadata": {"name": "ps-2", "deletionTimestamp": NOW}, "status": {"phase": "Running"}}
-    assert health.pod_health(going, 8000, 2).phase == "Terminating"
+    assert rank_probe.pod_health(going, 8000, 2).phase == "Terminating"
 
 
 def test_pod_port_follows_the_pods_own_spec() -> None:
     pod = {"spec": {"containers": [{"ports": [{"name": C.PORT_NAME, "containerPort": 9001}]}]}}
-    assert health.pod_port(pod, 8000) == 9001 and health.pod_port({}, 8000) == 8000
+    assert rank_probe.pod_port(pod, 8000) == 9001 and rank_probe.pod_port({}, 8000) == 8000
 
 
 # --- the plan -----------------------------------------------------------------------------------------
@@ -303,13 +303,13 @@ def as_observed(plan: rec.Plan, observed: rec.Observed | None = None) -> rec.Obs
 
 def test_plan_order_and_idempotence() -> None:
     s = spec()
-    pending = observe.checkpoint_state(s, None, [], None)
+    pending = child_status.checkpoint_state(s, None, [], None)
     first = rec.plan(s, OWNER, rec.Observed(), pending)
     assert created(first) == ["PersistentVolumeClaim/ps-cache", f"Job/ps-fetch-{s.checkpoint.key}"]
     assert first.serving is None
     observed = as_observed(first)
     assert rec.plan(s, OWNER, observed, pending).actions == []  # nothing twice
-    ready = observe.CheckpointState("Ready", "Downloaded", "", "j")
+    ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
     second = rec.plan(s, OWNER, observed, ready)
     assert created(second) == ["StatefulSet/ps", "Service/ps-pods", "Service/ps"]
     for action in second.actions:
@@ -319,9 +319,9 @@ def test_plan_order_and_idempotence() -> None:
 
 def test_plan_keeps_the_old_checkpoint_serving_while_the_new_one_downloads() -> None:
     old, new = spec(), spec(checkpoint={"source": "hf://org/p", "revision": "v2"})
-    ready = observe.CheckpointState("Ready", "Downloaded", "", "j")
+    ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
     observed = as_observed(rec.plan(old, OWNER, rec.Observed(), ready))
-    downloading = observe.CheckpointState("Downloading", "Downloading", "", "j2")
+    downloading = child_status.CheckpointState("Downloading", "Downloading", "", "j2")
     observed.job = None  # the new key's Job does not exist yet
     plan = rec.plan(new, OWNER, observed, downloading)
     assert created(plan) == [f"Job/ps-fetch-{new.checkpoint.key}"]
@@ -333,7 +333,7 @@ def test_plan_keeps_the_old_checkpoint_serving_while_the_new_one_downloads() -> 
 
 
 def test_scaling_patches_replicas_not_the_template() -> None:
-    ready = observe.CheckpointState("Ready", "Downloaded", "", "j")
+    ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
     observed = as_observed(rec.plan(spec(replicas=1), OWNER, rec.Observed(), ready))
     plan = rec.plan(spec(replicas=3), OWNER, observed, ready)
     [patch] = plan.actions
@@ -343,19 +343,19 @@ def test_scaling_patches_replicas_not_the_template() -> None:
 
 
 def test_plan_refuses_objects_it_does_not_own() -> None:
-    ready = observe.CheckpointState("Ready", "Downloaded", "", "j")
+    ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
     observed = as_observed(rec.plan(spec(), OWNER, rec.Observed(), ready))
     observed.statefulset = {**observed.statefulset, "metadata": {**observed.statefulset["metadata"],
                                                                    "ownerReferences": []}}
     plan = rec.plan(spec(image="img:2"), OWNER, observed, ready)
     assert plan.problem.reason == cond.R_CONFLICT and plan.actions == []
     foreign_pvc = rec.Observed(pvc={"metadata": {"name": "ps-cache", "labels": {}}})
-    plan = rec.plan(spec(), OWNER, foreign_pvc, observe.checkpoint_state(spec(), None, [], None))
+    plan = rec.plan(spec(), OWNER, foreign_pvc, child_status.checkpoint_state(spec(), None, [], None))
     assert plan.problem.reason == cond.R_CONFLICT and plan.actions == []
 
 
 def test_retain_on_delete_releases_and_adopts_the_cache() -> None:
-    pending = observe.CheckpointState("Pending", "JobPending", "", "j")
+    pending = child_status.CheckpointState("Pending", "JobPending", "", "j")
     owned = as_observed(rec.plan(spec(), OWNER, rec.Observed(), pending))
     [release] = [a for a in rec.plan(spec(storage={"retainOnDelete": True}), OWNER, owned, pending).actions
                  if a.kind == "PersistentVolumeClaim"]
@@ -368,10 +368,10 @@ def test_retain_on_delete_releases_and_adopts_the_cache() -> None:
 
 def test_existing_claim_is_never_created() -> None:
     s = spec(storage={"existingClaim": "shared"})
-    plan = rec.plan(s, OWNER, rec.Observed(), observe.checkpoint_state(s, None, [], None))
+    plan = rec.plan(s, OWNER, rec.Observed(), child_status.checkpoint_state(s, None, [], None))
     assert created(plan) == [f"Job/ps-fetch-{s.checkpoint.key}"] and plan.problem.reason == "ClaimNotFound"
     plan = rec.plan(s, OWNER, rec.Observed(pvc={"metadata": {"name": "shared"}}),
-                    observe.checkpoint_state(s, None, [], None))
+                    child_status.checkpoint_state(s, None, [], None))
     assert plan.problem is None
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from policy_operator.operator import health
+from policy_operator.operator import rank_probe
 from tests.support.servers import serve_policy, tiny_checkpoint  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.slow
@@ -17,7 +17,7 @@ def test_poller_reads_every_rank_of_a_real_cfgp2_server(tiny_checkpoint: Path) -
                       "--device", "cpu") as server:
         pod = {"metadata": {"name": "ps-0"}, "status": {"phase": "Running", "podIP": server.host},
                "spec": {"containers": [{"ports": [{"name": "ws", "containerPort": server.port}]}]}}
-        result = health.pod_health(pod, 1, world_size=2, timeout=5)
+        result = rank_probe.pod_health(pod, 1, world_size=2, timeout=5)
         assert (result.ready, result.ranks_ready, result.world_size, result.message) == (True, 2, 2, "")
         assert [(r.rank, r.dp_index, r.cfg_index, r.ready) for r in result.ranks] == [(0, 0, 0, True), (1, 0, 1, True)]
         assert result.as_status()["ranksReady"] == "2/2"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policy_operator.constants import ANNOTATION_TEMPLATE_HASH, LABEL_CHECKPOINT_KEY
-from policy_operator.operator.health import container_message
+from policy_operator.operator.rank_probe import container_message
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
 from policy_operator.operator.spec import PolicyServerSpec
 
