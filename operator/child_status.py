@@ -8,25 +8,39 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from policy_operator.constants import ANNOTATION_TEMPLATE_HASH, LABEL_CHECKPOINT_KEY
 from policy_operator.operator.rank_probe import container_message
+from policy_operator.operator.conditions import Reason
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
 from policy_operator.operator.spec import PolicyServerSpec
 
-CK_PENDING, CK_DOWNLOADING, CK_READY, CK_FAILED = "Pending", "Downloading", "Ready", "Failed"
+
+
+class CheckpointPhase(str, Enum):
+    """``status.checkpoint.phase``: where the spec's checkpoint stands on the cache volume."""
+
+    PENDING = "Pending"
+    DOWNLOADING = "Downloading"
+    READY = "Ready"
+    FAILED = "Failed"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 # policyserver fetch exit codes -> condition reasons (see runtime/fetch.py)
-EXIT_REASONS = {2: "InvalidSource", 3: "SourceUnreachable", 4: "VerificationFailed", 5: "DiskFull"}
-FETCH_FAILURE_REASONS = frozenset({*EXIT_REASONS.values(), "FetchFailed", "DeadlineExceeded"})
+EXIT_REASONS = {2: Reason.INVALID_SOURCE, 3: Reason.SOURCE_UNREACHABLE, 4: Reason.VERIFICATION_FAILED,
+                5: Reason.DISK_FULL}
 MAX_MESSAGE = 600
 
 
 @dataclass(frozen=True)
 class CheckpointState:
-    phase: str  # Pending | Downloading | Ready | Failed
-    reason: str
+    phase: CheckpointPhase
+    reason: Reason
     message: str
     job_name: str
 
@@ -68,34 +82,34 @@ def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_
     job_name = Names(spec.name).job(ck.key)
     recorded = recorded or {}
     if job is None:
-        if recorded.get("key") == ck.key and recorded.get("phase") == CK_READY:
-            return CheckpointState(CK_READY, "Downloaded", f"{ck.path} is complete", job_name)
-        return CheckpointState(CK_PENDING, "JobPending", f"creating fetch Job {job_name}", job_name)
+        if recorded.get("key") == ck.key and recorded.get("phase") == CheckpointPhase.READY:
+            return CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name)
+        return CheckpointState(CheckpointPhase.PENDING, Reason.JOB_PENDING, f"creating fetch Job {job_name}", job_name)
     conds = _conditions(job)
     status = job.get("status") or {}
     if _is_true(conds, "Complete") or (status.get("succeeded") or 0) >= 1:
-        return CheckpointState(CK_READY, "Downloaded", f"{ck.path} is complete", job_name)
+        return CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name)
     failed = status.get("failed") or 0
     exit_code, last_line = _fetch_termination(job_pods)
     if _is_true(conds, "Failed"):
         cond = conds["Failed"]
         if cond.get("reason") == "DeadlineExceeded":
-            reason = "DeadlineExceeded"
+            reason = Reason.DEADLINE_EXCEEDED
         else:
-            reason = EXIT_REASONS.get(exit_code or 0, "FetchFailed")
+            reason = EXIT_REASONS.get(exit_code or 0, Reason.FETCH_FAILED)
         detail = last_line or cond.get("message") or cond.get("reason") or "the fetch Job failed"
-        return CheckpointState(CK_FAILED, reason, f"fetch Job {job_name} failed: {detail}"[:MAX_MESSAGE], job_name)
+        return CheckpointState(CheckpointPhase.FAILED, reason, f"fetch Job {job_name} failed: {detail}"[:MAX_MESSAGE], job_name)
     attempts = ck.fetch_job.backoff_limit + 1
     if (status.get("active") or 0) >= 1:
         message = f"downloading {ck.source} (attempt {failed + 1}/{attempts})"
         if failed and last_line:
             message += f"; last attempt: {last_line}"
-        return CheckpointState(CK_DOWNLOADING, "Downloading", message[:MAX_MESSAGE], job_name)
+        return CheckpointState(CheckpointPhase.DOWNLOADING, Reason.DOWNLOADING, message[:MAX_MESSAGE], job_name)
     if failed:
-        return CheckpointState(CK_DOWNLOADING, "Retrying",
+        return CheckpointState(CheckpointPhase.DOWNLOADING, Reason.RETRYING,
                                f"attempt {failed}/{attempts} failed: {last_line or 'see the Job'}"[:MAX_MESSAGE], job_name)
     waiting = next((m for m in (container_message(p) for p in job_pods) if m), "")
-    return CheckpointState(CK_PENDING, "JobPending",
+    return CheckpointState(CheckpointPhase.PENDING, Reason.JOB_PENDING,
                            f"waiting for the fetch pod of {job_name} to start" + (f" ({waiting})" if waiting else ""),
                            job_name)
 

@@ -18,9 +18,12 @@ CLI and tests can run several independent operators in one process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +44,7 @@ from policy_operator.constants import (
 )
 from policy_operator.operator import conditions
 from policy_operator.operator.rank_probe import PROBE_TIMEOUT_S
-from policy_operator.operator.kube import KubeClient, KubeError, TransientError
+from policy_operator.operator.kube import Kube, KubeError, TransientError
 from policy_operator.operator.reconcile import Outcome, reconcile
 
 RETRY_DELAY_S = 5.0
@@ -72,6 +75,38 @@ class Stats:
                 "lastError": self.last_error}
 
 
+class _Lock:
+    """A ``threading.Lock`` that can be weakly referenced (the built-in one cannot)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+
+class ObjectLocks:
+    """One lock per PolicyServer, so two handlers never reconcile the same object at once.
+
+    Held in a weak dictionary: an entry lives only while some pass holds or
+    waits for it, so the table does not grow with every PolicyServer that ever
+    existed.
+    """
+
+    def __init__(self) -> None:
+        self._locks: weakref.WeakValueDictionary[tuple[str, str], _Lock] = weakref.WeakValueDictionary()
+        self._guard = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, namespace: str, name: str) -> Iterator[None]:
+        with self._guard:
+            entry = self._locks.get((namespace, name))
+            if entry is None:
+                entry = self._locks[(namespace, name)] = _Lock()
+        with entry.lock:
+            yield
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
 def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     """kopf's state goes to our own annotations (status belongs to the CRD schema) and Events say who we are."""
     settings.persistence.finalizer = FINALIZER
@@ -99,20 +134,20 @@ def _owner_name(body: kopf.Body) -> str | None:
     return None
 
 
-def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube_factory=KubeClient.from_environment) -> None:
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
+             kube_factory: Callable[[], Kube] = Kube.from_environment) -> None:
     """Register the operator's handlers on ``registry``."""
-    locks: dict[tuple[str, str], threading.Lock] = {}
+    locks = ObjectLocks()
     stats = Stats()
-    clients: list[KubeClient] = []
+    clients: list[Kube] = []
 
-    def kube() -> KubeClient:
+    def kube() -> Kube:
         if not clients:
             clients.append(kube_factory())
         return clients[0]
 
     def run(namespace: str, name: str, logger: logging.Logger) -> Outcome | None:
-        lock = locks.setdefault((namespace, name), threading.Lock())
-        with lock:
+        with locks.hold(namespace, name):
             try:
                 outcome = reconcile(kube(), namespace, name, post_event=_post, probe_timeout=config.probe_timeout)
             except TransientError as exc:
@@ -135,7 +170,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube_facto
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        """The same credentials as KubeClient: in-cluster service account, else the kubeconfig."""
+        """The same credentials as Kube: in-cluster service account, else the kubeconfig."""
         return kopf.login_via_client(**kwargs)
 
     @kopf.on.startup(registry=registry)

@@ -1,44 +1,42 @@
-"""A small dict-in, dict-out client for the few kinds the operator touches.
+"""The reconciler's one Kubernetes client: the installed client's ``DynamicClient``, errors sorted.
 
-The ``kubernetes`` package's typed models drop fields they do not know and
-turn camelCase into snake_case; the reconciler compares and builds plain
-manifests, so it talks JSON through the client's ``ApiClient`` (which keeps
-authentication, in-cluster token refresh and TLS) instead.  Errors are
-sorted into the two kinds the handlers treat differently: transient ones
-(retry with backoff) and rejections (report in status, do not hammer).
+kopf watches, posts Events and keeps its own state on its asyncio session;
+every read and write the reconciler makes goes through here, from kopf's
+sync-handler threads.  The dynamic client keeps manifests as plain dicts
+(the typed models drop fields they do not know and rename camelCase), finds
+each kind through discovery, and speaks server-side apply, so the operator
+states *what it wants* and the API server merges it with what other
+managers (the StatefulSet controller, an HPA, a user) own.
+
+Errors are sorted into the kinds the handlers treat differently: transient
+ones (retry with backoff) and rejections (report in status, do not hammer).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import kubernetes.client
 import kubernetes.config
 import urllib3.exceptions
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import DynamicApiError, ResourceNotFoundError
+from kubernetes.dynamic.resource import Resource
 
-from policy_operator.constants import API_VERSION, PLURAL
+from policy_operator.constants import API_VERSION, FIELD_MANAGER
 
 MERGE_PATCH = "application/merge-patch+json"
-JSON_PATCH = "application/json-patch+json"
 REQUEST_TIMEOUT = (5.0, 30.0)  # connect, read
 
-
-@dataclass(frozen=True)
-class Kind:
-    api: str  # "/api/v1" or "/apis/apps/v1"
-    plural: str
-
-
-KINDS: dict[str, Kind] = {
-    "PersistentVolumeClaim": Kind("/api/v1", "persistentvolumeclaims"),
-    "Service": Kind("/api/v1", "services"),
-    "Pod": Kind("/api/v1", "pods"),
-    "Job": Kind("/apis/batch/v1", "jobs"),
-    "StatefulSet": Kind("/apis/apps/v1", "statefulsets"),
-    "PolicyServer": Kind(f"/apis/{API_VERSION}", PLURAL),
+# kind -> apiVersion of every kind the reconciler touches (operator/rbac.py grants exactly these)
+KINDS: dict[str, str] = {
+    "PersistentVolumeClaim": "v1",
+    "Service": "v1",
+    "Pod": "v1",
+    "Job": "batch/v1",
+    "StatefulSet": "apps/v1",
+    "PolicyServer": API_VERSION,
 }
 
 
@@ -60,24 +58,30 @@ class NotFound(KubeError):
     """404."""
 
 
-class AlreadyExists(KubeError):
-    """409 on create: someone (maybe an earlier life of this operator) created it first."""
+def _sorted_error(what: str, exc: Exception) -> KubeError:
+    if isinstance(exc, DynamicApiError):
+        status = int(exc.status or 0)
+        message = f"{what}: {status} {exc.summary()}"
+        if status == 404:
+            return NotFound(message, status)
+        if status in (409, 429) or status >= 500:
+            return TransientError(message, status)
+        return Rejected(message, status)
+    if isinstance(exc, ResourceNotFoundError):  # the CRD is not (yet) served: installing it fixes this
+        return TransientError(f"{what}: {exc}")
+    return TransientError(f"{what}: {exc}")
 
 
-def _message(status: int, data: bytes) -> str:
-    try:
-        body = json.loads(data)
-        return str(body.get("message") or body)
-    except ValueError:
-        return data.decode("utf-8", "replace")[:500] or f"HTTP {status}"
+class Kube:
+    """get / list / apply / merge-patch on plain dicts, with one field manager for everything applied."""
 
-
-class KubeClient:
     def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
         self.api_client = api_client
+        self._dynamic: DynamicClient | None = None
+        self._resources: dict[str, Resource] = {}
 
     @classmethod
-    def from_environment(cls) -> KubeClient:
+    def from_environment(cls) -> Kube:
         """In-cluster service account when there is one, else $KUBECONFIG / ~/.kube/config (like kopf's own login)."""
         try:
             kubernetes.config.load_incluster_config()
@@ -88,61 +92,51 @@ class KubeClient:
     def close(self) -> None:
         self.api_client.close()
 
-    # --- raw ------------------------------------------------------------------------------
+    def _resource(self, kind: str) -> Resource:
+        """Discovery happens on first use (not at start-up), so an operator started before its CRD recovers."""
+        if kind not in self._resources:
+            try:
+                if self._dynamic is None:
+                    self._dynamic = DynamicClient(self.api_client)
+                self._resources[kind] = self._dynamic.resources.get(api_version=KINDS[kind], kind=kind)
+            except (DynamicApiError, ResourceNotFoundError, urllib3.exceptions.HTTPError, OSError) as exc:
+                raise _sorted_error(f"discover {kind}", exc) from exc
+        return self._resources[kind]
 
-    def request(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
-                query: Mapping[str, str] | None = None) -> Any:
-        headers = {"Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = content_type
+    def _call(self, what: str, method: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            _, url, headers, body, _ = self.api_client.param_serialize(
-                method=method, resource_path=path, query_params=list((query or {}).items()), header_params=headers,
-                body=body, auth_settings=["BearerToken"])
-            response = self.api_client.call_api(method, url, header_params=headers, body=body,
-                                                _request_timeout=REQUEST_TIMEOUT)
-            response.read()
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise TransientError(f"{method} {path}: {exc}") from exc
-        status, data = response.status, response.data or b""
-        if 200 <= status < 300:
-            return json.loads(data) if data else None
-        message = f"{method} {path}: {status} {_message(status, data)}"
-        if status == 404:
-            raise NotFound(message, status)
-        if status == 409 and method == "POST":
-            raise AlreadyExists(message, status)
-        if status in (409, 429) or status >= 500:
-            raise TransientError(message, status)
-        raise Rejected(message, status)
+            result = method(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+        except (DynamicApiError, urllib3.exceptions.HTTPError, OSError) as exc:
+            raise _sorted_error(what, exc) from exc
+        return result.to_dict() if result is not None else None
 
-    @staticmethod
-    def path(kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
-        k = KINDS[kind]
-        path = k.api + (f"/namespaces/{namespace}" if namespace else "") + f"/{k.plural}"
-        if name:
-            path += f"/{name}"
-        if subresource:
-            path += f"/{subresource}"
-        return path
-
-    # --- verbs ------------------------------------------------------------------------------
+    # --- reads ------------------------------------------------------------------------------
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self.request("GET", self.path(kind, namespace, name))
+            return self._call(f"get {kind} {namespace}/{name}", self._resource(kind).get, name=name, namespace=namespace)
         except NotFound:
             return None
 
     def list(self, kind: str, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
-        query = {"labelSelector": ",".join(f"{k}={v}" for k, v in selector.items())} if selector else None
-        return list(self.request("GET", self.path(kind, namespace), query=query).get("items") or [])
+        label_selector = ",".join(f"{k}={v}" for k, v in selector.items()) or None
+        found = self._call(f"list {kind} in {namespace}", self._resource(kind).get, namespace=namespace,
+                           label_selector=label_selector)
+        return list(found.get("items") or [])
 
-    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+    # --- writes -----------------------------------------------------------------------------
+
+    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply as the operator's field manager, taking back any field a hand edit changed."""
         meta = obj["metadata"]
-        return self.request("POST", self.path(obj["kind"], meta["namespace"]), obj)
+        return self._call(f"apply {obj['kind']} {meta['namespace']}/{meta['name']}",
+                          self._resource(obj["kind"]).server_side_apply, body=dict(obj), name=meta["name"],
+                          namespace=meta["namespace"], field_manager=FIELD_MANAGER, force_conflicts=True)
 
-    def patch(self, kind: str, namespace: str, name: str, patch: Any, *, subresource: str | None = None,
-              json_patch: bool = False) -> dict[str, Any]:
-        return self.request("PATCH", self.path(kind, namespace, name, subresource), patch,
-                            content_type=JSON_PATCH if json_patch else MERGE_PATCH)
+    def merge_patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any], *,
+                    subresource: str | None = None) -> dict[str, Any]:
+        """RFC 7386 merge patch (status, pod annotations): fields outside the patch stay as they are."""
+        resource = self._resource(kind)
+        target = resource.subresources[subresource] if subresource else resource
+        return self._call(f"patch {kind} {namespace}/{name}" + (f"/{subresource}" if subresource else ""),
+                          target.patch, body=dict(patch), name=name, namespace=namespace, content_type=MERGE_PATCH)

@@ -78,6 +78,7 @@ GPU_RESOURCE: Final = "nvidia.com/gpu"
 
 # --- Operator (PolicyServer reconciler) --------------------------------------------
 FINALIZER: Final = f"{GROUP}/finalizer"
+FIELD_MANAGER: Final = MANAGED_BY  # server-side apply: the fields the operator owns on its children
 PEERING_NAME: Final = "policy-operator"
 CATEGORY: Final = "all"
 ANNOTATION_LAST_HANDLED: Final = f"{GROUP}/last-handled-configuration"

@@ -16,7 +16,9 @@ import pytest
 from policy_operator import constants as C
 from policy_operator.operator import conditions as cond
 from policy_operator.operator import child_status, manifests, rank_probe, rbac
-from policy_operator.operator import reconcile as rec
+from policy_operator.operator import plan as pl
+from policy_operator.operator import status as status_step
+from policy_operator.operator.conditions import Reason
 from policy_operator.operator.kube import KINDS
 from policy_operator.operator.spec import parse_spec
 from tests.support.net import free_port
@@ -87,7 +89,7 @@ def workload(exists: bool = True, desired: int = 2, rolling: bool = False, servi
     ("Ready", workload(desired=0), 0, C.PHASE_READY, C.PHASE_PENDING),
 ])
 def test_phase_table(ck: str, wl: child_status.WorkloadState, ready: int, previous: str | None, expected: str) -> None:
-    assert cond.decide_phase(checkpoint=CK[ck], workload=wl, ready_pods=ready, previous_phase=previous) == expected
+    assert status_step.decide_phase(checkpoint=CK[ck], workload=wl, ready_pods=ready, previous_phase=previous) == expected
 
 
 def _pod(name: str, ready: bool, ranks: int, world: int = 2) -> rank_probe.PodHealth:
@@ -96,7 +98,7 @@ def _pod(name: str, ready: bool, ranks: int, world: int = 2) -> rank_probe.PodHe
 
 def test_build_status_counts_pods_and_ranks() -> None:
     s = spec(parallelism={"cfgp": 2, "dp": 1}, replicas=2)
-    update = cond.build_status(s, checkpoint=CK["Ready"], workload=workload(), pods=[_pod("a", True, 2), _pod("b", False, 1)],
+    update = status_step.build_status(s, checkpoint=CK["Ready"], workload=workload(), pods=[_pod("a", True, 2), _pod("b", False, 1)],
                                service_exists=True, previous=None, generation=4, now=NOW)
     st = update.status
     assert (st["ready"], st["readyReplicas"], st["ranksReady"], st["replicas"]) == ("1/2", 1, "3/4", 2)
@@ -109,9 +111,9 @@ def test_build_status_counts_pods_and_ranks() -> None:
 
 def test_losing_every_ready_pod_is_a_warning() -> None:
     s = spec(replicas=1)
-    ready = cond.build_status(s, checkpoint=CK["Ready"], workload=workload(desired=1), pods=[_pod("a", True, 1, 1)],
+    ready = status_step.build_status(s, checkpoint=CK["Ready"], workload=workload(desired=1), pods=[_pod("a", True, 1, 1)],
                               service_exists=True, previous=None, generation=1, now=NOW)
-    lost = cond.build_status(s, checkpoint=CK["Ready"], workload=workload(desired=1), pods=[_pod("a", False, 0, 1)],
+    lost = status_step.build_status(s, checkpoint=CK["Ready"], workload=workload(desired=1), pods=[_pod("a", False, 0, 1)],
                              service_exists=True, previous=ready.status, generation=1, now=LATER)
     assert lost.status["phase"] == C.PHASE_DEGRADED
     kinds = {(e.type, e.reason) for e in lost.events}
@@ -120,7 +122,7 @@ def test_losing_every_ready_pod_is_a_warning() -> None:
 
 def test_invalid_status_keeps_what_runs() -> None:
     previous = {"phase": "Ready", "conditions": [{"type": "Available", "status": "True", "reason": "ReplicasReady"}]}
-    update = cond.invalid_status(ValueError("spec.x: bad"), previous=previous, generation=5, now=NOW)
+    update = status_step.invalid_status(ValueError("spec.x: bad"), previous=previous, generation=5, now=NOW)
     assert update.status["phase"] == C.PHASE_FAILED
     types = {c["type"]: c for c in update.status["conditions"]}
     assert types["Valid"]["status"] == "False" and types["Available"]["status"] == "True"
@@ -284,15 +286,15 @@ def test_pod_port_follows_the_pods_own_spec() -> None:
 
 # --- the plan -----------------------------------------------------------------------------------------
 
-def created(plan: rec.Plan) -> list[str]:
-    return [f"{a.kind}/{a.name}" for a in plan.actions if a.verb == "create"]
+def created(plan: pl.Plan) -> list[str]:
+    return [f"{w.kind}/{w.name}" for w in plan.changes if w.event.reason == "Created"]
 
 
-def as_observed(plan: rec.Plan, observed: rec.Observed | None = None) -> rec.Observed:
+def as_observed(plan: pl.Plan, observed: pl.Observed | None = None) -> pl.Observed:
     """Feed the plan's created objects back as if the API server had stored them."""
-    observed = observed or rec.Observed()
-    for action in plan.actions:
-        if action.verb != "create":
+    observed = observed or pl.Observed()
+    for action in plan.changes:
+        if action.event.reason != "Created":
             continue
         attr = {"PersistentVolumeClaim": "pvc", "Job": "job", "StatefulSet": "statefulset"}.get(action.kind)
         if action.kind == "Service":
@@ -304,92 +306,99 @@ def as_observed(plan: rec.Plan, observed: rec.Observed | None = None) -> rec.Obs
 def test_plan_order_and_idempotence() -> None:
     s = spec()
     pending = child_status.checkpoint_state(s, None, [], None)
-    first = rec.plan(s, OWNER, rec.Observed(), pending)
+    first = pl.plan(s, OWNER, pl.Observed(), pending)
     assert created(first) == ["PersistentVolumeClaim/ps-cache", f"Job/ps-fetch-{s.checkpoint.key}"]
     assert first.serving is None
     observed = as_observed(first)
-    assert rec.plan(s, OWNER, observed, pending).actions == []  # nothing twice
+    assert pl.plan(s, OWNER, observed, pending).changes == []  # nothing twice
     ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
-    second = rec.plan(s, OWNER, observed, ready)
+    second = pl.plan(s, OWNER, observed, ready)
     assert created(second) == ["StatefulSet/ps", "Service/ps-pods", "Service/ps"]
-    for action in second.actions:
+    for action in second.writes:
         assert action.body["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
-    assert rec.plan(s, OWNER, as_observed(second, observed), ready).actions == []
+    again = pl.plan(s, OWNER, as_observed(second, observed), ready)
+    assert again.changes == []
+    # every pass still server-side applies what it owns, so a hand edit is put back
+    assert [(w.verb, w.kind) for w in again.writes] == [(pl.Verb.APPLY, "StatefulSet"), (pl.Verb.APPLY, "Service"),
+                                                        (pl.Verb.APPLY, "Service")]
 
 
 def test_plan_keeps_the_old_checkpoint_serving_while_the_new_one_downloads() -> None:
     old, new = spec(), spec(checkpoint={"source": "hf://org/p", "revision": "v2"})
     ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
-    observed = as_observed(rec.plan(old, OWNER, rec.Observed(), ready))
+    observed = as_observed(pl.plan(old, OWNER, pl.Observed(), ready))
     downloading = child_status.CheckpointState("Downloading", "Downloading", "", "j2")
     observed.job = None  # the new key's Job does not exist yet
-    plan = rec.plan(new, OWNER, observed, downloading)
+    plan = pl.plan(new, OWNER, observed, downloading)
     assert created(plan) == [f"Job/ps-fetch-{new.checkpoint.key}"]
-    assert plan.serving.key == old.checkpoint.key and plan.actions[1:] == []
-    rolled = rec.plan(new, OWNER, observed, ready)
-    [patch] = [a for a in rolled.actions if a.kind == "StatefulSet"]
-    assert any(op["path"] == "/spec/template" for op in patch.body)
+    assert plan.serving.key == old.checkpoint.key and plan.changes[1:] == []
+    [kept] = [w for w in plan.writes if w.kind == "StatefulSet"]
+    assert kept.body["spec"]["template"] == observed.statefulset["spec"]["template"]
+    rolled = pl.plan(new, OWNER, observed, ready)
+    [patch] = [a for a in rolled.changes if a.kind == "StatefulSet"]
+    assert patch.body["spec"]["template"] != observed.statefulset["spec"]["template"]
     assert f"{old.checkpoint.key} -> {new.checkpoint.key}" in patch.event.message
 
 
 def test_scaling_patches_replicas_not_the_template() -> None:
     ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
-    observed = as_observed(rec.plan(spec(replicas=1), OWNER, rec.Observed(), ready))
-    plan = rec.plan(spec(replicas=3), OWNER, observed, ready)
-    [patch] = plan.actions
-    assert {op["path"] for op in patch.body} == {"/metadata/annotations", "/metadata/labels", "/spec/replicas"}
+    observed = as_observed(pl.plan(spec(replicas=1), OWNER, pl.Observed(), ready))
+    plan = pl.plan(spec(replicas=3), OWNER, observed, ready)
+    [patch] = plan.changes
+    assert patch.body["spec"]["replicas"] == 3 and "scaling 1 -> 3 pods" in patch.event.message
+    assert patch.body["spec"]["template"] == observed.statefulset["spec"]["template"]
     # the RWO cache of a 1-replica PolicyServer cannot be shared by 3 pods on different nodes
     assert [w.reason for w in plan.warnings] == ["CacheNotShared"]
 
 
 def test_plan_refuses_objects_it_does_not_own() -> None:
     ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
-    observed = as_observed(rec.plan(spec(), OWNER, rec.Observed(), ready))
+    observed = as_observed(pl.plan(spec(), OWNER, pl.Observed(), ready))
     observed.statefulset = {**observed.statefulset, "metadata": {**observed.statefulset["metadata"],
                                                                    "ownerReferences": []}}
-    plan = rec.plan(spec(image="img:2"), OWNER, observed, ready)
-    assert plan.problem.reason == cond.R_CONFLICT and plan.actions == []
-    foreign_pvc = rec.Observed(pvc={"metadata": {"name": "ps-cache", "labels": {}}})
-    plan = rec.plan(spec(), OWNER, foreign_pvc, child_status.checkpoint_state(spec(), None, [], None))
-    assert plan.problem.reason == cond.R_CONFLICT and plan.actions == []
+    plan = pl.plan(spec(image="img:2"), OWNER, observed, ready)
+    assert plan.problem.reason == Reason.NAME_CONFLICT and plan.writes == []
+    foreign_pvc = pl.Observed(pvc={"metadata": {"name": "ps-cache", "labels": {}}})
+    plan = pl.plan(spec(), OWNER, foreign_pvc, child_status.checkpoint_state(spec(), None, [], None))
+    assert plan.problem.reason == Reason.NAME_CONFLICT and plan.writes == []
 
 
 def test_retain_on_delete_releases_and_adopts_the_cache() -> None:
     pending = child_status.CheckpointState("Pending", "JobPending", "", "j")
-    owned = as_observed(rec.plan(spec(), OWNER, rec.Observed(), pending))
-    [release] = [a for a in rec.plan(spec(storage={"retainOnDelete": True}), OWNER, owned, pending).actions
+    owned = as_observed(pl.plan(spec(), OWNER, pl.Observed(), pending))
+    [release] = [a for a in pl.plan(spec(storage={"retainOnDelete": True}), OWNER, owned, pending).writes
                  if a.kind == "PersistentVolumeClaim"]
     assert release.body == {"metadata": {"ownerReferences": None}}
-    retained = as_observed(rec.plan(spec(storage={"retainOnDelete": True}), OWNER, rec.Observed(), pending))
+    retained = as_observed(pl.plan(spec(storage={"retainOnDelete": True}), OWNER, pl.Observed(), pending))
     assert "ownerReferences" not in retained.pvc["metadata"]
-    [adopt] = [a for a in rec.plan(spec(), OWNER, retained, pending).actions if a.kind == "PersistentVolumeClaim"]
+    [adopt] = [a for a in pl.plan(spec(), OWNER, retained, pending).writes if a.kind == "PersistentVolumeClaim"]
     assert adopt.body["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
 
 
 def test_existing_claim_is_never_created() -> None:
     s = spec(storage={"existingClaim": "shared"})
-    plan = rec.plan(s, OWNER, rec.Observed(), child_status.checkpoint_state(s, None, [], None))
+    plan = pl.plan(s, OWNER, pl.Observed(), child_status.checkpoint_state(s, None, [], None))
     assert created(plan) == [f"Job/ps-fetch-{s.checkpoint.key}"] and plan.problem.reason == "ClaimNotFound"
-    plan = rec.plan(s, OWNER, rec.Observed(pvc={"metadata": {"name": "shared"}}),
+    plan = pl.plan(s, OWNER, pl.Observed(pvc={"metadata": {"name": "shared"}}),
                     child_status.checkpoint_state(s, None, [], None))
     assert plan.problem is None
 
 
 def test_status_patch_is_minimal_and_drops_stale_keys() -> None:
     previous = {"phase": "Ready", "endpoint": "ws://x", "ready": "1/1", "kopfState": 1}
-    assert rec.status_patch(previous, {"phase": "Ready", "endpoint": "ws://x", "ready": "1/1"}, full=True) is None
-    patch = rec.status_patch(previous, {"phase": "Degraded", "ready": "1/1"}, full=True)
+    assert status_step.status_patch(previous, {"phase": "Ready", "endpoint": "ws://x", "ready": "1/1"}, full=True) is None
+    patch = status_step.status_patch(previous, {"phase": "Degraded", "ready": "1/1"}, full=True)
     assert patch == {"phase": "Degraded", "endpoint": None}  # keys it does not own (kopfState) stay
-    assert rec.status_patch(previous, {"phase": "Failed"}, full=False) == {"phase": "Failed"}
+    assert status_step.status_patch(previous, {"phase": "Failed"}, full=False) == {"phase": "Failed"}
 
 
 # --- RBAC and CLI ------------------------------------------------------------------------------------
 
 def test_rbac_covers_every_kind_the_client_touches() -> None:
     by_resource = {(r.api_group, r.resource): r for r in rbac.RULES}
-    for kind in KINDS.values():
-        group = "" if kind.api == "/api/v1" else kind.api.split("/")[2]
-        assert (group, kind.plural) in by_resource, kind
+    for kind, api_version in KINDS.items():
+        group = api_version.split("/")[0] if "/" in api_version else ""
+        assert (group, f"{kind.lower()}s") in by_resource, kind
     assert (C.GROUP, f"{C.PLURAL}/status") in by_resource
     assert not any(r.resource == "secrets" for r in rbac.RULES)
 

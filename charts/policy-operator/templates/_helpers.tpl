@@ -95,7 +95,7 @@ The operator's API access, copied from policy_operator.operator.rbac.RULES
   verbs: [get, create, patch]
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, list, watch, create]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [get, list, watch, create, patch]

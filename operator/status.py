@@ -1,0 +1,213 @@
+"""The status step of a reconcile pass: what the status says, and writing it.
+
+Deciding is a pure function of the spec and what was observed, so the phase
+table is unit-tested row by row and a restarted operator computes the same
+status from the same cluster.  Writing is two small merge patches: the status
+subresource (only the keys that changed, so kopf's own keys and foreign
+conditions survive) and each pod's rank-readiness annotation.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from policy_operator.constants import (
+    ANNOTATION_RANKS_READY,
+    COND_AVAILABLE,
+    COND_CHECKPOINT_READY,
+    COND_PROGRESSING,
+    COND_VALID,
+    PHASE_DEGRADED,
+    PHASE_DOWNLOADING,
+    PHASE_FAILED,
+    PHASE_PENDING,
+    PHASE_READY,
+    PHASE_STARTING,
+)
+from policy_operator.operator.child_status import CheckpointPhase, CheckpointState, WorkloadState
+from policy_operator.operator.conditions import (
+    FALSE,
+    TRUE,
+    Condition,
+    Event,
+    Reason,
+    condition_events,
+    merge_conditions,
+    phase_event,
+)
+from policy_operator.operator.kube import Kube, NotFound, Rejected
+from policy_operator.operator.manifests import endpoint, selector_string
+from policy_operator.operator.rank_probe import PodHealth
+from policy_operator.operator.spec import PolicyServerSpec
+
+_NOT_YET = (CheckpointPhase.PENDING, CheckpointPhase.DOWNLOADING)
+# Every status key the operator writes; a full write drops those it no longer sets.
+STATUS_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "ready", "ranksReady", "layout",
+               "selector", "endpoint", "templateHash", "checkpoint", "pods", "conditions")
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+# --- deciding ---------------------------------------------------------------------------------
+
+def decide_phase(*, checkpoint: CheckpointState, workload: WorkloadState, ready_pods: int,
+                 previous_phase: str | None) -> str:
+    """The one-word summary; see docs/operator.md for the table."""
+    serving = workload.exists and ready_pods > 0
+    if checkpoint.phase == CheckpointPhase.FAILED:
+        return PHASE_DEGRADED if serving else PHASE_FAILED
+    if checkpoint.phase in _NOT_YET and not (workload.exists and workload.serving_key):
+        return PHASE_PENDING if checkpoint.phase == CheckpointPhase.PENDING else PHASE_DOWNLOADING
+    if checkpoint.phase in _NOT_YET:
+        return PHASE_DOWNLOADING  # a new checkpoint downloads while the old one keeps serving
+    if workload.desired == 0:
+        return PHASE_PENDING
+    if ready_pods >= workload.desired:
+        return PHASE_READY
+    if workload.rolling or previous_phase not in (PHASE_READY, PHASE_DEGRADED):
+        return PHASE_STARTING
+    return PHASE_DEGRADED
+
+
+def checkpoint_condition(ck: CheckpointState) -> Condition:
+    return Condition(COND_CHECKPOINT_READY, TRUE if ck.phase == CheckpointPhase.READY else FALSE, ck.reason, ck.message)
+
+
+def available_condition(*, checkpoint: CheckpointState, workload: WorkloadState, ready_pods: int, ranks: str,
+                        previously_available: bool) -> Condition:
+    summary = f"{ready_pods}/{workload.desired} pods ready ({ranks} ranks)"
+    if ready_pods > 0:
+        reason = Reason.REPLICAS_READY if ready_pods >= workload.desired else Reason.PARTIALLY_READY
+        return Condition(COND_AVAILABLE, TRUE, reason, summary)
+    if workload.desired == 0:
+        return Condition(COND_AVAILABLE, FALSE, Reason.SCALED_TO_ZERO, "replicas is 0")
+    if not workload.exists and checkpoint.phase != CheckpointPhase.READY:
+        return Condition(COND_AVAILABLE, FALSE, Reason.CHECKPOINT_NOT_READY, "pods start once the checkpoint is downloaded")
+    reason = Reason.REPLICAS_UNAVAILABLE if previously_available else Reason.NO_REPLICAS_READY
+    return Condition(COND_AVAILABLE, FALSE, reason, summary)
+
+
+def progressing_condition(phase: str, *, checkpoint: CheckpointState, workload: WorkloadState) -> Condition:
+    if phase == PHASE_PENDING and workload.desired == 0 and checkpoint.phase == CheckpointPhase.READY:
+        return Condition(COND_PROGRESSING, FALSE, Reason.STABLE, "scaled to zero")
+    if phase in (PHASE_PENDING, PHASE_DOWNLOADING):
+        return Condition(COND_PROGRESSING, TRUE, Reason.DOWNLOADING, checkpoint.message)
+    if phase == PHASE_STARTING:
+        return Condition(COND_PROGRESSING, TRUE, Reason.ROLLING_OUT, "pods are starting or being replaced")
+    if phase == PHASE_READY:
+        return Condition(COND_PROGRESSING, FALSE, Reason.STABLE, "every pod runs the current spec")
+    if phase == PHASE_FAILED or checkpoint.phase == CheckpointPhase.FAILED:
+        return Condition(COND_PROGRESSING, FALSE, Reason.FAILED, checkpoint.message)
+    return Condition(COND_PROGRESSING, FALSE, Reason.REPLICAS_UNAVAILABLE, "some pods are not ready")
+
+
+@dataclass(frozen=True)
+class StatusUpdate:
+    status: dict[str, Any]
+    events: list[Event]
+
+
+def invalid_status(error: Exception, *, previous: Mapping[str, Any] | None, generation: int, now: str) -> StatusUpdate:
+    """Only Valid and the phase change: whatever already runs keeps running, its conditions stay true."""
+    previous = previous or {}
+    cond = Condition(COND_VALID, FALSE, Reason.INVALID_SPEC, str(error))
+    status = {
+        "observedGeneration": generation,
+        "phase": PHASE_FAILED,
+        "conditions": merge_conditions(previous.get("conditions"), [cond], generation=generation, now=now),
+    }
+    events = condition_events(previous.get("conditions"), [cond]) + phase_event(previous.get("phase"), PHASE_FAILED,
+                                                                                 str(error))
+    return StatusUpdate(status, events)
+
+
+def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workload: WorkloadState,
+                 pods: Sequence[PodHealth], service_exists: bool, previous: Mapping[str, Any] | None,
+                 generation: int, now: str, problem: Condition | None = None) -> StatusUpdate:
+    """The full status of a valid PolicyServer, and the Events for what changed since ``previous``.
+
+    ``problem`` is a Progressing=False condition from the apply step (a name
+    conflict or an object the API server rejected); it wins over the phase's own.
+    """
+    previous = previous or {}
+    ready_pods = sum(1 for p in pods if p.ready)
+    ranks_ready = sum(p.ranks_ready for p in pods)
+    ranks = f"{ranks_ready}/{workload.desired * spec.layout.world_size}"
+    prev_conditions = previous.get("conditions") or []
+    previously_available = any(c.get("type") == COND_AVAILABLE and c.get("status") == TRUE for c in prev_conditions)
+    phase = decide_phase(checkpoint=checkpoint, workload=workload, ready_pods=ready_pods,
+                         previous_phase=previous.get("phase"))
+    conditions = [
+        Condition(COND_VALID, TRUE, Reason.SPEC_VALID,
+                  f"layout {spec.layout.label} (world size {spec.layout.world_size}), {spec.gpus_per_pod} GPU(s) per pod"),
+        checkpoint_condition(checkpoint),
+        available_condition(checkpoint=checkpoint, workload=workload, ready_pods=ready_pods, ranks=ranks,
+                            previously_available=previously_available),
+        problem or progressing_condition(phase, checkpoint=checkpoint, workload=workload),
+    ]
+    ck = spec.checkpoint
+    checkpoint_status: dict[str, Any] = {
+        "key": ck.key, "source": ck.source, "path": ck.path, "jobName": checkpoint.job_name,
+        "phase": str(checkpoint.phase), "message": checkpoint.message,
+    }
+    if ck.revision is not None:
+        checkpoint_status["revision"] = ck.revision
+    if workload.serving_key:
+        checkpoint_status["servingKey"] = workload.serving_key
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "phase": phase,
+        "replicas": workload.current if workload.exists else 0,
+        "readyReplicas": ready_pods,
+        "ready": f"{ready_pods}/{workload.desired}",
+        "ranksReady": ranks,
+        "layout": spec.layout.label,
+        "selector": selector_string(spec.name),
+        "checkpoint": checkpoint_status,
+        "pods": [p.as_status() for p in pods],
+        "conditions": merge_conditions(prev_conditions, conditions, generation=generation, now=now),
+    }
+    if service_exists:
+        status["endpoint"] = endpoint(spec)
+    if workload.template_hash:
+        status["templateHash"] = workload.template_hash
+    summary = conditions[2].message if phase not in (PHASE_PENDING, PHASE_DOWNLOADING, PHASE_FAILED) \
+        else checkpoint.message
+    events = condition_events(prev_conditions, conditions) + phase_event(previous.get("phase"), phase, summary)
+    return StatusUpdate(status, events)
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any], *, full: bool) -> dict[str, Any] | None:
+    """A merge patch from ``previous`` to ``new`` status (None when nothing changed); ``full`` drops stale keys."""
+    patch = {k: v for k, v in new.items() if previous.get(k) != v}
+    if full:
+        patch.update({k: None for k in STATUS_KEYS if k in previous and k not in new})
+    return patch or None
+
+
+def write_status(kube: Kube, namespace: str, name: str, previous: Mapping[str, Any], status: Mapping[str, Any], *,
+                 full: bool) -> None:
+    patch = status_patch(previous, status, full=full)
+    if patch is not None:
+        kube.merge_patch("PolicyServer", namespace, name, {"status": patch}, subresource="status")
+
+
+def annotate_pods(kube: Kube, namespace: str, pods: Sequence[Mapping[str, Any]], healths: Sequence[PodHealth]) -> None:
+    """Mirror each pod's rank readiness into an annotation, so `kubectl get pods` users see it too."""
+    by_name = {(p.get("metadata") or {}).get("name"): p for p in pods}
+    for h in healths:
+        pod = by_name.get(h.name)
+        if pod is None or h.phase == "Terminating":
+            continue
+        if ((pod.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RANKS_READY) != h.ranks_text:
+            try:
+                kube.merge_patch("Pod", namespace, h.name, {"metadata": {"annotations": {ANNOTATION_RANKS_READY: h.ranks_text}}})
+            except (NotFound, Rejected):  # a pod that just vanished is not worth failing the pass
+                pass
