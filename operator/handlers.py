@@ -25,7 +25,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -47,6 +47,7 @@ from policy_operator.operator.rank_probe import PROBE_TIMEOUT_S
 from policy_operator.operator.kube import Kube, KubeError, TransientError
 from policy_operator.operator.reconcile import Outcome, reconcile
 
+Logger = logging.Logger | logging.LoggerAdapter[Any]  # what kopf hands its handlers
 RETRY_DELAY_S = 5.0
 DEFAULT_RESYNC_S = 10.0
 
@@ -124,7 +125,7 @@ def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) 
 
 
 def _post(owner: dict[str, Any], event: conditions.Event) -> None:
-    kopf.event(owner, type=event.type, reason=event.reason, message=event.message)
+    kopf.event(kopf.Body(cast(kopf.RawBody, owner)), type=event.type, reason=event.reason, message=event.message)
 
 
 def _owner_name(body: kopf.Body) -> str | None:
@@ -146,7 +147,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             clients.append(kube_factory())
         return clients[0]
 
-    def run(namespace: str, name: str, logger: logging.Logger) -> Outcome | None:
+    def run(namespace: str | None, name: str | None, logger: Logger) -> Outcome | None:
+        assert namespace and name, "PolicyServers are namespaced"
         with locks.hold(namespace, name):
             try:
                 outcome = reconcile(kube(), namespace, name, post_event=_post, probe_timeout=config.probe_timeout)
@@ -174,7 +176,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         return kopf.login_via_client(**kwargs)
 
     @kopf.on.startup(registry=registry)
-    def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+    def startup(settings: kopf.OperatorSettings, logger: Logger, **_: Any) -> None:
         configure_settings(settings, config)
         kube()
         logger.info(f"policy-operator reconciling {PLURAL}.{GROUP}/{VERSION} every {config.resync_seconds}s")
@@ -187,18 +189,18 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")
-    def on_change(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
+    def on_change(namespace: str | None, name: str, logger: Logger, **_: Any) -> None:
         outcome = run(namespace, name, logger)
         if outcome is not None and outcome.spec_error is not None:
             raise kopf.PermanentError(f"invalid spec: {outcome.spec_error}")
 
     @kopf.timer(GROUP, VERSION, PLURAL, interval=config.resync_seconds, registry=registry, id="resync")
-    def resync(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
+    def resync(namespace: str | None, name: str, logger: Logger, **_: Any) -> None:
         run(namespace, name, logger)  # an invalid spec was reported by on_change; no retry storm here
 
-    def on_child(body: kopf.Body, namespace: str, logger: logging.Logger, type: str | None, **_: Any) -> None:
+    def on_child(body: kopf.Body, namespace: str | None, logger: Logger, type: str, **_: Any) -> None:
         owner = _owner_name(body)
-        if owner and type is not None:  # type None: the initial listing, resume handlers cover it
+        if owner and type:  # no type: the initial listing, which the resume handlers cover
             run(namespace, owner, logger)
 
     kopf.on.event("batch", "v1", "jobs", labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: COMPONENT_FETCH},

@@ -66,6 +66,7 @@ def main(args: argparse.Namespace) -> int:
     register(registry, config)
 
     settings = kopf.OperatorSettings()
+    standalone: bool | None
     if args.standalone:
         standalone, peering_name = True, None
     else:
