@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any
 
 from policy_operator.constants import ANNOTATION_TEMPLATE_HASH, LABEL_CHECKPOINT_KEY
+from policy_operator.exit_codes import FetchExit
 from policy_operator.operator.rank_probe import container_message
 from policy_operator.operator.conditions import Reason
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
@@ -31,9 +32,9 @@ class CheckpointPhase(str, Enum):
         return self.value
 
 
-# policyserver fetch exit codes -> condition reasons (see runtime/fetch.py)
-EXIT_REASONS = {2: Reason.INVALID_SOURCE, 3: Reason.SOURCE_UNREACHABLE, 4: Reason.VERIFICATION_FAILED,
-                5: Reason.DISK_FULL}
+# policyserver fetch exit codes -> condition reasons
+EXIT_REASONS = {FetchExit.USAGE: Reason.INVALID_SOURCE, FetchExit.SOURCE: Reason.SOURCE_UNREACHABLE,
+                FetchExit.VERIFY: Reason.VERIFICATION_FAILED, FetchExit.DISK_FULL: Reason.DISK_FULL}
 MAX_MESSAGE = 600
 
 

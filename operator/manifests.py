@@ -43,7 +43,9 @@ from policy_operator.constants import (
     READYZ_PATH,
     SECRET_TOKEN_KEY,
 )
+from policy_operator.exit_codes import FETCH_FATAL
 from policy_operator.operator.spec import PolicyServerSpec
+from policy_operator.serve_flags import managed_argv, torchrun_argv
 
 # The image's user is not known; any non-root uid works because the runtime
 # only reads the image's files and writes to the volumes mounted below.
@@ -57,10 +59,6 @@ SHM_PATH = "/dev/shm"
 VOL_CACHE, VOL_TMP, VOL_SHM = "checkpoint-cache", "tmp", "dshm"
 VOL_CHECKPOINT_TOKEN, VOL_AUTH_TOKEN = "checkpoint-token", "auth-token"
 SERVER_CONTAINER, VERIFY_CONTAINER, FETCH_CONTAINER = "server", "verify-checkpoint", "fetch"
-WORKER_MODULE = "policy_operator.runtime.worker"
-# policyserver fetch exit codes that no retry can fix (usage, verification, disk full):
-# fail the Job at once instead of burning backoffLimit attempts on them.
-FETCH_FATAL_EXIT_CODES = (2, 4, 5)
 
 
 @dataclass(frozen=True)
@@ -238,7 +236,7 @@ def build_fetch_job(spec: PolicyServerSpec) -> dict[str, Any]:
         "ttlSecondsAfterFinished": ck.fetch_job.ttl_seconds_after_finished,
         "podFailurePolicy": {"rules": [
             {"action": "FailJob", "onExitCodes": {"containerName": FETCH_CONTAINER, "operator": "In",
-                                                  "values": list(FETCH_FATAL_EXIT_CODES)}},
+                                                  "values": [int(code) for code in FETCH_FATAL]}},
             # a drained or preempted node is not the download's fault
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
         ]},
@@ -261,22 +259,14 @@ def build_fetch_job(spec: PolicyServerSpec) -> dict[str, Any]:
 # --- StatefulSet ----------------------------------------------------------------------
 
 def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint) -> list[str]:
+    """The torchrun line ``policyserver serve`` would exec, with the flags the spec manages, then extraArgs."""
     rt, layout = spec.runtime, spec.layout
-    cmd = [
-        "torchrun", "--standalone", f"--nproc-per-node={layout.world_size}", "--max-restarts=0",
-        "-m", WORKER_MODULE,
-        "--checkpoint", serving.path,
-        "--port", str(spec.service.port),
-        "--cfgp", str(layout.cfgp),
-        "--dp", str(layout.dp),
-        "--guidance", repr(rt.guidance),
-        "--steps", str(rt.steps),
-        "--device", rt.device,
-    ]
-    if spec.auth.secret_ref is not None:
-        cmd += ["--auth-token-file", f"{AUTH_TOKEN_DIR}/{TOKEN_FILE}"]
-    cmd += ["--drain-grace-s", str(rt.drain_grace_seconds)]
-    return cmd + list(rt.extra_args)
+    flags = managed_argv(
+        checkpoint=serving.path, port=spec.service.port, cfgp=layout.cfgp, dp=layout.dp, guidance=rt.guidance,
+        steps=rt.steps, device=rt.device, drain_grace_s=rt.drain_grace_seconds,
+        auth_token_file=f"{AUTH_TOKEN_DIR}/{TOKEN_FILE}" if spec.auth.secret_ref is not None else None,
+    )
+    return torchrun_argv(layout.world_size, [*flags, *rt.extra_args])
 
 
 def termination_grace_seconds(spec: PolicyServerSpec) -> int:

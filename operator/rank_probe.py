@@ -9,7 +9,6 @@ counts as zero ranks ready: an answer is the only evidence accepted.
 
 from __future__ import annotations
 
-import json
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policy_operator.constants import PORT_NAME, READYZ_PATH
+from policy_operator.readyz import Readiness
 
 PROBE_TIMEOUT_S = 2.0
 MAX_BODY = 1 << 20
@@ -65,17 +65,13 @@ class PodHealth:
 def parse_readyz(status_code: int, body: bytes, expected_world_size: int) -> tuple[bool, int, int, tuple[RankHealth, ...], str]:
     """(ready, ranks_ready, world_size, ranks, message) from one /readyz answer; a malformed body is not ready."""
     try:
-        doc = json.loads(body)
-        world_size = int(doc.get("world_size") or (doc.get("layout") or {}).get("world_size") or expected_world_size)
-        ranks = tuple(
-            RankHealth(rank=int(r["rank"]), dp_index=int(r.get("dp_index", 0)), cfg_index=int(r.get("cfg_index", 0)),
-                       state=str(r.get("state", "unknown")), ready=bool(r.get("ready", False)))
-            for r in doc.get("ranks") or []
-        )
-        ranks_ready = int(doc["ranks_ready"]) if "ranks_ready" in doc else sum(r.ready for r in ranks)
-        ready = bool(doc.get("ready")) and status_code == 200 and ranks_ready >= world_size
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        doc = Readiness.parse(body)
+    except ValueError as exc:
         return False, 0, expected_world_size, (), f"/readyz answered {status_code} with a malformed body ({exc})"
+    world_size, ranks_ready = doc.world_size, doc.ranks_ready
+    ranks = tuple(RankHealth(rank=r.rank, dp_index=r.dp_index, cfg_index=r.cfg_index, state=r.state.value,
+                             ready=r.ready) for r in doc.ranks)
+    ready = doc.ready and status_code == 200 and ranks_ready >= world_size
     message = "" if ready else _not_ready_message(ranks, ranks_ready, world_size)
     return ready, max(0, min(ranks_ready, world_size)), world_size, ranks, message
 

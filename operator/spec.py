@@ -19,13 +19,13 @@ from typing import Any
 
 from policy_operator.constants import CACHE_MOUNT_PATH, DEFAULT_PORT, GPU_RESOURCE, SECRET_TOKEN_KEY
 from policy_operator.layout import LayoutError, ParallelLayout
-from policy_operator.runtime.fetch import request_key
-from policy_operator.runtime.fetch_errors import FetchError
+from policy_operator.serve_flags import DEFAULT_GUIDANCE, DEFAULT_STEPS, MANAGED_FLAGS
+from policy_operator.sources import InvalidSource, check_relpath, request_key
+from policy_operator.sources import check_source as check_source_scheme
 
 # Limits that keep every derived child name valid: the fetch Job is
 # ``<name>-fetch-<16-hex key>`` and must fit a 63-character label value.
 MAX_NAME_LENGTH = 40
-SOURCE_SCHEMES = ("hf", "http", "https", "s3", "file")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 ACCESS_MODES = ("ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -33,18 +33,10 @@ DEVICES = ("cuda", "cpu")
 MAX_DRAIN_GRACE_S = 25  # torchrun SIGKILLs its ranks 30 s after SIGTERM; leave a margin
 MIN_STARTUP_TIMEOUT_S = 30
 
-# Flags of the worker the operator sets itself; extraArgs may not override them.
-MANAGED_FLAGS = (
-    "--checkpoint", "--port", "--cfgp", "--dp", "--guidance", "--steps", "--device",
-    "--auth-token-file", "--drain-grace-s",
-)
-
 # Defaults, mirrored by the CRD's `default:` values (tests/test_crd.py compares them).
 DEFAULT_REPLICAS = 1
 DEFAULT_STORAGE_SIZE = "20Gi"
 DEFAULT_SHM_SIZE = "2Gi"
-DEFAULT_GUIDANCE = 3.0  # = policy_operator.runtime.options.DEFAULT_GUIDANCE (tested)
-DEFAULT_STEPS = 10
 DEFAULT_DRAIN_GRACE_S = 20
 DEFAULT_STARTUP_TIMEOUT_S = 600
 DEFAULT_BACKOFF_LIMIT = 3
@@ -55,7 +47,6 @@ _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 _SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
-_SOURCE = re.compile(r"^(hf|https?|s3|file)://.+$")
 
 
 class SpecError(ValueError):
@@ -292,9 +283,10 @@ def _secret_ref(value: Any, path: str) -> SecretRef | None:
 
 
 def check_source(source: str, path: str = "spec.checkpoint.source") -> None:
-    if not (_SOURCE.match(source) or source.startswith("/")):
-        raise SpecError(path, f"{source!r} has no supported scheme: use {', '.join(s + '://' for s in SOURCE_SCHEMES)} "
-                              f"or an absolute path")
+    try:
+        check_source_scheme(source)
+    except InvalidSource as exc:
+        raise SpecError(path, str(exc)) from None
 
 
 def check_name(name: str) -> None:
@@ -320,8 +312,10 @@ def _checkpoint(value: Any) -> CheckpointSpec:
         raise SpecError(f"{path}.revision", "must not be empty when set")
     sha = []
     for file, digest in _str_map(value.get("sha256"), f"{path}.sha256").items():
-        if not file or file.startswith("/") or ".." in file.split("/"):
-            raise SpecError(f"{path}.sha256", f"{file!r} must be a relative path inside the checkpoint")
+        try:
+            check_relpath(file)
+        except InvalidSource as exc:
+            raise SpecError(f"{path}.sha256", f"must name files inside the checkpoint: {exc}") from None
         if not _SHA256.match(digest):
             raise SpecError(f"{path}.sha256.{file}", f"{digest!r} is not a 64-hex-digit sha256")
         sha.append((file, digest.lower()))
@@ -343,7 +337,7 @@ def _checkpoint(value: Any) -> CheckpointSpec:
                           f"{path}.secretRef"), sha256=tuple(sorted(sha)), fetch_job=fetch_job)
     try:
         spec.key  # noqa: B018 - an hf://repo@rev that conflicts with revision is refused here
-    except FetchError as exc:
+    except InvalidSource as exc:
         raise SpecError(f"{path}.source", str(exc)) from None
     return spec
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policy_operator.constants import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
+from policy_operator.sources import InvalidSource, check_relpath
 
 MANIFEST_FORMAT = "policy-checkpoint/v1"
 _CHUNK = 4 << 20
@@ -69,9 +70,10 @@ def parse_manifest(data: bytes | str) -> list[FileEntry]:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"malformed {MANIFEST_FILE}: {exc}") from exc
     for entry in entries:
-        parts = Path(entry.name).parts
-        if entry.name.startswith("/") or ".." in parts:
-            raise CheckpointError(f"{MANIFEST_FILE} names a path outside the checkpoint: {entry.name!r}")
+        try:
+            check_relpath(entry.name)
+        except InvalidSource as exc:
+            raise CheckpointError(f"{MANIFEST_FILE} names a file outside the checkpoint: {exc}") from None
     return entries
 
 
@@ -102,13 +104,3 @@ def verify_checkpoint(directory: str | os.PathLike[str], *, hashes: bool = True)
                 raise CheckpointError(f"{entry.name}: sha256 {digest} != {entry.sha256} from {MANIFEST_FILE}")
     return entries
 
-
-def checkpoint_key(source: str, revision: str | None = None) -> str:
-    """Directory name of one (source, revision) inside the shared cache volume.
-
-    The operator names the fetch Job and the pods' checkpoint path with it and
-    ``policyserver fetch`` downloads into ``DEST/<key>/``, so a checkpoint change
-    lands in a new directory and never touches the one pods are serving from.
-    """
-    digest = hashlib.sha256(f"{source}\n{revision or ''}".encode()).hexdigest()
-    return digest[:16]

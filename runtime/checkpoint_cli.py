@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from policy_operator.exit_codes import CheckpointExit
 from policy_operator.runtime.checkpoint import CheckpointError, verify_checkpoint
 
 
@@ -47,9 +48,9 @@ def _verify(args: argparse.Namespace) -> int:
         entries = verify_checkpoint(args.directory, hashes=args.hashes)
     except CheckpointError as exc:
         print(f"policyserver: error: {exc}", file=sys.stderr)
-        return 1
+        return CheckpointExit.INVALID
     print(f"{args.directory}: {len(entries)} files verified ({'sha256' if args.hashes else 'sizes'})")
-    return 0
+    return CheckpointExit.OK
 
 
 def main(args: argparse.Namespace) -> int:

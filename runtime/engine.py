@@ -27,11 +27,12 @@ import torch.distributed as dist
 
 from policy_operator import __version__
 from policy_operator.layout import ParallelLayout
+from policy_operator.readyz import LayoutDoc, Readiness, all_ranks_ready
 from policy_operator.runtime.health import Board
 from policy_operator.runtime.observation import parse_seed, parse_session
 from policy_operator.runtime.policy import Policy
 from policy_operator.runtime.replica import OP_INFER, OP_SHUTDOWN, Job, RequestFailed, SamplerSettings
-from policy_operator.runtime.router import Router, all_ready
+from policy_operator.runtime.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -121,21 +122,18 @@ class Engine:
         })
         return meta
 
-    def readiness(self) -> dict[str, Any]:
-        ranks = [r.as_dict() for r in self.board.snapshot()]
-        ready = all_ready(ranks, self.layout.world_size) and self.accepting
-        body: dict[str, Any] = {
-            "ready": ready,
-            "layout": self.layout.as_dict(),
-            "world_size": self.layout.world_size,
-            "ranks_ready": sum(1 for r in ranks if r["ready"]),
-            "ranks": ranks,
-            "in_flight": self.router.total_in_flight(),
-            "draining": self.draining,
-        }
-        if self.load_error:
-            body["error"] = self.load_error
-        return body
+    def readiness(self) -> Readiness:
+        ranks = self.board.snapshot()
+        return Readiness(
+            ready=all_ranks_ready(ranks, self.layout.world_size) and self.accepting,
+            layout=LayoutDoc(**self.layout.as_dict()),
+            world_size=self.layout.world_size,
+            ranks_ready=sum(1 for r in ranks if r.ready),
+            ranks=ranks,
+            in_flight=self.router.total_in_flight(),
+            draining=self.draining,
+            error=self.load_error,
+        )
 
     # --- the request path --------------------------------------------------------------
     async def infer(self, obs: dict[str, Any]) -> Result:

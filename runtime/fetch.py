@@ -18,8 +18,8 @@ Order of one fetch, and why:
    the fetch fails with exit 4, leaving no marker.
 5. Write the marker inside staging, then one ``rename`` publishes the directory.
 
-Exit codes: 0 ok, 2 usage, 3 source unreachable/auth, 4 verification failed,
-5 disk full, 1 anything else.
+Exit codes: ``FetchExit`` in ``policy_operator/exit_codes.py`` (0 ok, 2 usage,
+3 source unreachable/auth, 4 verification failed, 5 disk full, 1 anything else).
 """
 
 from __future__ import annotations
@@ -34,16 +34,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from policy_operator.tokens import read_token_file
 from policy_operator.constants import COMPLETE_MARKER, ENV_HF_TOKEN, MANIFEST_FILE
-from policy_operator.runtime.checkpoint import CheckpointError, checkpoint_key, parse_manifest, sha256_file
+from policy_operator.exit_codes import FetchExit, describe
+from policy_operator.runtime.checkpoint import CheckpointError, parse_manifest, sha256_file
 from policy_operator.runtime.fetch_errors import (
-    EXIT_DISK_FULL,
-    EXIT_ERROR,
-    EXIT_OK,
-    EXIT_SOURCE,
-    EXIT_USAGE,
-    EXIT_VERIFY,
     DiskFullError,
     FetchError,
     SourceError,
@@ -55,27 +49,18 @@ from policy_operator.runtime.fetch_errors import (
 )
 from policy_operator.runtime.fetch_marker import check_complete, fsync_path, make_marker, read_marker, write_marker
 from policy_operator.runtime.fetch_progress import Progress, human_bytes
-from policy_operator.runtime.fetch_sources import HfSource, RemoteFile, Source, make_source, split_revision
+from policy_operator.runtime.fetch_sources import HfSource, RemoteFile, Source, make_source
+from policy_operator.sources import HF_SCHEME, InvalidSource, checkpoint_key, split_revision
+from policy_operator.tokens import read_token_file
 
 __all__ = [
-    "COMPLETE_MARKER", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_SOURCE", "EXIT_VERIFY", "EXIT_DISK_FULL",
-    "FetchError", "UsageError", "SourceError", "VerificationError", "DiskFullError",
-    "fetch", "request_key", "read_marker", "check_complete", "add_arguments", "main",
+    "COMPLETE_MARKER", "FetchError", "UsageError", "SourceError", "VerificationError", "DiskFullError",
+    "fetch", "read_marker", "check_complete", "add_arguments", "main",
 ]
 
 WORK_DIR = ".fetch"  # DEST/.fetch/<key>/ (staging) and DEST/.fetch/<key>.lock, on the same volume as DEST/<key>
 LOCK_REPORT_S = 30.0
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
-
-
-def request_key(source: str, revision: str | None = None) -> str:
-    """``checkpoint_key`` after moving an ``hf://org/repo@rev`` revision out of the source.
-
-    The operator must name the directory the same way, so it should call this
-    rather than ``checkpoint_key`` on the raw spec.
-    """
-    base, rev = split_revision(source, revision)
-    return checkpoint_key(base, rev)
 
 
 class _Log:
@@ -106,7 +91,7 @@ def fetch(
     only; ``progress=False`` silences everything but errors (raised).
     """
     if token is None:
-        token = os.environ.get(ENV_HF_TOKEN) if str(source).startswith("hf://") else None
+        token = os.environ.get(ENV_HF_TOKEN) if str(source).startswith(HF_SCHEME) else None
     try:
         return _fetch(str(source), Path(dest), revision, dict(sha256 or {}), token, verify, _Log(progress))
     except FetchError as exc:
@@ -116,7 +101,10 @@ def fetch(
 
 def _fetch(source: str, dest: Path, revision: str | None, overrides: dict[str, str], token: str | None,
            verify: bool, log: _Log) -> Path:
-    base, rev = split_revision(source, revision)
+    try:
+        base, rev = split_revision(source, revision)
+    except InvalidSource as exc:
+        raise UsageError(str(exc)) from None
     for name, value in overrides.items():
         if not _SHA256.fullmatch(value):
             raise UsageError(f"--sha256 {name}={value}: not a 64-digit hex sha256")
@@ -401,8 +389,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", action="store_true",
                         help="re-hash an already complete directory instead of checking sizes only")
     parser.add_argument("--quiet", action="store_true", help="no progress or info lines, only errors")
-    parser.epilog = ("Prints the checkpoint directory as the last line of stdout. Exit codes: 0 ok, 2 usage, "
-                     "3 source unreachable or auth, 4 verification failed, 5 disk full, 1 other.")
+    parser.epilog = f"Prints the checkpoint directory as the last line of stdout. Exit codes: {describe(FetchExit)}."
 
 
 def main(args: argparse.Namespace) -> int:
@@ -418,13 +405,13 @@ def main(args: argparse.Namespace) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         print("policyserver fetch: interrupted; the next run resumes", file=sys.stderr)
-        return 130
+        return FetchExit.INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - one readable line, never a traceback with secrets
         print(f"policyserver fetch: unexpected error: {scrub(f'{type(exc).__name__}: {exc}', secrets)}",
               file=sys.stderr)
-        return EXIT_ERROR
+        return FetchExit.ERROR
     print(path)
-    return EXIT_OK
+    return FetchExit.OK
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Why a fetch failed, as an exit code the operator's Job status can act on.
 
 The fetch Job's exit code is the only thing the operator sees without reading
-logs, so each failure class maps to one documented code: a retry is worth it for
-an unreachable source (3) and never for a hash mismatch (4) or a full volume (5).
+logs, so each failure class maps to one ``FetchExit`` code (``policy_operator/exit_codes.py``):
+a retry is worth it for an unreachable source and never for a hash mismatch or a full volume.
 Messages are scrubbed of secrets here, in the one place every error passes.
 """
 
@@ -11,12 +11,7 @@ from __future__ import annotations
 import errno
 from urllib.parse import SplitResult, urlsplit
 
-EXIT_OK = 0
-EXIT_ERROR = 1  # anything unexpected (a bug, a permission problem on the volume)
-EXIT_USAGE = 2
-EXIT_SOURCE = 3
-EXIT_VERIFY = 4
-EXIT_DISK_FULL = 5
+from policy_operator.exit_codes import FetchExit
 
 _REDACTED = "***"
 
@@ -24,13 +19,13 @@ _REDACTED = "***"
 class FetchError(RuntimeError):
     """A fetch that cannot complete; ``str()`` is one line fit for a Job's log."""
 
-    exit_code = EXIT_ERROR
+    exit_code = FetchExit.ERROR
 
 
 class UsageError(FetchError):
     """The request itself is wrong (bad source, unknown scheme, bad --sha256)."""
 
-    exit_code = EXIT_USAGE
+    exit_code = FetchExit.USAGE
 
 
 class SourceError(FetchError):
@@ -40,7 +35,7 @@ class SourceError(FetchError):
     the same run) from a 401/404 (the same answer every time).
     """
 
-    exit_code = EXIT_SOURCE
+    exit_code = FetchExit.SOURCE
 
     def __init__(self, message: str, *, retryable: bool = False) -> None:
         super().__init__(message)
@@ -50,13 +45,13 @@ class SourceError(FetchError):
 class VerificationError(FetchError):
     """Downloaded bytes do not match the hash or size the source promised."""
 
-    exit_code = EXIT_VERIFY
+    exit_code = FetchExit.VERIFY
 
 
 class DiskFullError(FetchError):
     """The volume has no room for the checkpoint."""
 
-    exit_code = EXIT_DISK_FULL
+    exit_code = FetchExit.DISK_FULL
 
 
 def is_disk_full(exc: BaseException) -> bool:

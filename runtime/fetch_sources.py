@@ -24,9 +24,8 @@ from policy_operator.runtime.checkpoint import CheckpointError, parse_manifest
 from policy_operator.runtime.fetch_errors import SourceError, UsageError, redact_url
 from policy_operator.runtime.fetch_http import download_file, fetch_small, head_size
 from policy_operator.runtime.fetch_progress import Progress
+from policy_operator.sources import HF_SCHEME, SCHEMES, InvalidSource, check_relpath, scheme_of
 
-HF_SCHEME = "hf://"
-SCHEMES = ("hf://", "http://", "https://", "s3://", "file://", "a local path")
 _HF_REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
 
 
@@ -41,24 +40,12 @@ class RemoteFile:
     origin: str = "source"  # who vouches for the hashes, for error messages
 
 
-def split_revision(source: str, revision: str | None) -> tuple[str, str | None]:
-    """``hf://org/repo@rev`` -> (``hf://org/repo``, ``rev``), so both spellings share a key."""
-    if source.startswith(HF_SCHEME) and "@" in source[len(HF_SCHEME):]:
-        base, _, inline = source.rpartition("@")
-        if not inline:
-            raise UsageError(f"{source}: empty revision after '@'")
-        if revision is not None and revision != inline:
-            raise UsageError(f"{source}: revision {inline!r} in the source conflicts with --revision {revision!r}")
-        return base, inline
-    return source, revision
-
-
 def safe_relpath(name: str) -> str:
-    """Refuse a listed name that would land outside the checkpoint directory."""
-    path = PurePosixPath(name)
-    if not name or path.is_absolute() or ".." in path.parts or "\\" in name:
-        raise SourceError(f"the source lists a path outside the checkpoint: {name!r}")
-    return path.as_posix()
+    """A listed name, refused (SourceError) unless it stays inside the checkpoint directory."""
+    try:
+        return check_relpath(name)
+    except InvalidSource as exc:
+        raise SourceError(f"the source lists a file outside the checkpoint: {exc}") from None
 
 
 class Source(ABC):
@@ -393,7 +380,7 @@ def hf_source(source: str, revision: str | None, token: str | None) -> HfSource:
 
 def make_source(source: str, revision: str | None, token: str | None) -> Source:
     """The Source for a (revision-split) source string; unknown schemes are a usage error."""
-    scheme = urlsplit(source).scheme.lower() if "://" in source else ""
+    scheme = scheme_of(source)
     if scheme == "hf":
         return hf_source(source, revision, token)
     if scheme in ("http", "https"):
@@ -403,4 +390,4 @@ def make_source(source: str, revision: str | None, token: str | None) -> Source:
     if scheme == "file" or (scheme == "" and source):
         return local_source(source)
     raise UsageError(f"{redact_url(source)}: unsupported source scheme {scheme + '://' if scheme else '(empty)'}; "
-                     f"supported: {', '.join(SCHEMES)}")
+                     f"supported: {', '.join(s + '://' for s in SCHEMES)}, a local path")

@@ -16,27 +16,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
-from enum import Enum
-from typing import Any, Protocol
+from typing import Protocol
 
 from policy_operator.layout import ParallelLayout
+from policy_operator.readyz import RankReadiness, RankState
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "policy-operator/heartbeat/"
-
-
-class RankState(str, Enum):
-    LOADING = "loading"
-    WARM = "warm"
-    SERVING = "serving"
-    STOPPING = "stopping"
-    FAILED = "failed"
-
-
-READY_STATES = {RankState.WARM.value, RankState.SERVING.value}
 
 
 class KV(Protocol):
@@ -76,23 +64,6 @@ class StoreKV:
     def get(self, key: str) -> bytes | None:
         # check() never blocks, unlike get() on a key that is not there yet
         return self._store.get(key) if self._store.check([key]) else None
-
-
-@dataclass(frozen=True)
-class RankStatus:
-    rank: int
-    dp_index: int
-    cfg_index: int
-    state: str
-    age_s: float | None
-    ready: bool
-    pid: int | None = None
-    detail: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "dp_index": self.dp_index, "cfg_index": self.cfg_index, "state": self.state,
-                "age_s": None if self.age_s is None else round(self.age_s, 3), "ready": self.ready, "pid": self.pid,
-                "detail": self.detail}
 
 
 class Heartbeat:
@@ -147,22 +118,29 @@ class Board:
         self.layout = layout
         self.stale_after = period_s * stale_factor
 
-    def read(self, rank: int, now: float | None = None) -> RankStatus:
+    def read(self, rank: int, now: float | None = None) -> RankReadiness:
+        """This rank's row of ``/readyz``."""
         dp_index, cfg_index = self.layout.coords(rank)
         now = time.time() if now is None else now
+
+        def row(state: RankState, age: float | None, ready: bool, pid: int | None = None,
+                detail: str = "") -> RankReadiness:
+            return RankReadiness(rank=rank, dp_index=dp_index, cfg_index=cfg_index, state=state,
+                                 age_s=None if age is None else round(age, 3), ready=ready, pid=pid, detail=detail)
+
         try:
             raw = self._kv.get(f"{KEY_PREFIX}{rank}")
         except Exception as exc:  # noqa: BLE001
-            return RankStatus(rank, dp_index, cfg_index, "unknown", None, False, detail=f"store error: {exc}")
+            return row(RankState.UNKNOWN, None, False, detail=f"store error: {exc}")
         if raw is None:
-            return RankStatus(rank, dp_index, cfg_index, "unknown", None, False, detail="no heartbeat yet")
+            return row(RankState.UNKNOWN, None, False, detail="no heartbeat yet")
         beat = json.loads(raw)
         age = max(0.0, now - float(beat["ts"]))
+        published = RankState(beat["state"])
         fresh = age <= self.stale_after
-        state = beat["state"] if fresh else "stale"
-        return RankStatus(rank, dp_index, cfg_index, state, age, fresh and beat["state"] in READY_STATES,
-                          beat.get("pid"), beat.get("detail", ""))
+        return row(published if fresh else RankState.STALE, age, fresh and published.takes_requests,
+                   beat.get("pid"), beat.get("detail", ""))
 
-    def snapshot(self) -> list[RankStatus]:
+    def snapshot(self) -> list[RankReadiness]:
         now = time.time()
         return [self.read(r, now) for r in range(self.layout.world_size)]

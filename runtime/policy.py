@@ -21,8 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from policy_operator.runtime.options import DEFAULT_POLICY  # noqa: F401 - re-exported
-
 
 class Branch(IntEnum):
     """CFG branch; the value is the cfg index of the rank that computes it under cfgp=2."""

@@ -9,8 +9,6 @@ asyncio ingress calls it on the event loop thread only, so it needs no lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
-from typing import Any
 
 
 class Router:
@@ -50,8 +48,3 @@ class Router:
     def total_in_flight(self) -> int:
         return sum(self.in_flight)
 
-
-def all_ready(ranks: Iterable[Mapping[str, Any]], world_size: int) -> bool:
-    """Ready only when every rank of every replica reported, fresh and warm."""
-    seen = {r["rank"]: r for r in ranks}
-    return len(seen) == world_size and all(r.get("ready") for r in seen.values())

@@ -32,7 +32,7 @@ from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 from policy_operator.runtime import wire
 from policy_operator.runtime.engine import Engine, NotReady
 from policy_operator.runtime.metrics import ServerMetrics
-from policy_operator.runtime.options import DEFAULT_MAX_MESSAGE_BYTES
+from policy_operator.serve_flags import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,9 @@ class PolicyWebSocketServer:
         if path == HEALTHZ_PATH:
             return _json(200, {"status": "ok"})
         if path == READYZ_PATH:
-            body = self.engine.readiness()
-            self.metrics.ranks_ready.set(body["ranks_ready"])
-            return _json(200 if body["ready"] else 503, body)
+            readiness = self.engine.readiness()
+            self.metrics.ranks_ready.set(readiness.ranks_ready)
+            return _response(200 if readiness.ready else 503, readiness.to_json(), "application/json")
         if path == METRICS_PATH:
             return _response(200, self.metrics.render(), self.metrics.content_type)
         if not self._authorized(request):

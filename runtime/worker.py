@@ -27,14 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
+from policy_operator import serve_flags
+from policy_operator.exit_codes import ServeExit
 from policy_operator.layout import LayoutError, ParallelLayout
-from policy_operator.runtime import options
 
 log = logging.getLogger("policy_operator.runtime.worker")
-
-EXIT_LAYOUT = 2
-EXIT_LOAD = 3
-EXIT_WATCHDOG = 4
 
 
 def _setup_logging(level: str, rank: int) -> None:
@@ -42,7 +39,7 @@ def _setup_logging(level: str, rank: int) -> None:
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
 
 
-def validate_layout(opts: options.ServeOptions) -> ParallelLayout:
+def validate_layout(opts: serve_flags.ServeOptions) -> ParallelLayout:
     """Fail before any download or model load; the message is one line."""
     world = int(os.environ.get("WORLD_SIZE", opts.cfgp * opts.dp))
     layout = ParallelLayout(opts.cfgp, opts.dp, world_size=world)
@@ -52,7 +49,7 @@ def validate_layout(opts: options.ServeOptions) -> ParallelLayout:
     return layout
 
 
-def resolve_checkpoint(opts: options.ServeOptions) -> str:
+def resolve_checkpoint(opts: serve_flags.ServeOptions) -> str:
     """A local directory as is; a source is fetched once (file lock + completion marker)."""
     if Path(opts.checkpoint).is_dir():
         return opts.checkpoint
@@ -66,7 +63,7 @@ def resolve_checkpoint(opts: options.ServeOptions) -> str:
 class Runtime:
     """Everything one rank builds, shared by the rank-0 and other-rank paths."""
 
-    def __init__(self, opts: options.ServeOptions, layout: ParallelLayout) -> None:
+    def __init__(self, opts: serve_flags.ServeOptions, layout: ParallelLayout) -> None:
         import torch
 
         from policy_operator.runtime.groups import init_distributed, select_device
@@ -126,8 +123,8 @@ class Runtime:
 async def _serve_rank0(rt: Runtime) -> int:
     from policy_operator.runtime.engine import Engine, ReplicaHandle, remote_call, remote_shutdown
     from policy_operator.runtime.health import RankState
-    from policy_operator.runtime.options import read_token
     from policy_operator.runtime.server import PolicyWebSocketServer, ServerConfig
+    from policy_operator.serve_flags import read_token
 
     opts = rt.opts
     loop = asyncio.get_running_loop()
@@ -148,7 +145,7 @@ async def _serve_rank0(rt: Runtime) -> int:
     if not load.done():  # SIGTERM while loading: nothing to drain
         await server.stop()
         log.info("stopped while loading")
-        os._exit(0)
+        os._exit(ServeExit.OK)
     try:
         worker = load.result()
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint must restart the pod, with a reason
@@ -157,7 +154,7 @@ async def _serve_rank0(rt: Runtime) -> int:
         log.error("loading the policy failed: %s", engine.load_error)
         print(f"policyserver: error: {engine.load_error}", file=sys.stderr, flush=True)
         await server.stop()
-        return EXIT_LOAD
+        return ServeExit.LOAD
     replicas = [ReplicaHandle(0, model_pool, worker.execute_reply)]
     engine.shutdown_calls.append((model_pool, worker.shutdown_peers))
     for k in range(1, rt.layout.dp):
@@ -179,7 +176,7 @@ async def _serve_rank0(rt: Runtime) -> int:
     await loop.run_in_executor(None, engine.stop_replicas)
     rt.heartbeat.stop()
     log.info("rank 0 exiting 0 (%s)", "drained" if drained else "grace period over")
-    return 0
+    return ServeExit.OK
 
 
 # --- every other rank ------------------------------------------------------------------------
@@ -193,13 +190,13 @@ def _watchdog(rt: Runtime) -> None:
         time.sleep(rt.opts.heartbeat_s)
         if os.getppid() != parent:
             log.error("launcher exited; rank %d exiting", rt.rank)
-            os._exit(EXIT_WATCHDOG)
+            os._exit(ServeExit.WATCHDOG)
         status = board.read(0)
         if status.age_s is not None and status.age_s <= board.stale_after:
             seen = time.monotonic()
         elif seen is not None and time.monotonic() - seen > limit:
             log.error("rank 0 silent for %.0fs; rank %d exiting", limit, rt.rank)
-            os._exit(EXIT_WATCHDOG)
+            os._exit(ServeExit.WATCHDOG)
 
 
 def _serve_other(rt: Runtime) -> int:
@@ -207,7 +204,7 @@ def _serve_other(rt: Runtime) -> int:
 
     def on_sigterm(signum, frame):  # torchrun signals every rank; only rank 0's sentinel ends the loop
         log.info("rank %d: SIGTERM, waiting for rank 0's shutdown (at most %.0fs)", rt.rank, grace)
-        threading.Timer(grace, lambda: os._exit(0)).start()
+        threading.Timer(grace, lambda: os._exit(ServeExit.OK)).start()
 
     signal.signal(signal.SIGTERM, on_sigterm)
     threading.Thread(target=_watchdog, args=(rt,), name="watchdog", daemon=True).start()
@@ -218,22 +215,22 @@ def _serve_other(rt: Runtime) -> int:
         worker.peer_loop()
     rt.heartbeat.stop()
     log.info("rank %d exiting 0", rt.rank)
-    return 0
+    return ServeExit.OK
 
 
-def preflight(opts: options.ServeOptions) -> ParallelLayout:
+def preflight(opts: serve_flags.ServeOptions) -> ParallelLayout:
     """Every check that needs no torch (layout, guidance, steps, token file); raises ValueError, one line."""
     layout = validate_layout(opts)
-    options.read_token(opts.auth_token_file)  # missing or empty: a usage error, not a traceback after loading
+    serve_flags.read_token(opts.auth_token_file)  # missing or empty: a usage error, not a traceback after loading
     return layout
 
 
-def run(opts: options.ServeOptions) -> int:
+def run(opts: serve_flags.ServeOptions) -> int:
     try:
         layout = preflight(opts)
     except ValueError as exc:  # LayoutError is one
         print(f"policyserver: error: {exc}", file=sys.stderr)
-        return EXIT_LAYOUT
+        return ServeExit.LAYOUT
     rank = int(os.environ.get("RANK", "0"))
     _setup_logging(opts.log_level, rank)
     rt = Runtime(opts, layout)
@@ -248,8 +245,8 @@ def run(opts: options.ServeOptions) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="policy_operator.runtime.worker", description=__doc__.splitlines()[0])
-    options.add_arguments(parser)
-    return run(options.ServeOptions.from_args(parser.parse_args(argv)))
+    serve_flags.add_arguments(parser)
+    return run(serve_flags.ServeOptions.from_args(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

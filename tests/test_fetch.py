@@ -13,19 +13,10 @@ from pathlib import Path
 import pytest
 
 from policy_operator.constants import COMPLETE_MARKER, MANIFEST_FILE
+from policy_operator.exit_codes import FetchExit
 from policy_operator.runtime.checkpoint import CheckpointError, sha256_file, write_manifest
-from policy_operator.runtime.fetch import (
-    EXIT_DISK_FULL,
-    EXIT_SOURCE,
-    EXIT_USAGE,
-    EXIT_VERIFY,
-    UsageError,
-    VerificationError,
-    check_complete,
-    fetch,
-    read_marker,
-    request_key,
-)
+from policy_operator.runtime.fetch import SourceError, UsageError, VerificationError, check_complete, fetch, read_marker
+from policy_operator.sources import request_key
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.net import free_port, wait_for
 
@@ -108,7 +99,7 @@ def test_registered_as_policyserver_fetch(server, tmp_path, cli_env):
     assert res.stdout.strip() == str(tmp_path / "models" / request_key(url)) and res.stderr == ""
     usage = subprocess.run(["policyserver", "fetch"], env=cli_env, capture_output=True, text=True,
                            timeout=CLI_TIMEOUT_S)
-    assert usage.returncode == EXIT_USAGE and "SOURCE" in usage.stderr
+    assert usage.returncode == FetchExit.USAGE and "SOURCE" in usage.stderr
 
 
 def test_four_concurrent_processes_download_once(server, src_root, tmp_path, cli_env):
@@ -185,7 +176,7 @@ def test_corrupt_source_fails_with_both_hashes_and_leaves_no_marker(server, src_
     dest = tmp_path / "models"
     key = request_key(url)
     bad = run_fetch(cli_env, url, str(dest))
-    assert bad.returncode == EXIT_VERIFY, bad.stderr
+    assert bad.returncode == FetchExit.VERIFY, bad.stderr
     assert "model.safetensors" in bad.stderr and promised in bad.stderr and served in bad.stderr
     assert not (dest / key).exists()
     assert not (dest / ".fetch" / key / "model.safetensors").exists(), "the bad file must be deleted"
@@ -204,14 +195,14 @@ def test_wrong_sha256_flag_and_bad_flags(server, tmp_path, cli_env):
     dest = tmp_path / "models"
     wrong = "0" * 64
     res = run_fetch(cli_env, url, str(dest), "--sha256", f"model.safetensors={wrong}")
-    assert res.returncode == EXIT_VERIFY, res.stderr
+    assert res.returncode == FetchExit.VERIFY, res.stderr
     assert "--sha256" in res.stderr and wrong in res.stderr and "model.safetensors" in res.stderr
     assert read_marker(dest / request_key(url)) is None
 
-    assert run_fetch(cli_env, url, str(dest), "--sha256", f"nosuchfile={wrong}").returncode == EXIT_USAGE
+    assert run_fetch(cli_env, url, str(dest), "--sha256", f"nosuchfile={wrong}").returncode == FetchExit.USAGE
     bad_hash = run_fetch(cli_env, url, str(dest), "--sha256", "model.safetensors=abc")
-    assert bad_hash.returncode == EXIT_USAGE and "64-digit" in bad_hash.stderr
-    assert run_fetch(cli_env, url, str(dest), "--sha256", "no-equals-sign").returncode == EXIT_USAGE
+    assert bad_hash.returncode == FetchExit.USAGE and "64-digit" in bad_hash.stderr
+    assert run_fetch(cli_env, url, str(dest), "--sha256", "no-equals-sign").returncode == FetchExit.USAGE
 
 
 def test_token_reaches_the_server_and_appears_nowhere(src_root, tmp_path, cli_env):
@@ -222,16 +213,16 @@ def test_token_reaches_the_server_and_appears_nowhere(src_root, tmp_path, cli_en
         url = server.url_for("ckpt/")
         dest = tmp_path / "models"
         denied = run_fetch(cli_env, url, str(dest))
-        assert denied.returncode == EXIT_SOURCE and "401" in denied.stderr
+        assert denied.returncode == FetchExit.SOURCE and "401" in denied.stderr
         # HF_TOKEN is for the hub only: it must not be offered to an arbitrary web server
         leaked = run_fetch({**cli_env, "HF_TOKEN": token}, url, str(dest))
-        assert leaked.returncode == EXIT_SOURCE
+        assert leaked.returncode == FetchExit.SOURCE
         assert all(r.headers.get("Authorization") is None for r in server.requests)
 
         wrong_file = tmp_path / "wrong"
         wrong_file.write_text("tok-wrong-one-42")
         wrong = run_fetch(cli_env, url, str(dest), "--token-file", str(wrong_file))
-        assert wrong.returncode == EXIT_SOURCE and "tok-wrong-one-42" not in wrong.stdout + wrong.stderr
+        assert wrong.returncode == FetchExit.SOURCE and "tok-wrong-one-42" not in wrong.stdout + wrong.stderr
 
         server.reset_log()
         ok = run_fetch(cli_env, url, str(dest), "--token-file", str(token_file))
@@ -240,7 +231,7 @@ def test_token_reaches_the_server_and_appears_nowhere(src_root, tmp_path, cli_en
         for res in (denied, leaked, wrong, ok):
             assert token not in res.stdout + res.stderr
         assert token not in (dest / request_key(url) / COMPLETE_MARKER).read_text()
-    assert run_fetch(cli_env, url, str(dest), "--token-file", str(tmp_path / "missing")).returncode == EXIT_USAGE
+    assert run_fetch(cli_env, url, str(dest), "--token-file", str(tmp_path / "missing")).returncode == FetchExit.USAGE
 
 
 def test_single_file_url(server, src_root, tmp_path, cli_env):
@@ -278,16 +269,16 @@ def test_file_url_and_plain_path(src_root, tmp_path, cli_env):
     (ckpt / "config.json").write_text('{"edited": true}')
     with pytest.raises(VerificationError, match="config.json"):
         fetch(str(ckpt), tmp_path / "other", progress=False)
-    assert run_fetch(cli_env, str(tmp_path / "does-not-exist"), str(dest)).returncode == EXIT_SOURCE
+    assert run_fetch(cli_env, str(tmp_path / "does-not-exist"), str(dest)).returncode == FetchExit.SOURCE
 
 
 def test_unknown_scheme_and_bad_sources_are_usage_errors(tmp_path, cli_env):
     res = run_fetch(cli_env, "gs://bucket/ckpt/", str(tmp_path / "models"))
-    assert res.returncode == EXIT_USAGE and "unsupported source scheme gs://" in res.stderr
+    assert res.returncode == FetchExit.USAGE and "unsupported source scheme gs://" in res.stderr
     assert not (tmp_path / "models").exists(), "a usage error must not touch the volume"
     for source in ("hf://only-one-part", "hf://org/repo@", "file://otherhost/x"):
         res = run_fetch(cli_env, source, str(tmp_path / "models"))
-        assert res.returncode == EXIT_USAGE, (source, res.stderr)
+        assert res.returncode == FetchExit.USAGE, (source, res.stderr)
     with pytest.raises(UsageError, match="conflicts"):
         fetch("hf://org/repo@v1", tmp_path, revision="v2", progress=False)
 
@@ -297,14 +288,35 @@ def test_s3_without_boto3_is_a_clear_error(tmp_path, cli_env):
         import boto3  # noqa: F401
     except ImportError:
         res = run_fetch(cli_env, "s3://bucket/ckpt/", str(tmp_path))
-        assert res.returncode == EXIT_USAGE and "boto3" in res.stderr
+        assert res.returncode == FetchExit.USAGE and "boto3" in res.stderr
     else:
         pytest.skip("boto3 is installed: the missing-client path cannot be exercised")
 
 
 def test_unreachable_source(tmp_path, cli_env):
     res = run_fetch(cli_env, f"http://127.0.0.1:{free_port()}/ckpt/", str(tmp_path))
-    assert res.returncode == EXIT_SOURCE and "cannot reach" in res.stderr
+    assert res.returncode == FetchExit.SOURCE and "cannot reach" in res.stderr
+
+
+@pytest.mark.parametrize("name", ["../escape.bin", "a/../../escape.bin", "/tmp/escape.bin", "sub\\..\\escape.bin",
+                                  "a//b.bin", "./a.bin", ""])
+def test_a_manifest_naming_files_outside_the_checkpoint_is_refused(tmp_path, name):
+    """Over HTTP and from a local directory: nothing is written anywhere, the error names the file."""
+    src = tmp_path / "srv" / "ckpt"
+    make_checkpoint(src)
+    manifest = json.loads((src / MANIFEST_FILE).read_text())
+    manifest["files"][name] = {"size": 3, "sha256": "0" * 64}
+    (src / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with CheckpointServer(tmp_path / "srv") as srv:
+        for source in (srv.url_for("ckpt/"), str(src)):
+            dest = tmp_path / "models"
+            with pytest.raises(SourceError, match="outside the checkpoint") as info:
+                fetch(source, dest, progress=False)
+            assert info.value.exit_code == FetchExit.SOURCE and repr(name) in str(info.value)
+            assert not (dest / request_key(source)).exists()
+            assert not list(tmp_path.rglob("escape.bin")) and not Path("/tmp/escape.bin").exists()
+            assert not any(p.is_file() for p in (dest / ".fetch").rglob("*") if p.suffix != ".lock")
+        assert srv.count() == 1  # the manifest only: no file download was attempted
 
 
 def test_damaged_checkpoint_is_detected_and_repaired(server, src_root, tmp_path):
@@ -360,7 +372,7 @@ def test_disk_full_exits_5(server, tmp_path, cli_env):
     if probe.returncode != 0:
         pytest.skip(f"cannot mount tmpfs here: {probe.stderr.decode().strip()}")
     res = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
-    assert res.returncode == EXIT_DISK_FULL, res.stderr
+    assert res.returncode == FetchExit.DISK_FULL, res.stderr
     assert "MiB more needed" in res.stderr
     assert server.count("/ckpt/model.safetensors") == 0, "refused before downloading"
 

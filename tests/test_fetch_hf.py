@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from policy_operator.constants import COMPLETE_MARKER
+from policy_operator.exit_codes import FetchExit
 from policy_operator.runtime.checkpoint import sha256_file, write_manifest
-from policy_operator.runtime.fetch import EXIT_SOURCE, EXIT_USAGE, EXIT_VERIFY, check_complete, read_marker, request_key
+from policy_operator.runtime.fetch import check_complete, read_marker
+from policy_operator.sources import request_key
 from tests.support.hub_stub import HubStub
 
 MiB = 1 << 20
@@ -94,7 +96,7 @@ def test_hf_token_is_sent_to_the_hub_only_and_never_printed(repo_dir, tmp_path, 
         hub.add_repo(REPO, repo_dir)
         dest = tmp_path / "models"
         denied = run_fetch(hub_env(cli_env, hub, tmp_path / "home1"), f"hf://{REPO}", str(dest))
-        assert denied.returncode == EXIT_SOURCE and "RepositoryNotFoundError" in denied.stderr
+        assert denied.returncode == FetchExit.SOURCE and "RepositoryNotFoundError" in denied.stderr
 
         hub.reset_log()
         ok = run_fetch(hub_env(cli_env, hub, tmp_path / "home2", token=TOKEN), f"hf://{REPO}", str(dest))
@@ -126,7 +128,7 @@ def test_hf_corrupt_bytes_fail_verification(repo_dir, tmp_path, cli_env):
         env = hub_env(cli_env, hub, tmp_path / "home")
         dest = tmp_path / "models"
         res = run_fetch(env, f"hf://{REPO}", str(dest))
-        assert res.returncode == EXIT_VERIFY, res.stderr
+        assert res.returncode == FetchExit.VERIFY, res.stderr
         assert "model.safetensors" in res.stderr and promised in res.stderr and sha256_file(weights) in res.stderr
         key = request_key(f"hf://{REPO}")
         assert not (dest / key).exists()
@@ -137,7 +139,7 @@ def test_hf_corrupt_bytes_fail_verification(repo_dir, tmp_path, cli_env):
         weights.write_bytes(bytes(data))
         (repo_dir / "config.json").write_text(json.dumps({"policy": "pi0", "action_horizon": 99}))
         res = run_fetch(env, f"hf://{REPO}", str(tmp_path / "other"))
-        assert res.returncode == EXIT_VERIFY and "config.json: git blob sha1" in res.stderr, res.stderr
+        assert res.returncode == FetchExit.VERIFY and "config.json: git blob sha1" in res.stderr, res.stderr
         assert read_marker(tmp_path / "other" / key) is None
 
 
@@ -147,8 +149,8 @@ def test_hf_missing_repo_revision_and_bad_ids(repo_dir, tmp_path, cli_env):
         env = hub_env(cli_env, hub, tmp_path / "home")
         dest = str(tmp_path / "models")
         missing = run_fetch(env, "hf://lab/does-not-exist", dest)
-        assert missing.returncode == EXIT_SOURCE and "RepositoryNotFoundError" in missing.stderr
+        assert missing.returncode == FetchExit.SOURCE and "RepositoryNotFoundError" in missing.stderr
         bad_rev = run_fetch(env, f"hf://{REPO}@no-such-branch", dest)
-        assert bad_rev.returncode == EXIT_SOURCE and "RevisionNotFoundError" in bad_rev.stderr
+        assert bad_rev.returncode == FetchExit.SOURCE and "RevisionNotFoundError" in bad_rev.stderr
         bad_id = run_fetch(env, "hf://lab/bad id!", dest)
-        assert bad_id.returncode == EXIT_USAGE, bad_id.stderr
+        assert bad_id.returncode == FetchExit.USAGE, bad_id.stderr

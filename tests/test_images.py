@@ -18,22 +18,21 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import dockerfile
 import helm_python
 import pytest
+import tomllib
 import yaml
 from packaging.requirements import Requirement
 
-from policy_operator import cli
+from policy_operator import cli, serve_flags
 from policy_operator import constants as C
 from policy_operator.operator import main as operator_main
 from policy_operator.operator import manifests
 from policy_operator.operator.spec import parse_spec
-from policy_operator.runtime import options, serve_cli
 from tests.support.servers import serve_policy, tiny_checkpoint  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -304,7 +303,7 @@ def test_runtime_image_provides_every_command_the_operator_writes() -> None:
             assert f"policyserver {' '.join(sub)} --help" in smoke, sub
         else:
             module = command[command.index("-m") + 1]
-            assert module == manifests.WORKER_MODULE == serve_cli.WORKER_MODULE
+            assert module == serve_flags.WORKER_MODULE
             assert re.search(rf'python -c "import [\w., ]*\b{re.escape(module)}\b', smoke), module
     env = env_of(final_stage(RUNTIME_DOCKERFILE))
     assert env[C.ENV_HOME] == manifests.TMP_PATH and env[C.ENV_XDG_CACHE_HOME] == f"{manifests.TMP_PATH}/.cache"
@@ -315,12 +314,12 @@ def test_runtime_default_command_serves_like_the_operator_pods() -> None:
     cmd = one_cmd(final_stage(RUNTIME_DOCKERFILE), "CMD")
     assert cmd.json and cmd.value[:2] == ("policyserver", "serve")
     args = cli.build_parser().parse_args([*cmd.value[1:], "--cfgp", "2", "--dp", "2", "--guidance", "2.5"])
-    opts = options.ServeOptions.from_args(args)
-    launched = serve_cli.torchrun_argv(4, options.to_argv(opts))
+    opts = serve_flags.ServeOptions.from_args(args)
+    launched = serve_flags.torchrun_argv(4, serve_flags.to_argv(opts))
     example = EXAMPLES["policyserver-cfgp2-dp2.yaml"]
     spec = parse_spec(example["spec"], name=example["metadata"]["name"], namespace="robots")
     written = manifests.worker_command(spec, manifests.ServingCheckpoint.of(spec))
-    head = written.index(manifests.WORKER_MODULE) + 1
+    head = written.index(serve_flags.WORKER_MODULE) + 1
     assert launched[:head] == written[:head]
     for flag in ("--cfgp", "--dp", "--guidance"):
         assert launched[launched.index(flag) + 1] == written[written.index(flag) + 1]

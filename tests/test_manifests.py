@@ -18,9 +18,10 @@ import pytest
 import yaml
 
 from policy_operator import constants as C
+from policy_operator import serve_flags
 from policy_operator.operator import manifests as M
 from policy_operator.operator.spec import PolicyServerSpec, parse_spec
-from policy_operator.runtime.checkpoint import checkpoint_key
+from policy_operator.sources import checkpoint_key, request_key
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_VERSIONS = ("1.32.0", "1.37.0")
@@ -168,8 +169,6 @@ def test_fetch_job_runs_the_fetch_cli_contract() -> None:
 
 def test_fetch_job_key_follows_the_fetch_cli_for_inline_revisions() -> None:
     """hf://repo@rev and hf://repo + revision are one checkpoint: one key, one Job, one directory."""
-    from policy_operator.runtime.fetch import request_key
-
     inline = spec_of(base(checkpoint={"source": "hf://org/policy@v2"}))
     split = spec_of(base(checkpoint={"source": "hf://org/policy", "revision": "v2"}))
     assert inline.checkpoint.key == split.checkpoint.key == request_key("hf://org/policy@v2")
@@ -233,16 +232,13 @@ def test_gpus_and_command_follow_the_layout(cfgp: int, dp: int) -> None:
 
 def test_worker_command_is_the_runtimes_own() -> None:
     """Same launch line as `policyserver serve` builds, and flags its parser accepts."""
-    serve_cli = pytest.importorskip("policy_operator.runtime.serve_cli")
-    from policy_operator.runtime import options
-
     spec = spec_of(base(parallelism={"cfgp": 2, "dp": 2}, auth={"secretRef": {"name": "c"}},
                         runtime={"guidance": 4.0, "extraArgs": ["--heartbeat-s", "0.5", "--dtype=bfloat16"]}))
     command = _server(M.build_statefulset(spec))["command"]
     worker_args = command[6:]
-    assert command == serve_cli.torchrun_argv(spec.layout.world_size, worker_args)
+    assert command == serve_flags.torchrun_argv(spec.layout.world_size, worker_args)
     parser = argparse.ArgumentParser()
-    options.add_arguments(parser)
+    serve_flags.add_arguments(parser)
     args = parser.parse_args(worker_args)
     assert (args.cfgp, args.dp, args.guidance, args.steps, args.port) == (2, 2, 4.0, 10, 8000)
     assert args.auth_token_file == f"{C.AUTH_TOKEN_DIR}/token"
@@ -250,11 +246,9 @@ def test_worker_command_is_the_runtimes_own() -> None:
 
 
 def test_spec_defaults_are_the_runtimes() -> None:
-    pytest.importorskip("policy_operator.runtime.serve_cli")
     from policy_operator.operator import spec as S
-    from policy_operator.runtime import options
 
-    assert (S.DEFAULT_GUIDANCE, S.DEFAULT_STEPS, C.DEFAULT_PORT) == (options.DEFAULT_GUIDANCE, options.DEFAULT_STEPS,
+    assert (S.DEFAULT_GUIDANCE, S.DEFAULT_STEPS, C.DEFAULT_PORT) == (serve_flags.DEFAULT_GUIDANCE, serve_flags.DEFAULT_STEPS,
                                                                       spec_of(base()).service.port)
 
 

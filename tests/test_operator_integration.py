@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from policy_operator import constants as C
-from policy_operator.runtime.checkpoint import checkpoint_key
+from policy_operator.sources import checkpoint_key
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.kube_fixtures import kube  # noqa: F401 - the fixture
 from tests.support.net import free_port, wait_for

@@ -203,7 +203,7 @@ def readyz_body(ranks: list[bool], cfgp: int = 2) -> bytes:
     return json.dumps({"ready": all(ranks), "world_size": len(ranks), "ranks_ready": sum(ranks),
                        "layout": {"cfgp": cfgp, "dp": len(ranks) // cfgp, "world_size": len(ranks)},
                        "ranks": [{"rank": i, "dp_index": i // cfgp, "cfg_index": i % cfgp,
-                                  "state": "serving" if ok else "warming", "age_s": 0.2, "ready": ok}
+                                  "state": "serving" if ok else "loading", "age_s": 0.2, "ready": ok}
                                  for i, ok in enumerate(ranks)]}).encode()
 
 
@@ -211,7 +211,7 @@ def test_parse_readyz() -> None:
     ready, n, world, ranks, message = rank_probe.parse_readyz(200, readyz_body([True] * 4), 4)
     assert (ready, n, world, message) == (True, 4, 4, "") and ranks[3].dp_index == 1 and ranks[3].cfg_index == 1
     ready, n, world, ranks, message = rank_probe.parse_readyz(503, readyz_body([True, False, True, False]), 4)
-    assert (ready, n) == (False, 2) and message == "2/4 ranks ready (rank 1 warming, rank 3 warming)"
+    assert (ready, n) == (False, 2) and message == "2/4 ranks ready (rank 1 loading, rank 3 loading)"
     # a 200 that claims ready with missing ranks is not trusted
     claim = json.dumps({"ready": True, "world_size": 4, "ranks_ready": 3, "ranks": []}).encode()
     assert rank_probe.parse_readyz(200, claim, 4)[0] is False

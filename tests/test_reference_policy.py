@@ -180,7 +180,7 @@ def test_action_normalisation_from_the_config(tmp_path: Path, policy: ReferenceP
 
 
 def test_load_policy_class_resolves_the_default_and_refuses_others() -> None:
-    from policy_operator.runtime.options import DEFAULT_POLICY
+    from policy_operator.serve_flags import DEFAULT_POLICY
 
     assert load_policy_class(DEFAULT_POLICY) is ReferencePolicy
     for path, words in [("no-colon", "pkg.module:Class"), ("nosuch.module:X", "cannot import"),

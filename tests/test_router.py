@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policy_operator.runtime.router import Router, all_ready
+from policy_operator.runtime.router import Router
 
 
 def test_single_replica_is_degenerate() -> None:
@@ -70,10 +70,3 @@ def test_release_without_acquire_is_an_error() -> None:
     with pytest.raises(RuntimeError):
         r.release(1)
 
-
-def test_ready_only_when_every_rank_answers() -> None:
-    ranks = [{"rank": 0, "ready": True}, {"rank": 1, "ready": True}]
-    assert all_ready(ranks, 2)
-    assert not all_ready(ranks[:1], 2)  # a replica that never reported
-    assert not all_ready([ranks[0], {"rank": 1, "ready": False}], 2)
-    assert not all_ready([], 1)

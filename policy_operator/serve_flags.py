@@ -1,24 +1,32 @@
-"""Flags of ``policyserver serve``, shared verbatim by the torchrun worker.
+"""The flags of ``policyserver serve``, the torchrun line that runs them, and the ones the operator sets.
 
-The operator writes these flags into pod specs and ``serve`` forwards them to
-``torchrun -m policy_operator.runtime.worker``, so there is exactly one
-definition.  No torch import here: ``--help`` stays instant.
+One definition for three readers: ``serve`` and the torchrun worker parse
+these flags, ``serve`` forwards them to ``torchrun -m
+policy_operator.runtime.worker``, and the operator writes the same launch line
+into pod specs, setting the ``MANAGED`` flags from the PolicyServer's spec
+(``runtime.extraArgs`` may add others, never these: the CRD generator and the
+spec model read ``MANAGED_FLAGS``).  No torch import here: ``--help`` stays
+instant and the operator image has no torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Final
 
-from policy_operator.tokens import read_token_file
 from policy_operator.constants import DEFAULT_PORT, ENV_HOST
+from policy_operator.tokens import read_token_file
 
-DEFAULT_GUIDANCE = 3.0
-DEFAULT_STEPS = 10
-DEFAULT_CACHE_DIR = ".cache/checkpoints"
-DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
-DEFAULT_POLICY = "policy_operator.runtime.reference:ReferencePolicy"
+DEFAULT_GUIDANCE: Final = 3.0
+DEFAULT_STEPS: Final = 10
+DEFAULT_DRAIN_GRACE_S: Final = 20.0
+DEFAULT_CACHE_DIR: Final = ".cache/checkpoints"
+DEFAULT_MAX_MESSAGE_BYTES: Final = 16 << 20
+DEFAULT_POLICY: Final = "policy_operator.runtime.reference:ReferencePolicy"
+WORKER_MODULE: Final = "policy_operator.runtime.worker"  # the torchrun program, one process per rank
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--auth-token-file", default=None, help="require 'Authorization: Bearer|Api-Key <token>'")
     g = p.add_argument_group("health and lifecycle")
     g.add_argument("--heartbeat-s", type=float, default=1.0, help="rank heartbeat period (default %(default)s)")
-    g.add_argument("--drain-grace-s", type=float, default=20.0,
+    g.add_argument("--drain-grace-s", type=float, default=DEFAULT_DRAIN_GRACE_S,
                    help="on SIGTERM, how long in-flight requests may finish (default %(default)s)")
     g.add_argument("--pg-timeout-s", type=float, default=1800.0,
                    help="timeout of the per-request collectives; idle waits never use it (default %(default)s)")
@@ -100,14 +108,42 @@ def read_token(path: str | None) -> str | None:
     return read_token_file(path, "--auth-token-file") if path else None
 
 
+def flag_of(field: str) -> str:
+    """``drain_grace_s`` -> ``--drain-grace-s``: how every ServeOptions field is spelled on a command line."""
+    return "--" + field.replace("_", "-")
+
+
+def argv_of(values: Mapping[str, object]) -> list[str]:
+    """Flags for ``{field: value}``: a true bool is a bare flag, False and None are left out."""
+    argv: list[str] = []
+    for name, value in values.items():
+        if isinstance(value, bool):
+            argv += [flag_of(name)] if value else []
+        elif value is not None:
+            argv += [flag_of(name), str(value)]
+    return argv
+
+
 def to_argv(opts: ServeOptions) -> list[str]:
     """The flags that reproduce ``opts``: what ``serve`` hands to the torchrun worker."""
-    argv: list[str] = []
-    for name in ServeOptions.__dataclass_fields__:
-        value = getattr(opts, name)
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            argv += [flag] if value else []
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
+    return argv_of({f.name: getattr(opts, f.name) for f in fields(ServeOptions)})
+
+
+def torchrun_argv(nproc: int, worker_args: list[str]) -> list[str]:
+    """The launch command of a pod or a multi-rank ``serve``: one worker process per rank, no restarts."""
+    return ["torchrun", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", WORKER_MODULE,
+            *worker_args]
+
+
+# --- what the operator sets -------------------------------------------------------------
+# ServeOptions fields the operator writes from a PolicyServer's spec, in this order, before extraArgs.
+MANAGED: Final = ("checkpoint", "port", "cfgp", "dp", "guidance", "steps", "device", "auth_token_file",
+                  "drain_grace_s")
+MANAGED_FLAGS: Final = tuple(flag_of(name) for name in MANAGED)
+
+
+def managed_argv(*, checkpoint: str, port: int, cfgp: int, dp: int, guidance: float, steps: int, device: str,
+                 auth_token_file: str | None, drain_grace_s: float) -> list[str]:
+    """The worker flags the operator derives from the spec (``auth_token_file`` None: no auth)."""
+    given = locals()
+    return argv_of({name: given[name] for name in MANAGED})

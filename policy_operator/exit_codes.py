@@ -1,0 +1,63 @@
+"""Exit codes of the ``policyserver`` commands the operator runs in pods, and what it does with each.
+
+A container's exit code is the one thing the operator learns about a failed
+pod without reading its logs, so each code means one thing and is written
+here once: the commands return these members, ``policyserver fetch --help``
+lists them, the fetch Job's ``podFailurePolicy`` fails at once on
+``FETCH_FATAL``, and the operator maps each ``FetchExit`` to the reason of its
+``CheckpointReady`` condition (``operator/child_status.py``).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Final
+
+
+class _ExitCode(IntEnum):
+    """An exit code with a few words of meaning, for ``--help`` texts and docs."""
+
+    meaning: str
+
+    def __new__(cls, value: int, meaning: str) -> _ExitCode:
+        member = int.__new__(cls, value)
+        member._value_ = value
+        member.meaning = meaning
+        return member
+
+
+class FetchExit(_ExitCode):
+    """``policyserver fetch`` (the fetch Job)."""
+
+    OK = 0, "ok"
+    ERROR = 1, "other"  # a bug, a permission problem on the volume: retried by the Job
+    USAGE = 2, "usage"  # bad source, unknown scheme, bad --sha256: the same answer every time
+    SOURCE = 3, "source unreachable or auth"  # retried: a network or a registry comes back
+    VERIFY = 4, "verification failed"  # a retry downloads the same bytes
+    DISK_FULL = 5, "disk full"  # nothing a retry changes
+    INTERRUPTED = 130, "interrupted (the next run resumes)"
+
+
+class ServeExit(_ExitCode):
+    """``policyserver serve`` and each torchrun rank of it (the server container)."""
+
+    OK = 0, "ok (drained after SIGTERM)"
+    LAYOUT = 2, "layout, guidance, steps or token file refused before anything started"
+    LOAD = 3, "the checkpoint or policy did not load"  # the pod restarts, with the reason in its log
+    WATCHDOG = 4, "a rank gave up on rank 0 or on its launcher"
+
+
+class CheckpointExit(_ExitCode):
+    """``policyserver checkpoint verify`` (the server pod's init container)."""
+
+    OK = 0, "verified"
+    INVALID = 1, "missing, incomplete or changed since fetched"  # the pod does not start
+
+
+def describe(codes: type[_ExitCode]) -> str:
+    """``0 ok, 1 other, ...``: the exit codes of one command, for its ``--help``."""
+    return ", ".join(f"{int(code)} {code.meaning}" for code in codes)
+
+
+# The fetch Job fails at once on these (podFailurePolicy FailJob) instead of burning its backoffLimit.
+FETCH_FATAL: Final = (FetchExit.USAGE, FetchExit.VERIFY, FetchExit.DISK_FULL)
