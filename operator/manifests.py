@@ -184,7 +184,7 @@ def fetch_command(spec: PolicyServerSpec) -> list[str]:
     cmd = ["policyserver", "fetch", ck.source, CACHE_MOUNT_PATH]
     if ck.revision is not None:
         cmd += ["--revision", ck.revision]
-    for file, digest in ck.sha256:
+    for file, digest in sorted(ck.sha256.items()):
         cmd += ["--sha256", f"{file}={digest}"]
     if ck.secret_ref is not None:
         cmd += ["--token-file", f"{CHECKPOINT_TOKEN_DIR}/{TOKEN_FILE}"]
@@ -206,7 +206,7 @@ def build_fetch_job(spec: PolicyServerSpec) -> dict[str, Any]:
         if ck.is_hf:
             env.append({"name": ENV_HF_TOKEN, "valueFrom": {"secretKeyRef": {
                 "name": ck.secret_ref.name, "key": ck.secret_ref.key}}})
-    env += [copy.deepcopy(dict(e)) for e in ck.fetch_job.env]
+    env += [e.to_api() for e in ck.fetch_job.env]
     container: dict[str, Any] = {
         "name": FETCH_CONTAINER,
         "image": spec.image,
@@ -217,7 +217,7 @@ def build_fetch_job(spec: PolicyServerSpec) -> dict[str, Any]:
         # the last lines of a failed fetch ("policyserver fetch: error: ...") become the
         # termination message, which the operator copies into CheckpointReady
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "resources": copy.deepcopy(dict(ck.fetch_job.resources)) or {
+        "resources": (ck.fetch_job.resources.to_api() if ck.fetch_job.resources else None) or {
             "requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
     }
     if spec.image_pull_policy:
@@ -290,7 +290,7 @@ def _server_resources(spec: PolicyServerSpec) -> dict[str, Any]:
 
 
 def _apply_scheduling(pod_spec: dict[str, Any], spec: PolicyServerSpec) -> None:
-    sched = spec.scheduling
+    sched = spec  # the scheduling fields sit at the top level of the spec, as in a pod spec
     if sched.node_selector:
         pod_spec["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
@@ -302,7 +302,7 @@ def _apply_scheduling(pod_spec: dict[str, Any], spec: PolicyServerSpec) -> None:
     if sched.service_account_name:
         pod_spec["serviceAccountName"] = sched.service_account_name
     if spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+        pod_spec["imagePullSecrets"] = [ref.to_api() for ref in spec.image_pull_secrets]
 
 
 def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint) -> dict[str, Any]:
@@ -333,7 +333,7 @@ def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint) -> di
         "image": spec.image,
         "command": worker_command(spec, serving),
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
-        "env": _home_env() + [copy.deepcopy(dict(e)) for e in rt.env],
+        "env": _home_env() + [e.to_api() for e in rt.env],
         "volumeMounts": mounts,
         "resources": _server_resources(spec),
         "securityContext": _container_security_context(),

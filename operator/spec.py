@@ -1,56 +1,106 @@
-"""A PolicyServer's spec as typed, validated dataclasses.
+"""A PolicyServer's spec: one typed model that is both the CRD's schema and the operator's parser.
 
-The CRD's openAPIV3Schema and CEL rules reject bad specs at admission, but an
-API server without CEL (or the test emulator, which checks nothing) would let
-them through, and defaults are only applied by a real API server.  So the
-operator parses every spec again here, with the same defaults as the CRD and
-the same ``ParallelLayout`` as the runtime, and refuses anything it could not
-run *before* creating a single object.  ``tests/test_crd.py`` checks that the
-defaults and verdicts here agree with the CRD's.
+``crds/policyservers.yaml`` and the field table of ``docs/crd.md`` are generated
+from these classes (``make crd``; ``operator/crd.py``): every type, default,
+bound, pattern and CEL rule below is what kube-apiserver enforces at admission.
+The operator parses each spec with the same model before creating anything
+(``parse_spec``), because a spec stored before a CRD upgrade was never checked
+against today's rules.  Field docstrings are the descriptions ``kubectl
+explain`` prints.
+
+Checks the apiserver cannot make are operator-side only, each with its reason
+in ``OPERATOR_ONLY_CHECKS`` (also listed in docs/crd.md).
 """
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import AfterValidator, Field, PrivateAttr, ValidationError
 
 from policy_operator.constants import CACHE_MOUNT_PATH, DEFAULT_PORT, GPU_RESOURCE, SECRET_TOKEN_KEY
-from policy_operator.layout import LayoutError, ParallelLayout
+from policy_operator.layout import SUPPORTED_CFGP, LayoutError, ParallelLayout
+from policy_operator.operator.kube_model import (
+    LIST_SET,
+    RULE_ERROR,
+    KubeModel,
+    KubeObject,
+    Quantity,
+    Rule,
+    list_map,
+    named_pattern,
+)
+from policy_operator.serve_flags import DEFAULT_DRAIN_GRACE_S as RUNTIME_DRAIN_GRACE_S
 from policy_operator.serve_flags import DEFAULT_GUIDANCE, DEFAULT_STEPS, MANAGED_FLAGS
-from policy_operator.sources import InvalidSource, check_relpath, request_key
-from policy_operator.sources import check_source as check_source_scheme
+from policy_operator.sources import SOURCE_PATTERN, InvalidSource, check_relpath, check_source, request_key
 
-# Limits that keep every derived child name valid: the fetch Job is
-# ``<name>-fetch-<16-hex key>`` and must fit a 63-character label value.
-MAX_NAME_LENGTH = 40
-SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
-ACCESS_MODES = ("ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod")
-PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-DEVICES = ("cuda", "cpu")
-MAX_DRAIN_GRACE_S = 25  # torchrun SIGKILLs its ranks 30 s after SIGTERM; leave a margin
-MIN_STARTUP_TIMEOUT_S = 30
+# Every child name derives from metadata.name: the fetch Job is ``<name>-fetch-<16-hex key>`` and must
+# fit a 63-character label value.
+MAX_NAME_LENGTH: Final = 40
+# A pod runs on one node and gets one GPU per rank; no node sold has more than 16 GPUs, so a larger
+# cfgp x dp could never be scheduled and is a typo.
+MAX_RANKS_PER_POD: Final = 16
+MAX_DRAIN_GRACE_S: Final = 25  # torchrun SIGKILLs its ranks 30 s after SIGTERM; leave a margin
+MIN_STARTUP_TIMEOUT_S: Final = 30
+MAX_SOURCE_LENGTH: Final = 2048
+MAX_REVISION_LENGTH: Final = 256
+MAX_SHA256_FILES: Final = 256
+MAX_EXTRA_ARGS: Final = 64
+MAX_EXTRA_ARG_LENGTH: Final = 1024
+MAX_NAME_253: Final = 253  # object names that are DNS-1123 subdomains
 
-# Defaults, mirrored by the CRD's `default:` values (tests/test_crd.py compares them).
-DEFAULT_REPLICAS = 1
-DEFAULT_STORAGE_SIZE = "20Gi"
-DEFAULT_SHM_SIZE = "2Gi"
-DEFAULT_DRAIN_GRACE_S = 20
-DEFAULT_STARTUP_TIMEOUT_S = 600
-DEFAULT_BACKOFF_LIMIT = 3
-DEFAULT_TTL_AFTER_FINISHED_S = 3600
+DNS1035_LABEL: Final = named_pattern(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", "a DNS-1035 label")
+DNS1123_SUBDOMAIN: Final = named_pattern(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+                                         "a DNS-1123 subdomain")
+SECRET_KEY: Final = named_pattern(r"^[-._a-zA-Z0-9]+$", "a Secret key (letters, digits, '-', '_', '.')")
+ENV_NAME: Final = named_pattern(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", "an environment variable name")
+SHA256_HEX: Final = named_pattern(r"^[0-9a-fA-F]{64}$", "64 hex digits")
+NO_SPACE: Final = named_pattern(r"^\S+$", "no whitespace")
 
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
-_SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
-_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+SERVICE_TYPES: Final = ("ClusterIP", "NodePort", "LoadBalancer")
+ACCESS_MODES: Final = ("ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod")
+PULL_POLICIES: Final = ("Always", "IfNotPresent", "Never")
+DEVICES: Final = ("cuda", "cpu")
+SHARED_ACCESS_MODES: Final = ("ReadOnlyMany", "ReadWriteMany")
+
+DEFAULT_REPLICAS: Final = 1
+DEFAULT_STORAGE_SIZE: Final = "20Gi"
+DEFAULT_SHM_SIZE: Final = "2Gi"
+DEFAULT_DRAIN_GRACE_S: Final = int(RUNTIME_DRAIN_GRACE_S)  # the runtime's default, as a whole number of seconds
+DEFAULT_STARTUP_TIMEOUT_S: Final = 600
+DEFAULT_BACKOFF_LIMIT: Final = 3
+DEFAULT_TTL_AFTER_FINISHED_S: Final = 3600
+
+
+def _prefixes(flag: str) -> str:
+    """``--cfgp`` -> ``c(f(g(p)?)?)?``: the flag and every abbreviation argparse would accept for it."""
+    regex = ""
+    for char in reversed(flag.removeprefix("--")):
+        char = char if char.isalnum() else f"[{char}]"  # no backslash escapes inside a CEL string
+        regex = char + (f"({regex})?" if regex else "")
+    return regex
+
+
+# An extra argument that is a managed flag, an abbreviation of one (argparse expands unique prefixes,
+# so "--guid 1" would override --guidance), or either with "=VALUE".
+MANAGED_FLAG_PATTERN: Final = f"^--({'|'.join(_prefixes(f) for f in MANAGED_FLAGS)})(=.*)?$"
+
+OPERATOR_ONLY_CHECKS: Final = {
+    "spec.checkpoint.source": "the key of an hf:// source is computed with the fetcher's own request_key, "
+                              "and the source and sha256 file names are checked with the fetcher's own "
+                              "check_source/check_relpath (policy_operator/sources.py); the CRD's CEL rules "
+                              "say the same, these are the runtime's definitions",
+    "spec.parallelism": "the layout is built with the runtime's own ParallelLayout (cfgp, dp, guidance), so the "
+                        "operator refuses exactly what a pod would refuse at start",
+    "spec.affinity, spec.tolerations[], env[].valueFrom": "core/v1 objects passed through unchanged; the API "
+                                                          "server validates them when the operator applies the "
+                                                          "StatefulSet or Job (condition Progressing=False, "
+                                                          "reason ApplyFailed, names the field)",
+}
 
 
 class SpecError(ValueError):
-    """A spec the operator will not run; ``str()`` names the field and the fix."""
+    """A spec the operator will not run; ``str()`` names the field (``spec.parallelism.cfgp``) and the fix."""
 
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"{path}: {message}")
@@ -58,32 +108,139 @@ class SpecError(ValueError):
         self.message = message
 
 
-@dataclass(frozen=True)
-class SecretRef:
-    name: str
-    key: str = SECRET_TOKEN_KEY
+# --- small shared types --------------------------------------------------------------------
+
+Dns1123Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_253, pattern=DNS1123_SUBDOMAIN)]
 
 
-@dataclass(frozen=True)
-class FetchJobSpec:
-    backoff_limit: int = DEFAULT_BACKOFF_LIMIT
-    ttl_seconds_after_finished: int = DEFAULT_TTL_AFTER_FINISHED_S
-    active_deadline_seconds: int | None = None
-    resources: Mapping[str, Any] = field(default_factory=dict)
-    env: tuple[Mapping[str, Any], ...] = ()
+class SecretKeySelector(KubeModel):
+    """A key of a Secret in the PolicyServer's namespace."""
+
+    name: Dns1123Name
+    """Name of a Secret in the PolicyServer's namespace."""
+    key: Annotated[str, Field(min_length=1, max_length=MAX_NAME_253, pattern=SECRET_KEY)] = SECRET_TOKEN_KEY
+    """Key of the token inside the Secret."""
 
 
-@dataclass(frozen=True)
-class CheckpointSpec:
-    source: str
-    revision: str | None = None
-    secret_ref: SecretRef | None = None
-    sha256: tuple[tuple[str, str], ...] = ()  # sorted (file, hash) pairs
-    fetch_job: FetchJobSpec = field(default_factory=FetchJobSpec)
+class LocalObjectReference(KubeModel):
+    """An object in the PolicyServer's namespace, by name."""
+
+    name: Dns1123Name
+    """Name of a docker-registry Secret in the namespace."""
+
+
+class EnvVar(KubeModel):
+    """One environment variable (core/v1 EnvVar)."""
+
+    cel_rules = (Rule("!has(self.value) || !has(self.valueFrom)", "set value or valueFrom, not both",
+                      field_path=".valueFrom"),)
+
+    name: Annotated[str, Field(min_length=1, pattern=ENV_NAME)]
+    """Environment variable name."""
+    value: str | None = None
+    """Literal value."""
+    value_from: KubeObject | None = None
+    """Source of the value (core/v1 EnvVarSource, e.g. secretKeyRef)."""
+
+
+EnvList = Annotated[list[EnvVar], Field(json_schema_extra=list_map("name"))]
+
+
+class ResourceRequirements(KubeModel):
+    """CPU, memory and other resources of one container."""
+
+    requests: dict[str, Quantity] | None = None
+    """Minimum resources, e.g. cpu, memory."""
+    limits: dict[str, Quantity] | None = None
+    """Maximum resources, e.g. memory."""
+
+
+# --- spec sections ----------------------------------------------------------------------------
+
+class FetchJob(KubeModel):
+    """Settings of the fetch Job that downloads the checkpoint into the cache volume."""
+
+    backoff_limit: int = Field(DEFAULT_BACKOFF_LIMIT, ge=0, le=20)
+    """Retries of a failed download. Exit codes 2 (usage), 4 (verification) and 5 (disk full) fail the Job at
+    once through podFailurePolicy, because retrying cannot fix them; a pod that was evicted or preempted
+    (DisruptionTarget) is not counted."""
+    ttl_seconds_after_finished: int = Field(DEFAULT_TTL_AFTER_FINISHED_S, ge=0)
+    """How long a finished Job is kept. A finished download is recorded in status.checkpoint, so it is not
+    fetched again after the Job is gone; a failed one is retried once its Job is gone (deleting the Job by hand
+    retries at once)."""
+    active_deadline_seconds: int | None = Field(None, ge=1)
+    """Give up on a download that runs longer than this (reason DeadlineExceeded)."""
+    resources: ResourceRequirements | None = None
+    """CPU/memory of the fetch container; unset: requests 500m CPU and 1Gi, limit 4Gi."""
+    env: EnvList = Field(default_factory=list)
+    """Extra environment of the fetch container, e.g. AWS_* for s3:// or HF_ENDPOINT."""
+
+
+def _source_is_fetchable(source: str) -> str:
+    try:
+        check_source(source)  # the fetcher's own definition; the CEL rule above says the same at admission
+    except InvalidSource as exc:
+        raise ValueError(str(exc)) from None
+    return source
+
+
+def _relpaths(digests: dict[str, str]) -> dict[str, str]:
+    try:
+        for name in digests:
+            check_relpath(name)
+    except InvalidSource as exc:
+        raise ValueError(f"must name files inside the checkpoint: {exc}") from None
+    return {name: digest.lower() for name, digest in digests.items()}
+
+
+Source = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_SOURCE_LENGTH),
+    Rule(f"self.matches('{SOURCE_PATTERN.pattern}')",
+         "checkpoint.source must start with hf://, http://, https://, s3:// or file://, or be an absolute path"),
+    Rule("!self.startsWith('hf://') || self.matches('^hf://[^@]+(@[^@]+)?$')",
+         "an hf:// source is hf://ORG/REPO or hf://ORG/REPO@REVISION (one '@', a revision after it)"),
+    AfterValidator(_source_is_fetchable),
+]
+
+Sha256Map = Annotated[
+    dict[str, Annotated[str, Field(pattern=SHA256_HEX)]],
+    Field(max_length=MAX_SHA256_FILES),
+    Rule("self.all(f, !f.contains('\\\\') && !f.matches('(^|/)[.]{0,2}(/|$)'))",
+         "checkpoint.sha256 keys must be relative paths inside the checkpoint: no leading '/', no empty, '.' or "
+         "'..' components, no '\\'"),
+    AfterValidator(_relpaths),
+]
+
+
+class CheckpointSpec(KubeModel):
+    """The policy checkpoint (config.json + model.safetensors + manifest.json). A fetch Job downloads it once into
+    the cache volume at /models/<key>, where key is a hash of (source, revision); changing source or revision
+    starts exactly one new download, then rolls the pods."""
+
+    cel_rules = (Rule("!has(self.revision) || !self.source.matches('^hf://.*@') || "
+                      "self.source.endsWith('@' + self.revision)",
+                      "checkpoint.revision conflicts with the revision after '@' in checkpoint.source; "
+                      "set it in one place", field_path=".revision"),)
+
+    source: Source
+    """Where the checkpoint lives: hf://ORG/REPO[@REV] (Hugging Face Hub), http(s)://HOST/DIR/ (a directory
+    with manifest.json) or http(s)://HOST/FILE, s3://BUCKET/PREFIX/, file:///PATH, or an absolute path the
+    fetch Job can see (docs/fetch.md)."""
+    revision: str | None = Field(None, min_length=1, max_length=MAX_REVISION_LENGTH)
+    """Branch, tag or commit (hf://). Part of the cache key for every scheme: hf://ORG/REPO@REV and
+    source hf://ORG/REPO with revision REV are the same checkpoint."""
+    secret_ref: SecretKeySelector | None = None
+    """Secret holding the source's token, mounted into the fetch Job only (at
+    /var/run/secrets/policy-checkpoint/token; for hf:// also passed as HF_TOKEN)."""
+    sha256: Sha256Map = Field(default_factory=dict)
+    """Expected sha256 per file (relative path -> 64 hex digits), checked by the fetch Job on top of the
+    source's own hashes."""
+    fetch_job: FetchJob = Field(default_factory=FetchJob)
 
     @property
     def key(self) -> str:
-        """Cache directory and Job-name suffix; computed exactly as ``policyserver fetch`` does."""
+        """Cache directory and Job-name suffix, computed exactly as ``policyserver fetch`` does."""
         return request_key(self.source, self.revision)
 
     @property
@@ -95,398 +252,250 @@ class CheckpointSpec:
         return self.source.startswith("hf://")
 
 
-@dataclass(frozen=True)
-class ResourcesSpec:
-    requests: Mapping[str, str] = field(default_factory=dict)
-    limits: Mapping[str, str] = field(default_factory=dict)
-    shm_size: str = DEFAULT_SHM_SIZE
+class Parallelism(KubeModel):
+    """Parallel layout of each pod: cfgp x dp ranks, one GPU each. cfgp=2 computes the two classifier-free-guidance
+    branches on two GPUs at once; dp independent replicas inside the pod serve requests concurrently."""
+
+    cel_rules = (Rule(f"self.cfgp * self.dp <= {MAX_RANKS_PER_POD}",
+                      f"cfgp x dp must be at most {MAX_RANKS_PER_POD}: a pod runs on one node, with one GPU per rank",
+                      field_path=".dp"),)
+
+    cfgp: Literal[SUPPORTED_CFGP] = 1  # type: ignore[valid-type]
+    """Classifier-free-guidance parallel degree: 1 runs both branches on one GPU, 2 runs the conditional and the
+    unconditional branch on two GPUs at once."""
+    dp: int = Field(1, ge=1, le=MAX_RANKS_PER_POD)
+    """Independent data-parallel replicas inside one pod; rank = dp_index x cfgp + cfg_index."""
 
 
-@dataclass(frozen=True)
-class SchedulingSpec:
-    node_selector: Mapping[str, str] = field(default_factory=dict)
-    tolerations: tuple[Mapping[str, Any], ...] = ()
-    affinity: Mapping[str, Any] = field(default_factory=dict)
-    priority_class_name: str | None = None
-    service_account_name: str | None = None
+def _quantity_map_without_gpus(field: str) -> Rule:
+    return Rule(f"!('{GPU_RESOURCE}' in self)",
+                f"resources.{field} must not set {GPU_RESOURCE}: the operator requests cfgp x dp GPUs per pod itself",
+                reason="FieldValueForbidden")
 
 
-@dataclass(frozen=True)
-class StorageSpec:
-    size: str = DEFAULT_STORAGE_SIZE
-    storage_class_name: str | None = None
-    access_modes: tuple[str, ...] = ()  # empty: derived from replicas (see access_modes_for)
-    existing_claim: str | None = None
+class ServerResources(KubeModel):
+    """Resources of the server container on top of its GPUs. The GPU count is derived (nvidia.com/gpu = cfgp x dp
+    in both requests and limits, none with runtime.device cpu) and may not be set here."""
+
+    requests: Annotated[dict[str, Quantity], _quantity_map_without_gpus("requests")] = Field(default_factory=dict)
+    """CPU, memory, ephemeral-storage... of the server container."""
+    limits: Annotated[dict[str, Quantity], _quantity_map_without_gpus("limits")] = Field(default_factory=dict)
+    """Limits of the server container, e.g. memory."""
+    shm_size: Quantity = DEFAULT_SHM_SIZE
+    """Size of the in-memory /dev/shm NCCL uses between local ranks; it counts against the pod's memory."""
+
+
+class StorageSpec(KubeModel):
+    """The checkpoint cache volume, written by the fetch Job and mounted read-only by every pod."""
+
+    cel_rules = (Rule("!has(self.existingClaim) || !has(self.storageClassName)",
+                      "storage.storageClassName has no effect with storage.existingClaim; set one of them",
+                      field_path=".storageClassName"),)
+
+    size: Quantity = DEFAULT_STORAGE_SIZE
+    """Requested size of the cache PVC <name>-cache. Leave room for the next checkpoint, which downloads next to
+    the one being served."""
+    storage_class_name: Dns1123Name | None = None
+    """StorageClass of the cache PVC; the cluster default when unset."""
+    access_modes: list[Literal[ACCESS_MODES]] = Field(  # type: ignore[valid-type]
+        default_factory=list, max_length=len(ACCESS_MODES), json_schema_extra=LIST_SET)
+    """Access modes of the cache PVC; they cannot change later. Unset: ReadWriteMany when replicas > 1 (pods on
+    several nodes share it), else ReadWriteOnce. Scaling an RWO cache beyond one pod posts a Warning
+    (CacheNotShared)."""
+    existing_claim: Dns1123Name | None = None
+    """Use this PVC instead of creating one; the operator never creates, owns or deletes it."""
     retain_on_delete: bool = False
+    """Keep the cache PVC when the PolicyServer is deleted (it gets no ownerReference); a new PolicyServer of the
+    same name reuses and adopts it without downloading again."""
 
     def access_modes_for(self, replicas: int) -> tuple[str, ...]:
         """RWX when several pods (on different nodes) must mount the one cache, unless told otherwise."""
         if self.access_modes:
-            return self.access_modes
+            return tuple(self.access_modes)
         return ("ReadWriteMany",) if replicas > 1 else ("ReadWriteOnce",)
 
 
-@dataclass(frozen=True)
-class ServiceSpec:
-    type: str = "ClusterIP"
-    port: int = DEFAULT_PORT
-    annotations: Mapping[str, str] = field(default_factory=dict)
+class ServiceSpec(KubeModel):
+    """The Service in front of the pods."""
+
+    type: Literal[SERVICE_TYPES] = "ClusterIP"  # type: ignore[valid-type]
+    """Type of the Service <name>."""
+    port: int = Field(DEFAULT_PORT, ge=1, le=65535)
+    """Port of the WebSocket and of the HTTP endpoints /healthz, /readyz and /metrics, on the Service and in the
+    container."""
+    annotations: dict[str, str] = Field(default_factory=dict)
+    """Annotations of the Service, e.g. for a cloud load balancer."""
 
 
-@dataclass(frozen=True)
-class RuntimeSpec:
-    guidance: float = DEFAULT_GUIDANCE
-    steps: int = DEFAULT_STEPS
-    extra_args: tuple[str, ...] = ()
-    env: tuple[Mapping[str, Any], ...] = ()
-    drain_grace_seconds: int = DEFAULT_DRAIN_GRACE_S
-    startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT_S
-    device: str = "cuda"
+ExtraArg = Annotated[
+    str,
+    Field(max_length=MAX_EXTRA_ARG_LENGTH),
+    Rule(f"!self.matches('{MANAGED_FLAG_PATTERN}')",
+         f"runtime.extraArgs must not set {', '.join(MANAGED_FLAGS)} (nor an abbreviation of one): the operator "
+         f"sets them from the spec; change the corresponding field instead", reason="FieldValueForbidden"),
+]
 
 
-@dataclass(frozen=True)
-class AuthSpec:
-    secret_ref: SecretRef | None = None
+class RuntimeSpec(KubeModel):
+    """How the policy runs."""
+
+    guidance: float = Field(DEFAULT_GUIDANCE, ge=0)
+    """Classifier-free guidance scale (the runtime's default, 3.0). 1.0 turns CFG off, and then parallelism.cfgp
+    must be 1."""
+    steps: int = Field(DEFAULT_STEPS, ge=1, le=1000)
+    """Flow-matching / diffusion integration steps per action chunk."""
+    extra_args: list[ExtraArg] = Field(default_factory=list, max_length=MAX_EXTRA_ARGS)
+    """Further flags of policyserver serve, appended to the worker's command line, e.g. --dtype bfloat16."""
+    env: EnvList = Field(default_factory=list)
+    """Extra environment of the server container."""
+    drain_grace_seconds: int = Field(DEFAULT_DRAIN_GRACE_S, ge=0, le=MAX_DRAIN_GRACE_S)
+    """On SIGTERM the server stops accepting and finishes in-flight requests for up to this long (at most 25:
+    torchrun kills its ranks 30 s after SIGTERM)."""
+    startup_timeout_seconds: int = Field(DEFAULT_STARTUP_TIMEOUT_S, ge=MIN_STARTUP_TIMEOUT_S)
+    """Time a pod may take to start answering /healthz (model load, NCCL init) before the kubelet restarts it
+    (the startupProbe)."""
+    device: Literal[DEVICES] = "cuda"  # type: ignore[valid-type]
+    """cuda requests cfgp x dp GPUs per pod; cpu requests none (tests, CPU-only clusters)."""
 
 
-@dataclass(frozen=True)
-class PolicyServerSpec:
-    name: str
-    namespace: str
-    image: str
+class AuthSpec(KubeModel):
+    """Client authentication."""
+
+    secret_ref: SecretKeySelector | None = None
+    """Secret whose token clients must present (Authorization: Bearer ...); mounted at
+    /var/run/secrets/policy-auth/token and passed as --auth-token-file. Unset: no authentication."""
+
+
+class PolicyServerSpec(KubeModel):
+    """Desired state of the policy server."""
+
+    cel_rules = (Rule("self.parallelism.cfgp != 2 || self.runtime.guidance != 1.0",
+                      "cfgp=2 needs classifier-free guidance: with runtime.guidance 1.0 the unconditional branch is "
+                      "never used and the second GPU of every replica would idle; use cfgp=1 or a guidance other "
+                      "than 1.0", field_path=".parallelism.cfgp"),)
+
+    image: Annotated[str, Field(min_length=1, pattern=NO_SPACE)]
+    """Image with the policy-operator runtime (policyserver and torchrun on PATH), used by the fetch Job, the
+    init container and the server."""
+    image_pull_policy: Literal[PULL_POLICIES] | None = None  # type: ignore[valid-type]
+    """Pull policy of every container; Kubernetes' default when unset."""
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, json_schema_extra=list_map("name"))
+    """Registry Secrets for pulling the image."""
     checkpoint: CheckpointSpec
-    layout: ParallelLayout = field(default_factory=ParallelLayout)
-    replicas: int = DEFAULT_REPLICAS
-    image_pull_policy: str | None = None
-    image_pull_secrets: tuple[str, ...] = ()
-    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
-    scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)
-    storage: StorageSpec = field(default_factory=StorageSpec)
-    service: ServiceSpec = field(default_factory=ServiceSpec)
-    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
-    auth: AuthSpec = field(default_factory=AuthSpec)
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    replicas: int = Field(DEFAULT_REPLICAS, ge=0)
+    """Number of pods; the scale subresource (kubectl scale, HPAs) changes it. 0 stops every pod but keeps the
+    cache."""
+    resources: ServerResources = Field(default_factory=ServerResources)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the pods (server and fetch Job) must match."""
+    tolerations: list[KubeObject] = Field(default_factory=list)
+    """Tolerations of the pods (core/v1 Toleration), e.g. for nvidia.com/gpu:NoSchedule."""
+    affinity: KubeObject | None = None
+    """Affinity of the pods (core/v1 Affinity), passed through unchanged."""
+    priority_class_name: Dns1123Name | None = None
+    """PriorityClass of the pods."""
+    service_account_name: Dns1123Name | None = None
+    """ServiceAccount of the pods; its token is never mounted (the runtime needs no API access)."""
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    service: ServiceSpec = Field(default_factory=ServiceSpec)
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    auth: AuthSpec = Field(default_factory=AuthSpec)
+
+    # metadata the spec's derived names need; set by parse_spec, never part of the schema
+    _name: str = PrivateAttr("")
+    _namespace: str = PrivateAttr("")
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The runtime's own layout object: rank arithmetic and the checks a pod makes at start."""
+        return ParallelLayout(cfgp=self.parallelism.cfgp, dp=self.parallelism.dp)
 
     @property
     def gpus_per_pod(self) -> int:
         """One GPU per rank: cfgp x dp, none on the CPU device."""
         return self.layout.world_size if self.runtime.device == "cuda" else 0
 
-
-# --- parsing helpers ------------------------------------------------------------------
-
-def _obj(value: Any, path: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise SpecError(path, f"must be an object, got {type(value).__name__}")
-    return value
+    @property
+    def access_modes(self) -> tuple[str, ...]:
+        return self.storage.access_modes_for(self.replicas)
 
 
-def _known(value: Mapping[str, Any], path: str, allowed: Sequence[str]) -> None:
-    unknown = sorted(set(value) - set(allowed))
-    if unknown:
-        raise SpecError(path, f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+class ObjectMeta(KubeModel, extra="allow"):
+    """The metadata the schema may constrain: only name (the apiserver owns the rest of ObjectMeta)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=DNS1035_LABEL)]
+    """A DNS-1035 label of at most 40 characters, so that every child name derived from it stays valid."""
+    namespace: str | None = None
 
 
-def _str(value: Any, path: str, *, required: bool = False, default: str | None = None) -> str | None:
-    if value is None:
-        if required:
-            raise SpecError(path, "is required")
-        return default
-    if not isinstance(value, str):
-        raise SpecError(path, f"must be a string, got {value!r}")
-    if required and not value.strip():
-        raise SpecError(path, "must not be empty")
-    return value
+# --- parsing -------------------------------------------------------------------------------------
+
+def _path(loc: tuple[int | str, ...], field_path: str = "") -> str:
+    text = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    return text + field_path
 
 
-def _int(value: Any, path: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            raise SpecError(path, f"must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise SpecError(path, f"must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise SpecError(path, f"must be <= {maximum}, got {value}")
-    return value
+def _message(error: Any) -> str:
+    pattern = (error.get("ctx") or {}).get("pattern")
+    if error["type"] == "string_pattern_mismatch" and pattern:
+        from policy_operator.operator.kube_model import PATTERN_NAMES
+
+        return f"{error['input']!r} is not {PATTERN_NAMES.get(pattern, f'matched by {pattern}')}"
+    if error["type"] == "missing":
+        return "is required"
+    if error["type"] == "extra_forbidden":
+        return "unknown field"
+    if error["type"] in ("value_error", "assertion_error"):
+        return str(error["msg"]).removeprefix("Value error, ")
+    message = str(error["msg"])
+    if error["type"] != RULE_ERROR and "input" in error and not isinstance(error["input"], dict | list):
+        message += f" (got {error['input']!r})"
+    return message
 
 
-def _enum(value: Any, path: str, allowed: Sequence[str], default: str | None) -> str | None:
-    value = _str(value, path, default=default)
-    if value is not None and value not in allowed:
-        raise SpecError(path, f"{value!r} is not one of {', '.join(allowed)}")
-    return value
-
-
-def _quantity(value: Any, path: str, default: str | None = None) -> str | None:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise SpecError(path, f"must be a quantity such as 20Gi, got {value!r}")
-    text = str(value)
-    if not _QUANTITY.match(text):
-        raise SpecError(path, f"{text!r} is not a Kubernetes quantity (e.g. 500m, 4Gi, 2)")
-    return text
-
-
-def _str_map(value: Any, path: str) -> dict[str, str]:
-    result: dict[str, str] = {}
-    for k, v in _obj(value, path).items():
-        if not isinstance(v, str):
-            raise SpecError(f"{path}.{k}", f"must be a string, got {v!r}")
-        result[str(k)] = v
-    return result
-
-
-def _quantity_map(value: Any, path: str) -> dict[str, str]:
-    return {str(k): _quantity(v, f"{path}.{k}") or "" for k, v in _obj(value, path).items()}
-
-
-def _list(value: Any, path: str) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise SpecError(path, f"must be a list, got {type(value).__name__}")
-    return value
-
-
-def _env(value: Any, path: str) -> tuple[Mapping[str, Any], ...]:
-    items = []
-    for i, item in enumerate(_list(value, path)):
-        item = _obj(item, f"{path}[{i}]")
-        name = _str(item.get("name"), f"{path}[{i}].name", required=True)
-        assert name is not None
-        if not _ENV_NAME.match(name):
-            raise SpecError(f"{path}[{i}].name", f"{name!r} is not a valid environment variable name")
-        if "value" in item and "valueFrom" in item:
-            raise SpecError(f"{path}[{i}]", "set value or valueFrom, not both")
-        items.append(dict(item))
-    return tuple(items)
-
-
-def _secret_ref(value: Any, path: str) -> SecretRef | None:
-    if value is None:
-        return None
-    value = _obj(value, path)
-    _known(value, path, ("name", "key"))
-    name = _str(value.get("name"), f"{path}.name", required=True)
-    assert name is not None
-    if not _DNS1123_SUBDOMAIN.match(name):
-        raise SpecError(f"{path}.name", f"{name!r} is not a valid Secret name")
-    key = _str(value.get("key"), f"{path}.key", default=SECRET_TOKEN_KEY)
-    assert key is not None
-    return SecretRef(name=name, key=key)
-
-
-def check_source(source: str, path: str = "spec.checkpoint.source") -> None:
-    try:
-        check_source_scheme(source)
-    except InvalidSource as exc:
-        raise SpecError(path, str(exc)) from None
+def spec_error(exc: ValidationError, prefix: tuple[str, ...] = ()) -> SpecError:
+    """One SpecError for every problem pydantic found: the first one's path, all of them in the message."""
+    problems = []
+    for error in exc.errors():
+        field_path = str((error.get("ctx") or {}).get("field_path") or "")
+        problems.append((_path((*prefix, *error["loc"]), field_path), _message(error)))
+    (path, message), *rest = problems
+    if rest:
+        message += "".join(f"; {p}: {m}" for p, m in rest)
+    return SpecError(path, message)
 
 
 def check_name(name: str) -> None:
-    if len(name) > MAX_NAME_LENGTH or not _DNS1035.match(name):
-        raise SpecError("metadata.name", f"{name!r} must be a DNS-1035 label (lower-case letters, digits, '-', "
-                                         f"starting with a letter) of at most {MAX_NAME_LENGTH} characters, so every "
-                                         f"child object's name stays valid")
-
-
-# --- sections -------------------------------------------------------------------------
-
-def _checkpoint(value: Any) -> CheckpointSpec:
-    path = "spec.checkpoint"
-    if value is None:
-        raise SpecError(path, "is required")
-    value = _obj(value, path)
-    _known(value, path, ("source", "revision", "secretRef", "sha256", "fetchJob"))
-    source = _str(value.get("source"), f"{path}.source", required=True)
-    assert source is not None
-    check_source(source)
-    revision = _str(value.get("revision"), f"{path}.revision")
-    if revision is not None and not revision.strip():
-        raise SpecError(f"{path}.revision", "must not be empty when set")
-    sha = []
-    for file, digest in _str_map(value.get("sha256"), f"{path}.sha256").items():
-        try:
-            check_relpath(file)
-        except InvalidSource as exc:
-            raise SpecError(f"{path}.sha256", f"must name files inside the checkpoint: {exc}") from None
-        if not _SHA256.match(digest):
-            raise SpecError(f"{path}.sha256.{file}", f"{digest!r} is not a 64-hex-digit sha256")
-        sha.append((file, digest.lower()))
-    job = _obj(value.get("fetchJob"), f"{path}.fetchJob")
-    _known(job, f"{path}.fetchJob", ("backoffLimit", "ttlSecondsAfterFinished", "activeDeadlineSeconds",
-                                     "resources", "env"))
-    deadline = job.get("activeDeadlineSeconds")
-    fetch_job = FetchJobSpec(
-        backoff_limit=_int(job.get("backoffLimit"), f"{path}.fetchJob.backoffLimit", DEFAULT_BACKOFF_LIMIT,
-                           minimum=0, maximum=20),
-        ttl_seconds_after_finished=_int(job.get("ttlSecondsAfterFinished"), f"{path}.fetchJob.ttlSecondsAfterFinished",
-                                        DEFAULT_TTL_AFTER_FINISHED_S, minimum=0),
-        active_deadline_seconds=None if deadline is None else _int(
-            deadline, f"{path}.fetchJob.activeDeadlineSeconds", 0, minimum=1),
-        resources=_resource_requirements(job.get("resources"), f"{path}.fetchJob.resources"),
-        env=_env(job.get("env"), f"{path}.fetchJob.env"),
-    )
-    spec = CheckpointSpec(source=source, revision=revision, secret_ref=_secret_ref(value.get("secretRef"),
-                          f"{path}.secretRef"), sha256=tuple(sorted(sha)), fetch_job=fetch_job)
     try:
-        spec.key  # noqa: B018 - an hf://repo@rev that conflicts with revision is refused here
-    except InvalidSource as exc:
-        raise SpecError(f"{path}.source", str(exc)) from None
-    return spec
+        ObjectMeta.model_validate({"name": name})
+    except ValidationError as exc:
+        raise spec_error(exc, ("metadata",)) from None
 
 
-def _resource_requirements(value: Any, path: str) -> dict[str, dict[str, str]]:
-    value = _obj(value, path)
-    _known(value, path, ("requests", "limits"))
-    return {k: _quantity_map(value.get(k), f"{path}.{k}") for k in ("requests", "limits") if value.get(k)}
-
-
-def _resources(value: Any) -> ResourcesSpec:
-    path = "spec.resources"
-    value = _obj(value, path)
-    _known(value, path, ("requests", "limits", "shmSize"))
-    requests = _quantity_map(value.get("requests"), f"{path}.requests")
-    limits = _quantity_map(value.get("limits"), f"{path}.limits")
-    for section, values in (("requests", requests), ("limits", limits)):
-        if GPU_RESOURCE in values:
-            raise SpecError(f"{path}.{section}", f"must not set {GPU_RESOURCE}: the operator requests "
-                                                 f"cfgp x dp GPUs per pod itself")
-    shm = _quantity(value.get("shmSize"), f"{path}.shmSize", DEFAULT_SHM_SIZE)
-    assert shm is not None
-    return ResourcesSpec(requests=requests, limits=limits, shm_size=shm)
-
-
-def _storage(value: Any) -> StorageSpec:
-    path = "spec.storage"
-    value = _obj(value, path)
-    _known(value, path, ("size", "storageClassName", "accessModes", "existingClaim", "retainOnDelete"))
-    modes = tuple(_enum(m, f"{path}.accessModes[{i}]", ACCESS_MODES, None) or ""
-                  for i, m in enumerate(_list(value.get("accessModes"), f"{path}.accessModes")))
-    claim = _str(value.get("existingClaim"), f"{path}.existingClaim")
-    if claim is not None and not _DNS1123_SUBDOMAIN.match(claim):
-        raise SpecError(f"{path}.existingClaim", f"{claim!r} is not a valid PersistentVolumeClaim name")
-    retain = value.get("retainOnDelete", False)
-    if not isinstance(retain, bool):
-        raise SpecError(f"{path}.retainOnDelete", f"must be true or false, got {retain!r}")
-    size = _quantity(value.get("size"), f"{path}.size", DEFAULT_STORAGE_SIZE)
-    assert size is not None
-    storage_class = _str(value.get("storageClassName"), f"{path}.storageClassName")
-    if claim is not None and storage_class is not None:
-        raise SpecError(path, "storageClassName has no effect with existingClaim; set one of them")
-    return StorageSpec(size=size, storage_class_name=storage_class,
-                       access_modes=modes, existing_claim=claim, retain_on_delete=retain)
-
-
-def _service(value: Any) -> ServiceSpec:
-    path = "spec.service"
-    value = _obj(value, path)
-    _known(value, path, ("type", "port", "annotations"))
-    return ServiceSpec(
-        type=_enum(value.get("type"), f"{path}.type", SERVICE_TYPES, "ClusterIP") or "ClusterIP",
-        port=_int(value.get("port"), f"{path}.port", DEFAULT_PORT, minimum=1, maximum=65535),
-        annotations=_str_map(value.get("annotations"), f"{path}.annotations"),
-    )
-
-
-def _runtime(value: Any) -> RuntimeSpec:
-    path = "spec.runtime"
-    value = _obj(value, path)
-    _known(value, path, ("guidance", "steps", "extraArgs", "env", "drainGraceSeconds", "startupTimeoutSeconds",
-                         "device"))
-    guidance = value.get("guidance", DEFAULT_GUIDANCE)
-    if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance) \
-            or guidance < 0:
-        raise SpecError(f"{path}.guidance", f"must be a finite number >= 0, got {guidance!r}")
-    extra = []
-    for i, arg in enumerate(_list(value.get("extraArgs"), f"{path}.extraArgs")):
-        if not isinstance(arg, str):
-            raise SpecError(f"{path}.extraArgs[{i}]", f"must be a string, got {arg!r}")
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
-            raise SpecError(f"{path}.extraArgs[{i}]", f"{flag} is set by the operator from the spec; "
-                                                      f"change the corresponding field instead")
-        extra.append(arg)
-    return RuntimeSpec(
-        guidance=float(guidance),
-        steps=_int(value.get("steps"), f"{path}.steps", DEFAULT_STEPS, minimum=1, maximum=1000),
-        extra_args=tuple(extra),
-        env=_env(value.get("env"), f"{path}.env"),
-        drain_grace_seconds=_int(value.get("drainGraceSeconds"), f"{path}.drainGraceSeconds", DEFAULT_DRAIN_GRACE_S,
-                                 minimum=0, maximum=MAX_DRAIN_GRACE_S),
-        startup_timeout_seconds=_int(value.get("startupTimeoutSeconds"), f"{path}.startupTimeoutSeconds",
-                                     DEFAULT_STARTUP_TIMEOUT_S, minimum=MIN_STARTUP_TIMEOUT_S),
-        device=_enum(value.get("device"), f"{path}.device", DEVICES, "cuda") or "cuda",
-    )
-
-
-def _layout(value: Any, guidance: float) -> ParallelLayout:
-    path = "spec.parallelism"
-    value = _obj(value, path)
-    _known(value, path, ("cfgp", "dp"))
-    try:
-        layout = ParallelLayout(cfgp=value.get("cfgp", 1), dp=value.get("dp", 1))
-        layout.check_guidance(guidance)
-    except LayoutError as exc:
-        raise SpecError(path, str(exc)) from None
-    return layout
-
-
-def _scheduling(spec: Mapping[str, Any]) -> SchedulingSpec:
-    tolerations = []
-    for i, t in enumerate(_list(spec.get("tolerations"), "spec.tolerations")):
-        tolerations.append(dict(_obj(t, f"spec.tolerations[{i}]")))
-    return SchedulingSpec(
-        node_selector=_str_map(spec.get("nodeSelector"), "spec.nodeSelector"),
-        tolerations=tuple(tolerations),
-        affinity=dict(_obj(spec.get("affinity"), "spec.affinity")),
-        priority_class_name=_str(spec.get("priorityClassName"), "spec.priorityClassName"),
-        service_account_name=_str(spec.get("serviceAccountName"), "spec.serviceAccountName"),
-    )
-
-
-TOP_LEVEL_FIELDS = (
-    "checkpoint", "parallelism", "replicas", "image", "imagePullPolicy", "imagePullSecrets", "resources",
-    "nodeSelector", "tolerations", "affinity", "priorityClassName", "serviceAccountName", "storage", "service",
-    "runtime", "auth",
-)
-
-
-def parse_spec(spec: Mapping[str, Any] | None, *, name: str, namespace: str) -> PolicyServerSpec:
-    """The typed spec of one PolicyServer, or a ``SpecError`` naming the first bad field."""
+def parse_spec(spec: Any, *, name: str, namespace: str) -> PolicyServerSpec:
+    """The typed spec of one PolicyServer, or a ``SpecError`` naming the bad field(s) as the CRD spells them."""
     check_name(name)
-    spec = _obj(spec, "spec")
-    _known(spec, "spec", TOP_LEVEL_FIELDS)
-    runtime = _runtime(spec.get("runtime"))
-    layout = _layout(spec.get("parallelism"), runtime.guidance)
-    image = _str(spec.get("image"), "spec.image", required=True)
-    assert image is not None
-    pull_secrets = []
-    for i, ref in enumerate(_list(spec.get("imagePullSecrets"), "spec.imagePullSecrets")):
-        ref_name = _str(_obj(ref, f"spec.imagePullSecrets[{i}]").get("name"), f"spec.imagePullSecrets[{i}].name",
-                        required=True)
-        pull_secrets.append(ref_name or "")
-    auth = _obj(spec.get("auth"), "spec.auth")
-    _known(auth, "spec.auth", ("secretRef",))
-    return PolicyServerSpec(
-        name=name,
-        namespace=namespace,
-        image=image,
-        checkpoint=_checkpoint(spec.get("checkpoint")),
-        layout=layout,
-        replicas=_int(spec.get("replicas"), "spec.replicas", DEFAULT_REPLICAS, minimum=0),
-        image_pull_policy=_enum(spec.get("imagePullPolicy"), "spec.imagePullPolicy", PULL_POLICIES, None),
-        image_pull_secrets=tuple(pull_secrets),
-        resources=_resources(spec.get("resources")),
-        scheduling=_scheduling(spec),
-        storage=_storage(spec.get("storage")),
-        service=_service(spec.get("service")),
-        runtime=runtime,
-        auth=AuthSpec(secret_ref=_secret_ref(auth.get("secretRef"), "spec.auth.secretRef")),
-    )
+    try:
+        parsed = PolicyServerSpec.model_validate({} if spec is None else spec)
+    except ValidationError as exc:
+        raise spec_error(exc, ("spec",)) from None
+    try:
+        parsed.layout.check_guidance(parsed.runtime.guidance)  # the runtime's own checks, as a pod makes them
+    except LayoutError as exc:
+        raise SpecError("spec.parallelism", str(exc)) from None
+    try:
+        parsed.checkpoint.key  # noqa: B018 - the fetcher's own split of hf://repo@rev against revision
+    except InvalidSource as exc:
+        raise SpecError("spec.checkpoint.source", str(exc)) from None
+    parsed._name, parsed._namespace = name, namespace
+    return parsed
+

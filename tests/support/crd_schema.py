@@ -142,11 +142,15 @@ def validate(crd: dict[str, Any], obj: dict[str, Any], version: str | None = Non
     version = version or obj["apiVersion"].split("/")[-1]
     schema = version_schema(crd, version)
     defaulted = apply_defaults(schema, obj)
+    json_schema = to_json_schema(schema)
+    metadata = json_schema.get("properties", {}).get("metadata")
+    if metadata:  # the schema may constrain metadata.name; the rest of ObjectMeta is the apiserver's
+        metadata.pop("additionalProperties", None)
     errors = [f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
-              for e in jsonschema.Draft7Validator(to_json_schema(schema)).iter_errors(defaulted)]
+              for e in jsonschema.Draft7Validator(json_schema).iter_errors(defaulted)]
     if errors:  # like kube-apiserver, CEL only runs on schema-valid objects
         return errors
     for path, rule, value in iter_rules(schema, defaulted):
         if not eval_rule(rule["rule"], value):
-            errors.append(f"{path}: {rule.get('message', rule['rule'])}")
+            errors.append(f"{path}{rule.get('fieldPath', '')}: {rule.get('message', rule['rule'])}")
     return errors

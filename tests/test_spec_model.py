@@ -1,0 +1,297 @@
+"""The PolicyServer spec model's own verdicts: what parse_spec accepts, refuses (with which field path) and derives.
+
+The CRD is generated from the same model (tests/test_crd.py checks the
+generated files and the apiserver-side verdicts); here the operator's side is
+checked on its own, including that the CEL rules it evaluates agree with the
+runtime's definitions they translate (sources.py, ParallelLayout, the worker's
+flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any
+
+import pytest
+
+from policy_operator import constants as C
+from policy_operator import serve_flags
+from policy_operator.layout import LayoutError, ParallelLayout
+from policy_operator.operator import spec as S
+from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
+from policy_operator.sources import InvalidSource, check_relpath, check_source, request_key
+
+HEX = "ab" * 32
+
+
+def base(**overrides: Any) -> dict[str, Any]:
+    return {"image": "registry.example/policy:1", "checkpoint": {"source": "hf://org/policy"}, **overrides}
+
+
+def parse(spec: dict[str, Any], name: str = "ps") -> PolicyServerSpec:
+    return parse_spec(spec, name=name, namespace="robots")
+
+
+def refused(spec: dict[str, Any], name: str = "ps") -> SpecError:
+    with pytest.raises(SpecError) as exc:
+        parse(spec, name)
+    return exc.value
+
+
+def rule(model: type, text_part: str) -> S.Rule:
+    """The CEL rule of ``model`` (class-level or on a field's type) whose text contains ``text_part``."""
+    from policy_operator.operator.kube_model import kube_schema
+
+    found = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            found.extend(r for r in node.get("x-kubernetes-validations", ()) if text_part in r["rule"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(kube_schema(model))
+    (one,) = {r["rule"]: r for r in found}.values()
+    return S.Rule(one["rule"], one["message"])
+
+
+# --- refusals name the field as the CRD spells it ------------------------------------------------
+
+INVALID = [
+    (base(parallelism={"cfgp": 3}), "spec.parallelism.cfgp"),
+    (base(parallelism={"cfgp": 0}), "spec.parallelism.cfgp"),
+    (base(parallelism={"dp": 0}), "spec.parallelism.dp"),
+    (base(parallelism={"dp": 17}), "spec.parallelism.dp"),
+    (base(parallelism={"cfgp": 2, "dp": 9}), "spec.parallelism.dp"),
+    (base(parallelism={"cfgp": 2}, runtime={"guidance": 1.0}), "spec.parallelism.cfgp"),
+    (base(parallelism={"cfgp": 2}, runtime={"guidance": 1}), "spec.parallelism.cfgp"),  # an integer is a number
+    (base(checkpoint={"source": "ftp://host/ckpt"}), "spec.checkpoint.source"),
+    (base(checkpoint={"source": "relative/dir"}), "spec.checkpoint.source"),
+    (base(checkpoint={"source": ""}), "spec.checkpoint.source"),
+    (base(checkpoint={"source": "https://h/" + "x" * 2048}), "spec.checkpoint.source"),
+    (base(checkpoint={"source": "hf://org/p@"}), "spec.checkpoint.source"),
+    (base(checkpoint={"source": "hf://org/p@a@b"}), "spec.checkpoint.source"),
+    (base(checkpoint={"source": "hf://org/p@v1", "revision": "v2"}), "spec.checkpoint.revision"),
+    (base(checkpoint={"source": "hf://org/p", "revision": ""}), "spec.checkpoint.revision"),
+    (base(checkpoint={"source": "hf://org/p", "revision": "r" * 257}), "spec.checkpoint.revision"),
+    (base(checkpoint={"source": "hf://org/p", "sha256": {"model.safetensors": "abc"}}),
+     "spec.checkpoint.sha256.model.safetensors"),
+    (base(checkpoint={"source": "hf://org/p", "sha256": {"../x": HEX}}), "spec.checkpoint.sha256"),
+    (base(checkpoint={"source": "hf://org/p", "sha256": {f"f{i}": HEX for i in range(257)}}),
+     "spec.checkpoint.sha256"),
+    (base(checkpoint={"source": "hf://org/p", "secretRef": {"name": "Bad_Name"}}),
+     "spec.checkpoint.secretRef.name"),
+    (base(checkpoint={"source": "hf://org/p", "secretRef": {"name": "t", "key": "a/b"}}),
+     "spec.checkpoint.secretRef.key"),
+    (base(checkpoint={"source": "hf://org/p", "secretRef": {"key": "t"}}), "spec.checkpoint.secretRef.name"),
+    (base(checkpoint={"source": "hf://org/p", "fetchJob": {"backoffLimit": -1}}),
+     "spec.checkpoint.fetchJob.backoffLimit"),
+    (base(checkpoint={"source": "hf://org/p", "fetchJob": {"backoffLimit": 21}}),
+     "spec.checkpoint.fetchJob.backoffLimit"),
+    (base(checkpoint={"source": "hf://org/p", "fetchJob": {"resources": {"limits": {"memory": "4 GB"}}}}),
+     "spec.checkpoint.fetchJob.resources.limits.memory"),
+    (base(checkpoint={"source": "hf://org/p", "fetchJob": {"env": [{"value": "x"}]}}),
+     "spec.checkpoint.fetchJob.env[0].name"),
+    (base(resources={"limits": {C.GPU_RESOURCE: 4}}), "spec.resources.limits"),
+    (base(resources={"requests": {C.GPU_RESOURCE: "1"}}), "spec.resources.requests"),
+    (base(resources={"requests": {"cpu": "-1"}}), "spec.resources.requests.cpu"),
+    (base(resources={"requests": {"cpu": 0.5}}), "spec.resources.requests.cpu"),  # the API has int-or-string only
+    (base(resources={"shmSize": "2 GiB"}), "spec.resources.shmSize"),
+    (base(storage={"size": "lots"}), "spec.storage.size"),
+    (base(storage={"existingClaim": "mine", "storageClassName": "fast"}), "spec.storage.storageClassName"),
+    (base(storage={"existingClaim": "Mine"}), "spec.storage.existingClaim"),
+    (base(storage={"accessModes": ["ReadWriteSometimes"]}), "spec.storage.accessModes[0]"),
+    (base(storage={"retainOnDelete": "yes"}), "spec.storage.retainOnDelete"),
+    (base(runtime={"extraArgs": ["--port", "9000"]}), "spec.runtime.extraArgs[0]"),
+    (base(runtime={"extraArgs": ["--dtype", "bfloat16", "--cfgp=2"]}), "spec.runtime.extraArgs[2]"),
+    (base(runtime={"extraArgs": ["--guid", "1.0"]}), "spec.runtime.extraArgs[0]"),
+    (base(runtime={"extraArgs": ["--x"] * 65}), "spec.runtime.extraArgs"),
+    (base(runtime={"extraArgs": ["--policy=" + "m" * 1024]}), "spec.runtime.extraArgs[0]"),
+    (base(runtime={"extraArgs": [7]}), "spec.runtime.extraArgs[0]"),
+    (base(runtime={"drainGraceSeconds": 30}), "spec.runtime.drainGraceSeconds"),
+    (base(runtime={"startupTimeoutSeconds": 10}), "spec.runtime.startupTimeoutSeconds"),
+    (base(runtime={"steps": 0}), "spec.runtime.steps"),
+    (base(runtime={"guidance": -0.5}), "spec.runtime.guidance"),
+    (base(runtime={"device": "tpu"}), "spec.runtime.device"),
+    (base(runtime={"env": [{"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}),
+     "spec.runtime.env[0].valueFrom"),
+    (base(runtime={"env": [{"name": "1=A", "value": "1"}]}), "spec.runtime.env[0].name"),
+    (base(replicas=-1), "spec.replicas"),
+    (base(replicas="3"), "spec.replicas"),  # strict JSON types, as the apiserver's schema
+    (base(replicas=True), "spec.replicas"),
+    ({"checkpoint": {"source": "hf://o/p"}}, "spec.image"),
+    (base(image="two words"), "spec.image"),
+    ({"image": "x"}, "spec.checkpoint"),
+    (base(imagePullPolicy="Sometimes"), "spec.imagePullPolicy"),
+    (base(imagePullSecrets=[{"name": "Reg_Cred"}]), "spec.imagePullSecrets[0].name"),
+    (base(priorityClassName="High Priority"), "spec.priorityClassName"),
+    (base(service={"type": "ExternalName"}), "spec.service.type"),
+    (base(service={"port": 70000}), "spec.service.port"),
+    (base(bogusField=1), "spec.bogusField"),
+    (base(runtime={"guidanceScale": 2.0}), "spec.runtime.guidanceScale"),
+]
+
+
+@pytest.mark.parametrize(("spec", "path"), INVALID, ids=[p for _, p in INVALID])
+def test_invalid_spec_is_refused_naming_the_field(spec: dict[str, Any], path: str) -> None:
+    error = refused(spec)
+    assert error.path == path, str(error)
+    assert str(error).startswith(f"{path}: ") and error.message
+
+
+@pytest.mark.parametrize("name", ["Policy_Server", "p" * 41, "1policy", "policy.server", ""])
+def test_name_must_keep_every_child_name_valid(name: str) -> None:
+    assert refused(base(), name=name).path == "metadata.name"
+    parse(base(), name="p" * S.MAX_NAME_LENGTH)
+
+
+def test_every_problem_is_reported_the_first_one_names_the_path() -> None:
+    error = refused(base(replicas=-1, service={"port": 0}))
+    assert error.path == "spec.replicas"
+    assert str(error).startswith("spec.replicas: ") and "; spec.service.port: " in error.message
+
+
+def test_an_unparseable_spec_is_a_spec_error_not_a_crash() -> None:
+    for spec in (None, [], "spec", {"checkpoint": []}):
+        assert isinstance(refused(spec), SpecError)  # type: ignore[arg-type]
+
+
+# --- what is accepted, and what the operator derives from it ---------------------------------------
+
+def test_defaults_fill_an_empty_section() -> None:
+    spec = parse(base())
+    assert spec.to_api() == {
+        "image": "registry.example/policy:1",
+        "imagePullSecrets": [],
+        "checkpoint": {"source": "hf://org/policy", "sha256": {},
+                       "fetchJob": {"backoffLimit": 3, "ttlSecondsAfterFinished": 3600, "env": []}},
+        "parallelism": {"cfgp": 1, "dp": 1},
+        "replicas": 1,
+        "resources": {"requests": {}, "limits": {}, "shmSize": "2Gi"},
+        "nodeSelector": {},
+        "tolerations": [],
+        "storage": {"size": "20Gi", "accessModes": [], "retainOnDelete": False},
+        "service": {"type": "ClusterIP", "port": C.DEFAULT_PORT, "annotations": {}},
+        "runtime": {"guidance": serve_flags.DEFAULT_GUIDANCE, "steps": serve_flags.DEFAULT_STEPS, "extraArgs": [],
+                    "env": [], "drainGraceSeconds": 20, "startupTimeoutSeconds": 600, "device": "cuda"},
+        "auth": {},
+    }
+    assert PolicyServerSpec.model_validate(spec.to_api()) == PolicyServerSpec.model_validate(base())
+
+
+def test_null_means_unset_as_the_apiserver_prunes_it() -> None:
+    assert parse(base(replicas=None, runtime={"guidance": None}, storage=None)) == parse(base())
+
+
+def test_derived_values() -> None:
+    spec = parse(base(parallelism={"cfgp": 2, "dp": 3}, replicas=2,
+                      checkpoint={"source": "hf://org/p@v2", "sha256": {"a/model.safetensors": HEX.upper()}},
+                      resources={"requests": {"cpu": 4, "memory": "16Gi"}}))
+    assert (spec.name, spec.namespace) == ("ps", "robots")
+    assert spec.layout == ParallelLayout(cfgp=2, dp=3) and spec.gpus_per_pod == 6
+    assert spec.checkpoint.key == request_key("hf://org/p", "v2") == parse(
+        base(checkpoint={"source": "hf://org/p", "revision": "v2"})).checkpoint.key
+    assert spec.checkpoint.path == f"{C.CACHE_MOUNT_PATH}/{spec.checkpoint.key}" and spec.checkpoint.is_hf
+    assert spec.checkpoint.sha256 == {"a/model.safetensors": HEX}  # lower-cased, as the fetcher compares
+    assert spec.resources.requests == {"cpu": "4", "memory": "16Gi"}  # quantities as the strings the API returns
+    assert spec.access_modes == ("ReadWriteMany",)
+    assert parse(base()).access_modes == ("ReadWriteOnce",)
+    assert parse(base(storage={"accessModes": ["ReadWriteOncePod"]}, replicas=3)).access_modes == ("ReadWriteOncePod",)
+    assert parse(base(runtime={"device": "cpu"}, parallelism={"dp": 2})).gpus_per_pod == 0
+
+
+@pytest.mark.parametrize("spec", [
+    base(parallelism={"cfgp": 2, "dp": 8}, runtime={"guidance": 1.5}),
+    base(parallelism={"cfgp": 1, "dp": 16}, runtime={"guidance": 1.0}),
+    base(checkpoint={"source": "/srv/checkpoints/pi0"}, replicas=0),
+    base(checkpoint={"source": "file:///srv/ckpt"}, storage={"existingClaim": "shared-models"}),
+    base(checkpoint={"source": "s3://bucket/prefix/"}, runtime={"extraArgs": ["--heartbeat-s", "5"]}),
+    base(checkpoint={"source": "http://10.0.0.1/ckpt/", "secretRef": {"name": "tok", "key": "api.key"}}),
+    base(runtime={"extraArgs": ["--ports=1", "--dtype=bfloat16", "--cache-dir", "/tmp/c", "--policy", "m:C"]}),
+    base(resources={"requests": {"cpu": "500m", "memory": "1.5Gi", "ephemeral-storage": "1e9"}}),
+    base(tolerations=[{"key": C.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+         affinity={"nodeAffinity": {}}, nodeSelector={"gpu": "h100"}),
+], ids=range(9))
+def test_valid_variants_are_accepted(spec: dict[str, Any]) -> None:
+    assert parse(copy.deepcopy(spec)).to_api()["image"] == spec["image"]
+
+
+# --- the CEL rules say what the runtime's own definitions say -----------------------------------------
+
+def _worker_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    serve_flags.add_arguments(parser)
+    return parser
+
+
+def test_extra_args_refuse_every_managed_flag_and_abbreviation_and_nothing_else() -> None:
+    flags = [s for a in _worker_parser()._actions for s in a.option_strings if s.startswith("--")]
+    assert set(serve_flags.MANAGED_FLAGS) <= set(flags)
+    for flag in flags:
+        forms = [flag, f"{flag}=1"]
+        if flag in serve_flags.MANAGED_FLAGS:
+            # every prefix argparse could expand to this flag, e.g. --guid for --guidance
+            forms += [flag[:n] for n in range(3, len(flag))] + [f"{flag[:n]}=1" for n in range(3, len(flag))]
+            for form in forms:
+                assert refused(base(runtime={"extraArgs": [form]})).path == "spec.runtime.extraArgs[0]", form
+        else:
+            for form in forms:
+                parse(base(runtime={"extraArgs": [form]}))
+
+
+def test_argparse_would_let_an_abbreviation_override_a_managed_flag() -> None:
+    """Why the rule refuses abbreviations: the worker's parser expands them and the last value wins."""
+    args = _worker_parser().parse_args(["--checkpoint", "/m", "--guidance", "3.0", "--guid", "1.0"])
+    assert args.guidance == 1.0
+
+
+RELPATHS = ["model.safetensors", "a/b.json", "..a", "a..b/c", ".hidden", "", "/abs", "../x", "a/../b", "a/..",
+            "a//b", "a/", "./a", "a/./b", ".", "a\\b", "..\\x"]
+
+
+@pytest.mark.parametrize("name", RELPATHS)
+def test_sha256_file_rule_is_the_fetchers_path_check(name: str) -> None:
+    try:
+        check_relpath(name)
+        safe = True
+    except InvalidSource:
+        safe = False
+    assert rule(S.CheckpointSpec, "self.all(f").holds({name: HEX}) == safe
+
+
+SOURCES = ["hf://org/repo", "hf://org/repo@v1", "https://h/ckpt/", "http://h/f.safetensors", "s3://b/p/",
+           "file:///srv/c", "/srv/c", "ftp://h/c", "relative", "hf://", "s3:/b", "HF://org/repo", "//h/c"]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_source_rule_is_the_fetchers_scheme_check(source: str) -> None:
+    try:
+        check_source(source)
+        fetchable = True
+    except InvalidSource:
+        fetchable = False
+    assert rule(S.CheckpointSpec, "self.matches('^((hf").holds(source) == fetchable
+
+
+@pytest.mark.parametrize("cfgp", [1, 2])
+@pytest.mark.parametrize("guidance", [0.0, 1.0, 1.5, 3.0])
+def test_guidance_rule_is_the_layouts_check(cfgp: int, guidance: float) -> None:
+    try:
+        ParallelLayout(cfgp=cfgp).check_guidance(guidance)
+        runs = True
+    except LayoutError:
+        runs = False
+    verdict = rule(PolicyServerSpec, "self.runtime.guidance").holds(
+        {"parallelism": {"cfgp": cfgp, "dp": 1}, "runtime": {"guidance": guidance}})
+    assert verdict == runs
+
+
+def test_the_runtime_defaults_are_the_specs() -> None:
+    runtime = parse(base()).runtime
+    args = _worker_parser().parse_args(["--checkpoint", "/m"])
+    assert (runtime.guidance, runtime.steps, float(runtime.drain_grace_seconds)) == \
+        (args.guidance, args.steps, args.drain_grace_s)
