@@ -54,6 +54,14 @@ class CheckpointExit(_ExitCode):
     INVALID = 1, "missing, incomplete or changed since fetched"  # the pod does not start
 
 
+class ProbeExit(_ExitCode):
+    """``policyserver probe`` (the chart's ``helm test`` hook: Helm reads the Pod's exit status)."""
+
+    OK = 0, "ok (finite actions of the advertised shape)"
+    FAILED = 1, "failed (unreachable, refused, not ready in time or a wrong answer)"
+    USAGE = 2, "usage"
+
+
 def describe(codes: type[_ExitCode]) -> str:
     """``0 ok, 1 other, ...``: the exit codes of one command, for its ``--help``."""
     return ", ".join(f"{int(code)} {code.meaning}" for code in codes)

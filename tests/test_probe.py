@@ -1,0 +1,195 @@
+"""``policyserver probe``: a robot's first request, checked, against real servers that answer well and badly.
+
+The good server is the reference policy; the bad ones are whole servers too
+(``tests/support/plugins/broken_actions_policy.py``, loaded by import path):
+they start, warm up and answer, only their actions are wrong.  The probe runs
+as the CLI does (a subprocess, its exit status and its one line), once with
+torch made unimportable, as in the operator image the chart's ``helm test``
+hook uses.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from policy_operator.exit_codes import ProbeExit
+from policy_operator.runtime import probe
+from tests.support.net import free_port
+from tests.support.servers import VENV_BIN, serve_policy, subprocess_env, tiny_checkpoint  # noqa: F401
+
+TOKEN = "probe-secret-token"
+BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "
+
+
+def run_probe(*args: str, torch_blocked: bool = False, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    if torch_blocked:
+        argv = [sys.executable, "-c", BLOCK_TORCH + "from policy_operator.cli import main; sys.exit(main(sys.argv[1:]))",
+                "probe", *args]
+    else:
+        argv = [str(VENV_BIN / "policyserver"), "probe", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+
+
+def one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("probe-auth") / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def good_server(tiny_checkpoint: Path, token_file: Path):  # noqa: F811
+    with serve_policy(tiny_checkpoint, "--steps", "2", "--auth-token-file", str(token_file)) as server:
+        yield server
+
+
+# --- against a real server ------------------------------------------------------------------
+
+def advertised_metadata(url: str, token: str | None = None) -> dict:
+    """The metadata frame, read here independently of the probe."""
+    from websockets.sync.client import connect
+
+    from policy_operator.runtime import wire
+
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    with connect(url, additional_headers=headers) as ws:
+        return wire.unpackb(ws.recv(timeout=30))
+
+
+def test_probe_passes_a_real_server_with_the_advertised_shape(good_server, token_file: Path) -> None:
+    before = good_server.metric("policy_requests_total", replica="0") or 0.0
+    proc = run_probe(good_server.url, "--token-file", str(token_file), "--json")
+    assert proc.returncode == ProbeExit.OK, proc.stdout + proc.stderr
+    result = json.loads(one_line(proc))
+    meta = advertised_metadata(good_server.url, TOKEN)
+    assert result["ok"] is True and result["reason"] == ""
+    assert result["policy"] == meta["policy_name"]
+    assert result["layout"] == f"cfgp={meta['layout']['cfgp']},dp={meta['layout']['dp']}"
+    assert result["action_shape"] == meta["action_shape"] and result["latency_ms"] > 0
+    # it really sent one request, answered with actions, like a robot's
+    assert good_server.metric("policy_requests_total", replica="0") == before + 1
+
+
+def test_probe_line_without_json_is_one_human_line(good_server, token_file: Path) -> None:
+    proc = run_probe(good_server.url, "--token-file", str(token_file))
+    line = one_line(proc)
+    name = advertised_metadata(good_server.url, TOKEN)["policy_name"]
+    assert proc.returncode == 0 and line.startswith(f"ok {good_server.url}: policy {name} (cfgp=1,dp=1)"), line
+    assert " finite, " in line and line.endswith(" ms")
+
+
+def test_probe_runs_without_torch_as_in_the_operator_image(good_server, token_file: Path) -> None:
+    proc = run_probe(good_server.url, "--token-file", str(token_file), torch_blocked=True)
+    assert proc.returncode == ProbeExit.OK, proc.stdout + proc.stderr
+    assert one_line(proc).startswith("ok ")
+
+
+def test_probe_without_the_token_fails_naming_the_refusal(good_server) -> None:
+    proc = run_probe(good_server.url)
+    assert proc.returncode == ProbeExit.FAILED
+    line = one_line(proc)
+    assert line.startswith(f"FAIL {good_server.url}: ") and "HTTP 401" in line, line
+    assert TOKEN not in proc.stdout + proc.stderr
+
+
+def test_probe_of_a_closed_port_fails_at_once() -> None:
+    url = f"ws://127.0.0.1:{free_port()}"
+    proc = run_probe(url, "--timeout", "5")
+    assert proc.returncode == ProbeExit.FAILED
+    assert one_line(proc).startswith(f"FAIL {url}: cannot connect")
+
+
+def test_probe_usage_errors_exit_2(tmp_path: Path) -> None:
+    proc = run_probe("ws://127.0.0.1:1", "--token-file", str(tmp_path / "missing"))
+    assert proc.returncode == ProbeExit.USAGE and "--token-file" in proc.stderr and proc.stdout == ""
+    proc = run_probe("ws://127.0.0.1:1", "--timeout", "0")
+    assert proc.returncode == ProbeExit.USAGE and "--timeout" in proc.stderr
+
+
+# --- against servers that answer wrongly ------------------------------------------------------
+
+def test_probe_fails_a_server_whose_actions_contain_nan_and_waits_for_it_to_load(tiny_checkpoint: Path) -> None:  # noqa: F811
+    # started, not ready: the probe's retries carry it through refused connections and 503s to the real answer
+    with serve_policy(tiny_checkpoint, "--steps", "2", "--policy", "broken_actions_policy:NanActionsPolicy",
+                      wait="started") as server:
+        proc = run_probe(f"ws://127.0.0.1:{server.port}", "--retry-seconds", "150", "--timeout", "60", "--json")
+        assert server.readyz().status == 200
+    assert proc.returncode == ProbeExit.FAILED
+    result = json.loads(one_line(proc))
+    assert result["ok"] is False and result["action_shape"] is None
+    assert "1 non-finite value(s), first at (" in result["reason"] and "nan" in result["reason"], result
+
+
+def test_probe_fails_a_server_whose_actions_do_not_have_the_advertised_shape(tiny_checkpoint: Path) -> None:  # noqa: F811
+    with serve_policy(tiny_checkpoint, "--steps", "2", "--policy", "broken_actions_policy:ShortActionsPolicy") as server:
+        proc = run_probe(server.url)
+        horizon, dim = advertised_metadata(server.url)["action_shape"]
+    assert proc.returncode == ProbeExit.FAILED
+    line = one_line(proc)
+    assert f"shape ({horizon - 1}, {dim}), the metadata promised ({horizon}, {dim})" in line, line
+
+
+# --- the checks themselves ----------------------------------------------------------------------
+
+META = {"policy_name": "p", "action_shape": [16, 8], "action_horizon": 16, "action_dim": 8, "image_size": 32,
+        "max_cameras": 2, "joint_dim": 7, "gripper_dim": 1}
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"action_shape": None}, "'action_shape' must be"),
+    ({"action_shape": [16]}, "'action_shape' must be"),
+    ({"action_shape": [16, 0]}, "'action_shape' must be"),
+    ({"action_shape": [True, 8]}, "'action_shape' must be"),
+    ({"action_horizon": 10}, "'action_horizon' is 10"),
+    ({"image_size": 0}, "'image_size' must be an integer in 1..4096"),
+    ({"image_size": 5000}, "'image_size' must be an integer in 1..4096"),
+    ({"max_cameras": "2"}, "'max_cameras' must be"),
+    ({"joint_dim": 1.5}, "'joint_dim' must be"),
+])
+def test_metadata_checks_name_the_key(change: dict, words: str) -> None:
+    meta = {**META, **change}
+    with pytest.raises(probe.ProbeFailed, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        probe.check_metadata(meta)
+    with pytest.raises(probe.ProbeFailed, match="metadata map"):
+        probe.check_metadata([1, 2])
+
+
+def test_canned_observation_passes_the_servers_own_validation() -> None:
+    from policy_operator.runtime.observation import parse_observation
+
+    expect = probe.check_metadata(META)
+    obs = probe.canned_observation(expect)
+    parsed = parse_observation(obs, joint_dim=7, gripper_dim=1, max_cameras=2)
+    assert parsed.cameras[0].shape == (32, 32, 3) and parsed.state.shape == (8,)
+    assert parsed.cameras[0].std() > 0  # a pattern, not a blank frame
+    again = probe.canned_observation(expect)
+    assert all(np.array_equal(obs[k], again[k]) if isinstance(obs[k], np.ndarray) else obs[k] == again[k] for k in obs)
+
+
+@pytest.mark.parametrize(("reply", "words"), [
+    ("invalid_observation: missing key", "answered with an error: invalid_observation"),
+    ({"type": "error", "error": {"kind": "unavailable", "message": "draining"}}, "error: unavailable: draining"),
+    ({"server_timing": {}}, "no 'actions'"),
+    ({"actions": [[0.0] * 8] * 16}, "must be a float array, got list"),
+    ({"actions": np.zeros((16, 8), dtype=np.int32)}, "must be a float array, got <i4"),
+    ({"actions": np.zeros((8, 16), dtype=np.float32)}, "shape (8, 16)"),
+    ({"actions": np.full((16, 8), np.inf, dtype=np.float32)}, "128 non-finite value(s), first at (0, 0): inf"),
+])
+def test_reply_checks(reply, words: str) -> None:
+    with pytest.raises(probe.ProbeFailed) as exc:
+        probe.check_reply(reply, probe.check_metadata(META))
+    assert words in str(exc.value)
+    good = np.zeros((16, 8), dtype=np.float32)
+    assert probe.check_reply({"actions": good}, probe.check_metadata(META)) is good
