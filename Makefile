@@ -12,7 +12,7 @@ PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-cluster test crd bench images clean
+.PHONY: install demo demo-cluster test crd bench images clean cluster-binary cluster-up cluster-down
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +28,20 @@ demo: install
 demo-cluster: install
 	$(PY) -m tests.support.demo_cluster
 
-test: install
+test: install cluster-binary
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The real control plane (etcd, kube-apiserver, controller-manager, scheduler, kubectl)
+# is one Go binary built from tests/cluster/ into .cache/cluster/bin/, rebuilt only when
+# tests/cluster/{go.mod,go.sum,main.go} change (docs/testing.md).
+cluster-binary: install
+	$(PY) -m tests.support.control_plane build
+
+cluster-up: cluster-binary
+	$(PY) -m tests.support.control_plane up
+
+cluster-down:
+	$(PY) -m tests.support.control_plane down
 
 # crds/policyservers.yaml and the tables of docs/crd.md, generated from the model in operator/spec.py
 # (tests/test_crd.py fails while they are stale).

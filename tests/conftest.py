@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.support.control_plane import ControlPlane
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -25,3 +31,33 @@ def cli_env() -> dict[str, str]:
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.pop("HF_TOKEN", None)
     return env
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the control plane's binary before the first test when a ``cluster`` test is selected.
+
+    A cold Go build takes minutes; inside the fixture it would count against
+    one test's timeout.  ``make test`` has built it already (then this is a
+    hash check).
+    """
+    if session.config.option.collectonly or not any(i.get_closest_marker("cluster") for i in session.items):
+        return
+    from tests.support.control_plane import ensure_binary
+
+    capture = session.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        ensure_binary()
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """One real control plane (etcd, kube-apiserver, controller-manager, scheduler) for the whole session.
+
+    Tests share it, so each uses namespaces of its own (``create_namespace``)
+    and cluster-scoped names that no other test uses.  Logs:
+    ``<pytest tmp>/control-plane0/logs/``.
+    """
+    from tests.support.control_plane import ControlPlane
+
+    with ControlPlane(tmp_path_factory.mktemp("control-plane")) as cp:
+        yield cp
