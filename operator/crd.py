@@ -30,16 +30,22 @@ from policy_operator import constants as C
 from policy_operator.operator.kube_model import (
     CEL_VALIDATIONS,
     INT_OR_STRING,
+    KUBE_TYPE,
     LIST_MAP_KEYS,
     LIST_TYPE,
     PATTERN_NAMES,
     PRESERVE_UNKNOWN,
     QUANTITY_PATTERN,
     kube_schema,
+    ordered_keys,
 )
 from policy_operator.operator.resource import PolicyServer
 from policy_operator.operator.spec import OPERATOR_ONLY_CHECKS
 
+# The Kubernetes release whose schemas of core/v1 types (Affinity, Toleration, EnvVarSource) the CRD embeds: the
+# one tests/cluster/ builds.  They come from kubernetes-validate's copy of the release's OpenAPI (a dev
+# dependency: only `make crd` and the tests generate).
+KUBERNETES_SCHEMA_VERSION: Final = "1.37.0"
 REPO: Final = Path(__file__).resolve().parents[1]
 CRD_PATH: Final = REPO / "crds" / "policyservers.yaml"
 DOC_PATH: Final = REPO / "docs" / "crd.md"
@@ -71,9 +77,78 @@ SCALE: Final = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".st
                 "labelSelectorPath": ".status.selector"}
 
 
+# --- Kubernetes' own schemas of the types passed through ------------------------------------------
+
+def kubernetes_definitions() -> dict[str, Any]:
+    try:
+        import kubernetes_validate
+    except ImportError:  # pragma: no cover - the dev extra is missing
+        raise SystemExit("generating the CRD needs the dev extra: pip install -e '.[dev]'") from None
+    path = (Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+            / f"v{KUBERNETES_SCHEMA_VERSION}-local" / "_definitions.json")
+    if not path.exists():
+        raise SystemExit(f"kubernetes-validate has no schemas of Kubernetes {KUBERNETES_SCHEMA_VERSION}: "
+                         f"pip install -U 'kubernetes-validate>=1.37'")
+    definitions: dict[str, Any] = json.loads(path.read_text())["$defs"]
+    return definitions
+
+
+# OpenAPI keys a CRD schema may not carry (strategic-merge hints, GVK tags) or that JSON Schema added.
+_DROPPED_KEYS = ("$schema", "$id", "x-kubernetes-patch-strategy", "x-kubernetes-patch-merge-key",
+                 "x-kubernetes-group-version-kind", "x-kubernetes-unions")
+_INT_OR_STRING_TYPES = ("io.k8s.apimachinery.pkg.api.resource.Quantity", "io.k8s.apimachinery.pkg.util.intstr.IntOrString")
+
+
+def kubernetes_type(name: str, definitions: dict[str, Any], seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The structural schema of one Kubernetes definition: refs inlined, ``[T, null]`` types made ``T``."""
+    if name in _INT_OR_STRING_TYPES:
+        return {INT_OR_STRING: True, "anyOf": [{"type": "integer"}, {"type": "string"}]}
+    if name in seen:
+        raise ValueError(f"{name} is recursive; a CRD schema cannot embed it")
+    return _structural(definitions[name], definitions, (*seen, name))
+
+
+def _structural(node: dict[str, Any], definitions: dict[str, Any], seen: tuple[str, ...]) -> dict[str, Any]:
+    if "$ref" in node:
+        inner = kubernetes_type(node["$ref"].rsplit("/", 1)[-1], definitions, seen)
+        return {**inner, **{k: v for k, v in node.items() if k == "description"}}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROPPED_KEYS:
+            continue
+        if key == "type" and isinstance(value, list):
+            (value,) = [t for t in value if t != "null"]
+        elif key == "properties":
+            value = {k: _structural(v, definitions, seen) for k, v in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            value = _structural(value, definitions, seen)
+        elif key in ("oneOf", "anyOf", "allOf", "not"):
+            raise ValueError(f"{seen[-1]}: {key} has no structural form here")
+        out[key] = value
+    return ordered_keys(out)
+
+
+def embed_kubernetes_types(node: Any, definitions: dict[str, Any]) -> Any:
+    """``node`` with every ``kube_type_schema`` placeholder replaced by the type's own schema."""
+    if isinstance(node, list):
+        return [embed_kubernetes_types(item, definitions) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if KUBE_TYPE in node:
+        embedded = kubernetes_type(node[KUBE_TYPE], definitions)
+        return {"type": "object", **({"description": node["description"]} if "description" in node else {}),
+                **{k: v for k, v in embedded.items() if k not in ("type", "description")}}
+    return {key: embed_kubernetes_types(value, definitions) for key, value in node.items()}
+
+
 # --- the CRD -----------------------------------------------------------------------------------
 
 def open_api_schema() -> dict[str, Any]:
+    """The CRD's ``openAPIV3Schema``: the model's schema with Kubernetes' own schemas of the types it passes on."""
+    return embed_kubernetes_types(model_schema(), kubernetes_definitions())
+
+
+def model_schema() -> dict[str, Any]:
     """``PolicyServer``'s structural schema, with the root fields the apiserver owns reduced to what it allows."""
     schema = kube_schema(PolicyServer)
     props = schema["properties"]
@@ -157,6 +232,9 @@ def _code(value: Any) -> str:
 
 
 def type_text(node: dict[str, Any]) -> str:
+    if KUBE_TYPE in node:  # io.k8s.api.core.v1.Affinity -> core/v1 Affinity
+        group, _, kind = node[KUBE_TYPE].removeprefix("io.k8s.api.").rpartition(".")
+        return f"{group.replace('.', '/')} {kind}"
     if node.get(INT_OR_STRING):
         return "quantity" if node.get("pattern") == QUANTITY_PATTERN else "integer or string"
     if "enum" in node:
@@ -261,7 +339,7 @@ def rules_table(schema: dict[str, Any]) -> str:
 
 
 def doc_sections(schema: dict[str, Any] | None = None) -> dict[str, str]:
-    schema = schema or open_api_schema()
+    schema = schema or model_schema()  # core/v1 types stay one row each: kubectl explain has the rest
     return {"rules": rules_table(schema), "spec-fields": fields_table(schema, "spec"),
             "status-fields": fields_table(schema, "status")}
 
@@ -286,19 +364,26 @@ def render_doc(text: str, sections: dict[str, str] | None = None) -> str:
 
 @dataclass(frozen=True)
 class DocExample:
-    """A PolicyServer from docs/crd.md with the verdict the doc promises (``path`` is None when accepted)."""
+    """A PolicyServer from docs/crd.md with the verdict the doc promises.
+
+    ``path`` is the field the refusal names (None: accepted); ``admission_only``
+    marks a refusal inside a core/v1 object the operator's parser passes on.
+    """
 
     line: int
     obj: dict[str, Any]
     path: str | None
+    admission_only: bool = False
 
 
-_EXAMPLE = re.compile(r"^```yaml\n# (refused: (?P<path>\S+)|accepted)[^\n]*\n(?P<body>.*?)^```$", re.S | re.M)
+_EXAMPLE = re.compile(r"^```yaml\n# (refused: (?P<path>\S+)|accepted)(?P<note>[^\n]*)\n(?P<body>.*?)^```$",
+                      re.S | re.M)
 
 
 def doc_examples(text: str | None = None) -> list[DocExample]:
     text = DOC_PATH.read_text() if text is None else text
-    return [DocExample(text.count("\n", 0, m.start()) + 1, yaml.safe_load(m["body"]), m["path"])
+    return [DocExample(text.count("\n", 0, m.start()) + 1, yaml.safe_load(m["body"]), m["path"],
+                       "admission only" in m["note"])
             for m in _EXAMPLE.finditer(text)]
 
 

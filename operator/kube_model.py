@@ -198,8 +198,22 @@ Quantity = Annotated[
 ]
 """A Kubernetes quantity (``4Gi``, ``500m``, ``2``), as the int-or-string the API accepts; kept as a string."""
 
-KubeObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object", PRESERVE_UNKNOWN: True})]
-"""A core/v1 object passed through unchanged (affinity, a toleration, an env valueFrom)."""
+KUBE_TYPE: Final = "x-policy-operator-kube-type"  # never in the CRD: crd.py replaces the node
+
+
+def kube_type_schema(definition: str) -> dict[str, Any]:
+    """The schema of a Kubernetes type passed through unchanged (``io.k8s.api.core.v1.Affinity``).
+
+    The model keeps it as a dict (the operator copies it into pod specs as is);
+    the CRD generator embeds Kubernetes' own schema of the type in its place, so
+    the apiserver refuses an unknown or mistyped field at admission.
+    """
+    return {"type": "object", PRESERVE_UNKNOWN: True, KUBE_TYPE: definition}
+
+
+Affinity = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.Affinity"))]
+Toleration = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.Toleration"))]
+EnvVarSource = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.EnvVarSource"))]
 
 
 def list_map(*keys: str) -> dict[str, Any]:
@@ -242,7 +256,8 @@ _KEY_ORDER = ("type", "description", "default", "required", "enum", "minimum", "
               LIST_TYPE, LIST_MAP_KEYS, CEL_VALIDATIONS, "properties", "additionalProperties", "items")
 
 
-def _ordered(node: dict[str, Any]) -> dict[str, Any]:
+def ordered_keys(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with its keys in reading order (type, description, default, bounds..., properties)."""
     first = {key: node[key] for key in _KEY_ORDER if key in node}
     return {**first, **{k: v for k, v in node.items() if k not in first}}
 
@@ -268,7 +283,7 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
             out[key] = " ".join(value.split())  # docstrings are wrapped; kubectl explain wraps by itself
         else:
             out[key] = _inline(value, defs)
-    return _ordered(out)
+    return ordered_keys(out)
 
 
 def kube_schema(model: type[BaseModel]) -> dict[str, Any]:

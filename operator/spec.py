@@ -23,10 +23,12 @@ from policy_operator.layout import SUPPORTED_CFGP, LayoutError, ParallelLayout
 from policy_operator.operator.kube_model import (
     LIST_SET,
     RULE_ERROR,
+    Affinity,
+    EnvVarSource,
     KubeModel,
-    KubeObject,
     Quantity,
     Rule,
+    Toleration,
     list_map,
     named_pattern,
 )
@@ -92,10 +94,13 @@ OPERATOR_ONLY_CHECKS: Final = {
                               "say the same, these are the runtime's definitions",
     "spec.parallelism": "the layout is built with the runtime's own ParallelLayout (cfgp, dp, guidance), so the "
                         "operator refuses exactly what a pod would refuse at start",
-    "spec.affinity, spec.tolerations[], env[].valueFrom": "core/v1 objects passed through unchanged; the API "
-                                                          "server validates them when the operator applies the "
-                                                          "StatefulSet or Job (condition Progressing=False, "
-                                                          "reason ApplyFailed, names the field)",
+    "spec.affinity, spec.tolerations[], env[].valueFrom": "core/v1 objects the operator copies into pod specs "
+                                                          "unchanged: the CRD embeds Kubernetes' own schema of "
+                                                          "them (unknown and mistyped fields are refused at "
+                                                          "admission); their cross-field rules are checked when "
+                                                          "the operator applies the StatefulSet or Job "
+                                                          "(Progressing=False, reason ApplyFailed, with the "
+                                                          "apiserver's message)",
 }
 
 
@@ -139,7 +144,7 @@ class EnvVar(KubeModel):
     """Environment variable name."""
     value: str | None = None
     """Literal value."""
-    value_from: KubeObject | None = None
+    value_from: EnvVarSource | None = None
     """Source of the value (core/v1 EnvVarSource, e.g. secretKeyRef)."""
 
 
@@ -389,10 +394,10 @@ class PolicyServerSpec(KubeModel):
     resources: ServerResources = Field(default_factory=ServerResources)
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node labels the pods (server and fetch Job) must match."""
-    tolerations: list[KubeObject] = Field(default_factory=list)
+    tolerations: list[Toleration] = Field(default_factory=list)
     """Tolerations of the pods (core/v1 Toleration), e.g. for nvidia.com/gpu:NoSchedule."""
-    affinity: KubeObject | None = None
-    """Affinity of the pods (core/v1 Affinity), passed through unchanged."""
+    affinity: Affinity | None = None
+    """Affinity of the pods (core/v1 Affinity)."""
     priority_class_name: Dns1123Name | None = None
     """PriorityClass of the pods."""
     service_account_name: Dns1123Name | None = None
