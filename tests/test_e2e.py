@@ -1,16 +1,19 @@
-"""End to end on one machine: kubectl apply -> operator -> pods that really run -> WebSocket actions.
+"""End to end on one machine: kubectl apply -> operator -> real controllers -> pods that run -> actions via the Service.
 
-Nothing is played by the test: the API emulator stores objects, the real
-``policyserver operator`` reconciles them, the local node
-(tests/support/local_node.py) runs every pod the operator's manifests
-describe -- the fetch Job's ``policyserver fetch``, the init container's
-``policyserver checkpoint verify``, ``torchrun ... -m
-policy_operator.runtime.worker`` with gloo on CPU -- with their commands, env,
-volumes and probes as written, and the real openpi client gets actions from
-the pods.  Two PolicyServers: the cfgp=2,dp=1 sample (its checkpoint behind a
-bearer token from the sample's Secret) and the cfgp=1,dp=2 sample (two pods
-sharing one cache claim), each derived from ``examples/`` by editing the YAML
-here.  docs/e2e.md explains the set-up and the timings.
+Nothing is played by the test: the session's real control plane (etcd,
+kube-apiserver, kube-controller-manager, kube-scheduler) stores and
+reconciles, the real ``policyserver operator`` creates the children, the
+real Job and StatefulSet controllers make the pods, the real scheduler binds
+them to the local node (tests/support/local_node.py), which runs them -- the
+fetch Job's ``policyserver fetch``, the init container's ``policyserver
+checkpoint verify``, ``torchrun ... -m policy_operator.runtime.worker`` with
+gloo on CPU -- with their commands, env, volumes and probes as written, and
+the real openpi client gets actions through the Service (the node's proxy).
+Two PolicyServers: the cfgp=2,dp=1 sample (its checkpoint behind a bearer
+token from the sample's Secret) and the cfgp=1,dp=2 sample (two pods sharing
+one cache claim of the sample's ``nfs-client`` class), each derived from
+``examples/`` by editing the YAML here.  docs/e2e.md explains the set-up and
+the timings.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import subprocess
+import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -38,7 +44,10 @@ from tests.support.local_node_cluster import LocalCluster, for_local_node, free_
 from tests.support.net import wait_for
 from tests.support.servers import VENV_BIN
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+if TYPE_CHECKING:
+    from tests.support.control_plane import ControlPlane
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 NS = "robots"
@@ -68,20 +77,21 @@ def init_checkpoint(path: Path, seed: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def deployment(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     work = tmp_path_factory.mktemp("e2e")
     init_checkpoint(work / "sources" / "a" / "ckpt", seed=0)
     init_checkpoint(work / "sources" / "b" / "ckpt", seed=1)
     servers = {CFGP2: CheckpointServer(work / "sources" / "a", token=TOKEN).start(),
                CFGP1: CheckpointServer(work / "sources" / "b").start()}
-    cluster = LocalCluster(work / "cluster", NS, backoff_s=2.0)
+    storage_class = example("policyserver-cfgp1-dp2")["spec"]["storage"]["storageClassName"]
+    cluster = LocalCluster(control_plane, work / "cluster", NS, backoff_s=2.0, storage_classes=[storage_class])
     try:
         cluster.start()
         secret = example("policyserver-cfgp2-dp1")["spec"]["checkpoint"]["secretRef"]["name"]
-        cluster.kube.create("v1", "secrets", {"metadata": {"name": secret},
-                                              "data": {C.SECRET_TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()}},
-                            NS)
-        port = free_port_on(f"127.0.0.{i}" for i in range(1, 24))
+        cluster.api.create("v1", "secrets", {"metadata": {"name": secret},
+                                             "data": {C.SECRET_TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()}},
+                           NS)
+        port = free_port_on(["127.0.0.1", *cluster.node.ips(24)])
         docs = {name: for_local_node(example(f"policyserver-{name.removeprefix('policy-')}"),
                                      source=servers[name].url_for("ckpt/"), port=port)
                 for name in (CFGP2, CFGP1)}
@@ -122,14 +132,13 @@ def wait_status(d: Deployment, name: str, predicate: Callable[[dict[str, Any]], 
 
 
 def server_pods(d: Deployment, name: str) -> list[dict[str, Any]]:
-    pods = d.cluster.kube.list("v1", "pods", NS, label_selector=f"{C.LABEL_INSTANCE}={name},"
-                                                                f"{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+    pods = d.cluster.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
     return sorted(pods, key=lambda p: p["metadata"]["name"])
 
 
 def events(d: Deployment, name: str) -> list[tuple[str, str, str]]:
     return [(e.get("type", ""), e.get("reason", ""), e.get("message", ""))
-            for e in d.cluster.kube.events(NS, involved_name=name)]
+            for e in d.cluster.api.events(NS, involved_name=name)]
 
 
 def alive(pid: int) -> bool:
@@ -137,6 +146,32 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/cmdline").read_bytes() != b""
     except OSError:
         return False
+
+
+def requests_served(ip: str, port: int) -> float:
+    """Sum of ``policy_requests_total`` on one pod's /metrics."""
+    with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(r"^policy_requests_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def actions_through_service(d: Deployment, name: str, connections: int, seed: int = 1) -> list[dict[str, Any]]:
+    """One openpi-client connection after another to the Service (ws://127.0.0.1:PORT, the node's proxy)."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from policy_operator.runtime.client import robolab_observation
+
+    host, port = d.cluster.node.service_address(NS, Names(name).service, C.PORT_NAME)
+    answers = []
+    for _ in range(connections):
+        client = WebsocketClientPolicy(host=host, port=port)
+        try:
+            meta = client.get_server_metadata()
+            obs = robolab_observation(meta, seed=seed, fixed_seed=7)
+            answers.append({"meta": meta, "first": client.infer(obs)["actions"], "again": client.infer(obs)["actions"]})
+        finally:
+            client._ws.close()  # openpi-client 0.1.2 has no close()
+    return answers
 
 
 # --- the tests, in the order a person would check things -------------------------------------------
@@ -161,24 +196,43 @@ def test_kubectl_wait_available_and_every_rank_ready(deployment: Deployment) -> 
     assert rows[CFGP1][1:6] == ["2/2", "4/4", "cfgp=1,dp=2", "Ready", "Ready"]
 
 
+def test_real_controllers_made_the_pods_and_the_scheduler_bound_them(deployment: Deployment) -> None:
+    d = deployment
+    for name, replicas in ((CFGP2, 1), (CFGP1, 2)):
+        sts = d.cluster.get("apps/v1", "statefulsets", Names(name).statefulset)
+        assert sts["status"]["readyReplicas"] == replicas and sts["status"]["currentRevision"]
+        for pod in server_pods(d, name):
+            owner = pod["metadata"]["ownerReferences"][0]
+            assert (owner["kind"], owner["uid"]) == ("StatefulSet", sts["metadata"]["uid"])
+            assert pod["metadata"]["labels"]["controller-revision-hash"] == sts["status"]["currentRevision"]
+            assert pod["spec"]["nodeName"] == d.cluster.node.name
+            assert any(c["type"] == "PodScheduled" and c["status"] == "True" for c in pod["status"]["conditions"])
+            assert pod["status"]["qosClass"] == "Burstable"  # the samples request CPU and memory
+    node = d.cluster.api.get("v1", "nodes", d.cluster.node.name)
+    assert node["status"]["allocatable"][C.GPU_RESOURCE] == "8"
+
+
 def test_one_fetch_job_and_one_download_per_checkpoint(deployment: Deployment) -> None:
     d = deployment
     for name, doc in d.docs.items():
         key = request_key(doc["spec"]["checkpoint"]["source"], doc["spec"]["checkpoint"].get("revision"))
-        jobs = d.cluster.kube.list("batch/v1", "jobs", NS, label_selector=f"{C.LABEL_INSTANCE}={name}")
+        jobs = d.cluster.list("batch/v1", "jobs", f"{C.LABEL_INSTANCE}={name}")
         assert [j["metadata"]["name"] for j in jobs] == [Names(name).job(key)]
         assert jobs[0]["status"]["succeeded"] == 1
         assert d.cluster.status(name)["checkpoint"]["phase"] == "Ready"
         server = d.servers[name]
         for file in (C.MANIFEST_FILE, C.CONFIG_FILE, C.WEIGHTS_FILE):
             assert server.count(f"/ckpt/{file}") == 1, (name, file, server.requests)
-        fetch_pods = d.cluster.kube.list("v1", "pods", NS, label_selector=f"{C.LABEL_JOB_NAME}={jobs[0]['metadata']['name']}")
+        fetch_pods = d.cluster.list("v1", "pods", f"{C.LABEL_JOB_NAME}={jobs[0]['metadata']['name']}")
         assert [p["status"]["phase"] for p in fetch_pods] == ["Succeeded"]
     # the cfgp=2 sample's Secret reached the fetch as a bearer token (the server refuses requests without it)
     assert {r.headers.get("Authorization") for r in d.servers[CFGP2].requests} == {"<redacted>"}
-    # both pods of the dp=2 PolicyServer mount the one cache claim
+    # both pods of the dp=2 PolicyServer mount the one cache claim, of the sample's class, on one volume
     runners = [d.cluster.node.pod(NS, p["metadata"]["name"]) for p in server_pods(d, CFGP1)]
     assert len(runners) == 2 and runners[0].claims == runners[1].claims == {(NS, Names(CFGP1).pvc)}
+    claim = d.cluster.get("v1", "persistentvolumeclaims", Names(CFGP1).pvc)
+    assert claim["status"]["phase"] == "Bound" and claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["spec"]["storageClassName"] == d.docs[CFGP1]["spec"]["storage"]["storageClassName"]
 
 
 def test_pods_run_torchrun_with_gloo_on_cpu(deployment: Deployment) -> None:
@@ -207,24 +261,22 @@ def test_pods_run_torchrun_with_gloo_on_cpu(deployment: Deployment) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")  # openpi-client's
-def test_openpi_client_gets_actions_from_every_pod(deployment: Deployment) -> None:
-    from openpi_client.websocket_client_policy import WebsocketClientPolicy
-
-    from policy_operator.runtime.client import robolab_observation
-
+def test_openpi_client_gets_actions_through_the_service(deployment: Deployment) -> None:
     d = deployment
     for name, (cfgp, dp) in ((CFGP2, (2, 1)), (CFGP1, (1, 2))):
-        for pod in server_pods(d, name):
-            client = WebsocketClientPolicy(host=pod["status"]["podIP"], port=d.port)
-            try:
-                meta = client.get_server_metadata()
-                assert meta["layout"] == {"cfgp": cfgp, "dp": dp, "world_size": 2} and meta["steps"] == 2
-                obs = robolab_observation(meta, seed=1, fixed_seed=7)
-                first, again = client.infer(obs)["actions"], client.infer(obs)["actions"]
-            finally:
-                client._ws.close()  # openpi-client 0.1.2 has no close()
-            assert first.shape == tuple(meta["action_shape"]) and np.isfinite(first).all()
-            assert np.array_equal(first, again)  # same observation and seed: same actions
+        pods = server_pods(d, name)
+        before = {p["metadata"]["name"]: requests_served(p["status"]["podIP"], d.port) for p in pods}
+        answers = actions_through_service(d, name, connections=16 if len(pods) > 1 else 2)
+        for a in answers:
+            meta = a["meta"]
+            assert meta["layout"] == {"cfgp": cfgp, "dp": dp, "world_size": 2} and meta["steps"] == 2
+            assert a["first"].shape == tuple(meta["action_shape"]) and np.isfinite(a["first"]).all()
+            assert np.array_equal(a["first"], a["again"])  # same observation and seed: same actions
+        assert all(np.array_equal(a["first"], answers[0]["first"]) for a in answers)  # every pod: same weights
+        after = {p["metadata"]["name"]: requests_served(p["status"]["podIP"], d.port) for p in pods}
+        assert sum(after.values()) - sum(before.values()) == 2 * len(answers)
+        # the proxy spread the 16 connections over both ready pods of the dp=2 PolicyServer
+        assert all(after[n] > before[n] for n in after), (before, after)
 
 
 def test_killed_rank_degrades_then_the_restarted_container_recovers(deployment: Deployment) -> None:
@@ -243,7 +295,7 @@ def test_killed_rank_degrades_then_the_restarted_container_recovers(deployment: 
                             "phase Ready again", timeout=AVAILABLE_S)
     assert next(c for c in recovered["conditions"] if c["type"] == C.COND_AVAILABLE)["status"] == "True"
     # the kubelet's own readiness probe (every 5 s, as the manifest says) agrees a little later
-    cs = wait_for(lambda: (c := d.cluster.kube.get("v1", "pods", pod_name, NS)["status"]["containerStatuses"][0])["ready"]
+    cs = wait_for(lambda: (c := d.cluster.get("v1", "pods", pod_name)["status"]["containerStatuses"][0])["ready"]
                   and c, WAIT_S, what="the server container Ready again")
     assert cs["restartCount"] == before + 1 and cs["started"] is True
     last = cs["lastState"]["terminated"]
@@ -251,24 +303,68 @@ def test_killed_rank_degrades_then_the_restarted_container_recovers(deployment: 
     phase_events = {(t, m.split(":", 1)[0]) for t, r, m in events(d, CFGP2) if m.startswith("phase ")}
     assert {("Warning", "phase Ready -> Degraded"), ("Normal", "phase Degraded -> Ready")} <= phase_events
     # the pod kept its name and address: the StatefulSet did not replace it, the kubelet restarted the container
-    assert d.cluster.kube.get("v1", "pods", pod_name, NS)["metadata"]["uid"] == pod["metadata"]["uid"]
+    assert d.cluster.get("v1", "pods", pod_name)["metadata"]["uid"] == pod["metadata"]["uid"]
 
 
-def test_kubectl_delete_ends_every_process(deployment: Deployment) -> None:
+@pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
+def test_layout_change_rolls_the_pods_to_the_new_world_size(deployment: Deployment) -> None:
+    d = deployment
+    old = {p["metadata"]["name"]: p["metadata"]["uid"] for p in server_pods(d, CFGP1)}
+    d.cluster.kubectl("patch", C.SHORT_NAME, CFGP1, "--type=merge", "-p", '{"spec":{"parallelism":{"dp":1}}}')
+    status = wait_status(d, CFGP1, lambda s: s.get("layout") == "cfgp=1,dp=1" and s.get("phase") == C.PHASE_READY
+                         and s.get("ranksReady") == "2/2", "rolled to cfgp=1,dp=1 (2 pods x 1 rank)",
+                         timeout=AVAILABLE_S)
+    assert status["ready"] == "2/2"
+    new = {p["metadata"]["name"]: p["metadata"]["uid"] for p in server_pods(d, CFGP1)}
+    assert new.keys() == old.keys() and not set(new.values()) & set(old.values())  # every pod replaced
+    for pod in server_pods(d, CFGP1):
+        procs = d.cluster.node.processes(NS, pod["metadata"]["name"], SERVER_CONTAINER)
+        assert len(procs) == 2 and "--nproc-per-node=1" in procs[0].argv + procs[1].argv  # torchrun + 1 rank
+    (answer,) = actions_through_service(d, CFGP1, connections=1)
+    assert answer["meta"]["layout"] == {"cfgp": 1, "dp": 1, "world_size": 1}
+
+
+def test_kubectl_delete_collects_everything_and_the_claim_waits_for_its_pods(deployment: Deployment) -> None:
     d = deployment
     node = d.cluster.node
-    pids = [p.pid for p in node.processes()]
-    assert len(pids) == 9  # 3 pods x (torchrun + 2 ranks)
-    claims = [r.claims for r in node.pods(NS)]
-    assert claims
+    pids = [p.pid for p in node.processes(NS)]
+    assert len(pids) == 7  # torchrun + 2 ranks (cfgp=2), 2 x (torchrun + 1 rank) (dp=1 after the layout change)
+    claims = {n: d.cluster.get("v1", "persistentvolumeclaims", Names(n).pvc) for n in (CFGP2, CFGP1)}
+    assert all("kubernetes.io/pvc-protection" in c["metadata"]["finalizers"] for c in claims.values())
+    volumes = [c["spec"]["volumeName"] for c in claims.values()]
+    gone_at: dict[str, float] = {}
+    held: set[str] = set()  # claims seen deleted (deletionTimestamp set) while pods still existed
+
+    def watch_gone() -> None:  # when the last pod and each claim left the API
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and len(gone_at) < 3:
+            pods = d.cluster.list("v1", "pods", f"{C.LABEL_MANAGED_BY}={C.MANAGED_BY}")
+            if "pods" not in gone_at and not pods:
+                gone_at["pods"] = time.monotonic()
+            for n in (CFGP2, CFGP1):
+                claim = d.cluster.get("v1", "persistentvolumeclaims", Names(n).pvc)
+                if n not in gone_at and claim is None:
+                    gone_at[n] = time.monotonic()
+                elif claim is not None and claim["metadata"].get("deletionTimestamp") and pods:
+                    held.add(n)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch_gone, daemon=True)
+    watcher.start()
     d.cluster.kubectl("delete", C.SHORT_NAME, CFGP2, CFGP1, "--timeout=120s", timeout=150)
+    watcher.join(WAIT_S + 5)
     try:
-        wait_for(lambda: not d.cluster.kube.list("v1", "pods", NS) and not node.processes(), WAIT_S,
+        wait_for(lambda: not d.cluster.list("v1", "pods") and not node.processes(NS), WAIT_S,
                  what="every pod gone and every process ended")
     except TimeoutError as exc:
         raise AssertionError(f"{exc}\n{d.cluster.describe()}") from None
     assert not any(alive(pid) for pid in pids)
+    # the garbage collector deleted the claims with their owner at once; PVC protection held each one until
+    # the server pods using it were gone (their preStop sleep alone lasts 5 s)
+    assert len(gone_at) == 3 and gone_at[CFGP2] >= gone_at["pods"] and gone_at[CFGP1] >= gone_at["pods"], gone_at
+    assert held == {CFGP2, CFGP1}
     for gv, plural in (("apps/v1", "statefulsets"), ("batch/v1", "jobs"), ("v1", "services"),
                        ("v1", "persistentvolumeclaims")):
-        assert d.cluster.kube.list(gv, plural, NS) == [], plural
-    wait_for(lambda: not list((node.root / "pvc" / NS).iterdir()), WAIT_S, what="cache directories removed")
+        assert d.cluster.list(gv, plural) == [], plural
+    wait_for(lambda: all(d.cluster.api.get("v1", "persistentvolumes", v) is None for v in volumes)
+             and not list((node.root / "pv").iterdir()), WAIT_S, what="the released volumes and directories deleted")

@@ -1,510 +1,366 @@
-"""The real operator (``policyserver operator`` in a subprocess) against the Kubernetes API emulator.
+"""The real operator (``policyserver operator`` in a subprocess) against the real control plane and the local node.
 
-There is no kubelet or controller-manager: the tests play them, writing Job,
-StatefulSet and Pod status the way those controllers would, and serve each
-pod's ``/readyz`` from a tiny HTTP server on a loopback address (127.0.0.1,
-127.0.0.2, ...) given to the pod as its podIP.  Everything else is real:
-kubectl applies the samples, the operator talks HTTP to the emulator, and its
-Events and status are read back through the API.
+The session's control plane runs the real Job, StatefulSet, garbage-collector,
+PV and scheduler controllers; the local node runs the pods (the fetch is the
+real ``policyserver fetch`` from a loopback checkpoint server, the server is
+torchrun with gloo on CPU, 2 steps).  What this module pins down is the
+operator's contract with them: children in order and each created once,
+per-rank status, Events, a fetch failure's message, a checkpoint change that
+downloads once then rolls, ``kubectl scale``, deletion with and without
+``retainOnDelete``, convergence after being SIGKILLed mid-reconcile, leader
+election through kopf peering, and a PolicyServer that asks for more GPUs
+than the node has.  Faults are real ones: the operator process is killed;
+there is no fault injection into the API server.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import signal
 import subprocess
-import sys
 import threading
-import urllib.request
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
 
 from policy_operator import constants as C
+from policy_operator.operator.manifests import Names
 from policy_operator.sources import checkpoint_key
-from tests.support.kube_emulator import KubeEmulator
-from tests.support.kube_fixtures import kube  # noqa: F401 - the fixture
-from tests.support.net import free_port, wait_for
-from tests.support.servers import stop_process
+from tests.support.http_checkpoint_server import CheckpointServer
+from tests.support.local_node_api import Api
+from tests.support.local_node_cluster import LocalCluster, OperatorProcess, for_local_node, free_port_on
+from tests.support.net import wait_for
+from tests.support.servers import VENV_BIN
 
-pytestmark = pytest.mark.slow
+if TYPE_CHECKING:
+    from tests.support.control_plane import ControlPlane
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[1]
-NS = "robots"
-PS = (f"{C.API_VERSION}", C.PLURAL)
+NS = "operator-it"
+PS = (C.API_VERSION, C.PLURAL)
 RESYNC_S = 0.5
-WAIT_S = 30.0
-POLICYSERVER = str(Path(sys.executable).parent / "policyserver")
+WAIT_S = 120.0
+NODE_GPUS = 2
+CHILDREN = (("v1", "persistentvolumeclaims"), ("batch/v1", "jobs"), ("apps/v1", "statefulsets"), ("v1", "services"))
 
 
-# --- harness ---------------------------------------------------------------------------------
+@dataclass
+class Cluster:
+    lc: LocalCluster
+    source: CheckpointServer
+    port: int
+    recorder: Recorder
 
-class Operator:
-    """``policyserver operator`` as a subprocess against the emulator; restartable, killable."""
+    @property
+    def api(self) -> Api:
+        return self.lc.api
 
-    def __init__(self, kube: KubeEmulator, log: Path, peering: list[str] | None = None) -> None:
-        self.kube, self.log = kube, log
-        self.peering = peering or ["--standalone"]
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.liveness = ""
 
-    def start(self) -> Operator:
-        port = free_port()
-        self.liveness = f"http://127.0.0.1:{port}/healthz"
-        out = self.log.open("ab")
-        self.proc = subprocess.Popen(
-            [POLICYSERVER, "operator", "--namespace", NS, *self.peering, "--resync-seconds", str(RESYNC_S),
-             "--probe-timeout", "0.5", "--liveness", self.liveness, "--log-format", "json"],
-            env=self.kube.env, stdout=out, stderr=subprocess.STDOUT)
-        out.close()
-        wait_for(self.probe, WAIT_S, what=f"operator liveness (log: {self.log})")
+class Recorder:
+    """Every child object that ever existed in NS, by (plural, name) -> the uids seen, from watches.
+
+    With a real API server there is no request log to count POSTs in; a child created twice (a duplicate, or
+    deleted and made again) shows up as a second uid under one name.
+    """
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.uids: dict[tuple[str, str], list[str]] = {}
+        self.order: list[tuple[str, str]] = []  # (plural, name) in the order first seen
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._watch, args=gp, daemon=True) for gp in CHILDREN]
+
+    def start(self) -> Recorder:
+        for t in self._threads:
+            t.start()
         return self
 
-    def probe(self) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-3000:]
-        with urllib.request.urlopen(self.liveness, timeout=2) as response:
-            return json.loads(response.read())
+    def stop(self) -> None:
+        self._stop.set()
 
-    def passes(self) -> int:
-        return int(self.probe()["reconciler"]["passes"])
+    def _watch(self, group_version: str, plural: str) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                for kind, obj in self.api.watch(group_version, plural, NS, timeout_s=5):
+                    if kind == "ADDED":
+                        key, uid = (plural, obj["metadata"]["name"]), obj["metadata"]["uid"]
+                        with self._lock:
+                            uids = self.uids.setdefault(key, [])
+                            if uid not in uids:
+                                uids.append(uid)
+                                self.order.append(key)
 
-    def settle(self, passes: int = 4) -> None:
-        """Let the resync timer run a few full passes (what "nothing more happens" is measured against)."""
-        start = self.passes()
-        wait_for(lambda: self.passes() >= start + passes, WAIT_S, what=f"{passes} reconcile passes")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, sig)
-        self.proc = None
-
-
-@pytest.fixture
-def cluster(kube: KubeEmulator) -> KubeEmulator:  # noqa: F811 - pytest fixture injection
-    kube.apply_crd(REPO / "crds" / "policyservers.yaml")
-    kube.create_namespace(NS)
-    return kube
+    def created(self, plural: str, instance: str | None = None) -> list[str]:
+        """Names of that plural created (once each; a name made twice appears twice), optionally of one instance."""
+        with self._lock:
+            return [name for (p, name) in self.order if p == plural
+                    and (instance is None or name == instance or name.startswith(f"{instance}-"))]
 
 
-@pytest.fixture
-def operator(cluster: KubeEmulator, tmp_path: Path) -> Iterator[Operator]:
-    op = Operator(cluster, tmp_path / "operator.log").start()
+@pytest.fixture(scope="module")
+def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    work = tmp_path_factory.mktemp("operator-it")
+    subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "ckpt")],
+                   check=True, capture_output=True, timeout=120)
+    subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "v2"), "--seed", "1"],
+                   check=True, capture_output=True, timeout=120)
+    source = CheckpointServer(work / "src").start()
+    lc = LocalCluster(control_plane, work / "cluster", NS, backoff_s=1.0, resync_s=RESYNC_S, gpus=NODE_GPUS)
+    lc.operator.probe_timeout_s = 0.5
+    recorder = Recorder(lc.api)
     try:
-        yield op
+        lc.start()
+        recorder.start()
+        yield Cluster(lc, source, free_port_on(["127.0.0.1", *lc.node.ips(16)]), recorder)
     finally:
-        op.stop()
-    assert "Traceback" not in (tmp_path / "operator.log").read_text(), "the operator crashed; see its log"
-
-
-class Readyz:
-    """One pod's /readyz: ``ranks`` says which ranks are warm; 200 only when all are."""
-
-    def __init__(self, host: str, port: int, world_size: int) -> None:
-        self.ranks = [False] * world_size
-        self.cfgp = 2 if world_size % 2 == 0 else 1
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server API
-                if self.path != C.READYZ_PATH:
-                    self.send_error(404)
-                    return
-                body = json.dumps(outer.body()).encode()
-                self.send_response(200 if all(outer.ranks) else 503)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def body(self) -> dict[str, Any]:
-        ranks = [{"rank": r, "dp_index": r // self.cfgp, "cfg_index": r % self.cfgp,
-                  "state": "serving" if ok else "loading", "age_s": 0.1, "ready": ok}
-                 for r, ok in enumerate(self.ranks)]
-        world = len(self.ranks)
-        return {"ready": all(self.ranks), "layout": {"cfgp": self.cfgp, "dp": world // self.cfgp, "world_size": world},
-                "world_size": world, "ranks_ready": sum(self.ranks), "ranks": ranks}
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@contextlib.contextmanager
-def readyz_servers(count: int, world_size: int) -> Iterator[tuple[int, list[Readyz]]]:
-    """``count`` servers on 127.0.0.1, 127.0.0.2, ... sharing one port (pods share the spec's port)."""
-    for _ in range(20):
-        port = free_port()
-        servers: list[Readyz] = []
-        try:
-            for i in range(count):
-                servers.append(Readyz(f"127.0.0.{i + 1}", port, world_size))
-        except OSError:
-            for s in servers:
-                s.close()
-            continue
-        try:
-            yield port, servers
-        finally:
-            for s in servers:
-                s.close()
-        return
-    raise RuntimeError("no port free on every loopback address")
-
-
-def ps_status(kube: KubeEmulator, name: str) -> dict[str, Any]:
-    obj = kube.get(*PS, name, NS)
-    return (obj or {}).get("status") or {}
-
-
-def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
-
-
-def wait_status(kube: KubeEmulator, name: str, predicate: Callable[[dict[str, Any]], Any], what: str) -> dict[str, Any]:
-    last: dict[str, Any] = {}
-
-    def check() -> Any:
-        nonlocal last
-        last = ps_status(kube, name)
-        return predicate(last)
-
-    try:
-        wait_for(check, WAIT_S, what=what)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}; status: {json.dumps(last, indent=1)[:3000]}") from None
-    return last
-
-
-def apply(kube: KubeEmulator, obj: dict[str, Any]) -> None:
-    kube.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(obj))
+        recorder.stop()
+        lc.stop()
+        source.stop()
+    lc.node.raise_errors()
+    assert "Traceback" not in lc.operator.log.read_text(), f"the operator crashed; see {lc.operator.log}"
 
 
 def example(name: str) -> dict[str, Any]:
     return yaml.safe_load((REPO / "examples" / f"policyserver-{name}.yaml").read_text())
 
 
-def names_of(kube: KubeEmulator, group_version: str, plural: str, selector: str | None = None) -> list[str]:
-    return sorted(o["metadata"]["name"] for o in kube.list(group_version, plural, NS, label_selector=selector))
+def runnable(c: Cluster, name: str, *, sample: str = "minimal", path: str = "ckpt/", **spec: Any) -> dict[str, Any]:
+    doc = for_local_node(example(sample), source=c.source.url_for(path), port=c.port)
+    doc["metadata"]["name"] = name
+    doc["spec"].update(spec)
+    return doc
 
 
-def posts(kube: KubeEmulator, plural: str) -> list[str]:
-    """Paths of every successful-or-not POST the emulator saw for a plural in NS, in order."""
-    return [str(r.url.path) for r in list(kube.api["post"]) if str(r.url.path).endswith(f"/namespaces/{NS}/{plural}")]
+def apply(c: Cluster, obj: dict[str, Any]) -> None:
+    c.lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
 
 
-def finish_job(kube: KubeEmulator, name: str) -> None:
-    kube.patch_status("batch/v1", "jobs", name, {
-        "succeeded": 1, "active": 0, "conditions": [{"type": "Complete", "status": "True"}]}, NS)
+def status_of(c: Cluster, name: str) -> dict[str, Any]:
+    return c.lc.status(name)
 
 
-def run_pods(kube: KubeEmulator, sts_name: str, ips: list[str]) -> list[str]:
-    """Play the StatefulSet controller and the kubelet: pods from the current template, Running at ``ips``."""
-    sts = kube.get("apps/v1", "statefulsets", sts_name, NS)
-    assert sts is not None
-    template = sts["spec"]["template"]
-    names = []
-    for i, ip in enumerate(ips):
-        name = f"{sts_name}-{i}"
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": name, "labels": template["metadata"]["labels"],
-                            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": sts_name,
-                                                 "uid": sts["metadata"]["uid"], "controller": True}]},
-               "spec": copy.deepcopy(template["spec"])}
-        if kube.get("v1", "pods", name, NS) is None:
-            kube.create("v1", "pods", pod, NS)
-        kube.patch_status("v1", "pods", name, {"phase": "Running", "podIP": ip}, NS)
-        names.append(name)
-    return names
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((x for x in status.get("conditions") or [] if x["type"] == kind), {})
 
 
-def settle_statefulset(kube: KubeEmulator, sts_name: str) -> None:
-    """The StatefulSet controller's status once a rollout is done."""
-    sts = kube.get("apps/v1", "statefulsets", sts_name, NS)
-    assert sts is not None
-    n = sts["spec"]["replicas"]
-    kube.patch_status("apps/v1", "statefulsets", sts_name, {
-        "observedGeneration": sts["metadata"]["generation"], "replicas": n, "readyReplicas": n, "updatedReplicas": n,
-        "currentRevision": f"{sts_name}-1", "updateRevision": f"{sts_name}-1"}, NS)
+def wait_status(c: Cluster, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,
+                timeout: float = WAIT_S) -> dict[str, Any]:
+    last: dict[str, Any] = {}
+
+    def check() -> Any:
+        nonlocal last
+        last = status_of(c, name)
+        return predicate(last)
+
+    try:
+        wait_for(check, timeout, interval=0.2, what=what)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; status: {json.dumps(last, indent=1)[:3000]}\n{c.lc.describe()}") from None
+    return last
 
 
-def events(kube: KubeEmulator, name: str) -> list[tuple[str, str, str]]:
-    return [(e.get("type", ""), e.get("reason", ""), e.get("message", "")) for e in kube.events(NS, involved_name=name)]
+def names_of(c: Cluster, group_version: str, plural: str, selector: str | None = None) -> list[str]:
+    return sorted(o["metadata"]["name"] for o in c.lc.list(group_version, plural, selector))
 
 
-def server_command(sts: dict[str, Any]) -> list[str]:
-    return sts["spec"]["template"]["spec"]["containers"][0]["command"]
+def events(c: Cluster, name: str) -> list[tuple[str, str, str]]:
+    return [(e.get("type", ""), e.get("reason", ""), e.get("message", "")) for e in c.api.events(NS, involved_name=name)]
+
+
+def children(c: Cluster, name: str) -> list[str]:
+    return [f"{plural}/{n}" for gv, plural in CHILDREN for n in names_of(c, gv, plural, f"{C.LABEL_INSTANCE}={name}")]
+
+
+def delete(c: Cluster, name: str) -> None:
+    """``kubectl delete`` and wait until the garbage collector took every child (so the next test starts clean)."""
+    c.lc.kubectl("delete", C.SHORT_NAME, name, "--timeout=120s", timeout=150)
+    wait_for(lambda: not children(c, name), WAIT_S, what=f"children of {name} collected")
 
 
 # --- tests -----------------------------------------------------------------------------------
 
-def test_download_then_serve_with_per_rank_readiness(cluster: KubeEmulator, operator: Operator) -> None:
-    kube = cluster
-    obj = example("cfgp2-dp1")
-    name = obj["metadata"]["name"]
-    key = checkpoint_key(obj["spec"]["checkpoint"]["source"], obj["spec"]["checkpoint"]["revision"])
-    job_name = f"{name}-fetch-{key}"
-    with readyz_servers(2, world_size=2) as (port, servers):
-        obj["spec"]["replicas"] = 2
-        obj["spec"]["service"] = {"port": port}
-        apply(kube, obj)
+def test_fetch_then_serve_in_order_with_per_rank_status_and_events(cluster: Cluster) -> None:
+    c = cluster
+    name = "serve"
+    doc = runnable(c, name, replicas=2)
+    key = checkpoint_key(doc["spec"]["checkpoint"]["source"])
+    apply(c, doc)
+    status = wait_status(c, name, lambda s: s.get("phase") == C.PHASE_READY, "phase Ready")
+    assert (status["ready"], status["ranksReady"], status["layout"]) == ("2/2", "2/2", "cfgp=1,dp=1")
+    assert status["endpoint"] == f"ws://{name}.{NS}.svc:{c.port}"
+    assert status["checkpoint"]["phase"] == "Ready" and status["checkpoint"]["key"] == key
+    assert condition(status, C.COND_AVAILABLE)["status"] == "True"
+    assert condition(status, C.COND_VALID)["status"] == "True"
+    assert all(x["observedGeneration"] == 1 for x in status["conditions"])
+    for pod in status["pods"]:
+        assert pod["ranksReady"] == "1/1" and [r["ready"] for r in pod["ranks"]] == [True]
 
-        # 1. cache and download first; no pods while the checkpoint is not there
-        wait_for(lambda: kube.get("batch/v1", "jobs", job_name, NS), WAIT_S, what="fetch Job")
-        pvc = kube.get("v1", "persistentvolumeclaims", f"{name}-cache", NS)
-        assert pvc is not None and pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # 2 replicas share it
-        status = wait_status(kube, name, lambda s: s.get("phase") == C.PHASE_PENDING, "phase Pending")
-        assert condition(status, C.COND_VALID)["status"] == "True"
-        assert condition(status, C.COND_CHECKPOINT_READY)["status"] == "False"
-        operator.settle()
-        assert names_of(kube, "apps/v1", "statefulsets") == []
+    # the cache claim and the fetch Job first; the StatefulSet only once the Job had completed; then Services
+    created = [k for k in c.recorder.order if k[1].startswith(name)]
+    assert sorted(created[3:]) == [("services", name), ("services", Names(name).headless_service)], created
+    assert created[:3] == [("persistentvolumeclaims", Names(name).pvc), ("jobs", Names(name).job(key)),
+                           ("statefulsets", name)]
+    job = c.lc.get("batch/v1", "jobs", Names(name).job(key))
+    sts = c.lc.get("apps/v1", "statefulsets", name)
+    done = next(x["lastTransitionTime"] for x in job["status"]["conditions"] if x["type"] == "Complete")
+    assert sts["metadata"]["creationTimestamp"] >= done
+    assert sts["spec"]["replicas"] == 2 and C.GPU_RESOURCE not in json.dumps(sts["spec"]["template"])
 
-        kube.patch_status("batch/v1", "jobs", job_name, {"active": 1}, NS)
-        status = wait_status(kube, name, lambda s: s.get("phase") == C.PHASE_DOWNLOADING, "phase Downloading")
-        ck = condition(status, C.COND_CHECKPOINT_READY)
-        assert (ck["status"], ck["reason"]) == ("False", "Downloading") and "attempt 1/4" in ck["message"]
-        assert status["checkpoint"]["phase"] == "Downloading"
-
-        # 2. checkpoint ready -> StatefulSet and Services, in that order after PVC and Job
-        finish_job(kube, job_name)
-        status = wait_status(kube, name, lambda s: s.get("endpoint"), "endpoint")
-        assert status["endpoint"] == f"ws://{name}.{NS}.svc:{port}"
-        assert status["checkpoint"] == {**status["checkpoint"], "phase": "Ready", "key": key,
-                                        "path": f"{C.CACHE_MOUNT_PATH}/{key}"}
-        order = [p.rsplit("/", 1)[1] for p in list(str(r.url.path) for r in kube.api["post"])
-                 if f"/namespaces/{NS}/" in p and not p.endswith(("/events", f"/{C.PLURAL}"))]
-        assert order == ["persistentvolumeclaims", "jobs", "statefulsets", "services", "services"]
-        sts = kube.get("apps/v1", "statefulsets", name, NS)
-        assert sts["spec"]["replicas"] == 2
-        assert sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][C.GPU_RESOURCE] == "2"
-        assert f"{C.CACHE_MOUNT_PATH}/{key}" in server_command(sts)
-        assert {s["metadata"]["name"] for s in kube.list("v1", "services", NS)} == {name, f"{name}-pods"}
-        assert status["phase"] == C.PHASE_STARTING
-
-        # 3. per-rank readiness from each pod's /readyz
-        servers[0].ranks[:] = [True, True]
-        servers[1].ranks[:] = [True, False]
-        pods = run_pods(kube, name, ["127.0.0.1", "127.0.0.2"])
-        status = wait_status(kube, name, lambda s: s.get("ranksReady") == "3/4", "3/4 ranks")
-        assert status["ready"] == "1/2" and status["readyReplicas"] == 1
-        by_pod = {p["name"]: p for p in status["pods"]}
-        assert by_pod[pods[0]]["ranksReady"] == "2/2" and by_pod[pods[0]]["ready"] is True
-        assert by_pod[pods[1]]["ranksReady"] == "1/2" and by_pod[pods[1]]["ready"] is False
-        assert [r["ready"] for r in by_pod[pods[1]]["ranks"]] == [True, False]
-        assert "rank 1 loading" in by_pod[pods[1]]["message"]
-        assert status["phase"] == C.PHASE_STARTING
-        assert condition(status, C.COND_AVAILABLE)["reason"] == "PartiallyReady"
-
-        servers[1].ranks[:] = [True, True]
-        status = wait_status(kube, name, lambda s: s.get("phase") == C.PHASE_READY, "phase Ready")
-        assert (status["ready"], status["ranksReady"], status["layout"]) == ("2/2", "4/4", "cfgp=2,dp=1")
-        assert condition(status, C.COND_AVAILABLE)["status"] == "True"
-        assert (condition(status, C.COND_PROGRESSING)["status"], condition(status, C.COND_PROGRESSING)["reason"]) \
-            == ("False", "Stable")
-        assert all(c["observedGeneration"] == 1 for c in status["conditions"])
-        wait_for(lambda: all(kube.get("v1", "pods", p, NS)["metadata"].get("annotations", {})
-                             .get(C.ANNOTATION_RANKS_READY) == "2/2" for p in pods), WAIT_S, what="pod annotations")
-        table = kube.kubectl("get", C.SHORT_NAME, name, "-n", NS).stdout
-        header, row = table.splitlines()[:2]
-        assert header.split()[:6] == ["NAME", "READY", "RANKS", "LAYOUT", "CHECKPOINT", "PHASE"]
-        assert row.split()[:7] == [name, "2/2", "4/4", "cfgp=2,dp=1", "Ready", "Ready", status["endpoint"]]
-
-        # 4. a rank dies outside a rollout -> Degraded, with a Warning
-        settle_statefulset(kube, name)
-        servers[1].ranks[:] = [False, False]
-        status = wait_status(kube, name, lambda s: s.get("phase") == C.PHASE_DEGRADED, "phase Degraded")
-        assert status["ranksReady"] == "2/4" and condition(status, C.COND_AVAILABLE)["status"] == "True"
-
-    evs = events(kube, name)
-    created = sorted(m for t, r, m in evs if r == "Created")
-    assert len(created) == 5 and len(set(created)) == 5  # PVC, Job, StatefulSet, 2 Services, once each
-    reasons = {(t, r) for t, r, _ in evs}
-    assert {("Normal", "Downloading"), ("Normal", "Downloaded"), ("Normal", "Ready"), ("Warning", "Degraded")} <= reasons
-    assert operator.probe()["reconciler"]["failures"] == 0
+    wait_for(lambda: all((p["metadata"].get("annotations") or {}).get(C.ANNOTATION_RANKS_READY) == "1/1"
+                         for p in c.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},"
+                                                          f"{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")),
+             WAIT_S, what="per-pod ranks annotations")
+    header, row = c.lc.kubectl("get", C.SHORT_NAME, name).stdout.splitlines()[:2]
+    assert header.split()[:6] == ["NAME", "READY", "RANKS", "LAYOUT", "CHECKPOINT", "PHASE"]
+    assert row.split()[:7] == [name, "2/2", "2/2", "cfgp=1,dp=1", "Ready", "Ready", status["endpoint"]]
+    evs = events(c, name)
+    created_events = [m for t, r, m in evs if r == "Created"]
+    assert len(created_events) == 5 and len(set(created_events)) == 5  # PVC, Job, StatefulSet, 2 Services
+    assert {("Normal", "Downloaded"), ("Normal", "Ready")} <= {(t, r) for t, r, _ in evs}
+    assert c.lc.operator.probe()["reconciler"]["failures"] == 0
 
 
-def test_invalid_spec_creates_nothing_and_does_not_retry(cluster: KubeEmulator, operator: Operator) -> None:
-    kube = cluster
-    obj = example("minimal")
-    obj["spec"]["parallelism"] = {"cfgp": 2}
-    obj["spec"]["runtime"] = {"guidance": 1.0}  # only the CEL rule refuses this; the emulator does not run CEL
-    apply(kube, obj)
-    name = obj["metadata"]["name"]
-    status = wait_status(kube, name, lambda s: s.get("phase") == C.PHASE_FAILED, "phase Failed")
-    valid = condition(status, C.COND_VALID)
-    assert (valid["status"], valid["reason"]) == ("False", "InvalidSpec") and "guidance" in valid["message"]
-    operator.settle()
-    for plural in ("persistentvolumeclaims", "jobs", "statefulsets", "services"):
-        assert posts(kube, plural) == [], plural
-    warnings = [m for t, r, m in events(kube, name) if (t, r) == ("Warning", "InvalidSpec")]
-    assert len(warnings) == 1 and "cfgp=2 needs classifier-free guidance" in warnings[0]
-
-    # the schema layer refuses what it can (dp=0) before the operator ever sees it
-    bad = copy.deepcopy(obj)
-    bad["spec"]["parallelism"] = {"dp": 0}
-    assert kube.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(bad), check=False).returncode != 0
-
-    kube.kubectl("patch", C.SHORT_NAME, name, "-n", NS, "--type=merge", "-p", '{"spec":{"runtime":{"guidance":2.0}}}')
-    status = wait_status(kube, name, lambda s: condition(s, C.COND_VALID).get("status") == "True", "Valid=True")
-    assert condition(status, C.COND_VALID)["observedGeneration"] == 2
-    wait_for(lambda: names_of(kube, "batch/v1", "jobs"), WAIT_S, what="fetch Job after the fix")
-    assert len(names_of(kube, "v1", "persistentvolumeclaims")) == 1
-
-
-def test_fetch_failure_reports_the_fetch_error(cluster: KubeEmulator, operator: Operator) -> None:
-    kube = cluster
-    kube.kubectl("apply", "-n", NS, "-f", str(REPO / "examples" / "policyserver-minimal.yaml"))
-    obj = example("minimal")
-    name = obj["metadata"]["name"]
-    job_name = f"{name}-fetch-{checkpoint_key(obj['spec']['checkpoint']['source'])}"
-    job = wait_for(lambda: kube.get("batch/v1", "jobs", job_name, NS), WAIT_S, what="fetch Job")
-    template = job["spec"]["template"]
-    kube.create("v1", "pods", {"metadata": {"name": f"{job_name}-x1", "labels": template["metadata"]["labels"]},
-                               "spec": template["spec"]}, NS)
-    message = "fetching...\npolicyserver fetch: error: model.safetensors: sha256 0bad != 1good from the source\n"
-    kube.patch_status("v1", "pods", f"{job_name}-x1", {"phase": "Failed", "containerStatuses": [{
-        "name": "fetch", "ready": False, "restartCount": 0, "image": "i", "imageID": "",
-        "state": {"terminated": {"exitCode": 4, "reason": "Error", "message": message}}}]}, NS)
-    kube.patch_status("batch/v1", "jobs", job_name, {"failed": 1, "conditions": [
-        {"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
-         "message": "Container fetch for pod robots/x1 failed with exit code 4 matching FailJob rule at index 0"}]}, NS)
-    status = wait_status(kube, name, lambda s: s.get("phase") == C.PHASE_FAILED, "phase Failed")
-    ck = condition(status, C.COND_CHECKPOINT_READY)
-    assert (ck["status"], ck["reason"]) == ("False", "VerificationFailed")
-    assert "model.safetensors: sha256 0bad != 1good" in ck["message"]
-    assert status["checkpoint"]["phase"] == "Failed"
-    assert ("Warning", "VerificationFailed") in {(t, r) for t, r, _ in events(kube, name)}
-    operator.settle()
-    assert names_of(kube, "apps/v1", "statefulsets") == [] and len(posts(kube, "jobs")) == 1
-
-
-def test_checkpoint_change_downloads_once_then_rolls_and_scale_works(cluster: KubeEmulator, operator: Operator) -> None:
-    kube = cluster
-    kube.kubectl("apply", "-n", NS, "-f", str(REPO / "examples" / "policyserver-minimal.yaml"))
-    obj = example("minimal")
-    name, source = obj["metadata"]["name"], obj["spec"]["checkpoint"]["source"]
-    key_a, key_b = checkpoint_key(source), checkpoint_key(source, "v2")
-    finish_job(kube, wait_for(lambda: names_of(kube, "batch/v1", "jobs"), WAIT_S, what="Job A")[0])
-    sts = wait_for(lambda: kube.get("apps/v1", "statefulsets", name, NS), WAIT_S, what="StatefulSet")
+def test_checkpoint_change_downloads_once_then_rolls_and_scale_works(cluster: Cluster) -> None:
+    c = cluster
+    name = "serve"  # the previous test's PolicyServer, Ready
+    key_a = status_of(c, name)["checkpoint"]["key"]
+    sts = c.lc.get("apps/v1", "statefulsets", name)
     hash_a = sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH]
-    assert sts["spec"]["template"]["metadata"]["labels"][C.LABEL_CHECKPOINT_KEY] == key_a
+    old_pods = {p["metadata"]["uid"] for p in c.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},"
+                                                                      f"{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")}
 
-    kube.kubectl("patch", C.SHORT_NAME, name, "-n", NS, "--type=merge", "-p",
-                 '{"spec":{"checkpoint":{"revision":"v2"}}}')
-    job_b = f"{name}-fetch-{key_b}"
-    wait_for(lambda: kube.get("batch/v1", "jobs", job_b, NS), WAIT_S, what="Job B")
-    status = wait_status(kube, name, lambda s: s.get("checkpoint", {}).get("key") == key_b, "new key in status")
-    operator.settle()
-    assert len(posts(kube, "jobs")) == 2 and len(names_of(kube, "batch/v1", "jobs")) == 2
-    sts = kube.get("apps/v1", "statefulsets", name, NS)
-    assert sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH] == hash_a  # old pods keep serving A
-    status = ps_status(kube, name)
-    assert status["phase"] == C.PHASE_DOWNLOADING and status["checkpoint"]["servingKey"] == key_a
-
-    finish_job(kube, job_b)
-    sts = wait_for(lambda: (s := kube.get("apps/v1", "statefulsets", name, NS))["metadata"]["annotations"]
-                   [C.ANNOTATION_TEMPLATE_HASH] != hash_a and s, WAIT_S, what="roll to checkpoint B")
-    assert f"{C.CACHE_MOUNT_PATH}/{key_b}" in server_command(sts)
-    assert any(r == "Updated" and f"checkpoint {key_a} -> {key_b}" in m for _, r, m in events(kube, name))
-    hash_b = sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH]
+    patch = {"spec": {"checkpoint": {"source": c.source.url_for("v2/")}}}
+    c.lc.kubectl("patch", C.SHORT_NAME, name, "--type=merge", "-p", json.dumps(patch))
+    key_b = checkpoint_key(c.source.url_for("v2/"))
+    status = wait_status(c, name, lambda s: s.get("checkpoint", {}).get("servingKey") == key_b
+                         and s.get("phase") == C.PHASE_READY and s.get("ready") == "2/2", "rolled to checkpoint B",
+                         timeout=240)
+    assert status["checkpoint"]["key"] == key_b
+    sts = c.lc.get("apps/v1", "statefulsets", name)
+    assert sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH] != hash_a
+    assert f"{C.CACHE_MOUNT_PATH}/{key_b}" in sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    new_pods = {p["metadata"]["uid"] for p in c.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},"
+                                                                      f"{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")}
+    assert not new_pods & old_pods  # the real StatefulSet controller replaced every pod
+    assert c.recorder.created("jobs", name) == [Names(name).job(key_a), Names(name).job(key_b)]
+    assert c.source.count("/v2/model.safetensors") == 1  # downloaded once, for both pods
+    assert any(r == "Updated" and f"checkpoint {key_a} -> {key_b}" in m for _, r, m in events(c, name))
 
     # kubectl scale goes through the scale subresource -> spec.replicas -> StatefulSet replicas, no roll
-    kube.kubectl("scale", f"{C.PLURAL}/{name}", "-n", NS, "--replicas=3")
-    sts = wait_for(lambda: (s := kube.get("apps/v1", "statefulsets", name, NS))["spec"]["replicas"] == 3 and s,
-                   WAIT_S, what="scaled StatefulSet")
-    assert sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH] == hash_b
-    assert ps_status(kube, name)["selector"] == sts_selector(sts)
-
-    kube.kubectl("patch", C.SHORT_NAME, name, "-n", NS, "--type=merge", "-p", '{"spec":{"image":"policy:next"}}')
-    sts = wait_for(lambda: (s := kube.get("apps/v1", "statefulsets", name, NS))["spec"]["template"]["spec"]
-                   ["containers"][0]["image"] == "policy:next" and s, WAIT_S, what="image roll")
-    assert sts["spec"]["replicas"] == 3 and sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH] != hash_b
-    assert len(posts(kube, "jobs")) == 2 and len(posts(kube, "statefulsets")) == 1
+    hash_b = sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH]
+    c.lc.kubectl("scale", f"{C.PLURAL}/{name}", "--replicas=1")
+    status = wait_status(c, name, lambda s: s.get("ready") == "1/1" and s.get("replicas") == 1, "scaled to 1")
+    sts = c.lc.get("apps/v1", "statefulsets", name)
+    assert sts["spec"]["replicas"] == 1 and sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH] == hash_b
+    assert status["selector"] == ",".join(f"{k}={v}" for k, v in sts["spec"]["selector"]["matchLabels"].items())
+    wait_for(lambda: c.lc.get("v1", "pods", f"{name}-1") is None, WAIT_S, what="pod 1 deleted by the controller")
+    assert c.recorder.created("statefulsets", name) == [name]
 
 
-def sts_selector(sts: dict[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in sts["spec"]["selector"]["matchLabels"].items())
+def test_fetch_failure_reports_the_fetch_error(cluster: Cluster) -> None:
+    c = cluster
+    name = "badhash"
+    doc = runnable(c, name)
+    doc["spec"]["checkpoint"]["sha256"] = {C.WEIGHTS_FILE: "0" * 64}
+    apply(c, doc)
+    status = wait_status(c, name, lambda s: s.get("phase") == C.PHASE_FAILED, "phase Failed")
+    ck = condition(status, C.COND_CHECKPOINT_READY)
+    assert (ck["status"], ck["reason"]) == ("False", "VerificationFailed"), ck
+    assert C.WEIGHTS_FILE in ck["message"] and "sha256" in ck["message"]
+    assert status["checkpoint"]["phase"] == "Failed"
+    job = c.lc.list("batch/v1", "jobs", f"{C.LABEL_INSTANCE}={name}")[0]
+    failed = next(x for x in job["status"]["conditions"] if x["type"] == "Failed")
+    assert failed["reason"] == "PodFailurePolicy"  # the real Job controller matched the fatal exit code
+    assert ("Warning", "VerificationFailed") in {(t, r) for t, r, _ in events(c, name)}
+    c.lc.operator.settle()
+    assert names_of(c, "apps/v1", "statefulsets", f"{C.LABEL_INSTANCE}={name}") == []
+    assert len(c.recorder.created("jobs", name)) == 1
+    delete(c, name)
 
 
-def test_delete_cascades_and_retain_on_delete_keeps_the_cache(cluster: KubeEmulator, operator: Operator) -> None:
-    kube = cluster
+def test_delete_cascades_and_retain_on_delete_keeps_the_cache(cluster: Cluster) -> None:
+    c = cluster
     for name, retain in (("drop", False), ("keep", True)):
-        obj = example("minimal")
-        obj["metadata"]["name"] = name
-        obj["spec"]["storage"] = {"retainOnDelete": retain}
-        apply(kube, obj)
-        finish_job(kube, wait_for(lambda n=name: names_of(kube, "batch/v1", "jobs", f"{C.LABEL_INSTANCE}={n}"),
-                                  WAIT_S, what=f"Job of {name}")[0])
-        wait_for(lambda n=name: kube.get("v1", "services", n, NS), WAIT_S, what=f"Service of {name}")
-    keep_pvc = kube.get("v1", "persistentvolumeclaims", "keep-cache", NS)
+        apply(c, runnable(c, name, storage={"retainOnDelete": retain}))
+        wait_for(lambda n=name: names_of(c, "batch/v1", "jobs", f"{C.LABEL_INSTANCE}={n}"), WAIT_S, what=f"Job of {name}")
+    keep_pvc = c.lc.get("v1", "persistentvolumeclaims", "keep-cache")
     assert not keep_pvc["metadata"].get("ownerReferences")
-    assert kube.get("v1", "persistentvolumeclaims", "drop-cache", NS)["metadata"]["ownerReferences"][0]["name"] == "drop"
+    assert c.lc.get("v1", "persistentvolumeclaims", "drop-cache")["metadata"]["ownerReferences"][0]["name"] == "drop"
 
-    def children(name: str) -> list[str]:
-        selector = f"{C.LABEL_INSTANCE}={name}"
-        return [f"{plural}/{n}" for gv, plural in (("v1", "persistentvolumeclaims"), ("batch/v1", "jobs"),
-                                                     ("apps/v1", "statefulsets"), ("v1", "services"))
-                for n in names_of(kube, gv, plural, selector)]
-
-    kube.kubectl("delete", C.SHORT_NAME, "drop", "-n", NS, "--wait=false")
-    wait_for(lambda: kube.get(*PS, "drop", NS) is None and not children("drop"), WAIT_S, what="cascade of drop")
-    kube.kubectl("delete", C.SHORT_NAME, "keep", "-n", NS, "--wait=false")
-    wait_for(lambda: kube.get(*PS, "keep", NS) is None and children("keep") == ["persistentvolumeclaims/keep-cache"],
+    c.lc.kubectl("delete", C.SHORT_NAME, "drop", "--wait=false")
+    wait_for(lambda: c.lc.get(*PS, "drop") is None and not children(c, "drop"), WAIT_S,
+             what="the garbage collector's cascade of drop")
+    c.lc.kubectl("delete", C.SHORT_NAME, "keep", "--wait=false")
+    wait_for(lambda: c.lc.get(*PS, "keep") is None and children(c, "keep") == ["persistentvolumeclaims/keep-cache"],
              WAIT_S, what="cascade of keep, cache retained")
 
-    obj = example("minimal")
-    obj["metadata"]["name"] = "keep"
-    obj["spec"]["storage"] = {"retainOnDelete": False}  # a new owner adopts the retained cache
-    apply(kube, obj)
-    wait_for(lambda: (kube.get("v1", "persistentvolumeclaims", "keep-cache", NS)["metadata"].get("ownerReferences")
-                      or [{}])[0].get("uid") == kube.get(*PS, "keep", NS)["metadata"]["uid"], WAIT_S,
+    apply(c, runnable(c, "keep", storage={"retainOnDelete": False}))  # a new owner adopts the retained cache
+    wait_for(lambda: ((c.lc.get("v1", "persistentvolumeclaims", "keep-cache")["metadata"].get("ownerReferences")
+                       or [{}])[0].get("uid") == c.lc.get(*PS, "keep")["metadata"]["uid"]), WAIT_S,
              what="retained PVC adopted")
-    assert kube.get("v1", "persistentvolumeclaims", "keep-cache", NS)["metadata"]["uid"] == keep_pvc["metadata"]["uid"]
-    assert len(posts(kube, "persistentvolumeclaims")) == 2  # drop-cache and keep-cache, never a second keep-cache
+    assert c.lc.get("v1", "persistentvolumeclaims", "keep-cache")["metadata"]["uid"] == keep_pvc["metadata"]["uid"]
+    assert c.recorder.created("persistentvolumeclaims", "keep") == ["keep-cache"]  # never a second keep-cache
+    c.lc.kubectl("delete", C.SHORT_NAME, "keep", "--wait=false")
+    wait_for(lambda: not children(c, "keep"), WAIT_S, what="keep collected with its cache")
 
 
-def test_restart_mid_reconcile_and_api_errors_converge_without_duplicates(cluster: KubeEmulator,
-                                                                          tmp_path: Path) -> None:
-    kube = cluster
-    op = Operator(kube, tmp_path / "operator.log").start()
+def test_operator_killed_mid_reconcile_converges_without_duplicates(cluster: Cluster) -> None:
+    c = cluster
+    name = "killed"
+    c.lc.operator.stop()
+    op = OperatorProcess(c.lc.control_plane.env, NS, c.lc.workdir / "killed.log", resync_s=RESYNC_S,
+                         probe_timeout_s=0.5)
     try:
-        kube.kubectl("apply", "-n", NS, "-f", str(REPO / "examples" / "policyserver-cfgp1-dp2.yaml"))
-        name = "policy-cfgp1-dp2"
-        wait_for(lambda: posts(kube, "jobs"), WAIT_S, interval=0.01, what="Job POST")
-        op.stop(signal.SIGKILL)  # right after the Job was created: the status write of that pass never happened
-
-        finish_job(kube, names_of(kube, "batch/v1", "jobs")[0])
-        kube.api[f"post /apis/apps/v1/namespaces/{NS}/statefulsets"][:3] << 503  # the API server hiccups
         op.start()
-        wait_for(lambda: kube.get("v1", "services", name, NS), WAIT_S, what="Service after restart")
-        assert len(posts(kube, "statefulsets")) >= 2  # the 503s were retried
-        op.stop(signal.SIGKILL)
+        apply(c, runnable(c, name))
+        wait_for(lambda: c.recorder.created("jobs", name), WAIT_S, interval=0.01, what="the fetch Job")
+        op.stop(signal.SIGKILL)  # right after the Job was created: that pass never wrote its status
+        wait_for(lambda: (j := c.lc.list("batch/v1", "jobs", f"{C.LABEL_INSTANCE}={name}"))
+                 and (j[0].get("status") or {}).get("succeeded"), WAIT_S, what="the Job done while no operator runs")
         op.start()
+        wait_for(lambda: c.recorder.created("statefulsets", name), WAIT_S, interval=0.01, what="the StatefulSet")
+        op.stop(signal.SIGKILL)  # right after the StatefulSet: the Services of that pass never came
+        op.start()
+        status = wait_status(c, name, lambda s: s.get("phase") == C.PHASE_READY, "Ready after two crashes")
+        assert status["checkpoint"]["phase"] == "Ready"
         op.settle()
-        status = ps_status(kube, name)
-        assert status["phase"] == C.PHASE_STARTING and status["checkpoint"]["phase"] == "Ready"
-        assert len(posts(kube, "jobs")) == 1 and len(posts(kube, "persistentvolumeclaims")) == 1
-        for gv, plural, count in (("v1", "persistentvolumeclaims", 1), ("batch/v1", "jobs", 1),
-                                  ("apps/v1", "statefulsets", 1), ("v1", "services", 2)):
-            assert len(names_of(kube, gv, plural)) == count, plural
-        created = [m for _, r, m in events(kube, name) if r == "Created"]
-        assert len(created) == len(set(created))  # nothing created twice (Events of the killed pass may be lost)
+        for plural, count in (("persistentvolumeclaims", 1), ("jobs", 1), ("statefulsets", 1), ("services", 2)):
+            assert len(c.recorder.created(plural, name)) == count, (plural, c.recorder.created(plural, name))
+        created = [m for _, r, m in events(c, name) if r == "Created"]
+        assert len(created) == len(set(created))  # nothing created twice (Events of the killed passes may be lost)
         assert {m.split(" (")[0] for m in created} >= {f"created StatefulSet {name}", f"created Service {name}",
                                                       f"created Service {name}-pods"}
+        assert "Traceback" not in op.log.read_text()
     finally:
         op.stop()
+        c.lc.operator.start()
+    delete(c, name)
+
+
+def test_more_gpus_than_the_node_has_stays_pending_and_says_so(cluster: Cluster) -> None:
+    c = cluster
+    name = "greedy"
+    doc = runnable(c, name, parallelism={"cfgp": 2, "dp": 2})  # 4 ranks: 4 GPUs per pod on cuda; the node has 2
+    doc["spec"]["runtime"]["device"] = "cuda"
+    apply(c, doc)
+    status = wait_status(c, name, lambda s: "Insufficient" in condition(s, C.COND_AVAILABLE).get("message", ""),
+                         "Available=False saying the pod does not fit")
+    available = condition(status, C.COND_AVAILABLE)
+    assert available["status"] == "False" and available["reason"] == "Unschedulable", available
+    assert f"Insufficient {C.GPU_RESOURCE}" in available["message"]
+    assert status["phase"] == C.PHASE_PENDING and status["checkpoint"]["phase"] == "Ready"
+    pod = c.lc.get("v1", "pods", f"{name}-0")
+    assert not pod["spec"].get("nodeName") and c.lc.node.pod(NS, f"{name}-0") is None
+    assert ("Warning", "Unschedulable") in {(t, r) for t, r, _ in events(c, name)}
+    delete(c, name)
 
 
 KOPF_PEERING_CRD = {
@@ -518,24 +374,35 @@ KOPF_PEERING_CRD = {
 }
 
 
-def test_two_replicas_elect_one_leader_through_kopf_peering(cluster: KubeEmulator, tmp_path: Path) -> None:
-    kube = cluster
-    crd_file = tmp_path / "kopfpeering.yaml"
-    crd_file.write_text(yaml.safe_dump(KOPF_PEERING_CRD))
-    kube.apply_crd(crd_file)
-    kube.create("kopf.dev/v1", "kopfpeerings", {"metadata": {"name": C.PEERING_NAME}}, NS)
-    low = Operator(kube, tmp_path / "low.log", ["--peering", C.PEERING_NAME, "--priority", "10"]).start()
-    high = Operator(kube, tmp_path / "high.log", ["--peering", C.PEERING_NAME, "--priority", "20"]).start()
+def test_two_replicas_elect_one_leader_through_kopf_peering(cluster: Cluster) -> None:
+    c = cluster
+    c.lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(KOPF_PEERING_CRD))
+    c.lc.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev", "--timeout=60s")
+    c.lc.kubectl("apply", "-f", "-", input=yaml.safe_dump({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+                                                           "metadata": {"name": C.PEERING_NAME}}))
+    c.lc.operator.stop()
+    work = c.lc.workdir
+    low = OperatorProcess(c.lc.control_plane.env, NS, work / "low.log", resync_s=RESYNC_S,
+                          peering=["--peering", C.PEERING_NAME, "--priority", "10"], log_format="json")
+    high = OperatorProcess(c.lc.control_plane.env, NS, work / "high.log", resync_s=RESYNC_S,
+                           peering=["--peering", C.PEERING_NAME, "--priority", "20"], log_format="json")
     try:
-        wait_for(lambda: "Pausing operations in favour of" in (tmp_path / "low.log").read_text(), WAIT_S,
+        low.start()
+        high.start()
+        wait_for(lambda: "Pausing operations in favour of" in low.log.read_text(), 60,
                  what="the lower-priority replica to pause")
-        kube.kubectl("apply", "-n", NS, "-f", str(REPO / "examples" / "policyserver-minimal.yaml"))
-        wait_for(lambda: ps_status(kube, "policy-minimal").get("phase"), WAIT_S, what="a reconcile by the leader")
+        name = "peered"
+        apply(c, runnable(c, name))
+        wait_for(lambda: status_of(c, name).get("phase"), WAIT_S, what="a reconcile by the leader")
         high.settle()
         assert low.passes() == 0 and high.passes() > 0
-        assert len(posts(kube, "jobs")) == 1 and len(posts(kube, "persistentvolumeclaims")) == 1
-        peers = kube.get("kopf.dev/v1", "kopfpeerings", C.PEERING_NAME, NS)["status"]
+        assert c.recorder.created("jobs", name) and len(c.recorder.created("jobs", name)) == 1
+        assert len(c.recorder.created("persistentvolumeclaims", name)) == 1
+        peers = c.lc.get("kopf.dev/v1", "kopfpeerings", C.PEERING_NAME)["status"]
         assert sorted(p["priority"] for p in peers.values()) == [10, 20]
     finally:
         high.stop()
         low.stop()
+        c.lc.operator.start()
+    delete(c, "peered")
+

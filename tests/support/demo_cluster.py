@@ -1,12 +1,14 @@
 """``make demo-cluster``: the whole stack on this machine, for a person to watch.
 
-The Kubernetes API emulator, the real operator and the local node
-(tests/support/local_node_cluster.py); a checkpoint made by ``policyserver
-checkpoint init`` behind a loopback HTTP server that wants a bearer token;
-``kubectl apply`` of examples/policyserver-cfgp2-dp1.yaml edited to point at
-it (CPU, 2 steps); the status as it moves to Available; ``kubectl get ps``;
-where the time went; a few actions through openpi-client; ``kubectl delete``;
-and every process it started ends, whatever happens.  docs/e2e.md shows a run.
+A real control plane of its own (tests/support/control_plane.py: etcd,
+kube-apiserver, kube-controller-manager, kube-scheduler), the real operator
+and the local node (tests/support/local_node_cluster.py); a checkpoint made
+by ``policyserver checkpoint init`` behind a loopback HTTP server that wants
+a bearer token; ``kubectl apply`` of examples/policyserver-cfgp2-dp1.yaml
+edited to point at it (CPU, 2 steps); the status as it moves to Available;
+``kubectl get ps``; where the time went; a few actions through openpi-client
+via the Service (the node's proxy); ``kubectl delete``; and every process it
+started ends, whatever happens.  docs/e2e.md shows a run.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import yaml
 
 from policy_operator import constants as C
 
+from .control_plane import ControlPlane, ControlPlaneError
 from .http_checkpoint_server import CheckpointServer
 from .local_node_cluster import REPO, LocalCluster, for_local_node, format_timings, free_port_on, phase_timings
 from .net import wait_for
@@ -54,19 +57,19 @@ def _watch_until_available(cluster: LocalCluster, name: str, t0: float, timeout:
     raise TimeoutError(f"{name} was not Available within {timeout:.0f}s\n{cluster.describe()}")
 
 
-def _actions(cluster: LocalCluster, name: str, port: int, n: int) -> None:
+def _actions(cluster: LocalCluster, name: str, n: int) -> None:
     import numpy as np
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
     from policy_operator.runtime.client import robolab_observation
 
-    pod = cluster.kube.get("v1", "pods", f"{name}-0", NS)
-    ip = pod["status"]["podIP"]
-    client = WebsocketClientPolicy(host=ip, port=port)
+    host, port = cluster.node.service_address(NS, name, C.PORT_NAME)
+    client = WebsocketClientPolicy(host=host, port=port)
     try:
         meta = client.get_server_metadata()
-        _say(f"openpi-client -> ws://{ip}:{port} (pod {name}-0): layout {meta['layout']}, "
-             f"action shape {meta['action_shape']}, {meta['steps']} steps, guidance {meta['guidance']}")
+        _say(f"openpi-client -> ws://{host}:{port} (Service {NS}/{name} port {C.PORT_NAME}, the node's proxy): "
+             f"layout {meta['layout']}, action shape {meta['action_shape']}, {meta['steps']} steps, "
+             f"guidance {meta['guidance']}")
         for i in range(n):
             t = time.perf_counter()
             actions = client.infer(robolab_observation(meta, seed=i))["actions"]
@@ -82,16 +85,22 @@ def run(workdir: Path, n: int, timeout: float, size: str) -> int:
                    check=True, capture_output=True, timeout=300)
     weights = (ckpt_root / "ckpt" / C.WEIGHTS_FILE).stat().st_size
     server = CheckpointServer(ckpt_root, token=TOKEN).start()
-    cluster = LocalCluster(workdir / "cluster", NS)
+    control_plane = ControlPlane(workdir / "control-plane")
+    cluster = LocalCluster(control_plane, workdir / "cluster", NS)
     try:
-        _say(f"API emulator, operator and local node starting in {workdir} ...")
+        _say(f"control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler) starting in {workdir} ...")
+        t = time.time()
+        control_plane.start()
+        _say(f"  up in {time.time() - t:.1f}s at {control_plane.url} (logs {control_plane.logs})")
+        t = time.time()
         cluster.start()
-        _say(f"  API server {cluster.kube.url}, operator log {cluster.operator.log}, pods under {cluster.node.root}")
+        _say(f"  CRD, namespace {NS}, local node and operator in {time.time() - t:.1f}s; "
+             f"operator log {cluster.operator.log}, pods under {cluster.node.root}")
         doc = yaml.safe_load(EXAMPLE.read_text())
         secret = doc["spec"]["checkpoint"]["secretRef"]["name"]
-        cluster.kube.create("v1", "secrets", {"metadata": {"name": secret}, "data": {
+        cluster.api.create("v1", "secrets", {"metadata": {"name": secret}, "data": {
             C.SECRET_TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()}}, NS)
-        port = free_port_on(f"127.0.0.{i}" for i in range(1, 12))
+        port = free_port_on(cluster.node.ips(8))
         doc = for_local_node(doc, source=server.url_for("ckpt/"), port=port)
         name = doc["metadata"]["name"]
         _say(f"\n$ kubectl apply -f {EXAMPLE.relative_to(REPO)}   (source {doc['spec']['checkpoint']['source']}, "
@@ -110,21 +119,24 @@ def run(workdir: Path, n: int, timeout: float, size: str) -> int:
              f"downloaded {server.count('/ckpt/' + C.WEIGHTS_FILE)} time(s)):")
         _say(format_timings(phase_timings(cluster, name, t0, available_at)))
         _say("")
-        _actions(cluster, name, port, n)
+        _actions(cluster, name, n)
         procs = cluster.node.processes()
         ranks = [p for p in procs if "policy_operator.runtime.worker" in p.argv and "RANK" in p.env]
         _say(f"\n$ kubectl delete ps {name}   (running: torchrun + {len(ranks)} ranks, "
              f"{len(procs)} processes in all)")
         t = time.time()
         _say("  " + cluster.kubectl("delete", C.SHORT_NAME, name, "--timeout=120s", timeout=150).stdout.strip())
-        wait_for(lambda: not cluster.node.processes() and not cluster.kube.list("v1", "pods", NS), 120,
+        wait_for(lambda: not cluster.node.processes() and not cluster.list("v1", "pods"), 120,
                  what="every pod and process gone")
         _say(f"  every pod deleted and every process ended after {time.time() - t:.1f}s "
              f"(preStop sleep 5s, then SIGTERM: torchrun drains and exits)")
         return 0
     finally:
-        cluster.stop()
-        server.stop()
+        try:
+            cluster.stop()
+        finally:
+            control_plane.stop()
+            server.stop()
         left = cluster.node.processes()
         if left:
             _say(f"warning: processes left: {[p.pid for p in left]}")
@@ -140,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="demo-cluster-"))
     try:
         return run(workdir, args.requests, args.timeout, args.size)
-    except (TimeoutError, subprocess.CalledProcessError) as exc:
+    except (TimeoutError, subprocess.CalledProcessError, ControlPlaneError) as exc:
         print(f"demo-cluster: error: {exc}", file=sys.stderr)
         if isinstance(exc, subprocess.CalledProcessError):
             print(exc.stderr, file=sys.stderr)

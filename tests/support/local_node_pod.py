@@ -1,16 +1,18 @@
 """One pod on the local node: volumes, init containers, containers, probes, status, termination.
 
 A :class:`PodRunner` thread is the kubelet's pod worker for one pod: it sets
-up the volumes (emptyDir: a per-pod directory; persistentVolumeClaim: one
-shared directory per claim; secret/configMap: files; hostPath: the path
-itself), runs the init containers in order, each to completion, then starts
+up the volumes (emptyDir: a per-pod directory; persistentVolumeClaim: the
+directory of the claim's bound volume, shared by every pod that mounts it;
+secret/configMap: files; hostPath: the path itself), runs the init containers in order, each to completion, then starts
 every container as a host process (``local_node_proc``), runs their probes,
 restarts them as ``restartPolicy`` says (with the node's exponential backoff)
-and writes the pod's status.  On deletion it runs each container's preStop
+and writes the pod's status through the status subresource (a strategic
+merge patch: the scheduler's ``PodScheduled`` condition and the API server's
+``qosClass`` stay theirs).  On deletion it runs each container's preStop
 hook, SIGTERMs the entrypoint, SIGKILLs whatever of the container is left
 when ``terminationGracePeriodSeconds`` (or the deletion's grace period) is
 over, writes the final status and confirms the deletion (DELETE with
-``gracePeriodSeconds=0``), as a kubelet does.
+``gracePeriodSeconds=0`` and the pod's uid as precondition), as a kubelet does.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import kubernetes.client
+import urllib3.exceptions
 
 from policy_operator.constants import ENV_HOST
 
 from . import local_node_probes as probes
-from .local_node_controllers import rfc3339
-from .local_node_proc import ContainerConfigError, ContainerProcess, PathMap, argv_of, expand, kill_tagged
+from .local_node_proc import ContainerConfigError, ContainerProcess, PathMap, argv_of, expand, kill_tagged, rfc3339
+from .local_node_storage import VolumeError
 
 if TYPE_CHECKING:
     from .local_node import LocalNode
@@ -47,8 +50,7 @@ CONFIG_RETRY_S = 1.0
 DEFAULT_GRACE_S = 30
 
 
-class VolumeError(RuntimeError):
-    """A volume that cannot be set up yet (its claim, Secret or ConfigMap is missing)."""
+API_ERRORS = (kubernetes.client.ApiException, urllib3.exceptions.HTTPError, OSError)
 
 
 @dataclass
@@ -189,7 +191,7 @@ class PodRunner:
         if self.stage == "volumes":
             try:
                 self._setup_volumes()
-            except (VolumeError, ContainerConfigError, kubernetes.client.ApiException) as exc:
+            except (VolumeError, ContainerConfigError, *API_ERRORS) as exc:
                 self.waiting_message = str(exc)
                 self._wake.wait(CONFIG_RETRY_S)
                 return
@@ -276,7 +278,7 @@ class PodRunner:
             env = self._env(run, paths)
             argv = argv_of(run.spec, env, paths)
             cwd = paths.host(run.spec["workingDir"]) if run.spec.get("workingDir") else str(self.dir)
-        except (ContainerConfigError, kubernetes.client.ApiException) as exc:
+        except (ContainerConfigError, *API_ERRORS) as exc:
             run.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}}
             run.next_start = time.time() + CONFIG_RETRY_S
             return
@@ -405,8 +407,14 @@ class PodRunner:
                 self.claims.add((self.namespace, claim))
             elif "hostPath" in v:
                 path = Path(v["hostPath"]["path"])
-            elif "secret" in v or "configMap" in v:
-                path = self._write_keys(name, v)
+            elif any(k in v for k in ("secret", "configMap", "downwardAPI")):
+                source = {k: v[k] for k in ("secret", "configMap", "downwardAPI") if k in v}
+                path = self._write_files(name, self._projection(name, source), v[next(iter(source))])
+            elif "projected" in v:
+                files: dict[str, tuple[bytes, int | None]] = {}
+                for source in v["projected"].get("sources") or []:
+                    files.update(self._projection(name, source))
+                path = self._write_files(name, files, v["projected"])
             else:
                 kinds = sorted(k for k in v if k != "name")
                 raise VolumeError(f"volume {name!r}: {kinds} volumes are not supported by the local node")
@@ -415,7 +423,7 @@ class PodRunner:
 
     def _source(self, kind: str, name: str) -> dict[str, bytes] | None:
         plural = "secrets" if kind == "Secret" else "configmaps"
-        obj = self.node.kube.get("v1", plural, name, self.namespace)
+        obj = self.node.api.get("v1", plural, name, self.namespace)
         if obj is None:
             return None
         data: dict[str, bytes] = {}
@@ -427,28 +435,54 @@ class PodRunner:
             data.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
         return data
 
-    def _write_keys(self, volume: str, v: Mapping[str, Any]) -> Path:
-        kind, src = ("Secret", v["secret"]) if "secret" in v else ("ConfigMap", v["configMap"])
-        ref = src.get("secretName") if kind == "Secret" else src.get("name")
-        data = self._source(kind, str(ref))
+    def _projection(self, volume: str, source: Mapping[str, Any]) -> dict[str, tuple[bytes, int | None]]:
+        """One source of a volume of files (secret, configMap, downwardAPI, serviceAccountToken): path -> (bytes, mode)."""
+        if "secret" in source or "configMap" in source:
+            kind, src = ("Secret", source["secret"]) if "secret" in source else ("ConfigMap", source["configMap"])
+            ref = src.get("secretName") or src.get("name")
+            data = self._source(kind, str(ref))
+            if data is None:
+                if src.get("optional"):
+                    return {}
+                raise VolumeError(f'MountVolume.SetUp failed for volume "{volume}": {kind.lower()} "{ref}" not found')
+            files = {}
+            for item in src.get("items") or [{"key": k, "path": k} for k in data]:
+                if item["key"] not in data:
+                    if src.get("optional"):
+                        continue
+                    raise VolumeError(f'MountVolume.SetUp failed for volume "{volume}": '
+                                      f'couldn\'t find key {item["key"]} in {kind} {self.namespace}/{ref}')
+                files[item["path"]] = (data[item["key"]], item.get("mode"))
+            return files
+        if "downwardAPI" in source:
+            files = {}
+            for item in source["downwardAPI"].get("items") or []:
+                if "fieldRef" not in item:
+                    raise VolumeError(f"volume {volume!r}: downwardAPI {sorted(item)} is not supported by the local node")
+                try:
+                    files[item["path"]] = (self._field(item["fieldRef"]["fieldPath"]).encode(), item.get("mode"))
+                except ContainerConfigError as exc:
+                    raise VolumeError(f"volume {volume!r}: {exc}") from None
+            return files
+        if "serviceAccountToken" in source:
+            src = source["serviceAccountToken"]
+            token = self.node.api.token(self.namespace, self.spec.get("serviceAccountName") or "default",
+                                        audiences=[src["audience"]] if src.get("audience") else [],
+                                        expiration_s=int(src.get("expirationSeconds") or 3607),
+                                        pod=(self.name, self.uid))
+            return {src["path"]: (token.encode(), None)}
+        raise VolumeError(f"volume {volume!r}: projected source {sorted(source)} is not supported by the local node")
+
+    def _write_files(self, volume: str, files: Mapping[str, tuple[bytes, int | None]],
+                     src: Mapping[str, Any]) -> Path:
         path = self.dir / "volumes" / volume
         path.mkdir(parents=True, exist_ok=True)
-        if data is None:
-            if src.get("optional"):
-                return path
-            raise VolumeError(f'MountVolume.SetUp failed for volume "{volume}": {kind.lower()} "{ref}" not found')
         default_mode = int(src.get("defaultMode", 0o644))
-        items = src.get("items") or [{"key": k, "path": k} for k in data]
-        for item in items:
-            if item["key"] not in data:
-                if src.get("optional"):
-                    continue
-                raise VolumeError(f'MountVolume.SetUp failed for volume "{volume}": '
-                                  f'couldn\'t find key {item["key"]} in {kind} {self.namespace}/{ref}')
-            target = path / item["path"]
+        for rel, (data, mode) in files.items():
+            target = path / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data[item["key"]])
-            os.chmod(target, int(item.get("mode", default_mode)))
+            target.write_bytes(data)
+            os.chmod(target, int(mode if mode is not None else default_mode))
         return path
 
     def _paths(self, run: ContainerRun) -> PathMap:
@@ -555,8 +589,8 @@ class PodRunner:
         if self._delete_grace is None:
             return
         if not self._offline:
-            with contextlib.suppress(kubernetes.client.ApiException, OSError):
-                self.node.kube.delete("v1", "pods", self.name, self.namespace, grace_period=0)
+            with contextlib.suppress(*API_ERRORS):  # 404: gone already; 409: another pod has the name now
+                self.node.api.delete("v1", "pods", self.name, self.namespace, grace_period=0, uid=self.uid)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.node.record(self, None, "deleted")
         self.deleted.set()
@@ -599,15 +633,12 @@ class PodRunner:
             "hostIP": self.node.host_ip,
             "hostIPs": [{"ip": self.node.host_ip}],
             "startTime": rfc3339(self.start_time),
-            "qosClass": "BestEffort",
             "conditions": [
                 self._cond("PodReadyToStartContainers", self.volumes is not None and not terminal),
                 self._cond("Initialized", not pending_inits,
                            "ContainersNotInitialized", f"containers with incomplete status: [{' '.join(pending_inits)}]"),
                 self._cond("Ready", ready, unready_reason, unready_message),
                 self._cond("ContainersReady", ready, unready_reason, unready_message),
-                {"type": "PodScheduled", "status": "True", "lastProbeTime": None,
-                 "lastTransitionTime": rfc3339(self.start_time)},
             ],
             "containerStatuses": [self._container_status(r) for r in self.mains],
         }
@@ -622,12 +653,13 @@ class PodRunner:
         if status == self._written:
             return
         try:
-            self.node.kube.patch_status("v1", "pods", self.name, status, self.namespace)
+            self.node.api.patch_status("v1", "pods", self.name, status, self.namespace, uid=self.uid)
         except kubernetes.client.ApiException as exc:
-            if exc.status != 404:  # a pod already gone from the API has no status to write
-                log.warning("pod %s/%s: status write failed: %s", self.namespace, self.name, exc.reason)
+            if exc.status not in (404, 409):  # a pod gone from the API (or replaced) has no status to write
+                log.warning("pod %s/%s: status write failed: %s %s", self.namespace, self.name, exc.reason,
+                            exc.body)
             return
-        except OSError as exc:
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
             log.warning("pod %s/%s: status write failed: %s", self.namespace, self.name, exc)
             return
         self._written = status

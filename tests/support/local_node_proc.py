@@ -188,6 +188,18 @@ def kill_tagged(prefix: str, timeout: float = 10.0) -> list[ProcInfo]:
     return left
 
 
+def rfc3339(t: float) -> str:
+    """A Kubernetes timestamp (seconds), as the kubelet writes container states."""
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).replace(microsecond=0).isoformat().replace(
+        "+00:00", "Z")
+
+
+def parse_time(value: str | None) -> float | None:
+    if not value:
+        return None
+    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
 def exit_code(returncode: int) -> int:
     """Popen's -N for a signal is the container runtime's 128+N."""
     return 128 - returncode if returncode < 0 else returncode
