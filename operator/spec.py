@@ -261,7 +261,8 @@ class Parallelism(KubeModel):
     """Parallel layout of each pod: cfgp x dp ranks, one GPU each. cfgp=2 computes the two classifier-free-guidance
     branches on two GPUs at once; dp independent replicas inside the pod serve requests concurrently."""
 
-    cel_rules = (Rule(f"self.cfgp * self.dp <= {MAX_RANKS_PER_POD}",
+    # has(): the apiserver also checks the rule against this section's `default: {}`, before nested defaulting
+    cel_rules = (Rule(f"!has(self.cfgp) || !has(self.dp) || self.cfgp * self.dp <= {MAX_RANKS_PER_POD}",
                       f"cfgp x dp must be at most {MAX_RANKS_PER_POD}: a pod runs on one node, with one GPU per rank",
                       field_path=".dp"),)
 
