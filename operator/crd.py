@@ -333,7 +333,7 @@ def rules_table(schema: dict[str, Any]) -> str:
     lines = ["| field | CEL rule | message |", "| --- | --- | --- |"]
     for path, rule in rule_rows(schema, ""):
         lines.append(f"| `{path}` | `{_text(rule['rule'])}` | {_text(rule['message'])} |")
-    lines += ["", "Checked by the operator only:", "", "| field | why |", "| --- | --- |"]
+    lines += ["", "Checked on one side only:", "", "| field | why |", "| --- | --- |"]
     lines += [f"| `{path}` | {_text(why)} |" for path, why in OPERATOR_ONLY_CHECKS.items()]
     return "\n".join(lines)
 
