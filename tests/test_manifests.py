@@ -245,13 +245,6 @@ def test_worker_command_is_the_runtimes_own() -> None:
     assert (args.heartbeat_s, args.dtype, args.drain_grace_s, args.device) == (0.5, "bfloat16", 20.0, "cuda")
 
 
-def test_spec_defaults_are_the_runtimes() -> None:
-    from policy_operator.operator import spec as S
-
-    assert (S.DEFAULT_GUIDANCE, S.DEFAULT_STEPS, C.DEFAULT_PORT) == (serve_flags.DEFAULT_GUIDANCE, serve_flags.DEFAULT_STEPS,
-                                                                      spec_of(base()).service.port)
-
-
 def test_init_container_verifies_the_cache_with_the_checkpoint_cli() -> None:
     from policy_operator.runtime import checkpoint_cli
 
