@@ -13,11 +13,11 @@ from typing import Any
 
 from policy_operator.constants import ANNOTATION_TEMPLATE_HASH, LABEL_CHECKPOINT_KEY
 from policy_operator.exit_codes import FetchExit
-from policy_operator.operator.rank_probe import container_message
 from policy_operator.operator.conditions import Reason
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
+from policy_operator.operator.rank_probe import container_message
 from policy_operator.operator.spec import PolicyServerSpec
-
+from policy_operator.progress_line import FetchProgress, last_progress
 
 
 class CheckpointPhase(str, Enum):
@@ -33,7 +33,7 @@ class CheckpointPhase(str, Enum):
 
 
 # policyserver fetch exit codes -> condition reasons
-EXIT_REASONS = {FetchExit.USAGE: Reason.INVALID_SOURCE, FetchExit.SOURCE: Reason.SOURCE_UNREACHABLE,
+EXIT_REASONS: dict[int, Reason] = {FetchExit.USAGE: Reason.INVALID_SOURCE, FetchExit.SOURCE: Reason.SOURCE_UNREACHABLE,
                 FetchExit.VERIFY: Reason.VERIFICATION_FAILED, FetchExit.DISK_FULL: Reason.DISK_FULL}
 MAX_MESSAGE = 600
 
@@ -44,6 +44,7 @@ class CheckpointState:
     reason: Reason
     message: str
     job_name: str
+    progress: FetchProgress | None = None  # while downloading, from the fetch pod's last progress line
 
 
 def _conditions(obj: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
@@ -72,12 +73,14 @@ def _fetch_termination(pods: Sequence[Mapping[str, Any]]) -> tuple[int | None, s
 
 
 def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_pods: Sequence[Mapping[str, Any]],
-                     recorded: Mapping[str, Any] | None) -> CheckpointState:
+                     recorded: Mapping[str, Any] | None, fetch_log: str | None = None) -> CheckpointState:
     """Where the spec's checkpoint stands.
 
     ``recorded`` is the last ``status.checkpoint``: a download that finished
     stays Ready after its Job was garbage-collected (ttlSecondsAfterFinished),
     so the cache is not fetched again; pods still verify it before serving.
+    ``fetch_log`` is the end of the running fetch pod's log: its last progress
+    line becomes the state's progress.
     """
     ck = spec.checkpoint
     job_name = Names(spec.name).job(ck.key)
@@ -102,10 +105,13 @@ def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_
         return CheckpointState(CheckpointPhase.FAILED, reason, f"fetch Job {job_name} failed: {detail}"[:MAX_MESSAGE], job_name)
     attempts = ck.fetch_job.backoff_limit + 1
     if (status.get("active") or 0) >= 1:
-        message = f"downloading {ck.source} (attempt {failed + 1}/{attempts})"
+        progress = last_progress(fetch_log) if fetch_log else None
+        message = f"downloading {ck.source}" + (f": {progress.text}" if progress else "") + \
+            f" (attempt {failed + 1}/{attempts})"
         if failed and last_line:
             message += f"; last attempt: {last_line}"
-        return CheckpointState(CheckpointPhase.DOWNLOADING, Reason.DOWNLOADING, message[:MAX_MESSAGE], job_name)
+        return CheckpointState(CheckpointPhase.DOWNLOADING, Reason.DOWNLOADING, message[:MAX_MESSAGE], job_name,
+                               progress)
     if failed:
         return CheckpointState(CheckpointPhase.DOWNLOADING, Reason.RETRYING,
                                f"attempt {failed}/{attempts} failed: {last_line or 'see the Job'}"[:MAX_MESSAGE], job_name)

@@ -68,6 +68,8 @@ PRINTER_COLUMNS: Final = (
     {"name": "Layout", "type": "string", "description": "Parallel layout of each pod.", "jsonPath": ".status.layout"},
     {"name": "Checkpoint", "type": "string", "description": "Phase of the checkpoint the spec asks for.",
      "jsonPath": ".status.checkpoint.phase"},
+    {"name": "Progress", "type": "string", "description": "Bytes done / total and rate while the checkpoint downloads.",
+     "jsonPath": ".status.checkpoint.progress.text"},
     {"name": "Phase", "type": "string", "description": "Phase of the PolicyServer.", "jsonPath": ".status.phase"},
     {"name": "Endpoint", "type": "string", "description": "WebSocket URL of the ClusterIP Service.",
      "jsonPath": ".status.endpoint"},

@@ -8,16 +8,50 @@ the previous one created.  Reads only; deciding is ``plan.py``/``status.py``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from policy_operator import progress_line
 from policy_operator.constants import COMPONENT_FETCH, LABEL_CHECKPOINT_KEY
 from policy_operator.operator import manifests, rank_probe
-from policy_operator.operator.kube import Kube
-from policy_operator.operator.manifests import Names
+from policy_operator.operator.kube import Kube, KubeError
+from policy_operator.operator.manifests import FETCH_CONTAINER, Names
 from policy_operator.operator.plan import Observed
 from policy_operator.operator.rank_probe import PodHealth
 from policy_operator.operator.spec import PolicyServerSpec
+
+log = logging.getLogger(__name__)
+
+
+def _running_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> str | None:
+    """The newest fetch pod whose fetch container is running: the attempt whose progress counts."""
+    running = [p for p in job_pods
+               if any(cs.get("name") == FETCH_CONTAINER and (cs.get("state") or {}).get("running") is not None
+                      for cs in (p.get("status") or {}).get("containerStatuses") or [])]
+    running.sort(key=lambda p: (p.get("metadata") or {}).get("creationTimestamp") or "")
+    return (running[-1].get("metadata") or {}).get("name") if running else None
+
+
+def fetch_log(kube: Kube, namespace: str, job: Mapping[str, Any] | None,
+              job_pods: Sequence[Mapping[str, Any]]) -> str | None:
+    """The end of the running fetch container's log, or None.
+
+    Progress is a convenience: a log the kubelet cannot serve (a node being
+    drained, a network policy in the way) leaves the status without it and
+    never fails the pass.
+    """
+    if job is None or not ((job.get("status") or {}).get("active") or 0):
+        return None
+    pod = _running_fetch_pod(job_pods)
+    if pod is None:
+        return None
+    try:
+        return kube.pod_log(namespace, pod, FETCH_CONTAINER, tail_lines=progress_line.TAIL_LINES,
+                            limit_bytes=progress_line.LIMIT_BYTES)
+    except KubeError as exc:
+        log.debug("no download progress from %s/%s: %s", namespace, pod, exc)
+        return None
 
 
 def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
@@ -29,6 +63,7 @@ def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
         pvc=kube.get("PersistentVolumeClaim", ns, manifests.claim_name(spec)),
         job=job,
         job_pods=job_pods,
+        fetch_log=fetch_log(kube, ns, job, job_pods),
         statefulset=kube.get("StatefulSet", ns, names.statefulset),
         service=kube.get("Service", ns, names.service),
         headless_service=kube.get("Service", ns, names.headless_service),

@@ -68,6 +68,7 @@ class Observed:
     service: dict[str, Any] | None = None
     headless_service: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
+    fetch_log: str | None = None  # the end of the running fetch pod's log, for its progress line
 
 
 @dataclass

@@ -38,6 +38,8 @@ RULES: tuple[Rule, ...] = (
     Rule("", "services", ("get", "create", "patch"), "server-side apply the ClusterIP and headless Services every pass (drift is put back)"),
     Rule("", "pods", ("get", "list", "patch"),
          "find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness"),
+    Rule("", "pods/log", ("get",),
+         "read the last progress line of the running fetch pod's log (status.checkpoint.progress)"),
     Rule("", "events", ("create", "patch"), "post Events on every transition (kopf.event)"),
     Rule("kopf.dev", "kopfpeerings", ("get", "list", "watch", "patch"),
          "leader election between operator replicas (kopf peering, namespaced)"),

@@ -50,7 +50,8 @@ def reconcile(kube: Kube, namespace: str, name: str, *, post_event: Callable[[di
 
     # observe
     observed = observe.children(kube, spec)
-    checkpoint = child_status.checkpoint_state(spec, observed.job, observed.job_pods, previous.get("checkpoint"))
+    checkpoint = child_status.checkpoint_state(spec, observed.job, observed.job_pods, previous.get("checkpoint"),
+                                               observed.fetch_log)
     # plan + apply
     applied = apply(kube, plan(spec, owner, observed, checkpoint), namespace)
     for event in applied.events:  # before anything else can fail: these objects now exist

@@ -67,6 +67,19 @@ class PodStatus(KubeModel):
     """One entry per rank."""
 
 
+class DownloadProgress(KubeModel):
+    """Progress of the running fetch, from the last progress line of the fetch pod's log (pods/log)."""
+
+    bytes_done: int | None = None
+    """Bytes of the checkpoint on the cache volume so far, including those of an earlier attempt."""
+    bytes_total: int | None = None
+    """Size of the checkpoint in bytes, when the source says."""
+    bytes_per_second: int | None = None
+    """Download rate over the current attempt."""
+    text: str | None = None
+    """The three as one line, e.g. 1.2 GiB / 3.4 GiB (35.0%) 12.3 MB/s (printer column PROGRESS)."""
+
+
 class CheckpointStatus(KubeModel):
     """The checkpoint the spec asks for: cache directory /models/<key>, fetch Job <name>-fetch-<key>."""
 
@@ -84,6 +97,8 @@ class CheckpointStatus(KubeModel):
     """Where the download stands (printer column CHECKPOINT)."""
     message: str | None = None
     """The attempt count, or the fetch's own error line."""
+    progress: DownloadProgress | None = None
+    """Bytes done, total and rate while the fetch Job downloads; absent otherwise."""
     serving_key: str | None = None
     """Key of the checkpoint the pods load; it differs from key while a new checkpoint downloads, because the old
     one keeps serving until then."""

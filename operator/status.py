@@ -157,6 +157,8 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
     }
     if ck.revision is not None:
         checkpoint_status["revision"] = ck.revision
+    if checkpoint.progress is not None and checkpoint.phase == CheckpointPhase.DOWNLOADING:
+        checkpoint_status["progress"] = checkpoint.progress.as_status()
     if workload.serving_key:
         checkpoint_status["servingKey"] = workload.serving_key
     status: dict[str, Any] = {
@@ -186,7 +188,16 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
 
 def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any], *, full: bool) -> dict[str, Any] | None:
     """A merge patch from ``previous`` to ``new`` status (None when nothing changed); ``full`` drops stale keys."""
-    patch = {k: v for k, v in new.items() if previous.get(k) != v}
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        old = previous.get(key)
+        if old == value:
+            continue
+        if isinstance(value, Mapping) and isinstance(old, Mapping):
+            # a merge patch merges maps: a nested key this pass no longer writes (checkpoint.progress once the
+            # download is done, checkpoint.servingKey) must be sent as null, or it stays forever
+            value = {**value, **{k: None for k in old if k not in value}}
+        patch[key] = value
     if full:
         patch.update({k: None for k in STATUS_KEYS if k in previous and k not in new})
     return patch or None
