@@ -136,3 +136,23 @@ def test_schema_rejects_bad_test_values(values: dict[str, Any], where: str) -> N
     with pytest.raises(helm_python.HelmValuesError) as exc:
         chart().validate_schema(copy.deepcopy(values))
     assert where in str(exc.value)
+
+
+def test_install_doc_shows_the_probe_and_helm_test_as_the_chart_has_them() -> None:
+    from tests.test_chart import DOCS, _code_lines
+
+    text = DOCS["install.md"]
+    lines = _code_lines(text)
+    assert any(line.startswith("helm test ") and "--logs" in line for line in lines)
+    probes = [line for line in lines if line.startswith("policyserver probe ")]
+    assert probes and all(cli.build_parser().parse_args(line.split()[1:]).command == "probe" for line in probes)
+    defaults = chart().values["samplePolicyServer"]
+    assert f"`samplePolicyServer.test.retrySeconds` ({defaults['test']['retrySeconds']} by default)" in \
+        " ".join(text.split())
+    assert f"ws://{defaults['name']}.NAMESPACE.svc:{C.DEFAULT_PORT}" in text
+    # the example output is the probe's own format
+    from policy_operator.runtime.probe import ProbeResult
+
+    ok_line = next(line for line in text.splitlines() if line.startswith("ok ws://"))
+    assert ProbeResult("ws://127.0.0.1:8000", ok=True, policy="reference-flow-policy", layout="cfgp=2,dp=1",
+                       action_shape=(16, 8), latency_ms=41.7).line() == ok_line
