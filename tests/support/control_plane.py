@@ -78,6 +78,7 @@ ETCD_START_S = 60.0
 APISERVER_START_S = 180.0
 COMPONENT_START_S = 120.0
 SERVICE_ACCOUNT_S = 120.0
+NAMESPACE_S = 120.0
 STOP_GRACE_S = 15.0
 LOG_TAIL_LINES = 30
 
@@ -270,7 +271,13 @@ class ControlPlane:
 
     @property
     def serving_cert(self) -> Path:
+        """The apiserver's generated serving certificate, followed by the CA that signed it."""
         return self.workdir / "apiserver-certs" / "apiserver.crt"
+
+    @property
+    def ca_cert(self) -> Path:
+        """That CA alone: what clients trust, and what the controller manager publishes as the cluster's root CA."""
+        return self.workdir / "pki" / "ca.crt"
 
     @property
     def env(self) -> dict[str, str]:
@@ -288,6 +295,7 @@ class ControlPlane:
             self._prepare()
             self._start_etcd(binary)
             self._start_apiserver(binary)
+            self._extract_ca()
             self._write_kubeconfig(self.kubeconfig, self.admin_token)
             if self.controllers:
                 self._start_controller_manager(binary)
@@ -353,11 +361,26 @@ class ControlPlane:
         from kubernetes.client import CoreV1Api, V1Namespace, V1ObjectMeta
         from kubernetes.client.exceptions import ApiException
 
-        try:
-            CoreV1Api(self.api_client).create_namespace(V1Namespace(metadata=V1ObjectMeta(name=name)))
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
+        core = CoreV1Api(self.api_client)
+        deadline = time.monotonic() + NAMESPACE_S
+        while True:
+            try:
+                core.create_namespace(V1Namespace(metadata=V1ObjectMeta(name=name)))
+                break
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+            try:
+                if core.read_namespace(name).status.phase != "Terminating":
+                    break
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                continue  # gone between the create and the read: create it again
+            # a namespace of the same name is still being emptied by the namespace controller
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"namespace {name} still Terminating after {NAMESPACE_S:.0f} s")
+            time.sleep(0.5)
         if self.controllers:
             self._wait_default_service_account(name)
 
@@ -449,12 +472,11 @@ class ControlPlane:
         port = self.ports["controller_manager"]
         manager = self._spawn(binary, "kube-controller-manager", [
             f"--kubeconfig={self.kubeconfig}",
-            f"--authentication-kubeconfig={self.kubeconfig}", f"--authorization-kubeconfig={self.kubeconfig}",
             f"--bind-address={HOST}", f"--secure-port={port}",
             "--leader-elect=false", "--controllers=*",
             "--use-service-account-credentials",  # each controller acts as its own ServiceAccount, RBAC enforced
             f"--service-account-private-key-file={self.workdir / 'pki' / 'sa.key'}",
-            f"--root-ca-file={self.serving_cert}",  # published as kube-root-ca.crt in every namespace
+            f"--root-ca-file={self.ca_cert}",  # published as kube-root-ca.crt in every namespace
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--profiling=false",
         ])
@@ -465,13 +487,25 @@ class ControlPlane:
         port = self.ports["scheduler"]
         scheduler = self._spawn(binary, "kube-scheduler", [
             f"--kubeconfig={self.kubeconfig}",
-            f"--authentication-kubeconfig={self.kubeconfig}", f"--authorization-kubeconfig={self.kubeconfig}",
             f"--bind-address={HOST}", f"--secure-port={port}",
             "--leader-elect=false",
             "--profiling=false",
         ])
         self._wait(scheduler, lambda: _https_text(f"https://{HOST}:{port}/readyz") == "ok", COMPONENT_START_S,
                    "kube-scheduler /readyz")
+
+    def _extract_ca(self) -> None:
+        """Write the CA of the apiserver's generated bundle (the blocks after its serving certificate) to ca.crt.
+
+        The controller manager refuses a root CA file whose first certificate
+        is not a CA (its ClusterTrustBundle publisher checks the CA bit).
+        """
+        blocks = re.findall(r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----\n?",
+                            self.serving_cert.read_text(), re.S)
+        if len(blocks) < 2:
+            raise ControlPlaneError(f"{self.serving_cert}: expected a serving certificate and its CA, "
+                                    f"found {len(blocks)} certificate(s)")
+        self.ca_cert.write_text("".join(blocks[1:]))
 
     def _wait_default_service_account(self, namespace: str) -> None:
         manager = next(c for c in self.components if c.name == "kube-controller-manager")
@@ -496,7 +530,7 @@ class ControlPlane:
             "apiVersion": "v1", "kind": "Config", "preferences": {},
             "clusters": [{"name": CLUSTER_NAME, "cluster": {
                 "server": self.url,
-                "certificate-authority-data": base64.b64encode(self.serving_cert.read_bytes()).decode()}}],
+                "certificate-authority-data": base64.b64encode(self.ca_cert.read_bytes()).decode()}}],
             "users": [{"name": user, "user": {"token": token}}],
             "contexts": [{"name": CLUSTER_NAME, "context": {"cluster": CLUSTER_NAME, "user": user}}],
             "current-context": CLUSTER_NAME,
