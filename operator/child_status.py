@@ -2,10 +2,17 @@
 
 Pure functions of the objects as read from the API, so every state a Job or
 StatefulSet can be in is a unit test, not a cluster experiment.
+
+A pod the API server refuses to create (a ResourceQuota on ``nvidia.com/gpu``,
+PodSecurity admission, a PriorityClass that does not exist) never shows up as a
+pod: the only trace is the controller's ``FailedCreate`` Event on the Job or
+StatefulSet.  ``failed_create`` reads those Events, so that status says why
+there is no pod instead of waiting for one forever.
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -36,6 +43,7 @@ class CheckpointPhase(str, Enum):
 EXIT_REASONS: dict[int, Reason] = {FetchExit.USAGE: Reason.INVALID_SOURCE, FetchExit.SOURCE: Reason.SOURCE_UNREACHABLE,
                 FetchExit.VERIFY: Reason.VERIFICATION_FAILED, FetchExit.DISK_FULL: Reason.DISK_FULL}
 MAX_MESSAGE = 600
+FAILED_CREATE = "FailedCreate"  # the Event reason of the Job and StatefulSet controllers when a pod is refused
 
 
 @dataclass(frozen=True)
@@ -72,15 +80,58 @@ def _fetch_termination(pods: Sequence[Mapping[str, Any]]) -> tuple[int | None, s
     return None, ""
 
 
+def _time(value: Any) -> datetime.datetime | None:
+    if not value:
+        return None
+    if isinstance(value, datetime.datetime):
+        return value if value.tzinfo else value.replace(tzinfo=datetime.timezone.utc)
+    try:
+        return datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def event_time(event: Mapping[str, Any]) -> datetime.datetime | None:
+    """When an Event last happened: a series' last observation, else lastTimestamp, eventTime, creation."""
+    return (_time((event.get("series") or {}).get("lastObservedTime")) or _time(event.get("lastTimestamp"))
+            or _time(event.get("eventTime")) or _time((event.get("metadata") or {}).get("creationTimestamp")))
+
+
+def failed_create(owner: Mapping[str, Any] | None, events: Sequence[Mapping[str, Any]],
+                  pods: Sequence[Mapping[str, Any]]) -> str:
+    """The message of the newest ``FailedCreate`` Event of ``owner`` (a Job or StatefulSet) still in force, or "".
+
+    An Event outlives its cause (the apiserver keeps Events for an hour): one
+    counts only when it is about this very object (its uid) and no pod of the
+    owner was created after it -- a later creation means the refusal was lifted.
+    """
+    if owner is None:
+        return ""
+    uid = (owner.get("metadata") or {}).get("uid")
+    mine = [e for e in events if e.get("reason") == FAILED_CREATE
+            and (not uid or (e.get("involvedObject") or {}).get("uid") in (None, uid))]
+    dated = [(t, e) for e in mine if (t := event_time(e)) is not None]
+    if not dated:
+        return ""
+    when, newest = max(dated, key=lambda te: te[0])
+    created = [t for p in pods if (t := _time((p.get("metadata") or {}).get("creationTimestamp"))) is not None]
+    if created and max(created) > when:
+        return ""
+    return str(newest.get("message") or FAILED_CREATE)[:MAX_MESSAGE]
+
+
 def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_pods: Sequence[Mapping[str, Any]],
-                     recorded: Mapping[str, Any] | None, fetch_log: str | None = None) -> CheckpointState:
+                     recorded: Mapping[str, Any] | None, fetch_log: str | None = None,
+                     job_events: Sequence[Mapping[str, Any]] = ()) -> CheckpointState:
     """Where the spec's checkpoint stands.
 
     ``recorded`` is the last ``status.checkpoint``: a download that finished
     stays Ready after its Job was garbage-collected (ttlSecondsAfterFinished),
     so the cache is not fetched again; pods still verify it before serving.
     ``fetch_log`` is the end of the running fetch pod's log: its last progress
-    line becomes the state's progress.
+    line becomes the state's progress.  ``job_events`` are the Job's Events:
+    a ``FailedCreate`` one while the Job has no pod says why (quota,
+    PodSecurity, a missing PriorityClass).
     """
     ck = spec.checkpoint
     job_name = Names(spec.name).job(ck.key)
@@ -115,6 +166,11 @@ def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_
     if failed:
         return CheckpointState(CheckpointPhase.DOWNLOADING, Reason.RETRYING,
                                f"attempt {failed}/{attempts} failed: {last_line or 'see the Job'}"[:MAX_MESSAGE], job_name)
+    refused = failed_create(job, job_events, job_pods) if not job_pods else ""
+    if refused:
+        return CheckpointState(CheckpointPhase.PENDING, Reason.FAILED_CREATE,
+                               f"the Job controller cannot create the fetch pod of {job_name}: {refused}"[:MAX_MESSAGE],
+                               job_name)
     waiting = next((m for m in (container_message(p) for p in job_pods) if m), "")
     return CheckpointState(CheckpointPhase.PENDING, Reason.JOB_PENDING,
                            f"waiting for the fetch pod of {job_name} to start" + (f" ({waiting})" if waiting else ""),
@@ -129,10 +185,21 @@ class WorkloadState:
     rolling: bool = False
     serving_key: str | None = None
     template_hash: str | None = None
+    update_revision: str | None = None  # the ControllerRevision of the StatefulSet's current template
+    updated: int = 0  # pods the StatefulSet controller counts as running the current template
+    failed_create: str = ""  # the controller's FailedCreate message while pods are missing
 
 
-def workload_state(sts: Mapping[str, Any] | None, desired: int) -> WorkloadState:
-    """Whether the StatefulSet is still converging on its own spec (rolling out or scaling)."""
+def workload_state(sts: Mapping[str, Any] | None, desired: int, events: Sequence[Mapping[str, Any]] = (),
+                   pods: Sequence[Mapping[str, Any]] = ()) -> WorkloadState:
+    """Whether the StatefulSet is still converging on its own spec (rolling out or scaling).
+
+    "Rolled" means the controller has seen the latest spec (observedGeneration),
+    counts every replica as updated, and the current revision *is* the update
+    revision: ready pods before that may be old pods, and Ready must not be
+    claimed on their behalf.  ``events`` and ``pods`` (the StatefulSet's) say
+    whether a missing pod is one the API server refused to create.
+    """
     if sts is None:
         return WorkloadState(exists=False, desired=desired, rolling=desired > 0)
     meta, spec, status = sts.get("metadata") or {}, sts.get("spec") or {}, sts.get("status") or {}
@@ -145,6 +212,10 @@ def workload_state(sts: Mapping[str, Any] | None, desired: int) -> WorkloadState
         or (bool(status.get("updateRevision")) and status.get("currentRevision") != status.get("updateRevision"))
         or replicas != desired
     )
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    refused = failed_create(sts, events, pods) if len(live) < replicas else ""
     return WorkloadState(exists=True, desired=desired, current=current, rolling=rolling,
                          serving_key=(meta.get("labels") or {}).get(LABEL_CHECKPOINT_KEY),
-                         template_hash=(meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH))
+                         template_hash=(meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH),
+                         update_revision=status.get("updateRevision") or None,
+                         updated=status.get("updatedReplicas") or 0, failed_create=refused)

@@ -18,13 +18,18 @@ from policy_operator.constants import (
     COND_AVAILABLE,
     COND_CHECKPOINT_READY,
     COND_PROGRESSING,
+    COND_READY,
     COND_VALID,
     PHASE_DEGRADED,
     PHASE_FAILED,
 )
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
-CONDITION_TYPES = (COND_VALID, COND_CHECKPOINT_READY, COND_AVAILABLE, COND_PROGRESSING)
+CONDITION_TYPES = (COND_READY, COND_VALID, COND_CHECKPOINT_READY, COND_AVAILABLE, COND_PROGRESSING)
+# metav1.Condition's limits, which the CRD's status schema states (operator/resource.py)
+MAX_CONDITION_MESSAGE = 32768
+MAX_REASON = 1024
+REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 
 
 class Reason(str, Enum):
@@ -37,6 +42,9 @@ class Reason(str, Enum):
     PARTIALLY_READY = "PartiallyReady"
     NO_REPLICAS_READY = "NoReplicasReady"
     REPLICAS_UNAVAILABLE = "ReplicasUnavailable"
+    RANKS_UNKNOWN = "RanksUnknown"  # /readyz unreachable from the operator: readiness is the kubelet's
+    UNSCHEDULABLE = "Unschedulable"  # a pod's PodScheduled=False Unschedulable
+    FAILED_CREATE = "FailedCreate"  # the StatefulSet or Job controller could not create a pod (quota, PodSecurity...)
     SCALED_TO_ZERO = "ScaledToZero"
     CHECKPOINT_NOT_READY = "CheckpointNotReady"
     # Progressing
@@ -44,6 +52,7 @@ class Reason(str, Enum):
     ROLLING_OUT = "RollingOut"
     STABLE = "Stable"
     FAILED = "Failed"
+    PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
     NAME_CONFLICT = "NameConflict"
     APPLY_FAILED = "ApplyFailed"
     CLAIM_NOT_FOUND = "ClaimNotFound"
@@ -66,7 +75,11 @@ FETCH_FAILURE_REASONS = frozenset({Reason.INVALID_SOURCE, Reason.SOURCE_UNREACHA
                                    Reason.DISK_FULL, Reason.FETCH_FAILED, Reason.DEADLINE_EXCEEDED})
 # Those become Warning Events.
 WARNING_REASONS = frozenset({Reason.INVALID_SPEC, Reason.REPLICAS_UNAVAILABLE, Reason.NAME_CONFLICT,
-                             Reason.APPLY_FAILED, Reason.FAILED, Reason.CLAIM_NOT_FOUND, *FETCH_FAILURE_REASONS})
+                             Reason.APPLY_FAILED, Reason.FAILED, Reason.CLAIM_NOT_FOUND, Reason.UNSCHEDULABLE,
+                             Reason.FAILED_CREATE, Reason.PROGRESS_DEADLINE_EXCEEDED, *FETCH_FAILURE_REASONS})
+# Progressing=False reasons that mean "stuck", not "done"
+STUCK_REASONS = frozenset({Reason.FAILED, Reason.NAME_CONFLICT, Reason.APPLY_FAILED, Reason.CLAIM_NOT_FOUND,
+                           Reason.PROGRESS_DEADLINE_EXCEEDED, Reason.REPLICAS_UNAVAILABLE})
 
 
 @dataclass(frozen=True)
@@ -92,7 +105,8 @@ def merge_conditions(previous: Sequence[Mapping[str, Any]] | None, new: Sequence
     for cond in new:
         prev = old.get(cond.type) or {}
         since = prev.get("lastTransitionTime") if prev.get("status") == cond.status else None
-        merged.append({"type": cond.type, "status": cond.status, "reason": str(cond.reason), "message": cond.message,
+        merged.append({"type": cond.type, "status": cond.status, "reason": str(cond.reason),
+                       "message": cond.message[:MAX_CONDITION_MESSAGE],
                        "lastTransitionTime": since or now, "observedGeneration": generation})
     types = {c.type for c in new}
     merged += [dict(c) for t, c in old.items() if t not in types]

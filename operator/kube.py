@@ -37,6 +37,7 @@ KINDS: dict[str, str] = {
     "Job": "batch/v1",
     "StatefulSet": "apps/v1",
     "PolicyServer": API_VERSION,
+    "Event": "v1",  # read only: the Job's and StatefulSet's FailedCreate (kopf posts the operator's own)
 }
 
 
@@ -132,10 +133,13 @@ class Kube:
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise TransientError(f"{what}: {exc}") from exc
 
-    def list(self, kind: str, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
+    def list(self, kind: str, namespace: str, selector: Mapping[str, str],
+             fields: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+        """Objects matching labels ``selector`` and, optionally, field selector ``fields`` (Events: involvedObject...)."""
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items()) or None
+        field_selector = ",".join(f"{k}={v}" for k, v in (fields or {}).items()) or None
         found = self._call(f"list {kind} in {namespace}", self._resource(kind).get, namespace=namespace,
-                           label_selector=label_selector)
+                           label_selector=label_selector, field_selector=field_selector)
         return list(found.get("items") or [])
 
     # --- writes -----------------------------------------------------------------------------

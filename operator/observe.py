@@ -14,7 +14,7 @@ from typing import Any
 
 from policy_operator import progress_line
 from policy_operator.constants import COMPONENT_FETCH, LABEL_CHECKPOINT_KEY
-from policy_operator.operator import manifests, rank_probe
+from policy_operator.operator import child_status, manifests, rank_probe
 from policy_operator.operator.kube import Kube, KubeError
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
 from policy_operator.operator.plan import Observed
@@ -52,6 +52,41 @@ def fetch_log(kube: Kube, namespace: str, job: Mapping[str, Any] | None,
     except KubeError as exc:
         log.debug("no download progress from %s/%s: %s", namespace, pod, exc)
         return None
+
+
+def failed_create_events(kube: Kube, namespace: str, owner: Mapping[str, Any] | None, *,
+                         missing_pods: bool) -> list[dict[str, Any]]:
+    """The ``FailedCreate`` Events of a Job or StatefulSet, read only while some of its pods are missing.
+
+    A pod the API server refuses never exists, so its refusal (quota,
+    PodSecurity, a missing PriorityClass) is only in these Events.  An
+    operator whose Role predates the ``events: list`` grant still reconciles;
+    status then simply lacks the refusal.
+    """
+    uid = ((owner or {}).get("metadata") or {}).get("uid")
+    if not missing_pods or not uid:
+        return []
+    try:
+        return kube.list("Event", namespace, {}, {"involvedObject.uid": uid, "reason": child_status.FAILED_CREATE})
+    except KubeError as exc:
+        log.debug("no FailedCreate events of %s/%s: %s", namespace, (owner or {}).get("metadata", {}).get("name"), exc)
+        return []
+
+
+def job_events(kube: Kube, namespace: str, job: Mapping[str, Any] | None,
+               job_pods: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A running Job with no pod at all: the Job controller may be refused (its FailedCreate Events say why)."""
+    status = (job or {}).get("status") or {}
+    waiting = not job_pods and not status.get("succeeded") and not status.get("active")
+    return failed_create_events(kube, namespace, job, missing_pods=waiting)
+
+
+def statefulset_events(kube: Kube, namespace: str, sts: Mapping[str, Any] | None,
+                       pods: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Fewer pods than the StatefulSet asks for: its FailedCreate Events say whether one was refused."""
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    wanted = int(((sts or {}).get("spec") or {}).get("replicas") or 0)
+    return failed_create_events(kube, namespace, sts, missing_pods=len(live) < wanted)
 
 
 def children(kube: Kube, spec: PolicyServerSpec) -> Observed:

@@ -3,12 +3,19 @@
 The kubelet's readiness probe gives one bit per pod; a pod of cfgp x dp ranks
 can be half-alive (one dp replica wedged, a CFG rank still loading).  The
 runtime's ``/readyz`` body lists every rank, so the operator polls it and
-reports ``ranksReady`` per pod and in total.  A pod that cannot be reached
-counts as zero ranks ready: an answer is the only evidence accepted.
+reports ``ranksReady`` per pod and in total.
+
+A pod the operator cannot reach (a NetworkPolicy, a service mesh in STRICT
+mTLS, an operator outside the pod network) is not a pod that is down: its
+readiness falls back to the kubelet's view -- the pod's ``Ready`` condition,
+which the kubelet sets from the same ``/readyz`` (200 only when every rank is
+ready) -- and its ranks are *unknown* (``RanksUnknown``), never reported as
+zero.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -16,12 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from policy_operator.constants import PORT_NAME, READYZ_PATH
+from policy_operator.constants import LABEL_CONTROLLER_REVISION_HASH, PORT_NAME, READYZ_PATH
 from policy_operator.readyz import Readiness
 
 PROBE_TIMEOUT_S = 2.0
 MAX_BODY = 1 << 20
 MAX_PARALLEL_PROBES = 16
+TERMINATION_TAIL_LINES = 5  # lines of a failed container's termination message that status carries
+MAX_TERMINATION_TAIL = 1000
 
 
 @dataclass(frozen=True)
@@ -47,14 +56,23 @@ class PodHealth:
     ready: bool = False
     ranks: tuple[RankHealth, ...] = field(default_factory=tuple)
     message: str = ""
+    ranks_known: bool = True  # False: /readyz unreachable, ``ready`` is the kubelet's Ready condition
+    revision: str | None = None  # the pod's controller-revision-hash: which StatefulSet template it runs
+    unschedulable: str = ""  # the scheduler's PodScheduled=False Unschedulable message
+    termination: str = ""  # last lines of the newest failed container's termination message
 
     @property
     def ranks_text(self) -> str:
-        return f"{self.ranks_ready}/{self.world_size}"
+        """``2/2``; ``?/2`` when /readyz could not be read and the kubelet says not ready (how many: unknown)."""
+        return f"{self.ranks_ready if self.ranks_known or self.ready else '?'}/{self.world_size}"
 
     def as_status(self) -> dict[str, Any]:
         item: dict[str, Any] = {"name": self.name, "phase": self.phase, "ready": self.ready,
                                 "ranksReady": self.ranks_text, "ranks": [r.as_status() for r in self.ranks]}
+        if not self.ranks_known:
+            item["ranksKnown"] = False
+        if self.revision:
+            item["revision"] = self.revision
         if self.pod_ip:
             item["podIP"] = self.pod_ip
         if self.message:
@@ -81,17 +99,62 @@ def _not_ready_message(ranks: Sequence[RankHealth], ranks_ready: int, world_size
     return f"{ranks_ready}/{world_size} ranks ready" + (f" ({', '.join(waiting[:8])})" if waiting else "")
 
 
-def probe_readyz(ip: str, port: int, expected_world_size: int, timeout: float = PROBE_TIMEOUT_S):
+class Unreachable(OSError):
+    """No HTTP answer from the pod at all (refused, reset, timed out): says nothing about its ranks."""
+
+
+def fetch_readyz(ip: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> tuple[int, bytes]:
+    """(status code, body) of one GET /readyz; ``Unreachable`` when no HTTP answer came."""
     url = f"http://{ip}:{port}{READYZ_PATH}"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http to a pod IP
-            return parse_readyz(response.status, response.read(MAX_BODY), expected_world_size)
+            return response.status, response.read(MAX_BODY)
     except urllib.error.HTTPError as exc:  # 503 still carries the per-rank body
         with exc:
-            return parse_readyz(exc.code, exc.read(MAX_BODY), expected_world_size)
+            return exc.code, exc.read(MAX_BODY)
     except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return False, 0, expected_world_size, (), f"{READYZ_PATH} unreachable: {reason}"
+        raise Unreachable(f"{READYZ_PATH} unreachable: {getattr(exc, 'reason', exc)}") from exc
+
+
+def probe_readyz(ip: str, port: int, expected_world_size: int, timeout: float = PROBE_TIMEOUT_S):
+    try:
+        code, body = fetch_readyz(ip, port, timeout)
+    except Unreachable as exc:
+        return False, 0, expected_world_size, (), str(exc)
+    return parse_readyz(code, body, expected_world_size)
+
+
+def kubelet_ready(pod: Mapping[str, Any]) -> bool:
+    """The pod's Ready condition: the kubelet's readiness probe, which asks the same /readyz."""
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def unschedulable_message(pod: Mapping[str, Any]) -> str:
+    """The scheduler's reason a pod has no node (e.g. "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")."""
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return str(cond.get("message") or cond.get("reason") or "Unschedulable")
+    return ""
+
+
+def termination_tail(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> str:
+    """The last lines of the newest non-zero termination of any container of the pod.
+
+    With ``terminationMessagePolicy: FallbackToLogsOnError`` the kubelet puts
+    the end of the log there when the container wrote no message: for the
+    server that is torchrun's report of the rank that failed, and its traceback.
+    """
+    status = pod.get("status") or {}
+    for group in ("initContainerStatuses", "containerStatuses"):
+        for cs in status.get(group) or []:
+            for term in ((cs.get("state") or {}).get("terminated"), (cs.get("lastState") or {}).get("terminated")):
+                if term and term.get("exitCode", 0) != 0:
+                    text = [ln.rstrip() for ln in (term.get("message") or "").splitlines() if ln.strip()]
+                    head = f"{cs.get('name')} exited {term.get('exitCode')} ({term.get('reason') or 'Error'})"
+                    tail = "\n".join(text[-lines:])
+                    return (f"{head}: {tail}" if tail else head)[-MAX_TERMINATION_TAIL:]
+    return ""
 
 
 def container_message(pod: Mapping[str, Any]) -> str:
@@ -111,10 +174,8 @@ def container_message(pod: Mapping[str, Any]) -> str:
                 detail = (terminated.get("message") or "").strip().splitlines()
                 return (f"{cs.get('name')}: exited {terminated.get('exitCode')} ({terminated.get('reason', 'Error')})"
                         + (f": {detail[-1]}" if detail else ""))
-    for cond in status.get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
-            return f"unschedulable: {cond.get('message') or cond.get('reason')}"
-    return ""
+    unschedulable = unschedulable_message(pod)
+    return f"unschedulable: {unschedulable}" if unschedulable else ""
 
 
 def pod_port(pod: Mapping[str, Any], default: int) -> int:
@@ -129,12 +190,25 @@ def pod_port(pod: Mapping[str, Any], default: int) -> int:
 def pod_health(pod: Mapping[str, Any], port: int, world_size: int, timeout: float = PROBE_TIMEOUT_S) -> PodHealth:
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     name, phase, ip = meta.get("name", "?"), status.get("phase", "Pending"), status.get("podIP")
+    facts = PodHealth(name, ip, phase, world_size,
+                      revision=(meta.get("labels") or {}).get(LABEL_CONTROLLER_REVISION_HASH),
+                      unschedulable=unschedulable_message(pod), termination=termination_tail(pod))
     if meta.get("deletionTimestamp"):
-        return PodHealth(name, ip, "Terminating", world_size, message="terminating")
+        return dataclasses.replace(facts, phase="Terminating", message="terminating")
     if phase != "Running" or not ip:
-        return PodHealth(name, ip, phase, world_size, message=container_message(pod) or phase)
-    ready, ranks_ready, ws, ranks, message = probe_readyz(ip, pod_port(pod, port), world_size, timeout)
-    return PodHealth(name, ip, phase, ws, ranks_ready, ready, ranks, message)
+        return dataclasses.replace(facts, message=container_message(pod) or phase)
+    try:
+        code, body = fetch_readyz(ip, pod_port(pod, port), timeout)
+    except Unreachable as exc:
+        ready = kubelet_ready(pod)
+        detail = container_message(pod)
+        message = f"{exc}; the kubelet reports the pod {'ready' if ready else 'not ready'}" + \
+            (f" ({detail})" if detail and not ready else "")
+        return dataclasses.replace(facts, ranks_ready=world_size if ready else 0, ready=ready, message=message,
+                                   ranks_known=False)
+    ready, ranks_ready, ws, ranks, message = parse_readyz(code, body, world_size)
+    return dataclasses.replace(facts, world_size=ws, ranks_ready=ranks_ready, ready=ready, ranks=ranks,
+                               message=message)
 
 
 def poll_pods(pods: Sequence[Mapping[str, Any]], port: int, world_size: int,

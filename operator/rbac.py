@@ -40,7 +40,9 @@ RULES: tuple[Rule, ...] = (
          "find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness"),
     Rule("", "pods/log", ("get",),
          "read the last progress line of the running fetch pod's log (status.checkpoint.progress)"),
-    Rule("", "events", ("create", "patch"), "post Events on every transition (kopf.event)"),
+    Rule("", "events", ("create", "patch", "list"),
+         "post Events on every transition (kopf.event); list the Job's and StatefulSet's FailedCreate Events "
+         "(a pod refused by a ResourceQuota, PodSecurity or a missing PriorityClass) to say so in status"),
     Rule("kopf.dev", "kopfpeerings", ("get", "list", "watch", "patch"),
          "leader election between operator replicas (kopf peering, namespaced)"),
     Rule("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch"),

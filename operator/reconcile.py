@@ -51,7 +51,8 @@ def reconcile(kube: Kube, namespace: str, name: str, *, post_event: Callable[[di
     # observe
     observed = observe.children(kube, spec)
     checkpoint = child_status.checkpoint_state(spec, observed.job, observed.job_pods, previous.get("checkpoint"),
-                                               observed.fetch_log)
+                                               observed.fetch_log,
+                                               observe.job_events(kube, namespace, observed.job, observed.job_pods))
     # plan + apply
     applied = apply(kube, plan(spec, owner, observed, checkpoint), namespace)
     for event in applied.events:  # before anything else can fail: these objects now exist
@@ -67,7 +68,9 @@ def reconcile(kube: Kube, namespace: str, name: str, *, post_event: Callable[[di
 
     # status
     st.annotate_pods(kube, namespace, pods, healths)
-    update = st.build_status(spec, checkpoint=checkpoint, workload=child_status.workload_state(sts, spec.replicas),
+    workload = child_status.workload_state(sts, spec.replicas, observe.statefulset_events(kube, namespace, sts, pods),
+                                           pods)
+    update = st.build_status(spec, checkpoint=checkpoint, workload=workload,
                              pods=healths, service_exists=observed.service is not None or
                              f"Service/{names.service}" in applied.results,
                              previous=previous, generation=generation, now=st.now_rfc3339(), problem=applied.problem)

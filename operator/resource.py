@@ -26,6 +26,7 @@ from policy_operator.constants import (
     PHASE_STARTING,
 )
 from policy_operator.operator.child_status import CheckpointPhase
+from policy_operator.operator.conditions import MAX_CONDITION_MESSAGE, MAX_REASON, REASON_PATTERN
 from policy_operator.operator.kube_model import KubeModel, list_map
 from policy_operator.operator.spec import ObjectMeta, PolicyServerSpec
 
@@ -63,6 +64,11 @@ class PodStatus(KubeModel):
     message: str | None = None
     """Why the pod is not ready, e.g. "1/2 ranks ready (rank 1 loading)", "verify-checkpoint: CrashLoopBackOff:
     ...", "/readyz unreachable: ..."."""
+    ranks_known: bool | None = None
+    """false when the operator could not reach the pod's /readyz (a NetworkPolicy, a mesh in STRICT mTLS): ready is
+    then the kubelet's Ready condition and the per-rank detail is unknown; absent when /readyz answered."""
+    revision: str | None = None
+    """The StatefulSet revision (controller-revision-hash) the pod runs."""
     ranks: list[RankStatus] = Field(default_factory=list)
     """One entry per rank."""
 
@@ -104,20 +110,26 @@ class CheckpointStatus(KubeModel):
     one keeps serving until then."""
 
 
-class Condition(KubeModel):
-    """One condition: Valid, CheckpointReady, Available or Progressing (docs/crd.md#conditions)."""
+# metav1.Condition's own validation, as Kubernetes' generated CRDs state it
+CONDITION_TYPE_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                          r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$")
 
-    type: str
+
+class Condition(KubeModel):
+    """One condition (metav1.Condition): Ready, Valid, CheckpointReady, Available or Progressing
+    (docs/operator.md#conditions)."""
+
+    type: Annotated[str, Field(max_length=316, pattern=CONDITION_TYPE_PATTERN)]
     """Condition type (the list's key)."""
     status: Literal["True", "False", "Unknown"]
     """Condition status."""
-    reason: str | None = None
+    reason: Annotated[str, Field(min_length=1, max_length=MAX_REASON, pattern=REASON_PATTERN)]
     """CamelCase reason of the last change."""
-    message: str | None = None
+    message: Annotated[str, Field(max_length=MAX_CONDITION_MESSAGE)]
     """Human-readable details."""
-    last_transition_time: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None
+    last_transition_time: Annotated[str, Field(json_schema_extra={"format": "date-time"})]
     """When the status last flipped."""
-    observed_generation: int | None = None
+    observed_generation: int | None = Field(None, ge=0)
     """metadata.generation the condition describes."""
 
 
@@ -127,13 +139,19 @@ class PolicyServerStatus(KubeModel):
     observed_generation: int | None = None
     """metadata.generation this status describes."""
     phase: Literal[PHASES] | None = None  # type: ignore[valid-type]
-    """Pending (objects being created, or scaled to zero), Downloading (fetch Job running), Starting (pods starting
-    or rolling), Ready (every pod has every rank ready), Degraded (serving with fewer ready pods than desired),
-    Failed (invalid spec, or download failed with nothing serving); docs/operator.md#phase."""
+    """Pending (objects being created, scaled to zero, or pods refused/unschedulable), Downloading (fetch Job
+    running), Starting (pods starting or rolling), Ready (the rollout is done and every pod has every rank ready),
+    Degraded (serving with fewer ready pods than desired),
+    Failed (invalid spec, download failed or progress deadline exceeded with nothing serving);
+    docs/operator.md#phase."""
     replicas: int | None = None
     """Pods that exist (the scale subresource's status replicas)."""
     ready_replicas: int | None = None
-    """Pods whose /readyz reports every rank ready."""
+    """Pods whose /readyz reports every rank ready (the kubelet's Ready where /readyz is unreachable)."""
+    updated_replicas: int | None = None
+    """Pods that run the StatefulSet's current template (the current spec)."""
+    updated_ready_replicas: int | None = None
+    """Ready pods that run the current spec; phase Ready needs spec.replicas of them and a finished rollout."""
     ready: str | None = None
     """readyReplicas/spec.replicas as text, e.g. 2/2 (printer column READY)."""
     ranks_ready: str | None = None
@@ -146,12 +164,15 @@ class PolicyServerStatus(KubeModel):
     """WebSocket URL of the Service, ws://NAME.NAMESPACE.svc:PORT, once the Service exists."""
     template_hash: str | None = None
     """Hash of the pod template the StatefulSet runs (annotation policyoperator.io/template-hash)."""
+    last_progress_time: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None
+    """While pods start or roll: when the rollout last moved (a new spec, a pod created or ready on it);
+    spec.progressDeadlineSeconds counts from here. Absent otherwise."""
     checkpoint: CheckpointStatus | None = None
     """The checkpoint the spec asks for."""
     pods: list[PodStatus] = Field(default_factory=list)
     """Per-pod rank readiness from each pod's /readyz."""
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra=list_map("type"))
-    """Valid, CheckpointReady, Available and Progressing."""
+    """Ready (what kstatus, Flux and Argo CD read), Valid, CheckpointReady, Available and Progressing."""
 
 
 class PolicyServer(KubeModel):

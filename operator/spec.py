@@ -70,6 +70,7 @@ DEFAULT_STORAGE_SIZE: Final = "20Gi"
 DEFAULT_SHM_SIZE: Final = "2Gi"
 DEFAULT_DRAIN_GRACE_S: Final = int(RUNTIME_DRAIN_GRACE_S)  # the runtime's default, as a whole number of seconds
 DEFAULT_STARTUP_TIMEOUT_S: Final = 600
+DEFAULT_PROGRESS_DEADLINE_S: Final = 900  # Deployment's default progressDeadlineSeconds, read the same way
 DEFAULT_BACKOFF_LIMIT: Final = 3
 DEFAULT_TTL_AFTER_FINISHED_S: Final = 3600
 
@@ -392,6 +393,11 @@ class PolicyServerSpec(KubeModel):
     replicas: int = Field(DEFAULT_REPLICAS, ge=0)
     """Number of pods; the scale subresource (kubectl scale, HPAs) changes it. 0 stops every pod but keeps the
     cache."""
+    progress_deadline_seconds: int = Field(DEFAULT_PROGRESS_DEADLINE_S, ge=1)
+    """Seconds a rollout (pods starting, or being replaced after a spec change) may go without progress -- no new
+    pod created or ready on the current spec -- before status reports Progressing=False ProgressDeadlineExceeded
+    and phase Failed (Degraded while older pods still serve), with the failing container's last log lines. The
+    download has its own limit, checkpoint.fetchJob.activeDeadlineSeconds."""
     resources: ServerResources = Field(default_factory=ServerResources)
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node labels the pods (server and fetch Job) must match."""

@@ -5,6 +5,14 @@ table is unit-tested row by row and a restarted operator computes the same
 status from the same cluster.  Writing is two small merge patches: the status
 subresource (only the keys that changed, so kopf's own keys and foreign
 conditions survive) and each pod's rank-readiness annotation.
+
+Status never claims more than was observed: ``Ready`` (phase and condition)
+needs the StatefulSet to have rolled -- ready pods of an old template are
+Available, and Progressing=True RollingOut; a pod the API server refused or
+the scheduler cannot place is named in status with the refusal; and a rollout
+that makes no progress for ``spec.progressDeadlineSeconds`` becomes
+Progressing=False ProgressDeadlineExceeded with the failing container's last
+words, instead of Starting forever.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from policy_operator.constants import (
     COND_AVAILABLE,
     COND_CHECKPOINT_READY,
     COND_PROGRESSING,
+    COND_READY,
     COND_VALID,
     PHASE_DEGRADED,
     PHASE_DOWNLOADING,
@@ -30,6 +39,7 @@ from policy_operator.constants import (
 from policy_operator.operator.child_status import CheckpointPhase, CheckpointState, WorkloadState
 from policy_operator.operator.conditions import (
     FALSE,
+    STUCK_REASONS,
     TRUE,
     Condition,
     Event,
@@ -45,19 +55,58 @@ from policy_operator.operator.spec import PolicyServerSpec
 
 _NOT_YET = (CheckpointPhase.PENDING, CheckpointPhase.DOWNLOADING)
 # Every status key the operator writes; a full write drops those it no longer sets.
-STATUS_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "ready", "ranksReady", "layout",
-               "selector", "endpoint", "templateHash", "checkpoint", "pods", "conditions")
+STATUS_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "updatedReadyReplicas",
+               "ready", "ranksReady", "layout", "selector", "endpoint", "templateHash", "lastProgressTime",
+               "checkpoint", "pods", "conditions")
 
 
 def now_rfc3339() -> str:
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def _seconds_between(earlier: str, later: str) -> float:
+    def parse(value: str) -> datetime.datetime:
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+    return (parse(later) - parse(earlier)).total_seconds()
+
+
 # --- deciding ---------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Blocker:
+    """Why pods that should exist or run do not: the API server refused them, or no node fits them."""
+
+    reason: Reason
+    message: str
+
+
+def blocker(workload: WorkloadState, pods: Sequence[PodHealth]) -> Blocker | None:
+    if workload.failed_create:
+        return Blocker(Reason.FAILED_CREATE, f"the StatefulSet controller cannot create pods: {workload.failed_create}")
+    for pod in pods:
+        if pod.unschedulable and pod.phase == "Pending":
+            return Blocker(Reason.UNSCHEDULABLE, f"pod {pod.name} cannot be scheduled: {pod.unschedulable}")
+    return None
+
+
+def updated_pods(workload: WorkloadState, pods: Sequence[PodHealth]) -> list[PodHealth]:
+    """The pods that run the StatefulSet's current template (all of them when the revision is not known yet)."""
+    live = [p for p in pods if p.phase != "Terminating"]
+    if workload.update_revision is None:
+        return live
+    return [p for p in live if p.revision == workload.update_revision]
+
+
 def decide_phase(*, checkpoint: CheckpointState, workload: WorkloadState, ready_pods: int,
-                 previous_phase: str | None) -> str:
-    """The one-word summary; see docs/operator.md for the table."""
+                 previous_phase: str | None, updated_ready: int | None = None, blocked: bool = False,
+                 deadline_exceeded: bool = False) -> str:
+    """The one-word summary; see docs/operator.md for the table.
+
+    ``ready_pods`` counts every ready pod (old template or new), ``updated_ready``
+    only those of the current template: Ready needs the rollout to be done.
+    """
+    updated_ready = ready_pods if updated_ready is None else updated_ready
     serving = workload.exists and ready_pods > 0
     if checkpoint.phase == CheckpointPhase.FAILED:
         return PHASE_DEGRADED if serving else PHASE_FAILED
@@ -67,11 +116,41 @@ def decide_phase(*, checkpoint: CheckpointState, workload: WorkloadState, ready_
         return PHASE_DOWNLOADING  # a new checkpoint downloads while the old one keeps serving
     if workload.desired == 0:
         return PHASE_PENDING
-    if ready_pods >= workload.desired:
+    if not workload.rolling and updated_ready >= workload.desired:
         return PHASE_READY
+    if deadline_exceeded:
+        return PHASE_DEGRADED if serving else PHASE_FAILED
+    if blocked and not serving:
+        return PHASE_PENDING  # no pod can be created or placed: nothing is starting
     if workload.rolling or previous_phase not in (PHASE_READY, PHASE_DEGRADED):
         return PHASE_STARTING
     return PHASE_DEGRADED
+
+
+def is_progressing(phase: str, block: Blocker | None) -> bool:
+    """Whether the progress deadline runs: pods are starting or rolling, or are held back from it."""
+    return phase == PHASE_STARTING or (phase == PHASE_PENDING and block is not None)
+
+
+def last_progress(previous: Mapping[str, Any], marker: Mapping[str, Any], now: str) -> str:
+    """When the rollout last moved: kept from ``previous`` while nothing in ``marker`` changed."""
+    since = previous.get("lastProgressTime")
+    if since and all(previous.get(k) == v for k, v in marker.items()):
+        return str(since)
+    return now
+
+
+def deadline_detail(pods: Sequence[PodHealth], block: Blocker | None) -> str:
+    """Why the rollout is stuck: a container's termination message first (the failing rank's last words)."""
+    for pod in pods:
+        if pod.termination:
+            return f"pod {pod.name}: {pod.termination}"
+    if block is not None:
+        return block.message
+    for pod in pods:
+        if pod.message and not pod.ready:
+            return f"pod {pod.name}: {pod.message}"
+    return "no pod became ready"
 
 
 def checkpoint_condition(ck: CheckpointState) -> Condition:
@@ -79,31 +158,57 @@ def checkpoint_condition(ck: CheckpointState) -> Condition:
 
 
 def available_condition(*, checkpoint: CheckpointState, workload: WorkloadState, ready_pods: int, ranks: str,
-                        previously_available: bool) -> Condition:
+                        previously_available: bool, block: Blocker | None = None, ranks_unknown: bool = False,
+                        updated_ready: int | None = None) -> Condition:
     summary = f"{ready_pods}/{workload.desired} pods ready ({ranks} ranks)"
+    if updated_ready is not None and updated_ready != ready_pods:
+        summary += f", {updated_ready} of them on the current spec"
+    if ranks_unknown:
+        summary += "; ranks unknown: /readyz unreachable from the operator, readiness is the kubelet's"
     if ready_pods > 0:
         reason = Reason.REPLICAS_READY if ready_pods >= workload.desired else Reason.PARTIALLY_READY
-        return Condition(COND_AVAILABLE, TRUE, reason, summary)
+        return Condition(COND_AVAILABLE, TRUE, Reason.RANKS_UNKNOWN if ranks_unknown else reason, summary)
     if workload.desired == 0:
         return Condition(COND_AVAILABLE, FALSE, Reason.SCALED_TO_ZERO, "replicas is 0")
     if not workload.exists and checkpoint.phase != CheckpointPhase.READY:
         return Condition(COND_AVAILABLE, FALSE, Reason.CHECKPOINT_NOT_READY, "pods start once the checkpoint is downloaded")
+    if block is not None:
+        return Condition(COND_AVAILABLE, FALSE, block.reason, block.message)
     reason = Reason.REPLICAS_UNAVAILABLE if previously_available else Reason.NO_REPLICAS_READY
     return Condition(COND_AVAILABLE, FALSE, reason, summary)
 
 
-def progressing_condition(phase: str, *, checkpoint: CheckpointState, workload: WorkloadState) -> Condition:
+def progressing_condition(phase: str, *, checkpoint: CheckpointState, workload: WorkloadState,
+                          block: Blocker | None = None, deadline: str | None = None, updated: int = 0) -> Condition:
+    """``deadline``: the ProgressDeadlineExceeded message, once the rollout made no progress for too long."""
+    if deadline is not None:
+        return Condition(COND_PROGRESSING, FALSE, Reason.PROGRESS_DEADLINE_EXCEEDED, deadline)
     if phase == PHASE_PENDING and workload.desired == 0 and checkpoint.phase == CheckpointPhase.READY:
         return Condition(COND_PROGRESSING, FALSE, Reason.STABLE, "scaled to zero")
+    if block is not None and is_progressing(phase, block):
+        return Condition(COND_PROGRESSING, TRUE, block.reason, block.message)
     if phase in (PHASE_PENDING, PHASE_DOWNLOADING):
         return Condition(COND_PROGRESSING, TRUE, Reason.DOWNLOADING, checkpoint.message)
     if phase == PHASE_STARTING:
-        return Condition(COND_PROGRESSING, TRUE, Reason.ROLLING_OUT, "pods are starting or being replaced")
+        return Condition(COND_PROGRESSING, TRUE, Reason.ROLLING_OUT,
+                         f"{updated}/{workload.desired} pods run the current spec; pods are starting or being replaced")
     if phase == PHASE_READY:
         return Condition(COND_PROGRESSING, FALSE, Reason.STABLE, "every pod runs the current spec")
     if phase == PHASE_FAILED or checkpoint.phase == CheckpointPhase.FAILED:
         return Condition(COND_PROGRESSING, FALSE, Reason.FAILED, checkpoint.message)
     return Condition(COND_PROGRESSING, FALSE, Reason.REPLICAS_UNAVAILABLE, "some pods are not ready")
+
+
+def ready_condition(phase: str, *, available: Condition, progressing: Condition, desired: int) -> Condition:
+    """The one condition generic tools read: True only in phase Ready, else the most telling other reason."""
+    if phase == PHASE_READY and progressing.reason == Reason.STABLE:
+        return Condition(COND_READY, TRUE, Reason.REPLICAS_READY,
+                         f"{desired}/{desired} pods ready on the current spec")
+    if progressing.status == TRUE or progressing.reason in STUCK_REASONS:
+        return Condition(COND_READY, FALSE, progressing.reason, progressing.message)
+    if available.status == FALSE:
+        return Condition(COND_READY, FALSE, available.reason, available.message)
+    return Condition(COND_READY, FALSE, progressing.reason, progressing.message)
 
 
 @dataclass(frozen=True)
@@ -113,13 +218,14 @@ class StatusUpdate:
 
 
 def invalid_status(error: Exception, *, previous: Mapping[str, Any] | None, generation: int, now: str) -> StatusUpdate:
-    """Only Valid and the phase change: whatever already runs keeps running, its conditions stay true."""
+    """Only Valid, Ready and the phase change: whatever already runs keeps running, its conditions stay true."""
     previous = previous or {}
     cond = Condition(COND_VALID, FALSE, Reason.INVALID_SPEC, str(error))
+    ready = Condition(COND_READY, FALSE, Reason.INVALID_SPEC, str(error))
     status = {
         "observedGeneration": generation,
         "phase": PHASE_FAILED,
-        "conditions": merge_conditions(previous.get("conditions"), [cond], generation=generation, now=now),
+        "conditions": merge_conditions(previous.get("conditions"), [ready, cond], generation=generation, now=now),
     }
     events = condition_events(previous.get("conditions"), [cond]) + phase_event(previous.get("phase"), PHASE_FAILED,
                                                                                  str(error))
@@ -136,20 +242,45 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
     """
     previous = previous or {}
     ready_pods = sum(1 for p in pods if p.ready)
+    updated = updated_pods(workload, pods)
+    updated_ready = sum(1 for p in updated if p.ready)
+    ranks_unknown = any(not p.ranks_known for p in pods if p.phase != "Terminating")
+    total_ranks = workload.desired * spec.layout.world_size
     ranks_ready = sum(p.ranks_ready for p in pods)
-    ranks = f"{ranks_ready}/{workload.desired * spec.layout.world_size}"
+    unknown_down = any(not p.ranks_known and not p.ready for p in pods if p.phase != "Terminating")
+    ranks = f"{'?' if unknown_down else ranks_ready}/{total_ranks}"
     prev_conditions = previous.get("conditions") or []
     previously_available = any(c.get("type") == COND_AVAILABLE and c.get("status") == TRUE for c in prev_conditions)
-    phase = decide_phase(checkpoint=checkpoint, workload=workload, ready_pods=ready_pods,
-                         previous_phase=previous.get("phase"))
+    block = blocker(workload, pods) if workload.exists else None
+    phase_args: dict[str, Any] = dict(checkpoint=checkpoint, workload=workload, ready_pods=ready_pods,
+                                      previous_phase=previous.get("phase"), updated_ready=updated_ready,
+                                      blocked=block is not None)
+    phase = decide_phase(**phase_args)
+
+    # the progress deadline: the clock restarts whenever the rollout moves (a new spec, a new or newly ready pod)
+    marker = {"observedGeneration": generation, "templateHash": workload.template_hash,
+              "updatedReplicas": len(updated), "updatedReadyReplicas": updated_ready}
+    progress_since = last_progress(previous, marker, now) if is_progressing(phase, block) else None
+    deadline = None
+    if progress_since is not None and _seconds_between(progress_since, now) > spec.progress_deadline_seconds:
+        deadline = (f"no progress for {spec.progress_deadline_seconds}s (spec.progressDeadlineSeconds): "
+                    f"{deadline_detail(updated or pods, block)}")
+        phase = decide_phase(**phase_args, deadline_exceeded=True)
+
+    available = available_condition(checkpoint=checkpoint, workload=workload, ready_pods=ready_pods, ranks=ranks,
+                                    previously_available=previously_available, block=block,
+                                    ranks_unknown=ranks_unknown and ready_pods > 0,
+                                    updated_ready=updated_ready if workload.rolling else None)
+    progressing = problem or progressing_condition(phase, checkpoint=checkpoint, workload=workload, block=block,
+                                                   deadline=deadline, updated=len(updated))
     conditions = [
         Condition(COND_VALID, TRUE, Reason.SPEC_VALID,
                   f"layout {spec.layout.label} (world size {spec.layout.world_size}), {spec.gpus_per_pod} GPU(s) per pod"),
         checkpoint_condition(checkpoint),
-        available_condition(checkpoint=checkpoint, workload=workload, ready_pods=ready_pods, ranks=ranks,
-                            previously_available=previously_available),
-        problem or progressing_condition(phase, checkpoint=checkpoint, workload=workload),
+        available,
+        progressing,
     ]
+    ready = ready_condition(phase, available=available, progressing=progressing, desired=workload.desired)
     ck = spec.checkpoint
     checkpoint_status: dict[str, Any] = {
         "key": ck.key, "source": ck.source, "path": ck.path, "jobName": checkpoint.job_name,
@@ -166,20 +297,29 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
         "phase": phase,
         "replicas": workload.current if workload.exists else 0,
         "readyReplicas": ready_pods,
+        "updatedReplicas": len(updated),
+        "updatedReadyReplicas": updated_ready,
         "ready": f"{ready_pods}/{workload.desired}",
         "ranksReady": ranks,
         "layout": spec.layout.label,
         "selector": selector_string(spec.name),
         "checkpoint": checkpoint_status,
         "pods": [p.as_status() for p in pods],
-        "conditions": merge_conditions(prev_conditions, conditions, generation=generation, now=now),
+        "conditions": merge_conditions(prev_conditions, [ready, *conditions], generation=generation, now=now),
     }
     if service_exists:
         status["endpoint"] = endpoint(spec)
     if workload.template_hash:
         status["templateHash"] = workload.template_hash
-    summary = conditions[2].message if phase not in (PHASE_PENDING, PHASE_DOWNLOADING, PHASE_FAILED) \
-        else checkpoint.message
+    if progress_since is not None:
+        status["lastProgressTime"] = progress_since
+    if deadline is not None:
+        summary = deadline
+    elif phase in (PHASE_PENDING, PHASE_DOWNLOADING, PHASE_FAILED) and block is None:
+        summary = checkpoint.message
+    else:
+        summary = available.message
+    # Ready summarises the others: its changes are already told by their Events and the phase's
     events = condition_events(prev_conditions, conditions) + phase_event(previous.get("phase"), phase, summary)
     return StatusUpdate(status, events)
 

@@ -45,6 +45,7 @@ COND_VALID: Final = "Valid"
 COND_CHECKPOINT_READY: Final = "CheckpointReady"
 COND_AVAILABLE: Final = "Available"
 COND_PROGRESSING: Final = "Progressing"
+COND_READY: Final = "Ready"  # the summary kstatus, Flux and Argo CD health checks read
 
 PHASE_PENDING: Final = "Pending"
 PHASE_DOWNLOADING: Final = "Downloading"

@@ -199,8 +199,11 @@ def test_kubectl_wait_available_and_every_rank_ready(deployment: Deployment) -> 
 def test_real_controllers_made_the_pods_and_the_scheduler_bound_them(deployment: Deployment) -> None:
     d = deployment
     for name, replicas in ((CFGP2, 1), (CFGP1, 2)):
-        sts = d.cluster.get("apps/v1", "statefulsets", Names(name).statefulset)
-        assert sts["status"]["readyReplicas"] == replicas and sts["status"]["currentRevision"]
+        # the controller counts pods the node reports Ready (its readinessProbe, every 5 s), which may come a
+        # little after the operator's own /readyz poll made the PolicyServer Available
+        sts = wait_for(lambda n=name, r=replicas: (s := d.cluster.get("apps/v1", "statefulsets", Names(n).statefulset))
+                       and s["status"].get("readyReplicas") == r and s, WAIT_S, what=f"{name}: StatefulSet ready")
+        assert sts["status"]["currentRevision"] == sts["status"]["updateRevision"]
         for pod in server_pods(d, name):
             owner = pod["metadata"]["ownerReferences"][0]
             assert (owner["kind"], owner["uid"]) == ("StatefulSet", sts["metadata"]["uid"])
@@ -332,20 +335,20 @@ def test_kubectl_delete_collects_everything_and_the_claim_waits_for_its_pods(dep
     claims = {n: d.cluster.get("v1", "persistentvolumeclaims", Names(n).pvc) for n in (CFGP2, CFGP1)}
     assert all("kubernetes.io/pvc-protection" in c["metadata"]["finalizers"] for c in claims.values())
     volumes = [c["spec"]["volumeName"] for c in claims.values()]
-    gone_at: dict[str, float] = {}
-    held: set[str] = set()  # claims seen deleted (deletionTimestamp set) while pods still existed
+    gone_at: dict[str, float] = {}  # "pods <name>" / "claim <name>" -> when it left the API
+    held: set[str] = set()  # claims seen deleted (deletionTimestamp set) while pods that mount them still existed
 
-    def watch_gone() -> None:  # when the last pod and each claim left the API
+    def watch_gone() -> None:
         deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline and len(gone_at) < 3:
-            pods = d.cluster.list("v1", "pods", f"{C.LABEL_MANAGED_BY}={C.MANAGED_BY}")
-            if "pods" not in gone_at and not pods:
-                gone_at["pods"] = time.monotonic()
+        while time.monotonic() < deadline and len(gone_at) < 4:
             for n in (CFGP2, CFGP1):
+                pods = d.cluster.list("v1", "pods", f"{C.LABEL_INSTANCE}={n}")  # server and fetch pods
                 claim = d.cluster.get("v1", "persistentvolumeclaims", Names(n).pvc)
-                if n not in gone_at and claim is None:
-                    gone_at[n] = time.monotonic()
-                elif claim is not None and claim["metadata"].get("deletionTimestamp") and pods:
+                if not pods:
+                    gone_at.setdefault(f"pods {n}", time.monotonic())
+                if claim is None:
+                    gone_at.setdefault(f"claim {n}", time.monotonic())
+                elif claim["metadata"].get("deletionTimestamp") and pods:
                     held.add(n)
             time.sleep(0.05)
 
@@ -360,8 +363,8 @@ def test_kubectl_delete_collects_everything_and_the_claim_waits_for_its_pods(dep
         raise AssertionError(f"{exc}\n{d.cluster.describe()}") from None
     assert not any(alive(pid) for pid in pids)
     # the garbage collector deleted the claims with their owner at once; PVC protection held each one until
-    # the server pods using it were gone (their preStop sleep alone lasts 5 s)
-    assert len(gone_at) == 3 and gone_at[CFGP2] >= gone_at["pods"] and gone_at[CFGP1] >= gone_at["pods"], gone_at
+    # the pods mounting it were gone (the server pods' preStop sleep alone lasts 5 s)
+    assert len(gone_at) == 4 and all(gone_at[f"claim {n}"] >= gone_at[f"pods {n}"] for n in (CFGP2, CFGP1)), gone_at
     assert held == {CFGP2, CFGP1}
     for gv, plural in (("apps/v1", "statefulsets"), ("batch/v1", "jobs"), ("v1", "services"),
                        ("v1", "persistentvolumeclaims")):

@@ -171,6 +171,7 @@ def test_defaults_fill_an_empty_section() -> None:
                        "fetchJob": {"backoffLimit": 3, "ttlSecondsAfterFinished": 3600, "env": []}},
         "parallelism": {"cfgp": 1, "dp": 1},
         "replicas": 1,
+        "progressDeadlineSeconds": 900,
         "resources": {"requests": {}, "limits": {}, "shmSize": "2Gi"},
         "nodeSelector": {},
         "tolerations": [],

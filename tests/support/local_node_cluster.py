@@ -14,10 +14,11 @@ fixture in the tests, a private one in the demo.  A LocalCluster adds what
 one test module needs on top: the CRD (applied, idempotent), its namespace,
 a local node, and the operator -- ``policyserver operator`` in a subprocess
 (its log in ``workdir/operator.log``), talking to the API server through the
-admin kubeconfig, exactly as it would to any cluster.  ``stop()`` stops the
-operator, deletes the namespace and waits until it is gone (the node still
-runs, so pods end gracefully, volumes are released and deleted), then stops
-the node: the next module starts from a clean cluster.
+admin kubeconfig, exactly as it would to any cluster.  ``stop()`` deletes the
+namespace and waits until it is gone (the operator still runs and releases
+its finalizers, the node still runs so pods end gracefully and volumes are
+released and deleted), then stops the operator and the node: the next
+module starts from a clean cluster.
 
 :func:`for_local_node` turns a PolicyServer sample into one this machine can
 run (a loopback checkpoint source, CPU device, few steps, a free port).
@@ -118,11 +119,28 @@ def install_crd(control_plane: ControlPlane) -> None:
     control_plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
 
 
-def delete_namespace(api: Api, namespace: str, timeout: float = NAMESPACE_GONE_S) -> None:
-    """Delete a namespace and wait (bounded) until the namespace controller has emptied and removed it."""
+def delete_namespace(api: Api, namespace: str, timeout: float = NAMESPACE_GONE_S, *,
+                     orphaned_finalizers: Iterable[tuple[str, str]] = ()) -> None:
+    """Delete a namespace and wait (bounded) until the namespace controller has emptied and removed it.
+
+    The namespace controller re-checks a namespace whose pods are still terminating only after their grace
+    period, so this takes as long as the slowest pod's shutdown, up to its ``terminationGracePeriodSeconds``.
+    ``orphaned_finalizers`` names kinds (group version, plural) whose controller is not running any more (an
+    operator the test stopped): their finalizers are cleared once the objects are being deleted, as an admin
+    would, or the namespace would never go.
+    """
     with contextlib.suppress(kubernetes.client.ApiException):
         api.delete("v1", "namespaces", namespace)
-    wait_for(lambda: api.get("v1", "namespaces", namespace) is None, timeout, what=f"namespace {namespace} deleted")
+
+    def gone() -> bool:
+        for gv, plural in orphaned_finalizers:
+            for obj in api.list(gv, plural, namespace):
+                if obj["metadata"].get("deletionTimestamp") and obj["metadata"].get("finalizers"):
+                    with contextlib.suppress(kubernetes.client.ApiException):
+                        api.patch(gv, plural, obj["metadata"]["name"], {"metadata": {"finalizers": None}}, namespace)
+        return api.get("v1", "namespaces", namespace) is None
+
+    wait_for(gone, timeout, interval=0.2, what=f"namespace {namespace} deleted")
 
 
 class LocalCluster:
@@ -165,19 +183,17 @@ class LocalCluster:
         return self
 
     def stop(self) -> None:
-        """Operator first (it would recreate what goes away), then the namespace (the node ends its pods), then
-        the node (every process left is killed)."""
+        """The namespace first, while the operator (it releases its finalizers) and the node (it ends the pods
+        gracefully) still run; then the operator; then the node (every process left is killed)."""
         errors: list[BaseException] = []
-        for part in reversed(self._started):
+        if "namespace" in self._started:
+            operator_alive = self.operator.proc is not None and self.operator.proc.poll() is None
             try:
-                if part == "operator":
-                    self.operator.stop()
-                elif part == "namespace":
-                    delete_namespace(self.api, self.namespace)
-                elif part == "node":
-                    pass  # below, after the namespace is gone
+                delete_namespace(self.api, self.namespace,
+                                 orphaned_finalizers=() if operator_alive else [(C.API_VERSION, C.PLURAL)])
             except Exception as exc:  # noqa: BLE001 - stop the rest, then report
                 errors.append(exc)
+        self.operator.stop()
         if "node" in self._started:
             self.node.stop()
         self._started.clear()

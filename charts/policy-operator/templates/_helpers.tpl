@@ -110,7 +110,7 @@ The operator's API access, copied from policy_operator.operator.rbac.RULES
   verbs: [get]
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [create, patch, list]
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
   verbs: [get, list, watch, patch]

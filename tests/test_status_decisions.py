@@ -1,0 +1,328 @@
+"""Status that never lies: every decision of the status step on hand-built observations (pure, no cluster).
+
+Rollout-awareness (no Ready while old pods serve), the Ready condition, the
+progress deadline, pod-creation refusals (FailedCreate Events), unschedulable
+pods and the kubelet fallback when /readyz is unreachable.  The same decisions
+on the real control plane are in tests/test_status_cluster.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from policy_operator import constants as C
+from policy_operator.operator import child_status, manifests, rank_probe
+from policy_operator.operator import status as st
+from policy_operator.operator.child_status import CheckpointPhase, CheckpointState, WorkloadState
+from policy_operator.operator.conditions import REASON_PATTERN, Reason
+from policy_operator.operator.resource import PolicyServerStatus
+from policy_operator.operator.spec import parse_spec
+from tests.support.net import free_port
+
+T0 = "2026-01-01T00:00:00Z"
+
+
+def at(seconds: int) -> str:
+    return f"2026-01-01T{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}Z"
+
+
+def spec(**overrides: Any):
+    body: dict[str, Any] = {"image": "img:1", "checkpoint": {"source": "hf://org/p"}, "runtime": {"device": "cpu"},
+                            "storage": {"accessModes": ["ReadWriteMany"]}}  # valid for any replicas
+    body.update(overrides)
+    return parse_spec(body, name="ps", namespace="ns")
+
+
+CK_READY = CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, "done", "ps-fetch-k")
+
+
+def workload(*, desired: int = 2, rolling: bool = False, revision: str | None = "r2", failed_create: str = "",
+             template: str = "h2") -> WorkloadState:
+    return WorkloadState(exists=True, desired=desired, current=desired, rolling=rolling, serving_key="k",
+                         template_hash=template, update_revision=revision, updated=0, failed_create=failed_create)
+
+
+def pod(name: str, *, ready: bool, revision: str | None = "r2", world: int = 1, **extra: Any) -> rank_probe.PodHealth:
+    return rank_probe.PodHealth(name, "10.0.0.1", extra.pop("phase", "Running"), world, world if ready else 0, ready,
+                                revision=revision, **extra)
+
+
+def build(s, wl: WorkloadState, pods: list[rank_probe.PodHealth], *, previous: dict[str, Any] | None = None,
+          now: str = T0, checkpoint: CheckpointState = CK_READY, generation: int = 1) -> st.StatusUpdate:
+    update = st.build_status(s, checkpoint=checkpoint, workload=wl, pods=pods, service_exists=True,
+                             previous=previous, generation=generation, now=now)
+    PolicyServerStatus.model_validate(update.status)  # what the CRD's schema would admit
+    return update
+
+
+def cond(update: st.StatusUpdate, kind: str) -> dict[str, Any]:
+    return next(c for c in update.status["conditions"] if c["type"] == kind)
+
+
+def reasons(update: st.StatusUpdate) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in update.status["conditions"]}
+
+
+# --- rollouts ------------------------------------------------------------------------------------
+
+def sts(*, generation: int = 3, observed: int = 3, replicas: int = 2, updated: int = 2, current: str = "r2",
+        update: str = "r2", uid: str = "sts-uid") -> dict[str, Any]:
+    return {"metadata": {"generation": generation, "uid": uid, "labels": {C.LABEL_CHECKPOINT_KEY: "k"},
+                         "annotations": {C.ANNOTATION_TEMPLATE_HASH: "h2"}},
+            "spec": {"replicas": replicas},
+            "status": {"observedGeneration": observed, "replicas": replicas, "updatedReplicas": updated,
+                       "currentRevision": current, "updateRevision": update}}
+
+
+@pytest.mark.parametrize("statefulset", [
+    sts(observed=2),  # the controller has not even seen the new template
+    sts(updated=0, current="r1"),  # it has, and replaces pods
+    sts(updated=1, current="r1"),  # half way
+])
+def test_old_pods_ready_mid_rollout_are_available_never_ready(statefulset: dict[str, Any]) -> None:
+    wl = child_status.workload_state(statefulset, 2)
+    assert wl.rolling and wl.update_revision == "r2"
+    old = [pod("ps-0", ready=True, revision="r1"), pod("ps-1", ready=True, revision="r1")]
+    update = build(spec(replicas=2), wl, old, previous={"phase": C.PHASE_READY})
+    assert update.status["phase"] == C.PHASE_STARTING
+    assert reasons(update)[C.COND_AVAILABLE] == ("True", "ReplicasReady")
+    assert reasons(update)[C.COND_PROGRESSING] == ("True", "RollingOut")
+    assert reasons(update)[C.COND_READY] == ("False", "RollingOut")
+    assert (update.status["readyReplicas"], update.status["updatedReadyReplicas"]) == (2, 0)
+    assert "0 of them on the current spec" in cond(update, C.COND_AVAILABLE)["message"]
+
+
+def test_status_counts_that_lag_the_pods_still_need_every_pod_on_the_new_revision() -> None:
+    # the StatefulSet's status claims the rollout is done, but one ready pod still carries the old revision
+    wl = child_status.workload_state(sts(), 2)
+    assert not wl.rolling
+    update = build(spec(replicas=2), wl, [pod("ps-0", ready=True), pod("ps-1", ready=True, revision="r1")])
+    assert update.status["phase"] == C.PHASE_STARTING and reasons(update)[C.COND_READY][0] == "False"
+
+
+def test_rolled_and_ready_is_ready_stable() -> None:
+    update = build(spec(replicas=2), child_status.workload_state(sts(), 2),
+                   [pod("ps-0", ready=True), pod("ps-1", ready=True)])
+    assert update.status["phase"] == C.PHASE_READY
+    assert reasons(update)[C.COND_PROGRESSING] == ("False", "Stable")
+    assert reasons(update)[C.COND_READY] == ("True", "ReplicasReady")
+    assert "lastProgressTime" not in update.status
+    # Ready is a summary: it gets no Event of its own (the phase and the other conditions already tell)
+    assert all(not e.message.startswith(f"{C.COND_READY}=") for e in update.events)
+
+
+def test_ready_is_first_and_every_condition_meets_metav1_condition() -> None:
+    update = build(spec(replicas=2), workload(rolling=True), [pod("ps-0", ready=False)])
+    conditions = update.status["conditions"]
+    assert [c["type"] for c in conditions][0] == C.COND_READY
+    for c in conditions:
+        assert set(c) >= {"type", "status", "reason", "message", "lastTransitionTime"}
+        assert re.match(REASON_PATTERN, c["reason"]), c
+    assert all(re.match(REASON_PATTERN, r.value) for r in Reason)
+
+
+def test_the_schema_refuses_what_metav1_condition_refuses() -> None:
+    good = {"type": "Ready", "status": "True", "reason": "ReplicasReady", "message": "", "lastTransitionTime": T0}
+    PolicyServerStatus.model_validate({"conditions": [good]})
+    for bad in ({**good, "reason": "has space"}, {**good, "reason": ""}, {**good, "status": "Maybe"},
+                {k: v for k, v in good.items() if k != "lastTransitionTime"},
+                {k: v for k, v in good.items() if k != "message"}):
+        with pytest.raises(ValueError):
+            PolicyServerStatus.model_validate({"conditions": [bad]})
+
+
+def test_invalid_spec_says_ready_false() -> None:
+    update = st.invalid_status(ValueError("spec.x: bad"), previous=None, generation=2, now=T0)
+    ready = next(c for c in update.status["conditions"] if c["type"] == C.COND_READY)
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+
+
+@pytest.mark.parametrize(("phase", "available", "progressing", "expected"), [
+    (C.PHASE_READY, ("True", Reason.REPLICAS_READY), ("False", Reason.STABLE), ("True", "ReplicasReady")),
+    (C.PHASE_STARTING, ("True", Reason.PARTIALLY_READY), ("True", Reason.ROLLING_OUT), ("False", "RollingOut")),
+    (C.PHASE_FAILED, ("False", Reason.NO_REPLICAS_READY), ("False", Reason.PROGRESS_DEADLINE_EXCEEDED),
+     ("False", "ProgressDeadlineExceeded")),
+    (C.PHASE_PENDING, ("False", Reason.SCALED_TO_ZERO), ("False", Reason.STABLE), ("False", "ScaledToZero")),
+    (C.PHASE_DEGRADED, ("True", Reason.PARTIALLY_READY), ("False", Reason.REPLICAS_UNAVAILABLE),
+     ("False", "ReplicasUnavailable")),
+    # an apply the API server refused while the pods are fine: not Ready, and says why
+    (C.PHASE_READY, ("True", Reason.REPLICAS_READY), ("False", Reason.APPLY_FAILED), ("False", "ApplyFailed")),
+])
+def test_ready_condition_table(phase: str, available: tuple[str, Reason], progressing: tuple[str, Reason],
+                               expected: tuple[str, str]) -> None:
+    a = st.Condition(C.COND_AVAILABLE, available[0], available[1], "a")
+    p = st.Condition(C.COND_PROGRESSING, progressing[0], progressing[1], "p")
+    ready = st.ready_condition(phase, available=a, progressing=p, desired=2)
+    assert (ready.status, str(ready.reason)) == expected
+
+
+# --- the progress deadline ------------------------------------------------------------------------
+
+CRASH = ("server exited 1 (Error): [rank0]: Traceback (most recent call last):\n"
+         "[rank0]:   File \"serve.py\", line 3\n[rank0]: ValueError: --dtype bogus")
+
+
+def test_a_rollout_without_progress_hits_the_deadline_with_the_termination_message() -> None:
+    s = spec(replicas=1, progressDeadlineSeconds=60)
+    wl = workload(desired=1, rolling=True)
+    crashing = [pod("ps-0", ready=False, termination=CRASH, message="server: CrashLoopBackOff")]
+    first = build(s, wl, crashing, previous={"phase": C.PHASE_DOWNLOADING})
+    assert first.status["phase"] == C.PHASE_STARTING and first.status["lastProgressTime"] == T0
+    before = build(s, wl, crashing, previous=first.status, now=at(60))
+    assert before.status["phase"] == C.PHASE_STARTING and before.status["lastProgressTime"] == T0
+    after = build(s, wl, crashing, previous=before.status, now=at(61))
+    assert after.status["phase"] == C.PHASE_FAILED
+    progressing = cond(after, C.COND_PROGRESSING)
+    assert (progressing["status"], progressing["reason"]) == ("False", "ProgressDeadlineExceeded")
+    assert "ValueError: --dtype bogus" in progressing["message"] and "pod ps-0" in progressing["message"]
+    assert reasons(after)[C.COND_READY] == ("False", "ProgressDeadlineExceeded")
+    kinds = {(e.type, e.reason) for e in after.events}
+    assert ("Warning", "ProgressDeadlineExceeded") in kinds and ("Warning", C.PHASE_FAILED) in kinds
+    # it stays failed (the clock is not restarted by being failed) ...
+    again = build(s, wl, crashing, previous=after.status, now=at(120))
+    assert again.status["phase"] == C.PHASE_FAILED and again.status["lastProgressTime"] == T0
+    # ... until the rollout moves: a new spec restarts the clock
+    fixed = build(s, workload(desired=1, rolling=True, template="h3"), crashing, previous=again.status,
+                  now=at(130), generation=2)
+    assert fixed.status["phase"] == C.PHASE_STARTING and fixed.status["lastProgressTime"] == at(130)
+
+
+def test_each_pod_that_becomes_ready_restarts_the_clock() -> None:
+    s = spec(replicas=2, progressDeadlineSeconds=60)
+    wl = workload(rolling=True)
+    one = build(s, wl, [pod("ps-0", ready=False)], previous={"phase": C.PHASE_DOWNLOADING})
+    two = build(s, wl, [pod("ps-0", ready=True), pod("ps-1", ready=False)], previous=one.status, now=at(50))
+    assert two.status["lastProgressTime"] == at(50)
+    late = build(s, wl, [pod("ps-0", ready=True), pod("ps-1", ready=False)], previous=two.status, now=at(100))
+    assert late.status["phase"] == C.PHASE_STARTING
+
+
+def test_deadline_while_old_pods_serve_is_degraded_not_failed() -> None:
+    s = spec(replicas=1, progressDeadlineSeconds=10)
+    wl = workload(desired=1, rolling=True)
+    pods = [pod("ps-0", ready=True, revision="r1"), pod("ps-1", ready=False, termination=CRASH)]
+    first = build(s, wl, pods, previous={"phase": C.PHASE_READY})
+    late = build(s, wl, pods, previous=first.status, now=at(11))
+    assert late.status["phase"] == C.PHASE_DEGRADED
+    assert reasons(late)[C.COND_AVAILABLE][0] == "True"
+    assert reasons(late)[C.COND_PROGRESSING] == ("False", "ProgressDeadlineExceeded")
+
+
+def test_termination_tail_keeps_the_last_lines() -> None:
+    log = "\n".join(f"line {i}" for i in range(20)) + "\n"
+    p = {"status": {"containerStatuses": [{"name": "server", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                                           "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
+                                                                        "message": log}}}]}}
+    tail = rank_probe.termination_tail(p)
+    assert tail.startswith("server exited 1 (Error): line 15\n") and tail.endswith("line 19")
+    assert rank_probe.termination_tail({"status": {"containerStatuses": [
+        {"name": "server", "lastState": {"terminated": {"exitCode": 0, "message": "bye"}}}]}}) == ""
+
+
+def test_the_server_container_falls_back_to_its_log_for_the_termination_message() -> None:
+    pod_spec = manifests.build_statefulset(spec())["spec"]["template"]["spec"]
+    server = next(c for c in pod_spec["containers"] if c["name"] == manifests.SERVER_CONTAINER)
+    assert server["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+# --- refused and unschedulable pods ---------------------------------------------------------------
+
+QUOTA = ('create Pod ps-0 in StatefulSet ps failed error: pods "ps-0" is forbidden: exceeded quota: gpus, '
+         'requested: requests.nvidia.com/gpu=1, used: requests.nvidia.com/gpu=0, limited: requests.nvidia.com/gpu=0')
+
+
+def event(message: str, when: str, uid: str = "sts-uid", reason: str = "FailedCreate") -> dict[str, Any]:
+    return {"reason": reason, "message": message, "lastTimestamp": when, "involvedObject": {"uid": uid}}
+
+
+def k8s_pod(name: str, created: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "creationTimestamp": created}}
+
+
+def test_failed_create_reads_the_newest_event_of_this_object_still_in_force() -> None:
+    owner = sts()
+    assert child_status.failed_create(owner, [event("old", at(1)), event(QUOTA, at(5))], []) == QUOTA
+    assert child_status.failed_create(owner, [event(QUOTA, at(5), uid="a-previous-sts")], []) == ""
+    assert child_status.failed_create(owner, [event(QUOTA, at(5), reason="SuccessfulCreate")], []) == ""
+    # a pod created after the refusal: the quota was lifted
+    assert child_status.failed_create(owner, [event(QUOTA, at(5))], [k8s_pod("ps-0", at(6))]) == ""
+    # a pod of before the refusal does not lift it (quota for one pod, two asked for)
+    assert child_status.failed_create(owner, [event(QUOTA, at(5))], [k8s_pod("ps-0", at(2))]) == QUOTA
+    # events.k8s.io series and eventTime (MicroTime) count as well
+    series = {"reason": "FailedCreate", "message": "s", "eventTime": "2026-01-01T00:00:01.500000Z",
+              "series": {"lastObservedTime": "2026-01-01T00:00:09.250000Z"}, "involvedObject": {"uid": "sts-uid"}}
+    assert child_status.failed_create(owner, [event(QUOTA, at(5)), series], [k8s_pod("ps-0", at(8))]) == "s"
+
+
+def test_a_statefulset_short_of_pods_reports_the_refusal() -> None:
+    refused = child_status.workload_state(sts(replicas=1), 1, [event(QUOTA, at(5))], [])
+    assert refused.failed_create == QUOTA
+    complete = child_status.workload_state(sts(replicas=1), 1, [event(QUOTA, at(5))], [k8s_pod("ps-0", at(1))])
+    assert complete.failed_create == ""  # no pod is missing: an old Event says nothing
+
+    update = build(spec(replicas=1), refused, [], previous={"phase": C.PHASE_DOWNLOADING})
+    assert update.status["phase"] == C.PHASE_PENDING
+    assert reasons(update)[C.COND_AVAILABLE] == ("False", "FailedCreate")
+    assert reasons(update)[C.COND_PROGRESSING] == ("True", "FailedCreate")
+    assert reasons(update)[C.COND_READY] == ("False", "FailedCreate")
+    assert "exceeded quota" in cond(update, C.COND_AVAILABLE)["message"]
+    assert ("Warning", "FailedCreate") in {(e.type, e.reason) for e in update.events}
+    # refused for longer than the deadline: failed, and the refusal is the reason given
+    late = build(spec(replicas=1, progressDeadlineSeconds=30), refused, [], previous=update.status, now=at(31))
+    assert late.status["phase"] == C.PHASE_FAILED and "exceeded quota" in cond(late, C.COND_PROGRESSING)["message"]
+
+
+def test_a_fetch_job_without_pods_reports_the_refusal() -> None:
+    s = spec()
+    job = {"metadata": {"name": "ps-fetch-k", "uid": "job-uid"}, "status": {}}
+    denied = ('Error creating: pods "ps-fetch-k-x" is forbidden: violates PodSecurity "restricted:latest": '
+              'runAsNonRoot != true')
+    state = child_status.checkpoint_state(s, job, [], None, None, [event(denied, at(3), uid="job-uid")])
+    assert (state.phase, state.reason) == (CheckpointPhase.PENDING, Reason.FAILED_CREATE)
+    assert "PodSecurity" in state.message
+    waiting = child_status.checkpoint_state(s, job, [], None, None, [])
+    assert waiting.reason == Reason.JOB_PENDING
+
+
+def test_an_unschedulable_pod_is_pending_and_says_why() -> None:
+    why = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+    k8s = {"metadata": {"name": "ps-0", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: "r2"}},
+           "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                                                          "reason": "Unschedulable", "message": why}]}}
+    health = rank_probe.pod_health(k8s, 8000, 1)
+    assert health.unschedulable == why and health.revision == "r2"
+    update = build(spec(replicas=1), workload(desired=1, rolling=True), [health], previous={"phase": "Downloading"})
+    assert update.status["phase"] == C.PHASE_PENDING
+    assert reasons(update)[C.COND_AVAILABLE] == ("False", "Unschedulable")
+    assert why in cond(update, C.COND_AVAILABLE)["message"]
+    assert ("Warning", "Unschedulable") in {(e.type, e.reason) for e in update.events}
+
+
+# --- /readyz unreachable: the kubelet's view -------------------------------------------------------
+
+def kubelet_pod(ready: bool, port: int) -> dict[str, Any]:
+    return {"metadata": {"name": "ps-0", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: "r2"}},
+            "spec": {"containers": [{"ports": [{"name": C.PORT_NAME, "containerPort": port}]}]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_unreachable_readyz_falls_back_to_the_kubelet_and_says_ranks_unknown() -> None:
+    port = free_port()  # nothing listens: the operator cannot reach the pod
+    ready = rank_probe.pod_health(kubelet_pod(True, port), port, 2, timeout=1)
+    assert ready.ready and not ready.ranks_known and ready.ranks_text == "2/2"  # Ready means every rank ready
+    assert "unreachable" in ready.message and "kubelet reports the pod ready" in ready.message
+    down = rank_probe.pod_health(kubelet_pod(False, port), port, 2, timeout=1)
+    assert not down.ready and down.ranks_text == "?/2"
+    assert down.as_status()["ranksKnown"] is False
+
+    up = build(spec(replicas=1, parallelism={"cfgp": 2}, runtime={"device": "cpu", "guidance": 3.0}),
+               workload(desired=1), [ready])
+    assert up.status["phase"] == C.PHASE_READY and up.status["ranksReady"] == "2/2"
+    assert reasons(up)[C.COND_AVAILABLE] == ("True", "RanksUnknown")
+    starting = build(spec(replicas=1, parallelism={"cfgp": 2}, runtime={"device": "cpu", "guidance": 3.0}),
+                     workload(desired=1, rolling=True), [down])
+    assert starting.status["ranksReady"] == "?/2"
