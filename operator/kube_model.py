@@ -214,6 +214,10 @@ def kube_type_schema(definition: str) -> dict[str, Any]:
 Affinity = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.Affinity"))]
 Toleration = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.Toleration"))]
 EnvVarSource = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.EnvVarSource"))]
+TopologySpreadConstraint = Annotated[dict[str, Any], WithJsonSchema(
+    kube_type_schema("io.k8s.api.core.v1.TopologySpreadConstraint"))]
+Volume = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.Volume"))]
+VolumeMount = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.VolumeMount"))]
 
 
 def list_map(*keys: str) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,7 @@ from policy_operator.constants import (
     CACHE_MOUNT_PATH,
     CHECKPOINT_TOKEN_DIR,
     COMPONENT_CACHE,
+    COMPONENT_CACHE_GC,
     COMPONENT_FETCH,
     COMPONENT_SERVER,
     ENV_HF_TOKEN,
@@ -31,6 +34,7 @@ from policy_operator.constants import (
     ENV_XDG_CACHE_HOME,
     GPU_RESOURCE,
     HEALTHZ_PATH,
+    LABEL_CACHE_CLAIM,
     LABEL_CHECKPOINT_KEY,
     LABEL_COMPONENT,
     LABEL_INSTANCE,
@@ -44,7 +48,19 @@ from policy_operator.constants import (
     SECRET_TOKEN_KEY,
 )
 from policy_operator.exit_codes import FETCH_FATAL
-from policy_operator.operator.spec import PolicyServerSpec
+from policy_operator.operator.spec import (
+    DEFAULT_CPU_PER_RANK,
+    DEFAULT_MEMORY_PER_RANK,
+    SHARED_ACCESS_MODES,
+    SHM_PATH,
+    TMP_PATH,
+    VOL_AUTH_TOKEN,
+    VOL_CACHE,
+    VOL_CHECKPOINT_TOKEN,
+    VOL_SHM,
+    VOL_TMP,
+    PolicyServerSpec,
+)
 from policy_operator.serve_flags import managed_argv, torchrun_argv
 
 # The image's user is not known; any non-root uid works because the runtime
@@ -54,11 +70,10 @@ TOKEN_FILE = SECRET_TOKEN_KEY
 PRESTOP_SLEEP_S = 5  # long enough for endpoint controllers to drop the pod before SIGTERM
 TORCHRUN_KILL_S = 30  # torchrun SIGKILLs ranks this long after forwarding SIGTERM
 GRACE_MARGIN_S = 10
-TMP_PATH = "/tmp"
-SHM_PATH = "/dev/shm"
-VOL_CACHE, VOL_TMP, VOL_SHM = "checkpoint-cache", "tmp", "dshm"
-VOL_CHECKPOINT_TOKEN, VOL_AUTH_TOKEN = "checkpoint-token", "auth-token"
 SERVER_CONTAINER, VERIFY_CONTAINER, FETCH_CONTAINER = "server", "verify-checkpoint", "fetch"
+PRUNE_CONTAINER = "prune-cache"
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+PDB_MAX_UNAVAILABLE = 1  # a drain takes one server pod at a time; the others keep serving
 
 
 @dataclass(frozen=True)
@@ -83,8 +98,20 @@ class Names:
     def headless_service(self) -> str:
         return f"{self.policyserver}-pods"
 
+    @property
+    def pdb(self) -> str:
+        return self.policyserver
+
     def job(self, key: str) -> str:
         return f"{self.policyserver}-fetch-{key}"
+
+    def gc_job(self, key: str) -> str:
+        """The cleanup Job run once every pod serves ``key``."""
+        return f"{self.policyserver}-gc-{key}"
+
+    def pod_claim(self, ordinal: int) -> str:
+        """The claim the StatefulSet controller makes from the volumeClaimTemplate (storage.mode perPod)."""
+        return f"{VOL_CACHE}-{self.statefulset}-{ordinal}"
 
 
 @dataclass(frozen=True)
@@ -159,22 +186,43 @@ def _secret_volume(volume: str, secret: str, key: str) -> dict[str, Any]:
 
 # --- PVC ------------------------------------------------------------------------------
 
-def build_pvc(spec: PolicyServerSpec) -> dict[str, Any]:
+def _claim_spec(spec: PolicyServerSpec) -> dict[str, Any]:
     storage = spec.storage
-    pvc: dict[str, Any] = {
+    claim: dict[str, Any] = {
+        "accessModes": list(storage.access_modes_for(spec.replicas)),
+        "volumeMode": "Filesystem",
+        "resources": {"requests": {"storage": storage.size}},
+    }
+    if storage.storage_class_name is not None:
+        claim["storageClassName"] = storage.storage_class_name
+    return claim
+
+
+def build_pvc(spec: PolicyServerSpec) -> dict[str, Any]:
+    """The shared cache claim (storage.mode shared)."""
+    return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
         "metadata": {"name": Names(spec.name).pvc, "namespace": spec.namespace,
                      "labels": labels(spec.name, COMPONENT_CACHE)},
-        "spec": {
-            "accessModes": list(storage.access_modes_for(spec.replicas)),
-            "volumeMode": "Filesystem",
-            "resources": {"requests": {"storage": storage.size}},
-        },
+        "spec": _claim_spec(spec),
     }
-    if storage.storage_class_name is not None:
-        pvc["spec"]["storageClassName"] = storage.storage_class_name
-    return pvc
+
+
+def claim_template(spec: PolicyServerSpec) -> dict[str, Any]:
+    """The StatefulSet's volumeClaimTemplate (storage.mode perPod): claim checkpoint-cache-<name>-<ordinal>."""
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": VOL_CACHE, "labels": labels(spec.name, COMPONENT_CACHE)}, "spec": _claim_spec(spec)}
+
+
+def cache_is_shared(modes: Sequence[str]) -> bool:
+    """Whether pods on several nodes may mount a claim of these access modes at once."""
+    return bool(set(modes) & set(SHARED_ACCESS_MODES))
+
+
+def grown_claim_patch(size: str) -> dict[str, Any]:
+    """The merge patch that asks for a larger claim (PVC expansion; only the size may change after binding)."""
+    return {"spec": {"resources": {"requests": {"storage": size}}}}
 
 
 # --- fetch Job ------------------------------------------------------------------------
@@ -191,15 +239,13 @@ def fetch_command(spec: PolicyServerSpec) -> list[str]:
     return cmd
 
 
-def build_fetch_job(spec: PolicyServerSpec) -> dict[str, Any]:
+def _fetch_container(spec: PolicyServerSpec) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The fetch container and the volumes it needs besides the cache and /tmp (the checkpoint token)."""
     ck = spec.checkpoint
-    job_labels = {**labels(spec.name, COMPONENT_FETCH), LABEL_CHECKPOINT_KEY: ck.key}
     env = _home_env()
-    mounts = [{"name": VOL_CACHE, "mountPath": CACHE_MOUNT_PATH}, {"name": VOL_TMP, "mountPath": TMP_PATH}]
-    volumes: list[dict[str, Any]] = [
-        {"name": VOL_CACHE, "persistentVolumeClaim": {"claimName": claim_name(spec)}},
-        {"name": VOL_TMP, "emptyDir": {}},
-    ]
+    mounts: list[dict[str, Any]] = [{"name": VOL_CACHE, "mountPath": CACHE_MOUNT_PATH},
+                                    {"name": VOL_TMP, "mountPath": TMP_PATH}]
+    volumes: list[dict[str, Any]] = []
     if ck.secret_ref is not None:
         volumes.append(_secret_volume(VOL_CHECKPOINT_TOKEN, ck.secret_ref.name, ck.secret_ref.key))
         mounts.append({"name": VOL_CHECKPOINT_TOKEN, "mountPath": CHECKPOINT_TOKEN_DIR, "readOnly": True})
@@ -222,15 +268,69 @@ def build_fetch_job(spec: PolicyServerSpec) -> dict[str, Any]:
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
+    return container, volumes
+
+
+def _cache_volumes(spec: PolicyServerSpec, *, read_only: bool) -> list[dict[str, Any]]:
+    claim: dict[str, Any] = {"claimName": claim_name(spec)}
+    if read_only:
+        claim["readOnly"] = True
+    return [{"name": VOL_CACHE, "persistentVolumeClaim": claim}, {"name": VOL_TMP, "emptyDir": {}}]
+
+
+def _colocate(pod_spec: dict[str, Any], pod_labels: dict[str, str], spec: PolicyServerSpec,
+              cache_modes: Sequence[str]) -> None:
+    """Label a pod that mounts the shared cache claim; keep it on the node of the others when the claim is RWO.
+
+    A ReadWriteOnce volume attaches to one node: a fetch Job pod scheduled
+    elsewhere than the server pod (or a second server pod) would wait on
+    Multi-Attach forever.  A required pod affinity on the claim's label puts
+    them on one node; the first such pod matches its own term, so it may go
+    anywhere.
+    """
+    pod_labels[LABEL_CACHE_CLAIM] = claim_name(spec)
+    if cache_is_shared(cache_modes):
+        return
+    affinity = pod_spec.setdefault("affinity", {})
+    pod_affinity = affinity.setdefault("podAffinity", {})
+    pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append({
+        "labelSelector": {"matchLabels": {LABEL_CACHE_CLAIM: claim_name(spec)}},
+        "topologyKey": HOSTNAME_TOPOLOGY,
+    })
+
+
+def _job_pod_spec(spec: PolicyServerSpec, containers: list[dict[str, Any]],
+                  volumes: list[dict[str, Any]]) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "securityContext": _pod_security_context(),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "containers": [container],
+        "containers": containers,
         "volumes": volumes,
     }
     _apply_scheduling(pod_spec, spec)
+    return pod_spec
+
+
+def _pod_metadata(spec: PolicyServerSpec, own_labels: dict[str, str],
+                  annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """A pod template's metadata: podLabels/podAnnotations first, the operator's own on top."""
+    meta: dict[str, Any] = {"labels": {**spec.pod_labels, **own_labels}}
+    merged = {**spec.pod_annotations, **(annotations or {})}
+    if merged:
+        meta["annotations"] = merged
+    return meta
+
+
+def build_fetch_job(spec: PolicyServerSpec, cache_modes: Sequence[str] | None = None) -> dict[str, Any]:
+    """The Job that downloads the spec's checkpoint into the shared cache claim."""
+    ck = spec.checkpoint
+    job_labels = {**labels(spec.name, COMPONENT_FETCH), LABEL_CHECKPOINT_KEY: ck.key}
+    container, secret_volumes = _fetch_container(spec)
+    pod_spec = _job_pod_spec(spec, [container], _cache_volumes(spec, read_only=False) + secret_volumes)
+    pod_labels = dict(job_labels)
+    _colocate(pod_spec, pod_labels, spec, spec.access_modes if cache_modes is None else cache_modes)
     job_spec: dict[str, Any] = {
         "backoffLimit": ck.fetch_job.backoff_limit,
         "ttlSecondsAfterFinished": ck.fetch_job.ttl_seconds_after_finished,
@@ -240,7 +340,7 @@ def build_fetch_job(spec: PolicyServerSpec) -> dict[str, Any]:
             # a drained or preempted node is not the download's fault
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
         ]},
-        "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
+        "template": {"metadata": _pod_metadata(spec, pod_labels), "spec": pod_spec},
     }
     if ck.fetch_job.active_deadline_seconds is not None:
         job_spec["activeDeadlineSeconds"] = ck.fetch_job.active_deadline_seconds
@@ -253,6 +353,45 @@ def build_fetch_job(spec: PolicyServerSpec) -> dict[str, Any]:
         "metadata": {"name": Names(spec.name).job(ck.key), "namespace": spec.namespace, "labels": job_labels,
                      "annotations": annotations},
         "spec": job_spec,
+    }
+
+
+def prune_command(spec: PolicyServerSpec, keep_key: str) -> list[str]:
+    return ["policyserver", "checkpoint", "prune", CACHE_MOUNT_PATH, "--keep", keep_key,
+            "--keep-last", str(spec.storage.keep_checkpoints)]
+
+
+def _prune_container(spec: PolicyServerSpec, keep_key: str) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": PRUNE_CONTAINER,
+        "image": spec.image,
+        "command": prune_command(spec, keep_key),
+        "env": _home_env(),
+        "volumeMounts": [{"name": VOL_CACHE, "mountPath": CACHE_MOUNT_PATH}, {"name": VOL_TMP, "mountPath": TMP_PATH}],
+        "securityContext": _container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container
+
+
+def build_gc_job(spec: PolicyServerSpec, keep_key: str, cache_modes: Sequence[str] | None = None) -> dict[str, Any]:
+    """The cleanup Job that removes old checkpoints from the shared cache once every pod serves ``keep_key``."""
+    gc_labels = {**labels(spec.name, COMPONENT_CACHE_GC), LABEL_CHECKPOINT_KEY: keep_key}
+    pod_spec = _job_pod_spec(spec, [_prune_container(spec, keep_key)], _cache_volumes(spec, read_only=False))
+    pod_labels = dict(gc_labels)
+    _colocate(pod_spec, pod_labels, spec, spec.access_modes if cache_modes is None else cache_modes)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": Names(spec.name).gc_job(keep_key), "namespace": spec.namespace, "labels": gc_labels},
+        "spec": {
+            "backoffLimit": 2,
+            "ttlSecondsAfterFinished": spec.checkpoint.fetch_job.ttl_seconds_after_finished,
+            "template": {"metadata": _pod_metadata(spec, pod_labels), "spec": pod_spec},
+        },
     }
 
 
@@ -274,8 +413,34 @@ def termination_grace_seconds(spec: PolicyServerSpec) -> int:
     return PRESTOP_SLEEP_S + max(TORCHRUN_KILL_S, spec.runtime.drain_grace_seconds) + GRACE_MARGIN_S
 
 
+def _quantity(value: Decimal) -> str:
+    """A byte count as a quantity: whole Gi or Mi when it is one, else bytes."""
+    for unit, size in (("Gi", Decimal(1024 ** 3)), ("Mi", Decimal(1024 ** 2))):
+        if value % size == 0:
+            return f"{int(value / size)}{unit}"
+    return str(int(value))
+
+
+def default_requests(spec: PolicyServerSpec) -> dict[str, str]:
+    """cpu/memory requests for what resources leaves unset: per rank, plus the memory-backed /dev/shm.
+
+    A request the user left out but bounded with a limit is left to
+    Kubernetes, which takes the limit as the request.
+    """
+    from kubernetes.utils import parse_quantity
+
+    ranks = spec.layout.world_size
+    out: dict[str, str] = {}
+    if "cpu" not in spec.resources.requests and "cpu" not in spec.resources.limits:
+        out["cpu"] = str(int(parse_quantity(DEFAULT_CPU_PER_RANK) * ranks))
+    if "memory" not in spec.resources.requests and "memory" not in spec.resources.limits:
+        memory = parse_quantity(DEFAULT_MEMORY_PER_RANK) * ranks + parse_quantity(spec.resources.shm_size)
+        out["memory"] = _quantity(memory)
+    return out
+
+
 def _server_resources(spec: PolicyServerSpec) -> dict[str, Any]:
-    requests = dict(spec.resources.requests)
+    requests = {**default_requests(spec), **spec.resources.requests}
     limits = dict(spec.resources.limits)
     if spec.gpus_per_pod:
         # extended resources: requests must equal limits; setting both states it plainly
@@ -299,22 +464,28 @@ def _apply_scheduling(pod_spec: dict[str, Any], spec: PolicyServerSpec) -> None:
         pod_spec["affinity"] = copy.deepcopy(dict(sched.affinity))
     if sched.priority_class_name:
         pod_spec["priorityClassName"] = sched.priority_class_name
+    if sched.scheduler_name:
+        pod_spec["schedulerName"] = sched.scheduler_name
     if sched.service_account_name:
         pod_spec["serviceAccountName"] = sched.service_account_name
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [ref.to_api() for ref in spec.image_pull_secrets]
 
 
-def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint) -> dict[str, Any]:
+def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint,
+                       cache_modes: Sequence[str] | None = None) -> dict[str, Any]:
+    """The server pod: (perPod: fetch, prune) verify, then torchrun; ``cache_modes`` are the shared claim's."""
     port = spec.service.port
     rt = spec.runtime
+    per_pod = spec.storage.per_pod
     mounts = [
         {"name": VOL_CACHE, "mountPath": CACHE_MOUNT_PATH, "readOnly": True},
         {"name": VOL_TMP, "mountPath": TMP_PATH},
         {"name": VOL_SHM, "mountPath": SHM_PATH},
     ]
-    volumes: list[dict[str, Any]] = [
-        {"name": VOL_CACHE, "persistentVolumeClaim": {"claimName": claim_name(spec), "readOnly": True}},
+    # perPod: the cache volume is the StatefulSet's volumeClaimTemplate, not a pod volume
+    volumes: list[dict[str, Any]] = [] if per_pod else _cache_volumes(spec, read_only=True)[:1]
+    volumes += [
         {"name": VOL_TMP, "emptyDir": {}},
         # NCCL moves tensors between local ranks through /dev/shm; the runtime's 64 MiB default is too small
         {"name": VOL_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
@@ -357,24 +528,36 @@ def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint) -> di
     }
     if spec.image_pull_policy:
         server["imagePullPolicy"] = verify["imagePullPolicy"] = spec.image_pull_policy
+    server["volumeMounts"] += [copy.deepcopy(dict(m)) for m in spec.volume_mounts]
+    volumes += [copy.deepcopy(dict(v)) for v in spec.volumes]
+    init_containers = [verify]
+    if per_pod:
+        # one download per pod into its own claim, with the fetch Job's command (same lock and marker), then
+        # the old checkpoints of this claim go: nothing else mounts it, and this pod no longer serves them
+        fetch, secret_volumes = _fetch_container(spec)
+        volumes += secret_volumes
+        init_containers = [fetch, _prune_container(spec, serving.key), verify]
     pod_spec: dict[str, Any] = {
         "securityContext": _pod_security_context(),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-        "initContainers": [verify],
+        "initContainers": init_containers,
         "containers": [server],
         "volumes": volumes,
     }
     _apply_scheduling(pod_spec, spec)
+    if spec.runtime_class_name:
+        pod_spec["runtimeClassName"] = spec.runtime_class_name
+    if spec.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = [copy.deepcopy(dict(c)) for c in spec.topology_spread_constraints]
     annotations = {ANNOTATION_CHECKPOINT_SOURCE: serving.source}
     if serving.revision is not None:
         annotations[ANNOTATION_CHECKPOINT_REVISION] = serving.revision
-    template = {
-        "metadata": {"labels": {**labels(spec.name, COMPONENT_SERVER), LABEL_CHECKPOINT_KEY: serving.key},
-                     "annotations": annotations},
-        "spec": pod_spec,
-    }
+    pod_labels = {**labels(spec.name, COMPONENT_SERVER), LABEL_CHECKPOINT_KEY: serving.key}
+    if not per_pod:
+        _colocate(pod_spec, pod_labels, spec, spec.access_modes if cache_modes is None else cache_modes)
+    template = {"metadata": _pod_metadata(spec, pod_labels, annotations), "spec": pod_spec}
     template["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH] = template_hash(template)
     return template
 
@@ -386,11 +569,12 @@ def template_hash(template: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
-def build_statefulset(spec: PolicyServerSpec, serving: ServingCheckpoint | None = None) -> dict[str, Any]:
+def build_statefulset(spec: PolicyServerSpec, serving: ServingCheckpoint | None = None,
+                      cache_modes: Sequence[str] | None = None) -> dict[str, Any]:
     serving = serving or ServingCheckpoint.of(spec)
     names = Names(spec.name)
-    template = build_pod_template(spec, serving)
-    return {
+    template = build_pod_template(spec, serving, cache_modes)
+    sts: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": {
@@ -407,6 +591,32 @@ def build_statefulset(spec: PolicyServerSpec, serving: ServingCheckpoint | None 
             "selector": {"matchLabels": selector_labels(spec.name)},
             "template": template,
         },
+    }
+    if spec.storage.per_pod:
+        sts["spec"]["volumeClaimTemplates"] = [claim_template(spec)]
+        # a scaled-down pod's claim stays (scaling back up reuses its download); deletion follows retainOnDelete
+        sts["spec"]["persistentVolumeClaimRetentionPolicy"] = {
+            "whenDeleted": "Retain" if spec.storage.retain_on_delete else "Delete", "whenScaled": "Retain"}
+    return sts
+
+
+# --- PodDisruptionBudget ------------------------------------------------------------------
+
+def build_pdb(spec: PolicyServerSpec) -> dict[str, Any]:
+    """At most one server pod voluntarily disrupted at a time (node drains, cluster upgrades): replicas > 1 only.
+
+    maxUnavailable, not minAvailable, so a drain still makes progress while a
+    pod is unready for another reason (an eviction is allowed whenever no
+    more than one pod is down) and an HPA scale-down is never blocked.
+    """
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": Names(spec.name).pdb, "namespace": spec.namespace,
+                     "labels": labels(spec.name, COMPONENT_SERVER)},
+        "spec": {"maxUnavailable": PDB_MAX_UNAVAILABLE, "selector": {"matchLabels": selector_labels(spec.name)},
+                 # a pod that never became ready (a crash loop) may be evicted: it serves nobody
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
     }
 
 
@@ -441,7 +651,7 @@ def build_headless_service(spec: PolicyServerSpec) -> dict[str, Any]:
     }
 
 
-def service_fingerprint(svc: dict[str, Any]) -> tuple[Any, ...]:
+def service_fingerprint(svc: Mapping[str, Any]) -> tuple[Any, ...]:
     """The spec fields of a Service the operator owns; the API server adds others (clusterIP, nodePort...)."""
     spec = svc.get("spec") or {}
     ports = tuple((p.get("name"), p.get("port"), p.get("targetPort"), p.get("protocol", "TCP"))
@@ -449,7 +659,7 @@ def service_fingerprint(svc: dict[str, Any]) -> tuple[Any, ...]:
     return (spec.get("type", "ClusterIP"), tuple(sorted((spec.get("selector") or {}).items())), ports)
 
 
-def service_needs_patch(existing: dict[str, Any], desired: dict[str, Any]) -> bool:
+def service_needs_patch(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     """True when the operator's fields differ; annotations others added (cloud controllers) are left alone."""
     if service_fingerprint(existing) != service_fingerprint(desired):
         return True

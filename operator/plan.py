@@ -9,8 +9,10 @@ first; the StatefulSet and Services only once a checkpoint is ready to serve.
 The StatefulSet and the Services are *server-side applied* on every pass, not
 only when they differ: an apply that changes nothing is a no-op on the API
 server, and one that does change something is a hand edit being put back.
-The claim and the Job are created once: a claim's spec is immutable after
-binding (its growth is a separate decision) and a Job's template always is.
+The claim and the Jobs are created once: a claim's spec is immutable after
+binding except its size, which grows when the StorageClass allows expansion
+(``_plan_storage``), and a Job's template always is.  The PodDisruptionBudget
+is applied like the Services while replicas > 1 and deleted below that.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from policy_operator.constants import (
     ANNOTATION_CHECKPOINT_SOURCE,
     ANNOTATION_TEMPLATE_HASH,
     COND_PROGRESSING,
+    COND_STORAGE_READY,
     LABEL_CHECKPOINT_KEY,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
@@ -35,17 +38,15 @@ from policy_operator.constants import (
 )
 from policy_operator.operator import manifests
 from policy_operator.operator.child_status import CheckpointPhase, CheckpointState
-from policy_operator.operator.conditions import FALSE, Condition, Event, Reason
+from policy_operator.operator.conditions import FALSE, TRUE, Condition, Event, Reason
 from policy_operator.operator.manifests import Names, ServingCheckpoint
 from policy_operator.operator.spec import PolicyServerSpec
-
-SHARED_MODES = frozenset({"ReadWriteMany", "ReadOnlyMany"})
-
 
 class Verb(str, Enum):
     APPLY = "apply"    # server-side apply, every pass
     CREATE = "create"  # only when missing
     PATCH = "patch"    # a merge patch of a few fields
+    DELETE = "delete"  # an owned child the spec no longer asks for
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ class Observed:
     headless_service: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
     fetch_log: str | None = None  # the end of the running fetch pod's log, for its progress line
+    cache_claims: list[dict[str, Any]] = field(default_factory=list)  # perPod: the StatefulSet's claims
+    storage_class: dict[str, Any] | None = None  # the cache claims' StorageClass, when readable
+    pdb: dict[str, Any] | None = None
+    gc_job: dict[str, Any] | None = None  # the cleanup Job of the spec's checkpoint
 
 
 @dataclass
@@ -77,6 +82,7 @@ class Plan:
     serving: ServingCheckpoint | None = None
     problem: Condition | None = None
     warnings: list[Event] = field(default_factory=list)
+    storage: Condition | None = None  # StorageReady
 
     @property
     def changes(self) -> list[Write]:
@@ -136,6 +142,8 @@ def serving_checkpoint(spec: PolicyServerSpec, checkpoint: CheckpointState,
 
 def _plan_pvc(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], pvc: Mapping[str, Any] | None) -> None:
     names, uid = Names(spec.name), owner["metadata"]["uid"]
+    if spec.storage.per_pod:
+        return  # the StatefulSet controller makes one claim per pod from the volumeClaimTemplate
     if spec.storage.existing_claim:
         if pvc is None:
             plan.problem = Condition(COND_PROGRESSING, FALSE, Reason.CLAIM_NOT_FOUND,
@@ -163,13 +171,108 @@ def _plan_pvc(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], pvc:
                                                             f"PolicyServer (retainOnDelete={spec.storage.retain_on_delete})")))
 
 
+def _bytes(quantity: Any) -> Any:
+    from kubernetes.utils import parse_quantity
+
+    return parse_quantity(quantity) if quantity is not None else None
+
+
+def _expandable(storage_class: Mapping[str, Any] | None) -> bool | None:
+    """The StorageClass's allowVolumeExpansion; None when it could not be read (the apiserver then decides)."""
+    if storage_class is None:
+        return None
+    return bool(storage_class.get("allowVolumeExpansion"))
+
+
+def _plan_storage(plan: Plan, spec: PolicyServerSpec, claims: list[Mapping[str, Any]],
+                  storage_class: Mapping[str, Any] | None, sts: Mapping[str, Any] | None) -> list[Write]:
+    """StorageReady, and the writes that grow claims (run last: a refused growth must not stop the rest).
+
+    A claim's access modes and class cannot change after it is made: an
+    explicit spec that differs gets a Warning and a False condition instead of
+    silence.  A larger storage.size grows every cache claim the operator made
+    when their StorageClass allows expansion; a smaller one never shrinks a
+    claim.  An existingClaim is the user's: only read.
+    """
+    storage, problems, grows = spec.storage, [], []
+    if sts is not None:
+        has_templates = bool((sts.get("spec") or {}).get("volumeClaimTemplates"))
+        if has_templates != storage.per_pod:
+            was = "perPod" if has_templates else "shared"
+            problems.append((Reason.IMMUTABLE_CHANGE,
+                             f"storage.mode {storage.mode} cannot replace {was} on an existing PolicyServer (a "
+                             f"StatefulSet's volumeClaimTemplates are immutable); the pods are left as they are: set "
+                             f"it back to {was}, or delete and recreate the PolicyServer"))
+    if not storage.existing_claim:
+        want = _bytes(storage.size)
+        for claim in claims:
+            name = (claim.get("metadata") or {}).get("name")
+            claim_spec = claim.get("spec") or {}
+            modes = sorted(claim_spec.get("accessModes") or [])
+            if storage.access_modes and modes != sorted(storage.access_modes):
+                problems.append((Reason.IMMUTABLE_CHANGE,
+                                 f"PersistentVolumeClaim {name} has access modes {modes}, the spec asks for "
+                                 f"{sorted(storage.access_modes)}: access modes cannot change after creation; "
+                                 f"delete the claim (the checkpoint downloads again) or restore the spec"))
+            if storage.storage_class_name and claim_spec.get("storageClassName") != storage.storage_class_name:
+                problems.append((Reason.IMMUTABLE_CHANGE,
+                                 f"PersistentVolumeClaim {name} has StorageClass {claim_spec.get('storageClassName')}, "
+                                 f"the spec asks for {storage.storage_class_name}: a claim's class cannot change; "
+                                 f"delete the claim (the checkpoint downloads again) or restore the spec"))
+            have = _bytes(((claim_spec.get("resources") or {}).get("requests") or {}).get("storage"))
+            if have is None or want == have:
+                continue
+            if want < have:
+                problems.append((Reason.IMMUTABLE_CHANGE,
+                                 f"PersistentVolumeClaim {name} requests {claim_spec['resources']['requests']['storage']}"
+                                 f"; storage.size {storage.size} is smaller and a claim never shrinks"))
+            elif _expandable(storage_class) is False:
+                problems.append((Reason.EXPANSION_NOT_ALLOWED,
+                                 f"PersistentVolumeClaim {name} stays at {claim_spec['resources']['requests']['storage']}"
+                                 f": StorageClass {(storage_class or {}).get('metadata', {}).get('name')} does not "
+                                 f"allow volume expansion (allowVolumeExpansion is not true)"))
+            else:
+                grows.append(Write(Verb.PATCH, "PersistentVolumeClaim", name, manifests.grown_claim_patch(storage.size),
+                                   Event("Normal", "Expanding", f"PersistentVolumeClaim {name}: "
+                                         f"{claim_spec['resources']['requests']['storage']} -> {storage.size}")))
+        shared_claim = claims[0] if claims and not storage.per_pod else None
+        if shared_claim is not None and spec.replicas > 1:
+            modes = (shared_claim.get("spec") or {}).get("accessModes") or []
+            if not manifests.cache_is_shared(modes):
+                problems.append((Reason.CACHE_NOT_SHARED,
+                                 f"{spec.replicas} replicas share the ReadWriteOnce cache "
+                                 f"{(shared_claim.get('metadata') or {}).get('name')}: a pod affinity keeps them all "
+                                 f"on one node (they fit only if one node has room for all of them); use "
+                                 f"ReadWriteMany storage or storage.mode perPod"))
+    if problems:
+        reason, _ = problems[0]
+        plan.storage = Condition(COND_STORAGE_READY, FALSE, reason, "; ".join(m for _, m in problems))
+    elif grows:
+        plan.storage = Condition(COND_STORAGE_READY, TRUE, Reason.EXPANDING,
+                                 f"growing {', '.join(w.name for w in grows)} to {storage.size}")
+    else:
+        what = (f"one claim per pod ({manifests.VOL_CACHE}-{spec.name}-N), {storage.size}" if storage.per_pod
+                else f"claim {manifests.claim_name(spec)}")
+        plan.storage = Condition(COND_STORAGE_READY, TRUE, Reason.STORAGE_AS_SPECIFIED,
+                                 f"{what} as spec.storage says (mode {storage.mode})")
+    return grows
+
+
+def _cache_modes(spec: PolicyServerSpec, pvc: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The shared cache claim's access modes as they are (a claim keeps those it was made with), else the spec's."""
+    return tuple(((pvc or {}).get("spec") or {}).get("accessModes") or spec.access_modes)
+
+
 def _plan_job(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], job: Mapping[str, Any] | None,
-              checkpoint: CheckpointState) -> None:
+              checkpoint: CheckpointState, pvc: Mapping[str, Any] | None = None) -> None:
     job_name = Names(spec.name).job(spec.checkpoint.key)
+    if spec.storage.per_pod:
+        return  # every pod fetches into its own claim (an init container)
     if job is not None and not labelled_ours(job, spec.name):
         plan.problem = _conflict("Job", job_name, "was not created for this PolicyServer")
     elif job is None and checkpoint.phase != CheckpointPhase.READY:
-        plan.writes.append(Write(Verb.CREATE, "Job", job_name, _adopted(manifests.build_fetch_job(spec), owner),
+        plan.writes.append(Write(Verb.CREATE, "Job", job_name,
+                                 _adopted(manifests.build_fetch_job(spec, _cache_modes(spec, pvc)), owner),
                                  Event("Normal", "Created", f"created fetch Job {job_name} for {spec.checkpoint.source}")))
 
 
@@ -177,23 +280,23 @@ def _plan_statefulset(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, An
                       pvc: Mapping[str, Any] | None) -> None:
     names, uid = Names(spec.name), owner["metadata"]["uid"]
     assert plan.serving is not None
-    desired = _adopted(manifests.build_statefulset(spec, plan.serving), owner)
+    desired = _adopted(manifests.build_statefulset(spec, plan.serving, _cache_modes(spec, pvc)), owner)
     want_hash = desired["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH]
-    modes = set(((pvc or {}).get("spec") or {}).get("accessModes") or spec.storage.access_modes_for(spec.replicas))
-    shared_warning = Event("Warning", "CacheNotShared",
-                           f"{spec.replicas} replicas share cache {manifests.claim_name(spec)} with access modes "
-                           f"{sorted(modes)}: pods on different nodes cannot mount it; use ReadWriteMany storage")
     if sts is None:
         plan.writes.append(Write(Verb.APPLY, "StatefulSet", names.statefulset, desired,
                                  Event("Normal", "Created", f"created StatefulSet {names.statefulset} "
                                                             f"({spec.replicas} pods x {spec.layout.world_size} ranks, "
                                                             f"checkpoint {plan.serving.key})")))
-        if spec.replicas > 1 and not modes & SHARED_MODES:
-            plan.warnings.append(shared_warning)
         return
     if not controlled_by(sts, uid):
         plan.problem = _conflict("StatefulSet", names.statefulset, "is not controlled by this PolicyServer")
         return
+    templates = (sts.get("spec") or {}).get("volumeClaimTemplates")
+    if bool(templates) != spec.storage.per_pod:
+        return  # storage.mode changed: the apiserver would refuse the StatefulSet; StorageReady says why
+    if templates:
+        # volumeClaimTemplates are immutable: keep them (a larger size grows the existing claims instead)
+        desired["spec"]["volumeClaimTemplates"] = copy.deepcopy(templates)
     meta, current_spec = sts.get("metadata") or {}, sts.get("spec") or {}
     changes = []
     if (meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH) != want_hash:
@@ -202,8 +305,6 @@ def _plan_statefulset(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, An
                        (f" (checkpoint {old_key} -> {plan.serving.key})" if old_key != plan.serving.key else ""))
     if current_spec.get("replicas") != spec.replicas:
         changes.append(f"scaling {current_spec.get('replicas')} -> {spec.replicas} pods")
-        if spec.replicas > 1 and not modes & SHARED_MODES:
-            plan.warnings.append(shared_warning)
     event = Event("Normal", "Updated", f"StatefulSet {names.statefulset}: " + "; ".join(changes)) if changes else None
     plan.writes.append(Write(Verb.APPLY, "StatefulSet", names.statefulset, desired, event))
 
@@ -222,21 +323,82 @@ def _plan_service(plan: Plan, owner: Mapping[str, Any], existing: Mapping[str, A
                                  Event("Normal", "Updated", f"updated Service {name}") if changed else None))
 
 
+def _plan_pdb(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], existing: Mapping[str, Any] | None) -> None:
+    """A PodDisruptionBudget while replicas > 1 (applied every pass, like the Services); deleted below that."""
+    name, uid = Names(spec.name).pdb, owner["metadata"]["uid"]
+    if existing is not None and not controlled_by(existing, uid):
+        plan.problem = _conflict("PodDisruptionBudget", name, "is not controlled by this PolicyServer")
+    elif spec.replicas > 1:
+        event = Event("Normal", "Created", f"created PodDisruptionBudget {name} (maxUnavailable "
+                                           f"{manifests.PDB_MAX_UNAVAILABLE})") if existing is None else None
+        plan.writes.append(Write(Verb.APPLY, "PodDisruptionBudget", name, _adopted(manifests.build_pdb(spec), owner),
+                                 event))
+    elif existing is not None:
+        plan.writes.append(Write(Verb.DELETE, "PodDisruptionBudget", name, {},
+                                 Event("Normal", "Deleted", f"deleted PodDisruptionBudget {name}: "
+                                                            f"{spec.replicas} replica(s)")))
+
+
+def fully_rolled(sts: Mapping[str, Any] | None, key: str) -> bool:
+    """Every pod of the StatefulSet runs its current template, which serves ``key``, and is ready.
+
+    Until then an old pod may still read an old checkpoint directory, so
+    nothing may be removed from the cache.
+    """
+    if sts is None:
+        return False
+    meta, spec, status = sts.get("metadata") or {}, sts.get("spec") or {}, sts.get("status") or {}
+    template_labels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
+    replicas = int(spec.get("replicas") or 0)
+    return (template_labels.get(LABEL_CHECKPOINT_KEY) == key
+            and int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 1)
+            and bool(status.get("updateRevision")) and status.get("currentRevision") == status.get("updateRevision")
+            and int(status.get("replicas") or 0) == replicas
+            and int(status.get("updatedReplicas") or 0) == replicas
+            and int(status.get("readyReplicas") or 0) == replicas)
+
+
+def _plan_gc(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed,
+             checkpoint: CheckpointState) -> None:
+    """The cleanup Job of the shared cache, once per checkpoint, after the switch to it completed.
+
+    Only while the checkpoint's fetch Job is still around (a download just
+    happened, so an older directory may be left); never on an existingClaim
+    (other workloads may keep checkpoints on it); perPod claims prune
+    themselves in each pod's init container.
+    """
+    storage, key = spec.storage, spec.checkpoint.key
+    if storage.per_pod or storage.existing_claim or observed.gc_job is not None or observed.job is None:
+        return
+    if checkpoint.phase != CheckpointPhase.READY or not fully_rolled(observed.statefulset, key):
+        return
+    name = Names(spec.name).gc_job(key)
+    body = _adopted(manifests.build_gc_job(spec, key, _cache_modes(spec, observed.pvc)), owner)
+    plan.writes.append(Write(Verb.CREATE, "Job", name, body, Event(
+        "Normal", "Created", f"created cleanup Job {name}: every pod serves {key}; keeping the last "
+                             f"{storage.keep_checkpoints} checkpoint(s) on {manifests.claim_name(spec)}")))
+
+
 def plan(spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed, checkpoint: CheckpointState) -> Plan:
-    """The writes in order: cache claim, fetch Job, then (a checkpoint to serve) StatefulSet and Services."""
+    """The writes in order: cache claim, fetch Job, then (a checkpoint to serve) StatefulSet, Services, PDB,
+    cleanup Job; claim growth last (a refused expansion stops nothing else)."""
     result = Plan()
+    claims = observed.cache_claims if spec.storage.per_pod else [c for c in [observed.pvc] if c is not None]
+    grows = _plan_storage(result, spec, claims, observed.storage_class, observed.statefulset)
     _plan_pvc(result, spec, owner, observed.pvc)
     if result.blocked:
         return result
-    _plan_job(result, spec, owner, observed.job, checkpoint)
+    _plan_job(result, spec, owner, observed.job, checkpoint, observed.pvc)
     if result.blocked:
         return result
     result.serving = serving_checkpoint(spec, checkpoint, observed.statefulset)
-    if result.serving is None:
-        return result
-    _plan_statefulset(result, spec, owner, observed.statefulset, observed.pvc)
-    if result.blocked:
-        return result
-    _plan_service(result, owner, observed.headless_service, manifests.build_headless_service(spec))
-    _plan_service(result, owner, observed.service, manifests.build_service(spec))
+    if result.serving is not None:
+        _plan_statefulset(result, spec, owner, observed.statefulset, observed.pvc)
+        if result.blocked:
+            return result
+        _plan_service(result, owner, observed.headless_service, manifests.build_headless_service(spec))
+        _plan_service(result, owner, observed.service, manifests.build_service(spec))
+        _plan_pdb(result, spec, owner, observed.pdb)
+        _plan_gc(result, spec, owner, observed, checkpoint)
+    result.writes += grows
     return result

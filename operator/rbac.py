@@ -29,13 +29,16 @@ RULES: tuple[Rule, ...] = (
     Rule(GROUP, PLURAL, ("get", "list", "watch", "patch"),
          "watch PolicyServers; kopf patches its finalizer and progress annotations"),
     Rule(GROUP, f"{PLURAL}/status", ("get", "patch"), "write status (phase, conditions, per-rank readiness)"),
-    Rule("", "persistentvolumeclaims", ("get", "create", "patch"),
-         "create the checkpoint cache (server-side apply); adopt/release it as retainOnDelete changes"),
+    Rule("", "persistentvolumeclaims", ("get", "list", "create", "patch"),
+         "create the checkpoint cache (server-side apply); adopt/release it as retainOnDelete changes; grow it (and "
+         "list and grow the per-pod claims of storage.mode perPod) when storage.size increases"),
     Rule("batch", "jobs", ("get", "list", "watch", "create", "patch"),
          "create the fetch Job (a server-side apply: PATCH that creates) and react to its completion"),
     Rule("apps", "statefulsets", ("get", "list", "watch", "create", "patch"),
          "run, roll and scale the server pods; react to their rollout"),
     Rule("", "services", ("get", "create", "patch"), "server-side apply the ClusterIP and headless Services every pass (drift is put back)"),
+    Rule("policy", "poddisruptionbudgets", ("get", "create", "patch", "delete"),
+         "server-side apply the PodDisruptionBudget while replicas > 1; delete it below that"),
     Rule("", "pods", ("get", "list", "patch"),
          "find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness"),
     Rule("", "pods/log", ("get",),
@@ -51,6 +54,9 @@ RULES: tuple[Rule, ...] = (
          "kopf follows namespaces when watching all of them", cluster_scoped=True),
     Rule("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch"),
          "kopf notices CRD changes when watching all namespaces", cluster_scoped=True),
+    Rule("storage.k8s.io", "storageclasses", ("get",),
+         "read allowVolumeExpansion before growing a cache claim (without it, a namespaced operator lets the "
+         "apiserver's resize admission decide)", cluster_scoped=True),
 )
 
 

@@ -16,9 +16,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import AfterValidator, Field, PrivateAttr, ValidationError
+from pydantic import AfterValidator, Field, PrivateAttr, ValidationError, model_validator
 
-from policy_operator.constants import CACHE_MOUNT_PATH, DEFAULT_PORT, GPU_RESOURCE, SECRET_TOKEN_KEY
+from policy_operator.constants import (
+    AUTH_TOKEN_DIR,
+    CACHE_MOUNT_PATH,
+    CHECKPOINT_TOKEN_DIR,
+    DEFAULT_PORT,
+    GPU_RESOURCE,
+    LABEL_CACHE_CLAIM,
+    LABEL_CHECKPOINT_KEY,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_PART_OF,
+    LABEL_POLICYSERVER,
+    SECRET_TOKEN_KEY,
+)
 from policy_operator.layout import SUPPORTED_CFGP, LayoutError, ParallelLayout
 from policy_operator.operator.kube_model import (
     LIST_SET,
@@ -29,6 +44,9 @@ from policy_operator.operator.kube_model import (
     Quantity,
     Rule,
     Toleration,
+    TopologySpreadConstraint,
+    Volume,
+    VolumeMount,
     list_map,
     named_pattern,
 )
@@ -64,10 +82,33 @@ ACCESS_MODES: Final = ("ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWr
 PULL_POLICIES: Final = ("Always", "IfNotPresent", "Never")
 DEVICES: Final = ("cuda", "cpu")
 SHARED_ACCESS_MODES: Final = ("ReadOnlyMany", "ReadWriteMany")
+STORAGE_MODES: Final = ("shared", "perPod")
+# labels the operator sets on every pod it makes; podLabels may not change them (selectors depend on them)
+RESERVED_POD_LABELS: Final = (LABEL_NAME, LABEL_INSTANCE, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_PART_OF,
+                              LABEL_POLICYSERVER, LABEL_CHECKPOINT_KEY, LABEL_CACHE_CLAIM)
+MAX_POD_METADATA: Final = 64
+MAX_EXTRA_VOLUMES: Final = 32
+MAX_SPREAD_CONSTRAINTS: Final = 8
+MAX_KEEP_CHECKPOINTS: Final = 10
+# the volumes and mount paths of the operator's own pod spec (operator/manifests.py builds them)
+TMP_PATH: Final = "/tmp"
+SHM_PATH: Final = "/dev/shm"
+VOL_CACHE, VOL_TMP, VOL_SHM = "checkpoint-cache", "tmp", "dshm"
+VOL_CHECKPOINT_TOKEN, VOL_AUTH_TOKEN = "checkpoint-token", "auth-token"
+OPERATOR_VOLUMES: Final = (VOL_CACHE, VOL_TMP, VOL_SHM, VOL_CHECKPOINT_TOKEN, VOL_AUTH_TOKEN)
+OPERATOR_MOUNT_PATHS: Final = (CACHE_MOUNT_PATH, TMP_PATH, SHM_PATH, CHECKPOINT_TOKEN_DIR, AUTH_TOKEN_DIR)
+LABEL_VALUE: Final = named_pattern(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$", "a label value")
 
 DEFAULT_REPLICAS: Final = 1
 DEFAULT_STORAGE_SIZE: Final = "20Gi"
 DEFAULT_SHM_SIZE: Final = "2Gi"
+DEFAULT_MAX_GPUS_PER_POD: Final = 8  # the usual GPU node; a larger layout is a typo more often than a 16-GPU node
+DEFAULT_KEEP_CHECKPOINTS: Final = 1
+# Server requests when resources.requests leaves them out (and no limit implies them): a pod without requests
+# is BestEffort, first to be evicted, and the scheduler would pack it onto a node without the memory its
+# ranks and its memory-backed /dev/shm need.
+DEFAULT_CPU_PER_RANK: Final = "1"
+DEFAULT_MEMORY_PER_RANK: Final = "2Gi"
 DEFAULT_DRAIN_GRACE_S: Final = int(RUNTIME_DRAIN_GRACE_S)  # the runtime's default, as a whole number of seconds
 DEFAULT_STARTUP_TIMEOUT_S: Final = 600
 DEFAULT_PROGRESS_DEADLINE_S: Final = 900  # Deployment's default progressDeadlineSeconds, read the same way
@@ -102,6 +143,14 @@ OPERATOR_ONLY_CHECKS: Final = {
                                                           "the operator applies the StatefulSet or Job "
                                                           "(Progressing=False, reason ApplyFailed, with the "
                                                           "apiserver's message)",
+    "spec.volumes[].name, spec.volumeMounts[].mountPath": "an extra volume may not reuse a name or mount path the "
+                                                          "operator uses (checkpoint-cache, /models, /tmp, "
+                                                          "/dev/shm...); Kubernetes' schema of Volume has no "
+                                                          "length bound on names, so a CEL rule comparing them "
+                                                          "would exceed the apiserver's cost budget",
+    "spec.storage.mode": "the mode cannot change on an existing PolicyServer (a StatefulSet's "
+                         "volumeClaimTemplates are immutable): the operator keeps the pods as they are and reports "
+                         "StorageReady=False ImmutableChange",
 }
 
 
@@ -291,35 +340,63 @@ class ServerResources(KubeModel):
     shm_size: Quantity = DEFAULT_SHM_SIZE
     """Size of the in-memory /dev/shm NCCL uses between local ranks; it counts against the pod's memory."""
 
+    # Unset cpu/memory requests get defaults (1 CPU and 2Gi per rank, plus shmSize of memory), unless a limit is
+    # set, from which Kubernetes takes the request.
+
 
 class StorageSpec(KubeModel):
-    """The checkpoint cache volume, written by the fetch Job and mounted read-only by every pod."""
+    """The checkpoint cache volume(s), written by the fetch and mounted read-only by every server pod."""
 
     cel_rules = (Rule("!has(self.existingClaim) || !has(self.storageClassName)",
                       "storage.storageClassName has no effect with storage.existingClaim; set one of them",
-                      field_path=".storageClassName"),)
+                      field_path=".storageClassName"),
+                 Rule("!has(self.mode) || self.mode != 'perPod' || !has(self.existingClaim)",
+                      "storage.existingClaim is one claim; mode perPod makes one claim per pod",
+                      field_path=".existingClaim"),
+                 Rule("!has(self.mode) || self.mode == 'perPod' || !has(self.accessModes) || "
+                      "!self.accessModes.exists(m, m == 'ReadWriteOncePod')",
+                      "storage.accessModes ReadWriteOncePod lets one pod at a time mount the cache; in mode shared "
+                      "the fetch Job must mount it while a server pod serves from it: use ReadWriteOnce (the "
+                      "operator keeps the pods that mount it on one node) or mode perPod",
+                      field_path=".accessModes"))
 
+    mode: Literal[STORAGE_MODES] = "shared"  # type: ignore[valid-type]
+    """shared: one cache claim <name>-cache for all pods, filled once by a fetch Job (one download in total);
+    with more than one replica it must be ReadWriteMany (or ReadOnlyMany) storage. perPod: every pod gets its
+    own claim (a volumeClaimTemplate) filled by an init container with the same fetch (one download per pod),
+    which works on ReadWriteOnce storage on any number of nodes. Cannot change once the PolicyServer exists."""
     size: Quantity = DEFAULT_STORAGE_SIZE
-    """Requested size of the cache PVC <name>-cache. Leave room for the next checkpoint, which downloads next to
-    the one being served."""
+    """Requested size of each cache claim. Leave room for the next checkpoint, which downloads next to the one
+    being served. An increase is applied to existing claims when their StorageClass has allowVolumeExpansion
+    (StorageReady=False ExpansionNotAllowed when it has not); a claim never shrinks."""
     storage_class_name: Dns1123Name | None = None
-    """StorageClass of the cache PVC; the cluster default when unset."""
+    """StorageClass of the cache claims; the cluster default when unset. Cannot change on an existing claim."""
     access_modes: list[Literal[ACCESS_MODES]] = Field(  # type: ignore[valid-type]
         default_factory=list, max_length=len(ACCESS_MODES), json_schema_extra=LIST_SET)
-    """Access modes of the cache PVC; they cannot change later. Unset: ReadWriteMany when replicas > 1 (pods on
-    several nodes share it), else ReadWriteOnce. Scaling an RWO cache beyond one pod posts a Warning
-    (CacheNotShared)."""
+    """Access modes of the cache claims; they cannot change on an existing claim. Unset: in mode shared
+    ReadWriteMany when the claim is created with replicas > 1, else ReadWriteOnce; in mode perPod
+    ReadWriteOnce. Explicit modes without ReadWriteMany/ReadOnlyMany are refused with replicas > 1 in mode
+    shared. Every pod that mounts a ReadWriteOnce shared cache (fetch Job, cleanup Job, server pods) is kept
+    on one node by a required pod affinity, so they never wait on a Multi-Attach error."""
+    keep_checkpoints: int = Field(DEFAULT_KEEP_CHECKPOINTS, ge=1, le=MAX_KEEP_CHECKPOINTS)
+    """Checkpoint directories kept on the cache after a switch, the served one included. Older ones are
+    removed once every pod serves the new checkpoint (never earlier), by a cleanup Job (mode shared) or by each
+    pod's init container (mode perPod); an existingClaim is never cleaned."""
     existing_claim: Dns1123Name | None = None
     """Use this PVC instead of creating one; the operator never creates, owns or deletes it."""
     retain_on_delete: bool = False
     """Keep the cache PVC when the PolicyServer is deleted (it gets no ownerReference); a new PolicyServer of the
     same name reuses and adopts it without downloading again."""
 
+    @property
+    def per_pod(self) -> bool:
+        return self.mode == "perPod"
+
     def access_modes_for(self, replicas: int) -> tuple[str, ...]:
         """RWX when several pods (on different nodes) must mount the one cache, unless told otherwise."""
         if self.access_modes:
             return tuple(self.access_modes)
-        return ("ReadWriteMany",) if replicas > 1 else ("ReadWriteOnce",)
+        return ("ReadWriteMany",) if replicas > 1 and not self.per_pod else ("ReadWriteOnce",)
 
 
 class ServiceSpec(KubeModel):
@@ -379,7 +456,16 @@ class PolicyServerSpec(KubeModel):
     cel_rules = (Rule("self.parallelism.cfgp != 2 || self.runtime.guidance != 1.0",
                       "cfgp=2 needs classifier-free guidance: with runtime.guidance 1.0 the unconditional branch is "
                       "never used and the second GPU of every replica would idle; use cfgp=1 or a guidance other "
-                      "than 1.0", field_path=".parallelism.cfgp"),)
+                      "than 1.0", field_path=".parallelism.cfgp"),
+                 Rule("self.runtime.device != 'cuda' || "
+                      "self.parallelism.cfgp * self.parallelism.dp <= self.maxGpusPerPod",
+                      "parallelism.cfgp x parallelism.dp GPUs per pod exceeds maxGpusPerPod: no node of this "
+                      "cluster has that many; lower dp (or cfgp) or raise maxGpusPerPod", field_path=".parallelism"),
+                 Rule("self.storage.mode == 'perPod' || self.replicas <= 1 || !has(self.storage.accessModes) || "
+                      "size(self.storage.accessModes) == 0 || self.storage.accessModes.exists(m, m == 'ReadWriteMany' || m == 'ReadOnlyMany')",
+                      "replicas > 1 with storage.mode shared needs storage.accessModes ReadWriteMany (pods on "
+                      "several nodes mount the one cache; a ReadWriteOnce claim attaches to one node only): use "
+                      "ReadWriteMany storage, or storage.mode perPod", field_path=".storage.accessModes"))
 
     image: Annotated[str, Field(min_length=1, pattern=NO_SPACE)]
     """Image with the policy-operator runtime (policyserver and torchrun on PATH), used by the fetch Job, the
@@ -407,12 +493,57 @@ class PolicyServerSpec(KubeModel):
     """Affinity of the pods (core/v1 Affinity)."""
     priority_class_name: Dns1123Name | None = None
     """PriorityClass of the pods."""
+    topology_spread_constraints: list[TopologySpreadConstraint] = Field(
+        default_factory=list, max_length=MAX_SPREAD_CONSTRAINTS)
+    """How the server pods spread across zones or nodes (core/v1 TopologySpreadConstraint); give it a
+    labelSelector such as app.kubernetes.io/instance: <name>."""
+    scheduler_name: Dns1123Name | None = None
+    """Scheduler of every pod (server, fetch, cleanup), e.g. a gang scheduler; the default scheduler when unset."""
+    runtime_class_name: Dns1123Name | None = None
+    """RuntimeClass of the server pods, e.g. nvidia where the NVIDIA container runtime is not the default."""
+    pod_labels: Annotated[
+        dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]],
+        Field(max_length=MAX_POD_METADATA),
+        Rule(f"!self.exists(k, k in {list(RESERVED_POD_LABELS)})",
+             f"podLabels may not set a label the operator manages ({', '.join(RESERVED_POD_LABELS)}): selectors and "
+             f"Services depend on them", reason="FieldValueForbidden"),
+    ] = Field(default_factory=dict)
+    """Extra labels of every pod (server, fetch, cleanup), e.g. kueue.x-k8s.io/queue-name."""
+    pod_annotations: dict[str, str] = Field(default_factory=dict, max_length=MAX_POD_METADATA)
+    """Extra annotations of every pod (server, fetch, cleanup), e.g. for a service mesh or a log shipper."""
+    volumes: Annotated[list[Volume], Field(max_length=MAX_EXTRA_VOLUMES, json_schema_extra=list_map("name"))] = \
+        Field(default_factory=list)
+    """Extra volumes of the server pods (core/v1 Volume), mounted through volumeMounts."""
+    volume_mounts: Annotated[list[VolumeMount], Field(max_length=MAX_EXTRA_VOLUMES,
+                                                      json_schema_extra=list_map("mountPath"))] = \
+        Field(default_factory=list)
+    """Extra mounts of the server container (core/v1 VolumeMount)."""
+    max_gpus_per_pod: int = Field(DEFAULT_MAX_GPUS_PER_POD, ge=1, le=MAX_RANKS_PER_POD)
+    """The most GPUs one pod may ask for (cfgp x dp with runtime.device cuda); a layout above it is refused at
+    admission. Raise it on clusters with larger GPU nodes."""
     service_account_name: Dns1123Name | None = None
     """ServiceAccount of the pods; its token is never mounted (the runtime needs no API access)."""
     storage: StorageSpec = Field(default_factory=StorageSpec)
     service: ServiceSpec = Field(default_factory=ServiceSpec)
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
+
+    @model_validator(mode="after")
+    def _extra_volumes_are_the_users(self) -> PolicyServerSpec:
+        taken = sorted({v.get("name") for v in self.volumes} & set(OPERATOR_VOLUMES))
+        if taken:
+            raise ValueError(f"volumes: {', '.join(map(str, taken))} is a volume the operator adds itself; "
+                             f"rename it (taken: {', '.join(OPERATOR_VOLUMES)})")
+        names = {v.get("name") for v in self.volumes}
+        for m in self.volume_mounts:
+            path = str(m.get("mountPath", "")).rstrip("/") or "/"
+            if path in OPERATOR_MOUNT_PATHS or any(p.startswith(path + "/") or path.startswith(p + "/")
+                                                   for p in OPERATOR_MOUNT_PATHS):
+                raise ValueError(f"volumeMounts: {path} overlaps a path the operator mounts "
+                                 f"({', '.join(OPERATOR_MOUNT_PATHS)}); mount it elsewhere")
+            if m.get("name") not in names:
+                raise ValueError(f"volumeMounts: {m.get('name')!r} is not one of spec.volumes")
+        return self
 
     # metadata the spec's derived names need; set by parse_spec, never part of the schema
     _name: str = PrivateAttr("")
