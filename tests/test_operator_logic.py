@@ -344,11 +344,12 @@ def test_scaling_patches_replicas_not_the_template() -> None:
     ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
     observed = as_observed(pl.plan(spec(replicas=1), OWNER, pl.Observed(), ready))
     plan = pl.plan(spec(replicas=3), OWNER, observed, ready)
-    [patch] = plan.changes
+    patch, pdb = plan.changes
     assert patch.body["spec"]["replicas"] == 3 and "scaling 1 -> 3 pods" in patch.event.message
     assert patch.body["spec"]["template"] == observed.statefulset["spec"]["template"]
+    assert pdb.kind == "PodDisruptionBudget"
     # the RWO cache of a 1-replica PolicyServer cannot be shared by 3 pods on different nodes
-    assert [w.reason for w in plan.warnings] == ["CacheNotShared"]
+    assert plan.storage is not None and plan.storage.reason == "CacheNotShared"
 
 
 def test_plan_refuses_objects_it_does_not_own() -> None:
@@ -398,7 +399,7 @@ def test_rbac_covers_every_kind_the_client_touches() -> None:
     by_resource = {(r.api_group, r.resource): r for r in rbac.RULES}
     for kind, api_version in KINDS.items():
         group = api_version.split("/")[0] if "/" in api_version else ""
-        assert (group, f"{kind.lower()}s") in by_resource, kind
+        assert (group, kind.lower() + ("es" if kind.endswith("s") else "s")) in by_resource, kind
     assert (C.GROUP, f"{C.PLURAL}/status") in by_resource
     assert not any(r.resource == "secrets" for r in rbac.RULES)
 

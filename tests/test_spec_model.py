@@ -175,7 +175,14 @@ def test_defaults_fill_an_empty_section() -> None:
         "resources": {"requests": {}, "limits": {}, "shmSize": "2Gi"},
         "nodeSelector": {},
         "tolerations": [],
-        "storage": {"size": "20Gi", "accessModes": [], "retainOnDelete": False},
+        "topologySpreadConstraints": [],
+        "podLabels": {},
+        "podAnnotations": {},
+        "volumes": [],
+        "volumeMounts": [],
+        "maxGpusPerPod": 8,
+        "storage": {"mode": "shared", "size": "20Gi", "accessModes": [], "keepCheckpoints": 1,
+                    "retainOnDelete": False},
         "service": {"type": "ClusterIP", "port": C.DEFAULT_PORT, "annotations": {}},
         "runtime": {"guidance": serve_flags.DEFAULT_GUIDANCE, "steps": serve_flags.DEFAULT_STEPS, "extraArgs": [],
                     "env": [], "drainGraceSeconds": 20, "startupTimeoutSeconds": 600, "device": "cuda"},
@@ -201,13 +208,14 @@ def test_derived_values() -> None:
     assert spec.resources.requests == {"cpu": "4", "memory": "16Gi"}  # quantities as the strings the API returns
     assert spec.access_modes == ("ReadWriteMany",)
     assert parse(base()).access_modes == ("ReadWriteOnce",)
-    assert parse(base(storage={"accessModes": ["ReadWriteOncePod"]}, replicas=3)).access_modes == ("ReadWriteOncePod",)
+    assert parse(base(storage={"mode": "perPod", "accessModes": ["ReadWriteOncePod"]},
+                      replicas=3)).access_modes == ("ReadWriteOncePod",)
     assert parse(base(runtime={"device": "cpu"}, parallelism={"dp": 2})).gpus_per_pod == 0
 
 
 @pytest.mark.parametrize("spec", [
-    base(parallelism={"cfgp": 2, "dp": 8}, runtime={"guidance": 1.5}),
-    base(parallelism={"cfgp": 1, "dp": 16}, runtime={"guidance": 1.0}),
+    base(parallelism={"cfgp": 2, "dp": 8}, runtime={"guidance": 1.5}, maxGpusPerPod=16),
+    base(parallelism={"cfgp": 1, "dp": 16}, runtime={"guidance": 1.0}, maxGpusPerPod=16),
     base(checkpoint={"source": "/srv/checkpoints/pi0"}, replicas=0),
     base(checkpoint={"source": "file:///srv/ckpt"}, storage={"existingClaim": "shared-models"}),
     base(checkpoint={"source": "s3://bucket/prefix/"}, runtime={"extraArgs": ["--heartbeat-s", "5"]}),

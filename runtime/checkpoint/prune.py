@@ -1,0 +1,104 @@
+"""Remove old checkpoint directories from a cache volume: ``policyserver checkpoint prune``.
+
+A cache keeps every checkpoint it ever downloaded (``DEST/<key>/``), so after
+a few switches it fills up and the next download fails with "disk full".  The
+operator runs this once the StatefulSet has fully rolled to a new checkpoint
+(a cleanup Job on a shared cache, an init container on a per-pod cache), so
+no pod still serves from what it removes.  What it keeps:
+
+* every ``--keep KEY`` (the checkpoint the pods now serve);
+* the ``--keep-last N`` newest complete checkpoints, the kept keys counted;
+* anything newer than the newest kept key: a download that finished after the
+  operator decided to prune is the *next* checkpoint, not an old one;
+* anything it cannot prove is a finished download (no valid marker): a
+  directory being published, or one a human put there;
+* the fetcher's work directory ``DEST/.fetch`` (partial downloads resume).
+
+A directory is removed by renaming it into ``DEST/.fetch`` first, so it stops
+being a checkpoint at once (a reader sees all of it or nothing), then
+deleting it, under the fetcher's own per-key lock so a fetch of the same key
+never races the removal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from policy_operator.constants import COMPLETE_MARKER
+from policy_operator.runtime.checkpoint.fetch import WORK_DIR
+from policy_operator.runtime.checkpoint.marker import read_marker
+
+def _finished(directory: Path) -> float | None:
+    """When a complete checkpoint was published (its marker's mtime), or None when it is not one."""
+    if read_marker(directory) is None:
+        return None
+    try:
+        return os.stat(directory / COMPLETE_MARKER).st_mtime
+    except OSError:
+        return None
+
+
+def prunable(dest: Path, keep: set[str], keep_last: int) -> list[Path]:
+    """The directories ``prune`` would remove, oldest first (pure reads)."""
+    complete = {p.name: t for p in dest.iterdir() if p.is_dir() and p.name != WORK_DIR
+                and (t := _finished(p)) is not None}
+    kept_times = [complete[k] for k in keep if k in complete]
+    if not kept_times:  # the serving checkpoint is not here: nothing is known to be old
+        return []
+    newest_kept = max(kept_times)
+    older = sorted(((t, name) for name, t in complete.items() if name not in keep and t <= newest_kept),
+                   reverse=True)
+    spare = max(0, keep_last - len(kept_times))
+    return [dest / name for _, name in sorted(older[spare:])]
+
+
+def prune(dest: Path, keep: set[str], keep_last: int, log: Callable[[str], None] = print) -> list[str]:
+    """Remove the old checkpoints; the keys removed."""
+    from filelock import FileLock, Timeout
+
+    removed = []
+    work = dest / WORK_DIR
+    for directory in prunable(dest, keep, keep_last):
+        work.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(work / f"{directory.name}.lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log(f"{directory}: a fetch of {directory.name} is running; kept")
+            continue
+        try:
+            trash = work / f"pruning-{directory.name}"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.rename(directory, trash)
+            shutil.rmtree(trash)
+        finally:
+            lock.release()
+        removed.append(directory.name)
+        log(f"removed {directory}")
+    return removed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dest", metavar="DEST", help="the cache volume (checkpoints in DEST/<key>/)")
+    parser.add_argument("--keep", action="append", default=[], metavar="KEY", required=True,
+                        help="a checkpoint key that stays (repeatable): the one the pods serve")
+    parser.add_argument("--keep-last", type=int, default=1, metavar="N",
+                        help="keep the N newest complete checkpoints, the --keep ones counted (default 1)")
+
+
+def main(args: argparse.Namespace) -> int:
+    dest = Path(args.dest)
+    if args.keep_last < 1:
+        print("policyserver: error: --keep-last must be at least 1", file=sys.stderr)
+        return 2
+    if not dest.is_dir():
+        print(f"policyserver: error: {dest} is not a directory", file=sys.stderr)
+        return 2
+    removed = prune(dest, set(args.keep), args.keep_last)
+    print(f"{dest}: removed {len(removed)} old checkpoint(s)" + (f": {', '.join(removed)}" if removed else ""))
+    return 0

@@ -1,0 +1,227 @@
+"""Storage modes, claim growth, old-checkpoint cleanup, the PDB and the pod pass-through fields.
+
+Builders are checked against Kubernetes' own schemas (kubernetes-validate),
+plan branches as pure functions, and ``policyserver checkpoint prune`` on a
+real directory of fetched checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from policy_operator import constants as C
+from policy_operator.operator import child_status
+from policy_operator.operator import manifests as M
+from policy_operator.operator import plan as pl
+from policy_operator.operator.spec import SpecError, parse_spec
+from policy_operator.runtime.checkpoint.marker import make_marker, write_marker
+from policy_operator.runtime.checkpoint.prune import prune
+
+K8S = "1.32.0"
+OWNER = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps", "namespace": "ns", "uid": "uid-1"}}
+READY = child_status.CheckpointState(child_status.CheckpointPhase.READY, child_status.Reason.DOWNLOADED, "", "j")
+
+
+def spec(**overrides: Any):  # type: ignore[no-untyped-def]
+    body: dict[str, Any] = {"image": "img:1", "checkpoint": {"source": "hf://org/p"}, **overrides}
+    return parse_spec(body, name="ps", namespace="ns")
+
+
+def valid(obj: dict[str, Any]) -> dict[str, Any]:
+    kubernetes_validate.validate(obj, K8S, strict=True)
+    return obj
+
+
+# --- perPod -------------------------------------------------------------------------------------
+
+def test_per_pod_mode_gives_each_pod_its_claim_and_its_own_fetch() -> None:
+    s = spec(replicas=3, storage={"mode": "perPod", "size": "7Gi", "keepCheckpoints": 2},
+             checkpoint={"source": "hf://org/p", "secretRef": {"name": "hf"}})
+    sts = valid(M.build_statefulset(s))
+    [template] = sts["spec"]["volumeClaimTemplates"]
+    assert template["metadata"]["name"] == M.VOL_CACHE
+    assert template["spec"]["accessModes"] == ["ReadWriteOnce"] and template["spec"]["resources"]["requests"] == {
+        "storage": "7Gi"}
+    pod = sts["spec"]["template"]["spec"]
+    assert M.VOL_CACHE not in {v["name"] for v in pod["volumes"]}  # the template provides it
+    fetch, prune_c, verify = pod["initContainers"]
+    assert fetch["command"] == M.fetch_command(s) and prune_c["command"][-4:] == [
+        "--keep", s.checkpoint.key, "--keep-last", "2"]
+    assert verify["name"] == M.VERIFY_CONTAINER
+    assert "podAffinity" not in pod.get("affinity", {})  # a claim per pod needs no co-location
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    # no shared claim, no fetch Job; the checkpoint counts as ready (the pods fetch it)
+    state = child_status.checkpoint_state(s, None, [], None)
+    result = pl.plan(s, OWNER, pl.Observed(), state)
+    assert [(w.kind, w.name) for w in result.writes][:1] == [("StatefulSet", "ps")]
+    assert not [w for w in result.writes if w.kind in ("Job", "PersistentVolumeClaim")]
+
+
+def test_switching_the_mode_is_reported_and_leaves_the_pods_alone() -> None:
+    shared = spec()
+    sts = {**M.build_statefulset(shared), "metadata": {**M.build_statefulset(shared)["metadata"],
+                                                        "ownerReferences": [{"uid": "uid-1", "controller": True}]}}
+    per_pod = spec(storage={"mode": "perPod"})
+    result = pl.plan(per_pod, OWNER, pl.Observed(statefulset=sts), child_status.checkpoint_state(per_pod, None, [], None))
+    assert result.storage is not None and (result.storage.status, result.storage.reason) == ("False", "ImmutableChange")
+    assert not [w for w in result.writes if w.kind == "StatefulSet"]
+
+
+# --- the shared claim ---------------------------------------------------------------------------
+
+def _claim(size: str, modes: list[str], klass: str = "fast") -> dict[str, Any]:
+    return {"metadata": {"name": "ps-cache", "labels": M.labels("ps", C.COMPONENT_CACHE),
+                         "ownerReferences": [{"uid": "uid-1", "controller": True}]},
+            "spec": {"accessModes": modes, "storageClassName": klass, "resources": {"requests": {"storage": size}}}}
+
+
+@pytest.mark.parametrize(("allow", "verb", "reason"), [(True, pl.Verb.PATCH, "Expanding"),
+                                                        (None, pl.Verb.PATCH, "Expanding"),
+                                                        (False, None, "ExpansionNotAllowed")])
+def test_size_increase_grows_the_claim_when_the_class_allows(allow: bool | None, verb: pl.Verb | None,
+                                                              reason: str) -> None:
+    s = spec(storage={"size": "30Gi"})
+    klass = None if allow is None else {"metadata": {"name": "fast"}, "allowVolumeExpansion": allow}
+    result = pl.plan(s, OWNER, pl.Observed(pvc=_claim("20Gi", ["ReadWriteOnce"]), storage_class=klass), READY)
+    grows = [w for w in result.writes if w.kind == "PersistentVolumeClaim" and w.verb is pl.Verb.PATCH]
+    assert [w.verb for w in grows] == ([verb] if verb else [])
+    if verb:
+        assert grows[0].body == {"spec": {"resources": {"requests": {"storage": "30Gi"}}}}
+        assert result.writes[-1] is grows[0]  # last: a refused growth stops nothing else
+    assert result.storage is not None and result.storage.reason == reason
+
+
+@pytest.mark.parametrize(("storage", "what"), [({"size": "10Gi"}, "never shrinks"),
+                                               ({"accessModes": ["ReadWriteMany"]}, "access modes"),
+                                               ({"storageClassName": "slow"}, "StorageClass")])
+def test_immutable_changes_get_a_false_condition(storage: dict[str, Any], what: str) -> None:
+    result = pl.plan(spec(storage=storage), OWNER, pl.Observed(pvc=_claim("20Gi", ["ReadWriteOnce"])), READY)
+    assert result.storage is not None
+    assert (result.storage.status, result.storage.reason) == ("False", "ImmutableChange")
+    assert what in result.storage.message
+
+
+def test_rwo_cache_pods_are_kept_on_one_node() -> None:
+    s = spec()
+    job, sts = valid(M.build_fetch_job(s)), valid(M.build_statefulset(s))
+    for pod in (job["spec"]["template"], sts["spec"]["template"]):
+        assert pod["metadata"]["labels"][C.LABEL_CACHE_CLAIM] == "ps-cache"
+        [term] = pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term == {"labelSelector": {"matchLabels": {C.LABEL_CACHE_CLAIM: "ps-cache"}},
+                        "topologyKey": M.HOSTNAME_TOPOLOGY}
+    rwx = valid(M.build_statefulset(s, cache_modes=("ReadWriteMany",)))
+    assert "affinity" not in rwx["spec"]["template"]["spec"]
+
+
+def test_admission_refuses_rwo_sharing_and_rwop_in_shared_mode() -> None:
+    with pytest.raises(SpecError, match="ReadWriteMany"):
+        spec(replicas=2, storage={"accessModes": ["ReadWriteOnce"]})
+    with pytest.raises(SpecError, match="ReadWriteOncePod"):
+        spec(storage={"accessModes": ["ReadWriteOncePod"]})
+    spec(replicas=2, storage={"mode": "perPod", "accessModes": ["ReadWriteOnce"]})  # the fix it names
+
+
+# --- cleanup ------------------------------------------------------------------------------------
+
+def _rolled(s: Any, *, done: bool) -> dict[str, Any]:
+    sts = M.build_statefulset(s)
+    sts["metadata"].update(generation=2, ownerReferences=[{"uid": "uid-1", "controller": True}])
+    sts["status"] = {"observedGeneration": 2, "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1,
+                     "currentRevision": "r1" if done else "r0", "updateRevision": "r1"}
+    return sts
+
+
+def test_cleanup_job_only_after_every_pod_serves_the_new_checkpoint() -> None:
+    s = spec()
+    job = {"metadata": {"name": "ps-fetch", "labels": M.labels("ps", C.COMPONENT_FETCH)}}
+    pvc = _claim("20Gi", ["ReadWriteOnce"])
+    rolling = pl.plan(s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=False)), READY)
+    assert not [w for w in rolling.writes if w.name == M.Names("ps").gc_job(s.checkpoint.key)]
+    rolled = pl.plan(s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True)), READY)
+    [gc] = [w for w in rolled.writes if w.name == M.Names("ps").gc_job(s.checkpoint.key)]
+    valid(gc.body)
+    [container] = gc.body["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == M.prune_command(s, s.checkpoint.key)
+    # never on a claim the operator does not own
+    mine_only = spec(storage={"existingClaim": "models"})
+    assert not [w for w in pl.plan(mine_only, OWNER, pl.Observed(pvc=pvc, job=job,
+                                                                  statefulset=_rolled(mine_only, done=True)),
+                                   READY).writes if w.kind == "Job"]
+
+
+def _fetched(dest: Path, key: str, age_s: float) -> None:
+    directory = dest / key
+    directory.mkdir(parents=True)
+    (directory / "model.safetensors").write_bytes(b"x")
+    write_marker(directory, make_marker(key=key, source="s", revision=None, resolved_revision=None,
+                                        files={"model.safetensors": {"size": 1}}))
+    then = time.time() - age_s
+    os.utime(directory / C.COMPLETE_MARKER, (then, then))
+
+
+@pytest.mark.parametrize(("keep_last", "left"), [(1, {"new", "newer", ".fetch", "stray"}),
+                                                 (2, {"mid", "new", "newer", ".fetch", "stray"})])
+def test_prune_keeps_the_served_the_newer_and_the_unknown(tmp_path: Path, keep_last: int, left: set[str]) -> None:
+    for key, age in (("old", 300), ("mid", 200), ("new", 100), ("newer", 10)):
+        _fetched(tmp_path, key, age)
+    (tmp_path / "stray").mkdir()  # no marker: not provably a finished download
+    (tmp_path / ".fetch").mkdir()
+    removed = prune(tmp_path, {"new"}, keep_last, log=lambda _: None)
+    assert {p.name for p in tmp_path.iterdir()} - {".fetch"} | {".fetch"} == left
+    assert set(removed) == {"old", "mid"} - left
+    assert json.loads((tmp_path / "new" / C.COMPLETE_MARKER).read_text())["key"] == "new"
+
+
+# --- PDB and pass-through -----------------------------------------------------------------------
+
+def test_pdb_exists_while_replicas_exceed_one() -> None:
+    two = pl.plan(spec(replicas=2, storage={"accessModes": ["ReadWriteMany"]}), OWNER, pl.Observed(), READY)
+    [pdb] = [w for w in two.writes if w.kind == "PodDisruptionBudget"]
+    assert pdb.verb is pl.Verb.APPLY and valid(pdb.body)["spec"]["maxUnavailable"] == 1
+    existing = {**pdb.body, "metadata": {**pdb.body["metadata"], "ownerReferences": [{"uid": "uid-1",
+                                                                                     "controller": True}]}}
+    one = pl.plan(spec(replicas=1), OWNER, pl.Observed(pdb=existing), READY)
+    assert [(w.verb, w.kind) for w in one.writes if w.kind == "PodDisruptionBudget"] == [
+        (pl.Verb.DELETE, "PodDisruptionBudget")]
+
+
+def test_pass_through_reaches_the_pods() -> None:
+    s = spec(podLabels={"kueue.x-k8s.io/queue-name": "robots"}, podAnnotations={"a": "b"}, runtimeClassName="nvidia",
+             schedulerName="volcano",
+             topologySpreadConstraints=[{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}],
+             volumes=[{"name": "extra", "emptyDir": {}}], volumeMounts=[{"name": "extra", "mountPath": "/extra"}])
+    pod = valid(M.build_statefulset(s))["spec"]["template"]
+    assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "robots" and pod["metadata"]["annotations"]["a"] == "b"
+    assert (pod["spec"]["runtimeClassName"], pod["spec"]["schedulerName"]) == ("nvidia", "volcano")
+    assert pod["spec"]["topologySpreadConstraints"][0]["topologyKey"] == "zone"
+    assert {"name": "extra", "emptyDir": {}} in pod["spec"]["volumes"]
+    assert {"name": "extra", "mountPath": "/extra"} in pod["spec"]["containers"][0]["volumeMounts"]
+    job = valid(M.build_fetch_job(s))["spec"]["template"]
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "robots"
+    assert job["spec"]["schedulerName"] == "volcano" and "runtimeClassName" not in job["spec"]
+
+
+@pytest.mark.parametrize(("extra", "match"), [({"podLabels": {C.LABEL_INSTANCE: "x"}}, "podLabels"),
+                                              ({"volumes": [{"name": "tmp", "emptyDir": {}}]}, "the operator adds"),
+                                              ({"volumes": [{"name": "v", "emptyDir": {}}],
+                                                "volumeMounts": [{"name": "v", "mountPath": "/models/x"}]}, "overlaps"),
+                                              ({"parallelism": {"dp": 9}}, "maxGpusPerPod")])
+def test_pass_through_that_would_break_the_pod_is_refused(extra: dict[str, Any], match: str) -> None:
+    with pytest.raises(SpecError, match=match):
+        spec(**extra)
+
+
+def test_default_requests_count_shm_and_leave_limits_to_kubernetes() -> None:
+    s = spec(parallelism={"dp": 2}, resources={"shmSize": "1Gi"})
+    requests = valid(M.build_statefulset(s))["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    assert (requests["cpu"], requests["memory"]) == ("2", "5Gi")  # 2 ranks x 2Gi + 1Gi of /dev/shm
+    limited = spec(resources={"limits": {"memory": "8Gi"}, "requests": {"cpu": "3"}})
+    assert M.default_requests(limited) == {}
+    assert spec(runtime={"device": "cpu"}, parallelism={"dp": 12}).gpus_per_pod == 0  # maxGpusPerPod counts GPUs
