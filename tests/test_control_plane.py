@@ -363,32 +363,67 @@ def test_pass_through_fields_do_what_the_crd_says(cluster: ControlPlane, namespa
 
     What the real server does depends only on the CRD's schema for them:
     with ``x-kubernetes-preserve-unknown-fields`` it keeps anything (the
-    StatefulSet the operator makes from it is then checked by the server,
-    later); with a typed schema it refuses unknown or malformed fields at
-    once, naming the path.  The test reads which one the CRD chose and
-    holds the server to it.
+    StatefulSet the operator makes from it is checked later, by the server,
+    when the operator applies it); with the core/v1 types in the schema it
+    refuses unknown or malformed fields at once, naming the full path.  The
+    test reads which one the CRD chose and holds the server to it.
     """
     base = yaml.safe_load(EXAMPLES[0].read_text())
-    cases = {
-        "spec.affinity": ("affinity", {"nodeAffinity": {"requiredDuringScheduling": {"bogus": True}}}),
-        "spec.runtime.env": ("runtime", {"env": [{"name": "A", "valueFrom": {"secretKeyRef": "not-an-object"}}]}),
-    }
-    for path, (field, value) in cases.items():
+    cases = [  # (schema path, spec field, value, path the server names, what it says)
+        ("spec.affinity", "affinity", {"nodeAffinity": {"requiredDuringScheduling": {"bogus": True}}},
+         "spec.affinity.nodeAffinity.requiredDuringScheduling", "unknown field"),
+        ("spec.runtime.env", "runtime", {"env": [{"name": "A", "valueFrom": {"secretKeyRef": "not-an-object"}}]},
+         "spec.runtime.env[0].valueFrom.secretKeyRef", "must be of type object"),
+        ("spec.runtime.env", "runtime", {"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s"}}}]},
+         "spec.runtime.env[0].valueFrom.secretKeyRef.key", "Required value"),
+    ]
+    for i, (schema_path, field, value, error_path, says) in enumerate(cases):
         manifest = copy.deepcopy(base)
-        manifest["metadata"]["name"] = f"pass-{field}"
+        manifest["metadata"]["name"] = f"pass-through-{i}"
         manifest["spec"][field] = value
         result = apply_stdin(cluster, namespace, manifest, check=False)
-        schema = schema_at(path)
+        schema = schema_at(schema_path)
+        schema = schema.get("items", schema)
         opaque = schema.get("x-kubernetes-preserve-unknown-fields") or \
-            schema.get("items", {}).get("x-kubernetes-preserve-unknown-fields") or \
-            schema.get("items", {}).get("properties", {}).get("valueFrom", {}).get(
-                "x-kubernetes-preserve-unknown-fields")
+            schema.get("properties", {}).get("valueFrom", {}).get("x-kubernetes-preserve-unknown-fields")
         if opaque:
-            assert result.returncode == 0, (path, result.stderr)
+            assert result.returncode == 0, (error_path, result.stderr)
             assert get_ps(cluster, namespace, manifest["metadata"]["name"])["spec"][field] == value
         else:
-            assert result.returncode != 0, f"{path}: a malformed value was accepted"
-            assert path in result.stderr, (path, result.stderr)
+            assert result.returncode != 0, f"{error_path}: a malformed value was accepted"
+            assert error_path in result.stderr and says in result.stderr, (error_path, result.stderr)
+
+
+def test_immutable_fields_of_the_children_are_enforced(cluster: ControlPlane, namespace: str) -> None:
+    """The rules the operator has to live with when a spec change reaches a child it already made."""
+    children = [
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "cache"},
+         "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}},
+        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "server"},
+         "spec": {"replicas": 0, "serviceName": "server", "selector": {"matchLabels": {"app": "server"}},
+                  "template": {"metadata": {"labels": {"app": "server"}},
+                               "spec": {"containers": [{"name": "c", "image": "registry.invalid/none:0"}]}},
+                  "volumeClaimTemplates": [{"metadata": {"name": "cache"}, "spec": {
+                      "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}]}},
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "fetch"},
+         "spec": {"suspend": True, "template": {"spec": {"restartPolicy": "Never", "containers": [
+             {"name": "c", "image": "registry.invalid/none:0"}]}}}},
+    ]
+    for child in children:
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(child))
+    changes = [  # (kind/name, merge patch, the field the server names, what it says)
+        ("pvc/cache", '{"spec": {"accessModes": ["ReadWriteMany"]}}',
+         "spec", "spec is immutable after creation"),
+        ("statefulset/server", '{"spec": {"volumeClaimTemplates": [{"metadata": {"name": "cache"}, "spec": '
+                               '{"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}}]}}',
+         "spec.volumeClaimTemplates", "field is immutable"),
+        ("job/fetch", '{"spec": {"template": {"spec": {"containers": [{"name": "c", "image": "other:1"}]}}}}',
+         "spec.template.spec", "field is immutable"),
+    ]
+    for target, patch, field, says in changes:
+        result = cluster.kubectl("patch", target, "-n", namespace, "--type=merge", "-p", patch, check=False)
+        assert result.returncode != 0, f"{target}: the change was accepted"
+        assert f"{field}:" in result.stderr and says in result.stderr, (target, result.stderr)
 
 
 # --- the chart, RBAC and the operator as its ServiceAccount ---------------------------------
