@@ -55,6 +55,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "service-monitor-all-namespaces": {"serviceMonitor": {"enabled": True, "interval": "1m"},
                                        "watchAllNamespaces": True},
     "sample": {"samplePolicyServer": {"enabled": True}},
+    "network-policy": {"networkPolicy": {"enabled": True}, "watchNamespaces": ["team-a", "team-b"]},
+    "network-policy-all-namespaces": {"networkPolicy": {"enabled": True, "namespaces": [NS], "metrics": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
+                                      "watchAllNamespaces": True},
     "dashboard": {"dashboard": {"enabled": True, "annotations": {"grafana_folder": "Robots"}}},
     "sample-cfgp2-dp1": {"samplePolicyServer": {"enabled": True, "name": "policy-cfgp2-dp1", "namespace": "team-a",
                                                 "image": {"tag": "0.1.0-cuda"},
