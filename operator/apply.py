@@ -31,6 +31,8 @@ def apply(kube: Kube, plan: Plan, namespace: str) -> Applied:
         try:
             if write.verb is Verb.PATCH:
                 answer = kube.merge_patch(write.kind, namespace, write.name, write.body)
+            elif write.verb is Verb.DELETE:
+                answer = kube.delete(write.kind, namespace, write.name) or {}
             else:  # create-once and every-pass writes are both server-side applies of the whole object
                 answer = kube.apply(write.body)
         except Rejected as exc:

@@ -136,6 +136,10 @@ def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_
     ck = spec.checkpoint
     job_name = Names(spec.name).job(ck.key)
     recorded = recorded or {}
+    if spec.storage.per_pod:  # no fetch Job: each pod's init container fetches into its own claim
+        return CheckpointState(CheckpointPhase.READY, Reason.FETCHED_BY_PODS,
+                               f"each pod fetches {ck.source} into {ck.path} on its own claim before it serves",
+                               job_name)
     if job is None:
         if recorded.get("key") == ck.key and recorded.get("phase") == CheckpointPhase.READY:
             return CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name)

@@ -53,6 +53,13 @@ class Reason(str, Enum):
     STABLE = "Stable"
     FAILED = "Failed"
     PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
+    # StorageReady (the cache claims against spec.storage)
+    STORAGE_AS_SPECIFIED = "AsSpecified"
+    EXPANDING = "Expanding"
+    EXPANSION_NOT_ALLOWED = "ExpansionNotAllowed"
+    IMMUTABLE_CHANGE = "ImmutableChange"
+    CACHE_NOT_SHARED = "CacheNotShared"
+    FETCHED_BY_PODS = "FetchedByPods"  # CheckpointReady with storage.mode perPod: each pod's init container fetches
     NAME_CONFLICT = "NameConflict"
     APPLY_FAILED = "ApplyFailed"
     CLAIM_NOT_FOUND = "ClaimNotFound"
@@ -76,7 +83,8 @@ FETCH_FAILURE_REASONS = frozenset({Reason.INVALID_SOURCE, Reason.SOURCE_UNREACHA
 # Those become Warning Events.
 WARNING_REASONS = frozenset({Reason.INVALID_SPEC, Reason.REPLICAS_UNAVAILABLE, Reason.NAME_CONFLICT,
                              Reason.APPLY_FAILED, Reason.FAILED, Reason.CLAIM_NOT_FOUND, Reason.UNSCHEDULABLE,
-                             Reason.FAILED_CREATE, Reason.PROGRESS_DEADLINE_EXCEEDED, *FETCH_FAILURE_REASONS})
+                             Reason.FAILED_CREATE, Reason.PROGRESS_DEADLINE_EXCEEDED, *FETCH_FAILURE_REASONS,
+                             Reason.EXPANSION_NOT_ALLOWED, Reason.IMMUTABLE_CHANGE, Reason.CACHE_NOT_SHARED})
 # Progressing=False reasons that mean "stuck", not "done"
 STUCK_REASONS = frozenset({Reason.FAILED, Reason.NAME_CONFLICT, Reason.APPLY_FAILED, Reason.CLAIM_NOT_FOUND,
                            Reason.PROGRESS_DEADLINE_EXCEEDED, Reason.REPLICAS_UNAVAILABLE})

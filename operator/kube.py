@@ -38,6 +38,8 @@ KINDS: dict[str, str] = {
     "StatefulSet": "apps/v1",
     "PolicyServer": API_VERSION,
     "Event": "v1",  # read only: the Job's and StatefulSet's FailedCreate (kopf posts the operator's own)
+    "PodDisruptionBudget": "policy/v1",
+    "StorageClass": "storage.k8s.io/v1",  # read only, cluster-scoped: allowVolumeExpansion
 }
 
 
@@ -114,8 +116,18 @@ class Kube:
     # --- reads ------------------------------------------------------------------------------
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """One object, or None; ``namespace`` "" for a cluster-scoped kind."""
         try:
-            return self._call(f"get {kind} {namespace}/{name}", self._resource(kind).get, name=name, namespace=namespace)
+            return self._call(f"get {kind} {namespace}/{name}", self._resource(kind).get, name=name,
+                              namespace=namespace or None)
+        except NotFound:
+            return None
+
+    def delete(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """Delete one object (background propagation); None when it was already gone."""
+        try:
+            return self._call(f"delete {kind} {namespace}/{name}", self._resource(kind).delete, name=name,
+                              namespace=namespace, body={"propagationPolicy": "Background"})
         except NotFound:
             return None
 

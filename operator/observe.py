@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from policy_operator import progress_line
-from policy_operator.constants import COMPONENT_FETCH, LABEL_CHECKPOINT_KEY
+from policy_operator.constants import COMPONENT_CACHE, COMPONENT_FETCH, LABEL_CHECKPOINT_KEY
 from policy_operator.operator import child_status, manifests, rank_probe
 from policy_operator.operator.kube import Kube, KubeError
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
@@ -102,7 +102,25 @@ def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
         statefulset=kube.get("StatefulSet", ns, names.statefulset),
         service=kube.get("Service", ns, names.service),
         headless_service=kube.get("Service", ns, names.headless_service),
+        **storage_and_disruption(kube, spec),
     )
+
+
+def storage_and_disruption(kube: Kube, spec: PolicyServerSpec) -> dict[str, Any]:
+    """perPod cache claims, the cache's StorageClass, the PodDisruptionBudget and the cleanup Job."""
+    ns, names = spec.namespace, Names(spec.name)
+    claims = kube.list("PersistentVolumeClaim", ns, manifests.selector_labels(spec.name, COMPONENT_CACHE)) \
+        if spec.storage.per_pod else []
+    shared = None if spec.storage.per_pod else kube.get("PersistentVolumeClaim", ns, manifests.claim_name(spec))
+    class_name = ((claims[0] if claims else shared or {}).get("spec") or {}).get("storageClassName")
+    storage_class = None
+    if class_name:
+        try:  # a cluster-scoped read: a namespaced operator may not have it; the apiserver then decides
+            storage_class = kube.get("StorageClass", "", class_name)
+        except KubeError as exc:
+            log.debug("StorageClass %s not readable: %s", class_name, exc)
+    return {"cache_claims": claims, "storage_class": storage_class, "pdb": kube.get("PodDisruptionBudget", ns, names.pdb),
+            "gc_job": kube.get("Job", ns, names.gc_job(spec.checkpoint.key))}
 
 
 def ranks(kube: Kube, spec: PolicyServerSpec, statefulset: Mapping[str, Any] | None, *,

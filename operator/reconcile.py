@@ -16,7 +16,7 @@ from typing import Any
 from policy_operator.operator import child_status, observe
 from policy_operator.operator import status as st
 from policy_operator.operator.apply import apply
-from policy_operator.operator.conditions import Event
+from policy_operator.operator.conditions import Event, condition_events, merge_conditions
 from policy_operator.operator.kube import Kube
 from policy_operator.operator.manifests import Names
 from policy_operator.operator.plan import plan
@@ -54,7 +54,8 @@ def reconcile(kube: Kube, namespace: str, name: str, *, post_event: Callable[[di
                                                observed.fetch_log,
                                                observe.job_events(kube, namespace, observed.job, observed.job_pods))
     # plan + apply
-    applied = apply(kube, plan(spec, owner, observed, checkpoint), namespace)
+    planned = plan(spec, owner, observed, checkpoint)
+    applied = apply(kube, planned, namespace)
     for event in applied.events:  # before anything else can fail: these objects now exist
         post_event(owner, event)
 
@@ -74,6 +75,10 @@ def reconcile(kube: Kube, namespace: str, name: str, *, post_event: Callable[[di
                              pods=healths, service_exists=observed.service is not None or
                              f"Service/{names.service}" in applied.results,
                              previous=previous, generation=generation, now=st.now_rfc3339(), problem=applied.problem)
+    if planned.storage is not None:  # StorageReady: the cache claims against spec.storage (plan._plan_storage)
+        update.status["conditions"] = merge_conditions(update.status["conditions"], [planned.storage],
+                                                       generation=generation, now=st.now_rfc3339())
+        update.events.extend(condition_events(previous.get("conditions"), [planned.storage]))
     st.write_status(kube, namespace, name, previous, update.status, full=True)
     for event in update.events:
         post_event(owner, event)
