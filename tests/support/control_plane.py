@@ -116,7 +116,7 @@ def build_command(output: Path) -> list[str]:
               for package in ("client-go/pkg/version", "component-base/version")
               for key, value in (("gitVersion", version), ("gitMajor", major), ("gitMinor", minor),
                                  ("gitCommit", ""), ("gitTreeState", "archive"))]
-    return ["go", "build", "-trimpath", f"-ldflags=-s -w {' '.join(stamps)}", "-o", str(output), "."]
+    return ["go", "build", "-trimpath", "-buildvcs=false", f"-ldflags=-s -w {' '.join(stamps)}", "-o", str(output), "."]
 
 
 def source_hash() -> str:
@@ -149,7 +149,8 @@ def ensure_binary(*, log: Any = sys.stderr) -> Path:
 
 
 def _build(log: Any) -> None:
-    go = shutil.which("go")
+    # the official tarball's place: a non-interactive shell (CI) may not have it on PATH
+    go = shutil.which("go") or shutil.which("go", path="/usr/local/go/bin")
     if go is None:
         raise ControlPlaneError("`go` is not on PATH: the control plane is built from tests/cluster/ "
                                 "(Go >= the `go` line of tests/cluster/go.mod)")
