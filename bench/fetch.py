@@ -42,9 +42,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from policy_operator.runtime.checkpoint import write_manifest  # noqa: E402
-from policy_operator.runtime.fetch import fetch  # noqa: E402
-from policy_operator.runtime.fetch_marker import fsync_path  # noqa: E402
+from policy_operator.runtime.checkpoint.fetch import fetch  # noqa: E402
+from policy_operator.runtime.checkpoint.format import write_manifest  # noqa: E402
+from policy_operator.runtime.checkpoint.marker import fsync_path  # noqa: E402
 from tests.support.http_checkpoint_server import CheckpointServer  # noqa: E402
 
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -114,7 +114,7 @@ def main() -> int:
             for _ in range(args.repeat):
                 dest = root / "dest"
 
-                def run_fetch() -> None:
+                def run_fetch(dest: Path = dest) -> None:
                     fetch(url, dest, progress=False)
 
                 results.setdefault(FETCH, []).append(timed(run_fetch))
@@ -125,20 +125,20 @@ def main() -> int:
                 if curl:
                     out = root / "curl.out"
 
-                    def run_curl() -> None:
+                    def run_curl(out: Path = out) -> None:
                         subprocess.run([curl, "-sSf", "-o", str(out), file_url], check=True)
 
                     results.setdefault("curl", []).append(timed(run_curl))
                     out.unlink()
 
-                    def run_curl_synced() -> None:
-                        run_curl()
+                    def run_curl_synced(out: Path = out) -> None:
+                        run_curl(out)
                         fsync_path(out)
 
                     results.setdefault(CURL_SYNC, []).append(timed(run_curl_synced))
                     out.unlink()
 
-                    def run_curl_checked() -> None:
+                    def run_curl_checked(out: Path = out) -> None:
                         subprocess.run([curl, "-sSf", "-o", str(out), file_url], check=True)
                         hashlib.sha256(out.read_bytes()) if args.size < (256 << 20) else subprocess.run(
                             ["sha256sum", str(out)], check=True, capture_output=True)
@@ -147,7 +147,7 @@ def main() -> int:
                     results.setdefault("curl + sha256sum + fsync", []).append(timed(run_curl_checked))
                     out.unlink()
                 copy = root / "copy.out"
-                results.setdefault("cp", []).append(timed(lambda: subprocess.run(["cp", str(weights), str(copy)], check=True)))
+                results.setdefault("cp", []).append(timed(lambda copy=copy: subprocess.run(["cp", str(weights), str(copy)], check=True)))
                 copy.unlink()
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -34,8 +34,8 @@ def main() -> int:
 
     import torch
 
-    from policy_operator.runtime.reference import ReferencePolicy, init_checkpoint
-    from policy_operator.runtime.sampler import sample_actions
+    from policy_operator.runtime.policy.reference import ReferencePolicy, init_checkpoint
+    from policy_operator.runtime.policy.sampler import sample_actions
 
     assert torch.cuda.is_available(), "needs a GPU"
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -82,8 +82,8 @@ class Server:
 def fixed_seed_actions(url: str) -> np.ndarray:
     from websockets.sync.client import connect
 
-    from policy_operator.runtime import wire
     from policy_operator.runtime.client import robolab_observation
+    from policy_operator.runtime.serving import wire
 
     with connect(url, compression=None, max_size=None) as ws:
         meta = wire.unpackb(ws.recv(timeout=60))
@@ -110,9 +110,9 @@ def in_process_infer(checkpoint: Path, args: argparse.Namespace, n: int) -> floa
     """The same request without any server: prepare + sample + postprocess, one thread."""
     import torch
 
-    from policy_operator.runtime.policy import parse_dtype
-    from policy_operator.runtime.reference import ReferencePolicy
-    from policy_operator.runtime.sampler import sample_actions
+    from policy_operator.runtime.policy.interface import parse_dtype
+    from policy_operator.runtime.policy.reference import ReferencePolicy
+    from policy_operator.runtime.policy.sampler import sample_actions
 
     if args.device == "cpu":
         torch.set_num_threads(1)
@@ -149,7 +149,7 @@ def main() -> int:
     p.add_argument("--out", default=None, help="markdown file (default bench/results/runtime-<device>.md)")
     args = p.parse_args()
 
-    from policy_operator.runtime.reference import init_checkpoint
+    from policy_operator.runtime.policy.reference import init_checkpoint
 
     if args.checkpoint:
         checkpoint = Path(args.checkpoint)

@@ -44,8 +44,8 @@ def readyz(port: int) -> tuple[int | None, dict | None]:
 def request(port: int, prompt: str = "pick up the cup", seed: int = 3):
     from websockets.sync.client import connect
 
-    from policy_operator.runtime import wire
     from policy_operator.runtime.client import robolab_observation
+    from policy_operator.runtime.serving import wire
 
     with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None) as ws:
         meta = wire.unpackb(ws.recv(timeout=60))
@@ -65,7 +65,7 @@ def main() -> int:
     p.add_argument("--port", type=int, default=18300)
     args = p.parse_args()
 
-    from policy_operator.runtime.reference import init_checkpoint
+    from policy_operator.runtime.policy.reference import init_checkpoint
 
     ckpt = init_checkpoint(Path(tempfile.mkdtemp()) / args.size, args.size)
     env = dict(os.environ, TORCH_NCCL_ASYNC_ERROR_HANDLING="1", NCCL_NVLS_ENABLE="0",

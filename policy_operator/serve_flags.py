@@ -25,7 +25,7 @@ DEFAULT_STEPS: Final = 10
 DEFAULT_DRAIN_GRACE_S: Final = 20.0
 DEFAULT_CACHE_DIR: Final = ".cache/checkpoints"
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 << 20
-DEFAULT_POLICY: Final = "policy_operator.runtime.reference:ReferencePolicy"
+DEFAULT_POLICY: Final = "policy_operator.runtime.policy.reference:ReferencePolicy"
 WORKER_MODULE: Final = "policy_operator.runtime.worker"  # the torchrun program, one process per rank
 
 

@@ -1,6 +1,6 @@
 """Send RoboLab-shaped observations to a policy server and print latency percentiles.
 
-Speaks the same wire protocol as openpi-client (``runtime/wire.py``); with
+Speaks the same wire protocol as openpi-client (``runtime/serving/wire.py``); with
 ``--concurrency N`` it opens N connections that send in parallel, which is how
 a dp>1 pod is seen serving requests concurrently.
 """
@@ -48,7 +48,7 @@ def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, 
                timeout: float = 60.0) -> dict[str, Any]:
     from websockets.sync.client import connect
 
-    from policy_operator.runtime import wire
+    from policy_operator.runtime.serving import wire
 
     headers = {"Authorization": f"Bearer {token}"} if token else None
     records: list[dict[str, float]] = []  # one per request: rtt_ms, infer_ms, total_ms, replica

@@ -45,8 +45,8 @@ def _serve(checkpoint: Path, port: int, cfgp: int, dp: int) -> subprocess.Popen:
 def _one(url: str, seed: int) -> np.ndarray:
     from websockets.sync.client import connect
 
-    from policy_operator.runtime import wire
     from policy_operator.runtime.client import robolab_observation
+    from policy_operator.runtime.serving import wire
 
     with connect(url, compression=None) as ws:
         meta = wire.unpackb(ws.recv(timeout=30))
@@ -56,7 +56,7 @@ def _one(url: str, seed: int) -> np.ndarray:
 
 def main(args: argparse.Namespace) -> int:
     from policy_operator.runtime.client import run_client
-    from policy_operator.runtime.reference import init_checkpoint
+    from policy_operator.runtime.policy.reference import init_checkpoint
 
     checkpoint = Path(args.dir) / "checkpoint-tiny"
     if not (checkpoint / "manifest.json").exists():

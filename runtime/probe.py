@@ -30,7 +30,7 @@ import numpy as np
 
 from policy_operator.exit_codes import ProbeExit, describe
 
-# Keys of an openpi / RoboLab DROID observation (runtime/observation.py validates them on the server).
+# Keys of an openpi / RoboLab DROID observation (runtime/policy/observation.py validates them on the server).
 IMAGE_KEY = "observation/image"
 JOINT_KEY = "observation/joint_position"
 GRIPPER_KEY = "observation/gripper_position"
@@ -179,7 +179,7 @@ def probe(url: str, *, token: str | None = None, timeout: float = 60.0, retry_se
     """One robot's first request, checked; never raises for what the server does (the result says)."""
     from websockets.exceptions import ConnectionClosed
 
-    from policy_operator.runtime import wire
+    from policy_operator.runtime.serving import wire
 
     result = ProbeResult(url=url, ok=False)
     headers = {"Authorization": f"Bearer {token}"} if token else None

@@ -26,10 +26,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from policy_operator import serve_flags
 from policy_operator.exit_codes import ServeExit
 from policy_operator.layout import LayoutError, ParallelLayout
+from policy_operator.readyz import RankState
+
+if TYPE_CHECKING:  # torch: imported once the layout is known to be valid
+    from policy_operator.runtime.parallel.dispatch import Replica
 
 log = logging.getLogger("policy_operator.runtime.worker")
 
@@ -55,7 +60,7 @@ def resolve_checkpoint(opts: serve_flags.ServeOptions) -> str:
         return opts.checkpoint
     if "://" not in opts.checkpoint:
         raise FileNotFoundError(f"checkpoint directory {opts.checkpoint} does not exist")
-    from policy_operator.runtime.fetch import fetch
+    from policy_operator.runtime.checkpoint.fetch import fetch
 
     return str(fetch(opts.checkpoint, opts.cache_dir, revision=opts.revision))
 
@@ -66,8 +71,8 @@ class Runtime:
     def __init__(self, opts: serve_flags.ServeOptions, layout: ParallelLayout) -> None:
         import torch
 
-        from policy_operator.runtime.groups import init_distributed, select_device
-        from policy_operator.runtime.health import Board, Heartbeat, MemoryKV, StoreKV
+        from policy_operator.runtime.parallel.groups import init_distributed, select_device
+        from policy_operator.runtime.parallel.heartbeat import Board, Heartbeat, MemoryKV, StoreKV
 
         self.opts = opts
         self.layout = layout
@@ -83,18 +88,17 @@ class Runtime:
         self.heartbeat = Heartbeat(self.kv_factory, self.rank, opts.heartbeat_s).start()
         self.board_factory = lambda: Board(self.kv_factory(), layout, opts.heartbeat_s)
         cfg_mode = opts.cfg_mode if opts.cfg_mode != "auto" else ("batched" if self.device.type == "cuda" else "sequential")
-        from policy_operator.runtime.replica import SamplerSettings
+        from policy_operator.runtime.policy.sampler import SamplerSettings
 
         self.settings = SamplerSettings(opts.steps, opts.guidance, cfg_mode)  # type: ignore[arg-type]
 
-    def load(self):
+    def load(self) -> Replica:
         """Checkpoint path from rank 0, model on this rank, warm-up by the replica's driver."""
         import torch
         import torch.distributed as dist
 
-        from policy_operator.runtime.health import RankState
-        from policy_operator.runtime.policy import load_policy_class, parse_dtype
-        from policy_operator.runtime.replica import Job, ReplicaWorker
+        from policy_operator.runtime.parallel.dispatch import InferenceRequest, Replica
+        from policy_operator.runtime.policy.interface import load_policy_class, parse_dtype
 
         if self.opts.threads:
             torch.set_num_threads(self.opts.threads)  # per thread under OpenMP: set on the model thread
@@ -111,19 +115,19 @@ class Runtime:
         policy = cls.load(path, device=self.device, dtype=parse_dtype(self.opts.dtype))
         if self.opts.compile:
             policy.compile(self.opts.compile)
-        worker = ReplicaWorker(policy, self.groups, self.settings, self.heartbeat)
+        replica = Replica(policy, self.groups, self.settings, self.heartbeat)
         if self.groups.cfg_index == 0:
             warm = policy.prepare(policy.example_observation(0))
-            worker.execute(Job("warmup", warm, 0))
+            replica.execute(InferenceRequest("warmup", warm, 0))
             log.info("replica %d warmed up", self.groups.dp_index)
-        return worker
+        return replica
 
 
 # --- global rank 0 ------------------------------------------------------------------------
 async def _serve_rank0(rt: Runtime) -> int:
-    from policy_operator.runtime.engine import Engine, ReplicaHandle, remote_call, remote_shutdown
-    from policy_operator.runtime.health import RankState
-    from policy_operator.runtime.server import PolicyWebSocketServer, ServerConfig
+    from policy_operator.runtime.parallel.dispatch import local_lane, remote_lane
+    from policy_operator.runtime.serving.ingress import Ingress
+    from policy_operator.runtime.serving.server import PolicyWebSocketServer, ServerConfig
     from policy_operator.serve_flags import read_token
 
     opts = rt.opts
@@ -131,10 +135,10 @@ async def _serve_rank0(rt: Runtime) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    engine = Engine(rt.layout, rt.settings, rt.board_factory())
+    ingress = Ingress(rt.layout, rt.settings, rt.board_factory())
     config = ServerConfig(opts.host, opts.port, opts.max_message_bytes, opts.error_format,  # type: ignore[arg-type]
                           read_token(opts.auth_token_file))
-    server = PolicyWebSocketServer(engine, config)
+    server = PolicyWebSocketServer(ingress, config)
     await server.start()
     print(f"policyserver: listening on ws://{opts.host}:{server.port} ({rt.layout.label})", flush=True)
 
@@ -147,33 +151,30 @@ async def _serve_rank0(rt: Runtime) -> int:
         log.info("stopped while loading")
         os._exit(ServeExit.OK)
     try:
-        worker = load.result()
+        replica = load.result()
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint must restart the pod, with a reason
         rt.heartbeat.set_state(RankState.FAILED, str(exc))
-        engine.load_error = f"{type(exc).__name__}: {exc}"
-        log.error("loading the policy failed: %s", engine.load_error)
-        print(f"policyserver: error: {engine.load_error}", file=sys.stderr, flush=True)
+        ingress.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("loading the policy failed: %s", ingress.load_error)
+        print(f"policyserver: error: {ingress.load_error}", file=sys.stderr, flush=True)
         await server.stop()
         return ServeExit.LOAD
-    replicas = [ReplicaHandle(0, model_pool, worker.execute_reply)]
-    engine.shutdown_calls.append((model_pool, worker.shutdown_peers))
+    lanes = [local_lane(replica, model_pool)]
     for k in range(1, rt.layout.dp):
-        lane = ThreadPoolExecutor(1, thread_name_prefix=f"replica{k}")
-        driver, group = rt.layout.driver_rank(k), rt.groups.dispatch[k]
-        replicas.append(ReplicaHandle(k, lane, remote_call(k, driver, group)))
-        engine.shutdown_calls.append((lane, remote_shutdown(driver, group)))
-    engine.attach(worker.policy, replicas)
+        executor = ThreadPoolExecutor(1, thread_name_prefix=f"replica{k}")
+        lanes.append(remote_lane(k, rt.layout.driver_rank(k), rt.groups.dispatch[k], executor))
+    ingress.attach(replica.policy, lanes)
     print("policyserver: ready", flush=True)
 
     await stopper
     log.info("SIGTERM: draining up to %.1fs", opts.drain_grace_s)
     rt.heartbeat.set_state(RankState.STOPPING)
-    drained = await engine.drain(opts.drain_grace_s)
+    drained = await ingress.drain(opts.drain_grace_s)
     # Keep answering /readyz (503 now) for a heartbeat period before the port closes,
     # so probes and load balancers observe the drain instead of a refused connection.
     await asyncio.sleep(min(opts.heartbeat_s, opts.drain_grace_s))
     await server.stop()
-    await loop.run_in_executor(None, engine.stop_replicas)
+    await loop.run_in_executor(None, ingress.stop_lanes)
     rt.heartbeat.stop()
     log.info("rank 0 exiting 0 (%s)", "drained" if drained else "grace period over")
     return ServeExit.OK
@@ -208,11 +209,11 @@ def _serve_other(rt: Runtime) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     threading.Thread(target=_watchdog, args=(rt,), name="watchdog", daemon=True).start()
-    worker = rt.load()
+    replica = rt.load()
     if rt.groups.cfg_index == 0:
-        worker.driver_loop()
+        replica.serve_driver()
     else:
-        worker.peer_loop()
+        replica.serve_peer()
     rt.heartbeat.stop()
     log.info("rank %d exiting 0", rt.rank)
     return ServeExit.OK

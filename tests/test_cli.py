@@ -15,8 +15,13 @@ import pytest
 from policy_operator import __version__
 from policy_operator.cli import COMMANDS
 from policy_operator.constants import COMPLETE_MARKER, CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
-from tests.support.servers import VENV_BIN, PolicyServerProcess, serve_policy, subprocess_env
-from tests.support.servers import tiny_checkpoint  # noqa: F401 - the fixture
+from tests.support.servers import (
+    VENV_BIN,
+    PolicyServerProcess,
+    serve_policy,
+    subprocess_env,
+    tiny_checkpoint,  # noqa: F401 - the fixture
+)
 
 POLICYSERVER = str(VENV_BIN / "policyserver")
 CLI_TIMEOUT_S = 120
@@ -61,7 +66,8 @@ def test_runtime_subcommand_parsers_import_no_torch() -> None:
     """--help of serve/client/checkpoint stays instant: their parsers must not pull in torch."""
     code = (
         "import argparse, sys\n"
-        "from policy_operator.runtime import checkpoint_cli, client, serve_cli\n"
+        "from policy_operator.runtime import client, serve_cli\n"
+        "from policy_operator.runtime.checkpoint import cli as checkpoint_cli\n"
         "for m in (serve_cli, client, checkpoint_cli):\n"
         "    m.add_arguments(argparse.ArgumentParser())\n"
         "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.')))\n"

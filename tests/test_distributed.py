@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from websockets.sync.client import connect
 
-from policy_operator.runtime import wire
 from policy_operator.runtime.client import robolab_observation
+from policy_operator.runtime.serving import wire
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.net import wait_for
 from tests.support.servers import PolicyServerProcess, _proc_stat, serve_policy, subprocess_env, tiny_checkpoint  # noqa: F401

@@ -14,8 +14,15 @@ import pytest
 
 from policy_operator.constants import COMPLETE_MARKER, MANIFEST_FILE
 from policy_operator.exit_codes import FetchExit
-from policy_operator.runtime.checkpoint import CheckpointError, sha256_file, write_manifest
-from policy_operator.runtime.fetch import SourceError, UsageError, VerificationError, check_complete, fetch, read_marker
+from policy_operator.runtime.checkpoint.fetch import (
+    SourceError,
+    UsageError,
+    VerificationError,
+    check_complete,
+    fetch,
+    read_marker,
+)
+from policy_operator.runtime.checkpoint.format import CheckpointError, sha256_file, write_manifest
 from policy_operator.sources import request_key
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.net import free_port, wait_for
@@ -24,7 +31,7 @@ MiB = 1 << 20
 CLI_TIMEOUT_S = 120
 # The fetch module's own entry point: same add_arguments/main as `policyserver fetch`, without the
 # start-up cost of importing every other subcommand. The registration itself is tested below.
-FETCH_CMD = [sys.executable, "-m", "policy_operator.runtime.fetch"]
+FETCH_CMD = [sys.executable, "-m", "policy_operator.runtime.checkpoint.fetch"]
 
 
 def make_checkpoint(directory: Path, weights_size: int = 2 * MiB) -> Path:
@@ -378,7 +385,7 @@ def test_disk_full_exits_5(server, tmp_path, cli_env):
 
 
 def test_git_blob_sha1_matches_git():
-    from policy_operator.runtime.fetch import git_blob_sha1
+    from policy_operator.runtime.checkpoint.fetch import git_blob_sha1
 
     if shutil.which("git") is None:
         pytest.skip("git not installed")

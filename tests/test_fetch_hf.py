@@ -12,13 +12,13 @@ import pytest
 
 from policy_operator.constants import COMPLETE_MARKER
 from policy_operator.exit_codes import FetchExit
-from policy_operator.runtime.checkpoint import sha256_file, write_manifest
-from policy_operator.runtime.fetch import check_complete, read_marker
+from policy_operator.runtime.checkpoint.fetch import check_complete, read_marker
+from policy_operator.runtime.checkpoint.format import sha256_file, write_manifest
 from policy_operator.sources import request_key
 from tests.support.hub_stub import HubStub
 
 MiB = 1 << 20
-FETCH_CMD = [sys.executable, "-m", "policy_operator.runtime.fetch"]  # see tests/test_fetch.py
+FETCH_CMD = [sys.executable, "-m", "policy_operator.runtime.checkpoint.fetch"]  # see tests/test_fetch.py
 REPO = "lab/pi0-tiny"
 TOKEN = "hf_stubTOKEN0123456789secret"
 

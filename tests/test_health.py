@@ -8,8 +8,8 @@ import time
 import pytest
 
 from policy_operator.layout import ParallelLayout
-from policy_operator.readyz import RankReadiness, Readiness, all_ranks_ready
-from policy_operator.runtime.health import KEY_PREFIX, Board, Heartbeat, MemoryKV, RankState
+from policy_operator.readyz import RankReadiness, RankState, Readiness, all_ranks_ready
+from policy_operator.runtime.parallel.heartbeat import KEY_PREFIX, Board, Heartbeat, MemoryKV
 from tests.support.net import wait_for
 
 

@@ -160,6 +160,8 @@ def test_the_copied_sources_build_the_whole_project(tmp_path: Path) -> None:
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     for module in ("policy_operator/cli.py", "policy_operator/runtime/worker.py", "policy_operator/runtime/serve_cli.py",
+                   "policy_operator/runtime/serving/server.py", "policy_operator/runtime/parallel/dispatch.py",
+                   "policy_operator/runtime/policy/interface.py", "policy_operator/runtime/checkpoint/fetch.py",
                    "policy_operator/operator/main.py", "policy_operator/operator/handlers.py"):
         assert module in names
     assert "policyserver = policy_operator.cli:main" in entry_points
@@ -237,7 +239,7 @@ def test_operator_import_path_runs_without_torch() -> None:
     proc = _python(BLOCK_TORCH + every_module)
     assert proc.returncode == 0 and "--all-namespaces" in proc.stdout, proc.stderr
     # the block is real: the runtime's model code, which does need torch, fails under it
-    proc = _python(BLOCK_TORCH + "import policy_operator.runtime.policy")
+    proc = _python(BLOCK_TORCH + "import policy_operator.runtime.policy.interface")
     assert proc.returncode != 0 and "torch" in proc.stderr
 
 

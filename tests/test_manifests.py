@@ -131,7 +131,7 @@ def test_existing_claim_is_mounted_instead_of_the_pvc() -> None:
 # --- fetch Job -------------------------------------------------------------------------------
 
 def _fetch_parser() -> argparse.ArgumentParser:
-    from policy_operator.runtime import fetch
+    from policy_operator.runtime.checkpoint import fetch
 
     parser = argparse.ArgumentParser()
     fetch.add_arguments(parser)
@@ -246,7 +246,7 @@ def test_worker_command_is_the_runtimes_own() -> None:
 
 
 def test_init_container_verifies_the_cache_with_the_checkpoint_cli() -> None:
-    from policy_operator.runtime import checkpoint_cli
+    from policy_operator.runtime.checkpoint import cli as checkpoint_cli
 
     spec = spec_of(base())
     init = M.build_statefulset(spec)["spec"]["template"]["spec"]["initContainers"][0]

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from policy_operator.runtime.observation import (
+from policy_operator.runtime.policy import InvalidObservation
+from policy_operator.runtime.policy.observation import (
     GRIPPER_KEY,
     IMAGE_KEY,
     JOINT_KEY,
@@ -25,8 +26,8 @@ from policy_operator.runtime.observation import (
     parse_seed,
     parse_session,
 )
-from policy_operator.runtime.policy import InvalidObservation
-from policy_operator.runtime.reference import ReferencePolicy
+from policy_operator.runtime.policy.reference import ReferencePolicy
+from policy_operator.runtime.serving.errors import ErrorKind, RequestError
 from tests.support.servers import tiny_checkpoint  # noqa: F401 - the fixture
 
 WRIST = "observation/wrist_image_left"
@@ -104,7 +105,7 @@ def test_prepare_rejects_and_names_the_key(policy: ReferencePolicy, make: Callab
         policy.prepare(make())
     message = str(info.value)
     assert key in message and words in message, message
-    assert info.value.kind == "invalid_observation"
+    assert info.value.kind is ErrorKind.INVALID_OBSERVATION and isinstance(info.value, RequestError)
 
 
 @pytest.mark.parametrize("obs", [

@@ -61,7 +61,7 @@ def advertised_metadata(url: str, token: str | None = None) -> dict:
     """The metadata frame, read here independently of the probe."""
     from websockets.sync.client import connect
 
-    from policy_operator.runtime import wire
+    from policy_operator.runtime.serving import wire
 
     headers = {"Authorization": f"Bearer {token}"} if token else None
     with connect(url, additional_headers=headers) as ws:
@@ -167,7 +167,7 @@ def test_metadata_checks_name_the_key(change: dict, words: str) -> None:
 
 
 def test_canned_observation_passes_the_servers_own_validation() -> None:
-    from policy_operator.runtime.observation import parse_observation
+    from policy_operator.runtime.policy.observation import parse_observation
 
     expect = probe.check_metadata(META)
     obs = probe.canned_observation(expect)

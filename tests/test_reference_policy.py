@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from policy_operator.constants import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
-from policy_operator.runtime.checkpoint import CheckpointError, sha256_file, verify_checkpoint
-from policy_operator.runtime.policy import Branch, load_policy_class
-from policy_operator.runtime.reference import PolicyConfig, ReferencePolicy, example_observation, init_checkpoint
-from policy_operator.runtime.sampler import sample_actions
+from policy_operator.runtime.checkpoint.format import CheckpointError, sha256_file, verify_checkpoint
+from policy_operator.runtime.policy.interface import Branch, load_policy_class
+from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePolicy, example_observation, init_checkpoint
+from policy_operator.runtime.policy.sampler import sample_actions
 from tests.support.servers import session_checkpoint, tiny_checkpoint  # noqa: F401 - the fixture
 
 CFG_MODES_ATOL = 1e-5
@@ -184,8 +184,8 @@ def test_load_policy_class_resolves_the_default_and_refuses_others() -> None:
 
     assert load_policy_class(DEFAULT_POLICY) is ReferencePolicy
     for path, words in [("no-colon", "pkg.module:Class"), ("nosuch.module:X", "cannot import"),
-                        ("policy_operator.runtime.reference:Nope", "cannot import"),
-                        ("policy_operator.runtime.reference:PolicyConfig", "not a subclass")]:
+                        ("policy_operator.runtime.policy.reference:Nope", "cannot import"),
+                        ("policy_operator.runtime.policy.reference:PolicyConfig", "not a subclass")]:
         with pytest.raises(ValueError, match=words):
             load_policy_class(path)
 
@@ -236,7 +236,7 @@ def test_broken_checkpoint_is_a_checkpoint_error(broken: Path, damage: Any, word
 
 
 def test_sizes_are_valid_configs(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from policy_operator.runtime.reference import SIZES
+    from policy_operator.runtime.policy.reference import SIZES
 
     assert {"tiny", "small", "base"} <= set(SIZES)
     small = load(session_checkpoint(tmp_path_factory, "small"))

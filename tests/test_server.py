@@ -28,10 +28,10 @@ from websockets.sync.client import ClientConnection, connect
 
 from policy_operator import __version__
 from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
-from policy_operator.runtime.reference import PolicyConfig, ReferencePolicy, example_observation
-from policy_operator.runtime.sampler import sample_actions
-from tests.support.plugins.held_policy import hold_prompt
+from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePolicy, example_observation
+from policy_operator.runtime.policy.sampler import sample_actions
 from tests.support.http_checkpoint_server import CheckpointServer
+from tests.support.plugins.held_policy import hold_prompt
 from tests.support.servers import PolicyServerProcess, serve_policy, tiny_checkpoint  # noqa: F401 - the fixture
 
 CFG = PolicyConfig()  # the tiny checkpoint's config

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from openpi_client import msgpack_numpy as openpi
 
-from policy_operator.runtime import wire
-from policy_operator.runtime.wire import WireError
+from policy_operator.runtime.serving import wire
+from policy_operator.runtime.serving.errors import ErrorKind, WireError
 
 
 def _arrays() -> dict[str, object]:
@@ -243,5 +243,7 @@ def test_random_and_mutated_frames_only_ever_raise_wire_error() -> None:
 
 
 def test_error_dict_shape() -> None:
-    assert wire.error_dict("bad_frame", "why") == {"type": "error", "error": {"kind": "bad_frame", "message": "why"}}
-    assert openpi.unpackb(wire.packb(wire.error_dict("k", "m"))) == {"type": "error", "error": {"kind": "k", "message": "m"}}
+    assert wire.error_dict(ErrorKind.BAD_FRAME, "why") == {"type": "error", "error": {"kind": "bad_frame", "message": "why"}}
+    for kind in ErrorKind:
+        assert openpi.unpackb(wire.packb(wire.error_dict(kind, "m"))) == {"type": "error",
+                                                                          "error": {"kind": kind.value, "message": "m"}}

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from policy_operator.runtime.policy import Branch, Sample
-from policy_operator.runtime.reference import ReferencePolicy
+from policy_operator.runtime.policy.reference import ReferencePolicy
 
 PREFIX = "explode:"
 

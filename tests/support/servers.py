@@ -393,7 +393,7 @@ _CHECKPOINT_LOCK = threading.Lock()
 def session_checkpoint(tmp_path_factory: pytest.TempPathFactory, size: str = "tiny", seed: int = 0,
                        **overrides: Any) -> Path:
     """A reference-policy checkpoint made once per session per (size, seed, overrides); treat it as read-only."""
-    from policy_operator.runtime.reference import init_checkpoint
+    from policy_operator.runtime.policy.reference import init_checkpoint
 
     base = tmp_path_factory.getbasetemp()
     key = (str(base), size, seed, json.dumps(overrides, sort_keys=True))

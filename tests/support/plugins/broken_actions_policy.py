@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from policy_operator.runtime.reference import ReferencePolicy
+from policy_operator.runtime.policy.reference import ReferencePolicy
 
 
 class NanActionsPolicy(ReferencePolicy):

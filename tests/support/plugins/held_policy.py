@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from policy_operator.runtime.policy import Branch, Sample
-from policy_operator.runtime.reference import ReferencePolicy
+from policy_operator.runtime.policy.reference import ReferencePolicy
 
 HOLD_PREFIX = "hold:"
 HOLD_LIMIT_S = 120.0  # a forgotten gate never wedges the server for longer

@@ -29,12 +29,6 @@ class Branch(IntEnum):
     UNCOND = 1
 
 
-class InvalidObservation(ValueError):
-    """The observation is unusable; the message goes back to the client verbatim."""
-
-    kind = "invalid_observation"
-
-
 @dataclass
 class Sample:
     """A validated request, ready to broadcast: CPU tensors plus small metadata.
@@ -91,7 +85,7 @@ class Policy(ABC):
     def postprocess(self, x: torch.Tensor) -> np.ndarray:
         """Final x -> float32 actions [horizon, action_dim] (output rank only)."""
 
-    def compile(self, mode: str = "default") -> None:
+    def compile(self, mode: str = "default") -> None:  # noqa: B027 - optional: the default compiles nothing
         """Optional speed-up hook (``--compile``), e.g. torch.compile of the denoiser."""
 
     def metadata(self) -> dict[str, Any]:
@@ -113,7 +107,7 @@ def load_policy_class(path: str) -> type[Policy]:
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot import policy {path!r}: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
-        raise ValueError(f"{path!r} is not a subclass of policy_operator.runtime.policy.Policy")
+        raise ValueError(f"{path!r} is not a subclass of {Policy.__module__}.Policy")
     return cls
 
 

@@ -20,10 +20,10 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import quote, unquote, urlsplit
 
 from policy_operator.constants import ENV_HF_ENDPOINT, MANIFEST_FILE
-from policy_operator.runtime.checkpoint import CheckpointError, parse_manifest
-from policy_operator.runtime.fetch_errors import SourceError, UsageError, redact_url
-from policy_operator.runtime.fetch_http import download_file, fetch_small, head_size
-from policy_operator.runtime.fetch_progress import Progress
+from policy_operator.runtime.checkpoint.errors import SourceError, UsageError, redact_url
+from policy_operator.runtime.checkpoint.format import CheckpointError, parse_manifest
+from policy_operator.runtime.checkpoint.http import download_file, fetch_small, head_size
+from policy_operator.runtime.checkpoint.progress import Progress
 from policy_operator.sources import HF_SCHEME, SCHEMES, InvalidSource, check_relpath, scheme_of
 
 _HF_REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
@@ -176,7 +176,7 @@ class S3Source(Source):
             return self._inner.list_files()
         except SourceError:
             raise
-        except Exception as exc:  # botocore: no credentials, bad region, ...
+        except Exception as exc:  # noqa: BLE001 - botocore: no credentials, bad region, ...; one line, exit 3
             raise SourceError(f"{self.shown}: {type(exc).__name__}: {exc}") from None
 
     def download(self, staging: Path, needed: list[RemoteFile], progress: Progress) -> dict[str, str]:

@@ -27,8 +27,8 @@ from typing import BinaryIO
 from urllib.parse import urlsplit
 
 from policy_operator import __version__
-from policy_operator.runtime.fetch_errors import SourceError, redact_url
-from policy_operator.runtime.fetch_progress import Progress
+from policy_operator.runtime.checkpoint.errors import SourceError, redact_url
+from policy_operator.runtime.checkpoint.progress import Progress
 
 USER_AGENT = f"policyserver-fetch/{__version__}"
 CHUNK = 4 << 20

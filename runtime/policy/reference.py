@@ -27,9 +27,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from policy_operator.constants import CONFIG_FILE, WEIGHTS_FILE
-from policy_operator.runtime.checkpoint import CheckpointError, write_manifest
-from policy_operator.runtime.observation import parse_observation
-from policy_operator.runtime.policy import Branch, InvalidObservation, Policy, Sample
+from policy_operator.runtime.checkpoint.format import CheckpointError, write_manifest
+from policy_operator.runtime.policy.interface import Branch, Policy, Sample
+from policy_operator.runtime.policy.observation import parse_observation
+from policy_operator.runtime.serving.errors import InvalidObservation
 
 
 @dataclass(frozen=True)

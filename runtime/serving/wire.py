@@ -18,14 +18,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from policy_operator.runtime.serving.errors import ErrorKind, WireError
+
 _REFUSED_KINDS = {"V": "void", "O": "object", "c": "complex"}
 MAX_NDIM = 8
-
-
-class WireError(ValueError):
-    """A frame that is not a valid openpi message; the text goes back to the client."""
-
-    kind = "bad_frame"
 
 
 def _check_dtype(dtype: np.dtype) -> None:
@@ -107,6 +103,6 @@ def decode_observation(data: bytes | str) -> dict[str, Any]:
     return obj
 
 
-def error_dict(kind: str, message: str) -> dict[str, Any]:
+def error_dict(kind: ErrorKind, message: str) -> dict[str, Any]:
     """The documented structured error reply (``--error-format dict``)."""
-    return {"type": "error", "error": {"kind": kind, "message": message}}
+    return {"type": "error", "error": {"kind": kind.value, "message": message}}

@@ -36,8 +36,7 @@ from pathlib import Path
 
 from policy_operator.constants import COMPLETE_MARKER, ENV_HF_TOKEN, MANIFEST_FILE
 from policy_operator.exit_codes import FetchExit, describe
-from policy_operator.runtime.checkpoint import CheckpointError, parse_manifest, sha256_file
-from policy_operator.runtime.fetch_errors import (
+from policy_operator.runtime.checkpoint.errors import (
     DiskFullError,
     FetchError,
     SourceError,
@@ -47,9 +46,10 @@ from policy_operator.runtime.fetch_errors import (
     redact_url,
     scrub,
 )
-from policy_operator.runtime.fetch_marker import check_complete, fsync_path, make_marker, read_marker, write_marker
-from policy_operator.runtime.fetch_progress import Progress, human_bytes
-from policy_operator.runtime.fetch_sources import HfSource, RemoteFile, Source, make_source
+from policy_operator.runtime.checkpoint.format import CheckpointError, parse_manifest, sha256_file
+from policy_operator.runtime.checkpoint.marker import check_complete, fsync_path, make_marker, read_marker, write_marker
+from policy_operator.runtime.checkpoint.progress import Progress, human_bytes
+from policy_operator.runtime.checkpoint.sources import HfSource, RemoteFile, Source, make_source
 from policy_operator.sources import HF_SCHEME, InvalidSource, checkpoint_key, split_revision
 from policy_operator.tokens import read_token_file
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from policy_operator.constants import COMPLETE_MARKER, MANIFEST_FILE
-from policy_operator.runtime.checkpoint import CheckpointError, parse_manifest, sha256_file
+from policy_operator.runtime.checkpoint.format import CheckpointError, parse_manifest, sha256_file
 
 MARKER_FORMAT = "policy-fetch/v1"
 

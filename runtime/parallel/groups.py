@@ -1,10 +1,10 @@
 """Process groups of one pod, built once from the ``ParallelLayout``.
 
-Two kinds of group, for the seed PR's bug 2: ranks that wait for work wait on
-*gloo control groups with a year-long timeout*, so a server idle for longer
-than the NCCL/gloo PG timeout never trips a watchdog; the per-step CFG
-exchange uses the default backend (NCCL on CUDA) with the normal timeout, and
-only while a request runs.
+Two kinds of group, because a rank that waits for work on an ordinary group
+is killed by the process-group watchdog once the server has been idle for
+longer than the PG timeout: ranks that wait for work wait on *gloo control
+groups with a year-long timeout*; the per-step CFG exchange uses the default
+backend (NCCL on CUDA) with the normal timeout, and only while a request runs.
 
 * ``world_ctrl``: everyone; start-up (checkpoint path broadcast).
 * ``replica_ctrl``: the ranks of this rank's replica; driver -> peers requests.
@@ -35,24 +35,21 @@ CONTROL_TIMEOUT = timedelta(days=365)
 
 @dataclass
 class Groups:
+    """This rank's groups and coordinates (fixed for the life of the process, so computed once)."""
+
     layout: ParallelLayout
     rank: int
     world_ctrl: dist.ProcessGroup | None = None
     replica_ctrl: dist.ProcessGroup | None = None
     cfg: dist.ProcessGroup | None = None
     dispatch: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    dp_index: int = field(init=False)
+    cfg_index: int = field(init=False)
+    driver: int = field(init=False)  # global rank of this replica's driver (cfg index 0)
 
-    @property
-    def dp_index(self) -> int:
-        return self.layout.coords(self.rank)[0]
-
-    @property
-    def cfg_index(self) -> int:
-        return self.layout.coords(self.rank)[1]
-
-    @property
-    def driver(self) -> int:
-        return self.layout.driver_rank(self.dp_index)
+    def __post_init__(self) -> None:
+        self.dp_index, self.cfg_index = self.layout.coords(self.rank)
+        self.driver = self.layout.driver_rank(self.dp_index)
 
 
 def data_backend(device: torch.device, requested: str = "auto") -> str:

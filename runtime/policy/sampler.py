@@ -21,23 +21,28 @@ the loop: no host sync inside the step loop.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from policy_operator.runtime.policy import Branch, Policy, Sample
+from policy_operator.runtime.policy.interface import Branch, Policy, Sample
+from policy_operator.runtime.serving.errors import PeerFailed
 
 log = logging.getLogger(__name__)
 
 CfgMode = Literal["sequential", "batched", "parallel"]
 
 
-class PeerFailed(RuntimeError):
-    """The request failed on a cfg rank; every rank of the replica raises it together."""
+@dataclass(frozen=True)
+class SamplerSettings:
+    """The server's sampling flags (--steps, --guidance, --cfg-mode), the same for every request."""
 
-    kind = "inference_failed"
+    steps: int
+    guidance: float
+    cfg_mode: CfgMode  # for cfgp=1; cfgp=2 is always "parallel"
 
 
 @dataclass(frozen=True)
@@ -72,13 +77,13 @@ def sample_actions(
         if mode == "parallel":
             assert cfg_group is not None
             branch = Branch(cfg_group.cfg_index)
-            ctx = _guarded(lambda: policy.condition(sample, branch))
+            ctx = _guarded(policy.condition, sample, branch)
             failed = torch.zeros((), device=x.device, dtype=torch.float32)
             if ctx is None:
                 failed = failed + 1
             for i in range(steps):
                 t = torch.full((1,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
-                v = _guarded(lambda: policy.denoise_step(ctx, x, t)) if ctx is not None else None
+                v = _guarded(policy.denoise_step, ctx, x, t) if ctx is not None else None
                 if v is None:
                     v, failed = torch.zeros_like(x), failed + 1
                     ctx = None  # stop computing, keep joining the collectives
@@ -119,9 +124,9 @@ def sample_actions(
         return x
 
 
-def _guarded(fn):
+def _guarded(fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor | None:
     try:
-        return fn()
+        return fn(*args)
     except Exception:  # noqa: BLE001 - reported through the failure flag, logged here
         log.exception("cfg branch computation failed")
         return None

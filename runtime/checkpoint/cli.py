@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from policy_operator.exit_codes import CheckpointExit
-from policy_operator.runtime.checkpoint import CheckpointError, verify_checkpoint
+from policy_operator.runtime.checkpoint.format import CheckpointError, verify_checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,10 +29,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also require the completion marker written by 'policyserver fetch'")
     p.add_argument("--hashes", action="store_true", help="re-hash every file (default: sizes only)")
     p.set_defaults(_action=_verify)
+    p = sub.add_parser("prune", help="remove old checkpoint directories from a cache volume",
+                       description="Remove checkpoints older than the kept ones (what the operator runs after a "
+                                   "switch); see policy_operator/runtime/checkpoint/prune.py.")
+    from policy_operator.runtime.checkpoint import prune
+
+    prune.add_arguments(p)
+    p.set_defaults(_action=prune.main)
 
 
 def _init(args: argparse.Namespace) -> int:
-    from policy_operator.runtime.reference import init_checkpoint
+    from policy_operator.runtime.policy.reference import init_checkpoint
 
     path = init_checkpoint(args.directory, args.size, args.seed)
     print(path)
@@ -42,7 +49,7 @@ def _init(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     try:
         if args.require_marker:
-            from policy_operator.runtime.fetch import check_complete
+            from policy_operator.runtime.checkpoint.fetch import check_complete
 
             check_complete(args.directory, verify=args.hashes)
         entries = verify_checkpoint(args.directory, hashes=args.hashes)

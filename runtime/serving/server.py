@@ -29,9 +29,10 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
-from policy_operator.runtime import wire
-from policy_operator.runtime.engine import Engine, NotReady
-from policy_operator.runtime.metrics import ServerMetrics
+from policy_operator.runtime.serving import wire
+from policy_operator.runtime.serving.errors import ErrorKind, NotReady, RequestError
+from policy_operator.runtime.serving.ingress import Ingress
+from policy_operator.runtime.serving.metrics import ServerMetrics
 from policy_operator.serve_flags import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,8 @@ def _json(status: int, payload: dict[str, Any]) -> Response:
 
 
 class PolicyWebSocketServer:
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
-        self.engine = engine
+    def __init__(self, ingress: Ingress, config: ServerConfig) -> None:
+        self.ingress = ingress
         self.config = config
         self.metrics = ServerMetrics()
         self._server: Server | None = None
@@ -79,16 +80,16 @@ class PolicyWebSocketServer:
         if path == HEALTHZ_PATH:
             return _json(200, {"status": "ok"})
         if path == READYZ_PATH:
-            readiness = self.engine.readiness()
+            readiness = self.ingress.readiness()
             self.metrics.ranks_ready.set(readiness.ranks_ready)
             return _response(200 if readiness.ready else 503, readiness.to_json(), "application/json")
         if path == METRICS_PATH:
             return _response(200, self.metrics.render(), self.metrics.content_type)
         if not self._authorized(request):
-            self.metrics.errors.labels("unauthorized").inc()
+            self.metrics.errors.labels(ErrorKind.UNAUTHORIZED.value).inc()
             return _json(401, {"error": "missing or invalid token (Authorization: Bearer <token> or Api-Key <token>)"})
-        if not self.engine.accepting:
-            return _json(503, {"error": "server is shutting down" if self.engine.draining else "server is not ready yet"})
+        if not self.ingress.accepting:
+            return _json(503, {"error": "server is shutting down" if self.ingress.draining else "server is not ready yet"})
         if request.headers.get("Upgrade", "").lower() != "websocket":
             return _json(404, {"error": f"no such path {path}; WebSocket clients connect to /"})
         return None
@@ -97,7 +98,7 @@ class PolicyWebSocketServer:
     async def handler(self, ws: ServerConnection) -> None:
         self.metrics.connections.inc()
         try:
-            await ws.send(wire.packb(self.engine.metadata()))
+            await ws.send(wire.packb(self.ingress.metadata()))
             prev_total_ms: float | None = None
             async for message in ws:
                 started = time.perf_counter()
@@ -105,14 +106,14 @@ class PolicyWebSocketServer:
                 try:
                     reply = await self._answer(message)
                 except NotReady as exc:
-                    self.metrics.errors.labels(exc.kind).inc()
+                    self.metrics.errors.labels(exc.kind.value).inc()
                     await ws.close(1001, str(exc))
                     return
                 except Exception as exc:  # noqa: BLE001 - one request fails, the server carries on
-                    kind = getattr(exc, "kind", "internal")
-                    if kind == "internal":
+                    kind = exc.kind if isinstance(exc, RequestError) else ErrorKind.INTERNAL
+                    if kind is ErrorKind.INTERNAL:
                         log.exception("request failed")
-                    self.metrics.errors.labels(kind).inc()
+                    self.metrics.errors.labels(kind.value).inc()
                     if not await self._send_error(ws, kind, str(exc)):
                         return
                     continue
@@ -131,7 +132,7 @@ class PolicyWebSocketServer:
 
     async def _answer(self, message: bytes | str) -> dict[str, Any]:
         obs = wire.decode_observation(message)
-        result = await self.engine.infer(obs)
+        result = await self.ingress.infer(obs)
         self.metrics.requests.labels(str(result.replica)).inc()
         self.metrics.infer.labels(str(result.replica)).observe(result.infer_ms / 1e3)
         self.metrics.queue.observe(result.queue_ms / 1e3)
@@ -141,14 +142,14 @@ class PolicyWebSocketServer:
                               "prepare_ms": result.prepare_ms, "replica": result.replica},
         }
 
-    async def _send_error(self, ws: ServerConnection, kind: str, message: str) -> bool:
+    async def _send_error(self, ws: ServerConnection, kind: ErrorKind, message: str) -> bool:
         """Reply with the error; False when the connection is closed afterwards."""
         if self.config.error_format == "dict":
             await ws.send(wire.packb(wire.error_dict(kind, message)))
             return True
-        await ws.send(f"{kind}: {message}")
+        await ws.send(f"{kind.value}: {message}")
         # A close reason may hold 123 bytes of UTF-8; cut by bytes, not characters, or close() itself raises.
-        await ws.close(1011, f"{kind}: {message}".encode()[:123].decode("utf-8", "ignore"))
+        await ws.close(1011, f"{kind.value}: {message}".encode()[:123].decode("utf-8", "ignore"))
         return False
 
     # --- lifecycle ----------------------------------------------------------------------

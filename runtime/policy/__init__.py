@@ -1,0 +1,12 @@
+"""The policy being served: the ``Policy`` interface, the sampler, observation checks, the reference model.
+
+A model plugs in by import path (``--policy pkg.module:Class``); what it needs
+from the server is exported here, so a plugin imports from one place::
+
+    from policy_operator.runtime.policy import Branch, InvalidObservation, Policy, Sample
+"""
+
+from policy_operator.runtime.policy.interface import Branch, Policy, Sample
+from policy_operator.runtime.serving.errors import InvalidObservation
+
+__all__ = ["Branch", "InvalidObservation", "Policy", "Sample"]

@@ -1,0 +1,1 @@
+"""Global rank 0's front door: WebSocket + HTTP server, wire format, ingress (prepare, route, lanes), metrics."""

@@ -1,0 +1,70 @@
+"""Why one request failed: one ``RequestError`` base, with a ``kind`` the client and the metrics see.
+
+A request can fail at every stage it passes -- the frame (``WireError``), the
+observation (``InvalidObservation``, raised by ``Policy.prepare`` before any
+other rank sees the data), the server's state (``NotReady``), a cfg rank
+(``PeerFailed``), or the replica as a whole (``RequestFailed``, rebuilt on
+rank 0 from the replica's reply).  Each fails that request only; the server
+answers with ``kind`` and the message (docs/protocol.md) and counts it in
+``policy_request_errors{kind}``.  Anything else that escapes is a bug and is
+reported as ``internal``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorKind(str, Enum):
+    """The ``kind`` of an error reply and of the ``policy_request_errors`` metric."""
+
+    BAD_FRAME = "bad_frame"
+    INVALID_OBSERVATION = "invalid_observation"
+    UNAVAILABLE = "unavailable"
+    INFERENCE_FAILED = "inference_failed"
+    UNAUTHORIZED = "unauthorized"  # refused before the WebSocket upgrade
+    INTERNAL = "internal"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RequestError(Exception):
+    """One request failed; the message goes back to the client verbatim."""
+
+    kind: ErrorKind = ErrorKind.INTERNAL
+
+    def __init__(self, message: str, kind: ErrorKind | None = None) -> None:
+        super().__init__(message)
+        if kind is not None:
+            self.kind = kind
+
+
+class WireError(RequestError, ValueError):
+    """A frame that is not a valid openpi message."""
+
+    kind = ErrorKind.BAD_FRAME
+
+
+class InvalidObservation(RequestError, ValueError):
+    """The observation is unusable (a missing key, a wrong shape...); raised by ``Policy.prepare``."""
+
+    kind = ErrorKind.INVALID_OBSERVATION
+
+
+class NotReady(RequestError):
+    """Not loaded yet, or draining: the connection is closed with 1001 so the client reconnects elsewhere."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+class PeerFailed(RequestError):
+    """The request failed on a cfg rank; every rank of the replica raises it together."""
+
+    kind = ErrorKind.INFERENCE_FAILED
+
+
+class RequestFailed(RequestError):
+    """The replica reported a failure; ``kind`` is the one the replica's driver saw."""
+
+    kind = ErrorKind.INFERENCE_FAILED
