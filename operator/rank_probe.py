@@ -9,8 +9,9 @@ A pod the operator cannot reach (a NetworkPolicy, a service mesh in STRICT
 mTLS, an operator outside the pod network) is not a pod that is down: its
 readiness falls back to the kubelet's view -- the pod's ``Ready`` condition,
 which the kubelet sets from the same ``/readyz`` (200 only when every rank is
-ready) -- and its ranks are *unknown* (``RanksUnknown``), never reported as
-zero.
+ready).  A pod the kubelet calls Ready then counts every rank ready and is
+flagged ``ranksKnown: false`` (``RanksUnknown`` in status), never reported as
+zero ranks; one it calls not ready counts none, as both views agree.
 """
 
 from __future__ import annotations
@@ -56,15 +57,16 @@ class PodHealth:
     ready: bool = False
     ranks: tuple[RankHealth, ...] = field(default_factory=tuple)
     message: str = ""
-    ranks_known: bool = True  # False: /readyz unreachable, ``ready`` is the kubelet's Ready condition
+    # False: /readyz unreachable, ``ready`` is the kubelet's Ready condition; ranks_ready is then all of them
+    # (the kubelet's probe got a 200, which needs every rank) or none (both views agree the pod is not serving)
+    ranks_known: bool = True
     revision: str | None = None  # the pod's controller-revision-hash: which StatefulSet template it runs
     unschedulable: str = ""  # the scheduler's PodScheduled=False Unschedulable message
     termination: str = ""  # last lines of the newest failed container's termination message
 
     @property
     def ranks_text(self) -> str:
-        """``2/2``; ``?/2`` when /readyz could not be read and the kubelet says not ready (how many: unknown)."""
-        return f"{self.ranks_ready if self.ranks_known or self.ready else '?'}/{self.world_size}"
+        return f"{self.ranks_ready}/{self.world_size}"
 
     def as_status(self) -> dict[str, Any]:
         item: dict[str, Any] = {"name": self.name, "phase": self.phase, "ready": self.ready,

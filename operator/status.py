@@ -246,9 +246,7 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
     updated_ready = sum(1 for p in updated if p.ready)
     ranks_unknown = any(not p.ranks_known for p in pods if p.phase != "Terminating")
     total_ranks = workload.desired * spec.layout.world_size
-    ranks_ready = sum(p.ranks_ready for p in pods)
-    unknown_down = any(not p.ranks_known and not p.ready for p in pods if p.phase != "Terminating")
-    ranks = f"{'?' if unknown_down else ranks_ready}/{total_ranks}"
+    ranks = f"{sum(p.ranks_ready for p in pods)}/{total_ranks}"
     prev_conditions = previous.get("conditions") or []
     previously_available = any(c.get("type") == COND_AVAILABLE and c.get("status") == TRUE for c in prev_conditions)
     block = blocker(workload, pods) if workload.exists else None

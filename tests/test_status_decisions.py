@@ -316,8 +316,8 @@ def test_unreachable_readyz_falls_back_to_the_kubelet_and_says_ranks_unknown() -
     assert ready.ready and not ready.ranks_known and ready.ranks_text == "2/2"  # Ready means every rank ready
     assert "unreachable" in ready.message and "kubelet reports the pod ready" in ready.message
     down = rank_probe.pod_health(kubelet_pod(False, port), port, 2, timeout=1)
-    assert not down.ready and down.ranks_text == "?/2"
-    assert down.as_status()["ranksKnown"] is False
+    assert not down.ready and down.ranks_text == "0/2"  # both views agree it does not serve
+    assert down.as_status()["ranksKnown"] is False and "kubelet reports the pod not ready" in down.message
 
     up = build(spec(replicas=1, parallelism={"cfgp": 2}, runtime={"device": "cpu", "guidance": 3.0}),
                workload(desired=1), [ready])
@@ -325,4 +325,6 @@ def test_unreachable_readyz_falls_back_to_the_kubelet_and_says_ranks_unknown() -
     assert reasons(up)[C.COND_AVAILABLE] == ("True", "RanksUnknown")
     starting = build(spec(replicas=1, parallelism={"cfgp": 2}, runtime={"device": "cpu", "guidance": 3.0}),
                      workload(desired=1, rolling=True), [down])
-    assert starting.status["ranksReady"] == "?/2"
+    assert starting.status["ranksReady"] == "0/2"
+    assert reasons(starting)[C.COND_AVAILABLE] == ("False", "NoReplicasReady")
+    assert starting.status["pods"][0]["ranksKnown"] is False
