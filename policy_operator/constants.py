@@ -27,12 +27,15 @@ LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
 LABEL_VERSION: Final = "app.kubernetes.io/version"
 LABEL_POLICYSERVER: Final = f"{GROUP}/policyserver"
 LABEL_CHECKPOINT_KEY: Final = f"{GROUP}/checkpoint-key"
+# every pod that mounts a ReadWriteOnce cache claim carries it; their pod affinity keeps them on one node
+LABEL_CACHE_CLAIM: Final = f"{GROUP}/cache-claim"
 
 APP_NAME: Final = "policy-server"
 MANAGED_BY: Final = "policy-operator"
 COMPONENT_SERVER: Final = "server"
 COMPONENT_FETCH: Final = "checkpoint-fetch"
 COMPONENT_CACHE: Final = "checkpoint-cache"
+COMPONENT_CACHE_GC: Final = "checkpoint-gc"
 
 # --- Annotations -------------------------------------------------------------
 ANNOTATION_TEMPLATE_HASH: Final = f"{GROUP}/template-hash"
@@ -45,6 +48,10 @@ COND_VALID: Final = "Valid"
 COND_CHECKPOINT_READY: Final = "CheckpointReady"
 COND_AVAILABLE: Final = "Available"
 COND_PROGRESSING: Final = "Progressing"
+COND_STORAGE_READY: Final = "StorageReady"  # the cache claims are as the spec says (size, modes, class)
+COND_READY: Final = "Ready"  # the summary Flux and Argo CD health checks read: True only when done and healthy
+COND_RECONCILING: Final = "Reconciling"  # kstatus' abnormal-true conditions: True while working towards the spec ...
+COND_STALLED: Final = "Stalled"  # ... and True when it cannot get there without a change (kstatus Failed)
 
 PHASE_PENDING: Final = "Pending"
 PHASE_DOWNLOADING: Final = "Downloading"
