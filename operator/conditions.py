@@ -19,13 +19,15 @@ from policy_operator.constants import (
     COND_CHECKPOINT_READY,
     COND_PROGRESSING,
     COND_READY,
+    COND_RECONCILING,
+    COND_STALLED,
     COND_VALID,
     PHASE_DEGRADED,
     PHASE_FAILED,
 )
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
-CONDITION_TYPES = (COND_READY, COND_VALID, COND_CHECKPOINT_READY, COND_AVAILABLE, COND_PROGRESSING)
+CONDITION_TYPES = (COND_READY, COND_RECONCILING, COND_STALLED, COND_VALID, COND_CHECKPOINT_READY, COND_AVAILABLE, COND_PROGRESSING)
 # metav1.Condition's limits, which the CRD's status schema states (operator/resource.py)
 MAX_CONDITION_MESSAGE = 32768
 MAX_REASON = 1024
@@ -88,6 +90,9 @@ WARNING_REASONS = frozenset({Reason.INVALID_SPEC, Reason.REPLICAS_UNAVAILABLE, R
 # Progressing=False reasons that mean "stuck", not "done"
 STUCK_REASONS = frozenset({Reason.FAILED, Reason.NAME_CONFLICT, Reason.APPLY_FAILED, Reason.CLAIM_NOT_FOUND,
                            Reason.PROGRESS_DEADLINE_EXCEEDED, Reason.REPLICAS_UNAVAILABLE})
+# ... of which those that no retry fixes without a change to the spec or the cluster (Stalled=True)
+STALLED_REASONS = frozenset({Reason.INVALID_SPEC, Reason.FAILED, Reason.NAME_CONFLICT, Reason.APPLY_FAILED,
+                             Reason.CLAIM_NOT_FOUND, Reason.PROGRESS_DEADLINE_EXCEEDED})
 
 
 @dataclass(frozen=True)

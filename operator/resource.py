@@ -116,8 +116,8 @@ CONDITION_TYPE_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 
 
 class Condition(KubeModel):
-    """One condition (metav1.Condition): Ready, Valid, CheckpointReady, Available or Progressing
-    (docs/operator.md#conditions)."""
+    """One condition (metav1.Condition), e.g. Ready, Reconciling, Stalled, Valid, CheckpointReady, Available or
+    Progressing (docs/operator.md#conditions)."""
 
     type: Annotated[str, Field(max_length=316, pattern=CONDITION_TYPE_PATTERN)]
     """Condition type (the list's key)."""
@@ -172,7 +172,8 @@ class PolicyServerStatus(KubeModel):
     pods: list[PodStatus] = Field(default_factory=list)
     """Per-pod rank readiness from each pod's /readyz."""
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra=list_map("type"))
-    """Ready (what kstatus, Flux and Argo CD read), Valid, CheckpointReady, Available and Progressing."""
+    """Ready (what Flux and Argo CD health checks read), Reconciling and Stalled (what kstatus reads), Valid,
+    CheckpointReady, Available and Progressing."""
 
 
 class PolicyServer(KubeModel):

@@ -28,6 +28,8 @@ from policy_operator.constants import (
     COND_CHECKPOINT_READY,
     COND_PROGRESSING,
     COND_READY,
+    COND_RECONCILING,
+    COND_STALLED,
     COND_VALID,
     PHASE_DEGRADED,
     PHASE_DOWNLOADING,
@@ -39,6 +41,7 @@ from policy_operator.constants import (
 from policy_operator.operator.child_status import CheckpointPhase, CheckpointState, WorkloadState
 from policy_operator.operator.conditions import (
     FALSE,
+    STALLED_REASONS,
     STUCK_REASONS,
     TRUE,
     Condition,
@@ -211,6 +214,21 @@ def ready_condition(phase: str, *, available: Condition, progressing: Condition,
     return Condition(COND_READY, FALSE, progressing.reason, progressing.message)
 
 
+def kstatus_conditions(ready: Condition, *, scaled_to_zero: bool = False) -> list[Condition]:
+    """Reconciling and Stalled, the two conditions kstatus (Flux's health checks, kpt, cli-utils) reads.
+
+    kstatus calls a resource Current when neither is True (and observedGeneration
+    is current): so Reconciling is True whenever Ready is False for a reason that
+    time may fix (a download, a rollout, a refusal that may be lifted, a pod
+    restarting), Stalled when only a change can (an invalid spec, a failed
+    download, a passed progress deadline, a name conflict).
+    """
+    stalled = ready.status == FALSE and ready.reason in STALLED_REASONS
+    reconciling = ready.status == FALSE and not stalled and not scaled_to_zero
+    return [Condition(COND_RECONCILING, TRUE if reconciling else FALSE, ready.reason, ready.message),
+            Condition(COND_STALLED, TRUE if stalled else FALSE, ready.reason, ready.message)]
+
+
 @dataclass(frozen=True)
 class StatusUpdate:
     status: dict[str, Any]
@@ -225,7 +243,8 @@ def invalid_status(error: Exception, *, previous: Mapping[str, Any] | None, gene
     status = {
         "observedGeneration": generation,
         "phase": PHASE_FAILED,
-        "conditions": merge_conditions(previous.get("conditions"), [ready, cond], generation=generation, now=now),
+        "conditions": merge_conditions(previous.get("conditions"), [ready, *kstatus_conditions(ready), cond],
+                                       generation=generation, now=now),
     }
     events = condition_events(previous.get("conditions"), [cond]) + phase_event(previous.get("phase"), PHASE_FAILED,
                                                                                  str(error))
@@ -303,7 +322,8 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
         "selector": selector_string(spec.name),
         "checkpoint": checkpoint_status,
         "pods": [p.as_status() for p in pods],
-        "conditions": merge_conditions(prev_conditions, [ready, *conditions], generation=generation, now=now),
+        "conditions": merge_conditions(prev_conditions, [ready, *kstatus_conditions(ready, scaled_to_zero=(
+            workload.desired == 0 and progressing.reason == Reason.STABLE)), *conditions], generation=generation, now=now),
     }
     if service_exists:
         status["endpoint"] = endpoint(spec)
@@ -317,7 +337,7 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
         summary = checkpoint.message
     else:
         summary = available.message
-    # Ready summarises the others: its changes are already told by their Events and the phase's
+    # Ready, Reconciling and Stalled summarise the others: their changes are told by the others' Events and the phase's
     events = condition_events(prev_conditions, conditions) + phase_event(previous.get("phase"), phase, summary)
     return StatusUpdate(status, events)
 

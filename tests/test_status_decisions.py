@@ -91,6 +91,8 @@ def test_old_pods_ready_mid_rollout_are_available_never_ready(statefulset: dict[
     assert reasons(update)[C.COND_AVAILABLE] == ("True", "ReplicasReady")
     assert reasons(update)[C.COND_PROGRESSING] == ("True", "RollingOut")
     assert reasons(update)[C.COND_READY] == ("False", "RollingOut")
+    assert reasons(update)[C.COND_RECONCILING] == ("True", "RollingOut")  # kstatus: InProgress
+    assert reasons(update)[C.COND_STALLED][0] == "False"
     assert (update.status["readyReplicas"], update.status["updatedReadyReplicas"]) == (2, 0)
     assert "0 of them on the current spec" in cond(update, C.COND_AVAILABLE)["message"]
 
@@ -109,6 +111,7 @@ def test_rolled_and_ready_is_ready_stable() -> None:
     assert update.status["phase"] == C.PHASE_READY
     assert reasons(update)[C.COND_PROGRESSING] == ("False", "Stable")
     assert reasons(update)[C.COND_READY] == ("True", "ReplicasReady")
+    assert reasons(update)[C.COND_RECONCILING][0] == reasons(update)[C.COND_STALLED][0] == "False"  # kstatus: Current
     assert "lastProgressTime" not in update.status
     # Ready is a summary: it gets no Event of its own (the phase and the other conditions already tell)
     assert all(not e.message.startswith(f"{C.COND_READY}=") for e in update.events)
@@ -117,7 +120,7 @@ def test_rolled_and_ready_is_ready_stable() -> None:
 def test_ready_is_first_and_every_condition_meets_metav1_condition() -> None:
     update = build(spec(replicas=2), workload(rolling=True), [pod("ps-0", ready=False)])
     conditions = update.status["conditions"]
-    assert [c["type"] for c in conditions][0] == C.COND_READY
+    assert [c["type"] for c in conditions][:3] == [C.COND_READY, C.COND_RECONCILING, C.COND_STALLED]
     for c in conditions:
         assert set(c) >= {"type", "status", "reason", "message", "lastTransitionTime"}
         assert re.match(REASON_PATTERN, c["reason"]), c
@@ -136,8 +139,9 @@ def test_the_schema_refuses_what_metav1_condition_refuses() -> None:
 
 def test_invalid_spec_says_ready_false() -> None:
     update = st.invalid_status(ValueError("spec.x: bad"), previous=None, generation=2, now=T0)
-    ready = next(c for c in update.status["conditions"] if c["type"] == C.COND_READY)
-    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    by_type = {c["type"]: (c["status"], c["reason"]) for c in update.status["conditions"]}
+    assert by_type[C.COND_READY] == ("False", "InvalidSpec") and by_type[C.COND_STALLED] == ("True", "InvalidSpec")
+    assert by_type[C.COND_RECONCILING][0] == "False"
 
 
 @pytest.mark.parametrize(("phase", "available", "progressing", "expected"), [
@@ -157,6 +161,28 @@ def test_ready_condition_table(phase: str, available: tuple[str, Reason], progre
     p = st.Condition(C.COND_PROGRESSING, progressing[0], progressing[1], "p")
     ready = st.ready_condition(phase, available=a, progressing=p, desired=2)
     assert (ready.status, str(ready.reason)) == expected
+
+
+@pytest.mark.parametrize(("ready", "scaled_to_zero", "reconciling", "stalled"), [
+    (("True", Reason.REPLICAS_READY), False, "False", "False"),
+    (("False", Reason.DOWNLOADING), False, "True", "False"),
+    (("False", Reason.FAILED_CREATE), False, "True", "False"),  # a quota may be lifted: still in progress
+    (("False", Reason.REPLICAS_UNAVAILABLE), False, "True", "False"),  # the kubelet restarts the pod
+    (("False", Reason.PROGRESS_DEADLINE_EXCEEDED), False, "False", "True"),
+    (("False", Reason.FAILED), False, "False", "True"),
+    (("False", Reason.NAME_CONFLICT), False, "False", "True"),
+    (("False", Reason.SCALED_TO_ZERO), True, "False", "False"),  # nothing to do: kstatus Current
+])
+def test_kstatus_conditions(ready: tuple[str, Reason], scaled_to_zero: bool, reconciling: str, stalled: str) -> None:
+    got = st.kstatus_conditions(st.Condition(C.COND_READY, ready[0], ready[1], "m"), scaled_to_zero=scaled_to_zero)
+    assert [(c.type, c.status) for c in got] == [(C.COND_RECONCILING, reconciling), (C.COND_STALLED, stalled)]
+
+
+def test_scaled_to_zero_is_current_for_kstatus() -> None:
+    update = build(spec(replicas=0), workload(desired=0), [])
+    assert update.status["phase"] == C.PHASE_PENDING
+    assert reasons(update)[C.COND_READY] == ("False", "ScaledToZero")
+    assert reasons(update)[C.COND_RECONCILING][0] == reasons(update)[C.COND_STALLED][0] == "False"
 
 
 # --- the progress deadline ------------------------------------------------------------------------
@@ -179,6 +205,8 @@ def test_a_rollout_without_progress_hits_the_deadline_with_the_termination_messa
     assert (progressing["status"], progressing["reason"]) == ("False", "ProgressDeadlineExceeded")
     assert "ValueError: --dtype bogus" in progressing["message"] and "pod ps-0" in progressing["message"]
     assert reasons(after)[C.COND_READY] == ("False", "ProgressDeadlineExceeded")
+    assert reasons(after)[C.COND_STALLED] == ("True", "ProgressDeadlineExceeded")  # kstatus: Failed
+    assert reasons(after)[C.COND_RECONCILING][0] == "False"
     kinds = {(e.type, e.reason) for e in after.events}
     assert ("Warning", "ProgressDeadlineExceeded") in kinds and ("Warning", C.PHASE_FAILED) in kinds
     # it stays failed (the clock is not restarted by being failed) ...
