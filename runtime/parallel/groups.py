@@ -65,8 +65,10 @@ def init_distributed(layout: ParallelLayout, device: torch.device, pg_timeout: t
     if layout.world_size == 1:
         return Groups(layout, 0)
     backend = data_backend(device, backend)
-    kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend=backend, timeout=pg_timeout, **kwargs)
+    if backend == "nccl":  # bind the communicator to this rank's GPU up front
+        dist.init_process_group(backend=backend, timeout=pg_timeout, device_id=device)
+    else:
+        dist.init_process_group(backend=backend, timeout=pg_timeout)
     rank = dist.get_rank()
     if dist.get_world_size() != layout.world_size:
         raise RuntimeError(f"torchrun started {dist.get_world_size()} ranks for {layout.label}")

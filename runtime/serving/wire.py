@@ -80,8 +80,10 @@ def _unpack_hook(obj: dict) -> Any:
 packb = functools.partial(msgpack.packb, default=_pack_default, use_bin_type=True)
 
 
-def unpackb(data: bytes) -> Any:
-    """Decode one frame; any malformed input raises WireError (never another type)."""
+def unpackb(data: bytes | str) -> Any:
+    """Decode one frame; any malformed input, a text frame included, raises WireError (never another type)."""
+    if isinstance(data, str):
+        raise WireError("expected a binary msgpack frame, got a text frame")
     try:
         return msgpack.unpackb(data, object_hook=_unpack_hook, strict_map_key=False)
     except WireError:
@@ -93,8 +95,6 @@ def unpackb(data: bytes) -> Any:
 
 def decode_observation(data: bytes | str) -> dict[str, Any]:
     """A request frame: binary msgpack holding a map with str keys."""
-    if isinstance(data, str):
-        raise WireError("expected a binary msgpack frame, got a text frame")
     obj = unpackb(data)
     if not isinstance(obj, dict):
         raise WireError(f"observation must be a map, got {type(obj).__name__}")
