@@ -243,6 +243,20 @@ def test_operator_import_path_runs_without_torch() -> None:
     assert proc.returncode != 0 and "torch" in proc.stderr
 
 
+def test_what_the_operator_and_the_fetch_job_share_needs_no_torch() -> None:
+    """policy_operator's own modules (serve flags, /readyz, exit codes, sources) and runtime/checkpoint/."""
+    code = ("import pkgutil, importlib, policy_operator, policy_operator.runtime.checkpoint as ck; "
+            "names = [f'policy_operator.{m.name}' for m in pkgutil.iter_modules(policy_operator.__path__) "
+            "if not m.ispkg] + [f'{ck.__name__}.{m.name}' for m in pkgutil.iter_modules(ck.__path__)]; "
+            "[importlib.import_module(n) for n in names]; print(len(names), sorted(names))")
+    proc = _python(BLOCK_TORCH + code)
+    assert proc.returncode == 0, proc.stderr
+    for module in ("policy_operator.readyz", "policy_operator.sources", "policy_operator.serve_flags",
+                   "policy_operator.exit_codes", "policy_operator.runtime.checkpoint.fetch",
+                   "policy_operator.runtime.checkpoint.format"):
+        assert f"'{module}'" in proc.stdout, proc.stdout
+
+
 def test_operator_image_default_command_is_the_operator() -> None:
     stage = final_stage(OPERATOR_DOCKERFILE)
     entrypoint, cmd = list(one_cmd(stage, "ENTRYPOINT").value), list(one_cmd(stage, "CMD").value)
