@@ -18,6 +18,11 @@ Order of one fetch, and why:
    the fetch fails with exit 4, leaving no marker.
 5. Write the marker inside staging, then one ``rename`` publishes the directory.
 
+Only regular files and directories are ever published: a symlink, or a file
+where a directory belongs, found at ``DEST/<key>``, ``DEST/.fetch/<key>`` or
+anywhere inside staging is removed (the link, never what it points to) before
+a byte is written, so a planted link cannot make the fetch write outside DEST.
+
 Exit codes: ``FetchExit`` in ``policy_operator/exit_codes.py`` (0 ok, 2 usage,
 3 source unreachable/auth, 4 verification failed, 5 disk full, 1 anything else).
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -47,6 +53,7 @@ from policy_operator.runtime.checkpoint.errors import (
     scrub,
 )
 from policy_operator.runtime.checkpoint.format import CheckpointError, parse_manifest, sha256_file
+from policy_operator.runtime.checkpoint.http import STALL_TIMEOUT_S, Patience
 from policy_operator.runtime.checkpoint.marker import check_complete, fsync_path, make_marker, read_marker, write_marker
 from policy_operator.runtime.checkpoint.progress import Progress, human_bytes
 from policy_operator.runtime.checkpoint.sources import HfSource, RemoteFile, Source, make_source
@@ -81,6 +88,7 @@ def fetch(
     token: str | None = None,
     verify: bool = False,
     progress: bool = True,
+    stall_timeout_s: float = STALL_TIMEOUT_S,
 ) -> Path:
     """Make ``DEST/<key>/`` hold the complete, verified checkpoint and return that path.
 
@@ -88,19 +96,24 @@ def fetch(
     ``token`` goes to the source as a bearer token (for ``hf://`` the ``HF_TOKEN``
     environment variable is the fallback; it is never sent to other hosts);
     ``verify`` re-hashes an already complete directory instead of checking sizes
-    only; ``progress=False`` silences everything but errors (raised).
+    only; ``progress=False`` silences everything but errors (raised);
+    ``stall_timeout_s``: an HTTP body that delivers (next to) nothing for that
+    long is dropped and resumed (``Patience``).
     """
     if token is None:
         token = os.environ.get(ENV_HF_TOKEN) if str(source).startswith(HF_SCHEME) else None
     try:
-        return _fetch(str(source), Path(dest), revision, dict(sha256 or {}), token, verify, _Log(progress))
+        if not (math.isfinite(stall_timeout_s) and stall_timeout_s > 0):
+            raise UsageError(f"--stall-timeout-s must be > 0, got {stall_timeout_s}")
+        return _fetch(str(source), Path(dest), revision, dict(sha256 or {}), token, verify, _Log(progress),
+                      Patience(stall_timeout_s=stall_timeout_s))
     except FetchError as exc:
         exc.args = (scrub(str(exc), [token] if token else []),)
         raise
 
 
 def _fetch(source: str, dest: Path, revision: str | None, overrides: dict[str, str], token: str | None,
-           verify: bool, log: _Log) -> Path:
+           verify: bool, log: _Log, patience: Patience) -> Path:
     try:
         base, rev = split_revision(source, revision)
     except InvalidSource as exc:
@@ -115,12 +128,12 @@ def _fetch(source: str, dest: Path, revision: str | None, overrides: dict[str, s
     if _is_complete(final, shown, rev, verify, log, quiet=True):
         log(f"{shown}: already complete in {final}")
         return final
-    src = make_source(base, rev, token)  # usage errors before anything touches the volume
+    src = make_source(base, rev, token, patience)  # usage errors before anything touches the volume
     if rev is not None and not isinstance(src, HfSource):
         log(f"note: --revision {rev} only names the directory; {shown} has no revisions")
     work = dest / WORK_DIR
     try:
-        work.mkdir(parents=True, exist_ok=True)
+        _make_real_dir(work, log)
         with _locked(work / f"{key}.lock", key, log):
             if _is_complete(final, shown, rev, verify, log):
                 log(f"{shown}: completed by another fetcher in {final}")
@@ -135,6 +148,10 @@ def _fetch(source: str, dest: Path, revision: str | None, overrides: dict[str, s
 
 
 def _is_complete(final: Path, shown: str, rev: str | None, verify: bool, log: _Log, quiet: bool = False) -> bool:
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        if not quiet:
+            log(f"{final} is {'a symlink' if final.is_symlink() else 'not a directory'}; fetching again")
+        return False
     marker = read_marker(final)
     if marker is None:
         if final.exists() and not quiet:
@@ -190,8 +207,42 @@ def git_blob_sha1(path: Path) -> str:
     return h.hexdigest()
 
 
+def _not_a_real_dir(path: Path) -> str | None:
+    """Why ``path`` may not be used as one of our directories (a link, a file...), or None."""
+    if path.is_symlink():
+        return "a symlink"
+    if path.exists() and not path.is_dir():
+        return "not a directory"
+    return None
+
+
+def _make_real_dir(path: Path, log: _Log) -> None:
+    """``mkdir -p path``, after removing a link or a file of that name (never what a link points to)."""
+    why = _not_a_real_dir(path)
+    if why:
+        log(f"{path} is {why}; replacing it with a directory")
+        path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _links_under(root: Path) -> list[Path]:
+    """Every entry under ``root`` that is neither a regular file nor a directory (symlinks first of all)."""
+    found = []
+    for dirpath, dirs, files in os.walk(root):  # never follows links to directories
+        for name in dirs + files:
+            path = Path(dirpath, name)
+            if path.is_symlink() or not (path.is_file() or path.is_dir()):
+                found.append(path)
+    return found
+
+
 def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dict[str, str], staging: Path,
               final: Path, log: _Log) -> None:
+    for path in (final, staging):
+        why = _not_a_real_dir(path)
+        if why:  # e.g. a file left by hand where the checkpoint directory belongs: every rerun would fail on it
+            log(f"{path} is {why}; removing it")
+            path.unlink()
     if final.exists():
         # Unmarked, stale or damaged: its files may still be good, so they become staging
         # contents to be checked like any partial download instead of being fetched again.
@@ -201,6 +252,12 @@ def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dic
             os.rename(final, staging)
             (staging / COMPLETE_MARKER).unlink(missing_ok=True)
     staging.mkdir(parents=True, exist_ok=True)
+    planted = _links_under(staging)
+    for path in planted:  # a write through one would land outside DEST
+        path.unlink()
+    if planted:
+        log(f"removed {len(planted)} symlinks or special files from {staging}: "
+            f"{', '.join(str(p.relative_to(staging)) for p in planted[:5])}")
 
     files = src.list_files()
     names = {f.name for f in files}
@@ -229,6 +286,9 @@ def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dic
     records = _verify_staged(staging, files, digests, overrides, shown)
     _check_manifest(staging, records)
     _prune(staging, set(records))
+    planted = _links_under(staging)
+    if planted:  # appeared while we held the lock: someone else writes here
+        raise FetchError(f"refusing to publish {staging}: {planted[0]} is a symlink or special file")
     _fsync_tree(staging, records)
     write_marker(staging, make_marker(key=key, source=shown, revision=rev, resolved_revision=src.resolved_revision,
                                       files=records))
@@ -244,7 +304,7 @@ def _fsync_tree(staging: Path, records: dict[str, dict[str, object]]) -> None:
     huggingface_hub or copied from a local source are not.
     """
     for name in records:
-        fd = os.open(staging / name, os.O_RDONLY)
+        fd = os.open(staging / name, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             os.fsync(fd)
         finally:
@@ -389,6 +449,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", action="store_true",
                         help="re-hash an already complete directory instead of checking sizes only")
     parser.add_argument("--quiet", action="store_true", help="no progress or info lines, only errors")
+    parser.add_argument("--stall-timeout-s", type=float, default=STALL_TIMEOUT_S, metavar="S",
+                        help="an HTTP body that delivers nothing (or under 1 KiB/s) for S seconds is dropped and "
+                             "resumed from the bytes received (default %(default)s)")
     parser.epilog = f"Prints the checkpoint directory as the last line of stdout. Exit codes: {describe(FetchExit)}."
 
 
@@ -399,7 +462,8 @@ def main(args: argparse.Namespace) -> int:
         if token:
             secrets.append(token)
         path = fetch(args.source, args.dest, revision=args.revision, sha256=_parse_sha256(args.sha256),
-                     token=token, verify=args.verify, progress=not args.quiet)
+                     token=token, verify=args.verify, progress=not args.quiet,
+                     stall_timeout_s=args.stall_timeout_s)
     except FetchError as exc:
         print(f"policyserver fetch: error: {scrub(str(exc), secrets)}", file=sys.stderr)
         return exc.exit_code

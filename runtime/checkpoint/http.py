@@ -8,6 +8,12 @@ server's validator; the next run asks for ``Range: bytes=<size>-`` with
 ``If-Range`` so a changed file restarts from zero instead of being spliced.
 The sha256 is computed while the bytes stream in, so a verified download reads
 each byte from disk zero extra times.
+
+Every download ends (``Patience``): bytes received before a dropped, reset or
+stalled connection are kept and the rest is asked for with ``Range``; an
+attempt counts as progress only when the file grows past the most it ever
+held, so a server that ignores ``Range`` and drops at the same byte every
+time fails the fetch (exit 3) after a few attempts instead of looping.
 """
 
 from __future__ import annotations
@@ -22,23 +28,53 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import urlsplit
 
 from policy_operator import __version__
-from policy_operator.runtime.checkpoint.errors import SourceError, redact_url
+from policy_operator.runtime.checkpoint.errors import SourceError, VerificationError, redact_url
 from policy_operator.runtime.checkpoint.progress import Progress
 
 USER_AGENT = f"policyserver-fetch/{__version__}"
 CHUNK = 4 << 20
-TIMEOUT_S = 60.0
-ATTEMPTS = 5  # per file, counting only attempts that made no progress
+TIMEOUT_S = 60.0  # connect, and the wait for a response's headers
+STALL_TIMEOUT_S = 60.0  # the default of --stall-timeout-s
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 class _RangeNotSatisfiable(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class Patience:
+    """How long one file's download keeps trying, so that every fetch ends.
+
+    A body that delivers less than ``min_bytes_per_s`` on average over
+    ``stall_timeout_s`` (nothing at all, or a trickle) is dropped and resumed.
+    ``attempts_without_progress`` attempts in a row that do not grow the file
+    past the most it ever held, or ``max_attempts`` in all, end the download
+    with a SourceError (exit 3): the source is not delivering, a retry of the
+    Job may find it back.
+    """
+
+    stall_timeout_s: float = STALL_TIMEOUT_S
+    min_bytes_per_s: int = 1024
+    attempts_without_progress: int = 5
+    max_attempts: int = 100
+
+    def backoff_s(self, without_progress: int) -> float:
+        """Pause before the next attempt: short after progress, growing (1, 2, 4, 8 s) without."""
+        return min(2.0 ** (without_progress - 1), 8.0) if without_progress else 0.2
+
+
+DEFAULT_PATIENCE = Patience()
+
+
+class _Stalled(OSError):
+    """The body delivered less than ``Patience`` allows over its stall window."""
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
@@ -188,24 +224,50 @@ class _HashingWriter:
             raise self._error
 
 
-def _fill(resp: http.client.HTTPResponse, buf: bytearray, max_wait_s: float = 0.5) -> int:
-    """Read into ``buf`` until it is full, the body ends, or ``max_wait_s`` passed.
+def _fill(resp: http.client.HTTPResponse, buf: bytearray,
+          max_wait_s: float = 0.5) -> tuple[int, OSError | http.client.HTTPException | None]:
+    """Read into ``buf`` until it is full, the body ends, the connection fails, or ``max_wait_s`` passed.
 
-    ``readinto`` would block until the whole buffer is full; on a slow link that
-    freezes both the progress line and what a killed run leaves on disk.
+    Returns the bytes read *and* the error that ended the read, if any: the
+    bytes that arrived before a reset or a read timeout are as good as any and
+    must be written, not thrown away with the exception.  ``readinto`` would
+    block until the whole buffer is full; on a slow link that freezes both the
+    progress line and what a killed run leaves on disk.
     """
     view = memoryview(buf)
     filled = 0
     deadline = time.monotonic() + max_wait_s
-    while filled < len(buf):
-        data = resp.read1(len(buf) - filled)
-        if not data:
-            break
-        view[filled:filled + len(data)] = data
-        filled += len(data)
-        if time.monotonic() > deadline:
-            break
-    return filled
+    try:
+        while filled < len(buf):
+            data = resp.read1(len(buf) - filled)
+            if not data:
+                break
+            view[filled:filled + len(data)] = data
+            filled += len(data)
+            if time.monotonic() > deadline:
+                break
+    except (OSError, http.client.HTTPException) as exc:
+        return filled, exc
+    return filled, None
+
+
+class _SpeedWindow:
+    """Fails a body that averages less than ``min_bytes_per_s`` over each ``window_s``."""
+
+    def __init__(self, patience: Patience) -> None:
+        self._window_s = patience.stall_timeout_s
+        self._need = patience.min_bytes_per_s * patience.stall_timeout_s
+        self._start = time.monotonic()
+        self._bytes = 0
+
+    def check(self, n: int) -> None:
+        self._bytes += n
+        elapsed = time.monotonic() - self._start
+        if elapsed < self._window_s:
+            return
+        if self._bytes < self._need:
+            raise _Stalled(f"{self._bytes} bytes in {elapsed:.0f}s")
+        self._start, self._bytes = time.monotonic(), 0
 
 
 def _hash_prefix(path: Path, hasher: hashlib._Hash) -> int:
@@ -226,11 +288,13 @@ def _validator(resp: http.client.HTTPResponse) -> str | None:
 
 def download_file(
     url: str, target: Path, *, size: int | None, token: str | None, progress: Progress,
+    patience: Patience = DEFAULT_PATIENCE,
 ) -> str:
     """Download ``url`` to ``target`` (resuming ``target.part``); returns the sha256 hex digest.
 
     ``target`` appears only once all bytes are on disk and fsynced; a failed or
-    killed run leaves just the ``.part`` for the next run to continue.
+    killed run leaves just the ``.part`` for the next run to continue.  A size
+    that disagrees with ``size`` (the listing's) is a VerificationError.
     """
     part = target.with_name(target.name + ".part")
     meta = target.with_name(target.name + ".part.json")
@@ -251,15 +315,25 @@ def download_file(
     if offset:
         _hash_prefix(part, hasher)
 
-    stalled = 0
+    def wrong_size(message: str) -> VerificationError:
+        part.unlink(missing_ok=True)  # bytes of another size than promised: nothing worth resuming
+        meta.unlink(missing_ok=True)
+        return VerificationError(f"verification failed: {message}")
+
+    most = offset  # the most this file ever held: growing past it is progress, anything else is not
+    without_progress = attempts = 0
+    why = "no attempt made"
     while True:
+        attempts += 1
+        if attempts > patience.max_attempts:
+            raise SourceError(f"{shown}: gave up after {patience.max_attempts} attempts at byte {offset} ({why})")
         headers = {}
         if offset:
             headers["Range"] = f"bytes={offset}-"
             if validator:
                 headers["If-Range"] = validator
         try:
-            resp = open_url(url, token=token, headers=headers)
+            resp = open_url(url, token=token, headers=headers, timeout=min(TIMEOUT_S, patience.stall_timeout_s))
         except _RangeNotSatisfiable:
             if size is not None and offset == size:
                 break  # every byte was already there
@@ -268,13 +342,15 @@ def download_file(
             offset, hasher = 0, hashlib.sha256()
             continue
         except SourceError as exc:
-            stalled += 1
-            if not exc.retryable or stalled >= ATTEMPTS:
+            without_progress += 1
+            if not exc.retryable or without_progress >= patience.attempts_without_progress:
                 raise
-            time.sleep(min(2.0**stalled, 10.0))
+            why = str(exc)
+            time.sleep(patience.backoff_s(without_progress))
             continue
         with resp:
-            if offset and resp.status == 200:  # validator changed or Range ignored: start over
+            restarted = bool(offset) and resp.status == 200
+            if restarted:  # validator changed or Range ignored: start over
                 progress.advance(-offset)
                 offset, hasher = 0, hashlib.sha256()
                 with open(part, "wb"):
@@ -289,22 +365,25 @@ def download_file(
             length = resp.headers.get("Content-Length")
             expected_end = offset + int(length) if length and length.isdigit() else None
             if size is not None and expected_end is not None and expected_end != size:
-                raise SourceError(f"{shown}: server says {expected_end} bytes, the listing says {size}")
-            before = offset
+                raise wrong_size(f"{shown}: the server says {expected_end} bytes, the listing says {size}")
+            dropped: BaseException | None = None
             with open(part, "ab") as f:
                 sink = _HashingWriter(f, hasher)
+                speed = _SpeedWindow(patience)
                 try:
-                    while True:
+                    while dropped is None:
                         buf = sink.buffer()
-                        n = _fill(resp, buf)
+                        n, dropped = _fill(resp, buf)
                         if not n:
                             sink.release(buf)
                             break
-                        sink.commit(buf, n)
+                        sink.commit(buf, n)  # what arrived before a drop is kept
                         offset += n
                         progress.advance(n)
-                except (OSError, http.client.HTTPException):
-                    pass  # connection dropped mid-body: keep what we have and ask for the rest
+                        if dropped is None:
+                            speed.check(n)
+                except _Stalled as exc:
+                    dropped = exc
                 finally:
                     sink.close()
                     f.flush()
@@ -312,13 +391,19 @@ def download_file(
             end = expected_end if expected_end is not None else size
             if end is None or offset >= end:
                 break
-            stalled = 0 if offset > before else stalled + 1
-            if stalled >= ATTEMPTS:
-                raise SourceError(f"{shown}: connection keeps dropping at byte {offset} of {end}")
-            time.sleep(min(2.0**stalled, 10.0) if stalled else 0.2)
+            if offset > most:
+                most, without_progress = offset, 0
+            else:
+                without_progress += 1
+            ignored = " (the server ignores Range: every attempt starts at byte 0)" if restarted else ""
+            why = f"connection {'stalled' if isinstance(dropped, (_Stalled, TimeoutError)) else 'dropped'} " \
+                  f"at byte {offset} of {end}{ignored}"
+            if without_progress >= patience.attempts_without_progress:
+                raise SourceError(f"{shown}: no progress in {without_progress} attempts: {why}")
+            time.sleep(patience.backoff_s(without_progress))
 
     if size is not None and offset != size:
-        raise SourceError(f"{shown}: got {offset} bytes, the listing says {size}")
+        raise wrong_size(f"{shown}: got {offset} bytes, the listing says {size}")
     os.replace(part, target)
     meta.unlink(missing_ok=True)
     return hasher.hexdigest()

@@ -22,7 +22,7 @@ from urllib.parse import quote, unquote, urlsplit
 from policy_operator.constants import ENV_HF_ENDPOINT, MANIFEST_FILE
 from policy_operator.runtime.checkpoint.errors import SourceError, UsageError, redact_url
 from policy_operator.runtime.checkpoint.format import CheckpointError, parse_manifest
-from policy_operator.runtime.checkpoint.http import download_file, fetch_small, head_size
+from policy_operator.runtime.checkpoint.http import DEFAULT_PATIENCE, Patience, download_file, fetch_small, head_size
 from policy_operator.runtime.checkpoint.progress import Progress
 from policy_operator.sources import HF_SCHEME, SCHEMES, InvalidSource, check_relpath, scheme_of
 
@@ -54,6 +54,7 @@ class Source(ABC):
     shown: str
     resolved_revision: str | None = None
     needs_space = True  # False where files are hard-linked, not copied
+    patience = DEFAULT_PATIENCE  # how long HTTP downloads keep trying (make_source sets the caller's)
 
     @abstractmethod
     def list_files(self) -> list[RemoteFile]: ...
@@ -99,7 +100,8 @@ class HttpDirSource(Source):
                 progress.advance(len(self._manifest))
                 digests[f.name] = hashlib.sha256(self._manifest).hexdigest()
                 continue
-            digests[f.name] = download_file(self._url(f.name), target, size=f.size, token=self.token, progress=progress)
+            digests[f.name] = download_file(self._url(f.name), target, size=f.size, token=self.token, progress=progress,
+                                            patience=self.patience)
         return digests
 
 
@@ -119,7 +121,8 @@ class HttpFileSource(Source):
         return [RemoteFile(self.name, head_size(self.url, token=self.token), origin=self.shown)]
 
     def download(self, staging: Path, needed: list[RemoteFile], progress: Progress) -> dict[str, str]:
-        return {f.name: download_file(self.url, staging / f.name, size=f.size, token=self.token, progress=progress)
+        return {f.name: download_file(self.url, staging / f.name, size=f.size, token=self.token, progress=progress,
+                                      patience=self.patience)
                 for f in needed}
 
 
@@ -168,6 +171,7 @@ class S3Source(Source):
         else:
             source = HttpFileSource(self._presign(self.key), None)
         source.shown = self.shown
+        source.patience = self.patience
         return source
 
     def list_files(self) -> list[RemoteFile]:
@@ -378,8 +382,15 @@ def hf_source(source: str, revision: str | None, token: str | None) -> HfSource:
     return HfSource("/".join(parts), repo_type, revision, token)
 
 
-def make_source(source: str, revision: str | None, token: str | None) -> Source:
+def make_source(source: str, revision: str | None, token: str | None,
+                patience: Patience = DEFAULT_PATIENCE) -> Source:
     """The Source for a (revision-split) source string; unknown schemes are a usage error."""
+    src = _make_source(source, revision, token)
+    src.patience = patience
+    return src
+
+
+def _make_source(source: str, revision: str | None, token: str | None) -> Source:
     scheme = scheme_of(source)
     if scheme == "hf":
         return hf_source(source, revision, token)
