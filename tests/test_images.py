@@ -287,7 +287,7 @@ def test_runtime_base_is_a_cuda_pytorch_runtime_image_and_keeps_its_torch() -> N
     base = expand(one_cmd(list(cmds), "FROM").value[0], arg_defaults(RUNTIME_DOCKERFILE))
     assert re.fullmatch(r"pytorch/pytorch:\d+\.\d+\.\d+-cuda12\.\d+-cudnn9-runtime", base), base
     lines = run_lines(final_stage(RUNTIME_DOCKERFILE))
-    (pin,) = [line for line in lines if "torch-constraint.txt" in line and "torch.__version__" in line]
+    (pin,) = [line for line in lines if "torch-constraint.txt" in line and "m.version('torch')" in line]
     argv = shlex.split(pin.split(">")[0])
     proc = _python(argv[2])
     # a pin that only the base image's own torch build satisfies
