@@ -61,7 +61,7 @@ from policy_operator.operator.spec import (
     VOL_TMP,
     PolicyServerSpec,
 )
-from policy_operator.serve_flags import managed_argv, torchrun_argv
+from policy_operator.serve_flags import managed_argv, serve_argv
 
 # The image's user is not known; any non-root uid works because the runtime
 # only reads the image's files and writes to the volumes mounted below.
@@ -398,14 +398,14 @@ def build_gc_job(spec: PolicyServerSpec, keep_key: str, cache_modes: Sequence[st
 # --- StatefulSet ----------------------------------------------------------------------
 
 def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint) -> list[str]:
-    """The torchrun line ``policyserver serve`` would exec, with the flags the spec manages, then extraArgs."""
+    """``policyserver serve`` with the flags the spec manages, then extraArgs; serve runs torchrun as its child."""
     rt, layout = spec.runtime, spec.layout
     flags = managed_argv(
         checkpoint=serving.path, port=spec.service.port, cfgp=layout.cfgp, dp=layout.dp, guidance=rt.guidance,
         steps=rt.steps, device=rt.device, drain_grace_s=rt.drain_grace_seconds,
         auth_token_file=f"{AUTH_TOKEN_DIR}/{TOKEN_FILE}" if spec.auth.secret_ref is not None else None,
     )
-    return torchrun_argv(layout.world_size, [*flags, *rt.extra_args])
+    return serve_argv([*flags, *rt.extra_args])
 
 
 def termination_grace_seconds(spec: PolicyServerSpec) -> int:

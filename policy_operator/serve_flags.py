@@ -27,6 +27,7 @@ DEFAULT_CACHE_DIR: Final = ".cache/checkpoints"
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 << 20
 DEFAULT_POLICY: Final = "policy_operator.runtime.policy.reference:ReferencePolicy"
 WORKER_MODULE: Final = "policy_operator.runtime.worker"  # the torchrun program, one process per rank
+SERVE_COMMAND: Final = ("policyserver", "serve")
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,16 @@ def argv_of(values: Mapping[str, object]) -> list[str]:
 def to_argv(opts: ServeOptions) -> list[str]:
     """The flags that reproduce ``opts``: what ``serve`` hands to the torchrun worker."""
     return argv_of({f.name: getattr(opts, f.name) for f in fields(ServeOptions)})
+
+
+def serve_argv(worker_args: list[str]) -> list[str]:
+    """A server pod's entrypoint: ``serve`` runs the torchrun line as its child, so a drained SIGTERM exits 0.
+
+    torchrun itself, signalled by the kubelet, exits 1 however cleanly its
+    ranks drained; ``serve`` passes the signal to the ranks instead
+    (``runtime/serve_cli.py``).  A single-rank layout runs in ``serve`` itself.
+    """
+    return [*SERVE_COMMAND, *worker_args]
 
 
 def torchrun_argv(nproc: int, worker_args: list[str]) -> list[str]:

@@ -1,24 +1,120 @@
 """Serve a policy over the openpi WebSocket protocol, on 1 rank or under torchrun.
 
-``--cfgp C --dp D`` with C*D > 1 replaces this process with ``torchrun
---standalone --nproc-per-node=C*D -m policy_operator.runtime.worker`` and the
-same flags, so signals reach torchrun directly; a single-rank layout runs in
-this process.  The layout is checked before anything starts.
+``--cfgp C --dp D`` with C*D > 1 runs ``torchrun --standalone
+--nproc-per-node=C*D -m policy_operator.runtime.worker`` with the same flags
+as a child process; a single-rank layout runs in this process.  The layout is
+checked before anything starts.
+
+Why a child and not ``exec``: in a pod this process is the container's
+entrypoint, the one process the kubelet signals.  torchrun answers SIGTERM by
+raising its own ``SignalException`` and exits 1 however cleanly its ranks
+drained, so Kubernetes would record every rollout as an ``Error``
+termination.  Instead this process forwards SIGTERM (and SIGINT) to the
+*ranks* themselves: each drains and exits 0, torchrun sees every worker
+succeed and exits 0, and so does ``serve``.  Any rank that fails still makes
+torchrun, and therefore ``serve``, exit non-zero.  A signal that arrives
+before torchrun has started its ranks goes to torchrun itself (nothing to
+drain yet), whose exit code is passed on as is.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
+from types import FrameType
 
 from policy_operator import serve_flags
 from policy_operator.exit_codes import ServeExit
 
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
+_PR_SET_PDEATHSIG = 1
+POLL_S = 0.2  # how often the launcher looks at torchrun and at signals to pass on
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve_flags.add_arguments(parser)
+
+
+def children(pid: int) -> list[int]:
+    """PIDs whose parent is ``pid``, read from ``/proc`` (torchrun starts its ranks in sessions of their own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _launcher_setup() -> None:
+    """In torchrun, before exec: a process group of its own, and SIGTERM when ``serve`` dies (even by SIGKILL)."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def run_torchrun(argv: list[str]) -> int:
+    """Run torchrun as a child, forward SIGTERM/SIGINT to its ranks, return its exit code (0: every rank exited 0).
+
+    torchrun gets a process group of its own, so a terminal's Ctrl-C reaches
+    only this process, which forwards it as the kubelet's SIGTERM would be.
+    """
+    child = subprocess.Popen(argv, preexec_fn=_launcher_setup)  # noqa: PLW1509 - setpgid + prctl, no locks
+    received: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    handled = 0  # signals received and passed on
+    try:
+        while True:
+            # never an unbounded wait(): waitpid is retried after a signal (PEP 475), so poll instead
+            try:
+                code = child.wait(timeout=POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if len(received) > handled:
+                handled = _forward(child.pid, len(received), handled)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code if code >= 0 else 128 - code  # killed by signal N: 128+N, as a shell reports it
+
+
+def _forward(torchrun: int, received: int, handled: int) -> int:
+    """SIGTERM every rank of ``torchrun``; how many signals are now handled.
+
+    Before torchrun has started its ranks there is nobody to drain: the signal
+    stays pending (looked at again every ``POLL_S``) until the ranks exist,
+    unless a second one came (a second Ctrl-C), which goes to torchrun itself.
+    """
+    ranks = children(torchrun)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    if ranks:
+        return received
+    if received - handled > 1:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(torchrun, signal.SIGTERM)
+        return received
+    return handled
 
 
 def main(args: argparse.Namespace) -> int:
@@ -37,5 +133,8 @@ def main(args: argparse.Namespace) -> int:
     cmd = serve_flags.torchrun_argv(layout.world_size, serve_flags.to_argv(opts))
     exe = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     sys.stdout.flush()
-    os.execv(exe, [exe, *cmd[1:]])
-    return 1  # not reached
+    started = time.monotonic()
+    code = run_torchrun([exe, *cmd[1:]])
+    print(f"policyserver: torchrun exited {code} after {time.monotonic() - started:.0f}s", file=sys.stderr,
+          flush=True)
+    return code

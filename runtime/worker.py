@@ -169,7 +169,7 @@ async def _serve_rank0(rt: Runtime) -> int:
     await stopper
     log.info("SIGTERM: draining up to %.1fs", opts.drain_grace_s)
     rt.heartbeat.set_state(RankState.STOPPING)
-    drained = await ingress.drain(opts.drain_grace_s)
+    drained = await server.drain(opts.drain_grace_s)  # idle sessions closed 1001 at once, busy ones after their reply
     # Keep answering /readyz (503 now) for a heartbeat period before the port closes,
     # so probes and load balancers observe the drain instead of a refused connection.
     await asyncio.sleep(min(opts.heartbeat_s, opts.drain_grace_s))

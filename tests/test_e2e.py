@@ -251,7 +251,7 @@ def test_pods_run_torchrun_with_gloo_on_cpu(deployment: Deployment) -> None:
             agents = [p for p in procs if any(a.endswith("/torchrun") for a in p.argv[:2])]
             assert len(agents) == 1, [p.argv for p in procs]
             ranks = sorted((p for p in procs if p.ppid == agents[0].pid), key=lambda p: int(p.env["RANK"]))
-            assert [p.env["RANK"] for p in ranks] == ["0", "1"] and len(procs) == 3
+            assert [p.env["RANK"] for p in ranks] == ["0", "1"] and len(procs) == 4  # serve, torchrun, 2 ranks
             for rank in ranks:
                 assert "policy_operator.runtime.worker" in rank.argv
                 argv = list(rank.argv)
@@ -322,7 +322,7 @@ def test_layout_change_rolls_the_pods_to_the_new_world_size(deployment: Deployme
     assert new.keys() == old.keys() and not set(new.values()) & set(old.values())  # every pod replaced
     for pod in server_pods(d, CFGP1):
         procs = d.cluster.node.processes(NS, pod["metadata"]["name"], SERVER_CONTAINER)
-        assert len(procs) == 2 and "--nproc-per-node=1" in procs[0].argv + procs[1].argv  # torchrun + 1 rank
+        assert len(procs) == 1 and "serve" in procs[0].argv  # a single rank runs in serve itself, no torchrun
     (answer,) = actions_through_service(d, CFGP1, connections=1)
     assert answer["meta"]["layout"] == {"cfgp": 1, "dp": 1, "world_size": 1}
 
@@ -331,7 +331,7 @@ def test_kubectl_delete_collects_everything_and_the_claim_waits_for_its_pods(dep
     d = deployment
     node = d.cluster.node
     pids = [p.pid for p in node.processes(NS)]
-    assert len(pids) == 7  # torchrun + 2 ranks (cfgp=2), 2 x (torchrun + 1 rank) (dp=1 after the layout change)
+    assert len(pids) == 6  # serve + torchrun + 2 ranks (cfgp=2), 2 x serve (1 rank each after the layout change)
     claims = {n: d.cluster.get("v1", "persistentvolumeclaims", Names(n).pvc) for n in (CFGP2, CFGP1)}
     assert all("kubernetes.io/pvc-protection" in c["metadata"]["finalizers"] for c in claims.values())
     volumes = [c["spec"]["volumeName"] for c in claims.values()]

@@ -326,17 +326,16 @@ def test_runtime_image_provides_every_command_the_operator_writes() -> None:
 
 
 def test_runtime_default_command_serves_like_the_operator_pods() -> None:
-    """``policyserver serve`` (the image's CMD) execs the same torchrun line the operator writes."""
+    """``policyserver serve`` (the image's CMD) is the entrypoint the operator writes, with flags serve parses."""
     cmd = one_cmd(final_stage(RUNTIME_DOCKERFILE), "CMD")
-    assert cmd.json and cmd.value[:2] == ("policyserver", "serve")
+    assert cmd.json and cmd.value[:2] == serve_flags.SERVE_COMMAND
     args = cli.build_parser().parse_args([*cmd.value[1:], "--cfgp", "2", "--dp", "2", "--guidance", "2.5"])
-    opts = serve_flags.ServeOptions.from_args(args)
-    launched = serve_flags.torchrun_argv(4, serve_flags.to_argv(opts))
+    launched = serve_flags.to_argv(serve_flags.ServeOptions.from_args(args))
     example = EXAMPLES["policyserver-cfgp2-dp2.yaml"]
     spec = parse_spec(example["spec"], name=example["metadata"]["name"], namespace="robots")
     written = manifests.worker_command(spec, manifests.ServingCheckpoint.of(spec))
-    head = written.index(serve_flags.WORKER_MODULE) + 1
-    assert launched[:head] == written[:head]
+    assert tuple(written[:2]) == serve_flags.SERVE_COMMAND
+    cli.build_parser().parse_args(written[1:])  # every flag the operator writes is one serve accepts
     for flag in ("--cfgp", "--dp", "--guidance"):
         assert launched[launched.index(flag) + 1] == written[written.index(flag) + 1]
     assert one_cmd(final_stage(RUNTIME_DOCKERFILE), "EXPOSE").value == (str(C.DEFAULT_PORT),)

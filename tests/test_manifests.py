@@ -224,19 +224,18 @@ def test_gpus_and_command_follow_the_layout(cfgp: int, dp: int) -> None:
     assert server["resources"]["requests"] == {"cpu": "4", "memory": "16Gi", C.GPU_RESOURCE: gpus}
     path = f"{C.CACHE_MOUNT_PATH}/{spec.checkpoint.key}"
     assert server["command"] == [
-        "torchrun", "--standalone", f"--nproc-per-node={cfgp * dp}", "--max-restarts=0",
-        "-m", "policy_operator.runtime.worker", "--checkpoint", path, "--port", "8000",
+        "policyserver", "serve", "--checkpoint", path, "--port", "8000",
         "--cfgp", str(cfgp), "--dp", str(dp), "--guidance", "2.5", "--steps", "8", "--device", "cuda",
         "--drain-grace-s", "20"]
 
 
 def test_worker_command_is_the_runtimes_own() -> None:
-    """Same launch line as `policyserver serve` builds, and flags its parser accepts."""
+    """``policyserver serve`` (which runs torchrun as its child) with flags its parser accepts."""
     spec = spec_of(base(parallelism={"cfgp": 2, "dp": 2}, auth={"secretRef": {"name": "c"}},
                         runtime={"guidance": 4.0, "extraArgs": ["--heartbeat-s", "0.5", "--dtype=bfloat16"]}))
     command = _server(M.build_statefulset(spec))["command"]
-    worker_args = command[6:]
-    assert command == serve_flags.torchrun_argv(spec.layout.world_size, worker_args)
+    worker_args = command[2:]
+    assert command == serve_flags.serve_argv(worker_args)
     parser = argparse.ArgumentParser()
     serve_flags.add_arguments(parser)
     args = parser.parse_args(worker_args)

@@ -15,6 +15,7 @@ the event loop, so probes and keepalive pings answer during long requests.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import http
 import json
@@ -38,6 +39,8 @@ from policy_operator.serve_flags import DEFAULT_MAX_MESSAGE_BYTES
 log = logging.getLogger(__name__)
 
 ErrorFormat = Literal["text", "dict"]
+GOING_AWAY = 1001  # the close code of a draining server: clients reconnect, through the Service, to a ready pod
+DRAIN_REASON = "server is shutting down; reconnect"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,9 @@ class PolicyWebSocketServer:
         self.config = config
         self.metrics = ServerMetrics()
         self._server: Server | None = None
+        # open sessions, and those of them waiting for their next request: what a drain closes at once
+        self._sessions: set[ServerConnection] = set()
+        self._idle: set[ServerConnection] = set()
 
     # --- HTTP before the upgrade ---------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
@@ -97,10 +103,13 @@ class PolicyWebSocketServer:
     # --- the WebSocket session ---------------------------------------------------------
     async def handler(self, ws: ServerConnection) -> None:
         self.metrics.connections.inc()
+        self._sessions.add(ws)
         try:
             await ws.send(wire.packb(self.ingress.metadata()))
             prev_total_ms: float | None = None
+            self._idle.add(ws)
             async for message in ws:
+                self._idle.discard(ws)
                 started = time.perf_counter()
                 self.metrics.in_flight.inc()
                 try:
@@ -125,9 +134,15 @@ class PolicyWebSocketServer:
                 await ws.send(wire.packb(reply))
                 prev_total_ms = (time.perf_counter() - started) * 1e3
                 self.metrics.latency.observe(prev_total_ms / 1e3)
+                if self.ingress.draining:  # this session's request is answered: send it to a ready pod
+                    await ws.close(GOING_AWAY, DRAIN_REASON)
+                    return
+                self._idle.add(ws)
         except websockets.ConnectionClosed:
             pass
         finally:
+            self._sessions.discard(ws)
+            self._idle.discard(ws)
             self.metrics.connections.dec()
 
     async def _answer(self, message: bytes | str) -> dict[str, Any]:
@@ -166,6 +181,30 @@ class PolicyWebSocketServer:
     def port(self) -> int:
         assert self._server is not None
         return self._server.sockets[0].getsockname()[1]
+
+    async def drain(self, grace_s: float) -> bool:
+        """Session draining on SIGTERM; True when every request in flight was answered within ``grace_s``.
+
+        At once: ``/readyz`` turns 503 (the Service stops routing here), new
+        WebSocket upgrades get 503, and sessions waiting for their next
+        request are closed with 1001 (going away), which openpi-client and
+        RoboLab clients take as "reconnect" and the Service sends to a ready
+        pod.  A session with a request in flight gets its answer first and is
+        closed with 1001 right after it; a request that arrives on a session
+        during the drain is refused the same way (``NotReady``).  Sessions
+        still open when the grace period ends are closed by ``stop()``.
+        """
+        deadline = time.monotonic() + grace_s
+        self.ingress.draining = True
+        idle = list(self._idle)
+        if idle:
+            log.info("draining: closing %d idle session(s) with 1001", len(idle))
+        await asyncio.gather(*(ws.close(GOING_AWAY, DRAIN_REASON) for ws in idle), return_exceptions=True)
+        drained = await self.ingress.drain(max(0.0, deadline - time.monotonic()))
+        # the answers of the last requests are on their way: let their sessions send them and close
+        while self._sessions - self._idle and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return drained
 
     async def stop(self) -> None:
         if self._server is not None:
