@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 from policy_operator import serve_flags
 from policy_operator.exit_codes import ServeExit
 from policy_operator.layout import LayoutError, ParallelLayout
+from policy_operator.progress_line import FetchProgress
 from policy_operator.readyz import RankState
 
 if TYPE_CHECKING:  # torch: imported once the layout is known to be valid
@@ -54,15 +56,16 @@ def validate_layout(opts: serve_flags.ServeOptions) -> ParallelLayout:
     return layout
 
 
-def resolve_checkpoint(opts: serve_flags.ServeOptions) -> str:
-    """A local directory as is; a source is fetched once (file lock + completion marker)."""
+def resolve_checkpoint(opts: serve_flags.ServeOptions,
+                       on_progress: Callable[[FetchProgress], None] | None = None) -> str:
+    """A local directory as is; a source is fetched once (file lock + completion marker), reporting to ``on_progress``."""
     if Path(opts.checkpoint).is_dir():
         return opts.checkpoint
     if "://" not in opts.checkpoint:
         raise FileNotFoundError(f"checkpoint directory {opts.checkpoint} does not exist")
     from policy_operator.runtime.checkpoint.fetch import fetch
 
-    return str(fetch(opts.checkpoint, opts.cache_dir, revision=opts.revision))
+    return str(fetch(opts.checkpoint, opts.cache_dir, revision=opts.revision, on_progress=on_progress))
 
 
 class Runtime:
@@ -91,9 +94,14 @@ class Runtime:
         from policy_operator.runtime.policy.sampler import SamplerSettings
 
         self.settings = SamplerSettings(opts.steps, opts.guidance, cfg_mode)  # type: ignore[arg-type]
+        self.load_s = self.warmup_s = 0.0  # set by load()
 
-    def load(self) -> Replica:
-        """Checkpoint path from rank 0, model on this rank, warm-up by the replica's driver."""
+    def load(self, on_progress: Callable[[FetchProgress], None] | None = None) -> Replica:
+        """Checkpoint path from rank 0, model on this rank, warm-up by the replica's driver.
+
+        Sets ``load_s`` (model onto the device, download excluded) and ``warmup_s`` (the replica's warm-up
+        request; 0 on a cfg peer, whose driver times it), which rank 0 exports as metrics.
+        """
         import torch
         import torch.distributed as dist
 
@@ -105,21 +113,26 @@ class Runtime:
         path = None
         if self.rank == 0:
             self.heartbeat.set_state(RankState.LOADING, "resolving checkpoint")
-            path = resolve_checkpoint(self.opts)
+            path = resolve_checkpoint(self.opts, on_progress)
         if self.layout.world_size > 1:
             box = [path]
             dist.broadcast_object_list(box, src=0, group=self.groups.world_ctrl)
             path = box[0]
         self.heartbeat.set_state(RankState.LOADING, f"loading {path}")
+        started = time.perf_counter()
         cls = load_policy_class(self.opts.policy)
         policy = cls.load(path, device=self.device, dtype=parse_dtype(self.opts.dtype))
         if self.opts.compile:
             policy.compile(self.opts.compile)
         replica = Replica(policy, self.groups, self.settings, self.heartbeat)
+        self.load_s = time.perf_counter() - started
         if self.groups.cfg_index == 0:
+            started = time.perf_counter()
             warm = policy.prepare(policy.example_observation(0))
             replica.execute(InferenceRequest("warmup", warm, 0))
-            log.info("replica %d warmed up", self.groups.dp_index)
+            self.warmup_s = time.perf_counter() - started
+            log.info("replica %d warmed up (load %.1fs, warm-up %.1fs)", self.groups.dp_index, self.load_s,
+                     self.warmup_s)
         return replica
 
 
@@ -143,7 +156,7 @@ async def _serve_rank0(rt: Runtime) -> int:
     print(f"policyserver: listening on ws://{opts.host}:{server.port} ({rt.layout.label})", flush=True)
 
     model_pool = ThreadPoolExecutor(1, thread_name_prefix="model")
-    load = loop.run_in_executor(model_pool, rt.load)
+    load = loop.run_in_executor(model_pool, rt.load, server.metrics.observe_download)
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not load.done():  # SIGTERM while loading: nothing to drain
@@ -164,6 +177,8 @@ async def _serve_rank0(rt: Runtime) -> int:
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"replica{k}")
         lanes.append(remote_lane(k, rt.layout.driver_rank(k), rt.groups.dispatch[k], executor))
     ingress.attach(replica.policy, lanes)
+    server.metrics.load_seconds.set(rt.load_s)
+    server.metrics.warmup_seconds.set(rt.warmup_s)
     print("policyserver: ready", flush=True)
 
     await stopper

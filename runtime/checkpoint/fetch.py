@@ -36,12 +36,13 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from policy_operator.constants import COMPLETE_MARKER, ENV_HF_TOKEN, MANIFEST_FILE
 from policy_operator.exit_codes import FetchExit, describe
+from policy_operator.progress_line import FetchProgress
 from policy_operator.runtime.checkpoint.errors import (
     DiskFullError,
     FetchError,
@@ -71,8 +72,9 @@ _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
 
 class _Log:
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, on_progress: Callable[[FetchProgress], None] | None = None) -> None:
         self.enabled = enabled
+        self.on_progress = on_progress  # the download's progress, every few seconds, from the reporter's thread
 
     def __call__(self, message: str) -> None:
         if self.enabled:
@@ -89,6 +91,7 @@ def fetch(
     verify: bool = False,
     progress: bool = True,
     stall_timeout_s: float = STALL_TIMEOUT_S,
+    on_progress: Callable[[FetchProgress], None] | None = None,
 ) -> Path:
     """Make ``DEST/<key>/`` hold the complete, verified checkpoint and return that path.
 
@@ -98,14 +101,15 @@ def fetch(
     ``verify`` re-hashes an already complete directory instead of checking sizes
     only; ``progress=False`` silences everything but errors (raised);
     ``stall_timeout_s``: an HTTP body that delivers (next to) nothing for that
-    long is dropped and resumed (``Patience``).
+    long is dropped and resumed (``Patience``); ``on_progress`` is called with
+    the download's progress every few seconds (a server's own metrics).
     """
     if token is None:
         token = os.environ.get(ENV_HF_TOKEN) if str(source).startswith(HF_SCHEME) else None
     try:
         if not (math.isfinite(stall_timeout_s) and stall_timeout_s > 0):
             raise UsageError(f"--stall-timeout-s must be > 0, got {stall_timeout_s}")
-        return _fetch(str(source), Path(dest), revision, dict(sha256 or {}), token, verify, _Log(progress),
+        return _fetch(str(source), Path(dest), revision, dict(sha256 or {}), token, verify, _Log(progress, on_progress),
                       Patience(stall_timeout_s=stall_timeout_s))
     except FetchError as exc:
         exc.args = (scrub(str(exc), [token] if token else []),)
@@ -280,7 +284,8 @@ def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dic
 
     if needed:
         log(f"{shown}: {len(needed)} of {len(files)} files to download ({human_bytes(total - present)}) into {staging}")
-    with Progress(total or None, label="fetch", initial=present, enabled=log.enabled) as progress:
+    with Progress(total or None, label="fetch", initial=present, enabled=log.enabled,
+                  on_update=log.on_progress) as progress:
         if needed:
             digests.update(src.download(staging, needed, progress))
     records = _verify_staged(staging, files, digests, overrides, shown)

@@ -3,7 +3,10 @@
 A Job's log is not a TTY, so a carriage-return bar would be one endless line
 there: off a TTY we print a plain line every few seconds from a ticker thread
 (so the log moves even while one socket read blocks); on a TTY we hand the
-same numbers to tqdm.
+same numbers to tqdm.  Each plain line ends in the machine-readable tail of
+``policy_operator/progress_line.py``, which the operator reads back from the
+fetch pod's log into ``status.checkpoint.progress``; ``on_update`` hands the
+same numbers to a server downloading its own checkpoint, for its metrics.
 """
 
 from __future__ import annotations
@@ -14,15 +17,11 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from policy_operator.progress_line import FetchProgress, human_bytes
+
+__all__ = ["DEFAULT_INTERVAL_S", "Progress", "human_bytes"]
+
 DEFAULT_INTERVAL_S = 2.0
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover - loop always returns
 
 
 class Progress:
@@ -42,6 +41,7 @@ class Progress:
         stream: TextIO | None = None,
         interval: float = DEFAULT_INTERVAL_S,
         poll: Callable[[], int] | None = None,
+        on_update: Callable[[FetchProgress], None] | None = None,
     ) -> None:
         self.total = total
         self.label = label
@@ -51,6 +51,7 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.interval = interval
         self.poll = poll
+        self.on_update = on_update
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -76,20 +77,26 @@ class Progress:
         return self.done
 
     # --- reporting -----------------------------------------------------------------
-    def line(self) -> str:
+    def snapshot(self) -> FetchProgress:
+        """Bytes done, the total when known, and bytes per second over this run (resumed bytes excluded)."""
         done = self._current()
         elapsed = max(time.monotonic() - self._started, 1e-9)
-        rate = (done - self.initial) / elapsed / 1e6
-        if self.total:
-            pct = 100.0 * done / self.total
-            return f"{self.label}: {human_bytes(done)} / {human_bytes(self.total)} ({pct:.1f}%) {rate:.1f} MB/s"
-        return f"{self.label}: {human_bytes(done)} {rate:.1f} MB/s"
+        return FetchProgress(done, self.total or None, (done - self.initial) / elapsed)
+
+    def line(self) -> str:
+        return self.snapshot().line(self.label)
+
+    def _tick(self) -> FetchProgress:
+        snapshot = self.snapshot()
+        if self.on_update is not None:
+            self.on_update(snapshot)
+        return snapshot
 
     def __enter__(self) -> Progress:
         self._started = time.monotonic()
-        if not self.enabled:
+        if not (self.enabled or self.on_update):
             return self
-        if self.stream.isatty():
+        if self.enabled and self.stream.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(
@@ -104,17 +111,18 @@ class Progress:
         shown = self.initial
         interval = 0.5 if self._bar is not None else self.interval
         while not self._stop.wait(interval):
+            snapshot = self._tick()
             if self._bar is not None:
-                done = self._current()
-                self._bar.update(done - shown)
-                shown = done
-            else:
-                print(self.line(), file=self.stream, flush=True)
+                self._bar.update(snapshot.done - shown)
+                shown = snapshot.done
+            elif self.enabled:
+                print(snapshot.line(self.label), file=self.stream, flush=True)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            self._tick()  # the last count, so a listener does not stop a few seconds short
         if self._bar is not None:
             self._bar.update(self._current() - self._bar.n)
             self._bar.close()

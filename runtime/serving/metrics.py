@@ -1,9 +1,17 @@
-"""Prometheus metrics of one server, in a registry of its own (several servers per test process)."""
+"""Prometheus metrics of one server, in a registry of its own (several servers per test process).
+
+The chart's Grafana dashboard (charts/policy-operator/dashboards/) and the
+autoscaling rules of docs/autoscaling.md read these names; tests/test_dashboard.py
+and tests/test_autoscaling.py fail when a query names one that is not here.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from policy_operator.layout import ParallelLayout
+from policy_operator.progress_line import FetchProgress
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -25,6 +33,35 @@ class ServerMetrics:
                                registry=self.registry)
         self.connections = Gauge("policy_connections", "Open WebSocket connections", registry=self.registry)
         self.ranks_ready = Gauge("policy_ranks_ready", "Ranks alive and warm", registry=self.registry)
+        self.world_size = Gauge("policy_world_size", "Ranks this pod runs (cfgp x dp)", registry=self.registry)
+        self.dp_replicas = Gauge("policy_dp_replicas",
+                                 "Data-parallel replicas in this pod (dp): requests it computes at once",
+                                 registry=self.registry)
+        # what the client sees on top of policy_request_latency_seconds: the WebSocket keepalive's round trip
+        # on the robots' own connections, sampled with every request
+        self.network_rtt = Histogram("policy_network_rtt_seconds",
+                                     "Round trip of the WebSocket keepalive ping of the connection a request came on",
+                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.load_seconds = Gauge("policy_load_seconds",
+                                  "Seconds rank 0 spent loading the policy onto its device (download excluded)",
+                                  registry=self.registry)
+        self.warmup_seconds = Gauge("policy_warmup_seconds", "Seconds the warm-up request of replica 0 took",
+                                    registry=self.registry)
+        self.download_done = Gauge("policy_checkpoint_downloaded_bytes",
+                                   "Bytes of the checkpoint this server is downloading itself (serve --checkpoint URL)",
+                                   registry=self.registry)
+        self.download_size = Gauge("policy_checkpoint_size_bytes",
+                                   "Size of the checkpoint this server is downloading itself; 0 when unknown",
+                                   registry=self.registry)
+
+    def set_layout(self, layout: ParallelLayout) -> None:
+        self.world_size.set(layout.world_size)
+        self.dp_replicas.set(layout.dp)
+
+    def observe_download(self, progress: FetchProgress) -> None:
+        """Called by the fetch's progress reporter, from its own thread, every few seconds while it downloads."""
+        self.download_done.set(progress.done)
+        self.download_size.set(progress.total or 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -66,6 +66,7 @@ class PolicyWebSocketServer:
         self.ingress = ingress
         self.config = config
         self.metrics = ServerMetrics()
+        self.metrics.set_layout(ingress.layout)
         self._server: Server | None = None
         # open sessions, and those of them waiting for their next request: what a drain closes at once
         self._sessions: set[ServerConnection] = set()
@@ -90,6 +91,8 @@ class PolicyWebSocketServer:
             self.metrics.ranks_ready.set(readiness.ranks_ready)
             return _response(200 if readiness.ready else 503, readiness.to_json(), "application/json")
         if path == METRICS_PATH:
+            # ranks ready as of this scrape, not as of the last kubelet probe
+            self.metrics.ranks_ready.set(self.ingress.readiness().ranks_ready)
             return _response(200, self.metrics.render(), self.metrics.content_type)
         if not self._authorized(request):
             self.metrics.errors.labels(ErrorKind.UNAUTHORIZED.value).inc()
@@ -134,6 +137,8 @@ class PolicyWebSocketServer:
                 await ws.send(wire.packb(reply))
                 prev_total_ms = (time.perf_counter() - started) * 1e3
                 self.metrics.latency.observe(prev_total_ms / 1e3)
+                if ws.latency > 0:  # 0 until the first keepalive ping of this connection came back
+                    self.metrics.network_rtt.observe(ws.latency)
                 if self.ingress.draining:  # this session's request is answered: send it to a ready pod
                     await ws.close(GOING_AWAY, DRAIN_REASON)
                     return
