@@ -23,6 +23,14 @@ based ones work:
   by an external provisioner, leaves the ``Delete`` reclaim policy to it: the
   node removes the directory and the PersistentVolume.
 
+* when a bound claim of ours asks for more than its volume holds (the API
+  server let ``spec.resources.requests.storage`` grow because its class has
+  ``allowVolumeExpansion: true``), the node plays the external resizer the
+  expand controller waits for ("waiting for an external controller to expand
+  this PVC"): it sets the PersistentVolume's capacity, then the claim's
+  ``status.capacity``, as ``external-resizer`` does for a volume that needs no
+  file-system step (a directory has no size to grow).
+
 ``storage_classes`` adds classes of other names served by the same
 provisioner (not default): a sample that names ``nfs-client`` gets its class
 on this cluster without editing the sample.  Claims of any other class are
@@ -110,6 +118,9 @@ class Provisioner:
             with contextlib.suppress(kubernetes.client.ApiException):  # 409: created by the previous pass
                 self.api.create("v1", "persistentvolumes", volume_for(claim, self.node, path))
                 log.info("provisioned %s for %s/%s at %s", f"pvc-{meta['uid']}", meta["namespace"], meta["name"], path)
+        by_name = {v["metadata"]["name"]: v for v in volumes}
+        for claim in claims:
+            self._resize(claim, by_name.get((claim.get("spec") or {}).get("volumeName") or ""))
         for volume in volumes:
             meta, spec = volume["metadata"], volume.get("spec") or {}
             if ((meta.get("annotations") or {}).get(ANN_PROVISIONED_BY) != STORAGE_PROVISIONER
@@ -117,6 +128,30 @@ class Provisioner:
                     or (volume.get("status") or {}).get("phase") not in ("Released", "Failed")):
                 continue
             self._delete(volume)
+
+    def _resize(self, claim: dict[str, Any], volume: dict[str, Any] | None) -> None:
+        """Grow our volume, then the claim's status, to what the bound claim now requests."""
+        from kubernetes.utils import parse_quantity
+
+        if volume is None or ((volume["metadata"].get("annotations") or {}).get(ANN_PROVISIONED_BY)
+                              != STORAGE_PROVISIONER) or (claim.get("status") or {}).get("phase") != "Bound":
+            return
+        want = ((claim["spec"].get("resources") or {}).get("requests") or {}).get("storage")
+        has = ((volume.get("spec") or {}).get("capacity") or {}).get("storage")
+        shown = ((claim.get("status") or {}).get("capacity") or {}).get("storage")
+        if want is None or has is None:
+            return
+        meta = claim["metadata"]
+        with contextlib.suppress(kubernetes.client.ApiException):  # 409/404: the next pass retries
+            if parse_quantity(want) > parse_quantity(has):
+                self.api.patch("v1", "persistentvolumes", volume["metadata"]["name"],
+                               {"spec": {"capacity": {"storage": want}}})
+                log.info("resized %s to %s for %s/%s", volume["metadata"]["name"], want, meta["namespace"],
+                         meta["name"])
+                has = want
+            if shown is None or parse_quantity(shown) < parse_quantity(has):
+                self.api.patch_status("v1", "persistentvolumeclaims", meta["name"],
+                                      {"capacity": {"storage": has}}, meta["namespace"], uid=meta["uid"])
 
     def _delete(self, volume: dict[str, Any]) -> None:
         path = Path(((volume.get("spec") or {}).get("local") or {}).get("path") or "")
