@@ -123,10 +123,33 @@ def storage_and_disruption(kube: Kube, spec: PolicyServerSpec) -> dict[str, Any]
             "gc_job": kube.get("Job", ns, names.gc_job(spec.checkpoint.key))}
 
 
+FAILURE_LOG_LINES = 200  # enough to reach past a rank's shutdown logging and torchrun's report
+FAILURE_LOG_BYTES = 64 * 1024
+
+
+def failure_log(kube: Kube, namespace: str, health: PodHealth) -> PodHealth:
+    """A failed container's own log, when its termination message (2 KiB at most) lost the error line.
+
+    Read only for a pod whose container failed without an error in its
+    message, so a crash loop costs one small read per pass, nothing else does.
+    """
+    if health.log_ref is None:
+        return health
+    container, previous = health.log_ref
+    try:
+        log_text = kube.pod_log(namespace, health.name, container, tail_lines=FAILURE_LOG_LINES,
+                                limit_bytes=FAILURE_LOG_BYTES, previous=previous)
+    except KubeError as exc:
+        log.debug("no log of %s/%s %s: %s", namespace, health.name, container, exc)
+        return health
+    return rank_probe.explain(health, log_text)
+
+
 def ranks(kube: Kube, spec: PolicyServerSpec, statefulset: Mapping[str, Any] | None, *,
           probe_timeout: float) -> tuple[list[dict[str, Any]], list[PodHealth]]:
     """The server pods and each one's per-rank readiness from its own ``/readyz`` (concurrently, bounded)."""
     if statefulset is None:
         return [], []
     pods = kube.list("Pod", spec.namespace, manifests.selector_labels(spec.name))
-    return pods, rank_probe.poll_pods(pods, spec.service.port, spec.layout.world_size, timeout=probe_timeout)
+    healths = rank_probe.poll_pods(pods, spec.service.port, spec.layout.world_size, timeout=probe_timeout)
+    return pods, [failure_log(kube, spec.namespace, h) for h in healths]

@@ -21,13 +21,14 @@ import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Final
 
 import kopf
 
 from policy_operator.constants import (
     ANNOTATION_CHECKPOINT_REVISION,
     ANNOTATION_CHECKPOINT_SOURCE,
+    ANNOTATION_SURGE,
     ANNOTATION_TEMPLATE_HASH,
     COND_PROGRESSING,
     COND_STORAGE_READY,
@@ -74,6 +75,7 @@ class Observed:
     storage_class: dict[str, Any] | None = None  # the cache claims' StorageClass, when readable
     pdb: dict[str, Any] | None = None
     gc_job: dict[str, Any] | None = None  # the cleanup Job of the spec's checkpoint
+    surge_pod: dict[str, Any] | None = None  # the extra pod of a surging rollout (surge_pod_name), when it exists
 
 
 @dataclass
@@ -276,8 +278,120 @@ def _plan_job(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], job:
                                  Event("Normal", "Created", f"created fetch Job {job_name} for {spec.checkpoint.source}")))
 
 
+# --- rollouts that keep serving: surge ---------------------------------------------------------
+#
+# A StatefulSet has no maxSurge: it replaces pod k by deleting it and then creating it again, so at
+# replicas: 1 every spec change is downtime.  The surge is built from its rolling-update partition
+# (pods with an ordinal >= partition get the new template, the others keep theirs), driven over
+# several passes from what is observed, with ANNOTATION_SURGE on the StatefulSet remembering where
+# the rollout is:
+#
+#   change seen, pods serving  -> replicas N+1, partition N: only the extra pod (ordinal N) starts,
+#                                 with the new template; the N old pods keep serving   [starting]
+#   extra pod Ready            -> partition 0: the StatefulSet replaces the N old pods one at a
+#                                 time while the extra pod serves                      [rolling]
+#   all N+1 updated and Ready  -> replicas N: the extra pod goes (it drains on SIGTERM)
+#   extra pod Unschedulable    -> replicas N, partition 0: in-place replacement, with a Warning
+#
+# The Service routes only to Ready pods (readiness is /readyz), so some pod serves throughout.
+
+SURGE_STARTING: Final = "starting"
+SURGE_ROLLING: Final = "rolling"
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What the StatefulSet should say now: replicas, partition, the surge annotation (None: none)."""
+
+    replicas: int
+    partition: int = 0
+    surge: str | None = None
+    event: Event | None = None
+
+
+def surge_of(sts: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """(template hash, phase) of the surge the StatefulSet is in, from its annotation; None: not surging."""
+    value = (((sts or {}).get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SURGE) or ""
+    want_hash, _, phase = value.partition("/")
+    return (want_hash, phase) if want_hash and phase in (SURGE_STARTING, SURGE_ROLLING) else None
+
+
+def surge_pod_name(statefulset: str, replicas: int) -> str:
+    """The extra pod of a surge: the first ordinal past ``replicas``."""
+    return f"{statefulset}-{replicas}"
+
+
+def _pod_condition(pod: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == kind), {})
+
+
+def _ready_on(pod: Mapping[str, Any] | None, revision: str | None) -> bool:
+    """The pod is Ready (the kubelet's /readyz probe) and runs ``revision`` of the StatefulSet."""
+    if pod is None or not revision or (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return labels.get("controller-revision-hash") == revision and _pod_condition(pod, "Ready").get("status") == "True"
+
+
+def _unschedulable(pod: Mapping[str, Any] | None) -> str | None:
+    """The scheduler's message when it found no node for the pod (no GPUs free, ...); None otherwise."""
+    scheduled = _pod_condition(pod or {}, "PodScheduled")
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        return str(scheduled.get("message") or "Unschedulable")
+    return None
+
+
+def _rolled(sts: Mapping[str, Any], replicas: int) -> bool:
+    """``replicas`` pods, every one on the update revision and Ready, and the controller has seen the latest spec."""
+    meta, status = sts.get("metadata") or {}, sts.get("status") or {}
+    return (int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 1)
+            and bool(status.get("updateRevision")) and status.get("currentRevision") == status.get("updateRevision")
+            and int(status.get("replicas") or 0) == replicas
+            and int(status.get("updatedReplicas") or 0) == replicas
+            and int(status.get("readyReplicas") or 0) == replicas)
+
+
+def plan_rollout(replicas: int, sts: Mapping[str, Any] | None, want_hash: str,
+                 surge_pod: Mapping[str, Any] | None) -> Rollout:
+    """The next step of a rollout to template ``want_hash`` at ``replicas`` pods, from the observed StatefulSet.
+
+    Pure and level-triggered: the same observation gives the same answer,
+    so a pass repeated after a crash or a conflict changes nothing.
+    """
+    if sts is None or replicas == 0:
+        return Rollout(replicas)
+    name = (sts.get("metadata") or {}).get("name") or "?"
+    extra = surge_pod_name(name, replicas)
+    have_hash = ((sts.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH)
+    status = sts.get("status") or {}
+    if have_hash != want_hash:
+        if not int(status.get("readyReplicas") or 0):
+            return Rollout(replicas)  # nothing serves that a surge could keep serving: replace in place
+        return Rollout(replicas + 1, replicas, f"{want_hash}/{SURGE_STARTING}", Event(
+            "Normal", "SurgeStarted", f"starting {extra} with the new template; the {replicas} serving pod(s) are "
+                                      f"replaced only once it is Ready"))
+    surge = surge_of(sts)
+    if surge is None or surge[0] != want_hash:
+        return Rollout(replicas)
+    if surge[1] == SURGE_STARTING:
+        if _ready_on(surge_pod, status.get("updateRevision")):
+            return Rollout(replicas + 1, 0, f"{want_hash}/{SURGE_ROLLING}", Event(
+                "Normal", "SurgeReady", f"{extra} is Ready with the new template; replacing the other pod(s) one at a "
+                                        f"time while it serves"))
+        why = _unschedulable(surge_pod)
+        if why is not None:
+            return Rollout(replicas, 0, None, Event(
+                "Warning", "SurgeUnschedulable", f"{extra} does not fit ({why}); replacing the pod(s) in place "
+                                                 f"instead: each stops before its successor is Ready"))
+        return Rollout(replicas + 1, replicas, f"{want_hash}/{SURGE_STARTING}")
+    if _rolled(sts, replicas + 1):
+        return Rollout(replicas, 0, None, Event(
+            "Normal", "SurgeComplete", f"every pod runs the new template; removing the extra pod {extra}"))
+    return Rollout(replicas + 1, 0, f"{want_hash}/{SURGE_ROLLING}")
+
+
 def _plan_statefulset(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], sts: Mapping[str, Any] | None,
-                      pvc: Mapping[str, Any] | None) -> None:
+                      pvc: Mapping[str, Any] | None, observed_surge_pod: Mapping[str, Any] | None = None) -> None:
     names, uid = Names(spec.name), owner["metadata"]["uid"]
     assert plan.serving is not None
     desired = _adopted(manifests.build_statefulset(spec, plan.serving, _cache_modes(spec, pvc)), owner)
@@ -298,15 +412,22 @@ def _plan_statefulset(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, An
         # volumeClaimTemplates are immutable: keep them (a larger size grows the existing claims instead)
         desired["spec"]["volumeClaimTemplates"] = copy.deepcopy(templates)
     meta, current_spec = sts.get("metadata") or {}, sts.get("spec") or {}
+    rollout = plan_rollout(spec.replicas, sts, want_hash, observed_surge_pod)
+    desired["spec"]["replicas"] = rollout.replicas
+    desired["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": rollout.partition}}
+    if rollout.surge is not None:  # left out, server-side apply removes it: the surge is over
+        desired["metadata"].setdefault("annotations", {})[ANNOTATION_SURGE] = rollout.surge
     changes = []
     if (meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH) != want_hash:
         old_key = (meta.get("labels") or {}).get(LABEL_CHECKPOINT_KEY)
         changes.append(f"rolling pods to template {want_hash}" +
                        (f" (checkpoint {old_key} -> {plan.serving.key})" if old_key != plan.serving.key else ""))
-    if current_spec.get("replicas") != spec.replicas:
-        changes.append(f"scaling {current_spec.get('replicas')} -> {spec.replicas} pods")
+    if current_spec.get("replicas") != rollout.replicas and rollout.event is None:
+        changes.append(f"scaling {current_spec.get('replicas')} -> {rollout.replicas} pods")
     event = Event("Normal", "Updated", f"StatefulSet {names.statefulset}: " + "; ".join(changes)) if changes else None
     plan.writes.append(Write(Verb.APPLY, "StatefulSet", names.statefulset, desired, event))
+    if rollout.event is not None:
+        plan.warnings.append(rollout.event)  # posted after the writes, like every warning of the plan
 
 
 def _plan_service(plan: Plan, owner: Mapping[str, Any], existing: Mapping[str, Any] | None,
@@ -393,7 +514,7 @@ def plan(spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed, c
         return result
     result.serving = serving_checkpoint(spec, checkpoint, observed.statefulset)
     if result.serving is not None:
-        _plan_statefulset(result, spec, owner, observed.statefulset, observed.pvc)
+        _plan_statefulset(result, spec, owner, observed.statefulset, observed.pvc, observed.surge_pod)
         if result.blocked:
             return result
         _plan_service(result, owner, observed.headless_service, manifests.build_headless_service(spec))

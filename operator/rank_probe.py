@@ -17,6 +17,7 @@ zero ranks; one it calls not ready counts none, as both views agree.
 from __future__ import annotations
 
 import dataclasses
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -63,6 +64,8 @@ class PodHealth:
     revision: str | None = None  # the pod's controller-revision-hash: which StatefulSet template it runs
     unschedulable: str = ""  # the scheduler's PodScheduled=False Unschedulable message
     termination: str = ""  # last lines of the newest failed container's termination message
+    # (container, previous run?) whose log may explain ``termination`` better: its message held no error line
+    log_ref: tuple[str, bool] | None = None
 
     @property
     def ranks_text(self) -> str:
@@ -140,23 +143,71 @@ def unschedulable_message(pod: Mapping[str, Any]) -> str:
     return ""
 
 
-def termination_tail(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> str:
-    """The last lines of the newest non-zero termination of any container of the pod.
+# torchrun's own report of a failed run: its agent's log line, its traceback and the ChildFailedError summary
+_TORCHRUN_REPORT = re.compile(r"torch/distributed/elastic/|ChildFailedError")
+_ROOT_CAUSE = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)")
+_ERRORISH = re.compile(r"error|exception|traceback|failed|fatal", re.IGNORECASE)
+
+
+def failure_lines(message: str, lines: int = TERMINATION_TAIL_LINES) -> tuple[list[str], str, bool]:
+    """(the rank's own last error lines, "rank R exit code C", whether any line reads as an error) from a log tail.
+
+    torchrun ends a failed run with ~30 lines of its own (its agent's log
+    line, its traceback, the ChildFailedError table); the last lines of the
+    log are therefore never the rank's error.  The report is cut off (its
+    root cause kept as "rank R exit code C"), and of what the ranks wrote the
+    lines that read as errors win over the last ones.
+    """
+    text = [ln.rstrip() for ln in message.splitlines() if ln.strip()]
+    cut = next((i for i, ln in enumerate(text) if _TORCHRUN_REPORT.search(ln)), len(text))
+    if cut < len(text) and cut > 0 and text[cut - 1].startswith("Traceback"):
+        cut -= 1
+    found: dict[str, str] = {m.group(1): m.group(2) for ln in text[cut:] if (m := _ROOT_CAUSE.match(ln))}
+    root = f"rank {found['rank']} exit code {found['exitcode']}" if {"rank", "exitcode"} <= found.keys() else ""
+    body = text[:cut]
+    errors = [ln for ln in body if _ERRORISH.search(ln)]
+    return (errors or body)[-lines:], root, bool(errors)
+
+
+def _failure_text(head: str, message: str, lines: int) -> tuple[str, bool]:
+    found, root, explained = failure_lines(message, lines)
+    head += f", {root}" if root and ", rank " not in head else ""
+    tail = "\n".join(found)
+    return (f"{head}: {tail}" if tail else head)[:MAX_TERMINATION_TAIL], explained
+
+
+def termination(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> tuple[str, tuple[str, bool] | None]:
+    """What the newest non-zero termination of any container of the pod says, in a few lines, and where its log is
+    when that message shows no error line (``(container, previous run?)``).
 
     With ``terminationMessagePolicy: FallbackToLogsOnError`` the kubelet puts
-    the end of the log there when the container wrote no message: for the
-    server that is torchrun's report of the rank that failed, and its traceback.
+    the end of the log there (at most 80 lines, 2 KiB) when the container
+    wrote no message: for the server, the failing rank's error, then whatever
+    it logged while shutting down, then torchrun's report.  A rank that logs
+    on the way down can push its error out of those 2 KiB; then the log
+    itself (``explain``) has it.
     """
     status = pod.get("status") or {}
     for group in ("initContainerStatuses", "containerStatuses"):
         for cs in status.get(group) or []:
-            for term in ((cs.get("state") or {}).get("terminated"), (cs.get("lastState") or {}).get("terminated")):
+            state = cs.get("state") or {}
+            for term, previous in ((state.get("terminated"), False), ((cs.get("lastState") or {}).get("terminated"), True)):
                 if term and term.get("exitCode", 0) != 0:
-                    text = [ln.rstrip() for ln in (term.get("message") or "").splitlines() if ln.strip()]
                     head = f"{cs.get('name')} exited {term.get('exitCode')} ({term.get('reason') or 'Error'})"
-                    tail = "\n".join(text[-lines:])
-                    return (f"{head}: {tail}" if tail else head)[-MAX_TERMINATION_TAIL:]
-    return ""
+                    text, explained = _failure_text(head, term.get("message") or "", lines)
+                    return text, None if explained else (str(cs.get("name")), previous)
+    return "", None
+
+
+def termination_tail(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> str:
+    return termination(pod, lines)[0]
+
+
+def explain(health: PodHealth, log: str, lines: int = TERMINATION_TAIL_LINES) -> PodHealth:
+    """``health`` with its termination text taken from the container's log, when that log holds an error line."""
+    head = health.termination.split(": ", 1)[0]
+    text, explained = _failure_text(head, log, lines)
+    return dataclasses.replace(health, termination=text, log_ref=None) if explained else health
 
 
 def container_message(pod: Mapping[str, Any]) -> str:
@@ -192,9 +243,10 @@ def pod_port(pod: Mapping[str, Any], default: int) -> int:
 def pod_health(pod: Mapping[str, Any], port: int, world_size: int, timeout: float = PROBE_TIMEOUT_S) -> PodHealth:
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     name, phase, ip = meta.get("name", "?"), status.get("phase", "Pending"), status.get("podIP")
+    ended, log_ref = termination(pod)
     facts = PodHealth(name, ip, phase, world_size,
                       revision=(meta.get("labels") or {}).get(LABEL_CONTROLLER_REVISION_HASH),
-                      unschedulable=unschedulable_message(pod), termination=termination_tail(pod))
+                      unschedulable=unschedulable_message(pod), termination=ended, log_ref=log_ref)
     if meta.get("deletionTimestamp"):
         return dataclasses.replace(facts, phase="Terminating", message="terminating")
     if phase != "Running" or not ip:

@@ -239,12 +239,65 @@ def test_deadline_while_old_pods_serve_is_degraded_not_failed() -> None:
     assert reasons(late)[C.COND_PROGRESSING] == ("False", "ProgressDeadlineExceeded")
 
 
+# the end of a real server container's log (torchrun -m policy_operator.runtime.worker --dtype bogus), trimmed
+TORCHRUN_LOG = """\
+2026-12-02 23:02:49,880 rank0 INFO policy_operator.runtime.parallel.heartbeat: rank 0: loading -> failed unknown dtype 'bogus'
+2026-12-02 23:02:49,880 rank0 ERROR policy_operator.runtime.worker: loading the policy failed: ValueError: unknown dtype 'bogus'
+policyserver: error: ValueError: unknown dtype 'bogus'; choose one of ['bf16', 'float32']
+2026-12-02 23:02:49,894 rank0 INFO websockets.server: server closing
+2026-12-02 23:02:49,894 rank0 INFO websockets.server: server closed
+E1202 23:02:49.960000 4787 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 3) local_rank: 0
+Traceback (most recent call last):
+  File "/venv/bin/torchrun", line 8, in <module>
+    sys.exit(main())
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+policy_operator.runtime.worker FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_23:02:49
+  rank      : 0 (local_rank: 0)
+  exitcode  : 3 (pid: 4868)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_the_ranks_error_is_found_under_torchruns_report() -> None:
+    p = {"status": {"containerStatuses": [{"name": "server", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                                           "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
+                                                                        "message": TORCHRUN_LOG}}}]}}
+    tail = rank_probe.termination_tail(p)
+    head, _, lines = tail.partition(": ")
+    assert head == "server exited 1 (Error), rank 0 exit code 3"
+    assert lines.splitlines() == [ln for ln in TORCHRUN_LOG.splitlines()[:3]]  # the rank's error lines, no more
+    assert "ChildFailedError" not in tail and "=====" not in tail
+
+
+def test_a_message_without_the_error_points_at_the_log_and_the_log_explains() -> None:
+    noise = "\n".join(["2026-12-02 rank0 INFO websockets.server: HTTP response sent (503 Service Unavailable)"] * 20)
+    p = {"metadata": {"name": "ps-0"}, "status": {"phase": "Running", "containerStatuses": [
+        {"name": "server", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+         "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": noise}}}]}}
+    text, ref = rank_probe.termination(p)
+    assert ref == ("server", True) and text.startswith("server exited 1 (Error): ")
+    health = rank_probe.pod_health(p, 8000, 1)
+    assert health.log_ref == ("server", True)
+    explained = rank_probe.explain(health, TORCHRUN_LOG)
+    assert explained.log_ref is None
+    assert explained.termination.startswith("server exited 1 (Error), rank 0 exit code 3: ")
+    assert "unknown dtype 'bogus'" in explained.termination
+    assert rank_probe.explain(health, noise) == health  # a log without an error changes nothing
+
+
 def test_termination_tail_keeps_the_last_lines() -> None:
     log = "\n".join(f"line {i}" for i in range(20)) + "\n"
     p = {"status": {"containerStatuses": [{"name": "server", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
                                            "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
                                                                         "message": log}}}]}}
-    tail = rank_probe.termination_tail(p)
+    tail = rank_probe.termination_tail(p)  # no error-looking line and no torchrun report: the last lines
     assert tail.startswith("server exited 1 (Error): line 15\n") and tail.endswith("line 19")
     assert rank_probe.termination_tail({"status": {"containerStatuses": [
         {"name": "server", "lastState": {"terminated": {"exitCode": 0, "message": "bye"}}}]}}) == ""
