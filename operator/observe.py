@@ -17,7 +17,7 @@ from policy_operator.constants import COMPONENT_CACHE, COMPONENT_FETCH, LABEL_CH
 from policy_operator.operator import child_status, manifests, rank_probe
 from policy_operator.operator.kube import Kube, KubeError
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
-from policy_operator.operator.plan import Observed
+from policy_operator.operator.plan import Observed, surge_of, surge_pod_name
 from policy_operator.operator.rank_probe import PodHealth
 from policy_operator.operator.spec import PolicyServerSpec
 
@@ -94,12 +94,16 @@ def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
     job = kube.get("Job", ns, names.job(spec.checkpoint.key))
     job_pods = kube.list("Pod", ns, {**manifests.selector_labels(spec.name, COMPONENT_FETCH),
                                      LABEL_CHECKPOINT_KEY: spec.checkpoint.key}) if job else []
+    sts = kube.get("StatefulSet", ns, names.statefulset)
+    # a surging rollout waits for its extra pod: Ready (go on) or Unschedulable (replace in place)
+    surge_pod = kube.get("Pod", ns, surge_pod_name(names.statefulset, spec.replicas)) if surge_of(sts) else None
     return Observed(
         pvc=kube.get("PersistentVolumeClaim", ns, manifests.claim_name(spec)),
         job=job,
         job_pods=job_pods,
         fetch_log=fetch_log(kube, ns, job, job_pods),
-        statefulset=kube.get("StatefulSet", ns, names.statefulset),
+        statefulset=sts,
+        surge_pod=surge_pod,
         service=kube.get("Service", ns, names.service),
         headless_service=kube.get("Service", ns, names.headless_service),
         **storage_and_disruption(kube, spec),
