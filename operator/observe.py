@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from policy_operator import progress_line
-from policy_operator.constants import COMPONENT_CACHE, COMPONENT_FETCH, LABEL_CHECKPOINT_KEY
+from policy_operator.constants import COMPONENT_CACHE, COMPONENT_FETCH, LABEL_CHECKPOINT_KEY, LABEL_COMPONENT
 from policy_operator.operator import child_status, manifests, rank_probe
 from policy_operator.operator.kube import Kube, KubeError
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
@@ -124,7 +124,10 @@ def storage_and_disruption(kube: Kube, spec: PolicyServerSpec) -> dict[str, Any]
         except KubeError as exc:
             log.debug("StorageClass %s not readable: %s", class_name, exc)
     return {"cache_claims": claims, "storage_class": storage_class, "pdb": kube.get("PodDisruptionBudget", ns, names.pdb),
-            "gc_job": kube.get("Job", ns, names.gc_job(spec.checkpoint.key))}
+            "gc_job": kube.get("Job", ns, names.gc_job(spec.checkpoint.key)),
+            # fetch and cleanup Jobs of every checkpoint: a finished fetch vouches for a directory a cleanup removes
+            "cache_jobs": [] if spec.storage.per_pod or spec.storage.existing_claim else kube.list(
+                "Job", ns, {k: v for k, v in manifests.selector_labels(spec.name).items() if k != LABEL_COMPONENT})}
 
 
 FAILURE_LOG_LINES = 200  # enough to reach past a rank's shutdown logging and torchrun's report

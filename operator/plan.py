@@ -30,9 +30,12 @@ from policy_operator.constants import (
     ANNOTATION_CHECKPOINT_SOURCE,
     ANNOTATION_SURGE,
     ANNOTATION_TEMPLATE_HASH,
+    COMPONENT_CACHE_GC,
+    COMPONENT_FETCH,
     COND_PROGRESSING,
     COND_STORAGE_READY,
     LABEL_CHECKPOINT_KEY,
+    LABEL_COMPONENT,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
     MANAGED_BY,
@@ -76,6 +79,7 @@ class Observed:
     pdb: dict[str, Any] | None = None
     gc_job: dict[str, Any] | None = None  # the cleanup Job of the spec's checkpoint
     surge_pod: dict[str, Any] | None = None  # the extra pod of a surging rollout (surge_pod_name), when it exists
+    cache_jobs: list[dict[str, Any]] = field(default_factory=list)  # every fetch and cleanup Job (shared cache)
 
 
 @dataclass
@@ -127,9 +131,10 @@ def _owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
 # --- the parts ------------------------------------------------------------------------------
 
 def serving_checkpoint(spec: PolicyServerSpec, checkpoint: CheckpointState,
-                       sts: Mapping[str, Any] | None) -> ServingCheckpoint | None:
-    """The checkpoint the pods should load: the spec's once it is downloaded, else whatever they load now."""
-    if checkpoint.phase == CheckpointPhase.READY:
+                       sts: Mapping[str, Any] | None, *, hold: bool = False) -> ServingCheckpoint | None:
+    """The checkpoint the pods should load: the spec's once it is downloaded, else whatever they load now;
+    ``hold`` keeps what they load now (a cleanup may still be removing the spec's directory)."""
+    if checkpoint.phase == CheckpointPhase.READY and not hold:
         return ServingCheckpoint.of(spec)
     if sts is None:
         return None
@@ -266,13 +271,13 @@ def _cache_modes(spec: PolicyServerSpec, pvc: Mapping[str, Any] | None) -> tuple
 
 
 def _plan_job(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], job: Mapping[str, Any] | None,
-              checkpoint: CheckpointState, pvc: Mapping[str, Any] | None = None) -> None:
+              checkpoint: CheckpointState, pvc: Mapping[str, Any] | None = None, cleanup: str | None = None) -> None:
     job_name = Names(spec.name).job(spec.checkpoint.key)
     if spec.storage.per_pod:
         return  # every pod fetches into its own claim (an init container)
     if job is not None and not labelled_ours(job, spec.name):
         plan.problem = _conflict("Job", job_name, "was not created for this PolicyServer")
-    elif job is None and checkpoint.phase != CheckpointPhase.READY:
+    elif job is None and checkpoint.phase != CheckpointPhase.READY and cleanup is None:
         plan.writes.append(Write(Verb.CREATE, "Job", job_name,
                                  _adopted(manifests.build_fetch_job(spec, _cache_modes(spec, pvc)), owner),
                                  Event("Normal", "Created", f"created fetch Job {job_name} for {spec.checkpoint.source}")))
@@ -479,6 +484,33 @@ def fully_rolled(sts: Mapping[str, Any] | None, key: str) -> bool:
             and int(status.get("readyReplicas") or 0) == replicas)
 
 
+def _job_finished(job: Mapping[str, Any]) -> bool:
+    return any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+               for c in (job.get("status") or {}).get("conditions") or [])
+
+
+def _cache_jobs(observed: Observed, component: str, spec: PolicyServerSpec) -> list[Mapping[str, Any]]:
+    """This PolicyServer's Jobs of one component for checkpoints other than the spec's."""
+    return [j for j in observed.cache_jobs
+            if labelled_ours(j, spec.name)
+            and (j["metadata"].get("labels") or {}).get(LABEL_COMPONENT) == component
+            and (j["metadata"].get("labels") or {}).get(LABEL_CHECKPOINT_KEY) != spec.checkpoint.key]
+
+
+def cleanup_running(spec: PolicyServerSpec, observed: Observed) -> str | None:
+    """A cleanup Job of another checkpoint that has not ended, by name; None when there is none.
+
+    Its prune keeps only that checkpoint (and the N newest), so it may be
+    removing the directory of the spec's checkpoint right now: a fetch started
+    meanwhile finds the directory complete (it reads the marker before taking
+    the lock) and ends, then the prune renames the directory away under the
+    pods about to load it.  Until the cleanup has ended nothing is fetched and
+    the pods keep the checkpoint they load.
+    """
+    return next((j["metadata"]["name"] for j in _cache_jobs(observed, COMPONENT_CACHE_GC, spec)
+                 if not _job_finished(j)), None)
+
+
 def _plan_gc(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed,
              checkpoint: CheckpointState) -> None:
     """The cleanup Job of the shared cache, once per checkpoint, after the switch to it completed.
@@ -487,11 +519,26 @@ def _plan_gc(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], obser
     happened, so an older directory may be left); never on an existingClaim
     (other workloads may keep checkpoints on it); perPod claims prune
     themselves in each pod's init container.
+
+    A finished fetch Job says its checkpoint is on the cache (a switch back
+    to it skips the download), which stops being true once a cleanup may
+    remove it: those Jobs are deleted first, and the cleanup Job is created
+    on a later pass, when none is left.  A fetch of another checkpoint still
+    running (the spec moved on mid-download) delays the cleanup until it ends.
     """
     storage, key = spec.storage, spec.checkpoint.key
     if storage.per_pod or storage.existing_claim or observed.gc_job is not None or observed.job is None:
         return
     if checkpoint.phase != CheckpointPhase.READY or not fully_rolled(observed.statefulset, key):
+        return
+    others = _cache_jobs(observed, COMPONENT_FETCH, spec)
+    for job in others:
+        if _job_finished(job) and controlled_by(job, owner["metadata"]["uid"]):
+            name = job["metadata"]["name"]
+            plan.writes.append(Write(Verb.DELETE, "Job", name, {}, Event(
+                "Normal", "Deleted", f"deleted fetch Job {name}: the cleanup of {manifests.claim_name(spec)} may "
+                                     f"remove its checkpoint")))
+    if others:
         return
     name = Names(spec.name).gc_job(key)
     body = _adopted(manifests.build_gc_job(spec, key, _cache_modes(spec, observed.pvc)), owner)
@@ -509,10 +556,11 @@ def plan(spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed, c
     _plan_pvc(result, spec, owner, observed.pvc)
     if result.blocked:
         return result
-    _plan_job(result, spec, owner, observed.job, checkpoint, observed.pvc)
+    cleanup = None if spec.storage.per_pod else cleanup_running(spec, observed)
+    _plan_job(result, spec, owner, observed.job, checkpoint, observed.pvc, cleanup)
     if result.blocked:
         return result
-    result.serving = serving_checkpoint(spec, checkpoint, observed.statefulset)
+    result.serving = serving_checkpoint(spec, checkpoint, observed.statefulset, hold=cleanup is not None)
     if result.serving is not None:
         _plan_statefulset(result, spec, owner, observed.statefulset, observed.pvc, observed.surge_pod)
         if result.blocked:

@@ -32,8 +32,9 @@ RULES: tuple[Rule, ...] = (
     Rule("", "persistentvolumeclaims", ("get", "list", "create", "patch"),
          "create the checkpoint cache (server-side apply); adopt/release it as retainOnDelete changes; grow it (and "
          "list and grow the per-pod claims of storage.mode perPod) when storage.size increases"),
-    Rule("batch", "jobs", ("get", "list", "watch", "create", "patch"),
-         "create the fetch Job (a server-side apply: PATCH that creates) and react to its completion"),
+    Rule("batch", "jobs", ("get", "list", "watch", "create", "patch", "delete"),
+         "create the fetch and cleanup Jobs (a server-side apply: PATCH that creates) and react to their "
+         "completion; delete a finished fetch Job before a cleanup may remove its checkpoint"),
     Rule("apps", "statefulsets", ("get", "list", "watch", "create", "patch"),
          "run, roll and scale the server pods; react to their rollout"),
     Rule("", "services", ("get", "create", "patch"), "server-side apply the ClusterIP and headless Services every pass (drift is put back)"),

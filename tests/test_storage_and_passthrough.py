@@ -156,6 +156,60 @@ def test_cleanup_job_only_after_every_pod_serves_the_new_checkpoint() -> None:
                                    READY).writes if w.kind == "Job"]
 
 
+def _job(component: str, key: str, *, finished: str | None, owner_uid: str = "uid-1") -> dict[str, Any]:
+    name = M.Names("ps").gc_job(key) if component == C.COMPONENT_CACHE_GC else M.Names("ps").job(key)
+    job: dict[str, Any] = {
+        "metadata": {"name": name, "labels": {**M.labels("ps", component), C.LABEL_CHECKPOINT_KEY: key},
+                     "ownerReferences": [{"uid": owner_uid, "controller": True}]},
+        "status": {"conditions": [{"type": finished, "status": "True"}] if finished else [], "active": 0 if finished else 1}}
+    return job
+
+
+def test_finished_fetch_jobs_of_other_checkpoints_go_before_the_cleanup_job() -> None:
+    # a finished fetch Job vouches for its checkpoint (a switch back skips the download); the cleanup may
+    # remove that checkpoint, so the Job goes first and the cleanup Job comes on a later pass
+    s = spec()
+    key = s.checkpoint.key
+    job = _job(C.COMPONENT_FETCH, key, finished="Complete")
+    old = _job(C.COMPONENT_FETCH, "old-key", finished="Complete")
+    pvc = _claim("20Gi", ["ReadWriteOnce"])
+    observed = pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job, old])
+    first = pl.plan(s, OWNER, observed, READY)
+    assert [(w.verb, w.kind, w.name) for w in first.writes if w.kind == "Job"] == [
+        (pl.Verb.DELETE, "Job", M.Names("ps").job("old-key"))]
+    # an old download still running: nothing deleted, no cleanup until it ends
+    running = _job(C.COMPONENT_FETCH, "old-key", finished=None)
+    waiting = pl.plan(s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True),
+                                            cache_jobs=[job, running]), READY)
+    assert not [w for w in waiting.writes if w.kind == "Job"]
+    # once gone: the cleanup Job
+    then = pl.plan(s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job]),
+                   READY)
+    assert [(w.verb, w.name) for w in then.writes if w.kind == "Job"] == [(pl.Verb.CREATE, M.Names("ps").gc_job(key))]
+
+
+def test_nothing_is_fetched_or_rolled_to_while_a_cleanup_of_another_checkpoint_runs() -> None:
+    # the spec went back to an old checkpoint while the cleanup that keeps the new one runs: its prune may be
+    # removing the old directory, so no fetch Job starts and the pods keep the checkpoint they load
+    serving = spec(checkpoint={"source": "hf://org/new"})
+    s = spec(checkpoint={"source": "hf://org/old"})
+    sts = _rolled(serving, done=True)
+    pvc = _claim("20Gi", ["ReadWriteOnce"])
+    cleanup = _job(C.COMPONENT_CACHE_GC, serving.checkpoint.key, finished=None)
+    pending = child_status.CheckpointState(child_status.CheckpointPhase.PENDING, child_status.Reason.JOB_PENDING, "", "j")
+    held = pl.plan(s, OWNER, pl.Observed(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), pending)
+    assert not [w for w in held.writes if w.kind == "Job"]
+    assert held.serving is not None and held.serving.key == serving.checkpoint.key
+    # a stale Ready of the old checkpoint changes nothing while the cleanup runs
+    stale = pl.plan(s, OWNER, pl.Observed(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), READY)
+    assert stale.serving is not None and stale.serving.key == serving.checkpoint.key
+    # the cleanup ended: the fetch Job of the spec's checkpoint, which finds it on the cache or downloads it
+    cleanup = _job(C.COMPONENT_CACHE_GC, serving.checkpoint.key, finished="Complete")
+    after = pl.plan(s, OWNER, pl.Observed(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), pending)
+    assert [(w.verb, w.name) for w in after.writes if w.kind == "Job"] == [
+        (pl.Verb.CREATE, M.Names("ps").job(s.checkpoint.key))]
+
+
 def _fetched(dest: Path, key: str, age_s: float) -> None:
     directory = dest / key
     directory.mkdir(parents=True)

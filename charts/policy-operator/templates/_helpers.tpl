@@ -95,7 +95,7 @@ The operator's API access, copied from policy_operator.operator.rbac.RULES
   verbs: [get, list, create, patch]
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [get, list, watch, create, patch]
