@@ -45,6 +45,7 @@ class ServeExit(_ExitCode):
     LAYOUT = 2, "layout, guidance, steps or token file refused before anything started"
     LOAD = 3, "the checkpoint or policy did not load"  # the pod restarts, with the reason in its log
     WATCHDOG = 4, "a rank gave up on rank 0 or on its launcher"
+    REPLICA_FAILED = 5, "a collective of a replica failed or timed out; its communicator is never reused"
 
 
 class CheckpointExit(_ExitCode):

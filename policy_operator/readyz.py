@@ -52,8 +52,7 @@ class RankReadiness(BaseModel):
     state: RankState
     age_s: float | None  # seconds since the last heartbeat; None before the first one
     ready: bool
-    pid: int | None = None
-    detail: str = ""
+    detail: str = ""  # why, in words (never a path: anyone may read /readyz)
 
 
 class Readiness(BaseModel):

@@ -12,6 +12,7 @@ instant and the operator image has no torch.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -102,6 +103,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--share-gpu", action="store_true",
                    help="let ranks outnumber visible GPUs (rank i on GPU i mod count): functional checks only")
     g.add_argument("--log-level", default="INFO")
+
+
+def check_values(opts: ServeOptions) -> None:
+    """Refuse flag values no server can run with, before anything starts: ValueError, one line naming the flag.
+
+    A zero heartbeat period would spin every rank's heartbeat thread and never
+    let ``/readyz`` turn ready; a port out of range would fail only after every
+    rank loaded the model.
+    """
+    for name in ("heartbeat_s", "pg_timeout_s"):
+        value = getattr(opts, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag_of(name)} must be a positive number of seconds, got {value}")
+    if not (math.isfinite(opts.drain_grace_s) and opts.drain_grace_s >= 0):
+        raise ValueError(f"--drain-grace-s must be 0 or more seconds, got {opts.drain_grace_s}")
+    if not 0 <= opts.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535 (0: any free port), got {opts.port}")
+    if opts.max_message_bytes < 1:
+        raise ValueError(f"--max-message-bytes must be at least 1, got {opts.max_message_bytes}")
+    if opts.threads is not None and opts.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {opts.threads}")
 
 
 def read_token(path: str | None) -> str | None:

@@ -11,15 +11,22 @@ each replica warms itself up.
 Run as ``torchrun --nproc-per-node=C*D -m policy_operator.runtime.worker
 <serve flags>``; ``policyserver serve`` does exactly that, or runs this module
 in-process when the layout has a single rank.
+
+A replica whose communicator failed (``ReplicaFailed``) ends the pod: its
+ranks publish ``failed`` and exit with ``ServeExit.REPLICA_FAILED``; rank 0
+stops accepting, drains the other replicas and exits with the same code, so
+torchrun stops and Kubernetes restarts the pod (docs/runtime.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -56,6 +63,37 @@ def validate_layout(opts: serve_flags.ServeOptions) -> ParallelLayout:
     return layout
 
 
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` once as the server will (SO_REUSEADDR), so a taken port fails before any rank starts."""
+    if port == 0:
+        return
+    try:
+        addresses = {info[4][:2]: info[0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                         flags=socket.AI_PASSIVE)}
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: cannot resolve ({exc.strerror})") from None
+    for address, family in addresses.items():
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ValueError(f"--port {port}: {host}:{port} is already in use") from None
+                raise ValueError(f"--host {host} --port {port}: cannot bind ({exc.strerror})") from None
+
+
+def public_reason(text: str, opts: serve_flags.ServeOptions) -> str:
+    """``text`` for /readyz, which anyone may read: the checkpoint's and cache's paths replaced by names."""
+    found = set()
+    for name, value in (("<checkpoint>", opts.checkpoint), ("<cache-dir>", opts.cache_dir)):
+        if value and "://" not in value and len(value) > 1:
+            found |= {(str(Path(value)), name), (str(Path(value).absolute()), name), (str(Path(value).resolve()), name)}
+    for path, name in sorted(found, key=lambda p: -len(p[0])):  # longest first: a path before its own prefix
+        text = text.replace(path, name)
+    return text
+
+
 def resolve_checkpoint(opts: serve_flags.ServeOptions,
                        on_progress: Callable[[FetchProgress], None] | None = None) -> str:
     """A local directory as is; a source is fetched once (file lock + completion marker), reporting to ``on_progress``."""
@@ -75,7 +113,7 @@ class Runtime:
         import torch
 
         from policy_operator.runtime.parallel.groups import init_distributed, select_device
-        from policy_operator.runtime.parallel.heartbeat import Board, Heartbeat, MemoryKV, StoreKV
+        from policy_operator.runtime.parallel.heartbeat import Board, BoardWatcher, Heartbeat, MemoryKV, StoreKV
 
         self.opts = opts
         self.layout = layout
@@ -90,6 +128,11 @@ class Runtime:
             self.kv_factory = lambda: memory
         self.heartbeat = Heartbeat(self.kv_factory, self.rank, opts.heartbeat_s).start()
         self.board_factory = lambda: Board(self.kv_factory(), layout, opts.heartbeat_s)
+        # What the ingress reads: under torchrun a copy refreshed by a thread (the store may block); in one
+        # process the board itself (a dict in memory never blocks, and the copy would only lag).
+        self.ingress_board: Callable[[], Board | BoardWatcher] = (
+            (lambda: BoardWatcher(self.board_factory, layout, opts.heartbeat_s).start()) if layout.world_size > 1
+            else self.board_factory)
         cfg_mode = opts.cfg_mode if opts.cfg_mode != "auto" else ("batched" if self.device.type == "cuda" else "sequential")
         from policy_operator.runtime.policy.sampler import SamplerSettings
 
@@ -118,7 +161,7 @@ class Runtime:
             box = [path]
             dist.broadcast_object_list(box, src=0, group=self.groups.world_ctrl)
             path = box[0]
-        self.heartbeat.set_state(RankState.LOADING, f"loading {path}")
+        self.heartbeat.set_state(RankState.LOADING, "loading the policy")  # /readyz is public: no path
         started = time.perf_counter()
         cls = load_policy_class(self.opts.policy)
         policy = cls.load(path, device=self.device, dtype=parse_dtype(self.opts.dtype))
@@ -148,7 +191,17 @@ async def _serve_rank0(rt: Runtime) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    ingress = Ingress(rt.layout, rt.settings, rt.board_factory())
+    ingress = Ingress(rt.layout, rt.settings, rt.ingress_board(), request_timeout_s=opts.pg_timeout_s,
+                      poll_s=min(0.25, opts.heartbeat_s / 2))
+    code = ServeExit.OK
+
+    def replica_failed(index: int, reason: str) -> None:
+        nonlocal code
+        code = ServeExit.REPLICA_FAILED
+        rt.heartbeat.set_state(RankState.FAILED, public_reason(f"replica {index}: {reason}", opts))
+        stop.set()
+
+    ingress.on_replica_failed = replica_failed
     config = ServerConfig(opts.host, opts.port, opts.max_message_bytes, opts.error_format,  # type: ignore[arg-type]
                           read_token(opts.auth_token_file))
     server = PolicyWebSocketServer(ingress, config)
@@ -166,10 +219,12 @@ async def _serve_rank0(rt: Runtime) -> int:
     try:
         replica = load.result()
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint must restart the pod, with a reason
-        rt.heartbeat.set_state(RankState.FAILED, str(exc))
-        ingress.load_error = f"{type(exc).__name__}: {exc}"
-        log.error("loading the policy failed: %s", ingress.load_error)
-        print(f"policyserver: error: {ingress.load_error}", file=sys.stderr, flush=True)
+        error = f"{type(exc).__name__}: {exc}"
+        rt.heartbeat.set_state(RankState.FAILED, public_reason(str(exc), opts))
+        ingress.load_error = public_reason(error, opts)
+        log.error("loading the policy failed: %s", error)
+        print(f"policyserver: error: {error}", file=sys.stderr, flush=True)
+        await asyncio.sleep(opts.heartbeat_s)  # /readyz answers with the reason for a period, then the pod restarts
         await server.stop()
         return ServeExit.LOAD
     lanes = [local_lane(replica, model_pool)]
@@ -182,8 +237,11 @@ async def _serve_rank0(rt: Runtime) -> int:
     print("policyserver: ready", flush=True)
 
     await stopper
-    log.info("SIGTERM: draining up to %.1fs", opts.drain_grace_s)
-    rt.heartbeat.set_state(RankState.STOPPING)
+    if code == ServeExit.OK:
+        log.info("SIGTERM: draining up to %.1fs", opts.drain_grace_s)
+        rt.heartbeat.set_state(RankState.STOPPING)
+    else:
+        log.error("a replica failed: draining the others up to %.1fs, then exiting %d", opts.drain_grace_s, code)
     drained = await server.drain(opts.drain_grace_s)  # idle sessions closed 1001 at once, busy ones after their reply
     # Keep answering /readyz (503 now) for a heartbeat period before the port closes,
     # so probes and load balancers observe the drain instead of a refused connection.
@@ -191,8 +249,8 @@ async def _serve_rank0(rt: Runtime) -> int:
     await server.stop()
     await loop.run_in_executor(None, ingress.stop_lanes)
     rt.heartbeat.stop()
-    log.info("rank 0 exiting 0 (%s)", "drained" if drained else "grace period over")
-    return ServeExit.OK
+    log.info("rank 0 exiting %d (%s)", code, "drained" if drained else "grace period over")
+    return code
 
 
 # --- every other rank ------------------------------------------------------------------------
@@ -229,15 +287,25 @@ def _serve_other(rt: Runtime) -> int:
         replica.serve_driver()
     else:
         replica.serve_peer()
+    if replica.broken is not None:
+        time.sleep(rt.opts.heartbeat_s)  # one more beat, so /readyz shows why before torchrun stops the pod
+        log.error("rank %d exiting %d: the replica's collective failed", rt.rank, ServeExit.REPLICA_FAILED)
+        return ServeExit.REPLICA_FAILED
     rt.heartbeat.stop()
     log.info("rank %d exiting 0", rt.rank)
     return ServeExit.OK
 
 
 def preflight(opts: serve_flags.ServeOptions) -> ParallelLayout:
-    """Every check that needs no torch (layout, guidance, steps, token file); raises ValueError, one line."""
+    """Every check that needs no torch (flag values, layout, guidance, steps, token file, the port); ValueError, one line.
+
+    ``serve`` runs it before it starts torchrun, and every rank again; only rank 0 binds the port.
+    """
+    serve_flags.check_values(opts)
     layout = validate_layout(opts)
     serve_flags.read_token(opts.auth_token_file)  # missing or empty: a usage error, not a traceback after loading
+    if int(os.environ.get("RANK", "0")) == 0:
+        check_port(opts.host, opts.port)
     return layout
 
 

@@ -51,7 +51,7 @@ def request(url: str, seed: int | None = 11, prompt: str = "pick up the cup", se
 
 
 def rank_pids(server: PolicyServerProcess) -> dict[int, int]:
-    return {r["rank"]: r["pid"] for r in server.readyz().json()["ranks"]}
+    return server.rank_pids()  # from the processes: /readyz publishes no PIDs
 
 
 def alive(pid: int) -> bool:
@@ -78,7 +78,8 @@ def layout_actions(tiny_checkpoint):
             for t in threads:
                 t.join(120)
             sticky = [request(server.url, seed=1, session="robot-7")["server_timing"]["replica"] for _ in range(3)]
-            out[(cfgp, dp)] = {"ready": ready, "first": first, "pair": replies, "sticky": sticky}
+            out[(cfgp, dp)] = {"ready": ready, "first": first, "pair": replies, "sticky": sticky,
+                               "pids": rank_pids(server)}
     return out
 
 
@@ -96,7 +97,7 @@ def test_same_seed_same_actions_in_every_layout(layout_actions, cfgp: int, dp: i
     assert ready["ready"] and ready["ranks_ready"] == cfgp * dp == ready["world_size"]
     assert sorted((r["dp_index"], r["cfg_index"]) for r in ready["ranks"]) == [
         (d, c) for d in range(dp) for c in range(cfgp)]
-    assert len({r["pid"] for r in ready["ranks"]}) == cfgp * dp  # one process per rank
+    assert len(set(got["pids"].values())) == cfgp * dp  # one process per rank
 
 
 @pytest.mark.parametrize("cfgp,dp", [(1, 2), (2, 2)])

@@ -62,7 +62,26 @@ def test_session_table_is_bounded() -> None:
     r.acquire("c")  # evicts "a"
     r.release(0)
     r.release(1)
-    assert "a" not in r._sessions and set(r._sessions) == {"b", "c"}
+    assert r.sticky("a") is None and r.sticky("b") is not None and r.sticky("c") is not None
+
+
+def test_the_table_holds_digests_not_session_ids() -> None:
+    r = Router(2)
+    r.acquire("s" * 256)
+    assert all(len(key) == 16 for key in r._sessions), "a long session id must not be stored as is"
+
+
+def test_unusable_replicas_get_no_requests_and_sessions_move() -> None:
+    r = Router(3)
+    s = r.acquire("robot-a")
+    r.release(s)
+    usable = [i != s for i in range(3)]
+    moved = r.acquire("robot-a", usable=usable)
+    assert moved != s and r.sticky("robot-a") == moved
+    r.release(moved)
+    assert all(r.acquire(usable=usable) != s for _ in range(4))
+    with pytest.raises(ValueError):
+        r.acquire(usable=[False, False, False])
 
 
 def test_release_without_acquire_is_an_error() -> None:

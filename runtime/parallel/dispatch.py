@@ -15,7 +15,13 @@ the gloo dispatch group {0, driver_k}; inside a replica the driver broadcasts
 on the replica's gloo control group.  Messages are typed dataclasses, pickled
 by ``torch.distributed``'s object collectives.  Every loop handles one request
 in try/except and carries on: a failed request is a ``Reply`` with an error,
-never the end of a rank.  ``Shutdown`` ends every loop, so no rank is left
+never the end of a rank -- except when a collective itself failed
+(``ReplicaFailed``: a peer died or froze past ``--pg-timeout-s``).  A failed
+communicator is never used again: the rank publishes ``failed``, its loop
+ends and the rank exits non-zero, so torchrun stops the pod and it restarts
+(NCCL's watchdog does the same on a GPU; docs/runtime.md).  Actions with NaN
+or inf are never sent: the driver fails that request with
+``non_finite_actions``.  ``Shutdown`` ends every loop, so no rank is left
 holding a GPU when rank 0 goes.
 
 Each lane is one single-thread executor: D replicas run D requests at once
@@ -43,7 +49,13 @@ from policy_operator.runtime.parallel.groups import Groups
 from policy_operator.runtime.parallel.heartbeat import Heartbeat
 from policy_operator.runtime.policy.interface import Policy, Sample
 from policy_operator.runtime.policy.sampler import CfgGroup, CfgMode, SamplerSettings, sample_actions
-from policy_operator.runtime.serving.errors import ErrorKind, RequestError, RequestFailed
+from policy_operator.runtime.serving.errors import (
+    ErrorKind,
+    NonFiniteActions,
+    ReplicaFailed,
+    RequestError,
+    RequestFailed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +121,7 @@ class Replica:
         self.settings = settings
         self.heartbeat = heartbeat
         self._cuda = policy.device.type == "cuda"
+        self.broken: str | None = None  # why a collective of this replica failed; set once, never cleared
         self._cfg: CfgGroup | None = None
         if groups.layout.cfgp == 2:
             staging = self._cuda and dist.get_backend(groups.cfg) == "gloo"
@@ -116,12 +129,13 @@ class Replica:
 
     @contextmanager
     def _serving(self) -> Iterator[None]:
-        """``serving`` in /readyz while this rank works on a request, ``warm`` again after."""
+        """``serving`` in /readyz while this rank works on a request, ``warm`` again after (unless broken)."""
         self.heartbeat.set_state(RankState.SERVING)
         try:
             yield
         finally:
-            self.heartbeat.set_state(RankState.WARM)
+            if self.broken is None:
+                self.heartbeat.set_state(RankState.WARM)
 
     def _sample(self, request: InferenceRequest) -> torch.Tensor:
         s = self.settings
@@ -142,19 +156,41 @@ class Replica:
             return actions, (time.perf_counter() - start) * 1e3
 
     def answer(self, request: InferenceRequest) -> Reply:
-        """``execute`` as a Reply: a failure is reported to the client and this replica carries on."""
+        """``execute`` as a Reply: a failure is reported to the client and this replica carries on.
+
+        Unless a collective failed: then the Reply says ``replica_failed`` and ``broken`` is set.
+        """
         start = time.perf_counter()
+        if self.broken is not None:
+            return Reply(request.request_id, 0.0, error_kind=ErrorKind.REPLICA_FAILED, error=self.broken)
         try:
             actions, infer_ms = self.execute(request)
+            bad = int(np.size(actions) - np.count_nonzero(np.isfinite(actions)))
+            if bad:
+                raise NonFiniteActions(f"the policy produced {bad} NaN or inf values in its {np.shape(actions)} "
+                                       "actions; none were sent")
             return Reply(request.request_id, infer_ms, actions)
         except Exception as exc:  # noqa: BLE001 - reported to the client, the replica carries on
-            log.exception("request %s failed on replica %d", request.request_id, self.groups.dp_index)
             kind = exc.kind if isinstance(exc, RequestError) else ErrorKind.INFERENCE_FAILED
+            if isinstance(exc, ReplicaFailed):
+                self.fail(str(exc))
+            elif isinstance(exc, NonFiniteActions):
+                log.warning("request %s on replica %d: %s", request.request_id, self.groups.dp_index, exc)
+            else:
+                log.exception("request %s failed on replica %d", request.request_id, self.groups.dp_index)
             return Reply(request.request_id, (time.perf_counter() - start) * 1e3, error_kind=kind,
                          error=f"{type(exc).__name__}: {exc}")
 
+    def fail(self, reason: str) -> None:
+        """Take this rank's replica out of service for good: ``failed`` in /readyz, loops end, the rank exits."""
+        if self.broken is None:
+            self.broken = reason
+            log.error("rank %d: replica %d is out of service, its communicator is never used again: %s",
+                      self.groups.rank, self.groups.dp_index, reason)
+        self.heartbeat.set_state(RankState.FAILED, reason)
+
     def stop_peer(self) -> None:
-        if self._cfg is not None:
+        if self._cfg is not None and self.broken is None:  # a broken replica's groups are never used again
             try:
                 _broadcast(Shutdown(), self.groups.driver, self.groups.replica_ctrl)
             except Exception as exc:  # noqa: BLE001 - a dead peer has nothing left to stop
@@ -170,6 +206,8 @@ class Replica:
                 self.stop_peer()
                 return
             _send(self.answer(message), 0, group)
+            if self.broken is not None:
+                return  # the worker exits non-zero; the peer saw the same failure
 
     # --- peer side (cfg index 1) -------------------------------------------------------------
     def serve_peer(self) -> None:
@@ -182,8 +220,12 @@ class Replica:
             with self._serving():
                 try:
                     self._sample(message)  # the result is the driver's; this rank only contributes its branch
+                except ReplicaFailed as exc:
+                    self.fail(str(exc))
                 except Exception:  # noqa: BLE001 - the driver fails the request too; keep looping
                     log.exception("request %s failed on rank %d", message.request_id, self.groups.rank)
+            if self.broken is not None:
+                return  # the worker exits non-zero
 
 
 # --- rank 0's end: one lane per replica ------------------------------------------------------------

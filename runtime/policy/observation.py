@@ -29,6 +29,7 @@ SESSION_KEY = "session_id"
 MAX_IMAGE_SIDE = 4096
 MAX_PROMPT_CHARS = 2048
 MAX_SEED = 2**63 - 1
+MAX_SESSION_BYTES = 256  # the router keeps up to 4096 sessions: each key must stay small
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Observation:
     prompt: str
 
 
-def _float_vector(obs: Mapping[str, Any], key: str, size: int) -> np.ndarray:
+def _float_vector(obs: Mapping[str, Any], key: str, size: int, limit: float | None = None) -> np.ndarray:
     if key not in obs:
         raise InvalidObservation(f"missing key {key!r}")
     value = obs[key]
@@ -56,6 +57,10 @@ def _float_vector(obs: Mapping[str, Any], key: str, size: int) -> np.ndarray:
     arr = arr.astype(np.float32)
     if not np.isfinite(arr).all():
         raise InvalidObservation(f"{key!r} contains NaN or inf")
+    if limit is not None and arr.size and float(np.abs(arr).max()) > limit:
+        # finite but far outside any robot's range: the model would answer with NaN actions
+        raise InvalidObservation(f"{key!r} has a value of magnitude {float(np.abs(arr).max()):.3g}; "
+                                 f"this policy takes at most {limit:g}")
     return arr
 
 
@@ -72,7 +77,9 @@ def _image(key: str, value: Any) -> np.ndarray:
     return value
 
 
-def parse_observation(obs: Mapping[str, Any], *, joint_dim: int, gripper_dim: int, max_cameras: int) -> Observation:
+def parse_observation(obs: Mapping[str, Any], *, joint_dim: int, gripper_dim: int, max_cameras: int,
+                      max_abs_state: float | None = None) -> Observation:
+    """The observation's parts, checked; ``max_abs_state`` bounds every joint and gripper value."""
     if not isinstance(obs, Mapping):
         raise InvalidObservation(f"observation must be a dict, got {type(obs).__name__}")
     cameras: list[tuple[str, np.ndarray]] = []
@@ -92,8 +99,8 @@ def parse_observation(obs: Mapping[str, Any], *, joint_dim: int, gripper_dim: in
         raise InvalidObservation(
             f"{len(cameras)} camera images given ({', '.join(k for k, _ in cameras)}); this policy takes at most {max_cameras}"
         )
-    joints = _float_vector(obs, JOINT_KEY, joint_dim)
-    gripper = _float_vector(obs, GRIPPER_KEY, gripper_dim)
+    joints = _float_vector(obs, JOINT_KEY, joint_dim, max_abs_state)
+    gripper = _float_vector(obs, GRIPPER_KEY, gripper_dim, max_abs_state)
     prompt = obs.get(PROMPT_KEY, "")
     if not isinstance(prompt, str):
         raise InvalidObservation(f"{PROMPT_KEY!r} must be a string, got {type(prompt).__name__}")
@@ -118,9 +125,14 @@ def parse_seed(obs: Mapping[str, Any]) -> int | None:
 
 
 def parse_session(obs: Mapping[str, Any]) -> str | None:
+    """The session key, at most ``MAX_SESSION_BYTES`` of UTF-8 (a longer one is refused, never echoed)."""
     session = obs.get(SESSION_KEY)
     if session is None:
         return None
     if not isinstance(session, (str, int)) or isinstance(session, bool):
         raise InvalidObservation(f"{SESSION_KEY!r} must be a string, got {type(session).__name__}")
-    return str(session)
+    session = str(session)
+    size = len(session.encode("utf-8", "surrogatepass"))
+    if size > MAX_SESSION_BYTES:
+        raise InvalidObservation(f"{SESSION_KEY!r} is {size} bytes of UTF-8; at most {MAX_SESSION_BYTES}")
+    return session

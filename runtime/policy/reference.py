@@ -50,6 +50,9 @@ class PolicyConfig:
     prompt_tokens: int = 16
     action_mean: list[float] = field(default_factory=list)
     action_std: list[float] = field(default_factory=list)
+    # The documented range of every joint and gripper value: a state beyond it (3e38, -1e30...) is refused
+    # as invalid_observation instead of overflowing the state projection into NaN actions.
+    max_abs_state: float = 1.0e4
 
     def __post_init__(self) -> None:
         if self.width % self.heads:
@@ -249,7 +252,8 @@ class ReferencePolicy(Policy):
     # --- serving split ----------------------------------------------------------
     def prepare(self, obs: Mapping[str, Any]) -> Sample:
         cfg = self.cfg
-        parsed = parse_observation(obs, joint_dim=cfg.joint_dim, gripper_dim=cfg.gripper_dim, max_cameras=cfg.max_cameras)
+        parsed = parse_observation(obs, joint_dim=cfg.joint_dim, gripper_dim=cfg.gripper_dim, max_cameras=cfg.max_cameras,
+                                   max_abs_state=cfg.max_abs_state)
         s = cfg.image_size
         # uint8 until the device: 4x fewer bytes to broadcast and to copy to the GPU
         images = torch.zeros(1, cfg.max_cameras, 3, s, s, dtype=torch.uint8)

@@ -14,7 +14,10 @@ Both cfg ranks compute the combination themselves, so their ``x`` never
 diverges and nothing but the velocities crosses the wire.  A rank whose step
 fails keeps joining the collectives with a zero contribution and a failure
 flag, so its peer never hangs; both then see the flag and fail the request
-together while staying in step for the next one.  The flag is read once after
+together while staying in step for the next one.  A collective that itself
+fails (the peer died, or froze past ``--pg-timeout-s``) is another matter: the
+group is broken for good, so it raises ``ReplicaFailed`` and the replica goes
+out of service (``parallel/dispatch.py``).  The flag is read once after
 the loop: no host sync inside the step loop.
 """
 
@@ -29,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from policy_operator.runtime.policy.interface import Branch, Policy, Sample
-from policy_operator.runtime.serving.errors import PeerFailed
+from policy_operator.runtime.serving.errors import PeerFailed, ReplicaFailed
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,11 @@ def sample_actions(
                 if cfg_group.host_staging:
                     payload = payload.cpu()
                 gathered = [torch.empty_like(payload) for _ in range(2)]
-                dist.all_gather(gathered, payload, group=cfg_group.group)
+                try:
+                    dist.all_gather(gathered, payload, group=cfg_group.group)
+                except Exception as exc:  # noqa: BLE001 - gloo: timeout or closed pair; the group is unusable now
+                    raise ReplicaFailed(f"cfg collective failed at step {i + 1} of {steps}: "
+                                        f"{str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}") from exc
                 gathered = [g.to(x.device, non_blocking=True) for g in gathered]
                 c = gathered[0][:-1].view_as(x).to(x.dtype)
                 u = gathered[1][:-1].view_as(x).to(x.dtype)

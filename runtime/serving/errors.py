@@ -22,6 +22,9 @@ class ErrorKind(str, Enum):
     INVALID_OBSERVATION = "invalid_observation"
     UNAVAILABLE = "unavailable"
     INFERENCE_FAILED = "inference_failed"
+    NON_FINITE_ACTIONS = "non_finite_actions"  # NaN or inf in the actions: never sent to a robot
+    REPLICA_FAILED = "replica_failed"  # a collective of the replica failed or timed out: the replica is gone
+    REPLICA_UNAVAILABLE = "replica_unavailable"  # the replica stopped answering while it held the request
     UNAUTHORIZED = "unauthorized"  # refused before the WebSocket upgrade
     INTERNAL = "internal"
 
@@ -62,6 +65,28 @@ class PeerFailed(RequestError):
     """The request failed on a cfg rank; every rank of the replica raises it together."""
 
     kind = ErrorKind.INFERENCE_FAILED
+
+
+class NonFiniteActions(RequestError):
+    """The policy's actions hold NaN or inf (e.g. an input far outside what it was trained on)."""
+
+    kind = ErrorKind.NON_FINITE_ACTIONS
+
+
+class ReplicaFailed(RequestError):
+    """A collective of the replica failed or timed out: its communicator is never used again.
+
+    The rank that saw it publishes ``failed`` and exits non-zero, so torchrun
+    stops the pod and Kubernetes restarts it (docs/runtime.md).
+    """
+
+    kind = ErrorKind.REPLICA_FAILED
+
+
+class ReplicaUnavailable(RequestError):
+    """The replica holding the request stopped heartbeating for longer than the request timeout."""
+
+    kind = ErrorKind.REPLICA_UNAVAILABLE
 
 
 class RequestFailed(RequestError):

@@ -6,6 +6,15 @@ replica.  The router picks a replica and the request goes down that replica's
 lane (``parallel/dispatch.py``): replica 0's lane is the model thread of this
 process (build, warm-up and inference on one thread, as OpenMP wants), replica
 k's hands the request to replica k's driver over their gloo dispatch group.
+
+Whether a replica may take work comes from the heartbeat board (under
+torchrun its copy, ``BoardWatcher``: never the store on the event loop): a replica with a
+rank that is not fresh and warm gets no new request, and a request whose
+replica stops heartbeating fails with ``replica_unavailable`` once that has
+lasted the request timeout (``--pg-timeout-s``), however long the replica's
+lane stays blocked.  A replica that reports ``replica_failed`` (a broken
+communicator) is out of service for good and the pod goes down
+(``on_replica_failed``).
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -23,13 +33,13 @@ import numpy as np
 
 from policy_operator import __version__
 from policy_operator.layout import ParallelLayout
-from policy_operator.readyz import LayoutDoc, Readiness, all_ranks_ready
-from policy_operator.runtime.parallel.dispatch import InferenceRequest, Lane
-from policy_operator.runtime.parallel.heartbeat import Board
+from policy_operator.readyz import LayoutDoc, RankReadiness, Readiness, all_ranks_ready
+from policy_operator.runtime.parallel.dispatch import InferenceRequest, Lane, Reply
+from policy_operator.runtime.parallel.heartbeat import Board, BoardWatcher
 from policy_operator.runtime.policy.interface import Policy
 from policy_operator.runtime.policy.observation import parse_seed, parse_session
 from policy_operator.runtime.policy.sampler import SamplerSettings
-from policy_operator.runtime.serving.errors import NotReady
+from policy_operator.runtime.serving.errors import ErrorKind, NotReady, ReplicaUnavailable
 from policy_operator.runtime.serving.router import Router
 
 log = logging.getLogger(__name__)
@@ -47,15 +57,20 @@ class Result:
 class Ingress:
     """What the server needs: metadata, readiness, ``infer``, drain."""
 
-    def __init__(self, layout: ParallelLayout, settings: SamplerSettings, board: Board) -> None:
+    def __init__(self, layout: ParallelLayout, settings: SamplerSettings, board: Board | BoardWatcher, *,
+                 request_timeout_s: float, poll_s: float = 0.25) -> None:
         self.layout = layout
         self.settings = settings
         self.board = board
+        self.request_timeout_s = request_timeout_s
+        self._poll_s = poll_s
         self.router = Router(layout.dp)
         self.lanes: list[Lane] = []
         self.policy: Policy | None = None
         self.load_error: str | None = None
         self.draining = False
+        self.failed: dict[int, str] = {}  # replica -> why its communicator failed; out of service for good
+        self.on_replica_failed: Callable[[int, str], None] | None = None  # the worker takes the pod down
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
 
     # --- wiring (called by the worker) ----------------------------------------------
@@ -65,7 +80,7 @@ class Ingress:
 
     @property
     def accepting(self) -> bool:
-        return self.policy is not None and not self.draining and self.load_error is None
+        return self.policy is not None and not self.draining and self.load_error is None and not self.failed
 
     def metadata(self) -> dict[str, Any]:
         assert self.policy is not None
@@ -82,6 +97,7 @@ class Ingress:
 
     def readiness(self) -> Readiness:
         ranks = self.board.snapshot()
+        failed = "; ".join(f"replica {k} failed: {why}" for k, why in sorted(self.failed.items()))
         return Readiness(
             ready=all_ranks_ready(ranks, self.layout.world_size) and self.accepting,
             layout=LayoutDoc(**self.layout.as_dict()),
@@ -90,8 +106,28 @@ class Ingress:
             ranks=ranks,
             in_flight=self.router.total_in_flight(),
             draining=self.draining,
-            error=self.load_error,
+            error=self.load_error or failed or None,
         )
+
+    def replica_problems(self, ranks: Sequence[RankReadiness] | None = None) -> list[str | None]:
+        """Per replica, why it may not take a request now (a failure, a rank not fresh and warm), or None."""
+        ranks = self.board.snapshot() if ranks is None else ranks
+        problems: list[str | None] = []
+        for k in range(self.layout.dp):
+            if k in self.failed:
+                problems.append(f"replica {k} failed")
+                continue
+            members = set(self.layout.replica_ranks(k))
+            waiting = [f"rank {r.rank} {r.state.value}" for r in ranks if r.rank in members and not r.ready]
+            problems.append(f"replica {k}: {', '.join(waiting)}" if waiting else None)
+        return problems
+
+    def _replica_failed(self, index: int, reason: str) -> None:
+        if index not in self.failed:
+            self.failed[index] = reason
+            log.error("replica %d failed, the pod goes down: %s", index, reason)
+            if self.on_replica_failed is not None:
+                self.on_replica_failed(index, reason)
 
     # --- the request path --------------------------------------------------------------
     async def infer(self, obs: dict[str, Any]) -> Result:
@@ -104,12 +140,40 @@ class Ingress:
         sample = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.policy.prepare, obs)
         prepare_ms = (time.perf_counter() - t0) * 1e3
         request = InferenceRequest(uuid.uuid4().hex, sample, secrets.randbits(63) if seed is None else seed)
-        index = self.router.acquire(session)
-        try:
-            reply, queue_ms = await self.lanes[index].submit(request)
-        finally:
+        problems = self.replica_problems()
+        if all(problems):
+            raise NotReady("no replica can take a request: " + "; ".join(p for p in problems if p))
+        index = self.router.acquire(session, usable=[p is None for p in problems])
+        # The replica stays counted in flight until its lane is really free, even when this request
+        # gave up on it: a lane blocked on a frozen replica must not be handed more work.
+        task = asyncio.ensure_future(self.lanes[index].submit(request))
+
+        def lane_free(done: asyncio.Future[tuple[Reply, float]]) -> None:
             self.router.release(index)
+            if not done.cancelled():
+                done.exception()  # retrieved: a request that gave up must not leave "never retrieved" warnings
+
+        task.add_done_callback(lane_free)
+        reply, queue_ms = await self._bounded(index, task)
+        if reply.error_kind is ErrorKind.REPLICA_FAILED:
+            self._replica_failed(index, reply.error)
         return Result(reply.unwrap(), index, prepare_ms, queue_ms, reply.infer_ms)
+
+    async def _bounded(self, index: int, task: asyncio.Future[tuple[Reply, float]]) -> tuple[Reply, float]:
+        """The lane's answer, or ReplicaUnavailable once the replica has not been ready for the request timeout."""
+        since: float | None = None
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=self._poll_s)
+            if done:
+                return task.result()
+            problem = self.replica_problems()[index]
+            if problem is None:
+                since = None
+                continue
+            since = time.monotonic() if since is None else since
+            if time.monotonic() - since >= self.request_timeout_s:
+                raise ReplicaUnavailable(f"{problem} for {self.request_timeout_s:g}s (--pg-timeout-s) while it held "
+                                         "this request; it gets no new requests until it is ready again")
 
     async def drain(self, grace_s: float) -> bool:
         """Stop taking requests and wait for in-flight ones; True when all finished in time."""
@@ -120,8 +184,8 @@ class Ingress:
         return self.router.total_in_flight() == 0
 
     def stop_lanes(self) -> None:
-        """Send Shutdown down every lane, queued behind anything still running."""
-        futures = [lane.stop() for lane in self.lanes]
+        """Send Shutdown down every lane but failed ones, queued behind anything still running."""
+        futures = [lane.stop() for lane in self.lanes if lane.index not in self.failed]
         for f in futures:
             try:
                 f.result(timeout=30)

@@ -146,6 +146,24 @@ def descendants(pid: int) -> dict[int, int]:
     return found
 
 
+def rank_pids(pid: int) -> dict[int, int]:
+    """{global rank: pid} of the torchrun ranks under ``pid``, read from their environment (``RANK``).
+
+    ``/readyz`` does not publish PIDs (anyone may read it), so a test that
+    signals one rank finds it here.  A single-rank server has no torchrun:
+    ``pid`` itself is rank 0.
+    """
+    ranks = {}
+    for child in descendants(pid):
+        try:
+            env = dict(v.split(b"=", 1) for v in Path(f"/proc/{child}/environ").read_bytes().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if b"RANK" in env and b"LOCAL_RANK" in env:
+            ranks[int(env[b"RANK"])] = child
+    return ranks or {0: pid}
+
+
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
     """Signal a child, wait ``timeout``, then SIGKILL it: for helpers (operator, ...) that own one process."""
     if proc.poll() is None:
@@ -270,6 +288,11 @@ class PolicyServerProcess:
         with self._lock:
             self._known.update(found)
         return found
+
+    def rank_pids(self) -> dict[int, int]:
+        """{global rank: pid} of this server's ranks (the server itself when it has one rank)."""
+        self.descendants()
+        return rank_pids(self.pid)
 
     def _remember_descendants(self) -> None:
         self.descendants()

@@ -1,0 +1,346 @@
+"""The serving runtime under hostile input and faults: no NaN reply, no unbounded memory or wait, no healthy-looking broken replica.
+
+Real ``policyserver serve`` processes (single process, or torchrun with gloo
+ranks on the CPU) on 127.0.0.1 and the tiny reference checkpoint.  Frames go
+over a plain WebSocket connection packed with openpi's own msgpack-numpy, so
+what is tested is exactly what a robot would send.  Tests that freeze a
+process (SIGSTOP) resume it in a ``finally``; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import websockets
+from openpi_client import msgpack_numpy
+from websockets.sync.client import ClientConnection, connect
+
+from policy_operator.exit_codes import ServeExit
+from tests.support.net import wait_for
+from tests.support.servers import (
+    VENV_BIN,
+    PolicyServerProcess,
+    ServerExited,
+    _proc_stat,
+    serve_policy,
+    session_checkpoint,
+    subprocess_env,
+    tiny_checkpoint,  # noqa: F401 - the fixture
+)
+
+JOINT_KEY = "observation/joint_position"
+GRIPPER_KEY = "observation/gripper_position"
+SESSION_KEY = "session_id"
+ERRORS = "policy_request_errors_total"
+RECV_TIMEOUT_S = 60.0
+# Tiny model, 2 denoising steps, replies as {"type": "error"} maps so the kind can be read.
+FAST = ["--steps", "2", "--threads", "1", "--error-format", "dict"]
+# torchrun layouts: half-second heartbeats so staleness shows within a second.
+RANKS = ["--threads", "1", "--heartbeat-s", "0.5", "--error-format", "dict"]
+
+
+def observation(seed: int = 0, **changes: Any) -> dict[str, Any]:
+    """A valid observation for the tiny checkpoint (7 joints, 1 gripper, 32x32 camera)."""
+    rng = np.random.default_rng(seed)
+    obs: dict[str, Any] = {
+        "observation/image": rng.integers(0, 256, size=(32, 32, 3), dtype=np.uint8),
+        JOINT_KEY: rng.standard_normal(7).astype(np.float32),
+        GRIPPER_KEY: rng.random(1).astype(np.float32),
+        "prompt": "pick up the cup",
+        "seed": 7,
+    }
+    obs.update(changes)
+    return obs
+
+
+@contextlib.contextmanager
+def connection(server: PolicyServerProcess, open_timeout: float = 30) -> Iterator[ClientConnection]:
+    with connect(server.url, compression=None, max_size=None, open_timeout=open_timeout) as ws:
+        ws.recv(timeout=RECV_TIMEOUT_S)  # the metadata frame
+        yield ws
+
+
+def ask(ws: ClientConnection, obs: dict[str, Any], timeout: float = RECV_TIMEOUT_S) -> dict[str, Any]:
+    ws.send(msgpack_numpy.packb(obs))
+    reply = ws.recv(timeout=timeout)
+    assert isinstance(reply, bytes), reply
+    return msgpack_numpy.unpackb(reply)
+
+
+def request(server: PolicyServerProcess, obs: dict[str, Any], timeout: float = RECV_TIMEOUT_S) -> dict[str, Any]:
+    """One observation on a fresh connection; the reply map, or ``{"closed": code, "reason"}`` if the server closed."""
+    try:
+        with connection(server) as ws:
+            return ask(ws, obs, timeout)
+    except websockets.ConnectionClosed as exc:
+        return {"closed": exc.rcvd.code if exc.rcvd else None, "reason": exc.rcvd.reason if exc.rcvd else ""}
+
+
+def error_kind(reply: dict[str, Any]) -> str | None:
+    return reply["error"]["kind"] if reply.get("type") == "error" else None
+
+
+def counter(server: PolicyServerProcess, name: str, **labels: str) -> float:
+    return server.metric(name, **labels) or 0.0
+
+
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """SIGSTOP ``pid`` for the block; always SIGCONT on the way out."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def in_background(fn, *args: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            box["reply"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - the test thread reads it
+            box["error"] = exc
+        box["elapsed_s"] = time.monotonic() - started
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:  # noqa: F811 - the fixture
+    with serve_policy(tiny_checkpoint, *FAST) as s:
+        yield s
+
+
+# --- NaN actions ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("key,value", [
+    (JOINT_KEY, np.full(7, 3e38, np.float32)),
+    (GRIPPER_KEY, np.full(1, -1e30, np.float32)),
+], ids=["joints-3e38", "gripper-minus-1e30"])
+def test_finite_but_huge_state_is_refused_not_answered_with_nan(server, key: str, value: np.ndarray) -> None:
+    with connection(server) as ws:
+        reply = ask(ws, observation(**{key: value}))
+        assert "actions" not in reply, "a huge state must never come back as actions"
+        assert error_kind(reply) == "invalid_observation" and key in reply["error"]["message"], reply
+        good = ask(ws, observation())
+    assert np.isfinite(good["actions"]).all()
+
+
+def test_non_finite_actions_are_an_error_reply_counted_in_metrics(tmp_path_factory) -> None:
+    """A checkpoint whose action scale overflows float32: the reply is an error, never inf or NaN actions."""
+    overflowing = session_checkpoint(tmp_path_factory, action_std=[3.0e38] * 8)
+    with serve_policy(overflowing, *FAST) as s:
+        before = counter(s, ERRORS, kind="non_finite_actions")
+        with connection(s) as ws:
+            replies = [ask(ws, observation(seed)) for seed in range(2)]
+        assert all("actions" not in r and error_kind(r) == "non_finite_actions" for r in replies), replies
+        assert counter(s, ERRORS, kind="non_finite_actions") - before == 2
+        assert s.readyz().status == 200, "the replica itself is fine; only those replies were bad"
+
+
+# --- session_id ----------------------------------------------------------------------------------
+def test_long_session_ids_are_refused_and_short_ones_stick(server) -> None:
+    with connection(server) as ws:
+        for length in (257, 15 << 20):
+            reply = ask(ws, observation(**{SESSION_KEY: "s" * length}))
+            assert error_kind(reply) == "invalid_observation", reply
+            assert SESSION_KEY in reply["error"]["message"] and "256" in reply["error"]["message"]
+            assert len(reply["error"]["message"]) < 300, "the message must not echo the id"
+        for session in ("é" * 128, 2**62, "robot-7"):  # 256 bytes of UTF-8, an int, a plain name
+            reply = ask(ws, observation(**{SESSION_KEY: session}))
+            assert np.isfinite(reply["actions"]).all(), reply
+        reply = ask(ws, observation(**{SESSION_KEY: "é" * 129}))  # 258 bytes, 129 characters
+        assert error_kind(reply) == "invalid_observation", reply
+
+
+# --- serve flags ------------------------------------------------------------------------------------
+def serve_cli(checkpoint: Path, *args: str, timeout: float = 45) -> subprocess.CompletedProcess[str]:
+    """``policyserver serve`` expected to refuse before it starts anything: a hang fails the test."""
+    argv = [str(VENV_BIN / "policyserver"), "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1", *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"serve {' '.join(args)} was still running after {timeout}s:\n{out[-2000:]}\n{err[-2000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--heartbeat-s", "0"], "--heartbeat-s"),
+    (["--heartbeat-s", "-1"], "--heartbeat-s"),
+    (["--heartbeat-s", "nan"], "--heartbeat-s"),
+    (["--port", "70000"], "--port"),
+    (["--port", "-1"], "--port"),
+    (["--pg-timeout-s", "0"], "--pg-timeout-s"),
+    (["--drain-grace-s", "-1"], "--drain-grace-s"),
+    (["--max-message-bytes", "0"], "--max-message-bytes"),
+    (["--threads", "0"], "--threads"),
+    (["--cfgp", "2", "--heartbeat-s", "0"], "--heartbeat-s"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_serve_flags_are_one_line_and_exit_2(tiny_checkpoint, args: list[str], flag: str) -> None:  # noqa: F811
+    res = serve_cli(tiny_checkpoint, *args)
+    assert res.returncode == ServeExit.LAYOUT, res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("policyserver: error: ") and flag in lines[0], res.stderr[-3000:]
+    assert "listening" not in res.stdout
+
+
+@pytest.mark.parametrize("layout", [[], ["--cfgp", "2"]], ids=["1-rank", "cfgp2"])
+def test_a_port_in_use_is_refused_before_any_rank_starts(tiny_checkpoint, layout: list[str]) -> None:  # noqa: F811
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = serve_cli(tiny_checkpoint, "--port", str(port), *layout)
+    assert res.returncode == ServeExit.LAYOUT, res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], res.stderr[-3000:]
+
+
+# --- /readyz is public --------------------------------------------------------------------------
+def test_readyz_shows_states_and_reasons_but_no_pids_or_paths(tiny_checkpoint) -> None:  # noqa: F811
+    bodies: list[str] = []
+    with serve_policy(tiny_checkpoint, *FAST, wait="listening") as s:
+        def ready() -> bool:
+            r = s.readyz()
+            bodies.append(r.text)
+            return r.status == 200
+
+        wait_for(ready, timeout=90, interval=0.01, what="/readyz 200")
+    for body in bodies:
+        assert '"pid"' not in body, body
+        assert str(tiny_checkpoint) not in body and "/tmp" not in body, body
+    last = __import__("json").loads(bodies[-1])
+    assert [r["state"] for r in last["ranks"]] in (["warm"], ["serving"]) and "detail" in last["ranks"][0]
+
+
+def test_readyz_load_error_keeps_the_reason_without_the_path(tmp_path: Path, tiny_checkpoint) -> None:  # noqa: F811
+    broken = tmp_path / "broken-checkpoint"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_checkpoint / "config.json").read_text())
+    s = PolicyServerProcess(broken, *FAST)
+    seen: list[Any] = []
+
+    def failed() -> bool:
+        r = s.readyz()
+        seen.append(r)
+        return r.status == 503 and bool(r.json().get("error"))
+
+    try:
+        s.start(wait="listening")
+        # the process exits soon after: what it answered before that is what counts
+        with contextlib.suppress(TimeoutError, OSError, ServerExited):
+            s.wait_until(failed, timeout=60, what="/readyz with the load error")
+    finally:
+        s.stop()
+    errors = [r.json()["error"] for r in seen if r.status == 503 and r.json().get("error")]
+    assert errors, [r.text for r in seen][-3:]
+    assert "model.safetensors" in errors[-1] and str(broken) not in errors[-1] and "/tmp" not in errors[-1], errors
+
+
+# --- probes never wait on the store ---------------------------------------------------------------
+def test_probes_answer_while_the_torchrun_agent_is_frozen(tiny_checkpoint) -> None:  # noqa: F811
+    """The agent hosts the TCPStore the heartbeats live in; freezing it must not freeze /readyz or the handshake."""
+    with serve_policy(tiny_checkpoint, "--cfgp", "2", "--steps", "2", *RANKS) as s:
+        agent = _proc_stat(s.rank_pids()[0])[0]  # the ranks' parent: torchrun's agent
+        with frozen(agent):
+            time.sleep(1.0)  # past the staleness bound: heartbeats cannot be published now
+            t0 = time.monotonic()
+            ready = s.get("/readyz", timeout=5)
+            health = s.get("/healthz", timeout=5)
+            with connect(s.url, compression=None, open_timeout=5) as ws:
+                meta = msgpack_numpy.unpackb(ws.recv(timeout=5))
+            elapsed = time.monotonic() - t0
+        assert ready.status == 503 and health.status == 200 and "policy_name" in meta
+        assert elapsed < 6, elapsed
+        assert all(not r["ready"] for r in ready.json()["ranks"]), ready.text
+        s.wait_until(lambda: s.readyz().status == 200, timeout=30, what="/readyz 200 after SIGCONT")
+        assert np.isfinite(request(s, observation())["actions"]).all()
+
+
+# --- a failed communicator is never reused; every in-request wait is bounded ------------------------
+@pytest.mark.slow
+def test_cfg_peer_frozen_past_the_pg_timeout_fails_the_replica_instead_of_serving_errors(tiny_checkpoint) -> None:  # noqa: F811
+    with serve_policy(tiny_checkpoint, "--cfgp", "2", "--steps", "600", "--pg-timeout-s", "3", *RANKS) as s:
+        peer = s.rank_pids()[1]
+        thread, box = in_background(request, s, observation())
+        s.wait_until(lambda: s.readyz().json()["in_flight"] == 1, timeout=30, what="the request in flight")
+        statuses: list[int | None] = []
+        with frozen(peer):
+            thread.join(3 + 10)  # the driver's collective times out after --pg-timeout-s
+            assert not thread.is_alive(), "the in-flight request waited past the PG timeout"
+            with contextlib.suppress(OSError):
+                statuses.append(s.readyz().status)
+        reply = box.get("reply", {})
+        kind = error_kind(reply)
+        assert "actions" not in reply and (kind in ("replica_failed", "replica_unavailable") or reply.get("closed")), box
+
+        def gone() -> bool:
+            try:
+                statuses.append(s.readyz().status)
+            except OSError:
+                statuses.append(None)
+            return not s.alive
+
+        wait_for(gone, timeout=60, interval=0.1, what="the pod's ranks to exit after the failed collective")
+        assert s.returncode != 0
+        assert 200 not in statuses, statuses
+        log = s.log_text()
+        assert "collective" in log and "exiting" in log, s.log_tail()
+
+
+@pytest.mark.slow
+def test_a_stale_replica_gets_no_work_and_the_wait_is_bounded(tiny_checkpoint) -> None:  # noqa: F811
+    """cfgp=2: the idle cfg peer is frozen; a request must not wait for it to come back."""
+    with serve_policy(tiny_checkpoint, "--cfgp", "2", "--steps", "2", "--pg-timeout-s", "3", *RANKS) as s:
+        peer = s.rank_pids()[1]
+        with frozen(peer):
+            s.wait_until(lambda: s.readyz().status == 503, timeout=10, what="/readyz 503 with the peer frozen")
+            t0 = time.monotonic()
+            reply = request(s, observation(), timeout=30)
+            elapsed = time.monotonic() - t0
+            time.sleep(1)
+        assert elapsed < 3 + 3, f"the request waited {elapsed:.1f}s for a frozen peer"
+        assert "actions" not in reply and (error_kind(reply) or reply.get("closed")), reply
+        s.wait_until(lambda: s.readyz().status == 200, timeout=30, what="/readyz 200 after SIGCONT")
+        assert np.isfinite(request(s, observation())["actions"]).all()
+
+
+@pytest.mark.slow
+def test_in_flight_request_on_a_frozen_replica_fails_and_others_serve(tiny_checkpoint) -> None:  # noqa: F811
+    """dp=2: replica 1's driver freezes mid-request; that request fails with a clear kind, replica 0 keeps serving."""
+    with serve_policy(tiny_checkpoint, "--dp", "2", "--steps", "600", "--pg-timeout-s", "3", *RANKS) as s:
+        remote = s.rank_pids()[1]
+        with connection(s) as ws:  # occupy replica 0 first, so the next request lands on replica 1
+            ws.send(msgpack_numpy.packb(observation(1)))
+            s.wait_until(lambda: s.readyz().json()["in_flight"] == 1, timeout=30, what="replica 0 busy")
+            thread, box = in_background(request, s, observation(2))
+            s.wait_until(lambda: s.readyz().json()["in_flight"] == 2, timeout=30, what="replica 1 busy")
+            with frozen(remote):
+                thread.join(3 + 10)
+                assert not thread.is_alive(), "the request on the frozen replica waited past the PG timeout"
+                first = msgpack_numpy.unpackb(ws.recv(timeout=120))
+                again = request(s, observation(3), timeout=120)
+        reply = box.get("reply", {})
+        assert error_kind(reply) == "replica_unavailable", box
+        assert first["server_timing"]["replica"] == 0 and again["server_timing"]["replica"] == 0, (first, again)
+        s.wait_until(lambda: s.readyz().status == 200, timeout=60, what="/readyz 200 after SIGCONT")
