@@ -190,8 +190,9 @@ def progressing_condition(phase: str, *, checkpoint: CheckpointState, workload: 
         return Condition(COND_PROGRESSING, FALSE, Reason.STABLE, "scaled to zero")
     if block is not None and is_progressing(phase, block):
         return Condition(COND_PROGRESSING, TRUE, block.reason, block.message)
-    if phase in (PHASE_PENDING, PHASE_DOWNLOADING):
-        return Condition(COND_PROGRESSING, TRUE, Reason.DOWNLOADING, checkpoint.message)
+    if phase in (PHASE_PENDING, PHASE_DOWNLOADING):  # a refused fetch pod says so in the reason too
+        reason = Reason.FAILED_CREATE if checkpoint.reason == Reason.FAILED_CREATE else Reason.DOWNLOADING
+        return Condition(COND_PROGRESSING, TRUE, reason, checkpoint.message)
     if phase == PHASE_STARTING:
         return Condition(COND_PROGRESSING, TRUE, Reason.ROLLING_OUT,
                          f"{updated}/{workload.desired} pods run the current spec; pods are starting or being replaced")

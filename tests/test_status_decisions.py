@@ -366,6 +366,13 @@ def test_a_fetch_job_without_pods_reports_the_refusal() -> None:
     assert "PodSecurity" in state.message
     waiting = child_status.checkpoint_state(s, job, [], None, None, [])
     assert waiting.reason == Reason.JOB_PENDING
+    update = st.build_status(s, checkpoint=state, workload=WorkloadState(exists=False, desired=1, rolling=True),
+                             pods=[], service_exists=False, previous=None, generation=1, now=T0)
+    assert update.status["phase"] == C.PHASE_PENDING
+    assert reasons(update)[C.COND_CHECKPOINT_READY] == ("False", "FailedCreate")
+    assert reasons(update)[C.COND_PROGRESSING] == ("True", "FailedCreate")
+    assert reasons(update)[C.COND_READY] == ("False", "FailedCreate")
+    assert "PodSecurity" in cond(update, C.COND_READY)["message"]
 
 
 def test_an_unschedulable_pod_is_pending_and_says_why() -> None:
