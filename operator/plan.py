@@ -46,6 +46,7 @@ from policy_operator.operator.conditions import FALSE, TRUE, Condition, Event, R
 from policy_operator.operator.manifests import Names, ServingCheckpoint
 from policy_operator.operator.spec import PolicyServerSpec
 
+
 class Verb(str, Enum):
     APPLY = "apply"    # server-side apply, every pass
     CREATE = "create"  # only when missing
