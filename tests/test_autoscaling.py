@@ -216,7 +216,8 @@ def test_hpa_resolves_the_scale_subresource_and_replicas_zero_keeps_the_cache(cl
     lc.kubectl("scale", f"{C.PLURAL}/{name}", "--replicas=1")
     wait_for(lambda: lc.status(name).get("phase") == C.PHASE_READY, WAIT_S, what=f"{name} Ready again")
     assert source.count("/ckpt/model.safetensors") == downloads == 1
-    jobs = [j["metadata"]["name"] for j in lc.list("batch/v1", "jobs", f"{C.LABEL_INSTANCE}={name}")]
-    assert jobs in ([Names(name).job(key)], [])  # the one Job (or none, once its TTL collected it)
+    fetches = [j["metadata"]["name"] for j in lc.list("batch/v1", "jobs", f"{C.LABEL_INSTANCE}={name},"
+                                                                          f"{C.LABEL_COMPONENT}={C.COMPONENT_FETCH}")]
+    assert fetches in ([Names(name).job(key)], [])  # the one fetch Job (or none, once its TTL collected it)
     lc.kubectl("delete", "hpa", name)
     lc.kubectl("delete", C.SHORT_NAME, name, "--timeout=120s", timeout=150)
