@@ -170,7 +170,13 @@ def test_metadata_checks_name_the_key(change: dict, words: str) -> None:
 
 
 def test_canned_observation_passes_the_servers_own_validation() -> None:
+    from policy_operator.runtime.policy import observation
     from policy_operator.runtime.policy.observation import parse_observation
+
+    # the probe spells the keys itself (the observation module is behind torch's import); they must be the server's
+    assert (probe.IMAGE_KEY, probe.JOINT_KEY, probe.GRIPPER_KEY) == \
+        (observation.IMAGE_KEY, observation.JOINT_KEY, observation.GRIPPER_KEY)
+    assert probe.MAX_IMAGE_SIDE == observation.MAX_IMAGE_SIDE
 
     expect = probe.check_metadata(META)
     obs = probe.canned_observation(expect)
