@@ -261,4 +261,12 @@ def test_the_old_checkpoint_leaves_the_cache_after_the_switch_and_not_before(env
     assert env.lc.get("batch/v1", "jobs", Names(name).job(key_a)) is None
     assert env.lc.get("batch/v1", "jobs", Names(name).job(key_b)) is not None
     assert ("Normal", "Deleted") in env.events(name)
+
+    # back to a: nothing vouches for it any more, so it is fetched again (a second download) before the roll
+    assert env.source.count(f"/a/{C.WEIGHTS_FILE}") == 1
+    env.patch(name, {"checkpoint": {"source": env.source.url_for("a/")}})
+    env.wait(name, lambda s: s.get("phase") == C.PHASE_READY and s.get("observedGeneration") == 3
+             and s.get("checkpoint", {}).get("servingKey") == key_a, "Ready on checkpoint a again")
+    assert env.source.count(f"/a/{C.WEIGHTS_FILE}") == 2
+    assert (cache / key_a / C.COMPLETE_MARKER).is_file()
     env.delete(name)

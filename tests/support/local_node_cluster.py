@@ -114,9 +114,20 @@ class OperatorProcess:
 
 
 def install_crd(control_plane: ControlPlane) -> None:
-    """``kubectl apply`` the CRD (idempotent) and wait until it is served."""
+    """``kubectl apply`` the CRD (idempotent) and wait until it is served.
+
+    Polled here rather than by ``kubectl wait --for=condition=Established``: on a CRD created a moment ago
+    ``status.conditions`` is still null, and kubectl wait then exits 1 ("accessor error: <nil> is of the type
+    <nil>, expected []interface{}") instead of waiting.
+    """
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    control_plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+
+    def established() -> bool:
+        crd = json.loads(control_plane.kubectl("get", f"crd/{CRD_NAME}", "-o", "json").stdout)
+        return any(c.get("type") == "Established" and c.get("status") == "True"
+                   for c in (crd.get("status") or {}).get("conditions") or [])
+
+    wait_for(established, 60, interval=0.2, what=f"CRD {CRD_NAME} Established")
 
 
 def delete_namespace(api: Api, namespace: str, timeout: float = NAMESPACE_GONE_S, *,
