@@ -7,7 +7,7 @@ checkpoint server) and no fetch Job; the PodDisruptionBudget exists at replicas 
 controller counts its pods) and is gone at 1; a larger ``storage.size`` grows the claim on a class with
 ``allowVolumeExpansion`` (the node plays the external resizer) and is reported ``ExpansionNotAllowed`` on
 one without; the old checkpoint directory leaves the shared cache after the switch to a new one, never
-while a pod of the old one exists; and the apiserver itself refuses a layout above ``maxGpusPerPod``
+while a pod of the old one exists, and a switch back fetches it again; and the apiserver itself refuses a layout above ``maxGpusPerPod``
 (the CEL rule's cost fits its budget).  The decisions are unit-tested in
 tests/test_storage_and_passthrough.py.
 """
