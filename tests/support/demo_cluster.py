@@ -86,13 +86,14 @@ def run(workdir: Path, n: int, timeout: float, size: str) -> int:
     weights = (ckpt_root / "ckpt" / C.WEIGHTS_FILE).stat().st_size
     server = CheckpointServer(ckpt_root, token=TOKEN).start()
     control_plane = ControlPlane(workdir / "control-plane")
-    cluster = LocalCluster(control_plane, workdir / "cluster", NS)
+    cluster: LocalCluster | None = None
     try:
         _say(f"control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler) starting in {workdir} ...")
         t = time.time()
         control_plane.start()
         _say(f"  up in {time.time() - t:.1f}s at {control_plane.url} (logs {control_plane.logs})")
         t = time.time()
+        cluster = LocalCluster(control_plane, workdir / "cluster", NS)  # needs the control plane's kubeconfig
         cluster.start()
         _say(f"  CRD, namespace {NS}, local node and operator in {time.time() - t:.1f}s; "
              f"operator log {cluster.operator.log}, pods under {cluster.node.root}")
@@ -133,11 +134,12 @@ def run(workdir: Path, n: int, timeout: float, size: str) -> int:
         return 0
     finally:
         try:
-            cluster.stop()
+            if cluster is not None:
+                cluster.stop()
         finally:
             control_plane.stop()
             server.stop()
-        left = cluster.node.processes()
+        left = cluster.node.processes() if cluster is not None else []
         if left:
             _say(f"warning: processes left: {[p.pid for p in left]}")
 
