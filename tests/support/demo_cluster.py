@@ -64,6 +64,11 @@ def _actions(cluster: LocalCluster, name: str, n: int) -> None:
     from policy_operator.runtime.client import robolab_observation
 
     host, port = cluster.node.service_address(NS, name, C.PORT_NAME)
+    t = time.time()
+    # the Service sends traffic to pods the kubelet reports Ready (readinessProbe every 5 s), which can come a
+    # little after the operator's own /readyz poll made the PolicyServer Available
+    wait_for(lambda: cluster.node.proxy.backends(NS, name), 60, what=f"a ready endpoint behind Service {name}")
+    _say(f"Service {NS}/{name}: a ready endpoint {time.time() - t:.1f}s after Available was seen")
     client = WebsocketClientPolicy(host=host, port=port)
     try:
         meta = client.get_server_metadata()
