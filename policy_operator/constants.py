@@ -99,11 +99,6 @@ ENV_HOME: Final = "HOME"  # pointed at the writable /tmp: the root filesystem is
 ENV_XDG_CACHE_HOME: Final = "XDG_CACHE_HOME"
 ENV_HOST: Final = "POLICY_HOST"  # default of the runtime's --host (0.0.0.0 when unset)
 
-# --- Labels the Kubernetes controllers put on the pods they create (played by tests/support/local_node.py) ---
-LABEL_CONTROLLER_REVISION_HASH: Final = "controller-revision-hash"
-LABEL_STATEFULSET_POD_NAME: Final = "statefulset.kubernetes.io/pod-name"
-LABEL_POD_INDEX: Final = "apps.kubernetes.io/pod-index"
-LABEL_JOB_CONTROLLER_UID: Final = "batch.kubernetes.io/controller-uid"
-LABEL_LEGACY_JOB_NAME: Final = "job-name"
-LABEL_LEGACY_CONTROLLER_UID: Final = "controller-uid"
+# --- Labels the Kubernetes controllers put on the pods they create ---
+LABEL_CONTROLLER_REVISION_HASH: Final = "controller-revision-hash"  # the StatefulSet controller's template revision
 ENV_LOCAL_NODE_CONTAINER: Final = "LOCAL_NODE_CONTAINER"  # test support: marks every process of one local-node container
