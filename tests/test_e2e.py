@@ -207,7 +207,7 @@ def test_real_controllers_made_the_pods_and_the_scheduler_bound_them(deployment:
         for pod in server_pods(d, name):
             owner = pod["metadata"]["ownerReferences"][0]
             assert (owner["kind"], owner["uid"]) == ("StatefulSet", sts["metadata"]["uid"])
-            assert pod["metadata"]["labels"]["controller-revision-hash"] == sts["status"]["currentRevision"]
+            assert pod["metadata"]["labels"][C.LABEL_CONTROLLER_REVISION_HASH] == sts["status"]["currentRevision"]
             assert pod["spec"]["nodeName"] == d.cluster.node.name
             assert any(c["type"] == "PodScheduled" and c["status"] == "True" for c in pod["status"]["conditions"])
             assert pod["status"]["qosClass"] == "Burstable"  # the samples request CPU and memory

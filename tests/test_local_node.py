@@ -420,7 +420,7 @@ def test_statefulset_pods_scale_roll_and_serve_through_the_service_proxy(api: Ap
     s = sts(lambda st: st.get("observedGeneration") == 3 and st.get("updatedReplicas") == 1
             and st.get("readyReplicas") == 1 and st.get("currentRevision") == st.get("updateRevision"), "rolled")
     pod = api.get("v1", "pods", "web-0", NS)
-    assert pod["metadata"]["labels"]["controller-revision-hash"] == s["status"]["updateRevision"]
+    assert pod["metadata"]["labels"][C.LABEL_CONTROLLER_REVISION_HASH] == s["status"]["updateRevision"]
     assert pod["metadata"]["uid"] != pods["web-0"]["metadata"]["uid"]
     assert node.processes(NS, "web-0")[0].env["VERSION"] == "2"
     wait_for(lambda: get_through(url) == "web-0 v2", WAIT_S, what="the Service reaches the new pod")
