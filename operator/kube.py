@@ -14,6 +14,7 @@ ones (retry with backoff) and rejections (report in status, do not hammer).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,6 +83,7 @@ class Kube:
         self.api_client = api_client
         self._dynamic: DynamicClient | None = None
         self._resources: dict[str, Resource] = {}
+        self._discovery_lock = threading.Lock()
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -96,15 +98,21 @@ class Kube:
         self.api_client.close()
 
     def _resource(self, kind: str) -> Resource:
-        """Discovery happens on first use (not at start-up), so an operator started before its CRD recovers."""
-        if kind not in self._resources:
-            try:
-                if self._dynamic is None:
-                    self._dynamic = DynamicClient(self.api_client)
-                self._resources[kind] = self._dynamic.resources.get(api_version=KINDS[kind], kind=kind)
-            except (DynamicApiError, ResourceNotFoundError, urllib3.exceptions.HTTPError, OSError) as exc:
-                raise _sorted_error(f"discover {kind}", exc) from exc
-        return self._resources[kind]
+        """Discovery happens on first use (not at start-up), so an operator started before its CRD recovers.
+
+        One thread at a time: the dynamic client's discoverer rebuilds a shared cache dict on a miss, and two
+        kopf handler threads discovering at once (a create and the resync timer, right after start) made one
+        fail with ``KeyError: 'resources'`` inside ``invalidate_cache``.
+        """
+        with self._discovery_lock:
+            if kind not in self._resources:
+                try:
+                    if self._dynamic is None:
+                        self._dynamic = DynamicClient(self.api_client)
+                    self._resources[kind] = self._dynamic.resources.get(api_version=KINDS[kind], kind=kind)
+                except (DynamicApiError, ResourceNotFoundError, urllib3.exceptions.HTTPError, OSError) as exc:
+                    raise _sorted_error(f"discover {kind}", exc) from exc
+            return self._resources[kind]
 
     def _call(self, what: str, method: Any, *args: Any, **kwargs: Any) -> Any:
         try:
