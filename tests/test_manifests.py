@@ -43,7 +43,8 @@ VARIANTS = {
     "auth-and-http-token": base(checkpoint={"source": "https://host/ckpt/", "secretRef": {"name": "tok", "key": "t"}},
                                 auth={"secretRef": {"name": "clients"}}),
     "existing-claim": base(storage={"existingClaim": "shared-models"}, replicas=3),
-    "retained-rwop": base(storage={"retainOnDelete": True, "accessModes": ["ReadWriteOncePod"], "size": "5Gi"}),
+    "retained-rwop": base(storage={"mode": "perPod", "retainOnDelete": True, "accessModes": ["ReadWriteOncePod"],
+                                   "size": "5Gi"}),
     "cpu-device": base(runtime={"device": "cpu", "guidance": 1.0, "steps": 4, "extraArgs": ["--threads", "2"],
                                 "env": [{"name": "OMP_NUM_THREADS", "value": "2"}]}),
     "nodeport-revision": base(checkpoint={"source": "hf://org/policy", "revision": "v2", "secretRef": {"name": "hf"},
@@ -110,7 +111,7 @@ def test_selector_is_stable_and_matches_the_template() -> None:
     (1, None, ["ReadWriteOnce"]),
     (2, None, ["ReadWriteMany"]),
     (0, None, ["ReadWriteOnce"]),
-    (3, ["ReadWriteOnce"], ["ReadWriteOnce"]),
+    (3, ["ReadOnlyMany"], ["ReadOnlyMany"]),
 ])
 def test_pvc_access_modes(replicas: int, modes: list[str] | None, expected: list[str]) -> None:
     storage = {"size": "30Gi", **({"accessModes": modes} if modes else {})}
@@ -290,7 +291,9 @@ def test_cpu_device_requests_no_gpu() -> None:
 
 def test_template_hash_rolls_on_what_changes_the_pods_only() -> None:
     def hash_of(obj: dict[str, Any]) -> str:
-        return M.build_statefulset(spec_of(obj))["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH]
+        # the cache claim's modes as observed: a claim keeps those it was created with whatever replicas says
+        sts = M.build_statefulset(spec_of(obj), cache_modes=("ReadWriteOnce",))
+        return str(sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH])
 
     original = hash_of(base())
     assert hash_of(base()) == original
