@@ -117,18 +117,7 @@ def deployment(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFac
 
 def wait_status(d: Deployment, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,
                 timeout: float = WAIT_S) -> dict[str, Any]:
-    last: dict[str, Any] = {}
-
-    def check() -> Any:
-        nonlocal last
-        last = d.cluster.status(name)
-        return predicate(last)
-
-    try:
-        wait_for(check, timeout, interval=0.2, what=what)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}\nstatus: {json.dumps(last, indent=1)[:4000]}\n{d.cluster.describe()}") from None
-    return last
+    return d.cluster.wait_status(name, predicate, what, timeout)
 
 
 def server_pods(d: Deployment, name: str) -> list[dict[str, Any]]:

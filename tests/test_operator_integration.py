@@ -154,18 +154,7 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
 
 def wait_status(c: Cluster, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,
                 timeout: float = WAIT_S) -> dict[str, Any]:
-    last: dict[str, Any] = {}
-
-    def check() -> Any:
-        nonlocal last
-        last = status_of(c, name)
-        return predicate(last)
-
-    try:
-        wait_for(check, timeout, interval=0.2, what=what)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}; status: {json.dumps(last, indent=1)[:3000]}\n{c.lc.describe()}") from None
-    return last
+    return c.lc.wait_status(name, predicate, what, timeout)
 
 
 def table(text: str) -> list[dict[str, str]]:

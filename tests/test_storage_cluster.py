@@ -69,18 +69,7 @@ class Env:
 
     def wait(self, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,
              timeout: float = WAIT_S) -> dict[str, Any]:
-        last: dict[str, Any] = {}
-
-        def check() -> Any:
-            nonlocal last
-            last = self.lc.status(name)
-            return predicate(last)
-
-        try:
-            wait_for(check, timeout, interval=0.2, what=what)
-        except TimeoutError as exc:
-            raise AssertionError(f"{exc}; status: {json.dumps(last, indent=1)[:4000]}\n{self.lc.describe()}") from None
-        return last
+        return self.lc.wait_status(name, predicate, what, timeout)
 
     def claim(self, name: str) -> dict[str, Any]:
         return self.lc.get("v1", "persistentvolumeclaims", name) or {}

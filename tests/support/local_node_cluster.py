@@ -35,7 +35,7 @@ import re
 import signal
 import subprocess
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -227,6 +227,23 @@ class LocalCluster:
 
     def status(self, name: str) -> dict[str, Any]:
         return (self.get(C.API_VERSION, C.PLURAL, name) or {}).get("status") or {}
+
+    def wait_status(self, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,
+                    timeout: float) -> dict[str, Any]:
+        """Poll the PolicyServer's status until ``predicate`` holds; a timeout fails with the last status and
+        :meth:`describe`, which is what a reader of a failed cluster test needs first."""
+        last: dict[str, Any] = {}
+
+        def check() -> Any:
+            nonlocal last
+            last = self.status(name)
+            return predicate(last)
+
+        try:
+            wait_for(check, timeout, interval=0.2, what=what)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}; status: {json.dumps(last, indent=1)[:4000]}\n{self.describe()}") from None
+        return last
 
     def describe(self) -> str:
         """What a failure message needs: operator log tail, pods as the API has them, each pod's node events and
