@@ -28,10 +28,10 @@ demo: install
 demo-cluster: install
 	$(PY) -m tests.support.demo_cluster
 
-test: install cluster-binary
+test: install lint cluster-binary
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# `make lint` (not yet part of `make test`: ruff and mypy findings remain, docs/testing.md): ruff over the tree; mypy over the package as it is imported (policy_operator.runtime is runtime/,
+# `make lint` (a prerequisite of `make test`): ruff over the tree; mypy over the package as it is imported (policy_operator.runtime is runtime/,
 # policy_operator.operator is operator/), laid out as links in .cache/typecheck.
 TYPECHECK := .cache/typecheck
 lint: install

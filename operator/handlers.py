@@ -43,8 +43,8 @@ from policy_operator.constants import (
     VERSION,
 )
 from policy_operator.operator import conditions
-from policy_operator.operator.rank_probe import PROBE_TIMEOUT_S
 from policy_operator.operator.kube import Kube, KubeError, TransientError
+from policy_operator.operator.rank_probe import PROBE_TIMEOUT_S
 from policy_operator.operator.reconcile import Outcome, reconcile
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]  # what kopf hands its handlers

@@ -13,8 +13,8 @@ import copy
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from decimal import Decimal
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from policy_operator.constants import (

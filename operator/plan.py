@@ -18,7 +18,7 @@ is applied like the Services while replicas > 1 and deleted below that.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Final
@@ -192,7 +192,7 @@ def _expandable(storage_class: Mapping[str, Any] | None) -> bool | None:
     return bool(storage_class.get("allowVolumeExpansion"))
 
 
-def _plan_storage(plan: Plan, spec: PolicyServerSpec, claims: list[Mapping[str, Any]],
+def _plan_storage(plan: Plan, spec: PolicyServerSpec, claims: Sequence[Mapping[str, Any]],
                   storage_class: Mapping[str, Any] | None, sts: Mapping[str, Any] | None) -> list[Write]:
     """StorageReady, and the writes that grow claims (run last: a refused growth must not stop the rest).
 
@@ -214,7 +214,7 @@ def _plan_storage(plan: Plan, spec: PolicyServerSpec, claims: list[Mapping[str, 
     if not storage.existing_claim:
         want = _bytes(storage.size)
         for claim in claims:
-            name = (claim.get("metadata") or {}).get("name")
+            name = str((claim.get("metadata") or {}).get("name"))
             claim_spec = claim.get("spec") or {}
             modes = sorted(claim_spec.get("accessModes") or [])
             if storage.access_modes and modes != sorted(storage.access_modes):

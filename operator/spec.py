@@ -530,7 +530,7 @@ class PolicyServerSpec(KubeModel):
 
     @model_validator(mode="after")
     def _extra_volumes_are_the_users(self) -> PolicyServerSpec:
-        taken = sorted({v.get("name") for v in self.volumes} & set(OPERATOR_VOLUMES))
+        taken = sorted({str(v.get("name")) for v in self.volumes} & set(OPERATOR_VOLUMES))
         if taken:
             raise ValueError(f"volumes: {', '.join(map(str, taken))} is a volume the operator adds itself; "
                              f"rename it (taken: {', '.join(OPERATOR_VOLUMES)})")

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from policy_operator import serve_flags
 from policy_operator.exit_codes import ServeExit
@@ -113,7 +113,7 @@ class Runtime:
         import torch
 
         from policy_operator.runtime.parallel.groups import init_distributed, select_device
-        from policy_operator.runtime.parallel.heartbeat import Board, BoardWatcher, Heartbeat, MemoryKV, StoreKV
+        from policy_operator.runtime.parallel.heartbeat import KV, Board, BoardWatcher, Heartbeat, MemoryKV, StoreKV
 
         self.opts = opts
         self.layout = layout
@@ -121,6 +121,7 @@ class Runtime:
         self.device = select_device(device_name, share=opts.share_gpu)
         self.groups = init_distributed(layout, self.device, timedelta(seconds=opts.pg_timeout_s), opts.backend)
         self.rank = self.groups.rank
+        self.kv_factory: Callable[[], KV]
         if layout.world_size > 1:
             self.kv_factory = StoreKV.from_env
         else:
@@ -161,6 +162,7 @@ class Runtime:
             box = [path]
             dist.broadcast_object_list(box, src=0, group=self.groups.world_ctrl)
             path = box[0]
+        assert path is not None, "rank 0 resolves the checkpoint or raises"
         self.heartbeat.set_state(RankState.LOADING, "loading the policy")  # /readyz is public: no path
         started = time.perf_counter()
         cls = load_policy_class(self.opts.policy)
@@ -211,7 +213,8 @@ async def _serve_rank0(rt: Runtime) -> int:
     model_pool = ThreadPoolExecutor(1, thread_name_prefix="model")
     load = loop.run_in_executor(model_pool, rt.load, server.metrics.observe_download)
     stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    first: set[asyncio.Future[Any]] = {load, stopper}
+    await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
     if not load.done():  # SIGTERM while loading: nothing to drain
         await server.stop()
         log.info("stopped while loading")

@@ -19,7 +19,7 @@ import io
 import json
 import re
 import shlex
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -99,7 +99,7 @@ def chart() -> helm_python.Chart:
     return helm_python.Chart.load(CHART)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _render(name: str) -> tuple[dict[str, str], tuple[dict[str, Any], ...]]:
     values = VALUE_SETS[name]
     chart().validate_schema(values)

@@ -1,9 +1,11 @@
 """The cfgp x dp runtime under real torchrun processes (CPU, gloo), on 127.0.0.1.
 
-Each scenario is one of the seed PRs' failure modes or guarantees: identical
-actions in every layout, a bad request with cfgp=2 leaves both ranks alive
-(bug 1), idling past the PG timeout is harmless (bug 2), a dead or frozen rank
-flips /readyz, SIGTERM drains, rank 0's death ends every rank.
+Each scenario is a failure mode a multi-rank server is prone to, or a guarantee:
+identical actions in every layout; a bad request with cfgp=2 leaves both ranks
+alive (the driver must validate before its peer waits on a collective); idling
+past the process-group timeout is harmless (idle ranks must not sit in a
+collective); a dead or frozen rank flips /readyz; SIGTERM drains; rank 0's
+death ends every rank.
 """
 
 from __future__ import annotations
@@ -72,7 +74,11 @@ def layout_actions(tiny_checkpoint):
             first = request(server.url, seed=42)
             # two concurrent requests, same seed: on dp=2 they run on different replicas
             replies: list = []
-            threads = [threading.Thread(target=lambda: replies.append(request(server.url, seed=42))) for _ in range(2)]
+
+            def ask(url=server.url, replies=replies):
+                replies.append(request(url, seed=42))
+
+            threads = [threading.Thread(target=ask) for _ in range(2)]
             for t in threads:
                 t.start()
             for t in threads:

@@ -116,7 +116,7 @@ def test_four_concurrent_processes_download_once(server, src_root, tmp_path, cli
     procs = [popen_fetch(cli_env, url, str(dest)) for _ in range(4)]
     outs = [p.communicate(timeout=CLI_TIMEOUT_S) for p in procs]
     final = dest / request_key(url)
-    for p, (out, err) in zip(procs, outs):
+    for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
         assert out.strip().splitlines()[-1] == str(final)
     assert server.count("/ckpt/model.safetensors") == 1

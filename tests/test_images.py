@@ -80,7 +80,7 @@ def env_of(stage: list[dockerfile.Command]) -> dict[str, str]:
     env: dict[str, str] = {}
     for cmd in stage:
         if cmd.cmd == "ENV":
-            env.update(zip(cmd.value[::2], cmd.value[1::2]))
+            env.update(zip(cmd.value[::2], cmd.value[1::2], strict=True))
     return env
 
 
@@ -299,7 +299,7 @@ def test_runtime_base_is_a_cuda_pytorch_runtime_image_and_keeps_its_torch() -> N
 def _operator_commands() -> list[list[str]]:
     """Every container command the operator writes, over the examples."""
     out = []
-    for name, example in EXAMPLES.items():
+    for example in EXAMPLES.values():
         spec = parse_spec(example["spec"], name=example["metadata"]["name"], namespace="robots")
         job = manifests.build_fetch_job(spec)["spec"]["template"]["spec"]
         pod = manifests.build_pod_template(spec, manifests.ServingCheckpoint.of(spec))["spec"]

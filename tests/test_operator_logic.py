@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from policy_operator import constants as C
-from policy_operator.operator import conditions as cond
 from policy_operator.operator import child_status, manifests, rank_probe, rbac
+from policy_operator.operator import conditions as cond
 from policy_operator.operator import plan as pl
 from policy_operator.operator import status as status_step
 from policy_operator.operator.conditions import Reason

@@ -56,7 +56,7 @@ def _assert_same(a: object, b: object, path: str = "") -> None:
             _assert_same(a[k], b[k], f"{path}/{k}")
     elif isinstance(a, (list, tuple)):
         assert isinstance(b, (list, tuple)) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, (np.ndarray, np.generic)):
         assert type(a) is type(b), path

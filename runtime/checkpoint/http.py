@@ -93,7 +93,7 @@ class _TokenRedirects(urllib.request.HTTPRedirectHandler):
     def __init__(self, token: str | None) -> None:
         self._token = token
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
         if new is not None and self._token and _origin(req.full_url) == _origin(newurl):
             new.add_unredirected_header("Authorization", f"Bearer {self._token}")

@@ -33,6 +33,7 @@ from policy_operator.constants import COMPLETE_MARKER
 from policy_operator.runtime.checkpoint.fetch import WORK_DIR
 from policy_operator.runtime.checkpoint.marker import read_marker
 
+
 def _finished(directory: Path) -> float | None:
     """When a complete checkpoint was published (its marker's mtime), or None when it is not one."""
     if read_marker(directory) is None:

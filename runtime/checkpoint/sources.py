@@ -17,6 +17,7 @@ import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Literal
 from urllib.parse import quote, unquote, urlsplit
 
 from policy_operator.constants import ENV_HF_ENDPOINT, MANIFEST_FILE
@@ -166,6 +167,7 @@ class S3Source(Source):
         )
 
     def _make_inner(self) -> Source:
+        source: Source
         if self.key == "" or self.key.endswith("/"):
             source = _PresignedDir(self, self.key)
         else:
@@ -279,7 +281,7 @@ class HfSource(Source):
         self.shown = f"{HF_SCHEME}{prefix}{repo_id}"
         self.endpoint = os.environ.get(ENV_HF_ENDPOINT) or None
 
-    def _api(self):  # type: ignore[no-untyped-def]
+    def _api(self):
         from huggingface_hub import HfApi
 
         return HfApi(endpoint=self.endpoint, token=self.token or None)
@@ -347,7 +349,7 @@ class _hub_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type, exc, tb) -> bool:  # type: ignore[no-untyped-def]
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         if exc is None:
             return False
         from huggingface_hub.errors import HFValidationError

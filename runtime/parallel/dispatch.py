@@ -105,7 +105,9 @@ def _recv(src: int, group: dist.ProcessGroup) -> Any:
     return box[0]
 
 
-def _broadcast(message: Message | None, src: int, group: dist.ProcessGroup) -> Message:
+def _broadcast(message: Message | None, src: int, group: dist.ProcessGroup | None) -> Message:
+    # None would mean the default (world) group: every replica's ranks, not this replica's two
+    assert group is not None, "only a cfgp=2 replica broadcasts to its peer"
     box = [message]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]  # type: ignore[return-value]
@@ -124,6 +126,7 @@ class Replica:
         self.broken: str | None = None  # why a collective of this replica failed; set once, never cleared
         self._cfg: CfgGroup | None = None
         if groups.layout.cfgp == 2:
+            assert groups.cfg is not None, "a cfgp=2 replica has a cfg group"
             staging = self._cuda and dist.get_backend(groups.cfg) == "gloo"
             self._cfg = CfgGroup(groups.cfg, groups.cfg_index, staging)
 

@@ -66,7 +66,7 @@ class StoreKV:
         return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 
     def set(self, key: str, value: bytes) -> None:
-        self._store.set(key, value)
+        self._store.set(key, value)  # type: ignore[arg-type]  # the binding takes bytes; torch's stub says str
 
     def get(self, key: str) -> bytes | None:
         # check() never blocks, unlike get() on a key that is not there yet
