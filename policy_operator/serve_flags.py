@@ -26,6 +26,9 @@ DEFAULT_STEPS: Final = 10
 DEFAULT_DRAIN_GRACE_S: Final = 20.0
 DEFAULT_CACHE_DIR: Final = ".cache/checkpoints"
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 << 20
+DEFAULT_MAX_BATCH: Final = 8
+DEFAULT_BATCH_WINDOW_MS: Final = 2.0
+MAX_MAX_BATCH: Final = 256  # a batch is one forward pass: far beyond what any GPU runs at once for one policy
 DEFAULT_POLICY: Final = "policy_operator.runtime.policy.reference:ReferencePolicy"
 WORKER_MODULE: Final = "policy_operator.runtime.worker"  # the torchrun program, one process per rank
 SERVE_COMMAND: Final = ("policyserver", "serve")
@@ -46,6 +49,8 @@ class ServeOptions:
     guidance: float
     steps: int
     cfg_mode: str
+    max_batch: int
+    batch_window_ms: float
     max_message_bytes: int
     error_format: str
     auth_token_file: str | None
@@ -83,6 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="denoising steps (default %(default)s)")
     g.add_argument("--cfg-mode", choices=["auto", "sequential", "batched"], default="auto",
                    help="how cfgp=1 runs both branches; auto = batched on cuda, sequential on cpu")
+    g = p.add_argument_group("batching")
+    g.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help="most requests of different sessions a replica runs as one batch; 1 = one request at a "
+                        "time (default %(default)s)")
+    g.add_argument("--batch-window-ms", type=float, default=DEFAULT_BATCH_WINDOW_MS,
+                   help="how long a batch may wait for requests still being decoded; never waits when none are "
+                        "(default %(default)s)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default=os.environ.get(ENV_HOST) or "0.0.0.0",
                    help=f"bind address (default ${ENV_HOST} if set, else 0.0.0.0)")
@@ -122,6 +134,10 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(f"--port must be in 0..65535 (0: any free port), got {opts.port}")
     if opts.max_message_bytes < 1:
         raise ValueError(f"--max-message-bytes must be at least 1, got {opts.max_message_bytes}")
+    if not 1 <= opts.max_batch <= MAX_MAX_BATCH:
+        raise ValueError(f"--max-batch must be in 1..{MAX_MAX_BATCH}, got {opts.max_batch}")
+    if not (math.isfinite(opts.batch_window_ms) and 0 <= opts.batch_window_ms <= 1000):
+        raise ValueError(f"--batch-window-ms must be in 0..1000 milliseconds, got {opts.batch_window_ms}")
     if opts.threads is not None and opts.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {opts.threads}")
 
