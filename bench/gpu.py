@@ -65,7 +65,7 @@ def main() -> int:
         obs = policy.example_observation(0)
 
         def once(seed: int, policy=policy, obs=obs, mode=mode):
-            x = sample_actions(policy, policy.prepare(obs), seed, steps=args.steps, guidance=3.0, mode=mode)
+            x = sample_actions(policy, policy.prepare(obs), [seed], steps=args.steps, guidance=3.0, mode=mode)
             return policy.postprocess(x)  # .cpu() inside: the one sync, at the end
 
         t_compile = time.perf_counter()

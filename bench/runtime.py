@@ -125,7 +125,7 @@ def in_process_infer(checkpoint: Path, args: argparse.Namespace, n: int) -> floa
     times = []
     for i in range(n + 3):
         t0 = time.perf_counter()
-        x = sample_actions(policy, policy.prepare(obs), i, steps=args.steps, guidance=3.0, mode=mode)
+        x = sample_actions(policy, policy.prepare(obs), [i], steps=args.steps, guidance=3.0, mode=mode)
         policy.postprocess(x)
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -78,7 +78,9 @@ def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, 
                     r = int(timing.get("replica", 0))
                     with lock:
                         records.append({"rtt_ms": dt, "infer_ms": float(timing["infer_ms"]),
-                                        "total_ms": float(timing.get("total_ms", "nan")), "replica": r})
+                                        "total_ms": float(timing.get("total_ms", "nan")), "replica": r,
+                                        "queue_ms": float(timing.get("queue_ms", "nan")),
+                                        "batch_size": int(timing.get("batch_size", 1))})
                         shapes.add(tuple(np.asarray(msg["actions"]).shape))
                         replicas[r] = replicas.get(r, 0) + 1
         except Exception as exc:  # noqa: BLE001 - reported in the summary
@@ -102,6 +104,8 @@ def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, 
         "latency_ms": {"p50": percentile(latencies, 50), "p90": percentile(latencies, 90),
                        "p99": percentile(latencies, 99), "mean": statistics.fmean(latencies) if latencies else None},
         "infer_ms_p50": percentile([r["infer_ms"] for r in records], 50),
+        # per request: the batch size a request saw, averaged (a batch of 8 counts 8 times)
+        "mean_batch_size": statistics.fmean(r["batch_size"] for r in records) if records else None,
         "requests_per_s": len(latencies) / wall if wall > 0 else None,
         "wall_s": wall,
         "replicas": replicas,
@@ -118,6 +122,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("action shape", ", ".join("x".join(map(str, sh)) for sh in s["action_shapes"]) or "-"),
         ("latency p50 / p90 / p99", f"{lat['p50']:.1f} / {lat['p90']:.1f} / {lat['p99']:.1f} ms"),
         ("server infer p50", f"{s['infer_ms_p50']:.1f} ms"),
+        ("mean batch size", f"{s['mean_batch_size']:.2f}" if s["mean_batch_size"] is not None else "-"),
         ("throughput", f"{s['requests_per_s']:.1f} requests/s"),
         ("replicas used", ", ".join(f"{k}: {v}" for k, v in sorted(s["replicas"].items())) or "-"),
     ]

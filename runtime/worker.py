@@ -135,9 +135,12 @@ class Runtime:
             (lambda: BoardWatcher(self.board_factory, layout, opts.heartbeat_s).start()) if layout.world_size > 1
             else self.board_factory)
         cfg_mode = opts.cfg_mode if opts.cfg_mode != "auto" else ("batched" if self.device.type == "cuda" else "sequential")
-        from policy_operator.runtime.policy.sampler import SamplerSettings
+        from policy_operator.runtime.policy.sampler import SamplerSettings, batch_buckets
 
-        self.settings = SamplerSettings(opts.steps, opts.guidance, cfg_mode)  # type: ignore[arg-type]
+        # A compiled denoiser gets one graph per shape: pad every batch to a bucket, all captured at warm-up.
+        # Eager, a batch runs at its own size (padding would only add work).
+        buckets = batch_buckets(opts.max_batch) if opts.compile else ()
+        self.settings = SamplerSettings(opts.steps, opts.guidance, cfg_mode, buckets)  # type: ignore[arg-type]
         self.load_s = self.warmup_s = 0.0  # set by load()
 
     def load(self, on_progress: Callable[[FetchProgress], None] | None = None) -> Replica:
@@ -149,7 +152,7 @@ class Runtime:
         import torch
         import torch.distributed as dist
 
-        from policy_operator.runtime.parallel.dispatch import InferenceRequest, Replica
+        from policy_operator.runtime.parallel.dispatch import Batch, InferenceRequest, Replica
         from policy_operator.runtime.policy.interface import load_policy_class, parse_dtype
 
         if self.opts.threads:
@@ -168,16 +171,22 @@ class Runtime:
         cls = load_policy_class(self.opts.policy)
         policy = cls.load(path, device=self.device, dtype=parse_dtype(self.opts.dtype))
         if self.opts.compile:
+            import torch._dynamo
+
+            # one graph per bucket and CFG width (B or 2B rows): more shapes than dynamo's default limit of 8
+            limit = 4 * len(self.settings.buckets) + 8
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
             policy.compile(self.opts.compile)
         replica = Replica(policy, self.groups, self.settings, self.heartbeat)
         self.load_s = time.perf_counter() - started
         if self.groups.cfg_index == 0:
             started = time.perf_counter()
             warm = policy.prepare(policy.example_observation(0))
-            replica.execute(InferenceRequest("warmup", warm, 0))
+            for size in self.settings.buckets or (1,):  # every shape serving will run: no compile after /readyz
+                replica.execute(Batch(tuple(InferenceRequest(f"warmup-{size}-{i}", warm, i) for i in range(size))))
             self.warmup_s = time.perf_counter() - started
-            log.info("replica %d warmed up (load %.1fs, warm-up %.1fs)", self.groups.dp_index, self.load_s,
-                     self.warmup_s)
+            log.info("replica %d warmed up (load %.1fs, warm-up %.1fs, batch buckets %s)", self.groups.dp_index,
+                     self.load_s, self.warmup_s, list(self.settings.buckets) or "off")
         return replica
 
 
@@ -230,10 +239,11 @@ async def _serve_rank0(rt: Runtime) -> int:
         await asyncio.sleep(opts.heartbeat_s)  # /readyz answers with the reason for a period, then the pod restarts
         await server.stop()
         return ServeExit.LOAD
-    lanes = [local_lane(replica, model_pool)]
+    batching = {"max_batch": opts.max_batch, "window_s": opts.batch_window_ms / 1e3}
+    lanes = [local_lane(replica, model_pool, **batching)]
     for k in range(1, rt.layout.dp):
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"replica{k}")
-        lanes.append(remote_lane(k, rt.layout.driver_rank(k), rt.groups.dispatch[k], executor))
+        lanes.append(remote_lane(k, rt.layout.driver_rank(k), rt.groups.dispatch[k], executor, **batching))
     ingress.attach(replica.policy, lanes)
     server.metrics.load_seconds.set(rt.load_s)
     server.metrics.warmup_seconds.set(rt.warmup_s)

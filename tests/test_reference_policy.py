@@ -36,7 +36,7 @@ def load(path: Path | str) -> ReferencePolicy:
 
 def actions(policy: ReferencePolicy, obs: dict[str, Any], seed: int = 0, *, guidance: float = 3.0,
             mode: str = "sequential", steps: int = STEPS) -> np.ndarray:
-    x = sample_actions(policy, policy.prepare(obs), seed, steps=steps, guidance=guidance, mode=mode)  # type: ignore[arg-type]
+    x = sample_actions(policy, policy.prepare(obs), [seed], steps=steps, guidance=guidance, mode=mode)  # type: ignore[arg-type]
     return policy.postprocess(x)
 
 

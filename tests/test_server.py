@@ -127,7 +127,7 @@ def test_server_computes_what_the_policy_computes(server: PolicyServerProcess, t
     obs = observation(3, seed=77)
     served = get_actions(server, obs)
     policy = ReferencePolicy.load(str(tiny_checkpoint), device=__import__("torch").device("cpu"))
-    local = policy.postprocess(sample_actions(policy, policy.prepare(obs), 77, steps=STEPS, guidance=3.0))
+    local = policy.postprocess(sample_actions(policy, policy.prepare(obs), [77], steps=STEPS, guidance=3.0))
     np.testing.assert_allclose(served, local, rtol=0, atol=1e-5)  # thread counts may differ: not bitwise
 
 

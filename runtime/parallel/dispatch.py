@@ -3,10 +3,10 @@
 ::
 
     rank 0 (ingress)                   driver of replica k (cfg index 0)        cfg peer (cfg index 1)
-    Lane k --InferenceRequest-------->  Replica.serve_driver  (k >= 1 only)
-                                        Replica.execute --InferenceRequest-->  Replica.serve_peer
+    Lane k --Batch------------------->  Replica.serve_driver  (k >= 1 only)
+                                        Replica.execute --Batch------------->  Replica.serve_peer
                                           both: sample_actions, one all_gather per step
-    Lane k <-------------------Reply--  postprocess (driver only)
+    Lane k <-----------Reply per row--  postprocess (driver only)
     Lane k --Shutdown---------------->  --Shutdown-------------------------->  (loops end)
 
 Replica 0's driver is global rank 0 itself: its lane calls ``Replica.answer``
@@ -24,9 +24,14 @@ or inf are never sent: the driver fails that request with
 ``non_finite_actions``.  ``Shutdown`` ends every loop, so no rank is left
 holding a GPU when rank 0 goes.
 
-Each lane is one single-thread executor: D replicas run D requests at once
+Each lane is one single-thread executor: D replicas run D batches at once
 while each replica stays serial, which keeps every replica's collectives in
-the same order on all of its ranks.
+the same order on all of its ranks.  A lane batches: the requests that
+queued for it while its replica was busy (and, for up to ``window_s``, those
+still being decoded) go down as one ``Batch`` of at most ``max_batch``
+requests of one shape (``Sample.group_key``); each gets its own ``Reply``.
+A failure of the batched computation fails exactly the requests of that
+batch; actions with NaN or inf fail only their own request.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,7 +54,7 @@ from policy_operator.readyz import RankState
 from policy_operator.runtime.parallel.groups import Groups
 from policy_operator.runtime.parallel.heartbeat import Heartbeat
 from policy_operator.runtime.policy.interface import Policy, Sample
-from policy_operator.runtime.policy.sampler import CfgGroup, CfgMode, SamplerSettings, sample_actions
+from policy_operator.runtime.policy.sampler import CfgGroup, CfgMode, SamplerSettings, bucket_of, sample_actions
 from policy_operator.runtime.serving.errors import (
     ErrorKind,
     NonFiniteActions,
@@ -88,14 +94,21 @@ class Reply:
 
 
 @dataclass(frozen=True)
+class Batch:
+    """Requests a replica runs as one sampler call (one shape); answered with one Reply per request, in order."""
+
+    requests: tuple[InferenceRequest, ...]
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Ends the receiving loop (and, from a driver, its peer's)."""
 
 
-Message = InferenceRequest | Shutdown
+Message = Batch | Shutdown
 
 
-def _send(message: Message | Reply, dst: int, group: dist.ProcessGroup) -> None:
+def _send(message: Message | list[Reply], dst: int, group: dist.ProcessGroup) -> None:
     dist.send_object_list([message], dst=dst, group=group)
 
 
@@ -140,49 +153,61 @@ class Replica:
             if self.broken is None:
                 self.heartbeat.set_state(RankState.WARM)
 
-    def _sample(self, request: InferenceRequest) -> torch.Tensor:
+    def _sample(self, batch: Batch) -> torch.Tensor:
+        """Final x of the batch, padded to its bucket with copies of the last request (rows beyond are dropped)."""
         s = self.settings
+        requests = list(batch.requests)
+        requests += [requests[-1]] * (bucket_of(len(requests), s.buckets) - len(requests))
+        sample = self.policy.collate([r.sample for r in requests])
         mode: CfgMode = "parallel" if self._cfg is not None else s.cfg_mode
-        return sample_actions(self.policy, request.sample, request.seed, steps=s.steps, guidance=s.guidance,
-                              mode=mode, cfg_group=self._cfg)
+        x = sample_actions(self.policy, sample, [r.seed for r in requests], steps=s.steps, guidance=s.guidance,
+                           mode=mode, cfg_group=self._cfg)
+        return x[: len(batch.requests)]
 
     # --- driver side (cfg index 0) ---------------------------------------------------------
-    def execute(self, request: InferenceRequest) -> tuple[np.ndarray, float]:
-        """Run one request on this replica (peer included); (actions, infer_ms), or the failure raised."""
+    def execute(self, batch: Batch) -> tuple[list[np.ndarray], float]:
+        """Run one batch on this replica (peer included); (actions per request, infer_ms), or the failure raised."""
         with self._serving():
             start = time.perf_counter()
             if self._cfg is not None:
-                _broadcast(request, self.groups.driver, self.groups.replica_ctrl)
-            actions = self.policy.postprocess(self._sample(request))
-            if self._cuda:
+                _broadcast(batch, self.groups.driver, self.groups.replica_ctrl)
+            actions = self.policy.postprocess_batch(self._sample(batch))
+            if self._cuda:  # a plug-in's postprocess_batch may leave work queued: infer_ms is the whole batch
                 torch.cuda.synchronize(self.policy.device)
             return actions, (time.perf_counter() - start) * 1e3
 
-    def answer(self, request: InferenceRequest) -> Reply:
-        """``execute`` as a Reply: a failure is reported to the client and this replica carries on.
+    def answer(self, batch: Batch) -> list[Reply]:
+        """``execute`` as one Reply per request: a failure is reported to its clients and this replica carries on.
 
-        Unless a collective failed: then the Reply says ``replica_failed`` and ``broken`` is set.
+        Unless a collective failed: then every Reply says ``replica_failed`` and ``broken`` is set.
         """
         start = time.perf_counter()
+        ids = [r.request_id for r in batch.requests]
         if self.broken is not None:
-            return Reply(request.request_id, 0.0, error_kind=ErrorKind.REPLICA_FAILED, error=self.broken)
+            return [Reply(i, 0.0, error_kind=ErrorKind.REPLICA_FAILED, error=self.broken) for i in ids]
         try:
-            actions, infer_ms = self.execute(request)
-            bad = int(np.size(actions) - np.count_nonzero(np.isfinite(actions)))
-            if bad:
-                raise NonFiniteActions(f"the policy produced {bad} NaN or inf values in its {np.shape(actions)} "
-                                       "actions; none were sent")
-            return Reply(request.request_id, infer_ms, actions)
-        except Exception as exc:  # noqa: BLE001 - reported to the client, the replica carries on
+            actions, infer_ms = self.execute(batch)
+            if len(actions) != len(ids):
+                raise RuntimeError(f"postprocess_batch returned {len(actions)} action chunks for {len(ids)} requests")
+        except Exception as exc:  # noqa: BLE001 - reported to the clients, the replica carries on
             kind = exc.kind if isinstance(exc, RequestError) else ErrorKind.INFERENCE_FAILED
             if isinstance(exc, ReplicaFailed):
                 self.fail(str(exc))
-            elif isinstance(exc, NonFiniteActions):
-                log.warning("request %s on replica %d: %s", request.request_id, self.groups.dp_index, exc)
             else:
-                log.exception("request %s failed on replica %d", request.request_id, self.groups.dp_index)
-            return Reply(request.request_id, (time.perf_counter() - start) * 1e3, error_kind=kind,
-                         error=f"{type(exc).__name__}: {exc}")
+                log.exception("batch of %d (%s) failed on replica %d", len(ids), ", ".join(ids), self.groups.dp_index)
+            failed_ms = (time.perf_counter() - start) * 1e3
+            return [Reply(i, failed_ms, error_kind=kind, error=f"{type(exc).__name__}: {exc}") for i in ids]
+        return [self._checked(i, a, infer_ms) for i, a in zip(ids, actions, strict=True)]
+
+    def _checked(self, request_id: str, actions: np.ndarray, infer_ms: float) -> Reply:
+        """The Reply of one request of a batch: its actions, unless they hold NaN or inf (only it fails)."""
+        bad = int(np.size(actions) - np.count_nonzero(np.isfinite(actions)))
+        if not bad:
+            return Reply(request_id, infer_ms, actions)
+        error = NonFiniteActions(f"the policy produced {bad} NaN or inf values in its {np.shape(actions)} actions; "
+                                 "none were sent")
+        log.warning("request %s on replica %d: %s", request_id, self.groups.dp_index, error)
+        return Reply(request_id, infer_ms, error_kind=error.kind, error=f"{type(error).__name__}: {error}")
 
     def fail(self, reason: str) -> None:
         """Take this rank's replica out of service for good: ``failed`` in /readyz, loops end, the rank exits."""
@@ -225,48 +250,158 @@ class Replica:
                     self._sample(message)  # the result is the driver's; this rank only contributes its branch
                 except ReplicaFailed as exc:
                     self.fail(str(exc))
-                except Exception:  # noqa: BLE001 - the driver fails the request too; keep looping
-                    log.exception("request %s failed on rank %d", message.request_id, self.groups.rank)
+                except Exception:  # noqa: BLE001 - the driver fails the batch too; keep looping
+                    log.exception("batch of %d failed on rank %d", len(message.requests), self.groups.rank)
             if self.broken is not None:
                 return  # the worker exits non-zero
 
 
 # --- rank 0's end: one lane per replica ------------------------------------------------------------
-class Lane:
-    """A serial path from the ingress to one replica; ``call`` and ``stop`` run on the lane's own thread."""
+@dataclass(frozen=True)
+class Served:
+    """A request's Reply, how long it queued for its replica (ms) and the size of the batch it ran in."""
 
-    def __init__(self, index: int, executor: ThreadPoolExecutor, call: Callable[[InferenceRequest], Reply],
-                 stop: Callable[[], None]) -> None:
+    reply: Reply
+    queue_ms: float
+    batch_size: int
+
+
+@dataclass
+class _Queued:
+    request: InferenceRequest
+    key: Hashable
+    future: asyncio.Future[Served]
+    enqueued: float
+
+
+class Lane:
+    """A serial, batching path from the ingress to one replica; ``call`` and ``stop`` run on the lane's thread.
+
+    ``submit`` queues a request; one task per lane (on the event loop) takes the
+    oldest request and every queued one of the same shape, up to ``max_batch``,
+    and runs them as one ``Batch``.  When the batch has room and ``arriving()``
+    says requests are still being decoded, it waits up to ``window_s`` for
+    them; with none on the way it never waits, so a lone client sees no delay.
+    """
+
+    def __init__(self, index: int, executor: ThreadPoolExecutor, call: Callable[[Batch], list[Reply]],
+                 stop: Callable[[], None], *, max_batch: int = 1, window_s: float = 0.0,
+                 arriving: Callable[[], int] = lambda: 0) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.index = index
         self.executor = executor
+        self.max_batch = max_batch
+        self.window_s = window_s
+        self.arriving = arriving
+        self.on_batch: Callable[[int, int], None] | None = None  # (replica, batch size), on the event loop
         self._call = call
         self._stop = stop
+        self._queue: deque[_Queued] = deque()
+        self._wakeup: asyncio.Event | None = None
+        self._runner: asyncio.Task[None] | None = None
 
-    async def submit(self, request: InferenceRequest) -> tuple[Reply, float]:
-        """The replica's reply and how long the request queued for the lane (ms)."""
-        enqueued = time.perf_counter()
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
 
-        def timed() -> tuple[Reply, float]:
-            queue_ms = (time.perf_counter() - enqueued) * 1e3
-            return self._call(request), queue_ms
+    def submit(self, request: InferenceRequest) -> asyncio.Future[Served]:
+        """Queue ``request`` now (on the event loop thread); the future resolves once its batch has run."""
+        loop = asyncio.get_running_loop()
+        item = _Queued(request, request.sample.group_key(), loop.create_future(), time.perf_counter())
+        self._queue.append(item)
+        if self._runner is None:
+            self._wakeup = asyncio.Event()
+            self._runner = loop.create_task(self._run(), name=f"lane-{self.index}")
+        self.kick()
+        return item.future
 
-        return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
+    def kick(self) -> None:
+        """Wake the lane's task: a request was queued, or one that was being decoded went elsewhere."""
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _take(self, key: Hashable | None, room: int) -> list[_Queued]:
+        """Up to ``room`` queued requests of shape ``key`` (the oldest's when None), oldest first; others stay."""
+        taken: list[_Queued] = []
+        kept: deque[_Queued] = deque()
+        while self._queue:
+            item = self._queue.popleft()
+            if item.future.done():  # its caller gave up before it ran
+                continue
+            if len(taken) < room and (key is None or item.key == key):
+                key = item.key
+                taken.append(item)
+            else:
+                kept.append(item)
+        self._queue = kept
+        return taken
+
+    async def _collect(self) -> list[_Queued]:
+        assert self._wakeup is not None
+        batch: list[_Queued] = []
+        while not batch:
+            self._wakeup.clear()
+            batch = self._take(None, self.max_batch)
+            if not batch:
+                await self._wakeup.wait()
+        deadline = time.monotonic() + self.window_s
+        while len(batch) < self.max_batch and self.arriving() > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except TimeoutError:
+                break
+            batch += self._take(batch[0].key, self.max_batch - len(batch))
+        return batch
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            items = await self._collect()
+            batch = Batch(tuple(item.request for item in items))
+            if self.on_batch is not None:
+                try:
+                    self.on_batch(self.index, len(items))
+                except Exception:  # noqa: BLE001 - a metrics hook must never stop the lane
+                    log.exception("on_batch hook failed")
+
+            def timed(items: list[_Queued] = items, batch: Batch = batch) -> tuple[list[Reply], list[float]]:
+                started = time.perf_counter()
+                return self._call(batch), [(started - item.enqueued) * 1e3 for item in items]
+
+            try:
+                replies, waits = await loop.run_in_executor(self.executor, timed)
+                if len(replies) != len(items):
+                    raise RuntimeError(f"replica {self.index} answered {len(replies)} of {len(items)} requests")
+            except Exception as exc:  # noqa: BLE001 - the lane's transport failed: every request of the batch
+                for item in items:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+                continue
+            for item, reply, wait in zip(items, replies, waits, strict=True):
+                if not item.future.done():
+                    item.future.set_result(Served(reply, wait, len(items)))
 
     def stop(self) -> Future[None]:
         """Send Shutdown down the lane, queued behind anything still running on it."""
         return self.executor.submit(self._stop)
 
 
-def local_lane(replica: Replica, executor: ThreadPoolExecutor) -> Lane:
+def local_lane(replica: Replica, executor: ThreadPoolExecutor, **batching: Any) -> Lane:
     """Replica 0: rank 0 is its driver, so the lane runs it on rank 0's model thread."""
-    return Lane(0, executor, replica.answer, replica.stop_peer)
+    return Lane(0, executor, replica.answer, replica.stop_peer, **batching)
 
 
-def remote_lane(index: int, driver: int, group: dist.ProcessGroup, executor: ThreadPoolExecutor) -> Lane:
-    """Replica ``index`` >= 1: hand the request to its driver over their dispatch group, wait for the Reply."""
+def remote_lane(index: int, driver: int, group: dist.ProcessGroup, executor: ThreadPoolExecutor,
+                **batching: Any) -> Lane:
+    """Replica ``index`` >= 1: hand the batch to its driver over their dispatch group, wait for the Replies."""
 
-    def call(request: InferenceRequest) -> Reply:
-        _send(request, driver, group)
+    def call(batch: Batch) -> list[Reply]:
+        _send(batch, driver, group)
         return _recv(driver, group)
 
-    return Lane(index, executor, call, lambda: _send(Shutdown(), driver, group))
+    return Lane(index, executor, call, lambda: _send(Shutdown(), driver, group), **batching)

@@ -7,13 +7,20 @@ collective); ``condition`` + ``denoise_step`` are the only per-CFG-branch work,
 so with ``cfgp=2`` each rank runs one branch; ``postprocess`` runs on the
 output rank only.  A real model plugs in by import path
 (``--policy pkg.module:Class``) and implements the same methods.
+
+Everything after ``prepare`` works on a *batch*: the replica collates the
+prepared samples of the requests it runs together (``collate``), and
+``condition``, ``denoise_step`` and ``postprocess_batch`` see one row per
+request.  Rows never interact (no op mixes the batch dimension), which is
+what makes a request's actions the same, up to floating-point reassociation,
+whichever batch it ran in.
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -29,6 +36,9 @@ class Branch(IntEnum):
     UNCOND = 1
 
 
+ROWS_KEY = "rows"  # Sample.meta of a collated batch: each request's meta
+
+
 @dataclass
 class Sample:
     """A validated request, ready to broadcast: CPU tensors plus small metadata.
@@ -37,8 +47,33 @@ class Sample:
     moves it to its own device.
     """
 
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor]  # leading dimension: one row per request (1 after ``prepare``)
+    meta: dict[str, Any] = field(default_factory=dict)  # one request's; a collated batch has ``rows``
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.tensors.values())).shape[0] if self.tensors else len(self.rows())
+
+    def group_key(self) -> Hashable:
+        """Samples with equal keys can be collated: same tensor names, per-row shapes and dtypes."""
+        return tuple(sorted((name, tuple(t.shape[1:]), t.dtype) for name, t in self.tensors.items()))
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Each request's ``meta``, in batch order (a prepared, uncollated sample is one row)."""
+        rows = self.meta.get(ROWS_KEY)
+        return list(rows) if rows is not None else [self.meta]
+
+
+
+def collate(samples: Sequence[Sample]) -> Sample:
+    """One batch from samples of one ``group_key``: tensors concatenated row-wise, metas kept per row."""
+    if not samples:
+        raise ValueError("an empty batch")
+    keys = {s.group_key() for s in samples}
+    if len(keys) > 1:
+        raise ValueError(f"samples of {len(keys)} different shapes cannot share a batch")
+    tensors = {name: torch.cat([s.tensors[name] for s in samples]) for name in samples[0].tensors}
+    return Sample(tensors, {ROWS_KEY: [row for s in samples for row in s.rows()]})
 
 
 class Policy(ABC):
@@ -64,9 +99,13 @@ class Policy(ABC):
     def prepare(self, obs: Mapping[str, Any]) -> Sample:
         """Validate and preprocess one observation; raise InvalidObservation on bad input."""
 
+    def collate(self, samples: Sequence[Sample]) -> Sample:
+        """The batch ``condition`` gets; override when samples of one key still need padding to stack."""
+        return collate(samples)
+
     @abstractmethod
     def condition(self, sample: Sample, branch: Branch) -> torch.Tensor:
-        """Per-request context of one CFG branch (batch 1), computed once per request.
+        """Context of one CFG branch for each of the batch's rows, computed once per request.
 
         The unconditional branch must cost the same as the conditional one
         (e.g. learned null tokens of the same length), or cfg ranks wait on
@@ -75,15 +114,21 @@ class Policy(ABC):
 
     @abstractmethod
     def denoise_step(self, context: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Flow velocity at ``x`` and time ``t`` for a batch of contexts (batch = 1 or 2)."""
+        """Flow velocity at ``x`` and time ``t`` for a batch of contexts (B rows, or 2B with batched CFG)."""
 
     @abstractmethod
     def init_noise(self, seed: int) -> torch.Tensor:
-        """x at t=1, a deterministic function of ``seed`` on every device."""
+        """x at t=1 for one request (batch 1), a deterministic function of ``seed`` on every device and in
+        every batch: the sampler stacks one per row."""
 
     @abstractmethod
     def postprocess(self, x: torch.Tensor) -> np.ndarray:
-        """Final x -> float32 actions [horizon, action_dim] (output rank only)."""
+        """Final x of one request (batch 1) -> float32 actions [horizon, action_dim] (output rank only)."""
+
+    def postprocess_batch(self, x: torch.Tensor) -> list[np.ndarray]:
+        """Final x of a batch -> each row's actions; one device-to-host copy, then ``postprocess`` per row."""
+        host = x.cpu()
+        return [self.postprocess(host[i : i + 1]) for i in range(host.shape[0])]
 
     def compile(self, mode: str = "default") -> None:  # noqa: B027 - optional: the default compiles nothing
         """Optional speed-up hook (``--compile``), e.g. torch.compile of the denoiser."""

@@ -220,8 +220,9 @@ class ReferencePolicy(Policy):
         return cls(cfg, model, device, dtype)
 
     def compile(self, mode: str = "default") -> None:
-        # Shapes are fixed per checkpoint (batch 1 or 2), so one graph per batch size;
-        # mode="reduce-overhead" also replays each step as a CUDA graph.
+        # Shapes are fixed per checkpoint and batch bucket (the replica pads a batch to the next bucket),
+        # so one graph per bucket, all captured at warm-up; mode="reduce-overhead" replays each step as a
+        # CUDA graph.
         compiled = torch.compile(self.model.velocity, mode=mode, dynamic=False)
         if mode == "reduce-overhead":
             # A CUDA graph's output buffer is reused by its next replay; sequential CFG keeps
@@ -278,7 +279,7 @@ class ReferencePolicy(Policy):
     @torch.inference_mode()
     def condition(self, sample: Sample, branch: Branch) -> torch.Tensor:
         if branch is Branch.UNCOND:
-            return self.model.null_context[None]
+            return self.model.null_context[None].expand(sample.batch_size, -1, -1)
         pin = self.pin_memory and self._device.type == "cuda"
         t = {k: (v.pin_memory() if pin else v).to(self._device, non_blocking=True) for k, v in sample.tensors.items()}
         images = t["images"].to(self.dtype) / 127.5 - 1.0

@@ -19,12 +19,18 @@ fails (the peer died, or froze past ``--pg-timeout-s``) is another matter: the
 group is broken for good, so it raises ``ReplicaFailed`` and the replica goes
 out of service (``parallel/dispatch.py``).  The flag is read once after
 the loop: no host sync inside the step loop.
+
+Every mode samples a batch of B requests at once (B rows of ``x``, each from
+its own seed's noise): ``batched`` runs 2B rows per step, ``parallel`` sends B
+rows per step through the all_gather.  ``bucket_of`` pads B up to a fixed
+size, so a compiled denoiser (CUDA graphs) only ever sees the shapes it
+captured at warm-up.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +52,29 @@ class SamplerSettings:
     steps: int
     guidance: float
     cfg_mode: CfgMode  # for cfgp=1; cfgp=2 is always "parallel"
+    buckets: tuple[int, ...] = ()  # batch sizes a batch is padded up to (compiled denoisers); () = no padding
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to ``max_batch`` (included even when not a power of two): the shapes warm-up captures."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    sizes = []
+    size = 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_batch)
+
+
+def bucket_of(size: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds ``size`` rows; ``size`` itself without buckets."""
+    if not buckets:
+        return size
+    for bucket in buckets:
+        if bucket >= size:
+            return bucket
+    raise ValueError(f"a batch of {size} exceeds the largest bucket {max(buckets)}")
 
 
 @dataclass(frozen=True)
@@ -60,21 +89,27 @@ class CfgGroup:
 def sample_actions(
     policy: Policy,
     sample: Sample,
-    seed: int,
+    seeds: Sequence[int],
     *,
     steps: int,
     guidance: float,
     mode: CfgMode = "sequential",
     cfg_group: CfgGroup | None = None,
 ) -> torch.Tensor:
-    """Final ``x`` (batch 1) on this rank; the output rank postprocesses it."""
+    """Final ``x`` of the batch (one row per seed) on this rank; the output rank postprocesses it.
+
+    ``sample`` is a collated batch (or one prepared sample) with one row per seed.
+    """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    rows = len(seeds)
+    if rows < 1 or sample.batch_size != rows:
+        raise ValueError(f"{rows} seeds for a sample of {sample.batch_size} rows")
     guided = float(guidance) != 1.0
     if mode == "parallel" and (cfg_group is None or not guided):
         raise ValueError("parallel CFG needs a cfg group and guidance != 1.0")
     with torch.inference_mode():
-        x = policy.init_noise(seed)
+        x = torch.cat([policy.init_noise(seed) for seed in seeds])
         dt = -1.0 / steps
         failed: torch.Tensor | None = None
         if mode == "parallel":
@@ -85,7 +120,7 @@ def sample_actions(
             if ctx is None:
                 failed = failed + 1
             for i in range(steps):
-                t = torch.full((1,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
+                t = torch.full((rows,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
                 v = _guarded(policy.denoise_step, ctx, x, t) if ctx is not None else None
                 if v is None:
                     v, failed = torch.zeros_like(x), failed + 1
@@ -110,21 +145,21 @@ def sample_actions(
         ctx_c = policy.condition(sample, Branch.COND)
         if not guided:
             for i in range(steps):
-                t = torch.full((1,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
+                t = torch.full((rows,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
                 x = x + dt * policy.denoise_step(ctx_c, x, t)
             return x
         ctx_u = policy.condition(sample, Branch.UNCOND)
         if mode == "batched":
             ctx = torch.cat([ctx_c, ctx_u.expand_as(ctx_c)])
             for i in range(steps):
-                t = torch.full((2,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
-                c, u = policy.denoise_step(ctx, x.expand(2, *x.shape[1:]), t).chunk(2)
+                t = torch.full((2 * rows,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
+                c, u = policy.denoise_step(ctx, torch.cat([x, x]), t).chunk(2)
                 x = x + dt * (u + guidance * (c - u))
             return x
         if mode != "sequential":
             raise ValueError(f"unknown cfg mode {mode!r}")
         for i in range(steps):
-            t = torch.full((1,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
+            t = torch.full((rows,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
             c = policy.denoise_step(ctx_c, x, t)
             u = policy.denoise_step(ctx_u, x, t)
             x = x + dt * (u + guidance * (c - u))

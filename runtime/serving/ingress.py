@@ -7,6 +7,10 @@ lane (``parallel/dispatch.py``): replica 0's lane is the model thread of this
 process (build, warm-up and inference on one thread, as OpenMP wants), replica
 k's hands the request to replica k's driver over their gloo dispatch group.
 
+Each lane batches the requests queued for its replica (``--max-batch``); a
+request still in ``prepare`` counts as *arriving*, which is what lets a lane
+wait up to ``--batch-window-ms`` for it instead of starting a batch one short.
+
 Whether a replica may take work comes from the heartbeat board (under
 torchrun its copy, ``BoardWatcher``: never the store on the event loop): a replica with a
 rank that is not fresh and warm gets no new request, and a request whose
@@ -34,7 +38,7 @@ import numpy as np
 from policy_operator import __version__
 from policy_operator.layout import ParallelLayout
 from policy_operator.readyz import LayoutDoc, RankReadiness, Readiness, all_ranks_ready
-from policy_operator.runtime.parallel.dispatch import InferenceRequest, Lane, Reply
+from policy_operator.runtime.parallel.dispatch import InferenceRequest, Lane, Served
 from policy_operator.runtime.parallel.heartbeat import Board, BoardWatcher
 from policy_operator.runtime.policy.interface import Policy
 from policy_operator.runtime.policy.observation import parse_seed, parse_session
@@ -52,6 +56,7 @@ class Result:
     prepare_ms: float
     queue_ms: float
     infer_ms: float
+    batch_size: int
 
 
 class Ingress:
@@ -71,12 +76,21 @@ class Ingress:
         self.draining = False
         self.failed: dict[int, str] = {}  # replica -> why its communicator failed; out of service for good
         self.on_replica_failed: Callable[[int, str], None] | None = None  # the worker takes the pod down
+        self.on_batch: Callable[[int, int], None] | None = None  # (replica, size) of every batch a lane starts
+        self.arriving = 0  # requests in prepare: not routed yet, but a lane with room may wait for them
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
 
     # --- wiring (called by the worker) ----------------------------------------------
     def attach(self, policy: Policy, lanes: list[Lane]) -> None:
         self.policy = policy
         self.lanes = lanes
+        for lane in lanes:
+            lane.arriving = lambda: self.arriving
+            lane.on_batch = self._batch_started
+
+    def _batch_started(self, replica: int, size: int) -> None:
+        if self.on_batch is not None:
+            self.on_batch(replica, size)
 
     @property
     def accepting(self) -> bool:
@@ -137,29 +151,36 @@ class Ingress:
         t0 = time.perf_counter()
         seed = parse_seed(obs)
         session = parse_session(obs)
-        sample = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.policy.prepare, obs)
-        prepare_ms = (time.perf_counter() - t0) * 1e3
-        request = InferenceRequest(uuid.uuid4().hex, sample, secrets.randbits(63) if seed is None else seed)
-        problems = self.replica_problems()
-        if all(problems):
-            raise NotReady("no replica can take a request: " + "; ".join(p for p in problems if p))
-        index = self.router.acquire(session, usable=[p is None for p in problems])
-        # The replica stays counted in flight until its lane is really free, even when this request
-        # gave up on it: a lane blocked on a frozen replica must not be handed more work.
-        task = asyncio.ensure_future(self.lanes[index].submit(request))
+        self.arriving += 1
+        try:
+            sample = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.policy.prepare, obs)
+            prepare_ms = (time.perf_counter() - t0) * 1e3
+            request = InferenceRequest(uuid.uuid4().hex, sample, secrets.randbits(63) if seed is None else seed)
+            problems = self.replica_problems()
+            if all(problems):
+                raise NotReady("no replica can take a request: " + "; ".join(p for p in problems if p))
+            index = self.router.acquire(session, usable=[p is None for p in problems])
+            # The replica stays counted in flight until its lane is really free, even when this request
+            # gave up on it: a lane blocked on a frozen replica must not be handed more work.
+            task = self.lanes[index].submit(request)  # queued before `arriving` drops
+        finally:
+            self.arriving -= 1
+            for lane in self.lanes:  # a lane waiting for this request may stop waiting (or take it)
+                lane.kick()
 
-        def lane_free(done: asyncio.Future[tuple[Reply, float]]) -> None:
+        def lane_free(done: asyncio.Future[Served]) -> None:
             self.router.release(index)
             if not done.cancelled():
                 done.exception()  # retrieved: a request that gave up must not leave "never retrieved" warnings
 
         task.add_done_callback(lane_free)
-        reply, queue_ms = await self._bounded(index, task)
+        served = await self._bounded(index, task)
+        reply = served.reply
         if reply.error_kind is ErrorKind.REPLICA_FAILED:
             self._replica_failed(index, reply.error)
-        return Result(reply.unwrap(), index, prepare_ms, queue_ms, reply.infer_ms)
+        return Result(reply.unwrap(), index, prepare_ms, served.queue_ms, reply.infer_ms, served.batch_size)
 
-    async def _bounded(self, index: int, task: asyncio.Future[tuple[Reply, float]]) -> tuple[Reply, float]:
+    async def _bounded(self, index: int, task: asyncio.Future[Served]) -> Served:
         """The lane's answer, or ReplicaUnavailable once the replica has not been ready for the request timeout."""
         since: float | None = None
         while True:

@@ -13,6 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from policy_operator.layout import ParallelLayout
 from policy_operator.progress_line import FetchProgress
 
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the serve flag --max-batch is at most 256
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -25,8 +26,10 @@ class ServerMetrics:
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.infer = Histogram("policy_infer_seconds", "Time a replica spent computing one request",
                                ["replica"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.queue = Histogram("policy_queue_seconds", "Time a request waited for its replica",
+        self.queue = Histogram("policy_queue_seconds", "Time a request waited for its replica (queue and batch window)",
                                buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_size = Histogram("policy_batch_size", "Requests per batch a replica ran (one sampler call)",
+                                    ["replica"], buckets=BATCH_SIZE_BUCKETS, registry=self.registry)
         self.errors = Counter("policy_request_errors", "Failed requests by kind", ["kind"], registry=self.registry)
         self.requests = Counter("policy_requests", "Requests answered with actions", ["replica"], registry=self.registry)
         self.in_flight = Gauge("policy_requests_in_flight", "Requests received and not yet answered",

@@ -67,6 +67,7 @@ class PolicyWebSocketServer:
         self.config = config
         self.metrics = ServerMetrics()
         self.metrics.set_layout(ingress.layout)
+        ingress.on_batch = lambda replica, size: self.metrics.batch_size.labels(str(replica)).observe(size)
         self._server: Server | None = None
         # open sessions, and those of them waiting for their next request: what a drain closes at once
         self._sessions: set[ServerConnection] = set()
@@ -159,7 +160,8 @@ class PolicyWebSocketServer:
         return {
             "actions": result.actions,
             "server_timing": {"infer_ms": result.infer_ms, "queue_ms": result.queue_ms,
-                              "prepare_ms": result.prepare_ms, "replica": result.replica},
+                              "prepare_ms": result.prepare_ms, "replica": result.replica,
+                              "batch_size": result.batch_size},
         }
 
     async def _send_error(self, ws: ServerConnection, kind: ErrorKind, message: str) -> bool:

@@ -28,6 +28,6 @@ class FaultyPolicy(ReferencePolicy):
         return sample
 
     def condition(self, sample: Sample, branch: Branch) -> torch.Tensor:
-        if sample.meta.get("explode") == branch.name.lower():
+        if any(row.get("explode") == branch.name.lower() for row in sample.rows()):  # fails its whole batch
             raise RuntimeError(f"planted failure in the {branch.name.lower()} branch")
         return super().condition(sample, branch)

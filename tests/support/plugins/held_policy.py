@@ -37,7 +37,7 @@ class HeldPolicy(ReferencePolicy):
         return sample
 
     def condition(self, sample: Sample, branch: Branch) -> torch.Tensor:
-        gate = sample.meta.get("hold")
+        gate = next((row["hold"] for row in sample.rows() if row.get("hold")), None)
         if gate and branch is Branch.COND:
             deadline = time.monotonic() + HOLD_LIMIT_S
             while not os.path.exists(gate) and time.monotonic() < deadline:
