@@ -50,8 +50,15 @@ from policy_operator.operator.kube_model import (
     list_map,
     named_pattern,
 )
+from policy_operator.serve_flags import (
+    DEFAULT_BATCH_WINDOW_MS,
+    DEFAULT_GUIDANCE,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_STEPS,
+    MANAGED_FLAGS,
+    MAX_MAX_BATCH,
+)
 from policy_operator.serve_flags import DEFAULT_DRAIN_GRACE_S as RUNTIME_DRAIN_GRACE_S
-from policy_operator.serve_flags import DEFAULT_GUIDANCE, DEFAULT_STEPS, MANAGED_FLAGS
 from policy_operator.sources import SOURCE_PATTERN, InvalidSource, check_relpath, check_source, request_key
 
 # Every child name derives from metadata.name: the fetch Job is ``<name>-fetch-<16-hex key>`` and must
@@ -68,6 +75,9 @@ MAX_SHA256_FILES: Final = 256
 MAX_EXTRA_ARGS: Final = 64
 MAX_EXTRA_ARG_LENGTH: Final = 1024
 MAX_NAME_253: Final = 253  # object names that are DNS-1123 subdomains
+# --batch-window-ms's upper bound as serve_flags.check_values states it (no constant there yet);
+# tests/test_spec_model.py checks that both refuse the same values.
+MAX_BATCH_WINDOW_MS: Final = 1000
 
 DNS1035_LABEL: Final = named_pattern(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", "a DNS-1035 label")
 DNS1123_SUBDOMAIN: Final = named_pattern(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
@@ -420,6 +430,19 @@ ExtraArg = Annotated[
 ]
 
 
+class BatchingSpec(KubeModel):
+    """How one replica batches concurrent requests of different sessions into one forward pass (--max-batch,
+    --batch-window-ms)."""
+
+    max_batch: int = Field(DEFAULT_MAX_BATCH, ge=1, le=MAX_MAX_BATCH)
+    """Most requests one replica runs as one batch. 1 runs one request at a time (the behaviour before batching).
+    On a GPU the replica captures one CUDA graph per batch size 1, 2, 4, ... up to maxBatch at warm-up: a larger
+    value means a longer warm-up (see startupTimeoutSeconds) and more GPU memory."""
+    window_ms: float = Field(DEFAULT_BATCH_WINDOW_MS, ge=0, le=MAX_BATCH_WINDOW_MS)
+    """Milliseconds a batch may wait for further requests that are still being decoded; it never waits when none
+    are. 0: never waits; a batch holds what queued while the replica was busy."""
+
+
 class RuntimeSpec(KubeModel):
     """How the policy runs."""
 
@@ -428,6 +451,7 @@ class RuntimeSpec(KubeModel):
     must be 1."""
     steps: int = Field(DEFAULT_STEPS, ge=1, le=1000)
     """Flow-matching / diffusion integration steps per action chunk."""
+    batching: BatchingSpec = Field(default_factory=BatchingSpec)
     extra_args: list[ExtraArg] = Field(default_factory=list, max_length=MAX_EXTRA_ARGS)
     """Further flags of policyserver serve, appended to the worker's command line, e.g. --dtype bfloat16."""
     env: EnvList = Field(default_factory=list)

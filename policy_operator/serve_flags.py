@@ -186,13 +186,14 @@ def torchrun_argv(nproc: int, worker_args: list[str]) -> list[str]:
 
 # --- what the operator sets -------------------------------------------------------------
 # ServeOptions fields the operator writes from a PolicyServer's spec, in this order, before extraArgs.
-MANAGED: Final = ("checkpoint", "port", "cfgp", "dp", "guidance", "steps", "device", "auth_token_file",
-                  "drain_grace_s")
+MANAGED: Final = ("checkpoint", "port", "cfgp", "dp", "guidance", "steps", "max_batch", "batch_window_ms", "device",
+                  "auth_token_file", "drain_grace_s")
 MANAGED_FLAGS: Final = tuple(flag_of(name) for name in MANAGED)
 
 
-def managed_argv(*, checkpoint: str, port: int, cfgp: int, dp: int, guidance: float, steps: int, device: str,
-                 auth_token_file: str | None, drain_grace_s: float) -> list[str]:
+def managed_argv(*, checkpoint: str, port: int, cfgp: int, dp: int, guidance: float, steps: int, max_batch: int,
+                 batch_window_ms: float, device: str, auth_token_file: str | None,
+                 drain_grace_s: float) -> list[str]:
     """The worker flags the operator derives from the spec (``auth_token_file`` None: no auth)."""
     given = locals()
     return argv_of({name: given[name] for name in MANAGED})

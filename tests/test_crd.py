@@ -225,7 +225,8 @@ def test_example_is_accepted_and_the_crds_defaults_are_the_models(crd: dict[str,
     assert parse(defaulted) == parse(obj)
     # the apiserver fills in every scalar default the model has, no more
     assert defaulted["spec"]["runtime"].keys() >= {"guidance", "steps", "drainGraceSeconds",
-                                                    "startupTimeoutSeconds", "device"}
+                                                    "startupTimeoutSeconds", "device", "batching"}
+    assert defaulted["spec"]["runtime"]["batching"].keys() == {"maxBatch", "windowMs"}  # nested defaults too
 
 
 def test_status_written_by_the_operator_fits_the_model_and_the_crd(crd: dict[str, Any]) -> None:

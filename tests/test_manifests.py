@@ -226,8 +226,9 @@ def test_gpus_and_command_follow_the_layout(cfgp: int, dp: int) -> None:
     path = f"{C.CACHE_MOUNT_PATH}/{spec.checkpoint.key}"
     assert server["command"] == [
         "policyserver", "serve", "--checkpoint", path, "--port", "8000",
-        "--cfgp", str(cfgp), "--dp", str(dp), "--guidance", "2.5", "--steps", "8", "--device", "cuda",
-        "--drain-grace-s", "20"]
+        "--cfgp", str(cfgp), "--dp", str(dp), "--guidance", "2.5", "--steps", "8",
+        "--max-batch", "8", "--batch-window-ms", "2.0",  # the defaults, always written: extraArgs may not set them
+        "--device", "cuda", "--drain-grace-s", "20"]
 
 
 def test_worker_command_is_the_runtimes_own() -> None:
@@ -243,6 +244,25 @@ def test_worker_command_is_the_runtimes_own() -> None:
     assert (args.cfgp, args.dp, args.guidance, args.steps, args.port) == (2, 2, 4.0, 10, 8000)
     assert args.auth_token_file == f"{C.AUTH_TOKEN_DIR}/token"
     assert (args.heartbeat_s, args.dtype, args.drain_grace_s, args.device) == (0.5, "bfloat16", 20.0, "cuda")
+    assert (args.max_batch, args.batch_window_ms) == (serve_flags.DEFAULT_MAX_BATCH, serve_flags.DEFAULT_BATCH_WINDOW_MS)
+
+
+@pytest.mark.parametrize(("batching", "flags"), [
+    ({"maxBatch": 1}, ["--max-batch", "1", "--batch-window-ms", "2.0"]),
+    ({"maxBatch": 32, "windowMs": 0.5}, ["--max-batch", "32", "--batch-window-ms", "0.5"]),
+    ({"windowMs": 2}, ["--max-batch", "8", "--batch-window-ms", "2.0"]),  # the apiserver's integer 2
+    ({"windowMs": 0}, ["--max-batch", "8", "--batch-window-ms", "0.0"]),
+])
+def test_batching_flows_into_the_command(batching: dict[str, Any], flags: list[str]) -> None:
+    spec = spec_of(base(runtime={"batching": batching, "extraArgs": ["--threads", "2"]}))
+    command = _server(M.build_statefulset(spec))["command"]
+    at = command.index("--max-batch")
+    assert command[at:at + 4] == flags and command[-2:] == ["--threads", "2"]
+    parser = argparse.ArgumentParser()
+    serve_flags.add_arguments(parser)
+    opts = serve_flags.ServeOptions.from_args(parser.parse_args(command[2:]))
+    serve_flags.check_values(opts)
+    assert (opts.max_batch, opts.batch_window_ms) == (int(flags[1]), float(flags[3]))
 
 
 def test_init_container_verifies_the_cache_with_the_checkpoint_cli() -> None:

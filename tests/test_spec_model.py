@@ -133,6 +133,17 @@ INVALID = [
     (base(service={"port": 70000}), "spec.service.port"),
     (base(bogusField=1), "spec.bogusField"),
     (base(runtime={"guidanceScale": 2.0}), "spec.runtime.guidanceScale"),
+    (base(runtime={"batching": {"maxBatch": 0}}), "spec.runtime.batching.maxBatch"),
+    (base(runtime={"batching": {"maxBatch": serve_flags.MAX_MAX_BATCH + 1}}), "spec.runtime.batching.maxBatch"),
+    (base(runtime={"batching": {"maxBatch": 2.0}}), "spec.runtime.batching.maxBatch"),  # an integer, not a number
+    (base(runtime={"batching": {"maxBatch": "8"}}), "spec.runtime.batching.maxBatch"),
+    (base(runtime={"batching": {"windowMs": -0.5}}), "spec.runtime.batching.windowMs"),
+    (base(runtime={"batching": {"windowMs": 1000.5}}), "spec.runtime.batching.windowMs"),
+    (base(runtime={"batching": {"windowMs": "2ms"}}), "spec.runtime.batching.windowMs"),
+    (base(runtime={"batching": {"window": 2}}), "spec.runtime.batching.window"),
+    (base(runtime={"extraArgs": ["--max-batch", "32"]}), "spec.runtime.extraArgs[0]"),
+    (base(runtime={"extraArgs": ["--threads", "2", "--batch-window-ms=0"]}), "spec.runtime.extraArgs[2]"),
+    (base(runtime={"extraArgs": ["--max-b", "32"]}), "spec.runtime.extraArgs[0]"),
 ]
 
 
@@ -147,6 +158,14 @@ def test_invalid_spec_is_refused_naming_the_field(spec: dict[str, Any], path: st
 def test_name_must_keep_every_child_name_valid(name: str) -> None:
     assert refused(base(), name=name).path == "metadata.name"
     parse(base(), name="p" * S.MAX_NAME_LENGTH)
+
+
+def test_batching_bounds_are_refused_with_the_bound_in_the_message() -> None:
+    assert str(refused(base(runtime={"batching": {"maxBatch": 300}}))) == \
+        f"spec.runtime.batching.maxBatch: Input should be less than or equal to {serve_flags.MAX_MAX_BATCH} (got 300)"
+    assert str(refused(base(runtime={"batching": {"windowMs": -1}}))) == \
+        "spec.runtime.batching.windowMs: Input should be greater than or equal to 0 (got -1)"
+    assert "unknown field" in str(refused(base(runtime={"maxBatch": 4})))  # it lives under runtime.batching
 
 
 def test_every_problem_is_reported_the_first_one_names_the_path() -> None:
@@ -184,8 +203,11 @@ def test_defaults_fill_an_empty_section() -> None:
         "storage": {"mode": "shared", "size": "20Gi", "accessModes": [], "keepCheckpoints": 1,
                     "retainOnDelete": False},
         "service": {"type": "ClusterIP", "port": C.DEFAULT_PORT, "annotations": {}},
-        "runtime": {"guidance": serve_flags.DEFAULT_GUIDANCE, "steps": serve_flags.DEFAULT_STEPS, "extraArgs": [],
-                    "env": [], "drainGraceSeconds": 20, "startupTimeoutSeconds": 600, "device": "cuda"},
+        "runtime": {"guidance": serve_flags.DEFAULT_GUIDANCE, "steps": serve_flags.DEFAULT_STEPS,
+                    "batching": {"maxBatch": serve_flags.DEFAULT_MAX_BATCH,
+                                 "windowMs": serve_flags.DEFAULT_BATCH_WINDOW_MS},
+                    "extraArgs": [], "env": [], "drainGraceSeconds": 20, "startupTimeoutSeconds": 600,
+                    "device": "cuda"},
         "auth": {},
     }
     assert PolicyServerSpec.model_validate(spec.to_api()) == PolicyServerSpec.model_validate(base())
@@ -304,3 +326,31 @@ def test_the_runtime_defaults_are_the_specs() -> None:
     args = _worker_parser().parse_args(["--checkpoint", "/m"])
     assert (runtime.guidance, runtime.steps, float(runtime.drain_grace_seconds)) == \
         (args.guidance, args.steps, args.drain_grace_s)
+    assert (runtime.batching.max_batch, runtime.batching.window_ms) == (args.max_batch, args.batch_window_ms)
+
+
+@pytest.mark.parametrize(("max_batch", "window_ms"), [
+    (0, 2.0), (1, 2.0), (serve_flags.MAX_MAX_BATCH, 2.0), (serve_flags.MAX_MAX_BATCH + 1, 2.0),
+    (8, -0.001), (8, 0.0), (8, 0.5), (8, float(S.MAX_BATCH_WINDOW_MS)), (8, S.MAX_BATCH_WINDOW_MS + 0.001),
+])
+def test_batching_bounds_are_the_runtimes_check(max_batch: int, window_ms: float) -> None:
+    """spec.runtime.batching accepts exactly the --max-batch / --batch-window-ms values serve_flags.check_values does."""
+    opts = serve_flags.ServeOptions.from_args(_worker_parser().parse_args(
+        ["--checkpoint", "/m", "--max-batch", str(max_batch), "--batch-window-ms", str(window_ms)]))
+    try:
+        serve_flags.check_values(opts)
+        runs = True
+    except ValueError:
+        runs = False
+    try:
+        parse(base(runtime={"batching": {"maxBatch": max_batch, "windowMs": window_ms}}))
+        accepted = True
+    except SpecError:
+        accepted = False
+    assert accepted == runs
+
+
+def test_an_integer_window_is_a_number() -> None:
+    """The apiserver stores windowMs: 2 as the JSON integer 2; the model reads it as the float the flag takes."""
+    batching = parse(base(runtime={"batching": {"maxBatch": 4, "windowMs": 2}})).runtime.batching
+    assert (batching.max_batch, batching.window_ms) == (4, 2.0) and isinstance(batching.window_ms, float)
