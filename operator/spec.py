@@ -436,8 +436,9 @@ class BatchingSpec(KubeModel):
 
     max_batch: int = Field(DEFAULT_MAX_BATCH, ge=1, le=MAX_MAX_BATCH)
     """Most requests one replica runs as one batch. 1 runs one request at a time (the behaviour before batching).
-    On a GPU the replica captures one CUDA graph per batch size 1, 2, 4, ... up to maxBatch at warm-up: a larger
-    value means a longer warm-up (see startupTimeoutSeconds) and more GPU memory."""
+    With --compile in extraArgs (e.g. --compile=reduce-overhead: CUDA graphs) a batch is padded to a bucket (1, 2,
+    4, ... and maxBatch itself) and every bucket is compiled at warm-up: a larger value means a longer warm-up
+    (see startupTimeoutSeconds) and more GPU memory."""
     window_ms: float = Field(DEFAULT_BATCH_WINDOW_MS, ge=0, le=MAX_BATCH_WINDOW_MS)
     """Milliseconds a batch may wait for further requests that are still being decoded; it never waits when none
     are. 0: never waits; a batch holds what queued while the replica was busy."""
