@@ -56,6 +56,7 @@ from policy_operator.serve_flags import (
     DEFAULT_MAX_BATCH,
     DEFAULT_STEPS,
     MANAGED_FLAGS,
+    MAX_BATCH_WINDOW_MS,
     MAX_MAX_BATCH,
 )
 from policy_operator.serve_flags import DEFAULT_DRAIN_GRACE_S as RUNTIME_DRAIN_GRACE_S
@@ -75,9 +76,6 @@ MAX_SHA256_FILES: Final = 256
 MAX_EXTRA_ARGS: Final = 64
 MAX_EXTRA_ARG_LENGTH: Final = 1024
 MAX_NAME_253: Final = 253  # object names that are DNS-1123 subdomains
-# --batch-window-ms's upper bound as serve_flags.check_values states it (no constant there yet);
-# tests/test_spec_model.py checks that both refuse the same values.
-MAX_BATCH_WINDOW_MS: Final = 1000
 
 DNS1035_LABEL: Final = named_pattern(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", "a DNS-1035 label")
 DNS1123_SUBDOMAIN: Final = named_pattern(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",

@@ -28,6 +28,7 @@ DEFAULT_CACHE_DIR: Final = ".cache/checkpoints"
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 << 20
 DEFAULT_MAX_BATCH: Final = 8
 DEFAULT_BATCH_WINDOW_MS: Final = 2.0
+MAX_BATCH_WINDOW_MS: Final = 1000.0  # a window is a latency budget; a second is already far beyond any control loop's
 MAX_MAX_BATCH: Final = 256  # a batch is one forward pass: far beyond what any GPU runs at once for one policy
 DEFAULT_POLICY: Final = "policy_operator.runtime.policy.reference:ReferencePolicy"
 WORKER_MODULE: Final = "policy_operator.runtime.worker"  # the torchrun program, one process per rank
@@ -136,8 +137,9 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(f"--max-message-bytes must be at least 1, got {opts.max_message_bytes}")
     if not 1 <= opts.max_batch <= MAX_MAX_BATCH:
         raise ValueError(f"--max-batch must be in 1..{MAX_MAX_BATCH}, got {opts.max_batch}")
-    if not (math.isfinite(opts.batch_window_ms) and 0 <= opts.batch_window_ms <= 1000):
-        raise ValueError(f"--batch-window-ms must be in 0..1000 milliseconds, got {opts.batch_window_ms}")
+    if not (math.isfinite(opts.batch_window_ms) and 0 <= opts.batch_window_ms <= MAX_BATCH_WINDOW_MS):
+        raise ValueError(f"--batch-window-ms must be in 0..{MAX_BATCH_WINDOW_MS:g} milliseconds, "
+                         f"got {opts.batch_window_ms}")
     if opts.threads is not None and opts.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {opts.threads}")
 

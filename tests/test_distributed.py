@@ -97,8 +97,12 @@ def test_same_seed_same_actions_in_every_layout(layout_actions, cfgp: int, dp: i
     assert actions.dtype == np.float32 and actions.shape == reference.shape
     # Same batch-1 kernels at one thread per rank: bitwise equal, not merely close.
     assert np.array_equal(actions, reference), np.abs(actions - reference).max()
-    for reply in got["pair"]:
-        assert np.array_equal(np.asarray(reply["actions"]), reference)
+    for reply in got["pair"]:  # on one replica the pair may share a batch: then equal within the batching tolerance
+        pair = np.asarray(reply["actions"])
+        if reply["server_timing"]["batch_size"] == 1:
+            assert np.array_equal(pair, reference)
+        else:
+            assert float(np.abs(pair - reference).max()) <= 1e-5
     ready = got["ready"]
     assert ready["ready"] and ready["ranks_ready"] == cfgp * dp == ready["world_size"]
     assert sorted((r["dp_index"], r["cfg_index"]) for r in ready["ranks"]) == [

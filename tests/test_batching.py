@@ -1,0 +1,358 @@
+"""Batching across sessions: the sampler on B rows, the lane that forms batches, and real servers that batch.
+
+The sampler and lane tests run in-process; the server tests start real
+``policyserver serve`` processes on 127.0.0.1 and make batches happen on
+purpose: a ``hold:`` request keeps the replica busy while the test queues
+requests behind it, so the next batch's members are known, not hoped for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from websockets.sync.client import connect
+
+from policy_operator.runtime.parallel.dispatch import Batch, InferenceRequest, Lane, Reply
+from policy_operator.runtime.policy import Sample, collate
+from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePolicy, example_observation
+from policy_operator.runtime.policy.sampler import batch_buckets, bucket_of, sample_actions
+from policy_operator.runtime.serving import wire
+from tests.support.plugins.batch_probe_policy import FAIL_PROMPT, NAN_PROMPT
+from tests.support.plugins.held_policy import hold_prompt
+from tests.support.servers import PolicyServerProcess, serve_policy, tiny_checkpoint  # noqa: F401 - the fixture
+
+CFG = PolicyConfig()
+STEPS = 3
+TOLERANCE = 1e-5  # fp32 on the CPU: a row of a batch vs the same request alone (docs/runtime.md)
+RECV_TIMEOUT_S = 120.0
+
+
+def observation(variant: int, **changes: Any) -> dict[str, Any]:
+    obs = example_observation(CFG, variant, image_hw=(48 + 8 * variant, 40))  # resized per request in prepare
+    obs.update(changes)
+    return obs
+
+
+# --- the sampler on a batch ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def policy(tiny_checkpoint: Path) -> ReferencePolicy:  # noqa: F811 - the fixture
+    torch.set_num_threads(1)
+    return ReferencePolicy.load(str(tiny_checkpoint), device=torch.device("cpu"), dtype=torch.float32)
+
+
+def alone(policy: ReferencePolicy, obs: dict[str, Any], seed: int, mode: str) -> np.ndarray:
+    x = sample_actions(policy, policy.prepare(obs), [seed], steps=STEPS, guidance=3.0, mode=mode)  # type: ignore[arg-type]
+    return policy.postprocess(x)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "batched"])
+@pytest.mark.parametrize("pad_to", [None, 8])
+def test_each_row_of_a_batch_is_the_request_served_alone(policy: ReferencePolicy, mode: str,
+                                                         pad_to: int | None) -> None:
+    """Five requests (own observation, own seed) as one batch, optionally padded to a bucket of 8 rows."""
+    seeds = [11, 7, 2**40, 0, 11]
+    observations = [observation(i) for i in range(len(seeds))]
+    samples = [policy.prepare(o) for o in observations]
+    rows = list(seeds)
+    if pad_to:
+        samples += [samples[-1]] * (pad_to - len(samples))
+        rows += [rows[-1]] * (pad_to - len(rows))
+    x = sample_actions(policy, collate(samples), rows, steps=STEPS, guidance=3.0, mode=mode)  # type: ignore[arg-type]
+    batched = policy.postprocess_batch(x[: len(seeds)])
+    assert len(batched) == len(seeds)
+    for obs, seed, got in zip(observations, seeds, batched, strict=True):
+        want = alone(policy, obs, seed, mode)
+        assert got.shape == want.shape == (CFG.horizon, CFG.action_dim)
+        assert float(np.abs(got - want).max()) <= TOLERANCE
+    assert not np.allclose(batched[0], batched[1]), "different requests in one batch keep different actions"
+
+
+def test_a_batch_of_one_is_bitwise_the_request(policy: ReferencePolicy) -> None:
+    """--max-batch 1 keeps bitwise reproducibility: collating one sample changes no bit."""
+    obs = observation(3)
+    x = sample_actions(policy, collate([policy.prepare(obs)]), [5], steps=STEPS, guidance=3.0)
+    assert np.array_equal(policy.postprocess_batch(x)[0], alone(policy, obs, 5, "sequential"))
+
+
+def test_samples_of_different_shapes_never_share_a_batch(policy: ReferencePolicy) -> None:
+    one = policy.prepare(observation(0))
+    other = Sample({**one.tensors, "state": torch.zeros(1, CFG.joint_dim + CFG.gripper_dim + 1)})
+    assert one.group_key() == policy.prepare(observation(5)).group_key(), "image size is normalised in prepare"
+    assert one.group_key() != other.group_key()
+    with pytest.raises(ValueError, match="different shapes"):
+        collate([one, other])
+    with pytest.raises(ValueError, match="seeds for a sample of 2 rows"):
+        sample_actions(policy, collate([one, one]), [1], steps=1, guidance=3.0)
+
+
+def test_buckets_cover_every_batch_size() -> None:
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(8) == (1, 2, 4, 8)
+    assert batch_buckets(12) == (1, 2, 4, 8, 12)
+    assert [bucket_of(n, batch_buckets(12)) for n in range(1, 13)] == [1, 2, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12]
+    assert bucket_of(5, ()) == 5, "no buckets (eager): a batch runs at its own size"
+    with pytest.raises(ValueError):
+        bucket_of(13, batch_buckets(12))
+
+
+# --- the lane: which requests form a batch ----------------------------------------------------------
+class FakeReplica:
+    """Records the batches it is called with; ``gate`` holds the first call so requests queue behind it."""
+
+    def __init__(self, fail_when: str | None = None) -> None:
+        self.batches: list[list[str]] = []
+        self.gate = threading.Event()
+        self.fail_when = fail_when
+
+    def call(self, batch: Batch) -> list[Reply]:
+        ids = [r.request_id for r in batch.requests]
+        self.batches.append(ids)
+        if len(self.batches) == 1:
+            assert self.gate.wait(30), "test never released the first batch"
+        if self.fail_when in ids:
+            raise RuntimeError("the batched call failed")
+        return [Reply(i, 1.0, np.full((2, 2), k, np.float32)) for k, i in enumerate(ids)]
+
+
+def request(request_id: str, width: int = 4) -> InferenceRequest:
+    return InferenceRequest(request_id, Sample({"x": torch.zeros(1, width)}), 0)
+
+
+async def _settle(condition: Any, what: str) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def run_lane(scenario: Any, replica: FakeReplica, **batching: Any) -> Any:
+    async def main() -> Any:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            lane = Lane(0, pool, replica.call, lambda: None, **batching)
+            try:
+                return await asyncio.wait_for(scenario(lane), 60)
+            finally:
+                replica.gate.set()
+
+    return asyncio.run(main())
+
+
+def test_requests_that_queue_while_the_replica_is_busy_run_as_one_batch() -> None:
+    replica = FakeReplica()
+
+    async def scenario(lane: Lane) -> list[Any]:
+        first = lane.submit(request("a"))
+        await _settle(lambda: replica.batches, "the first batch")
+        rest = [lane.submit(request(name)) for name in "bcdef"]
+        replica.gate.set()
+        return await asyncio.gather(first, *rest)
+
+    served = run_lane(scenario, replica, max_batch=3)
+    assert replica.batches == [["a"], ["b", "c", "d"], ["e", "f"]], "oldest first, at most max_batch"
+    assert [s.batch_size for s in served] == [1, 3, 3, 3, 2, 2]
+    assert [s.reply.request_id for s in served] == list("abcdef"), "each request gets its own reply"
+    assert served[1].queue_ms > 0
+
+
+def test_max_batch_one_runs_one_request_at_a_time() -> None:
+    replica = FakeReplica()
+
+    async def scenario(lane: Lane) -> None:
+        first = lane.submit(request("a"))
+        await _settle(lambda: replica.batches, "the first batch")
+        rest = [lane.submit(request(name)) for name in "bc"]
+        replica.gate.set()
+        await asyncio.gather(first, *rest)
+
+    run_lane(scenario, replica, max_batch=1)
+    assert replica.batches == [["a"], ["b"], ["c"]]
+
+
+def test_a_batch_holds_one_shape_and_the_others_keep_their_order() -> None:
+    replica = FakeReplica()
+
+    async def scenario(lane: Lane) -> None:
+        first = lane.submit(request("a"))
+        await _settle(lambda: replica.batches, "the first batch")
+        rest = [lane.submit(request("b", 4)), lane.submit(request("c", 5)), lane.submit(request("d", 4)),
+                lane.submit(request("e", 5))]
+        replica.gate.set()
+        await asyncio.gather(first, *rest)
+
+    run_lane(scenario, replica, max_batch=8)
+    assert replica.batches == [["a"], ["b", "d"], ["c", "e"]]
+
+
+def test_the_window_waits_only_for_requests_still_arriving() -> None:
+    """With nothing in prepare a request starts at once; with one on the way the lane waits for it."""
+    replica = FakeReplica()
+    replica.gate.set()
+    arriving = [0]
+
+    async def scenario(lane: Lane) -> float:
+        started = time.monotonic()
+        await lane.submit(request("alone"))
+        alone_s = time.monotonic() - started
+        arriving[0] = 1  # a request is still in prepare ...
+        first = lane.submit(request("a"))
+        await asyncio.sleep(0.2)  # ... and lands well inside the window
+        arriving[0] = 0
+        second = lane.submit(request("b"))
+        await asyncio.gather(first, second)
+        return alone_s
+
+    alone_s = run_lane(scenario, replica, max_batch=8, window_s=10.0, arriving=lambda: arriving[0])
+    assert replica.batches == [["alone"], ["a", "b"]]
+    assert alone_s < 5.0, "a lone request never waits for the 10 s window"
+
+
+def test_a_failed_batch_fails_exactly_its_requests() -> None:
+    replica = FakeReplica(fail_when="c")
+
+    async def scenario(lane: Lane) -> list[Any]:
+        first = lane.submit(request("a"))
+        await _settle(lambda: replica.batches, "the first batch")
+        batch = [lane.submit(request(name)) for name in "bc"]
+        replica.gate.set()
+        results = await asyncio.gather(first, *batch, return_exceptions=True)
+        after = await lane.submit(request("d"))
+        return [*results, after]
+
+    results = run_lane(scenario, replica, max_batch=8)
+    assert replica.batches == [["a"], ["b", "c"], ["d"]]
+    assert results[0].reply.actions is not None and results[3].reply.actions is not None
+    assert all(isinstance(r, RuntimeError) for r in results[1:3])
+
+
+# --- real servers --------------------------------------------------------------------------------------
+class Client(threading.Thread):
+    """One robot on its own connection, one request; the reply (or the error text) lands in ``result``."""
+
+    def __init__(self, server: PolicyServerProcess, obs: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.server, self.obs, self.result = server, obs, None
+
+    def run(self) -> None:
+        with connect(self.server.url, compression=None, max_size=None, open_timeout=30) as ws:
+            wire.unpackb(ws.recv(timeout=RECV_TIMEOUT_S))
+            ws.send(wire.packb(self.obs))
+            reply = ws.recv(timeout=RECV_TIMEOUT_S)
+        self.result = reply if isinstance(reply, str) else wire.unpackb(reply)
+
+
+def one_request(server: PolicyServerProcess, obs: dict[str, Any]) -> Any:
+    client = Client(server, obs)
+    client.run()
+    return client.result
+
+
+def queue_behind_a_held_request(server: PolicyServerProcess, gate: Path, queued: list[dict[str, Any]],
+                                session: str | None = None) -> tuple[Client, list[Client]]:
+    """A held request, then ``queued`` requests waiting behind it; the gate opens once all are in flight."""
+    extra = {"session_id": session} if session else {}
+    held = Client(server, observation(0, prompt=hold_prompt(gate), seed=1, **extra))
+    held.start()
+    server.wait_until(lambda: server.readyz().json()["in_flight"] == 1, timeout=60, what="the held request")
+    clients = [Client(server, {**obs, **extra}) for obs in queued]
+    for c in clients:
+        c.start()
+    try:
+        # /readyz counts routed requests, i.e. queued at a lane (the metric also counts those still in prepare)
+        server.wait_until(lambda: server.readyz().json()["in_flight"] == 1 + len(queued), timeout=60,
+                          what="the queued requests")
+    finally:
+        gate.touch()
+    for c in [held, *clients]:
+        c.join(RECV_TIMEOUT_S)
+        assert not c.is_alive(), "a request was never answered"
+    return held, clients
+
+
+@pytest.fixture(scope="module")
+def batching_server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:  # noqa: F811 - the fixture
+    with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--policy", "batch_probe_policy:BatchProbePolicy",
+                      "--max-batch", "8", "--error-format", "dict", "--threads", "1") as s:
+        yield s
+
+
+def test_a_server_batches_queued_sessions_and_each_gets_its_own_actions(batching_server: PolicyServerProcess,
+                                                                          tmp_path: Path) -> None:
+    s = batching_server
+    before = s.metrics()
+    queued = [observation(i, seed=100 + i) for i in range(1, 4)]
+    held, clients = queue_behind_a_held_request(s, tmp_path / "go", queued)
+    assert held.result["server_timing"]["batch_size"] == 1
+    for client in clients:
+        timing = client.result["server_timing"]
+        assert timing["batch_size"] == 3 and timing["queue_ms"] > 0
+    for obs, client in zip(queued, clients, strict=True):  # the same request again, now alone
+        again = one_request(s, obs)
+        assert again["server_timing"]["batch_size"] == 1
+        assert float(np.abs(client.result["actions"] - again["actions"]).max()) <= TOLERANCE
+    after = s.metrics()
+    batches = after[("policy_batch_size_count", (("replica", "0"),))] - before.get(
+        ("policy_batch_size_count", (("replica", "0"),)), 0)
+    rows = after[("policy_batch_size_sum", (("replica", "0"),))] - before.get(
+        ("policy_batch_size_sum", (("replica", "0"),)), 0)
+    assert (batches, rows) == (1 + 1 + 3, 1 + 3 + 3), "held, the batch of 3, then the 3 alone"
+
+
+def test_bad_rows_and_bad_requests_fail_only_themselves(batching_server: PolicyServerProcess, tmp_path: Path) -> None:
+    s = batching_server
+    queued = [observation(1, seed=5), observation(2, prompt=NAN_PROMPT), observation(3, seed=6),
+              observation(4, **{"observation/joint_position": [1.0, 2.0]})]  # refused in prepare
+    held, clients = queue_behind_a_held_request(s, tmp_path / "go", queued[:3])
+    good, nan_row, good2 = (c.result for c in clients)
+    assert good["server_timing"]["batch_size"] == good2["server_timing"]["batch_size"] == 3
+    assert nan_row["type"] == "error" and nan_row["error"]["kind"] == "non_finite_actions", nan_row
+    assert np.isfinite(good["actions"]).all() and np.isfinite(good2["actions"]).all()
+    assert float(np.abs(good["actions"] - one_request(s, queued[0])["actions"]).max()) <= TOLERANCE
+    invalid = one_request(s, queued[3])
+    assert invalid["type"] == "error" and invalid["error"]["kind"] == "invalid_observation"
+    assert "actions" in one_request(s, observation(7)), "the server still serves"
+
+
+def test_a_failed_batch_call_fails_its_requests_and_the_server_carries_on(batching_server: PolicyServerProcess,
+                                                                          tmp_path: Path) -> None:
+    s = batching_server
+    held, clients = queue_behind_a_held_request(s, tmp_path / "go", [observation(1), observation(2, prompt=FAIL_PROMPT)])
+    assert "actions" in held.result, "the held request ran in a batch of its own"
+    for client in clients:
+        assert client.result["type"] == "error" and client.result["error"]["kind"] == "inference_failed", client.result
+        assert "planted failure" in client.result["error"]["message"]
+    assert s.readyz().status == 200
+    assert "actions" in one_request(s, observation(1)), "the request that shared the failed batch works alone"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfgp,dp", [(2, 1), (1, 2)])
+def test_batches_cross_the_ranks_of_every_layout(tiny_checkpoint: Path, tmp_path: Path,  # noqa: F811
+                                                 cfgp: int, dp: int) -> None:
+    """cfgp=2: both ranks run their branch for B rows and the per-step all_gather carries B rows; dp=2: the batch
+    goes to replica k's driver over the dispatch group and B Replies come back.  One session pins every request
+    to one replica, so the queued ones meet in its lane."""
+    with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--policy", "batch_probe_policy:BatchProbePolicy",
+                      "--cfgp", str(cfgp), "--dp", str(dp), "--max-batch", "8", "--error-format", "dict",
+                      "--threads", "1") as s:
+        queued = [observation(1, seed=21), observation(2, prompt=NAN_PROMPT), observation(3, seed=22)]
+        held, clients = queue_behind_a_held_request(s, tmp_path / "go", queued, session="robot-1")
+        replica = held.result["server_timing"]["replica"]
+        good, nan_row, good2 = (c.result for c in clients)
+        assert nan_row["error"]["kind"] == "non_finite_actions", nan_row
+        for obs, reply in ((queued[0], good), (queued[2], good2)):
+            assert reply["server_timing"]["batch_size"] == 3 and reply["server_timing"]["replica"] == replica
+            again = one_request(s, {**obs, "session_id": "robot-1"})
+            assert again["server_timing"]["batch_size"] == 1
+            assert float(np.abs(reply["actions"] - again["actions"]).max()) <= TOLERANCE
+        assert s.readyz().json()["ranks_ready"] == cfgp * dp, "every rank still serves"
