@@ -7,6 +7,12 @@ a WebSocket round trip.
 
     python bench/runtime.py                       # CPU, tiny model, 1 thread per rank
     python bench/runtime.py --device cuda --size base --dtype bfloat16   # on the GPU
+    python bench/runtime.py --tables batching --max-batch 1,8,16 --batch-clients 1,4,8,16,32
+
+The batching table starts one server per ``--max-batch`` value and drives each
+with 1, 4, 8, ... closed-loop clients (every client sends its next request when
+its reply arrives, as a robot does): p50/p99 round trip, requests/s and the
+mean batch size a request ran in, all servers in one run.
 
 CPU caveat (2 cores here): cfgp=2 is compared with a 1-thread single rank, the
 fair baseline when each rank owns one core; a GPU run compares one GPU per rank.
@@ -41,12 +47,14 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, checkpoint: Path, args: argparse.Namespace, cfgp: int, dp: int, cfg_mode: str) -> None:
+    def __init__(self, checkpoint: Path, args: argparse.Namespace, cfgp: int, dp: int, cfg_mode: str,
+                 max_batch: int = 1) -> None:
         self.port = _free_port()
         cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", str(checkpoint), "--host",
                "127.0.0.1", "--port", str(self.port), "--cfgp", str(cfgp), "--dp", str(dp), "--steps",
                str(args.steps), "--guidance", "3.0", "--device", args.device, "--dtype", args.dtype,
-               "--cfg-mode", cfg_mode, "--log-level", "WARNING"]
+               "--cfg-mode", cfg_mode, "--log-level", "WARNING", "--max-batch", str(max_batch),
+               "--batch-window-ms", str(args.batch_window_ms)]
         if args.device == "cpu":
             cmd += ["--threads", "1"]
         if args.compile:
@@ -99,11 +107,14 @@ def measure(url: str, n: int, concurrency: int = 1, warmup: int = 3) -> dict[str
     s = run_client(url, n, concurrency, seed=0, timeout=600)
     if s["errors"]:
         raise RuntimeError(f"benchmark requests failed: {s['errors'][:3]}")
-    rtt, infer, total = (np.array([r[k] for r in s["records"]]) for k in ("rtt_ms", "infer_ms", "total_ms"))
+    rtt, infer, total, queue = (np.array([r[k] for r in s["records"]])
+                                for k in ("rtt_ms", "infer_ms", "total_ms", "queue_ms"))
     return {"rtt_p50": float(np.percentile(rtt, 50)), "rtt_p99": float(np.percentile(rtt, 99)),
             "infer_p50": float(np.percentile(infer, 50)), "wall_s": s["wall_s"], "n": len(rtt),
             "rps": s["requests_per_s"], "overhead_p50": float(np.percentile(rtt - infer, 50)),
-            "server_overhead_p50": float(np.percentile(total - infer, 50))}
+            "server_overhead_p50": float(np.percentile(total - infer, 50)),
+            "queue_p50": float(np.percentile(queue, 50)), "mean_batch": s["mean_batch_size"],
+            "prepare_p50": float(np.percentile([r["prepare_ms"] for r in s["records"]], 50))}
 
 
 def in_process_infer(checkpoint: Path, args: argparse.Namespace, n: int) -> float:
@@ -139,15 +150,20 @@ def main() -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--n", type=int, default=20, help="requests per measurement")
+    p.add_argument("--n", type=int, default=20, help="requests per client per measurement")
     p.add_argument("--dp", type=int, default=2, help="replicas for the data-parallel rows")
     p.add_argument("--compile", default=None, metavar="MODE", help="torch.compile mode for the servers")
     p.add_argument("--backend", default="auto", help="collective backend of the multi-rank servers")
     p.add_argument("--share-gpu", action="store_true", help="ranks share one GPU (functional check only)")
     p.add_argument("--checkpoint", default=None, help="reuse a checkpoint instead of initialising one")
-    p.add_argument("--clients", default="1", help="comma-separated client counts for the throughput table")
+    p.add_argument("--tables", default="layouts,batching",
+                   help="comma-separated: layouts (CFG strategies, cfgp, dp, overhead; --max-batch 1), batching")
+    p.add_argument("--max-batch", default="1,8,16", help="servers of the batching table, one per value")
+    p.add_argument("--batch-clients", default="1,4,8,16,32", help="client counts of the batching table")
+    p.add_argument("--batch-window-ms", type=float, default=2.0, help="every server's --batch-window-ms")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/runtime-<device>.md)")
     args = p.parse_args()
+    tables = set(args.tables.split(","))
 
     from policy_operator.runtime.policy.reference import init_checkpoint
 
@@ -155,10 +171,89 @@ def main() -> int:
         checkpoint = Path(args.checkpoint)
     else:
         checkpoint = init_checkpoint(Path(tempfile.mkdtemp(prefix="bench-runtime-")) / args.size, args.size)
+    fast = "sequential" if args.device == "cpu" else "batched"
+    lines = [
+        f"# Runtime benchmark ({args.device}, size={args.size}, steps={args.steps}, dtype={args.dtype}"
+        f"{', compile=' + args.compile if args.compile else ''}, backend={args.backend})",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores{'; ' + _gpu_name() if args.device == 'cuda' else ''}. "
+        f"{args.n} requests per client per row. One run, side by side.",
+        "",
+    ]
+    if "layouts" in tables:
+        lines += layouts_table(checkpoint, args, fast)
+    if "batching" in tables:
+        lines += batching_table(checkpoint, args, fast)
+    lines += [
+        f"Reproduce: `python bench/runtime.py --device {args.device} --size {args.size} --steps {args.steps} "
+        f"--dtype {args.dtype}{' --compile ' + args.compile if args.compile else ''} --backend {args.backend}"
+        f"{' --share-gpu' if args.share_gpu else ''} --n {args.n} --tables {args.tables}"
+        f"{' --max-batch ' + args.max_batch + ' --batch-clients ' + args.batch_clients if 'batching' in tables else ''}`",
+        "",
+    ]
+    out = Path(args.out or REPO / "bench" / "results" / f"runtime-{args.device}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+def batching_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[str]:
+    """One server per --max-batch value, each driven by every client count; the issue's targets as ratios."""
+    sizes = [int(x) for x in args.max_batch.split(",")]
+    clients = [int(x) for x in args.batch_clients.split(",")]
+    results: dict[tuple[int, int], dict[str, float]] = {}
+    for size in sizes:
+        server = Server(checkpoint, args, 1, 1, mode, max_batch=size)
+        try:
+            for c in clients:
+                m = results[(size, c)] = measure(server.url, args.n, c)
+                print(f"max-batch {size:>3} clients {c:>3}: p50 {m['rtt_p50']:8.2f} ms  p99 {m['rtt_p99']:8.2f} ms  "
+                      f"{m['rps']:8.1f} req/s  batch {m['mean_batch']:5.2f}", flush=True)
+        finally:
+            server.close()
+    lines = [
+        f"## Batching across sessions (1 rank, {mode} CFG, --batch-window-ms {args.batch_window_ms:g})",
+        "",
+        "Closed-loop clients, each on its own connection. Mean batch: the batch size a request ran in, "
+        "averaged over requests.",
+        "",
+        "| clients | " + " | ".join(f"max-batch {s}: p50 ms | p99 ms | req/s | mean batch" for s in sizes) + " |",
+        "|---:|" + "---:|---:|---:|---:|" * len(sizes),
+    ]
+    for c in clients:
+        cells = []
+        for s in sizes:
+            m = results[(s, c)]
+            cells.append(f"{m['rtt_p50']:.2f} | {m['rtt_p99']:.2f} | {m['rps']:.1f} | {m['mean_batch']:.2f}")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    lines += ["", "| ratio (same run) | " + " | ".join(f"max-batch {s}" for s in sizes) + " |",
+              "|---|" + "---:|" * len(sizes)]
+    one = min(clients)
+    for c in clients:
+        if c == one:
+            continue
+        lines.append(f"| p50 at {c} clients / p50 at {one} client | "
+                     + " | ".join(f"{results[(s, c)]['rtt_p50'] / results[(s, one)]['rtt_p50']:.2f}" for s in sizes)
+                     + " |")
+    if 1 in sizes:
+        for c in clients:
+            lines.append(f"| req/s at {c} clients / max-batch 1's | "
+                         + " | ".join(f"{results[(s, c)]['rps'] / results[(1, c)]['rps']:.2f}" for s in sizes) + " |")
+    lines += ["", "| server time outside infer, 1 client (p50 ms) | "
+              + " | ".join(f"max-batch {s}" for s in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for key, label in (("server_overhead_p50", "total_ms - infer_ms (decode, prepare, routing, hops)"),
+                       ("prepare_p50", "of which prepare_ms (decode excluded)"),
+                       ("queue_p50", "of which queue_ms (lane hop; 0 wait at 1 client)")):
+        lines.append(f"| {label} | " + " | ".join(f"{results[(s, one)][key]:.2f}" for s in sizes) + " |")
+    return [*lines, ""]
+
+
+def layouts_table(checkpoint: Path, args: argparse.Namespace, fast: str) -> list[str]:
     actions: dict[str, np.ndarray] = {}
 
     def run(label: str, cfgp: int, dp: int, mode: str, concurrency: int = 1) -> dict[str, float]:
-        server = Server(checkpoint, args, cfgp, dp, mode)
+        server = Server(checkpoint, args, cfgp, dp, mode)  # --max-batch 1: these rows compare layouts
         try:
             m = measure(server.url, args.n, concurrency)
             actions[label] = fixed_seed_actions(server.url)
@@ -171,18 +266,12 @@ def main() -> int:
     seq = run("cfgp=1 sequential CFG (1 rank)", 1, 1, "sequential")
     bat = run("cfgp=1 batched CFG (1 rank)", 1, 1, "batched")
     par = run("cfgp=2 CFG-parallel (2 ranks)", 2, 1, "sequential")
-    one = run(f"dp={args.dp}: 1 client", 1, args.dp, "sequential" if args.device == "cpu" else "batched")
-    many = run(f"dp={args.dp}: {args.dp} concurrent clients", 1, args.dp,
-               "sequential" if args.device == "cpu" else "batched", concurrency=args.dp)
-    base = run("dp=1: same clients, serialized", 1, 1, "sequential" if args.device == "cpu" else "batched",
-               concurrency=args.dp)
-    fast = "sequential" if args.device == "cpu" else "batched"
-    throughput = [(c, run(f"1 rank, {fast} CFG, {c} concurrent clients", 1, 1, fast, concurrency=c))
-                  for c in (int(x) for x in args.clients.split(","))]
+    one = run(f"dp={args.dp}: 1 client", 1, args.dp, fast)
+    many = run(f"dp={args.dp}: {args.dp} concurrent clients", 1, args.dp, fast, concurrency=args.dp)
+    base = run("dp=1: same clients, serialized", 1, 1, fast, concurrency=args.dp)
     inproc = in_process_infer(checkpoint, args, args.n)
     ref = actions["cfgp=1 sequential CFG (1 rank)"]
     equality = [(label, float(np.abs(a - ref).max()), bool(np.array_equal(a, ref))) for label, a in actions.items()]
-
     rows = [
         ("sequential CFG, 1 rank", f"{seq['infer_p50']:.2f}", 1.0, "baseline"),
         ("batched CFG, 1 rank", f"{bat['infer_p50']:.2f}", bat["infer_p50"] / seq["infer_p50"], "vs sequential"),
@@ -195,23 +284,12 @@ def main() -> int:
          base["wall_s"] / one["wall_s"], "control: serialized on one replica (~dp x)"),
     ]
     overhead = seq["rtt_p50"] - inproc
-    out = Path(args.out or REPO / "bench" / "results" / f"runtime-{args.device}.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [
-        f"# Runtime benchmark ({args.device}, size={args.size}, steps={args.steps}, dtype={args.dtype}"
-        f"{', compile=' + args.compile if args.compile else ''}, backend={args.backend})",
-        "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores{'; ' + _gpu_name() if args.device == 'cuda' else ''}. "
-        f"{args.n} requests per row, p50 of the server's infer_ms unless stated. One run, side by side.",
+    return [
+        "## Layouts (--max-batch 1; p50 of the server's infer_ms unless stated)",
         "",
         "| configuration | ms | ratio | compared with |",
         "|---|---:|---:|---|",
         *[f"| {a} | {b} | {c:.2f} | {d} |" for a, b, c, d in rows],
-        "",
-        "| throughput (1 rank) | clients | p50 ms | p99 ms | requests/s |",
-        "|---|---:|---:|---:|---:|",
-        *[f"| WebSocket round trip | {c} | {m['rtt_p50']:.2f} | {m['rtt_p99']:.2f} | {m['rps']:.1f} |"
-          for c, m in throughput],
         "",
         "| same seed, every server | max abs diff vs sequential 1 rank | bitwise equal |",
         "|---|---:|---|",
@@ -226,14 +304,7 @@ def main() -> int:
         f"| of which inside the server: total_ms - infer_ms (decode, prepare, routing, hops) | "
         f"{seq['server_overhead_p50']:.2f} |",
         "",
-        f"Reproduce: `python bench/runtime.py --device {args.device} --size {args.size} --steps {args.steps} "
-        f"--dtype {args.dtype}"
-        f"{' --compile ' + args.compile if args.compile else ''} --backend {args.backend}{' --share-gpu' if args.share_gpu else ''}`",
-        "",
     ]
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
-    return 0
 
 
 def _gpu_name() -> str:

@@ -80,6 +80,7 @@ def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, 
                         records.append({"rtt_ms": dt, "infer_ms": float(timing["infer_ms"]),
                                         "total_ms": float(timing.get("total_ms", "nan")), "replica": r,
                                         "queue_ms": float(timing.get("queue_ms", "nan")),
+                                        "prepare_ms": float(timing.get("prepare_ms", "nan")),
                                         "batch_size": int(timing.get("batch_size", 1))})
                         shapes.add(tuple(np.asarray(msg["actions"]).shape))
                         replicas[r] = replicas.get(r, 0) + 1
