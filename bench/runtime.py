@@ -48,13 +48,13 @@ def _free_port() -> int:
 
 class Server:
     def __init__(self, checkpoint: Path, args: argparse.Namespace, cfgp: int, dp: int, cfg_mode: str,
-                 max_batch: int = 1) -> None:
+                 max_batch: int = 1, event_loop: str = "auto") -> None:
         self.port = _free_port()
         cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", str(checkpoint), "--host",
                "127.0.0.1", "--port", str(self.port), "--cfgp", str(cfgp), "--dp", str(dp), "--steps",
                str(args.steps), "--guidance", "3.0", "--device", args.device, "--dtype", args.dtype,
                "--cfg-mode", cfg_mode, "--log-level", "WARNING", "--max-batch", str(max_batch),
-               "--batch-window-ms", str(args.batch_window_ms)]
+               "--batch-window-ms", str(args.batch_window_ms), "--event-loop", event_loop]
         if args.device == "cpu":
             cmd += ["--threads", "1"]
         if args.compile:
@@ -114,7 +114,11 @@ def measure(url: str, n: int, concurrency: int = 1, warmup: int = 3) -> dict[str
             "rps": s["requests_per_s"], "overhead_p50": float(np.percentile(rtt - infer, 50)),
             "server_overhead_p50": float(np.percentile(total - infer, 50)),
             "queue_p50": float(np.percentile(queue, 50)), "mean_batch": s["mean_batch_size"],
-            "prepare_p50": float(np.percentile([r["prepare_ms"] for r in s["records"]], 50))}
+            "prepare_p50": float(np.percentile([r["prepare_ms"] for r in s["records"]], 50)),
+            "decode_p50": float(np.percentile([r["decode_ms"] for r in s["records"]], 50)),
+            # what is left of total_ms: routing, the lane's wake-up and the hop back to the event loop
+            "return_p50": float(np.percentile([r["total_ms"] - r["infer_ms"] - r["queue_ms"] - r["prepare_ms"]
+                                               - r["decode_ms"] for r in s["records"]], 50))}
 
 
 def in_process_infer(checkpoint: Path, args: argparse.Namespace, n: int) -> float:
@@ -240,12 +244,22 @@ def batching_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> lis
         for c in clients:
             lines.append(f"| req/s at {c} clients / max-batch 1's | "
                          + " | ".join(f"{results[(s, c)]['rps'] / results[(1, c)]['rps']:.2f}" for s in sizes) + " |")
-    lines += ["", "| server time outside infer, 1 client (p50 ms) | "
-              + " | ".join(f"max-batch {s}" for s in sizes) + " |", "|---|" + "---:|" * len(sizes)]
-    for key, label in (("server_overhead_p50", "total_ms - infer_ms (decode, prepare, routing, hops)"),
-                       ("prepare_p50", "of which prepare_ms (decode excluded)"),
-                       ("queue_p50", "of which queue_ms (lane hop; 0 wait at 1 client)")):
-        lines.append(f"| {label} | " + " | ".join(f"{results[(s, one)][key]:.2f}" for s in sizes) + " |")
+    # the same 1-client split on asyncio's own loop, beside the default (uvloop when installed)
+    plain = Server(checkpoint, args, 1, 1, mode, max_batch=sizes[0], event_loop="asyncio")
+    try:
+        asyncio_loop = measure(plain.url, args.n * 2, 1)
+    finally:
+        plain.close()
+    columns = [*(f"max-batch {s}" for s in sizes), f"max-batch {sizes[0]}, --event-loop asyncio"]
+    split = [*(results[(s, one)] for s in sizes), asyncio_loop]
+    lines += ["", f"| server time outside infer, {one} client (p50 ms) | " + " | ".join(columns) + " |",
+              "|---|" + "---:|" * len(columns)]
+    for key, label in (("server_overhead_p50", "total_ms - infer_ms: everything the server adds"),
+                       ("decode_p50", "decode_ms (msgpack-numpy)"),
+                       ("prepare_p50", "prepare_ms (validation, uint8 tensors; routing)"),
+                       ("queue_p50", "queue_ms (to the lane thread; no wait at 1 client)"),
+                       ("return_p50", "the rest: lane thread back to the event loop, reply")):
+        lines.append(f"| {label} | " + " | ".join(f"{m[key]:.2f}" for m in split) + " |")
     return [*lines, ""]
 
 

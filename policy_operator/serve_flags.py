@@ -52,6 +52,7 @@ class ServeOptions:
     cfg_mode: str
     max_batch: int
     batch_window_ms: float
+    event_loop: str
     max_message_bytes: int
     error_format: str
     auth_token_file: str | None
@@ -94,8 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most requests of different sessions a replica runs as one batch; 1 = one request at a "
                         "time (default %(default)s)")
     g.add_argument("--batch-window-ms", type=float, default=DEFAULT_BATCH_WINDOW_MS,
-                   help="how long a batch may wait for requests still being decoded; never waits when none are "
-                        "(default %(default)s)")
+                   help="how long a batch with room may wait for requests of recently active sessions; a lone "
+                        "session never waits (default %(default)s)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default=os.environ.get(ENV_HOST) or "0.0.0.0",
                    help=f"bind address (default ${ENV_HOST} if set, else 0.0.0.0)")
@@ -105,6 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--error-format", choices=["text", "dict"], default="text",
                    help="text = openpi's text frame + close 1011; dict = {'type': 'error'} reply, connection kept")
     g.add_argument("--auth-token-file", default=None, help="require 'Authorization: Bearer|Api-Key <token>'")
+    g.add_argument("--event-loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                   help="rank 0's event loop; auto = uvloop when installed (default %(default)s)")
     g = p.add_argument_group("health and lifecycle")
     g.add_argument("--heartbeat-s", type=float, default=1.0, help="rank heartbeat period (default %(default)s)")
     g.add_argument("--drain-grace-s", type=float, default=DEFAULT_DRAIN_GRACE_S,

@@ -81,6 +81,7 @@ def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, 
                                         "total_ms": float(timing.get("total_ms", "nan")), "replica": r,
                                         "queue_ms": float(timing.get("queue_ms", "nan")),
                                         "prepare_ms": float(timing.get("prepare_ms", "nan")),
+                                        "decode_ms": float(timing.get("decode_ms", "nan")),
                                         "batch_size": int(timing.get("batch_size", 1))})
                         shapes.add(tuple(np.asarray(msg["actions"]).shape))
                         replicas[r] = replicas.get(r, 0) + 1

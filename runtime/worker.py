@@ -94,6 +94,20 @@ def public_reason(text: str, opts: serve_flags.ServeOptions) -> str:
     return text
 
 
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop for ``auto`` when it is installed (fewer microseconds per wake-up on every request's
+    hops between the loop and the lane threads), else asyncio's own loop (None)."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ValueError("--event-loop uvloop: uvloop is not installed") from None
+        return None
+    return uvloop.new_event_loop
+
+
 def resolve_checkpoint(opts: serve_flags.ServeOptions,
                        on_progress: Callable[[FetchProgress], None] | None = None) -> str:
     """A local directory as is; a source is fetched once (file lock + completion marker), reporting to ``on_progress``."""
@@ -315,6 +329,7 @@ def preflight(opts: serve_flags.ServeOptions) -> ParallelLayout:
     ``serve`` runs it before it starts torchrun, and every rank again; only rank 0 binds the port.
     """
     serve_flags.check_values(opts)
+    event_loop_factory(opts.event_loop)  # --event-loop uvloop without uvloop: a usage error, before loading
     layout = validate_layout(opts)
     serve_flags.read_token(opts.auth_token_file)  # missing or empty: a usage error, not a traceback after loading
     if int(os.environ.get("RANK", "0")) == 0:
@@ -332,7 +347,8 @@ def run(opts: serve_flags.ServeOptions) -> int:
     _setup_logging(opts.log_level, rank)
     rt = Runtime(opts, layout)
     if rt.rank == 0:
-        code = asyncio.run(_serve_rank0(rt))
+        with asyncio.Runner(loop_factory=event_loop_factory(opts.event_loop)) as runner:
+            code = runner.run(_serve_rank0(rt))
     else:
         code = _serve_other(rt)
     sys.stdout.flush()

@@ -334,7 +334,9 @@ def test_probes_answer_while_an_inference_runs(held_server: PolicyServerProcess,
         assert s.get(HEALTHZ_PATH, timeout=5).status == 200
         ready = s.get(READYZ_PATH, timeout=5)
         assert ready.status == 200 and ready.json()["in_flight"] == 1
-        assert ready.json()["ranks"][0]["state"] == "serving"
+        # warm -> serving is published with the next heartbeat (1 s), not at once (heartbeat.py)
+        s.wait_until(lambda: s.get(READYZ_PATH, timeout=5).json()["ranks"][0]["state"] == "serving", timeout=10,
+                     what="the rank to publish serving")
         assert s.metric("policy_requests_in_flight") == 1
         assert (s.metric("policy_connections") or 0) >= 1
         assert thread.is_alive() and "actions" not in box, "the request is held until the gate file exists"

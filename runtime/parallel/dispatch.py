@@ -28,7 +28,7 @@ Each lane is one single-thread executor: D replicas run D batches at once
 while each replica stays serial, which keeps every replica's collectives in
 the same order on all of its ranks.  A lane batches: the requests that
 queued for it while its replica was busy (and, for up to ``window_s``, those
-still being decoded) go down as one ``Batch`` of at most ``max_batch``
+expected soon) go down as one ``Batch`` of at most ``max_batch``
 requests of one shape (``Sample.group_key``); each gets its own ``Reply``.
 A failure of the batched computation fails exactly the requests of that
 batch; actions with NaN or inf fail only their own request.
@@ -280,8 +280,9 @@ class Lane:
     ``submit`` queues a request; one task per lane (on the event loop) takes the
     oldest request and every queued one of the same shape, up to ``max_batch``,
     and runs them as one ``Batch``.  When the batch has room and ``arriving()``
-    says requests are still being decoded, it waits up to ``window_s`` for
-    them; with none on the way it never waits, so a lone client sees no delay.
+    says requests are expected soon (the ingress's count), it waits up to
+    ``window_s`` for them; with none expected it never waits, so a lone client
+    sees no delay.
     """
 
     def __init__(self, index: int, executor: ThreadPoolExecutor, call: Callable[[Batch], list[Reply]],
@@ -317,7 +318,7 @@ class Lane:
         return item.future
 
     def kick(self) -> None:
-        """Wake the lane's task: a request was queued, or one that was being decoded went elsewhere."""
+        """Wake the lane's task: a request was queued, or one it may be waiting for went elsewhere."""
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -345,6 +346,9 @@ class Lane:
             batch = self._take(None, self.max_batch)
             if not batch:
                 await self._wakeup.wait()
+        # One turn of the loop first: the previous batch's done-callbacks release its requests, so
+        # ``arriving`` counts their sessions as coming back instead of still in flight.
+        await asyncio.sleep(0)
         deadline = time.monotonic() + self.window_s
         while len(batch) < self.max_batch and self.arriving() > 0:
             remaining = deadline - time.monotonic()

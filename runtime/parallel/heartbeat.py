@@ -91,10 +91,18 @@ class Heartbeat:
         return self
 
     def set_state(self, state: RankState, detail: str = "") -> None:
-        if state != self._state and not {state, self._state} <= {RankState.WARM, RankState.SERVING}:
+        """Publish at once, except warm <-> serving: both are ready, and every request flips between them.
+
+        Publishing those at once would wake this thread twice per request, mid-inference, for a JSON
+        dump and a TCPStore write that contend for the GIL with the thread launching the model's
+        kernels; the next periodic beat shows them instead.
+        """
+        routine = {state, self._state} <= {RankState.WARM, RankState.SERVING}
+        if state != self._state and not routine:
             log.info("rank %d: %s -> %s %s", self.rank, self._state.value, state.value, detail)
         self._state, self._detail = state, detail
-        self._wake.set()
+        if not routine:
+            self._wake.set()
 
     @property
     def state(self) -> RankState:

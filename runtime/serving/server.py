@@ -57,6 +57,9 @@ def _response(status: int, body: bytes, content_type: str) -> Response:
     return Response(status, http.HTTPStatus(status).phrase, headers, body)
 
 
+# A session that sent a request this recently counts as coming back: robots send every 20-100 ms.
+RECENT_SESSION_S = 1.0
+
 def _json(status: int, payload: dict[str, Any]) -> Response:
     return _response(status, json.dumps(payload).encode(), "application/json")
 
@@ -72,6 +75,14 @@ class PolicyWebSocketServer:
         # open sessions, and those of them waiting for their next request: what a drain closes at once
         self._sessions: set[ServerConnection] = set()
         self._idle: set[ServerConnection] = set()
+        self._last_request: dict[ServerConnection, float] = {}  # monotonic time of each session's last frame
+        ingress.recent_sessions = self.recent_sessions
+
+    def recent_sessions(self) -> int:
+        """Open sessions that sent a request within ``RECENT_SESSION_S``: robots in a control loop, likely to send
+        again within milliseconds of their reply -- what a lane's batch window waits for."""
+        since = time.monotonic() - RECENT_SESSION_S
+        return sum(1 for t in self._last_request.values() if t >= since)
 
     # --- HTTP before the upgrade ---------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
@@ -114,6 +125,7 @@ class PolicyWebSocketServer:
             self._idle.add(ws)
             async for message in ws:
                 self._idle.discard(ws)
+                self._last_request[ws] = time.monotonic()
                 started = time.perf_counter()
                 self.metrics.in_flight.inc()
                 try:
@@ -149,17 +161,20 @@ class PolicyWebSocketServer:
         finally:
             self._sessions.discard(ws)
             self._idle.discard(ws)
+            self._last_request.pop(ws, None)
             self.metrics.connections.dec()
 
     async def _answer(self, message: bytes | str) -> dict[str, Any]:
+        started = time.perf_counter()
         obs = wire.decode_observation(message)
+        decode_ms = (time.perf_counter() - started) * 1e3
         result = await self.ingress.infer(obs)
         self.metrics.requests.labels(str(result.replica)).inc()
         self.metrics.infer.labels(str(result.replica)).observe(result.infer_ms / 1e3)
         self.metrics.queue.observe(result.queue_ms / 1e3)
         return {
             "actions": result.actions,
-            "server_timing": {"infer_ms": result.infer_ms, "queue_ms": result.queue_ms,
+            "server_timing": {"infer_ms": result.infer_ms, "queue_ms": result.queue_ms, "decode_ms": decode_ms,
                               "prepare_ms": result.prepare_ms, "replica": result.replica,
                               "batch_size": result.batch_size},
         }
