@@ -356,3 +356,43 @@ def test_batches_cross_the_ranks_of_every_layout(tiny_checkpoint: Path, tmp_path
             assert again["server_timing"]["batch_size"] == 1
             assert float(np.abs(reply["actions"] - again["actions"]).max()) <= TOLERANCE
         assert s.readyz().json()["ranks_ready"] == cfgp * dp, "every rank still serves"
+
+
+def test_closed_loop_robots_come_back_as_one_batch(tiny_checkpoint: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Four robots that each send their next request when their reply arrives.  Robot 0's first request is held
+    while the other three queue behind it.  A lane that still counted robot 0 as in flight when its batch ended
+    would start [1, 2, 3] at once, and the robots would alternate in batches of 1 and 3 forever (seen before the
+    fix).  The window waits for the session that was just answered instead: from then on every batch holds
+    all four."""
+    gate = tmp_path / "go"
+    with serve_policy(tiny_checkpoint, "--steps", "1", "--max-batch", "4", "--batch-window-ms", "500",
+                      "--threads", "1", "--policy", "held_policy:HeldPolicy") as s:
+        sizes: dict[int, list[int]] = {}
+        waits: dict[int, list[float]] = {}
+
+        def robot(k: int) -> None:
+            with connect(s.url, compression=None, max_size=None, open_timeout=30) as ws:
+                wire.unpackb(ws.recv(timeout=RECV_TIMEOUT_S))
+                for i in range(8):
+                    held = {"prompt": hold_prompt(gate)} if (k, i) == (0, 0) else {}
+                    ws.send(wire.packb(observation(k, seed=i, **held)))
+                    timing = wire.unpackb(ws.recv(timeout=RECV_TIMEOUT_S))["server_timing"]
+                    sizes.setdefault(k, []).append(timing["batch_size"])
+                    waits.setdefault(k, []).append(timing["queue_ms"])
+
+        robots = [threading.Thread(target=robot, args=(k,), daemon=True) for k in range(4)]
+        robots[0].start()
+        s.wait_until(lambda: s.readyz().json()["in_flight"] == 1, timeout=60, what="robot 0's held request")
+        for r in robots[1:]:
+            r.start()
+        try:
+            s.wait_until(lambda: s.readyz().json()["in_flight"] == 4, timeout=60, what="the other robots")
+        finally:
+            gate.touch()
+        for r in robots:
+            r.join(RECV_TIMEOUT_S)
+        assert sorted(sizes) == [0, 1, 2, 3], "every robot got all its replies"
+        assert sizes[0][0] == 1, "the held request ran alone"
+        for k in range(4):
+            assert sizes[k][-4:] == [4, 4, 4, 4], sizes
+            assert max(waits[k][-4:]) < 400, "a full batch starts without waiting out the window"
