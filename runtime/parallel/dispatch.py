@@ -350,17 +350,18 @@ class Lane:
         # ``arriving`` counts their sessions as coming back instead of still in flight.
         await asyncio.sleep(0)
         deadline = time.monotonic() + self.window_s
-        while len(batch) < self.max_batch and self.arriving() > 0:
+        while True:
+            # take first: whatever was queued during the last await (no kick is lost: kicks come from this
+            # loop's thread, and nothing awaits between this take and the clear below)
+            batch += self._take(batch[0].key, self.max_batch - len(batch))
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
+            if len(batch) >= self.max_batch or self.arriving() <= 0 or remaining <= 0:
+                return batch
             self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
             except TimeoutError:
-                break
-            batch += self._take(batch[0].key, self.max_batch - len(batch))
-        return batch
+                pass  # the next turn takes what came and returns
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
