@@ -65,8 +65,11 @@ def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, 
                 meta = wire.unpackb(ws.recv(timeout=timeout))
                 with lock:
                     meta_box.append(meta)
-                for i in range(n):
-                    frame = wire.packb(robolab_observation(meta, worker * 100003 + i, fixed_seed=seed))
+                # every frame ready before the first send, as a robot's camera frame is when it sends: with
+                # many connections in one process, building 150 kB frames between requests would spread the
+                # robots' sends apart by the client's own CPU time, not the server's
+                frames = [wire.packb(robolab_observation(meta, worker * 100003 + i, fixed_seed=seed)) for i in range(n)]
+                for frame in frames:
                     t0 = time.perf_counter()
                     ws.send(frame)
                     reply = ws.recv(timeout=timeout)
