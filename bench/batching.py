@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,10 +109,7 @@ def main() -> int:
         f"{' --compile ' + args.compile if args.compile else ''} --sizes {args.sizes}`",
         "",
     ]
-    out = Path(args.out or REPO / "bench" / "results" / f"batching-{args.device}.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    publish(lines, args.out or REPO / "bench" / "results" / f"batching-{args.device}.md")
     return 0
 
 

@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -180,10 +182,7 @@ def main() -> int:
         ]
     else:
         lines.append("curl is not installed here: no curl rows.")
-    text = "\n".join(lines) + "\n"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    publish([*lines, ""], args.out)
     return 0
 
 

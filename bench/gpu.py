@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -107,9 +109,7 @@ def main() -> int:
         f"Reproduce: `python bench/gpu.py --size {args.size} --steps {args.steps} --n {args.n}`",
         "",
     ]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    publish(lines, args.out)
     return 0
 
 

@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -195,10 +196,7 @@ def main() -> int:
         f"{' --max-batch ' + args.max_batch + ' --batch-clients ' + args.batch_clients if 'batching' in tables else ''}`",
         "",
     ]
-    out = Path(args.out or REPO / "bench" / "results" / f"runtime-{args.device}.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    publish(lines, args.out or REPO / "bench" / "results" / f"runtime-{args.device}.md")
     return 0
 
 

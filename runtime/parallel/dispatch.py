@@ -302,10 +302,6 @@ class Lane:
         self._wakeup: asyncio.Event | None = None
         self._runner: asyncio.Task[None] | None = None
 
-    @property
-    def queued(self) -> int:
-        return len(self._queue)
-
     def submit(self, request: InferenceRequest) -> asyncio.Future[Served]:
         """Queue ``request`` now (on the event loop thread); the future resolves once its batch has run."""
         loop = asyncio.get_running_loop()

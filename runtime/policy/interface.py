@@ -64,7 +64,6 @@ class Sample:
         return list(rows) if rows is not None else [self.meta]
 
 
-
 def collate(samples: Sequence[Sample]) -> Sample:
     """One batch from samples of one ``group_key``: tensors concatenated row-wise, metas kept per row."""
     if not samples:

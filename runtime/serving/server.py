@@ -60,6 +60,7 @@ def _response(status: int, body: bytes, content_type: str) -> Response:
 # A session that sent a request this recently counts as coming back: robots send every 20-100 ms.
 RECENT_SESSION_S = 1.0
 
+
 def _json(status: int, payload: dict[str, Any]) -> Response:
     return _response(status, json.dumps(payload).encode(), "application/json")
 
