@@ -137,6 +137,10 @@ def alive(pid: int) -> bool:
         return False
 
 
+def mounts(pod: dict[str, Any], claim: str) -> bool:
+    return any((v.get("persistentVolumeClaim") or {}).get("claimName") == claim for v in pod["spec"].get("volumes", []))
+
+
 def requests_served(ip: str, port: int) -> float:
     """Sum of ``policy_requests_total`` on one pod's /metrics."""
     with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=5) as r:
@@ -332,7 +336,10 @@ def test_kubectl_delete_collects_everything_and_the_claim_waits_for_its_pods(dep
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline and len(gone_at) < 4:
             for n in (CFGP2, CFGP1):
-                pods = d.cluster.list("v1", "pods", f"{C.LABEL_INSTANCE}={n}")  # server and fetch pods
+                # the server and fetch pods that hold the claim: PVC protection counts a pod once it is bound to
+                # a node (a pod the StatefulSet controller recreates during teardown, never scheduled, mounts nothing)
+                pods = [p for p in d.cluster.list("v1", "pods", f"{C.LABEL_INSTANCE}={n}")
+                        if p["spec"].get("nodeName") and mounts(p, Names(n).pvc)]
                 claim = d.cluster.get("v1", "persistentvolumeclaims", Names(n).pvc)
                 if not pods:
                     gone_at.setdefault(f"pods {n}", time.monotonic())

@@ -60,6 +60,11 @@ class ServerMetrics:
     def set_layout(self, layout: ParallelLayout) -> None:
         self.world_size.set(layout.world_size)
         self.dp_replicas.set(layout.dp)
+        # every replica's series exists from the first scrape: rate() and the dashboard read 0, not "no data",
+        # before a replica's first batch
+        for replica in map(str, range(layout.dp)):
+            for family in (self.batch_size, self.infer, self.requests):
+                family.labels(replica)
 
     def observe_download(self, progress: FetchProgress) -> None:
         """Called by the fetch's progress reporter, from its own thread, every few seconds while it downloads."""
