@@ -36,7 +36,7 @@ RECV_TIMEOUT_S = 120.0
 
 
 def observation(variant: int, **changes: Any) -> dict[str, Any]:
-    obs = example_observation(CFG, variant, image_hw=(48 + 8 * variant, 40))  # resized per request in prepare
+    obs = example_observation(CFG, variant, image_hw=(48, 40))  # resized on the device, for the whole batch
     obs.update(changes)
     return obs
 
@@ -85,7 +85,10 @@ def test_a_batch_of_one_is_bitwise_the_request(policy: ReferencePolicy) -> None:
 def test_samples_of_different_shapes_never_share_a_batch(policy: ReferencePolicy) -> None:
     one = policy.prepare(observation(0))
     other = Sample({**one.tensors, "state": torch.zeros(1, CFG.joint_dim + CFG.gripper_dim + 1)})
-    assert one.group_key() == policy.prepare(observation(5)).group_key(), "image size is normalised in prepare"
+    assert one.group_key() == policy.prepare(observation(5)).group_key(), "other content, one shape"
+    # frames are resized on the device, after the batch forms: a camera of another size is another batch
+    larger = policy.prepare(dict(observation(5), **{"observation/image": np.zeros((56, 40, 3), np.uint8)}))
+    assert one.group_key() != larger.group_key()
     assert one.group_key() != other.group_key()
     with pytest.raises(ValueError, match="different shapes"):
         collate([one, other])

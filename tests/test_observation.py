@@ -26,7 +26,7 @@ from policy_operator.runtime.policy.observation import (
     parse_seed,
     parse_session,
 )
-from policy_operator.runtime.policy.reference import ReferencePolicy
+from policy_operator.runtime.policy.reference import ReferencePolicy, camera_key
 from policy_operator.runtime.serving.errors import ErrorKind, RequestError
 from tests.support.servers import tiny_checkpoint  # noqa: F401 - the fixture
 
@@ -123,7 +123,11 @@ def test_prepare_rejects_and_names_the_key(policy: ReferencePolicy, make: Callab
 def test_prepare_accepts_valid_observations(policy: ReferencePolicy, obs: dict[str, Any]) -> None:
     sample = policy.prepare(obs)
     cfg = policy.cfg
-    assert sample.tensors["images"].shape == (1, cfg.max_cameras, 3, cfg.image_size, cfg.image_size)
+    cameras = [k for k in sample.tensors if k.startswith("camera")]
+    assert cameras == [camera_key(i) for i in range(sample.meta["cameras"])] and cameras
+    assert all(sample.tensors[k].dtype == torch.uint8 and sample.tensors[k].shape[0] == 1 for k in cameras)
+    assert sample.tensors["present"].sum().item() == len(cameras)
+    assert policy.pixels(sample.tensors, 1).shape == (1, cfg.max_cameras, 3, cfg.image_size, cfg.image_size)
     assert sample.tensors["state"].shape == (1, cfg.joint_dim + cfg.gripper_dim)
     assert sample.tensors["state"].dtype == torch.float32
     assert sample.tensors["tokens"].shape == (1, cfg.prompt_tokens)

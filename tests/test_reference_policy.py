@@ -17,11 +17,18 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from policy_operator.constants import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 from policy_operator.runtime.checkpoint.format import CheckpointError, sha256_file, verify_checkpoint
 from policy_operator.runtime.policy.interface import Branch, load_policy_class
-from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePolicy, example_observation, init_checkpoint
+from policy_operator.runtime.policy.reference import (
+    PolicyConfig,
+    ReferencePolicy,
+    camera_key,
+    example_observation,
+    init_checkpoint,
+)
 from policy_operator.runtime.policy.sampler import sample_actions
 from tests.support.servers import session_checkpoint, tiny_checkpoint  # noqa: F401 - the fixture
 
@@ -151,10 +158,19 @@ def test_every_input_changes_the_actions(policy: ReferencePolicy, obs: dict[str,
 def test_native_and_resized_images_both_work(policy: ReferencePolicy, obs: dict[str, Any]) -> None:
     s = policy.cfg.image_size
     native = dict(obs, **{"observation/image": np.full((s, s, 3), 200, np.uint8)})
-    images = policy.prepare(native).tensors["images"]
-    assert images.dtype == torch.uint8  # stays bytes until the device: 4x less to broadcast and copy
-    assert torch.equal(images[0, 0], torch.full((3, s, s), 200, dtype=torch.uint8))
+    camera = policy.prepare(native).tensors[camera_key(0)]
+    assert camera.dtype == torch.uint8 and camera.shape == (1, s, s, 3)  # bytes as sent until the device
+    assert torch.equal(policy.pixels({camera_key(0): camera}, 1)[0, 0], torch.full((3, s, s), 200 / 127.5 - 1.0))
     assert actions(policy, native).shape == policy.action_shape
+
+    # a larger frame is resized on the device: bilinear, rounded to bytes, as if the robot had sent it resized
+    rng = np.random.default_rng(5)
+    large = rng.integers(0, 256, size=(3 * s, 2 * s, 3), dtype=np.uint8)
+    resized = F.interpolate(torch.from_numpy(large).permute(2, 0, 1)[None].float(), size=(s, s), mode="bilinear",
+                            align_corners=False).round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0)
+    as_large, as_resized = (dict(obs, **{"observation/image": img}) for img in (large, resized.numpy()))
+    assert policy.prepare(as_large).tensors[camera_key(0)].shape == (1, 3 * s, 2 * s, 3)
+    assert np.array_equal(actions(policy, as_large), actions(policy, as_resized))
 
 
 # --- checkpoints ------------------------------------------------------------------------------
