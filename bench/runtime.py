@@ -254,9 +254,9 @@ def batching_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> lis
               "|---|" + "---:|" * len(columns)]
     for key, label in (("server_overhead_p50", "total_ms - infer_ms: everything the server adds"),
                        ("decode_p50", "decode_ms (msgpack-numpy)"),
-                       ("prepare_p50", "prepare_ms (validation, uint8 tensors; routing)"),
+                       ("prepare_p50", "prepare_ms (validation, uint8 tensors)"),
                        ("queue_p50", "queue_ms (to the lane thread; no wait at 1 client)"),
-                       ("return_p50", "the rest: lane thread back to the event loop, reply")):
+                       ("return_p50", "the rest: routing, the lane thread back to the event loop, reply")):
         lines.append(f"| {label} | " + " | ".join(f"{m[key]:.2f}" for m in split) + " |")
     return [*lines, ""]
 

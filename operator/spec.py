@@ -438,9 +438,10 @@ class BatchingSpec(KubeModel):
     4, ... and maxBatch itself) and every bucket is compiled at warm-up: a larger value means a longer warm-up
     (see startupTimeoutSeconds) and more GPU memory."""
     window_ms: float = Field(DEFAULT_BATCH_WINDOW_MS, ge=0, le=MAX_BATCH_WINDOW_MS)
-    """Milliseconds a batch with room may wait for requests expected soon: sessions that sent within the last
-    second and have none queued (robots between reply and next request). A lone session never waits. 0: never
-    waits; a batch holds what queued while the replica was busy."""
+    """Milliseconds a batch with room waits for the next request expected soon (sessions that sent within the
+    last second and have none queued: robots between reply and next request), counted from the latest request
+    that joined it, so at most maxBatch windows in all. A lone session never waits. 0: never waits; a batch holds
+    what queued while the replica was busy."""
 
 
 class RuntimeSpec(KubeModel):

@@ -95,8 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most requests of different sessions a replica runs as one batch; 1 = one request at a "
                         "time (default %(default)s)")
     g.add_argument("--batch-window-ms", type=float, default=DEFAULT_BATCH_WINDOW_MS,
-                   help="how long a batch with room may wait for requests of recently active sessions; a lone "
-                        "session never waits (default %(default)s)")
+                   help="how long a batch with room waits for the next request of a recently active session "
+                        "(counted from the latest request that joined it); a lone session never waits (default "
+                        "%(default)s)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default=os.environ.get(ENV_HOST) or "0.0.0.0",
                    help=f"bind address (default ${ENV_HOST} if set, else 0.0.0.0)")

@@ -220,6 +220,33 @@ def test_the_window_waits_only_for_requests_still_arriving() -> None:
     assert alone_s < 5.0, "a lone request never waits for the 10 s window"
 
 
+def test_the_window_runs_from_the_latest_arrival_and_ends_when_none_comes() -> None:
+    """Robots answered together come back spread out (one event loop decodes and prepares each): every one that
+    comes within a window of the previous joins, though all three take longer than one window; the one that
+    never comes holds the batch for one window after the last arrival, not longer."""
+    replica = FakeReplica()
+    replica.gate.set()
+    arriving = [3]
+    started: list[float] = []
+    call = replica.call
+    replica.call = lambda batch: (started.append(time.monotonic()), call(batch))[1]  # type: ignore[method-assign]
+
+    async def scenario(lane: Lane) -> float:
+        futures = []
+        for name in "abc":
+            if futures:
+                await asyncio.sleep(0.2)  # 0.4 s from a to c: longer than one 0.3 s window
+            arriving[0] -= 1  # expected until it arrives; one session never does
+            futures.append(lane.submit(request(name)))
+        last = time.monotonic()
+        await asyncio.gather(*futures)
+        return last
+
+    last = run_lane(scenario, replica, max_batch=8, window_s=0.3, arriving=lambda: arriving[0] + 1)
+    assert replica.batches == [["a", "b", "c"]]
+    assert 0.25 <= started[0] - last < 3.0, "waited one window after the last arrival for the session that never came"
+
+
 def test_a_failed_batch_fails_exactly_its_requests() -> None:
     replica = FakeReplica(fail_when="c")
 

@@ -280,9 +280,9 @@ class Lane:
     ``submit`` queues a request; one task per lane (on the event loop) takes the
     oldest request and every queued one of the same shape, up to ``max_batch``,
     and runs them as one ``Batch``.  When the batch has room and ``arriving()``
-    says requests are expected soon (the ingress's count), it waits up to
-    ``window_s`` for them; with none expected it never waits, so a lone client
-    sees no delay.
+    says requests are expected soon (the ingress's count), it waits for them,
+    up to ``window_s`` after the latest one that joined; with none expected it
+    never waits, so a lone client sees no delay.
     """
 
     def __init__(self, index: int, executor: ThreadPoolExecutor, call: Callable[[Batch], list[Reply]],
@@ -349,7 +349,13 @@ class Lane:
         while True:
             # take first: whatever was queued during the last await (no kick is lost: kicks come from this
             # loop's thread, and nothing awaits between this take and the clear below)
-            batch += self._take(batch[0].key, self.max_batch - len(batch))
+            joined = self._take(batch[0].key, self.max_batch - len(batch))
+            if joined:
+                # The window runs from the latest arrival: robots answered together come back one after the
+                # other, each behind the others' decode and prepare on this one loop, so their spread grows
+                # with their number.  Each extension needs a request, so the wait stays below max_batch windows.
+                batch += joined
+                deadline = time.monotonic() + self.window_s
             remaining = deadline - time.monotonic()
             if len(batch) >= self.max_batch or self.arriving() <= 0 or remaining <= 0:
                 return batch

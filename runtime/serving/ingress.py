@@ -57,6 +57,11 @@ log = logging.getLogger(__name__)
 # 4K image never stalls the loop that every other session, /healthz and /readyz share.
 INLINE_PREPARE_MAX_BYTES = 1 << 20
 
+# Requests are routed by a board snapshot at most this old: reading every rank's beat and building its row
+# per request cost the event loop as much as prepare.  /readyz always reads afresh (and refreshes it), and
+# a rank's beat is only stale after 1.5 heartbeat periods, so routing sees what a probe would.
+ROUTING_SNAPSHOT_S = 0.05
+
 
 def _array_bytes(obs: Any) -> int:
     if isinstance(obs, np.ndarray):
@@ -97,6 +102,7 @@ class Ingress:
         self.preparing = 0  # requests in prepare: not routed yet
         self.recent_sessions: Callable[[], int] = lambda: 0  # the server's count of sessions active lately
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
+        self._snapshot: tuple[float, list[RankReadiness]] | None = None  # (monotonic time, ranks)
 
     # --- wiring (called by the worker) ----------------------------------------------
     def attach(self, policy: Policy, lanes: list[Lane]) -> None:
@@ -131,8 +137,15 @@ class Ingress:
         })
         return meta
 
+    def _ranks(self, fresh: bool = False) -> list[RankReadiness]:
+        """The board, read at most ``ROUTING_SNAPSHOT_S`` ago (``fresh``: now)."""
+        now = time.monotonic()
+        if fresh or self._snapshot is None or now - self._snapshot[0] > ROUTING_SNAPSHOT_S:
+            self._snapshot = (now, self.board.snapshot())
+        return self._snapshot[1]
+
     def readiness(self) -> Readiness:
-        ranks = self.board.snapshot()
+        ranks = self._ranks(fresh=True)
         failed = "; ".join(f"replica {k} failed: {why}" for k, why in sorted(self.failed.items()))
         return Readiness(
             ready=all_ranks_ready(ranks, self.layout.world_size) and self.accepting,
@@ -147,7 +160,7 @@ class Ingress:
 
     def replica_problems(self, ranks: Sequence[RankReadiness] | None = None) -> list[str | None]:
         """Per replica, why it may not take a request now (a failure, a rank not fresh and warm), or None."""
-        ranks = self.board.snapshot() if ranks is None else ranks
+        ranks = self._ranks() if ranks is None else ranks
         problems: list[str | None] = []
         for k in range(self.layout.dp):
             if k in self.failed:

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device-tool call for issue 16 on a lent H200: install, then the batching benchmarks, each stage bounded
+# so a slow one still leaves the others' tables in $OUT.  Wheels the device machine lacks travel in .whl/
+# (carry it); the project is installed outside the repository so the installed package is what runs.
+#   run(command="bash bench/device_batching.sh", carry=[".whl"])
+set -u
+REPO=$(pwd)
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+SITE=/tmp/site
+start=$(date +%s)
+left() { echo $(( ${BUDGET_S:-570} - ($(date +%s) - start) )); }
+
+pip install -q --target "$SITE" "$REPO"/.whl/*.whl >"$OUT/install.log" 2>&1
+pip install -q --no-deps --no-build-isolation --target "$SITE" "$REPO" >>"$OUT/install.log" 2>&1
+export PYTHONPATH=$SITE
+cd /tmp
+python -c "import torch, uvloop; print('torch', torch.__version__, torch.cuda.get_device_name(), 'uvloop', uvloop.__version__)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+echo "installed after $(( $(date +%s) - start )) s"
+python -m policy_operator.cli checkpoint init /tmp/base --size base >/dev/null
+echo "checkpoint after $(( $(date +%s) - start )) s"
+
+COMMON=(--device cuda --size base --steps 10 --dtype bfloat16 --compile reduce-overhead --checkpoint /tmp/base)
+# 1. the issue's table: max-batch 1 vs 8 vs 16, side by side, 1..32 closed-loop clients
+timeout $(( $(left) - 150 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
+    --max-batch 1,8,16 --batch-clients 1,4,8,16,32 --batch-window-ms 2 --out "$OUT/h200-batching.md" \
+    2>"$OUT/runtime.err" | grep -v '^|' ; echo "batching table rc=$? after $(( $(date +%s) - start )) s"
+# 2. in-process: what a batch of B costs, and how far a request in a batch is from it alone (bf16)
+timeout $(( $(left) - 20 )) python "$REPO/bench/batching.py" "${COMMON[@]}" --sizes 1,2,4,8,16 --reps 30 \
+    --out "$OUT/h200-batching-inprocess.md" 2>"$OUT/batching.err" | tail -12
+echo "done after $(( $(date +%s) - start )) s"
+cat "$OUT/h200-batching.md" 2>/dev/null | grep '^|' | head -40
