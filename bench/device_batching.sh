@@ -2,7 +2,8 @@
 # One device-tool call for issue 16 on a lent H200: install, then the batching benchmarks, each stage bounded
 # so a slow one still leaves the others' tables in $OUT.  Wheels the device machine lacks travel in .whl/
 # (carry it); the project is installed outside the repository so the installed package is what runs.
-#   run(command="bash bench/device_batching.sh", carry=[".whl"])
+#   run(command="bash bench/device_batching.sh table", carry=[".whl"])   # the issue's tables
+#   run(command="bash bench/device_batching.sh gil", carry=[".whl"])     # --gil-switch-ms 5 / 1 / 0.25
 set -u
 REPO=$(pwd)
 OUT=${OUT:-/tmp/out}
@@ -22,12 +23,26 @@ python -m policy_operator.cli checkpoint init /tmp/base --size base >/dev/null
 echo "checkpoint after $(( $(date +%s) - start )) s"
 
 COMMON=(--device cuda --size base --steps 10 --dtype bfloat16 --compile reduce-overhead --checkpoint /tmp/base)
-# 1. the issue's table: max-batch 1 vs 8 vs 16, side by side, 1..32 closed-loop clients
-timeout $(( $(left) - 150 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
-    --max-batch 1,8,16 --batch-clients 1,4,8,16,32 --batch-window-ms 2 --out "$OUT/h200-batching.md" \
-    2>"$OUT/runtime.err" | grep -v '^|' ; echo "batching table rc=$? after $(( $(date +%s) - start )) s"
-# 2. in-process: what a batch of B costs, and how far a request in a batch is from it alone (bf16)
-timeout $(( $(left) - 20 )) python "$REPO/bench/batching.py" "${COMMON[@]}" --sizes 1,2,4,8,16 --reps 30 \
-    --out "$OUT/h200-batching-inprocess.md" 2>"$OUT/batching.err" | tail -12
+case "${1:-table}" in
+table)
+    # 1. the issue's table: max-batch 1 vs 8 vs 16, side by side, 1..32 closed-loop clients
+    timeout $(( $(left) - 150 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
+        --max-batch 1,8,16 --batch-clients 1,4,8,16,32 --batch-window-ms 2 --out "$OUT/h200-batching.md" \
+        2>"$OUT/runtime.err" | grep -v '^|' ; echo "batching table rc=$? after $(( $(date +%s) - start )) s"
+    # 2. in-process: what a batch of B costs, and how far a request in a batch is from it alone (bf16)
+    timeout $(( $(left) - 20 )) python "$REPO/bench/batching.py" "${COMMON[@]}" --sizes 1,2,4,8,16 --reps 30 \
+        --out "$OUT/h200-batching-inprocess.md" 2>"$OUT/batching.err" | tail -12
+    cat "$OUT/h200-batching.md" 2>/dev/null | grep '^|' | head -40
+    ;;
+gil)
+    # rank 0's event loop and model thread share the GIL: the same servers at three switch intervals
+    for ms in 5 1 0.25; do
+        timeout $(( $(left) - 10 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 40 --tables batching \
+            --max-batch 1,8 --batch-clients 1,8,16 --batch-window-ms 2 --serve-args "--gil-switch-ms $ms" \
+            --out "$OUT/h200-gil-$ms.md" 2>"$OUT/gil-$ms.err" | grep -v '^|'
+        echo "gil $ms rc=$? after $(( $(date +%s) - start )) s"
+    done
+    for ms in 5 1 0.25; do echo "## --gil-switch-ms $ms"; grep '^|' "$OUT/h200-gil-$ms.md" 2>/dev/null; done
+    ;;
+esac
 echo "done after $(( $(date +%s) - start )) s"
-cat "$OUT/h200-batching.md" 2>/dev/null | grep '^|' | head -40

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import signal
 import statistics
 import subprocess
@@ -64,6 +65,7 @@ class Server:
             cmd += ["--backend", args.backend]
         if args.share_gpu:
             cmd += ["--share-gpu"]
+        cmd += shlex.split(args.serve_args)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -166,6 +168,7 @@ def main() -> int:
     p.add_argument("--max-batch", default="1,8,16", help="servers of the batching table, one per value")
     p.add_argument("--batch-clients", default="1,4,8,16,32", help="client counts of the batching table")
     p.add_argument("--batch-window-ms", type=float, default=2.0, help="every server's --batch-window-ms")
+    p.add_argument("--serve-args", default="", help="more flags for every server, e.g. '--gil-switch-ms 0.5'")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/runtime-<device>.md)")
     args = p.parse_args()
     tables = set(args.tables.split(","))
@@ -193,7 +196,9 @@ def main() -> int:
         f"Reproduce: `python bench/runtime.py --device {args.device} --size {args.size} --steps {args.steps} "
         f"--dtype {args.dtype}{' --compile ' + args.compile if args.compile else ''} --backend {args.backend}"
         f"{' --share-gpu' if args.share_gpu else ''} --n {args.n} --tables {args.tables}"
-        f"{' --max-batch ' + args.max_batch + ' --batch-clients ' + args.batch_clients if 'batching' in tables else ''}`",
+        f"{' --max-batch ' + args.max_batch + ' --batch-clients ' + args.batch_clients if 'batching' in tables else ''}"
+        f"{f' --batch-window-ms {args.batch_window_ms:g}' if 'batching' in tables else ''}"
+        f"{' --serve-args ' + shlex.quote(args.serve_args) if args.serve_args else ''}`",
         "",
     ]
     publish(lines, args.out or REPO / "bench" / "results" / f"runtime-{args.device}.md")

@@ -30,6 +30,8 @@ DEFAULT_MAX_BATCH: Final = 8
 DEFAULT_BATCH_WINDOW_MS: Final = 2.0
 MAX_BATCH_WINDOW_MS: Final = 1000.0  # a window is a latency budget; a second is already far beyond any control loop's
 MAX_MAX_BATCH: Final = 256  # a batch is one forward pass: far beyond what any GPU runs at once for one policy
+DEFAULT_GIL_SWITCH_MS: Final = 5.0  # Python's own sys.getswitchinterval()
+MAX_GIL_SWITCH_MS: Final = 100.0
 DEFAULT_POLICY: Final = "policy_operator.runtime.policy.reference:ReferencePolicy"
 WORKER_MODULE: Final = "policy_operator.runtime.worker"  # the torchrun program, one process per rank
 SERVE_COMMAND: Final = ("policyserver", "serve")
@@ -53,6 +55,7 @@ class ServeOptions:
     max_batch: int
     batch_window_ms: float
     event_loop: str
+    gil_switch_ms: float
     max_message_bytes: int
     error_format: str
     auth_token_file: str | None
@@ -109,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--auth-token-file", default=None, help="require 'Authorization: Bearer|Api-Key <token>'")
     g.add_argument("--event-loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                    help="rank 0's event loop; auto = uvloop when installed (default %(default)s)")
+    g.add_argument("--gil-switch-ms", type=float, default=DEFAULT_GIL_SWITCH_MS,
+                   help="how long a thread may hold the GIL while another waits (sys.setswitchinterval): rank 0's "
+                        "event loop and its model thread share one interpreter (default %(default)s)")
     g = p.add_argument_group("health and lifecycle")
     g.add_argument("--heartbeat-s", type=float, default=1.0, help="rank heartbeat period (default %(default)s)")
     g.add_argument("--drain-grace-s", type=float, default=DEFAULT_DRAIN_GRACE_S,
@@ -144,6 +150,8 @@ def check_values(opts: ServeOptions) -> None:
     if not (math.isfinite(opts.batch_window_ms) and 0 <= opts.batch_window_ms <= MAX_BATCH_WINDOW_MS):
         raise ValueError(f"--batch-window-ms must be in 0..{MAX_BATCH_WINDOW_MS:g} milliseconds, "
                          f"got {opts.batch_window_ms}")
+    if not (math.isfinite(opts.gil_switch_ms) and 0 < opts.gil_switch_ms <= MAX_GIL_SWITCH_MS):
+        raise ValueError(f"--gil-switch-ms must be in (0, {MAX_GIL_SWITCH_MS:g}] milliseconds, got {opts.gil_switch_ms}")
     if opts.threads is not None and opts.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {opts.threads}")
 

@@ -345,6 +345,7 @@ def run(opts: serve_flags.ServeOptions) -> int:
         return ServeExit.LAYOUT
     rank = int(os.environ.get("RANK", "0"))
     _setup_logging(opts.log_level, rank)
+    sys.setswitchinterval(opts.gil_switch_ms / 1e3)
     rt = Runtime(opts, layout)
     if rt.rank == 0:
         with asyncio.Runner(loop_factory=event_loop_factory(opts.event_loop)) as runner:

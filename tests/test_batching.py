@@ -137,11 +137,11 @@ async def _settle(condition: Any, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def run_lane(scenario: Any, replica: FakeReplica, **batching: Any) -> Any:
+def run_lane(scenario: Any, replica: FakeReplica, pool_type: Any = None, **batching: Any) -> Any:
     async def main() -> Any:
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(1) as pool:
+        with (pool_type or ThreadPoolExecutor)(1) as pool:
             lane = Lane(0, pool, replica.call, lambda: None, **batching)
             try:
                 return await asyncio.wait_for(scenario(lane), 60)
@@ -180,6 +180,34 @@ def test_max_batch_one_runs_one_request_at_a_time() -> None:
 
     run_lane(scenario, replica, max_batch=1)
     assert replica.batches == [["a"], ["b"], ["c"]]
+
+
+def test_a_full_batch_goes_to_the_replica_before_the_previous_replies_are_sent() -> None:
+    """The device must not idle while the event loop resumes the sessions of the batch that just finished."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    replica = FakeReplica()
+    order: list[str] = []  # both appended on the event loop thread: the order is deterministic
+
+    class RecordingPool(ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            order.append("batch handed to the replica")
+            return super().submit(fn, *args, **kwargs)
+
+    async def scenario(lane: Lane) -> None:
+        async def first_session() -> None:
+            await lane.submit(request("a"))
+            order.append("a's session resumed")
+
+        first = asyncio.ensure_future(first_session())
+        await _settle(lambda: replica.batches, "the first batch")
+        rest = [lane.submit(request(name)) for name in "bc"]  # a full batch queued behind the first
+        replica.gate.set()
+        await asyncio.gather(first, *rest)
+
+    run_lane(scenario, replica, RecordingPool, max_batch=2)
+    assert replica.batches == [["a"], ["b", "c"]]
+    assert order == ["batch handed to the replica", "batch handed to the replica", "a's session resumed"]
 
 
 def test_a_batch_holds_one_shape_and_the_others_keep_their_order() -> None:

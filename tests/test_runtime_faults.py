@@ -194,6 +194,10 @@ def serve_cli(checkpoint: Path, *args: str, timeout: float = 45) -> subprocess.C
     (["--drain-grace-s", "-1"], "--drain-grace-s"),
     (["--max-message-bytes", "0"], "--max-message-bytes"),
     (["--threads", "0"], "--threads"),
+    (["--max-batch", "0"], "--max-batch"),
+    (["--batch-window-ms", "-1"], "--batch-window-ms"),
+    (["--gil-switch-ms", "0"], "--gil-switch-ms"),
+    (["--gil-switch-ms", "inf"], "--gil-switch-ms"),
     (["--cfgp", "2", "--heartbeat-s", "0"], "--heartbeat-s"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_serve_flags_are_one_line_and_exit_2(tiny_checkpoint, args: list[str], flag: str) -> None:  # noqa: F811

@@ -342,6 +342,10 @@ class Lane:
             batch = self._take(None, self.max_batch)
             if not batch:
                 await self._wakeup.wait()
+        if len(batch) >= self.max_batch:
+            # full already: off to the replica before the loop runs the previous batch's replies, so the
+            # device does not idle while the event loop sends them
+            return batch
         # One turn of the loop first: the previous batch's done-callbacks release its requests, so
         # ``arriving`` counts their sessions as coming back instead of still in flight.
         await asyncio.sleep(0)
