@@ -1,17 +1,19 @@
 """Send RoboLab-shaped observations to a policy server and print latency percentiles.
 
 Speaks the same wire protocol as openpi-client (``runtime/serving/wire.py``); with
-``--concurrency N`` it opens N connections that send in parallel, which is how
-a dp>1 pod is seen serving requests concurrently.
+``--concurrency N`` it opens N connections, one process each (as N robots),
+that send in parallel: how a dp>1 pod, or a batching replica, is seen serving
+requests concurrently.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
-import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -44,74 +46,83 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
 
 
-def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, token: str | None = None,
-               timeout: float = 60.0) -> dict[str, Any]:
+def _session(url: str, n: int, worker: int, seed: int | None, headers: dict[str, str] | None, timeout: float,
+             barrier: Any) -> dict[str, Any]:
+    """One robot: its own connection, sending its next frame as soon as its reply is in.
+
+    With several sessions each runs in a process of its own, as robots do: in one process the
+    connections' threads would queue for one GIL, and the benchmark would measure the client.
+    """
     from websockets.sync.client import connect
 
     from policy_operator.runtime.serving import wire
 
+    out: dict[str, Any] = {"meta": None, "records": [], "shapes": [], "errors": [], "start": None, "end": None}
+    try:
+        with connect(url, additional_headers=headers, max_size=None, open_timeout=timeout, compression=None) as ws:
+            meta = out["meta"] = wire.unpackb(ws.recv(timeout=timeout))
+            # every frame ready before the first send, as a robot's camera frame is when it sends
+            frames = [wire.packb(robolab_observation(meta, worker * 100003 + i, fixed_seed=seed)) for i in range(n)]
+            if barrier is not None:  # every session connected and ready: they start together
+                barrier.wait(timeout)
+            out["start"] = time.monotonic()
+            for frame in frames:
+                t0 = time.perf_counter()
+                ws.send(frame)
+                reply = ws.recv(timeout=timeout)
+                dt = (time.perf_counter() - t0) * 1e3
+                if isinstance(reply, str):
+                    raise RuntimeError(f"server error: {reply}")
+                msg = wire.unpackb(reply)
+                timing = msg["server_timing"]
+                out["records"].append({"rtt_ms": dt, "infer_ms": float(timing["infer_ms"]),
+                                       "total_ms": float(timing.get("total_ms", "nan")),
+                                       "replica": int(timing.get("replica", 0)),
+                                       "queue_ms": float(timing.get("queue_ms", "nan")),
+                                       "prepare_ms": float(timing.get("prepare_ms", "nan")),
+                                       "decode_ms": float(timing.get("decode_ms", "nan")),
+                                       "batch_size": int(timing.get("batch_size", 1))})
+                out["shapes"].append(tuple(np.asarray(msg["actions"]).shape))
+            out["end"] = time.monotonic()
+    except Exception as exc:  # noqa: BLE001 - reported in the summary
+        out["errors"].append(f"{type(exc).__name__}: {exc}")
+        if barrier is not None:
+            barrier.abort()  # the others must not wait for a session that never comes
+    return out
+
+
+def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, token: str | None = None,
+               timeout: float = 60.0) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {token}"} if token else None
-    records: list[dict[str, float]] = []  # one per request: rtt_ms, infer_ms, total_ms, replica
-    shapes: set[tuple[int, ...]] = set()
+    if concurrency == 1:
+        sessions = [_session(url, n, 0, seed, headers, timeout, None)]
+    else:
+        ctx = multiprocessing.get_context("spawn")  # the caller may hold threads (and torch): no fork
+        with ctx.Manager() as manager, ProcessPoolExecutor(concurrency, mp_context=ctx) as pool:
+            barrier = manager.Barrier(concurrency)
+            futures = [pool.submit(_session, url, n, w, seed, headers, timeout, barrier) for w in range(concurrency)]
+            sessions = [f.result() for f in futures]
+    records = [r for s in sessions for r in s["records"]]
+    errors = [e for s in sessions for e in s["errors"]]
     replicas: dict[int, int] = {}
-    errors: list[str] = []
-    meta_box: list[dict[str, Any]] = []
-    lock = threading.Lock()
-
-    def one(worker: int) -> None:
-        try:
-            with connect(url, additional_headers=headers, max_size=None, open_timeout=timeout,
-                         compression=None) as ws:
-                meta = wire.unpackb(ws.recv(timeout=timeout))
-                with lock:
-                    meta_box.append(meta)
-                # every frame ready before the first send, as a robot's camera frame is when it sends: with
-                # many connections in one process, building 150 kB frames between requests would spread the
-                # robots' sends apart by the client's own CPU time, not the server's
-                frames = [wire.packb(robolab_observation(meta, worker * 100003 + i, fixed_seed=seed)) for i in range(n)]
-                for frame in frames:
-                    t0 = time.perf_counter()
-                    ws.send(frame)
-                    reply = ws.recv(timeout=timeout)
-                    dt = (time.perf_counter() - t0) * 1e3
-                    if isinstance(reply, str):
-                        raise RuntimeError(f"server error: {reply}")
-                    msg = wire.unpackb(reply)
-                    timing = msg["server_timing"]
-                    r = int(timing.get("replica", 0))
-                    with lock:
-                        records.append({"rtt_ms": dt, "infer_ms": float(timing["infer_ms"]),
-                                        "total_ms": float(timing.get("total_ms", "nan")), "replica": r,
-                                        "queue_ms": float(timing.get("queue_ms", "nan")),
-                                        "prepare_ms": float(timing.get("prepare_ms", "nan")),
-                                        "decode_ms": float(timing.get("decode_ms", "nan")),
-                                        "batch_size": int(timing.get("batch_size", 1))})
-                        shapes.add(tuple(np.asarray(msg["actions"]).shape))
-                        replicas[r] = replicas.get(r, 0) + 1
-        except Exception as exc:  # noqa: BLE001 - reported in the summary
-            with lock:
-                errors.append(f"{type(exc).__name__}: {exc}")
-
-    threads = [threading.Thread(target=one, args=(w,)) for w in range(concurrency)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    for r in records:
+        replicas[r["replica"]] = replicas.get(r["replica"], 0) + 1
+    starts = [s["start"] for s in sessions if s["start"] is not None]
+    ends = [s["end"] for s in sessions if s["end"] is not None]
+    wall = max(ends) - min(starts) if ends else 0.0
     latencies = [r["rtt_ms"] for r in records]
     return {
         "url": url,
-        "metadata": meta_box[0] if meta_box else None,
+        "metadata": next((s["meta"] for s in sessions if s["meta"] is not None), None),
         "requests": len(latencies),
         "errors": errors,
-        "action_shapes": sorted(shapes),
+        "action_shapes": sorted({shape for s in sessions for shape in s["shapes"]}),
         "latency_ms": {"p50": percentile(latencies, 50), "p90": percentile(latencies, 90),
                        "p99": percentile(latencies, 99), "mean": statistics.fmean(latencies) if latencies else None},
         "infer_ms_p50": percentile([r["infer_ms"] for r in records], 50),
         # per request: the batch size a request saw, averaged (a batch of 8 counts 8 times)
         "mean_batch_size": statistics.fmean(r["batch_size"] for r in records) if records else None,
-        "requests_per_s": len(latencies) / wall if wall > 0 else None,
+        "requests_per_s": len(latencies) / wall if wall > 0 else 0.0,
         "wall_s": wall,
         "replicas": replicas,
         "records": records,
