@@ -37,11 +37,11 @@ table)
 gil)
     # the issue's table again, then rank 0's event loop and model thread sharing the GIL at a 0.5 ms switch
     # interval instead of Python's 5 ms (max-batch 8, where two batches alternate from 16 clients on)
-    timeout $(( $(left) - 90 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
+    timeout $(( $(left) - 60 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
         --max-batch ${MAX_BATCH:-1,8,16} --batch-clients ${CLIENTS:-1,4,8,16,32} --batch-window-ms 2 --out "$OUT/h200-batching.md" \
         2>"$OUT/runtime.err" | grep -v '^|' ; echo "batching table rc=$? after $(( $(date +%s) - start )) s"
     timeout $(( $(left) - 5 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
-        --max-batch 8 --batch-clients ${GIL_CLIENTS:-1,8,16,32} --batch-window-ms 2 --serve-args "--gil-switch-ms 0.5" \
+        --max-batch 8 --batch-clients ${GIL_CLIENTS:-1,8,16,32} --batch-window-ms 2 --serve-args "--gil-switch-ms 0.5" --no-asyncio-column \
         --out "$OUT/h200-gil.md" 2>"$OUT/gil.err" | grep -v '^|'
     echo "gil rc=$? after $(( $(date +%s) - start )) s"
     grep '^|' "$OUT/h200-batching.md"; echo "## --gil-switch-ms 0.5"; grep '^|' "$OUT/h200-gil.md"

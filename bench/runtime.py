@@ -168,6 +168,8 @@ def main() -> int:
     p.add_argument("--max-batch", default="1,8,16", help="servers of the batching table, one per value")
     p.add_argument("--batch-clients", default="1,4,8,16,32", help="client counts of the batching table")
     p.add_argument("--batch-window-ms", type=float, default=2.0, help="every server's --batch-window-ms")
+    p.add_argument("--asyncio-column", action=argparse.BooleanOptionalAction, default=True,
+                   help="the batching table's 1-client split also on asyncio's own loop (one more server)")
     p.add_argument("--serve-args", default="", help="more flags for every server, e.g. '--gil-switch-ms 0.5'")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/runtime-<device>.md)")
     args = p.parse_args()
@@ -247,14 +249,15 @@ def batching_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> lis
         for c in clients:
             lines.append(f"| req/s at {c} clients / max-batch 1's | "
                          + " | ".join(f"{results[(s, c)]['rps'] / results[(1, c)]['rps']:.2f}" for s in sizes) + " |")
-    # the same 1-client split on asyncio's own loop, beside the default (uvloop when installed)
-    plain = Server(checkpoint, args, 1, 1, mode, max_batch=sizes[0], event_loop="asyncio")
-    try:
-        asyncio_loop = measure(plain.url, args.n * 2, 1)
-    finally:
-        plain.close()
-    columns = [*(f"max-batch {s}" for s in sizes), f"max-batch {sizes[0]}, --event-loop asyncio"]
-    split = [*(results[(s, one)] for s in sizes), asyncio_loop]
+    columns = [f"max-batch {s}" for s in sizes]
+    split = [results[(s, one)] for s in sizes]
+    if args.asyncio_column:  # the same 1-client split on asyncio's own loop, beside the default (uvloop if installed)
+        plain = Server(checkpoint, args, 1, 1, mode, max_batch=sizes[0], event_loop="asyncio")
+        try:
+            split.append(measure(plain.url, args.n * 2, 1))
+        finally:
+            plain.close()
+        columns.append(f"max-batch {sizes[0]}, --event-loop asyncio")
     lines += ["", f"| server time outside infer, {one} client (p50 ms) | " + " | ".join(columns) + " |",
               "|---|" + "---:|" * len(columns)]
     for key, label in (("server_overhead_p50", "total_ms - infer_ms: everything the server adds"),
