@@ -110,12 +110,19 @@ def test_a_rollout_watched_throughout_never_reads_ready_while_an_old_pod_serves(
         env.lc.kubectl("patch", C.SHORT_NAME, name, "--type=merge", "-p", json.dumps({"spec": {"runtime": {"steps": 3}}}))
         done = env.wait(name, lambda s: s.get("observedGeneration") == 2 and s.get("phase") == C.PHASE_READY
                         and all(p.get("revision") != old_revision for p in s.get("pods") or []), "rolled and Ready")
+
+        def claims_ready_now() -> list[dict[str, Any]]:
+            return [s for s in list(seen) if s["status"].get("observedGeneration") == 2
+                    and (s["status"].get("phase") == C.PHASE_READY
+                         or cond(s["status"], C.COND_READY).get("status") == "True")]
+
+        # the watcher samples on its own clock: it must see the end the wait saw before it is stopped
+        wait_for(claims_ready_now, 30, what="the watcher to see the end of the rollout")
     finally:
         stop.set()
         watcher.join(10)
     assert done["updatedReadyReplicas"] == 1 and cond(done, C.COND_PROGRESSING)["reason"] == "Stable"
-    claims_ready = [s for s in seen if s["status"].get("observedGeneration") == 2
-                    and (s["status"].get("phase") == C.PHASE_READY or cond(s["status"], C.COND_READY).get("status") == "True")]
+    claims_ready = claims_ready_now()
     assert claims_ready, "the watcher never saw the end of the rollout"
     for s in claims_ready:
         assert old_revision not in {p.get("revision") for p in s["status"].get("pods") or []}, s["status"]
