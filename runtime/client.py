@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import statistics
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -104,9 +105,7 @@ def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, 
             sessions = [f.result() for f in futures]
     records = [r for s in sessions for r in s["records"]]
     errors = [e for s in sessions for e in s["errors"]]
-    replicas: dict[int, int] = {}
-    for r in records:
-        replicas[r["replica"]] = replicas.get(r["replica"], 0) + 1
+    replicas = Counter(r["replica"] for r in records)
     starts = [s["start"] for s in sessions if s["start"] is not None]
     ends = [s["end"] for s in sessions if s["end"] is not None]
     wall = max(ends) - min(starts) if ends else 0.0
