@@ -155,6 +155,23 @@ def test_every_input_changes_the_actions(policy: ReferencePolicy, obs: dict[str,
     assert np.array_equal(base, actions(policy, dict(obs, unknown_key="ignored", session_id="s")))
 
 
+def test_prepared_tensors_shared_between_requests_are_never_written(policy: ReferencePolicy,
+                                                                   obs: dict[str, Any]) -> None:
+    """``present`` and the prompt's tokens are cached and shared by every request with that camera count and
+    prompt: a batch, the sampler or a second prompt must leave the first request's copies as they were."""
+    first = policy.prepare(obs)
+    kept = {k: first.tensors[k].clone() for k in ("present", "tokens", "state", camera_key(0))}
+    batch = policy.collate([first, first])
+    sample_actions(policy, batch, [0, 1], steps=2, guidance=3.0, mode="batched")
+    policy.prepare(dict(obs, prompt="stack the red block"))
+    again = policy.prepare(obs)
+    assert again.tensors["tokens"] is first.tensors["tokens"], "one prompt is tokenized once"
+    for key, value in kept.items():
+        assert torch.equal(first.tensors[key], value) and torch.equal(again.tensors[key], value), key
+    text = obs["prompt"].encode()[: policy.cfg.prompt_tokens]
+    assert first.tensors["tokens"][0, : len(text)].tolist() == [b + 1 for b in text]
+
+
 def test_native_and_resized_images_both_work(policy: ReferencePolicy, obs: dict[str, Any]) -> None:
     s = policy.cfg.image_size
     native = dict(obs, **{"observation/image": np.full((s, s, 3), 200, np.uint8)})

@@ -27,10 +27,11 @@ communicator) is out of service for good and the pod goes down
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import random
 import secrets
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -104,6 +105,11 @@ class Ingress:
         self.recent_sessions: Callable[[], int] = lambda: 0  # the server's count of sessions active lately
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
         self._snapshot: tuple[float, list[RankReadiness]] | None = None  # (monotonic time, ranks)
+        self._problems: tuple[tuple[float, int], list[str | None]] | None = None  # of that snapshot
+        # Request ids for the logs, unique across pods; seeds of requests without one.  Neither is a secret,
+        # and os.urandom per request (uuid4, secrets) cost the event loop two system calls.
+        self._ids = (f"{secrets.token_hex(4)}-{n}" for n in itertools.count())
+        self._seeds = random.Random(secrets.randbits(128))
 
     # --- wiring (called by the worker) ----------------------------------------------
     def attach(self, policy: Policy, lanes: list[Lane]) -> None:
@@ -160,8 +166,20 @@ class Ingress:
         )
 
     def replica_problems(self, ranks: Sequence[RankReadiness] | None = None) -> list[str | None]:
-        """Per replica, why it may not take a request now (a failure, a rank not fresh and warm), or None."""
-        ranks = self._ranks() if ranks is None else ranks
+        """Per replica, why it may not take a request now (a failure, a rank not fresh and warm), or None.
+
+        Without ``ranks``: of the routing snapshot, computed once per snapshot (and per failure).
+        """
+        if ranks is not None:
+            return self._problems_of(ranks)
+        ranks = self._ranks()
+        assert self._snapshot is not None
+        key = (self._snapshot[0], len(self.failed))
+        if self._problems is None or self._problems[0] != key:
+            self._problems = (key, self._problems_of(ranks))
+        return self._problems[1]
+
+    def _problems_of(self, ranks: Sequence[RankReadiness]) -> list[str | None]:
         problems: list[str | None] = []
         for k in range(self.layout.dp):
             if k in self.failed:
@@ -194,7 +212,7 @@ class Ingress:
             else:
                 sample = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.policy.prepare, obs)
             prepare_ms = (time.perf_counter() - t0) * 1e3
-            request = InferenceRequest(uuid.uuid4().hex, sample, secrets.randbits(63) if seed is None else seed)
+            request = InferenceRequest(next(self._ids), sample, self._seeds.getrandbits(63) if seed is None else seed)
             problems = self.replica_problems()
             if all(problems):
                 raise NotReady("no replica can take a request: " + "; ".join(p for p in problems if p))

@@ -22,6 +22,7 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._replicas: list[tuple[Counter, Histogram, Histogram]] = []  # per replica: its labelled series
         self.latency = Histogram("policy_request_latency_seconds", "Receive-to-reply time of a successful request",
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.infer = Histogram("policy_infer_seconds", "Time a replica spent computing one request",
@@ -61,10 +62,19 @@ class ServerMetrics:
         self.world_size.set(layout.world_size)
         self.dp_replicas.set(layout.dp)
         # every replica's series exists from the first scrape: rate() and the dashboard read 0, not "no data",
-        # before a replica's first batch
-        for replica in map(str, range(layout.dp)):
-            for family in (self.batch_size, self.infer, self.requests):
-                family.labels(replica)
+        # before a replica's first batch; kept, so a request does not look its labels up again
+        self._replicas = [(self.requests.labels(k), self.infer.labels(k), self.batch_size.labels(k))
+                          for k in map(str, range(layout.dp))]
+
+    def observe_request(self, replica: int, infer_s: float, queue_s: float) -> None:
+        """A request answered with actions: on the event loop, once per request."""
+        requests, infer, _ = self._replicas[replica]
+        requests.inc()
+        infer.observe(infer_s)
+        self.queue.observe(queue_s)
+
+    def observe_batch(self, replica: int, size: int) -> None:
+        self._replicas[replica][2].observe(size)
 
     def observe_download(self, progress: FetchProgress) -> None:
         """Called by the fetch's progress reporter, from its own thread, every few seconds while it downloads."""

@@ -71,7 +71,7 @@ class PolicyWebSocketServer:
         self.config = config
         self.metrics = ServerMetrics()
         self.metrics.set_layout(ingress.layout)
-        ingress.on_batch = lambda replica, size: self.metrics.batch_size.labels(str(replica)).observe(size)
+        ingress.on_batch = self.metrics.observe_batch
         self._server: Server | None = None
         # open sessions, and those of them waiting for their next request: what a drain closes at once
         self._sessions: set[ServerConnection] = set()
@@ -170,9 +170,7 @@ class PolicyWebSocketServer:
         obs = wire.decode_observation(message)
         decode_ms = (time.perf_counter() - started) * 1e3
         result = await self.ingress.infer(obs)
-        self.metrics.requests.labels(str(result.replica)).inc()
-        self.metrics.infer.labels(str(result.replica)).observe(result.infer_ms / 1e3)
-        self.metrics.queue.observe(result.queue_ms / 1e3)
+        self.metrics.observe_request(result.replica, result.infer_ms / 1e3, result.queue_ms / 1e3)
         return {
             "actions": result.actions,
             "server_timing": {"infer_ms": result.infer_ms, "queue_ms": result.queue_ms, "decode_ms": decode_ms,
