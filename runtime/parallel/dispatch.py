@@ -277,12 +277,16 @@ class _Queued:
 class Lane:
     """A serial, batching path from the ingress to one replica; ``call`` and ``stop`` run on the lane's thread.
 
-    ``submit`` queues a request; one task per lane (on the event loop) takes the
-    oldest request and every queued one of the same shape, up to ``max_batch``,
-    and runs them as one ``Batch``.  When the batch has room and ``arriving()``
-    says requests are expected soon (the ingress's count), it waits for them,
-    up to ``window_s`` after the latest one that joined; with none expected it
-    never waits, so a lone client sees no delay.
+    Driven by events on the event loop, with no task of its own: ``submit``,
+    ``kick``, the window's timer and the end of a batch each call ``_pump``,
+    which starts a batch when the replica is free -- the oldest request and
+    every queued one of its shape, up to ``max_batch``.  When the batch has
+    room and ``arriving()`` says requests are expected soon (the ingress's
+    count), it waits for them, up to ``window_s`` after the latest one that
+    joined; with none expected it never waits, so a lone client's request goes
+    to the replica within the ``submit`` call.  The replica's thread hands the
+    replies back with one callback that resolves every request of the batch:
+    each hop between the threads costs the request a scheduler wake-up.
     """
 
     def __init__(self, index: int, executor: ThreadPoolExecutor, call: Callable[[Batch], list[Reply]],
@@ -299,24 +303,23 @@ class Lane:
         self._call = call
         self._stop = stop
         self._queue: deque[_Queued] = deque()
-        self._wakeup: asyncio.Event | None = None
-        self._runner: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._busy = False  # a batch is with the replica
+        # while the oldest request waits for others: (its shape, how many of it were queued, window end)
+        self._window: tuple[Hashable, int, float] | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     def submit(self, request: InferenceRequest) -> asyncio.Future[Served]:
         """Queue ``request`` now (on the event loop thread); the future resolves once its batch has run."""
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         item = _Queued(request, request.sample.group_key(), loop.create_future(), time.perf_counter())
         self._queue.append(item)
-        if self._runner is None:
-            self._wakeup = asyncio.Event()
-            self._runner = loop.create_task(self._run(), name=f"lane-{self.index}")
-        self.kick()
+        self._pump()
         return item.future
 
     def kick(self) -> None:
-        """Wake the lane's task: a request was queued, or one it may be waiting for went elsewhere."""
-        if self._wakeup is not None:
-            self._wakeup.set()
+        """Look again: a request was queued, or one the window may be waiting for went elsewhere."""
+        self._pump()
 
     def _take(self, key: Hashable | None, room: int) -> list[_Queued]:
         """Up to ``room`` queued requests of shape ``key`` (the oldest's when None), oldest first; others stay."""
@@ -334,68 +337,88 @@ class Lane:
         self._queue = kept
         return taken
 
-    async def _collect(self) -> list[_Queued]:
-        assert self._wakeup is not None
-        batch: list[_Queued] = []
-        while not batch:
-            self._wakeup.clear()
-            batch = self._take(None, self.max_batch)
-            if not batch:
-                await self._wakeup.wait()
-        if len(batch) >= self.max_batch:
-            # full already: off to the replica before the loop runs the previous batch's replies, so the
-            # device does not idle while the event loop sends them
-            return batch
-        # One turn of the loop first: the previous batch's done-callbacks release its requests, so
-        # ``arriving`` counts their sessions as coming back instead of still in flight.
-        await asyncio.sleep(0)
-        deadline = time.monotonic() + self.window_s
-        while True:
-            # take first: whatever was queued during the last await (no kick is lost: kicks come from this
-            # loop's thread, and nothing awaits between this take and the clear below)
-            joined = self._take(batch[0].key, self.max_batch - len(batch))
-            if joined:
-                # The window runs from the latest arrival: robots answered together come back one after the
-                # other, each behind the others' decode and prepare on this one loop, so their spread grows
-                # with their number.  Each extension needs a request, so the wait stays below max_batch windows.
-                batch += joined
-                deadline = time.monotonic() + self.window_s
-            remaining = deadline - time.monotonic()
-            if len(batch) >= self.max_batch or self.arriving() <= 0 or remaining <= 0:
-                return batch
-            self._wakeup.clear()
+    def _pump(self) -> None:
+        """Start the next batch if the replica is free and the batch need not wait (any number of calls is fine)."""
+        if self._busy or self._loop is None:
+            return
+        while self._queue and self._queue[0].future.done():
+            self._queue.popleft()  # gave up before it ran
+        if not self._queue:
+            self._close_window()
+            return
+        key = self._queue[0].key
+        queued = sum(1 for item in self._queue if item.key == key and not item.future.done())
+        now = time.monotonic()
+        if queued < self.max_batch and self.window_s > 0 and self.arriving() > 0:
+            # The window runs from the latest arrival: robots answered together come back one after the
+            # other, each behind the others' decode and prepare on this one loop, so their spread grows
+            # with their number.  Each extension needs a request, so the wait stays below max_batch windows.
+            if self._window is None or self._window[0] != key or queued > self._window[1]:
+                self._window = (key, queued, now + self.window_s)
+            remaining = self._window[2] - now
+            if remaining > 0:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = self._loop.call_later(remaining, self._pump)
+                return
+        self._close_window()
+        self._start(self._take(key, self.max_batch))
+
+    def _close_window(self) -> None:
+        self._window = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _start(self, items: list[_Queued]) -> None:
+        assert self._loop is not None
+        loop, batch = self._loop, Batch(tuple(item.request for item in items))
+        if self.on_batch is not None:
             try:
-                await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except TimeoutError:
-                pass  # the next turn takes what came and returns
+                self.on_batch(self.index, len(items))
+            except Exception:  # noqa: BLE001 - a metrics hook must never stop the lane
+                log.exception("on_batch hook failed")
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            items = await self._collect()
-            batch = Batch(tuple(item.request for item in items))
-            if self.on_batch is not None:
-                try:
-                    self.on_batch(self.index, len(items))
-                except Exception:  # noqa: BLE001 - a metrics hook must never stop the lane
-                    log.exception("on_batch hook failed")
-
-            def timed(items: list[_Queued] = items, batch: Batch = batch) -> tuple[list[Reply], list[float]]:
-                started = time.perf_counter()
-                return self._call(batch), [(started - item.enqueued) * 1e3 for item in items]
-
+        def run() -> None:  # on the lane's thread
+            started = time.perf_counter()
+            waits = [(started - item.enqueued) * 1e3 for item in items]
+            outcome: list[Reply] | BaseException
             try:
-                replies, waits = await loop.run_in_executor(self.executor, timed)
-                if len(replies) != len(items):
-                    raise RuntimeError(f"replica {self.index} answered {len(replies)} of {len(items)} requests")
-            except Exception as exc:  # noqa: BLE001 - the lane's transport failed: every request of the batch
-                for item in items:
-                    if not item.future.done():
-                        item.future.set_exception(exc)
+                outcome = self._call(batch)
+            except BaseException as exc:  # noqa: BLE001 - the lane's transport failed: every request of the batch
+                outcome = exc
+            try:
+                loop.call_soon_threadsafe(self._finish, items, outcome, waits)
+            except RuntimeError:  # the loop is closed: nobody waits for these any more
+                pass
+
+        self._busy = True
+        try:
+            self.executor.submit(run)
+        except RuntimeError as exc:  # the executor is shut down
+            self._finish(items, exc, [0.0] * len(items))
+
+    def _finish(self, items: list[_Queued], outcome: list[Reply] | BaseException, waits: list[float]) -> None:
+        """On the event loop: every request of the batch gets its reply (or the failure), then the next batch."""
+        self._busy = False
+        if not isinstance(outcome, BaseException) and len(outcome) != len(items):
+            outcome = RuntimeError(f"replica {self.index} answered {len(outcome)} of {len(items)} requests")
+        for k, item in enumerate(items):
+            if item.future.done():
                 continue
-            for item, reply, wait in zip(items, replies, waits, strict=True):
-                if not item.future.done():
-                    item.future.set_result(Served(reply, wait, len(items)))
+            if isinstance(outcome, BaseException):
+                item.future.set_exception(outcome)
+            else:
+                item.future.set_result(Served(outcome[k], waits[k], len(items)))
+        assert self._loop is not None
+        if self._queue and sum(1 for item in self._queue if item.key == self._queue[0].key) >= self.max_batch:
+            # full already: off to the replica before the loop resumes this batch's sessions, so the device
+            # does not idle while the event loop sends their replies
+            self._pump()
+        else:
+            # after the callbacks the replies just scheduled: they release this batch's requests, so
+            # ``arriving`` counts those sessions as coming back instead of still in flight
+            self._loop.call_soon(self._pump)
 
     def stop(self) -> Future[None]:
         """Send Shutdown down the lane, queued behind anything still running on it."""
