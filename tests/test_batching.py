@@ -453,3 +453,28 @@ def test_closed_loop_robots_come_back_as_one_batch(tiny_checkpoint: Path, tmp_pa
         for k in range(4):
             assert sizes[k][-4:] == [4, 4, 4, 4], sizes
             assert max(waits[k][-4:]) < 400, "a full batch starts without waiting out the window"
+
+
+def test_robots_answered_after_a_long_batch_still_count_as_coming_back(tiny_checkpoint: Path,  # noqa: F811
+                                                                       tmp_path: Path) -> None:
+    """Robot A's request is held for 1.5 s, longer than ``RECENT_SESSION_S``, while robot B's queues behind it.
+    When A's batch ends, A is about to come back: counted by the age of its last frame it would look gone and B's
+    request would run alone at once (seen before the fix).  A was in flight until just now, so the window waits
+    for A's next request and the two run together."""
+    gate = tmp_path / "go"
+    with serve_policy(tiny_checkpoint, "--steps", "1", "--max-batch", "4", "--batch-window-ms", "1000",
+                      "--threads", "1", "--policy", "held_policy:HeldPolicy") as s:
+        with (connect(s.url, compression=None, max_size=None, open_timeout=30) as a,
+              connect(s.url, compression=None, max_size=None, open_timeout=30) as b):
+            for ws in (a, b):
+                wire.unpackb(ws.recv(timeout=RECV_TIMEOUT_S))
+            a.send(wire.packb(observation(0, prompt=hold_prompt(gate))))
+            s.wait_until(lambda: s.readyz().json()["in_flight"] == 1, timeout=60, what="A's held request")
+            b.send(wire.packb(observation(1)))
+            s.wait_until(lambda: s.readyz().json()["in_flight"] == 2, timeout=60, what="B queued behind it")
+            time.sleep(1.5)  # both frames are now older than RECENT_SESSION_S (1 s)
+            gate.touch()
+            assert wire.unpackb(a.recv(timeout=RECV_TIMEOUT_S))["server_timing"]["batch_size"] == 1
+            a.send(wire.packb(observation(2)))  # A comes straight back
+            sizes = [wire.unpackb(ws.recv(timeout=RECV_TIMEOUT_S))["server_timing"]["batch_size"] for ws in (b, a)]
+        assert sizes == [2, 2], "B's request waited for A's next one"

@@ -57,7 +57,8 @@ def _response(status: int, body: bytes, content_type: str) -> Response:
     return Response(status, http.HTTPStatus(status).phrase, headers, body)
 
 
-# A session that sent a request this recently counts as coming back: robots send every 20-100 ms.
+# A session answered (or sending) this recently counts as coming back: a robot sends its next frame 20-100 ms
+# after its reply, however long the reply took to compute.
 RECENT_SESSION_S = 1.0
 
 
@@ -76,14 +77,16 @@ class PolicyWebSocketServer:
         # open sessions, and those of them waiting for their next request: what a drain closes at once
         self._sessions: set[ServerConnection] = set()
         self._idle: set[ServerConnection] = set()
-        self._last_request: dict[ServerConnection, float] = {}  # monotonic time of each session's last frame
+        # monotonic time of each session's last frame or reply: a robot's next frame follows its reply
+        self._last_active: dict[ServerConnection, float] = {}
         ingress.recent_sessions = self.recent_sessions
 
     def recent_sessions(self) -> int:
-        """Open sessions that sent a request within ``RECENT_SESSION_S``: robots in a control loop, likely to send
-        again within milliseconds of their reply -- what a lane's batch window waits for."""
+        """Open sessions with a request in flight, or that sent one or got a reply within ``RECENT_SESSION_S``:
+        robots in a control loop, likely to send again within milliseconds of their reply -- what a lane's batch
+        window waits for.  A request in flight counts however long its batch computes: its robot comes back."""
         since = time.monotonic() - RECENT_SESSION_S
-        return sum(1 for t in self._last_request.values() if t >= since)
+        return sum(1 for ws, t in self._last_active.items() if t >= since or ws not in self._idle)
 
     # --- HTTP before the upgrade ---------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
@@ -126,7 +129,7 @@ class PolicyWebSocketServer:
             self._idle.add(ws)
             async for message in ws:
                 self._idle.discard(ws)
-                self._last_request[ws] = time.monotonic()
+                self._last_active[ws] = time.monotonic()
                 started = time.perf_counter()
                 self.metrics.in_flight.inc()
                 try:
@@ -149,6 +152,7 @@ class PolicyWebSocketServer:
                 # frame received -> reply ready: what the server itself adds is total_ms - infer_ms
                 reply["server_timing"]["total_ms"] = (time.perf_counter() - started) * 1e3
                 await ws.send(wire.packb(reply))
+                self._last_active[ws] = time.monotonic()
                 prev_total_ms = (time.perf_counter() - started) * 1e3
                 self.metrics.latency.observe(prev_total_ms / 1e3)
                 if ws.latency > 0:  # 0 until the first keepalive ping of this connection came back
@@ -162,7 +166,7 @@ class PolicyWebSocketServer:
         finally:
             self._sessions.discard(ws)
             self._idle.discard(ws)
-            self._last_request.pop(ws, None)
+            self._last_active.pop(ws, None)
             self.metrics.connections.dec()
 
     async def _answer(self, message: bytes | str) -> dict[str, Any]:
