@@ -4,6 +4,7 @@
 # (carry it); the project is installed outside the repository so the installed package is what runs.
 #   run(command="bash bench/device_batching.sh table", carry=[".whl"])   # the tables
 #   run(command="bash bench/device_batching.sh gil", carry=[".whl"])     # the table, and --gil-switch-ms 0.5
+#   run(command="bash bench/device_batching.sh repeat", carry=[".whl"])  # the table, and max-batch 1 and 8 again
 set -u
 REPO=$(pwd)
 OUT=${OUT:-/tmp/out}
@@ -47,6 +48,15 @@ gil)
         --serve-args "--gil-switch-ms 0.5" --no-asyncio-column --out "$OUT/h200-gil.md" 2>"$OUT/gil.err" | grep -v '^|'
     echo "gil rc=$? after $(( $(date +%s) - start )) s"
     grep '^|' "$OUT/h200-batching.md"; echo "## --gil-switch-ms 0.5"; grep '^|' "$OUT/h200-gil.md"
+    ;;
+repeat)
+    # the table, then the rows the targets are read from once more: the spread between two runs of one build
+    batching_table 60
+    timeout $(( $(left) - 5 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
+        --max-batch 1,8 --batch-clients 1,8 --batch-window-ms 2 --no-asyncio-column \
+        --out "$OUT/h200-batching-repeat.md" 2>"$OUT/repeat.err" | grep -v '^|'
+    echo "repeat rc=$? after $(( $(date +%s) - start )) s"
+    grep '^|' "$OUT/h200-batching.md"; echo "## repeat"; grep '^|' "$OUT/h200-batching-repeat.md"
     ;;
 esac
 echo "done after $(( $(date +%s) - start )) s"
