@@ -108,7 +108,8 @@ class Ingress:
         self._problems: tuple[tuple[float, int], list[str | None]] | None = None  # of that snapshot
         # Request ids for the logs, unique across pods; seeds of requests without one.  Neither is a secret,
         # and os.urandom per request (uuid4, secrets) cost the event loop two system calls.
-        self._ids = (f"{secrets.token_hex(4)}-{n}" for n in itertools.count())
+        self._id_prefix = secrets.token_hex(4)
+        self._ids = itertools.count()
         self._seeds = random.Random(secrets.randbits(128))
 
     # --- wiring (called by the worker) ----------------------------------------------
@@ -212,7 +213,7 @@ class Ingress:
             else:
                 sample = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.policy.prepare, obs)
             prepare_ms = (time.perf_counter() - t0) * 1e3
-            request = InferenceRequest(next(self._ids), sample, self._seeds.getrandbits(63) if seed is None else seed)
+            request = InferenceRequest(f"{self._id_prefix}-{next(self._ids)}", sample, self._seeds.getrandbits(63) if seed is None else seed)
             problems = self.replica_problems()
             if all(problems):
                 raise NotReady("no replica can take a request: " + "; ".join(p for p in problems if p))
