@@ -268,7 +268,10 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
     total_ranks = workload.desired * spec.layout.world_size
     ranks = f"{sum(p.ranks_ready for p in pods)}/{total_ranks}"
     prev_conditions = previous.get("conditions") or []
-    previously_available = any(c.get("type") == COND_AVAILABLE and c.get("status") == TRUE for c in prev_conditions)
+    # served before: Available was True, or already says it no longer is (sticky for the whole outage)
+    previously_available = any(c.get("type") == COND_AVAILABLE
+                               and (c.get("status") == TRUE or c.get("reason") == Reason.REPLICAS_UNAVAILABLE)
+                               for c in prev_conditions)
     block = blocker(workload, pods) if workload.exists else None
     phase_args: dict[str, Any] = dict(checkpoint=checkpoint, workload=workload, ready_pods=ready_pods,
                                       previous_phase=previous.get("phase"), updated_ready=updated_ready,

@@ -416,3 +416,22 @@ def test_unreachable_readyz_falls_back_to_the_kubelet_and_says_ranks_unknown() -
     assert starting.status["ranksReady"] == "0/2"
     assert reasons(starting)[C.COND_AVAILABLE] == ("False", "NoReplicasReady")
     assert starting.status["pods"][0]["ranksKnown"] is False
+
+
+def test_a_server_that_lost_its_pods_stays_replicas_unavailable_until_one_is_back() -> None:
+    """Available says ReplicasUnavailable (it served, and no longer does) for every reconcile of the outage, not
+    just the first: the second status update once read its previous Available as False and turned it into
+    NoReplicasReady, the reason of a server that never served (seen in an end-to-end run)."""
+    s = spec(replicas=1)
+    serving = build(s, workload(desired=1), [pod("ps-0", ready=True)])
+    assert reasons(serving)[C.COND_AVAILABLE] == ("True", "ReplicasReady")
+    down = [pod("ps-0", ready=False)]
+    first = build(s, workload(desired=1), down, previous=serving.status, now=at(5))
+    second = build(s, workload(desired=1), down, previous=first.status, now=at(10))
+    for update in (first, second):
+        assert update.status["phase"] == C.PHASE_DEGRADED
+        assert reasons(update)[C.COND_AVAILABLE] == ("False", "ReplicasUnavailable")
+    back = build(s, workload(desired=1), [pod("ps-0", ready=True)], previous=second.status, now=at(15))
+    assert reasons(back)[C.COND_AVAILABLE] == ("True", "ReplicasReady")
+    never = build(s, workload(desired=1, rolling=True), down, previous=None)
+    assert reasons(never)[C.COND_AVAILABLE] == ("False", "NoReplicasReady")
