@@ -24,38 +24,38 @@ python -m policy_operator.cli checkpoint init /tmp/base --size base >/dev/null
 echo "checkpoint after $(( $(date +%s) - start )) s"
 
 COMMON=(--device cuda --size base --steps 10 --dtype bfloat16 --compile reduce-overhead --checkpoint /tmp/base)
+# one batching table into $OUT/h200-$1.md (stderr in $1.err); $2: seconds to leave over; the rest: runtime.py flags
+batching_run() {
+    local name=$1 spare=$2
+    shift 2
+    timeout $(( $(left) - spare )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
+        --batch-window-ms 2 --out "$OUT/h200-$name.md" "$@" 2>"$OUT/$name.err" | grep -v '^|'
+    echo "$name rc=$? after $(( $(date +%s) - start )) s"
+}
 # the issue's table: max-batch 1 vs 8 vs 16, side by side, 1..32 closed-loop clients; $1: seconds to leave over
 batching_table() {
-    timeout $(( $(left) - $1 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
-        --max-batch "${MAX_BATCH:-1,8,16}" --batch-clients "${CLIENTS:-1,4,8,16,32}" --batch-window-ms 2 \
-        --out "$OUT/h200-batching.md" 2>"$OUT/runtime.err" | grep -v '^|'
-    echo "batching table rc=$? after $(( $(date +%s) - start )) s"
+    batching_run batching "$1" --max-batch "${MAX_BATCH:-1,8,16}" --batch-clients "${CLIENTS:-1,4,8,16,32}"
 }
 case "${1:-table}" in
 table)
     batching_table 150
     # in-process: what a batch of B costs, and how far a request in a batch is from it alone (bf16)
     timeout $(( $(left) - 20 )) python "$REPO/bench/batching.py" "${COMMON[@]}" --sizes 1,2,4,8,16 --reps 30 \
-        --out "$OUT/h200-batching-inprocess.md" 2>"$OUT/batching.err" | tail -12
+        --out "$OUT/h200-batching-inprocess.md" 2>"$OUT/batching-inprocess.err" | tail -12
     grep '^|' "$OUT/h200-batching.md"
     ;;
 gil)
     # the table again, then rank 0's event loop and model thread sharing the GIL at a 0.5 ms switch interval
     # instead of Python's 5 ms (max-batch 8, where two batches alternate from 16 clients on)
     batching_table 60
-    timeout $(( $(left) - 5 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
-        --max-batch 8 --batch-clients "${GIL_CLIENTS:-1,8,16,32}" --batch-window-ms 2 \
-        --serve-args "--gil-switch-ms 0.5" --no-asyncio-column --out "$OUT/h200-gil.md" 2>"$OUT/gil.err" | grep -v '^|'
-    echo "gil rc=$? after $(( $(date +%s) - start )) s"
+    batching_run gil 5 --max-batch 8 --batch-clients "${GIL_CLIENTS:-1,8,16,32}" \
+        --serve-args "--gil-switch-ms 0.5" --no-asyncio-column
     grep '^|' "$OUT/h200-batching.md"; echo "## --gil-switch-ms 0.5"; grep '^|' "$OUT/h200-gil.md"
     ;;
 repeat)
     # the table, then the rows the targets are read from once more: the spread between two runs of one build
     batching_table 60
-    timeout $(( $(left) - 5 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
-        --max-batch 1,8 --batch-clients 1,8 --batch-window-ms 2 --no-asyncio-column \
-        --out "$OUT/h200-batching-repeat.md" 2>"$OUT/repeat.err" | grep -v '^|'
-    echo "repeat rc=$? after $(( $(date +%s) - start )) s"
+    batching_run batching-repeat 5 --max-batch 1,8 --batch-clients 1,8 --no-asyncio-column
     grep '^|' "$OUT/h200-batching.md"; echo "## repeat"; grep '^|' "$OUT/h200-batching-repeat.md"
     ;;
 esac

@@ -321,16 +321,24 @@ class Lane:
         """Look again: a request was queued, or one the window may be waiting for went elsewhere."""
         self._pump()
 
-    def _take(self, key: Hashable | None, room: int) -> list[_Queued]:
-        """Up to ``room`` queued requests of shape ``key`` (the oldest's when None), oldest first; others stay."""
+    def _head(self) -> tuple[Hashable, int] | None:
+        """The oldest queued request's shape and how many queued requests share it; None when none is queued."""
+        while self._queue and self._queue[0].future.done():
+            self._queue.popleft()  # its caller gave up before it ran
+        if not self._queue:
+            return None
+        key = self._queue[0].key
+        return key, sum(1 for item in self._queue if item.key == key and not item.future.done())
+
+    def _take(self, key: Hashable, room: int) -> list[_Queued]:
+        """Up to ``room`` queued requests of shape ``key``, oldest first; others stay."""
         taken: list[_Queued] = []
         kept: deque[_Queued] = deque()
         while self._queue:
             item = self._queue.popleft()
             if item.future.done():  # its caller gave up before it ran
                 continue
-            if len(taken) < room and (key is None or item.key == key):
-                key = item.key
+            if len(taken) < room and item.key == key:
                 taken.append(item)
             else:
                 kept.append(item)
@@ -341,13 +349,11 @@ class Lane:
         """Start the next batch if the replica is free and the batch need not wait (any number of calls is fine)."""
         if self._busy or self._loop is None:
             return
-        while self._queue and self._queue[0].future.done():
-            self._queue.popleft()  # gave up before it ran
-        if not self._queue:
+        head = self._head()
+        if head is None:
             self._close_window()
             return
-        key = self._queue[0].key
-        queued = sum(1 for item in self._queue if item.key == key and not item.future.done())
+        key, queued = head
         now = time.monotonic()
         if queued < self.max_batch and self.window_s > 0 and self.arriving() > 0:
             # The window runs from the latest arrival: robots answered together come back one after the
@@ -411,7 +417,8 @@ class Lane:
             else:
                 item.future.set_result(Served(outcome[k], waits[k], len(items)))
         assert self._loop is not None
-        if self._queue and sum(1 for item in self._queue if item.key == self._queue[0].key) >= self.max_batch:
+        head = self._head()
+        if head is not None and head[1] >= self.max_batch:
             # full already: off to the replica before the loop resumes this batch's sessions, so the device
             # does not idle while the event loop sends their replies
             self._pump()

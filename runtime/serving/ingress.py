@@ -166,13 +166,11 @@ class Ingress:
             error=self.load_error or failed or None,
         )
 
-    def replica_problems(self, ranks: Sequence[RankReadiness] | None = None) -> list[str | None]:
+    def replica_problems(self) -> list[str | None]:
         """Per replica, why it may not take a request now (a failure, a rank not fresh and warm), or None.
 
-        Without ``ranks``: of the routing snapshot, computed once per snapshot (and per failure).
+        Of the routing snapshot, computed once per snapshot (and per failure).
         """
-        if ranks is not None:
-            return self._problems_of(ranks)
         ranks = self._ranks()
         assert self._snapshot is not None
         key = (self._snapshot[0], len(self.failed))
