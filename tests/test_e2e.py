@@ -297,8 +297,10 @@ def test_killed_rank_degrades_then_the_restarted_container_recovers(deployment: 
     recovered = wait_status(d, CFGP2, lambda s: s.get("phase") == C.PHASE_READY and s.get("ranksReady") == "2/2",
                             "phase Ready again", timeout=AVAILABLE_S)
     assert next(c for c in recovered["conditions"] if c["type"] == C.COND_AVAILABLE)["status"] == "True"
-    phase_events = {(t, m.split(":", 1)[0]) for t, r, m in events(d, CFGP2) if m.startswith("phase ")}
-    assert {("Warning", "phase Ready -> Degraded"), ("Normal", "phase Degraded -> Ready")} <= phase_events
+    # kopf posts Events from its queue after the status patch: wait for them, bounded
+    wait_for(lambda: {("Warning", "phase Ready -> Degraded"), ("Normal", "phase Degraded -> Ready")}
+             <= {(t, m.split(":", 1)[0]) for t, r, m in events(d, CFGP2) if m.startswith("phase ")}, 30,
+             what="the phase Events of the outage and the recovery")
     # the pod kept its name and address: the StatefulSet did not replace it, the kubelet restarted the container
     assert d.cluster.get("v1", "pods", pod_name)["metadata"]["uid"] == pod["metadata"]["uid"]
 

@@ -262,7 +262,7 @@ def test_checkpoint_change_downloads_once_then_rolls_and_scale_works(cluster: Cl
     fetch_jobs = [j for j in c.recorder.created("jobs", name) if j.startswith(f"{name}-fetch-")]
     assert fetch_jobs == [Names(name).job(key_a), Names(name).job(key_b)]
     assert c.source.count("/v2/model.safetensors") == 1  # downloaded once, for both pods
-    assert any(r == "Updated" and f"checkpoint {key_a} -> {key_b}" in m for _, r, m in events(c, name))
+    c.api.wait_event(NS, name, "Normal", "Updated", message=f"checkpoint {key_a} -> {key_b}")
 
     # kubectl scale goes through the scale subresource -> spec.replicas -> StatefulSet replicas, no roll
     hash_b = sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH]
@@ -290,7 +290,7 @@ def test_fetch_failure_reports_the_fetch_error(cluster: Cluster) -> None:
     job = c.lc.list("batch/v1", "jobs", f"{C.LABEL_INSTANCE}={name}")[0]
     failed = next(x for x in job["status"]["conditions"] if x["type"] == "Failed")
     assert failed["reason"] == "PodFailurePolicy"  # the real Job controller matched the fatal exit code
-    assert ("Warning", "VerificationFailed") in {(t, r) for t, r, _ in events(c, name)}
+    c.api.wait_event(NS, name, "Warning", "VerificationFailed")
     c.lc.operator.settle()
     assert names_of(c, "apps/v1", "statefulsets", f"{C.LABEL_INSTANCE}={name}") == []
     assert len(c.recorder.created("jobs", name)) == 1
@@ -369,7 +369,7 @@ def test_more_gpus_than_the_node_has_stays_pending_and_says_so(cluster: Cluster)
     assert status["phase"] == C.PHASE_PENDING and status["checkpoint"]["phase"] == "Ready"
     pod = c.lc.get("v1", "pods", f"{name}-0")
     assert not pod["spec"].get("nodeName") and c.lc.node.pod(NS, f"{name}-0") is None
-    assert ("Warning", "Unschedulable") in {(t, r) for t, r, _ in events(c, name)}
+    c.api.wait_event(NS, name, "Warning", "Unschedulable")
     delete(c, name)
 
 

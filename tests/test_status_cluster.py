@@ -147,8 +147,7 @@ def test_a_crashing_template_reaches_the_progress_deadline_with_the_ranks_error(
     assert "bogus" in progressing["message"] and "server exited" in progressing["message"], progressing["message"]
     assert cond(status, C.COND_READY)["reason"] == "ProgressDeadlineExceeded"
     assert status["checkpoint"]["phase"] == "Ready"  # the download was fine; the pods are not
-    events = {(e.get("type"), e.get("reason")) for e in env.lc.api.events(NS, involved_name=name)}
-    assert ("Warning", "ProgressDeadlineExceeded") in events
+    env.lc.api.wait_event(NS, name, "Warning", "ProgressDeadlineExceeded")
     env.delete(name)
 
 
@@ -170,8 +169,7 @@ def test_a_gpu_quota_refusal_is_in_status_as_failed_create(env: Env) -> None:
         assert C.GPU_RESOURCE in available["message"]
         assert status["phase"] == C.PHASE_PENDING and cond(status, C.COND_READY)["reason"] == "FailedCreate"
         assert env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}") == []
-        events = {(e.get("type"), e.get("reason")) for e in env.lc.api.events(NS, involved_name=name)}
-        assert ("Warning", "FailedCreate") in events
+        env.lc.api.wait_event(NS, name, "Warning", "FailedCreate")
 
         env.lc.kubectl("delete", "resourcequota", "no-gpus")  # lifted: the pod is created, the refusal leaves status
         status = env.wait(name, lambda s: cond(s, C.COND_AVAILABLE).get("reason") not in ("FailedCreate", None)

@@ -171,7 +171,7 @@ def test_a_pod_disruption_budget_exists_at_two_replicas_and_not_at_one(env: Env)
     env.lc.kubectl("scale", f"{C.PLURAL}/{name}", "--replicas=1")
     wait_for(lambda: budget() is None, WAIT_S, what="the PDB deleted at replicas 1")
     env.wait(name, lambda s: s.get("ready") == "1/1" and s.get("replicas") == 1, "1/1")
-    assert ("Normal", "Deleted") in env.events(name)
+    env.lc.api.wait_event(NS, name, "Normal", "Deleted")
     assert env.claim(f"{VOL_CACHE}-{name}-1"), "a scaled-down pod's claim is kept (whenScaled: Retain)"
     env.lc.operator.settle()
     assert budget() is None  # not made again by a later pass
@@ -194,7 +194,7 @@ def test_a_larger_size_grows_an_expandable_claim_and_is_refused_on_a_fixed_one(e
     status = env.wait("grow", lambda s: cond(s, C.COND_STORAGE_READY).get("reason") == "AsSpecified",
                       "StorageReady AsSpecified after the growth")
     assert cond(status, C.COND_STORAGE_READY)["status"] == "True"
-    assert ("Normal", "Expanding") in env.events("grow")
+    env.lc.api.wait_event(NS, "grow", "Normal", "Expanding")
 
     status = env.wait("fixed", lambda s: cond(s, C.COND_STORAGE_READY).get("reason") == "ExpansionNotAllowed",
                       "StorageReady ExpansionNotAllowed")
@@ -249,7 +249,7 @@ def test_the_old_checkpoint_leaves_the_cache_after_the_switch_and_not_before(env
     # back to a fetches again instead of rolling onto a checkpoint that is gone
     assert env.lc.get("batch/v1", "jobs", Names(name).job(key_a)) is None
     assert env.lc.get("batch/v1", "jobs", Names(name).job(key_b)) is not None
-    assert ("Normal", "Deleted") in env.events(name)
+    env.lc.api.wait_event(NS, name, "Normal", "Deleted")
 
     # back to a: nothing vouches for it any more, so it is fetched again (a second download) before the roll
     assert env.source.count(f"/a/{C.WEIGHTS_FILE}") == 1

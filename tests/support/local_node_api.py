@@ -22,6 +22,8 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError
 from kubernetes.dynamic.resource import Resource
 
+from .net import wait_for
+
 STRATEGIC = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
 TIMEOUT = (5.0, 30.0)  # connect, read: an API call that hangs is a failure, not a stuck test
@@ -68,6 +70,20 @@ class Api:
         selector = f"involvedObject.name={involved_name}" if involved_name else None
         items = self.list("v1", "events", namespace, field_selector=selector)
         return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+
+    def wait_event(self, namespace: str, involved_name: str, type_: str, reason: str, *,
+                   message: str = "", timeout: float = 30.0) -> dict[str, Any]:
+        """The first Event of ``type_``/``reason`` (its message containing ``message``) about ``involved_name``.
+
+        kopf posts Events from its own queue, after the status patch of the
+        same pass: a test that saw the status must still wait for the Event.
+        """
+        def found() -> dict[str, Any] | None:
+            return next((e for e in self.events(namespace, involved_name=involved_name)
+                         if e.get("type") == type_ and e.get("reason") == reason
+                         and message in (e.get("message") or "")), None)
+
+        return wait_for(found, timeout, what=f"a {type_} {reason} Event about {involved_name}")
 
     def watch(self, group_version: str, plural: str, namespace: str | None = None, *,
               field_selector: str | None = None, label_selector: str | None = None,
