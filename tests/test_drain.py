@@ -87,3 +87,18 @@ def test_sigterm_while_idle_exits_0_at_once(tiny_checkpoint) -> None:  # noqa: F
         server.send_signal(signal.SIGTERM)
         assert server.wait_exit(timeout=40) == 0, server.log_tail()  # far less than the 60 s grace
         assert "rank 0 exiting 0 (drained)" in server.log_text()
+
+
+def test_a_session_whose_last_request_failed_is_closed_at_once(tiny_checkpoint) -> None:  # noqa: F811
+    """``--error-format dict`` keeps a session open after a bad request: it is between requests like any other, so
+    the drain closes it at once and does not wait the grace period for an answer that is not coming."""
+    with serve_policy(tiny_checkpoint, *ARGS, "--error-format", "dict") as server:
+        with _session(server.url) as ws:
+            ws.recv(timeout=30)
+            ws.send(wire.packb({"prompt": "no images, no state"}))
+            reply = wire.unpackb(ws.recv(timeout=30))
+            assert reply["type"] == "error" and reply["error"]["kind"] == "invalid_observation", reply
+            server.send_signal(signal.SIGTERM)
+            assert _close_code(ws) == GOING_AWAY
+        assert server.wait_exit(timeout=40) == 0, server.log_tail()  # far less than the 60 s grace
+        assert "rank 0 exiting 0 (drained)" in server.log_text()

@@ -143,7 +143,7 @@ class PolicyWebSocketServer:
                     if kind is ErrorKind.INTERNAL:
                         log.exception("request failed")
                     self.metrics.errors.labels(kind.value).inc()
-                    if not await self._send_error(ws, kind, str(exc)):
+                    if not await self._send_error(ws, kind, str(exc)) or not await self._answered(ws):
                         return
                     continue
                 finally:
@@ -152,15 +152,12 @@ class PolicyWebSocketServer:
                 # frame received -> reply ready: what the server itself adds is total_ms - infer_ms
                 reply["server_timing"]["total_ms"] = (time.perf_counter() - started) * 1e3
                 await ws.send(wire.packb(reply))
-                self._last_active[ws] = time.monotonic()
                 prev_total_ms = (time.perf_counter() - started) * 1e3
                 self.metrics.latency.observe(prev_total_ms / 1e3)
                 if ws.latency > 0:  # 0 until the first keepalive ping of this connection came back
                     self.metrics.network_rtt.observe(ws.latency)
-                if self.ingress.draining:  # this session's request is answered: send it to a ready pod
-                    await ws.close(GOING_AWAY, DRAIN_REASON)
+                if not await self._answered(ws):
                     return
-                self._idle.add(ws)
         except websockets.ConnectionClosed:
             pass
         finally:
@@ -168,6 +165,16 @@ class PolicyWebSocketServer:
             self._idle.discard(ws)
             self._last_active.pop(ws, None)
             self.metrics.connections.dec()
+
+    async def _answered(self, ws: ServerConnection) -> bool:
+        """After any reply, actions or error: the session is between requests (what a drain closes at once, what
+        the batch window counts as coming back), or closed with 1001 when draining.  False when closed."""
+        self._last_active[ws] = time.monotonic()
+        if self.ingress.draining:  # this session's request is answered: send it to a ready pod
+            await ws.close(GOING_AWAY, DRAIN_REASON)
+            return False
+        self._idle.add(ws)
+        return True
 
     async def _answer(self, message: bytes | str) -> dict[str, Any]:
         started = time.perf_counter()
