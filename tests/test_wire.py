@@ -15,7 +15,7 @@ import pytest
 from openpi_client import msgpack_numpy as openpi
 
 from policy_operator.runtime.serving import wire
-from policy_operator.runtime.serving.errors import ErrorKind, WireError
+from policy_operator.runtime.errors import ErrorKind, WireError
 
 
 def _arrays() -> dict[str, object]:

@@ -55,7 +55,7 @@ from policy_operator.runtime.parallel.groups import Groups
 from policy_operator.runtime.parallel.heartbeat import Heartbeat
 from policy_operator.runtime.policy.interface import Policy, Sample
 from policy_operator.runtime.policy.sampler import CfgGroup, CfgMode, SamplerSettings, bucket_of, sample_actions
-from policy_operator.runtime.serving.errors import (
+from policy_operator.runtime.errors import (
     ErrorKind,
     NonFiniteActions,
     ReplicaFailed,

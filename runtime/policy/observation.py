@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from policy_operator.runtime.serving.errors import InvalidObservation
+from policy_operator.runtime.errors import InvalidObservation
 
 IMAGE_KEY = "observation/image"
 JOINT_KEY = "observation/joint_position"

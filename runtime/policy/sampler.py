@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from policy_operator.runtime.policy.interface import Branch, Policy, Sample
-from policy_operator.runtime.serving.errors import PeerFailed, ReplicaFailed
+from policy_operator.runtime.errors import PeerFailed, ReplicaFailed
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from policy_operator.runtime.parallel.heartbeat import Board, BoardWatcher
 from policy_operator.runtime.policy.interface import Policy
 from policy_operator.runtime.policy.observation import parse_seed, parse_session
 from policy_operator.runtime.policy.sampler import SamplerSettings
-from policy_operator.runtime.serving.errors import ErrorKind, NotReady, ReplicaUnavailable
+from policy_operator.runtime.errors import ErrorKind, NotReady, ReplicaUnavailable
 from policy_operator.runtime.serving.router import Router
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from websockets.http11 import Request, Response
 
 from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 from policy_operator.runtime.serving import wire
-from policy_operator.runtime.serving.errors import ErrorKind, NotReady, RequestError
+from policy_operator.runtime.errors import ErrorKind, NotReady, RequestError
 from policy_operator.runtime.serving.ingress import Ingress
 from policy_operator.runtime.serving.metrics import ServerMetrics
 from policy_operator.serve_flags import DEFAULT_MAX_MESSAGE_BYTES

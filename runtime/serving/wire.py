@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from policy_operator.runtime.serving.errors import ErrorKind, WireError
+from policy_operator.runtime.errors import ErrorKind, WireError
 
 _REFUSED_KINDS = {"V": "void", "O": "object", "c": "complex"}
 MAX_NDIM = 8
