@@ -10,18 +10,61 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 from policy_operator import progress_line
-from policy_operator.constants import COMPONENT_CACHE, COMPONENT_FETCH, LABEL_CHECKPOINT_KEY, LABEL_COMPONENT
+from policy_operator.constants import (
+    ANNOTATION_SURGE,
+    COMPONENT_CACHE,
+    COMPONENT_FETCH,
+    LABEL_CHECKPOINT_KEY,
+    LABEL_COMPONENT,
+)
 from policy_operator.operator import child_status, manifests, rank_probe
 from policy_operator.operator.kube import Kube, KubeError
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
-from policy_operator.operator.plan import Observed, surge_of, surge_pod_name
 from policy_operator.operator.rank_probe import PodHealth
 from policy_operator.operator.spec import PolicyServerSpec
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Observed:
+    """The PolicyServer's children as read from the API (None: does not exist)."""
+
+    pvc: dict[str, Any] | None = None
+    job: dict[str, Any] | None = None
+    job_pods: list[dict[str, Any]] = field(default_factory=list)
+    statefulset: dict[str, Any] | None = None
+    service: dict[str, Any] | None = None
+    headless_service: dict[str, Any] | None = None
+    pods: list[dict[str, Any]] = field(default_factory=list)
+    fetch_log: str | None = None  # the end of the running fetch pod's log, for its progress line
+    cache_claims: list[dict[str, Any]] = field(default_factory=list)  # perPod: the StatefulSet's claims
+    storage_class: dict[str, Any] | None = None  # the cache claims' StorageClass, when readable
+    pdb: dict[str, Any] | None = None
+    gc_job: dict[str, Any] | None = None  # the cleanup Job of the spec's checkpoint
+    surge_pod: dict[str, Any] | None = None  # the extra pod of a surging rollout (surge_pod_name), when it exists
+    cache_jobs: list[dict[str, Any]] = field(default_factory=list)  # every fetch and cleanup Job (shared cache)
+
+
+# The surge annotation (plan.py's rollout state machine writes it; a pass reads it to find the extra pod).
+SURGE_STARTING: Final = "starting"
+SURGE_ROLLING: Final = "rolling"
+
+
+def surge_of(sts: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """(template hash, phase) of the surge the StatefulSet is in, from its annotation; None: not surging."""
+    value = (((sts or {}).get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SURGE) or ""
+    want_hash, _, phase = value.partition("/")
+    return (want_hash, phase) if want_hash and phase in (SURGE_STARTING, SURGE_ROLLING) else None
+
+
+def surge_pod_name(statefulset: str, replicas: int) -> str:
+    """The extra pod of a surge: the first ordinal past ``replicas``."""
+    return f"{statefulset}-{replicas}"
 
 
 def _running_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> str | None:

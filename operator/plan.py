@@ -21,7 +21,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Final
+from typing import Any
 
 import kopf
 
@@ -44,6 +44,7 @@ from policy_operator.operator import manifests
 from policy_operator.operator.child_status import CheckpointPhase, CheckpointState
 from policy_operator.operator.conditions import FALSE, TRUE, Condition, Event, Reason
 from policy_operator.operator.manifests import Names, ServingCheckpoint
+from policy_operator.operator.observe import SURGE_ROLLING, SURGE_STARTING, Observed, surge_of, surge_pod_name
 from policy_operator.operator.spec import PolicyServerSpec
 
 
@@ -61,26 +62,6 @@ class Write:
     name: str
     body: dict[str, Any]
     event: Event | None = None  # posted once the write succeeded; None: nothing a human needs to hear
-
-
-@dataclass
-class Observed:
-    """The PolicyServer's children as read from the API (None: does not exist)."""
-
-    pvc: dict[str, Any] | None = None
-    job: dict[str, Any] | None = None
-    job_pods: list[dict[str, Any]] = field(default_factory=list)
-    statefulset: dict[str, Any] | None = None
-    service: dict[str, Any] | None = None
-    headless_service: dict[str, Any] | None = None
-    pods: list[dict[str, Any]] = field(default_factory=list)
-    fetch_log: str | None = None  # the end of the running fetch pod's log, for its progress line
-    cache_claims: list[dict[str, Any]] = field(default_factory=list)  # perPod: the StatefulSet's claims
-    storage_class: dict[str, Any] | None = None  # the cache claims' StorageClass, when readable
-    pdb: dict[str, Any] | None = None
-    gc_job: dict[str, Any] | None = None  # the cleanup Job of the spec's checkpoint
-    surge_pod: dict[str, Any] | None = None  # the extra pod of a surging rollout (surge_pod_name), when it exists
-    cache_jobs: list[dict[str, Any]] = field(default_factory=list)  # every fetch and cleanup Job (shared cache)
 
 
 @dataclass
@@ -301,9 +282,6 @@ def _plan_job(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], job:
 #
 # The Service routes only to Ready pods (readiness is /readyz), so some pod serves throughout.
 
-SURGE_STARTING: Final = "starting"
-SURGE_ROLLING: Final = "rolling"
-
 
 @dataclass(frozen=True)
 class Rollout:
@@ -313,18 +291,6 @@ class Rollout:
     partition: int = 0
     surge: str | None = None
     event: Event | None = None
-
-
-def surge_of(sts: Mapping[str, Any] | None) -> tuple[str, str] | None:
-    """(template hash, phase) of the surge the StatefulSet is in, from its annotation; None: not surging."""
-    value = (((sts or {}).get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SURGE) or ""
-    want_hash, _, phase = value.partition("/")
-    return (want_hash, phase) if want_hash and phase in (SURGE_STARTING, SURGE_ROLLING) else None
-
-
-def surge_pod_name(statefulset: str, replicas: int) -> str:
-    """The extra pod of a surge: the first ordinal past ``replicas``."""
-    return f"{statefulset}-{replicas}"
 
 
 def _pod_condition(pod: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
