@@ -20,6 +20,9 @@ class ErrorKind(str, Enum):
 
     BAD_FRAME = "bad_frame"
     INVALID_OBSERVATION = "invalid_observation"
+    INVALID_RTC = "invalid_rtc"  # the observation's ``rtc`` entry is unusable (shape, delay, NaN/inf...)
+    RTC_NO_PREVIOUS_CHUNK = "rtc_no_previous_chunk"  # ``executed`` on a session that received no chunk yet
+    RTC_UNSUPPORTED = "rtc_unsupported"  # ``rtc`` sent to a server with --rtc off, or whose policy cannot take it
     UNAVAILABLE = "unavailable"
     INFERENCE_FAILED = "inference_failed"
     NON_FINITE_ACTIONS = "non_finite_actions"  # NaN or inf in the actions: never sent to a robot
@@ -53,6 +56,24 @@ class InvalidObservation(RequestError, ValueError):
     """The observation is unusable (a missing key, a wrong shape...); raised by ``Policy.prepare``."""
 
     kind = ErrorKind.INVALID_OBSERVATION
+
+
+class InvalidRtc(RequestError, ValueError):
+    """The ``rtc`` entry of an observation is unusable; checked on the ingress, before any rank sees it."""
+
+    kind = ErrorKind.INVALID_RTC
+
+
+class RtcNoPreviousChunk(InvalidRtc):
+    """``{"executed": n}`` refers to the last chunk this session received, and it received none."""
+
+    kind = ErrorKind.RTC_NO_PREVIOUS_CHUNK
+
+
+class RtcUnsupported(InvalidRtc):
+    """Real-time chunking is off on this server (``--rtc off``) or its policy cannot take previous actions."""
+
+    kind = ErrorKind.RTC_UNSUPPORTED
 
 
 class NotReady(RequestError):

@@ -1,0 +1,137 @@
+"""Real-time chunking (Black, Galliker, Levine 2025) for any flow-matching ``Policy``, at inference time.
+
+A robot executes chunk k while chunk k+1 is computed; with an inference delay
+of d control steps the new chunk must agree with the d actions executed
+meanwhile, or the arm jumps at the switch.  The new chunk is aligned with
+the previous chunk's unexecuted tail ``Y`` (``prev_actions``): its action i is
+executed where ``Y[i]`` would have been.  Two parts, both per row of a batch:
+
+* **hard inpainting**: after every integration step the first d positions of
+  ``x`` are set to the flow's own interpolant of ``Y`` at that time,
+  ``t * noise + (1 - t) * Y`` (the row's initial noise), so at t=0 they are
+  ``Y[:d]`` exactly and the model always sees a consistent prefix;
+* **soft guidance**: the velocity is corrected toward ``Y`` with the paper's
+  weights -- 1 on the frozen prefix, decaying exponentially to 0 at the
+  execution horizon -- and its time-dependent scale clipped at
+  ``MAX_GUIDANCE_WEIGHT``: ``v' = v - k(t) * J^T (W * (Y - x0_hat))`` with
+  ``x0_hat = x - t * v`` (the flow's estimate of the final actions) and
+  ``J = d x0_hat / d x``.
+
+``guided`` computes ``J^T e`` as a vector-Jacobian product through the
+denoiser (autograd, as published); ``inpaint`` takes ``J = I`` (the closed
+form LeRobot uses), which needs no gradients and so keeps compiled denoisers
+and CUDA graphs.
+
+Time runs as in the sampler: noise at t=1, actions at t=0, ``x += dt * v``
+with ``dt < 0``, so a velocity points from the actions toward the noise.
+Rows without a constraint have ``active`` False and take the uncorrected
+values through ``torch.where``: their numbers are exactly what they would be
+without RTC.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import torch
+
+RtcMode = Literal["off", "inpaint", "guided"]
+RTC_MODES: Final = ("off", "inpaint", "guided")
+MAX_GUIDANCE_WEIGHT: Final = 5.0  # the paper's beta: the correction's scale is clipped here near t=0 and t=1
+
+
+@dataclass(frozen=True)
+class RtcConstraint:
+    """One request's constraint, in the model's action space (``Policy.actions_to_model``), on the CPU.
+
+    ``target`` holds the previous chunk's unexecuted tail, ``h`` rows (h <= horizon);
+    positions [0, delay) are frozen to it, [delay, horizon) guided with decaying weights.
+    """
+
+    target: torch.Tensor  # [h, action_dim] float32
+    delay: int
+    horizon: int  # weights are 0 from here on (delay <= horizon <= h)
+
+    def __post_init__(self) -> None:
+        h = self.target.shape[0]
+        if not 0 <= self.delay <= self.horizon <= h:
+            raise ValueError(f"need 0 <= delay ({self.delay}) <= horizon ({self.horizon}) <= rows ({h})")
+
+
+def prefix_weights(delay: int, horizon: int, total: int) -> torch.Tensor:
+    """The paper's weights over ``total`` positions: 1 before ``delay``, ``c (e^c - 1)/(e - 1)`` with
+    ``c = (horizon - i)/(horizon - delay + 1)`` on [delay, horizon), 0 from ``horizon`` on."""
+    w = torch.zeros(total, dtype=torch.float32)
+    w[:delay] = 1.0
+    i = torch.arange(delay, horizon, dtype=torch.float32)
+    c = (horizon - i) / (horizon - delay + 1)
+    w[delay:horizon] = c * torch.expm1(c) / (math.e - 1.0)
+    return w
+
+
+def guidance_scale(t: float, beta: float = MAX_GUIDANCE_WEIGHT) -> float:
+    """``min(beta, (1 - tau) / (tau * r^2))`` of the paper with tau = 1 - t and ``r^2 = (1-tau)^2 / (tau^2 +
+    (1-tau)^2)``: ``(t^2 + (1-t)^2) / (t (1-t))``, infinite (hence ``beta``) at both ends."""
+    if t <= 0.0 or t >= 1.0:
+        return beta
+    return min(beta, (t * t + (1.0 - t) ** 2) / (t * (1.0 - t)))
+
+
+@dataclass
+class RtcBatch:
+    """The constraints of one batch on the sampler's device: per-row masks, weights and targets."""
+
+    mode: RtcMode
+    target: torch.Tensor  # [B, H, A], zeros where a row gave fewer than H actions
+    weights: torch.Tensor  # [B, H, 1]; 0 on rows without a constraint
+    frozen: torch.Tensor  # [B, H, 1] bool: position < the row's delay (False on rows without one)
+    active: torch.Tensor  # [B, 1, 1] bool: the row has a constraint
+    noise: torch.Tensor | None = None  # [B, H, A], x at t=1: the sampler sets it before the first step
+
+    @classmethod
+    def build(cls, constraints: Sequence[RtcConstraint | None], shape: tuple[int, int], mode: RtcMode,
+              device: torch.device, dtype: torch.dtype) -> RtcBatch | None:
+        """The batch of ``constraints`` (one per row, None for a plain row); None when no row has one."""
+        if mode == "off" or all(c is None for c in constraints):
+            return None
+        horizon, action_dim = shape
+        rows = len(constraints)
+        target = torch.zeros(rows, horizon, action_dim, dtype=torch.float32)
+        weights = torch.zeros(rows, horizon, 1, dtype=torch.float32)
+        frozen = torch.zeros(rows, horizon, 1, dtype=torch.bool)
+        active = torch.zeros(rows, 1, 1, dtype=torch.bool)
+        for b, c in enumerate(constraints):
+            if c is None:
+                continue
+            h = c.target.shape[0]
+            target[b, :h] = c.target
+            weights[b, :, 0] = prefix_weights(c.delay, c.horizon, horizon)
+            frozen[b, : c.delay] = True
+            active[b] = True
+        return cls(mode, target.to(device, dtype), weights.to(device, dtype), frozen.to(device), active.to(device))
+
+    @property
+    def guided(self) -> bool:
+        return self.mode == "guided"
+
+    def error(self, x: torch.Tensor, v: torch.Tensor, t: float) -> torch.Tensor:
+        """``W * (Y - x0_hat)``: how far the flow's estimate of the final actions is from the target, weighted."""
+        return self.weights * (self.target - (x - t * v))
+
+    def correct(self, v: torch.Tensor, jtw: torch.Tensor, t: float) -> torch.Tensor:
+        """The guided velocity from ``jtw = J^T (W * (Y - x0_hat))``; rows without a constraint keep ``v``."""
+        return torch.where(self.active, v - guidance_scale(t) * jtw, v)
+
+    def inpaint(self, x: torch.Tensor, t: float) -> torch.Tensor:
+        """``x`` at time ``t`` with the frozen prefix set to the interpolant of the target."""
+        assert self.noise is not None, "set noise (x at t=1) before the first step"
+        return torch.where(self.frozen, t * self.noise + (1.0 - t) * self.target, x)
+
+    def expand(self, copies: int) -> RtcBatch:
+        """The same constraints for ``copies`` stacked copies of the batch (batched CFG: rows then rows again)."""
+        noise = None if self.noise is None else self.noise.repeat(copies, 1, 1)
+        return RtcBatch(self.mode, self.target.repeat(copies, 1, 1), self.weights.repeat(copies, 1, 1),
+                        self.frozen.repeat(copies, 1, 1), self.active.repeat(copies, 1, 1), noise)
