@@ -44,6 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="fixed sampling seed sent with every request")
     parser.add_argument("--token-file", default=None, help="bearer token for a server started with auth")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    g = parser.add_argument_group("real-time chunking (a simulated robot)")
+    g.add_argument("--rtc", action="store_true",
+                   help="simulate a robot executing chunks asynchronously at --control-hz, once without and once "
+                        "with real-time chunking, and print the jumps at chunk switches")
+    g.add_argument("--control-hz", type=float, default=15.0, help="the simulated robot's control rate (default %(default)s)")
+    g.add_argument("--seconds", type=float, default=10.0, help="how long each simulated run lasts (default %(default)s)")
+    g.add_argument("--execution-horizon", type=int, default=None,
+                   help="actions executed from each chunk before switching (default: half the action horizon)")
     parser.add_argument("--timeout", type=float, default=60.0)
 
 
@@ -147,10 +155,29 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _main_rtc(args: argparse.Namespace, token: str | None) -> int:
+    from policy_operator.runtime.chunk_executor import format_comparison, simulate
+
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    rows = []
+    for rtc in (False, True):
+        try:
+            rows.append(simulate(args.url, control_hz=args.control_hz, seconds=args.seconds, rtc=rtc,
+                                 execution_horizon=args.execution_horizon, headers=headers, timeout=args.timeout,
+                                 seed=args.seed or 0))
+        except Exception as exc:  # noqa: BLE001 - reported, exit 1
+            print(f"policyserver client: {'with' if rtc else 'without'} rtc: {type(exc).__name__}: {exc}")
+            return 1
+    print(json.dumps(rows, indent=2) if args.json else format_comparison(rows))
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     from policy_operator.tokens import read_token_file
 
     token = read_token_file(args.token_file, "--token-file") if args.token_file else None
+    if args.rtc:
+        return _main_rtc(args, token)
     summary = run_client(args.url, args.n, args.concurrency, args.seed, token, args.timeout)
     print(json.dumps(summary, indent=2, default=str) if args.json else format_summary(summary))
     return 0 if summary["requests"] and not summary["errors"] else 1

@@ -32,9 +32,10 @@ without RTC.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import torch
 
@@ -130,8 +131,68 @@ class RtcBatch:
         assert self.noise is not None, "set noise (x at t=1) before the first step"
         return torch.where(self.frozen, t * self.noise + (1.0 - t) * self.target, x)
 
-    def expand(self, copies: int) -> RtcBatch:
-        """The same constraints for ``copies`` stacked copies of the batch (batched CFG: rows then rows again)."""
-        noise = None if self.noise is None else self.noise.repeat(copies, 1, 1)
-        return RtcBatch(self.mode, self.target.repeat(copies, 1, 1), self.weights.repeat(copies, 1, 1),
-                        self.frozen.repeat(copies, 1, 1), self.active.repeat(copies, 1, 1), noise)
+    def start(self, x: torch.Tensor) -> None:
+        """Remember the initial noise (x at t=1) that the frozen prefix is interpolated from."""
+        self.noise = x.clone()
+
+
+def time_after(timesteps: Sequence[float], i: int) -> float:
+    """The time of ``x`` after step ``i``: the next step's, or 0 (the actions) after the last."""
+    return float(timesteps[i + 1]) if i + 1 < len(timesteps) else 0.0
+
+
+@contextmanager
+def grad_enabled() -> Iterator[None]:
+    """Autograd on, inside the sampler's inference mode: what the guided correction's VJP needs."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+def detached(tree: Any) -> Any:
+    """Normal (not inference-mode) copies of a context's tensors, which autograd may save for backward."""
+    from torch.utils import _pytree as pytree
+
+    with grad_enabled():
+        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def vjp(out: torch.Tensor, x: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    """``(d out / d x)^T vector``; a policy whose ``denoise_step`` turns autograd off gets a clear error."""
+    if not out.requires_grad:
+        raise RuntimeError("--rtc guided needs gradients through denoise_step, and this policy's denoise_step "
+                           "computes without autograd (e.g. under torch.inference_mode); use --rtc inpaint")
+    (grad,) = torch.autograd.grad(out, x, vector)
+    return grad
+
+
+def guided_velocity(rtc: RtcBatch, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                    t: float) -> torch.Tensor:
+    """The corrected output of one step: ``forward(x)`` (the combined, CFG-guided output) with RTC's correction.
+
+    ``guided``: ``J^T e = e - t (d out/d x)^T e`` through ``forward`` by autograd; ``inpaint``: ``J = I``.
+    """
+    if not rtc.guided:
+        out = forward(x)
+        return rtc.correct(out, rtc.error(x, out, t), t)
+    with grad_enabled():
+        x_g = x.clone().requires_grad_(True)
+        out = forward(x_g)
+        out_d = out.detach()
+        e = rtc.error(x_g.detach(), out_d, t)
+        jtw = e - t * vjp(out, x_g, e)
+        return rtc.correct(out_d, jtw, t)
+
+
+def integrate(rtc: RtcBatch, x: torch.Tensor, integrator: Any, forward: Callable[[torch.Tensor, int], torch.Tensor],
+              ) -> torch.Tensor:
+    """The sampler's loop with RTC: each step's output corrected, then the frozen prefix inpainted.
+
+    ``forward(x, i)`` is step ``i``'s combined output as the sampler computes it without RTC;
+    ``integrator`` is the policy's (flow matching: ``timesteps`` from 1 toward 0, ``step(x, out, i)``).
+    """
+    rtc.start(x)
+    timesteps = integrator.timesteps
+    for i, t in enumerate(timesteps):
+        out = guided_velocity(rtc, lambda z, i=i: forward(z, i), x, float(t))
+        x = rtc.inpaint(integrator.step(x, out, i), time_after(timesteps, i))
+    return x

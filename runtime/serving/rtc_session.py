@@ -77,7 +77,8 @@ def _prev_actions(value: Any, action_shape: tuple[int, int]) -> np.ndarray:
     if value.ndim != 2 or value.shape[1] != action_dim or not 1 <= value.shape[0] <= horizon:
         raise InvalidRtc(f"rtc.{PREV_ACTIONS} must have shape (h, {action_dim}) with 1 <= h <= {horizon} (the "
                          f"action horizon), got {value.shape}")
-    actions = value.astype(np.float32)
+    with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf, refused below
+        actions = value.astype(np.float32)
     if not np.isfinite(actions).all():
         raise InvalidRtc(f"rtc.{PREV_ACTIONS} contains NaN or inf (or values beyond float32)")
     return actions

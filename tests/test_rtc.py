@@ -1,0 +1,168 @@
+"""Real-time chunking: the wire entry's checks, the sampler's constraint, batching, cfgp=2, and the client executor.
+
+The sampler tests run the tiny reference policy in-process on the CPU; the
+server tests start real ``policyserver serve`` processes on 127.0.0.1 (slow).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from policy_operator.runtime.chunk_executor import ChunkExecutor, boundary_jump
+from policy_operator.runtime.errors import ErrorKind, InvalidRtc, RequestError
+from policy_operator.runtime.serving.rtc_session import RtcSession, RtcSupport, parse_rtc
+
+SHAPE = (16, 8)  # the tiny reference policy's (horizon, action_dim)
+
+
+def chunk(rows: int = 10, fill: float | None = None) -> np.ndarray:
+    values = np.arange(rows * SHAPE[1], dtype=np.float32).reshape(rows, SHAPE[1]) / 10
+    return values if fill is None else np.full((rows, SHAPE[1]), fill, np.float32)
+
+
+def parse(entry: Any, session: RtcSession | None = None, max_delay: int = 8) -> Any:
+    return parse_rtc(entry, session, action_shape=SHAPE, max_delay=max_delay)
+
+
+# --- the wire entry ------------------------------------------------------------------------------------
+def test_both_forms_give_the_unexecuted_tail_in_the_returned_action_space() -> None:
+    full = parse({"prev_actions": chunk(10), "inference_delay": 3, "execution_horizon": 7})
+    assert (full.delay, full.horizon) == (3, 7) and full.prev_actions.dtype == np.float32
+    np.testing.assert_array_equal(full.prev_actions, chunk(10))
+    assert parse({"prev_actions": chunk(10).astype(np.float64).tolist(), "inference_delay": 0}).horizon == 10
+    session = RtcSession()
+    session.received(chunk(16))
+    short = parse({"executed": 6, "inference_delay": np.int64(2)}, session)
+    np.testing.assert_array_equal(short.prev_actions, chunk(16)[6:])
+    assert (short.delay, short.horizon) == (2, 10)
+
+
+BAD_ENTRIES = [
+    ("not a map", [1, 2], "must be a map"),
+    ("an unknown field", {"prev_actions": chunk(), "inference_delay": 1, "delay": 2}, "unknown rtc field"),
+    ("no delay", {"prev_actions": chunk()}, "inference_delay is required"),
+    ("a float delay", {"prev_actions": chunk(), "inference_delay": 1.5}, "must be an integer"),
+    ("a negative delay", {"prev_actions": chunk(), "inference_delay": -1}, "must be in 0..15"),
+    ("delay >= horizon", {"prev_actions": chunk(16), "inference_delay": 16}, "below the action horizon"),
+    ("delay over the server's maximum", {"prev_actions": chunk(), "inference_delay": 9}, "--rtc-max-delay"),
+    ("delay beyond the actions given", {"prev_actions": chunk(2), "inference_delay": 3}, "exceeds the 2 previous"),
+    ("both forms", {"prev_actions": chunk(), "executed": 2, "inference_delay": 1}, "exactly one of"),
+    ("neither form", {"inference_delay": 1}, "exactly one of"),
+    ("a wrong action dim", {"prev_actions": np.zeros((10, 7), np.float32), "inference_delay": 1}, "shape (h, 8)"),
+    ("more rows than the horizon", {"prev_actions": np.zeros((17, 8), np.float32), "inference_delay": 1},
+     "1 <= h <= 16"),
+    ("one dimension", {"prev_actions": np.zeros(8, np.float32), "inference_delay": 0}, "shape (h, 8)"),
+    ("no rows", {"prev_actions": np.zeros((0, 8), np.float32), "inference_delay": 0}, "1 <= h <= 16"),
+    ("a string array", {"prev_actions": np.array([["a"] * 8]), "inference_delay": 0}, "float array"),
+    ("NaN", {"prev_actions": np.where(chunk() > 1, np.nan, chunk()), "inference_delay": 1}, "NaN or inf"),
+    ("inf", {"prev_actions": np.where(chunk() > 1, np.inf, chunk()), "inference_delay": 1}, "NaN or inf"),
+    ("beyond float32", {"prev_actions": np.full((4, 8), 1e300), "inference_delay": 1}, "NaN or inf"),
+    ("a horizon below the delay", {"prev_actions": chunk(), "inference_delay": 3, "execution_horizon": 2},
+     "execution_horizon must be in 3..10"),
+    ("a horizon beyond the actions", {"prev_actions": chunk(), "inference_delay": 3, "execution_horizon": 11},
+     "execution_horizon must be in 3..10"),
+]
+
+
+@pytest.mark.parametrize(("entry", "words"), [pytest.param(e, w, id=i) for i, e, w in BAD_ENTRIES])
+def test_every_bad_entry_is_invalid_rtc_naming_the_problem(entry: Any, words: str) -> None:
+    with pytest.raises(InvalidRtc) as info:
+        parse(entry)
+    assert info.value.kind is ErrorKind.INVALID_RTC and words in str(info.value)
+
+
+def test_the_short_form_needs_a_chunk_received_on_this_connection() -> None:
+    for session in (None, RtcSession()):
+        with pytest.raises(RequestError) as info:
+            parse({"executed": 2, "inference_delay": 1}, session)
+        assert info.value.kind is ErrorKind.RTC_NO_PREVIOUS_CHUNK and "received none" in str(info.value)
+    session = RtcSession()
+    session.received(chunk(16))
+    with pytest.raises(InvalidRtc, match="executed must be in 0..15") as bad:
+        parse({"executed": 16, "inference_delay": 0}, session)
+    assert bad.value.kind is ErrorKind.INVALID_RTC
+    with pytest.raises(InvalidRtc, match="exceeds the 2 previous"):
+        parse({"executed": 14, "inference_delay": 3}, session)
+
+
+def test_support_follows_the_flag_and_the_policy() -> None:
+    on = RtcSupport.of("guided", None, action_horizon=16, policy_supports=True, policy_name="p")
+    on.check()
+    assert on.metadata() == {"mode": "guided", "max_inference_delay": 15, "forms": ["prev_actions", "executed"]}
+    assert RtcSupport.of("inpaint", 40, 16, True, "p").max_delay == 15
+    assert RtcSupport.of("inpaint", 4, 16, True, "p").max_delay == 4
+    for support, words in ((RtcSupport.of("off", None, 16, True, "p"), "--rtc off"),
+                           (RtcSupport.of("guided", None, 16, False, "lerobot-x"), "policy lerobot-x cannot")):
+        assert support.metadata()["mode"] == "off"
+        with pytest.raises(RequestError, match=words) as info:
+            support.check()
+        assert info.value.kind is ErrorKind.RTC_UNSUPPORTED
+
+
+# --- the client's executor ---------------------------------------------------------------------------------
+class GatedServer:
+    """An ``infer`` whose replies the test releases: the delay in ticks is the test's choice, not the clock's."""
+
+    def __init__(self, horizon: int = 16) -> None:
+        self.horizon = horizon
+        self.requests: list[dict[str, Any]] = []
+        self.gate = threading.Semaphore(0)
+
+    def __call__(self, obs: dict[str, Any]) -> np.ndarray:
+        self.requests.append(obs)
+        n = len(self.requests)
+        if n > 1:
+            self.gate.acquire(timeout=10)
+        return np.full((self.horizon, 2), float(n), np.float32) + np.arange(self.horizon, dtype=np.float32)[:, None]
+
+
+def tick_until_reply(executor: ChunkExecutor, server: GatedServer, ticks: int) -> list[np.ndarray]:
+    """``ticks`` actions; the pending reply is released, and awaited, only before the last."""
+    actions = [executor.act({}) for _ in range(ticks - 1)]
+    assert executor._pending is not None, "a request is in flight"
+    server.gate.release()
+    executor._pending[0].result(timeout=10)
+    actions.append(executor.act({}))
+    return actions
+
+
+def test_the_executor_switches_to_the_new_chunk_at_its_delay_and_sends_the_tail() -> None:
+    server = GatedServer()
+    executor = ChunkExecutor(server, execution_horizon=6, rtc=True, short_form=False)
+    try:
+        first = [executor.act({}) for _ in range(5)]  # ticks 0..4 of chunk 1; the request goes at tick 5
+        np.testing.assert_array_equal(np.array(first)[:, 0], 1 + np.arange(5))
+        actions = tick_until_reply(executor, server, 4)  # sent at tick 5, used at tick 8: delay 3
+        sent = server.requests[1]["rtc"]
+        assert sent["inference_delay"] == 1  # the first estimate; later ones follow the measured delays
+        np.testing.assert_array_equal(sent["prev_actions"][:, 0], 1 + np.arange(5, 16))
+        assert [a[0] for a in actions] == [1 + 5, 1 + 6, 1 + 7, 2 + 3]  # chunk 2 from its action 3
+        assert executor.stats.delays == [3]
+        assert executor.stats.boundary_jumps == [boundary_jump(actions[-2], actions[-1])]
+        assert executor.expected_delay(remaining=10) == 3
+    finally:
+        server.gate.release(10)
+        executor.close()
+
+
+def test_the_executor_short_form_and_without_rtc() -> None:
+    server = GatedServer()
+    executor = ChunkExecutor(server, execution_horizon=2, rtc=True)
+    plain_server = GatedServer()
+    plain = ChunkExecutor(plain_server, execution_horizon=2, rtc=False)
+    try:
+        executor.act({})
+        tick_until_reply(executor, server, 3)
+        assert server.requests[1]["rtc"] == {"executed": 1, "inference_delay": 1}
+        plain.act({})
+        tick_until_reply(plain, plain_server, 3)
+        assert "rtc" not in plain_server.requests[1]
+    finally:
+        for s in (server, plain_server):
+            s.gate.release(10)
+        executor.close()
+        plain.close()
