@@ -1,9 +1,11 @@
 """Generate the PolicyServer CRD and the field tables of docs/crd.md from the typed model.
 
 ``python -m policy_operator.operator.crd`` (``make crd``) writes
-``crds/policyservers.yaml`` (the chart's ``crds/`` links to it) and the
+``crds/policyservers.yaml`` (the chart's ``crds/`` links to it), the
 sections of ``docs/crd.md`` between ``<!-- BEGIN GENERATED: x -->`` and
-``<!-- END GENERATED: x -->``; ``--check`` only reports what is stale.  The
+``<!-- END GENERATED: x -->``, and the chart's RBAC rules from
+``operator/rbac.py`` (``rbac.render_chart_helpers``); ``--check`` only reports
+what is stale.  The
 schema is ``resource.PolicyServer`` as ``kube_model.kube_schema`` renders it,
 so a field, default, bound or CEL rule is written once, in ``spec.py``, and
 ``tests/test_crd.py`` fails when a committed file lags the model.
@@ -27,6 +29,7 @@ from typing import Any, Final
 import yaml
 
 from policy_operator import constants as C
+from policy_operator.operator import rbac
 from policy_operator.operator.kube_model import (
     CEL_VALIDATIONS,
     INT_OR_STRING,
@@ -138,8 +141,9 @@ def embed_kubernetes_types(node: Any, definitions: dict[str, Any]) -> Any:
         return node
     if KUBE_TYPE in node:
         embedded = kubernetes_type(node[KUBE_TYPE], definitions)
-        return {"type": "object", **({"description": node["description"]} if "description" in node else {}),
-                **{k: v for k, v in embedded.items() if k not in ("type", "description")}}
+        rules = {CEL_VALIDATIONS: node[CEL_VALIDATIONS]} if CEL_VALIDATIONS in node else {}  # the model's own
+        return ordered_keys({"type": "object", **({"description": node["description"]} if "description" in node else {}),
+                             **{k: v for k, v in embedded.items() if k not in ("type", "description")}, **rules})
     return {key: embed_kubernetes_types(value, definitions) for key, value in node.items()}
 
 
@@ -192,7 +196,8 @@ def build_crd() -> dict[str, Any]:
             "group": C.GROUP,
             "scope": "Namespaced",
             "names": {"kind": C.KIND, "listKind": f"{C.KIND}List", "plural": C.PLURAL, "singular": C.SINGULAR,
-                      "shortNames": [C.SHORT_NAME], "categories": [C.CATEGORY]},
+                      # no categories: in "all", `kubectl delete all --all` would delete every PolicyServer
+                      "shortNames": [C.SHORT_NAME]},
             "versions": [{
                 "name": C.VERSION,
                 "served": True,
@@ -393,7 +398,8 @@ def doc_examples(text: str | None = None) -> list[DocExample]:
 
 def stale_files() -> dict[Path, str]:
     """Each generated file whose committed text differs from the model's, with the text it should have."""
-    wanted = {CRD_PATH: render_crd(), DOC_PATH: render_doc(DOC_PATH.read_text())}
+    wanted = {CRD_PATH: render_crd(), DOC_PATH: render_doc(DOC_PATH.read_text()),
+              rbac.CHART_HELPERS: rbac.render_chart_helpers(rbac.CHART_HELPERS.read_text())}
     return {path: text for path, text in wanted.items() if not path.exists() or path.read_text() != text}
 
 
@@ -403,11 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stale = stale_files()
     for path, text in stale.items():
+        shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
         if args.check:
-            print(f"{path.relative_to(REPO)} is stale: run make crd", file=sys.stderr)
+            print(f"{shown} is stale: run make crd", file=sys.stderr)
         else:
             path.write_text(text)
-            print(f"wrote {path.relative_to(REPO)}")
+            print(f"wrote {shown}")
     return 1 if stale and args.check else 0
 
 

@@ -4,11 +4,19 @@ Each rule says why it exists.  ``rules(all_namespaces=False)`` fits a
 namespaced Role (kopf's namespace/CRD scanning is disabled in that mode);
 ``all_namespaces=True`` adds the cluster-scoped reads kopf then performs.
 The operator never reads Secrets: it only names them in pod specs.
+
+The chart's rules (``charts/policy-operator/templates/_helpers.tpl``, between
+the ``BEGIN GENERATED: rbac`` markers) are rendered from ``RULES`` by
+:func:`render_chart_helpers`, which ``make crd`` runs with the CRD's
+generation; ``tests/test_crd.py`` fails while the chart lags this list.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
 
 from policy_operator.constants import GROUP, PLURAL
 
@@ -84,3 +92,36 @@ def missing(granted: list[dict[str, list[str]]], *, all_namespaces: bool) -> lis
     """The "group/resource:verb" triples the operator needs and ``granted`` lacks."""
     return [f"{r.api_group or 'core'}/{r.resource}:{v}" for r in rules(all_namespaces=all_namespaces)
             for v in r.verbs if not allows(granted, r.api_group, r.resource, v)]
+
+
+# --- the chart's copy ------------------------------------------------------------------------------
+
+CHART_HELPERS: Final = Path(__file__).resolve().parents[1] / "charts" / "policy-operator" / "templates" / "_helpers.tpl"
+_GENERATED: Final = re.compile(r"({{/\* BEGIN GENERATED: rbac [^\n]*\*/}}\n)(.*?)({{/\* END GENERATED: rbac \*/}})", re.S)
+
+
+def _yaml_rules(rules: list[Rule]) -> str:
+    """PolicyRules as YAML, each after a comment saying why it exists (the rendered Role carries it)."""
+    lines = []
+    for rule in rules:
+        group = f'"{rule.api_group}"' if not rule.api_group else rule.api_group
+        lines += [f"# {rule.why}", f"- apiGroups: [{group}]", f"  resources: [{rule.resource}]",
+                  f"  verbs: [{', '.join(rule.verbs)}]"]
+    return "\n".join(lines)
+
+
+def chart_rules_section() -> str:
+    """The two ``define`` blocks of the chart: a namespaced Role's rules, and what --all-namespaces adds."""
+    namespaced = [r for r in RULES if not r.cluster_scoped]
+    cluster = [r for r in RULES if r.cluster_scoped]
+    return (f'{{{{- define "policy-operator.rules.namespaced" -}}}}\n{_yaml_rules(namespaced)}\n{{{{- end }}}}\n'
+            f'{{{{- define "policy-operator.rules.cluster" -}}}}\n{_yaml_rules(cluster)}\n{{{{- end }}}}\n')
+
+
+def render_chart_helpers(text: str) -> str:
+    """``text`` (the chart's _helpers.tpl) with the generated RBAC section replaced; a missing marker is an error."""
+    text, count = _GENERATED.subn(lambda m: f"{m[1]}{chart_rules_section()}{m[3]}", text)
+    if count != 1:
+        raise ValueError(f"{CHART_HELPERS.name} needs one '{{{{/* BEGIN GENERATED: rbac ... */}}}}' ... "
+                         f"'{{{{/* END GENERATED: rbac */}}}}' pair, found {count}")
+    return text

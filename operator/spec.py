@@ -96,6 +96,16 @@ RESERVED_POD_LABELS: Final = (LABEL_NAME, LABEL_INSTANCE, LABEL_COMPONENT, LABEL
                               LABEL_POLICYSERVER, LABEL_CHECKPOINT_KEY, LABEL_CACHE_CLAIM)
 MAX_POD_METADATA: Final = 64
 MAX_EXTRA_VOLUMES: Final = 32
+# The volume sources spec.volumes may use: none mounts the node's filesystem, a device or a storage system by
+# address, so creating a PolicyServer gives a pod nothing a user's own pod spec could not name in the namespace.
+ALLOWED_VOLUME_SOURCES: Final = ("configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected", "csi",
+                                 "downwardAPI", "ephemeral")
+# Every other source of core/v1 Volume (Kubernetes 1.37): CEL cannot list an object's keys, so the CRD's rule
+# names each one; tests/test_spec_model.py checks that the two lists cover Kubernetes' Volume exactly.
+REFUSED_VOLUME_SOURCES: Final = ("awsElasticBlockStore", "azureDisk", "azureFile", "cephfs", "cinder", "fc",
+                                 "flexVolume", "flocker", "gcePersistentDisk", "gitRepo", "glusterfs", "hostPath",
+                                 "image", "iscsi", "nfs", "photonPersistentDisk", "portworxVolume", "quobyte", "rbd",
+                                 "scaleIO", "storageos", "vsphereVolume")
 MAX_SPREAD_CONSTRAINTS: Final = 8
 MAX_KEEP_CHECKPOINTS: Final = 10
 # the volumes and mount paths of the operator's own pod spec (operator/manifests.py builds them)
@@ -475,6 +485,12 @@ class AuthSpec(KubeModel):
     /var/run/secrets/policy-auth/token and passed as --auth-token-file. Unset: no authentication."""
 
 
+ExtraVolume = Annotated[Volume, Rule(
+    " && ".join(f"!has(self.{source})" for source in REFUSED_VOLUME_SOURCES),
+    f"only {', '.join(ALLOWED_VOLUME_SOURCES)} volumes may be added: hostPath and the other "
+    f"sources reach the node or storage by address, which a PolicyServer must not hand out", reason="FieldValueForbidden")]
+
+
 class PolicyServerSpec(KubeModel):
     """Desired state of the policy server."""
 
@@ -536,9 +552,11 @@ class PolicyServerSpec(KubeModel):
     """Extra labels of every pod (server, fetch, cleanup), e.g. kueue.x-k8s.io/queue-name."""
     pod_annotations: dict[str, str] = Field(default_factory=dict, max_length=MAX_POD_METADATA)
     """Extra annotations of every pod (server, fetch, cleanup), e.g. for a service mesh or a log shipper."""
-    volumes: Annotated[list[Volume], Field(max_length=MAX_EXTRA_VOLUMES, json_schema_extra=list_map("name"))] = \
+    volumes: Annotated[list[ExtraVolume], Field(max_length=MAX_EXTRA_VOLUMES, json_schema_extra=list_map("name"))] = \
         Field(default_factory=list)
-    """Extra volumes of the server pods (core/v1 Volume), mounted through volumeMounts."""
+    """Extra volumes of the server pods (core/v1 Volume), mounted through volumeMounts. Only configMap, secret,
+    emptyDir, persistentVolumeClaim, projected, csi, downwardAPI and ephemeral sources: hostPath and the other
+    sources are refused at admission."""
     volume_mounts: Annotated[list[VolumeMount], Field(max_length=MAX_EXTRA_VOLUMES,
                                                       json_schema_extra=list_map("mountPath"))] = \
         Field(default_factory=list)
@@ -555,6 +573,11 @@ class PolicyServerSpec(KubeModel):
 
     @model_validator(mode="after")
     def _extra_volumes_are_the_users(self) -> PolicyServerSpec:
+        for index, volume in enumerate(self.volumes):  # a source newer than REFUSED_VOLUME_SOURCES too
+            other = sorted(set(volume) - {"name", *ALLOWED_VOLUME_SOURCES})
+            if other:
+                raise ValueError(f"volumes[{index}]: {other[0]} is not an allowed volume source "
+                                 f"({', '.join(ALLOWED_VOLUME_SOURCES)})")
         taken = sorted({str(v.get("name")) for v in self.volumes} & set(OPERATOR_VOLUMES))
         if taken:
             raise ValueError(f"volumes: {', '.join(map(str, taken))} is a volume the operator adds itself; "

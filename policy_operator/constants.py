@@ -89,7 +89,6 @@ GPU_RESOURCE: Final = "nvidia.com/gpu"
 FINALIZER: Final = f"{GROUP}/finalizer"
 FIELD_MANAGER: Final = MANAGED_BY  # server-side apply: the fields the operator owns on its children
 PEERING_NAME: Final = "policy-operator"
-CATEGORY: Final = "all"
 ANNOTATION_LAST_HANDLED: Final = f"{GROUP}/last-handled-configuration"
 SECRET_TOKEN_KEY: Final = "token"  # key of the Secrets named by checkpoint.secretRef / auth.secretRef
 CHECKPOINT_TOKEN_DIR: Final = "/var/run/secrets/policy-checkpoint"

@@ -350,6 +350,17 @@ def with_defaults(schema: dict[str, Any], value: Any) -> Any:
     return value
 
 
+def test_kubectl_delete_all_leaves_policyservers_alone(cluster: ControlPlane, namespace: str) -> None:
+    """Not in the category ``all`` (nor are KServe's, the NIM Operator's or LeaderWorkerSet's resources): a
+    ``kubectl delete all --all`` meant for a namespace's pods and Services keeps every PolicyServer."""
+    manifest = yaml.safe_load(EXAMPLES[0].read_text())
+    apply_stdin(cluster, namespace, manifest)
+    listed = cluster.kubectl("get", "all", "-n", namespace, "-o", "name").stdout
+    assert C.PLURAL not in listed and C.GROUP not in listed, listed
+    cluster.kubectl("delete", "all", "--all", "-n", namespace, "--wait=false")
+    assert get_ps(cluster, namespace, manifest["metadata"]["name"])["metadata"].get("deletionTimestamp") is None
+
+
 def test_an_unknown_field_in_the_spec_is_refused_with_its_path(cluster: ControlPlane, namespace: str) -> None:
     manifest = yaml.safe_load(EXAMPLES[0].read_text())
     manifest["spec"]["parallelism"] = {"cfgp": 1, "gpusPerRank": 2}

@@ -171,7 +171,8 @@ def test_names_and_keep_annotation(crd: dict[str, Any]) -> None:
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert (spec["group"], spec["names"]["kind"], spec["names"]["plural"], spec["names"]["singular"]) == \
         (C.GROUP, C.KIND, C.PLURAL, C.SINGULAR)
-    assert spec["names"]["shortNames"] == [C.SHORT_NAME] and C.CATEGORY in spec["names"]["categories"]
+    # not in "all" (nor any category): `kubectl delete all --all` must leave PolicyServers alone
+    assert spec["names"]["shortNames"] == [C.SHORT_NAME] and "categories" not in spec["names"]
     assert [v["name"] for v in spec["versions"]] == [C.VERSION]
 
 

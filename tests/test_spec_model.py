@@ -354,3 +354,31 @@ def test_an_integer_window_is_a_number() -> None:
     """The apiserver stores windowMs: 2 as the JSON integer 2; the model reads it as the float the flag takes."""
     batching = parse(base(runtime={"batching": {"maxBatch": 4, "windowMs": 2}})).runtime.batching
     assert (batching.max_batch, batching.window_ms) == (4, 2.0) and isinstance(batching.window_ms, float)
+
+
+# --- spec.volumes: an allow-list of sources ---------------------------------------------------------
+
+def test_the_volume_source_lists_cover_kubernetes_volume_exactly() -> None:
+    from policy_operator.operator.crd import kubernetes_definitions
+
+    sources = set(kubernetes_definitions()["io.k8s.api.core.v1.Volume"]["properties"]) - {"name"}
+    assert set(S.ALLOWED_VOLUME_SOURCES) | set(S.REFUSED_VOLUME_SOURCES) == sources
+    assert not set(S.ALLOWED_VOLUME_SOURCES) & set(S.REFUSED_VOLUME_SOURCES)
+    assert "hostPath" in S.REFUSED_VOLUME_SOURCES
+
+
+@pytest.mark.parametrize("source", S.ALLOWED_VOLUME_SOURCES)
+def test_an_allowed_volume_source_is_accepted(source: str) -> None:
+    parsed = parse(base(volumes=[{"name": "extra", source: {}}]))
+    assert parsed.volumes == [{"name": "extra", source: {}}]
+
+
+@pytest.mark.parametrize("source", ["hostPath", "nfs", "iscsi", "image", "gitRepo"])
+def test_a_refused_volume_source_is_refused_with_its_path(source: str) -> None:
+    err = refused(base(volumes=[{"name": "ok", "emptyDir": {}}, {"name": "bad", source: {"path": "/"}}]))
+    assert err.path == "spec.volumes[1]" and "hostPath" in err.message
+
+
+def test_an_unknown_volume_source_is_refused_by_the_parser() -> None:
+    err = refused(base(volumes=[{"name": "new", "someFutureSource": {}}]))
+    assert "someFutureSource is not an allowed volume source" in err.message

@@ -79,58 +79,72 @@ app.kubernetes.io/component: sample
 {{- end }}
 
 {{/*
-The operator's API access, copied from policy_operator.operator.rbac.RULES
-(tests/test_chart.py fails when the two differ in either direction).
-"namespaced": what a Role in each watched namespace grants.
+The operator's API access: "namespaced" is what a Role in each watched namespace grants, "cluster" what
+--all-namespaces needs on top (cluster-scoped objects kopf reads in that mode).
 */}}
+{{/* BEGIN GENERATED: rbac (make crd, from policy_operator/operator/rbac.py RULES: edit that list, not this) */}}
 {{- define "policy-operator.rules.namespaced" -}}
+# watch PolicyServers; kopf patches its finalizer and progress annotations
 - apiGroups: [policyoperator.io]
   resources: [policyservers]
   verbs: [get, list, watch, patch]
+# write status (phase, conditions, per-rank readiness)
 - apiGroups: [policyoperator.io]
   resources: [policyservers/status]
   verbs: [get, patch]
+# create the checkpoint cache (server-side apply); adopt/release it as retainOnDelete changes; grow it (and list and grow the per-pod claims of storage.mode perPod) when storage.size increases
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
   verbs: [get, list, create, patch]
+# create the fetch and cleanup Jobs (a server-side apply: PATCH that creates) and react to their completion; delete a finished fetch Job before a cleanup may remove its checkpoint
 - apiGroups: [batch]
   resources: [jobs]
   verbs: [get, list, watch, create, patch, delete]
+# run, roll and scale the server pods; react to their rollout
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [get, list, watch, create, patch]
+# server-side apply the ClusterIP and headless Services every pass (drift is put back)
 - apiGroups: [""]
   resources: [services]
   verbs: [get, create, patch]
+# server-side apply the PodDisruptionBudget while replicas > 1; delete it below that
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch, delete]
+# find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, patch]
+# read the last progress line of the running fetch pod's log (status.checkpoint.progress)
 - apiGroups: [""]
   resources: [pods/log]
   verbs: [get]
+# post Events on every transition (kopf.event); list the Job's and StatefulSet's FailedCreate Events (a pod refused by a ResourceQuota, PodSecurity or a missing PriorityClass) to say so in status
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch, list]
+# leader election between operator replicas (kopf peering, namespaced)
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
   verbs: [get, list, watch, patch]
 {{- end }}
-
-{{/* "cluster": what --all-namespaces needs on top (cluster-scoped objects kopf reads in that mode). */}}
 {{- define "policy-operator.rules.cluster" -}}
+# leader election between operator replicas (kopf peering, cluster-wide)
 - apiGroups: [kopf.dev]
   resources: [clusterkopfpeerings]
   verbs: [get, list, watch, patch]
+# kopf follows namespaces when watching all of them
 - apiGroups: [""]
   resources: [namespaces]
   verbs: [get, list, watch]
+# kopf notices CRD changes when watching all namespaces
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [get, list, watch]
+# read allowVolumeExpansion before growing a cache claim (without it, a namespaced operator lets the apiserver's resize admission decide)
 - apiGroups: [storage.k8s.io]
   resources: [storageclasses]
   verbs: [get]
 {{- end }}
+{{/* END GENERATED: rbac */}}
