@@ -18,11 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Final
 
+from policy_operator.builtin_policies import BUILTIN_POLICIES, REFERENCE
 from policy_operator.constants import DEFAULT_PORT, ENV_HOST
 from policy_operator.tokens import read_token_file
 
-DEFAULT_GUIDANCE: Final = 3.0
-DEFAULT_STEPS: Final = 10
+DEFAULT_GUIDANCE: Final = 3.0  # a policy with an unconditional branch; one without gets 1.0 (no guidance)
+DEFAULT_STEPS: Final = 10  # a policy that does not name its own (Policy.default_steps)
 DEFAULT_DRAIN_GRACE_S: Final = 20.0
 DEFAULT_CACHE_DIR: Final = ".cache/checkpoints"
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 << 20
@@ -32,7 +33,7 @@ MAX_BATCH_WINDOW_MS: Final = 1000.0  # a window is a latency budget; a second is
 MAX_MAX_BATCH: Final = 256  # a batch is one forward pass: far beyond what any GPU runs at once for one policy
 DEFAULT_GIL_SWITCH_MS: Final = 5.0  # Python's own sys.getswitchinterval()
 MAX_GIL_SWITCH_MS: Final = 100.0
-DEFAULT_POLICY: Final = "policy_operator.runtime.policy.reference:ReferencePolicy"
+DEFAULT_POLICY: Final = REFERENCE
 WORKER_MODULE: Final = "policy_operator.runtime.worker"  # the torchrun program, one process per rank
 SERVE_COMMAND: Final = ("policyserver", "serve")
 
@@ -49,8 +50,8 @@ class ServeOptions:
     dtype: str
     cfgp: int
     dp: int
-    guidance: float
-    steps: int
+    guidance: float | None  # None: the policy's own (policy_guidance)
+    steps: int | None  # None: the policy's own (Policy.integrator)
     cfg_mode: str
     max_batch: int
     batch_window_ms: float
@@ -80,7 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "global rank 0 downloads once into --cache-dir")
     g.add_argument("--revision", default=None, help="revision of a hf:// source")
     g.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="where a source is downloaded (default %(default)s)")
-    g.add_argument("--policy", default=DEFAULT_POLICY, help="Policy class as pkg.module:Class (default %(default)s)")
+    g.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"a built-in policy ({', '.join(BUILTIN_POLICIES)}) or a Policy class as pkg.module:Class "
+                        "(default %(default)s)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default %(default)s)")
     g.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
@@ -89,8 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("layout and sampling")
     g.add_argument("--cfgp", type=int, default=1, help="classifier-free-guidance parallel degree, 1 or 2")
     g.add_argument("--dp", type=int, default=1, help="data-parallel replicas in this pod (outermost rank axis)")
-    g.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE, help="CFG scale g (default %(default)s)")
-    g.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="denoising steps (default %(default)s)")
+    g.add_argument("--guidance", type=float, default=None,
+                   help=f"CFG scale g (default: {DEFAULT_GUIDANCE:g} for a policy with an unconditional branch, "
+                        "1.0 = no guidance for one without)")
+    g.add_argument("--steps", type=int, default=None,
+                   help=f"denoising steps (default: the policy's own, e.g. a LeRobot config's; {DEFAULT_STEPS} for the "
+                        "reference policy)")
     g.add_argument("--cfg-mode", choices=["auto", "sequential", "batched"], default="auto",
                    help="how cfgp=1 runs both branches; auto = batched on cuda, sequential on cpu")
     g = p.add_argument_group("batching")
@@ -156,6 +163,13 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(f"--threads must be at least 1, got {opts.threads}")
 
 
+def policy_guidance(guidance: float | None, has_unconditional: bool) -> float:
+    """``--guidance`` as given, or the policy's own: DEFAULT_GUIDANCE with an unconditional branch, 1.0 without."""
+    if guidance is not None:
+        return guidance
+    return DEFAULT_GUIDANCE if has_unconditional else 1.0
+
+
 def read_token(path: str | None) -> str | None:
     """The --auth-token-file token; here, torch-free, so ``serve`` checks it before exec'ing torchrun."""
     return read_token_file(path, "--auth-token-file") if path else None
@@ -205,9 +219,10 @@ MANAGED: Final = ("checkpoint", "port", "cfgp", "dp", "guidance", "steps", "max_
 MANAGED_FLAGS: Final = tuple(flag_of(name) for name in MANAGED)
 
 
-def managed_argv(*, checkpoint: str, port: int, cfgp: int, dp: int, guidance: float, steps: int, max_batch: int,
-                 batch_window_ms: float, device: str, auth_token_file: str | None,
+def managed_argv(*, checkpoint: str, port: int, cfgp: int, dp: int, guidance: float | None, steps: int | None,
+                 max_batch: int, batch_window_ms: float, device: str, auth_token_file: str | None,
                  drain_grace_s: float) -> list[str]:
-    """The worker flags the operator derives from the spec (``auth_token_file`` None: no auth)."""
+    """The worker flags the operator derives from the spec (``auth_token_file`` None: no auth; ``guidance`` or
+    ``steps`` None: the policy's own)."""
     given = locals()
     return argv_of({name: given[name] for name in MANAGED})

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policy_operator import serve_flags
+from policy_operator.builtin_policies import builtin, check_unconditional
 from policy_operator.exit_codes import ServeExit
 from policy_operator.layout import LayoutError, ParallelLayout
 from policy_operator.progress_line import FetchProgress
@@ -57,8 +58,14 @@ def validate_layout(opts: serve_flags.ServeOptions) -> ParallelLayout:
     """Fail before any download or model load; the message is one line."""
     world = int(os.environ.get("WORLD_SIZE", opts.cfgp * opts.dp))
     layout = ParallelLayout(opts.cfgp, opts.dp, world_size=world)
-    layout.check_guidance(opts.guidance)
-    if opts.steps < 1:
+    guidance = opts.guidance
+    known = builtin(opts.policy)  # a plug-in's traits are checked when it loads (Replica)
+    if known is not None:
+        guidance = serve_flags.policy_guidance(opts.guidance, known.has_unconditional)
+        check_unconditional(opts.policy, known.has_unconditional, cfgp=opts.cfgp, guidance=guidance)
+    if guidance is not None:
+        layout.check_guidance(guidance)
+    if opts.steps is not None and opts.steps < 1:
         raise LayoutError(f"--steps must be >= 1, got {opts.steps}")
     return layout
 

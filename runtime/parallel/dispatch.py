@@ -133,7 +133,8 @@ class Replica:
     def __init__(self, policy: Policy, groups: Groups, settings: SamplerSettings, heartbeat: Heartbeat) -> None:
         self.policy = policy
         self.groups = groups
-        self.settings = settings
+        self.settings = settings.for_policy(policy, groups.layout.cfgp)  # the policy's own steps and guidance
+        self.integrator = policy.integrator(self.settings.steps)
         self.heartbeat = heartbeat
         self._cuda = policy.device.type == "cuda"
         self.broken: str | None = None  # why a collective of this replica failed; set once, never cleared
@@ -160,8 +161,9 @@ class Replica:
         requests += [requests[-1]] * (bucket_of(len(requests), s.buckets) - len(requests))
         sample = self.policy.collate([r.sample for r in requests])
         mode: CfgMode = "parallel" if self._cfg is not None else s.cfg_mode
-        x = sample_actions(self.policy, sample, [r.seed for r in requests], steps=s.steps, guidance=s.guidance,
-                           mode=mode, cfg_group=self._cfg)
+        assert s.guidance is not None, "for_policy resolved it"
+        x = sample_actions(self.policy, sample, [r.seed for r in requests], guidance=s.guidance, mode=mode,
+                           cfg_group=self._cfg, integrator=self.integrator)
         return x[: len(batch.requests)]
 
     # --- driver side (cfg index 0) ---------------------------------------------------------

@@ -14,19 +14,30 @@ prepared samples of the requests it runs together (``collate``), and
 request.  Rows never interact (no op mixes the batch dimension), which is
 what makes a request's actions the same, up to floating-point reassociation,
 whichever batch it ran in.
+
+What real policies need beyond one context tensor and the server's Euler
+loop is declared here too: the context may be any tree of tensors (a KV
+cache), the policy owns its integrator and timesteps (``integrator``), says
+whether it has an unconditional branch at all (``has_unconditional``), on
+which steps guidance applies (``guided_steps``) and how many past
+observations of a session it needs (``history``).
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
+
+from policy_operator.builtin_policies import policy_target
+from policy_operator.serve_flags import DEFAULT_STEPS
 
 
 class Branch(IntEnum):
@@ -37,6 +48,78 @@ class Branch(IntEnum):
 
 
 ROWS_KEY = "rows"  # Sample.meta of a collated batch: each request's meta
+
+#: What ``condition`` returns and ``denoise_step`` reads: a tensor, or any tree of them (dicts, tuples, lists;
+#: e.g. a KV cache per layer and a pad mask), every tensor with the batch as its dimension 0.
+Context = Any
+
+
+def context_map(fn: Callable[..., torch.Tensor], context: Context, *others: Context) -> Context:
+    """``fn`` over every tensor of ``context`` (and the same positions of ``others``), keeping its tree."""
+    return pytree.tree_map(fn, context, *others)
+
+
+def context_cat(contexts: Sequence[Context]) -> Context:
+    """Contexts of one tree shape, concatenated row-wise."""
+    return context_map(lambda *rows: torch.cat(rows), *contexts)
+
+
+def context_rows(context: Context, rows: slice) -> Context:
+    """The rows ``rows`` of every tensor of ``context``."""
+    return context_map(lambda t: t[rows], context)
+
+
+class Integrator(ABC):
+    """How the sampler moves ``x`` from the initial noise to actions, owned by the policy (``Policy.integrator``).
+
+    ``timesteps[i]`` is the time ``denoise_step`` sees at step ``i`` (one per
+    row, as a ``time_dtype`` tensor); ``step`` turns that step's output -- a
+    velocity, a noise prediction, guided already when CFG runs -- into the
+    next ``x``.  A policy trained with its own schedule (LeRobot's Euler from
+    t=1 in float32 increments, Diffusion Policy's DDIM) answers exactly as its
+    own code only when the server integrates the same way.
+    """
+
+    timesteps: tuple[float, ...]
+    time_dtype: torch.dtype = torch.float32
+
+    @property
+    def steps(self) -> int:
+        return len(self.timesteps)
+
+    def time(self, i: int, rows: int, device: torch.device) -> torch.Tensor:
+        """Step ``i``'s time for ``rows`` rows."""
+        return torch.full((rows,), self.timesteps[i], device=device, dtype=self.time_dtype)
+
+    @abstractmethod
+    def step(self, x: torch.Tensor, out: torch.Tensor, i: int) -> torch.Tensor:
+        """``x`` after step ``i``, given the (guided) output of ``denoise_step`` at ``x``."""
+
+
+class EulerFlow(Integrator):
+    """Flow matching from noise (t=1) to actions (t=0) in ``steps`` equal Euler steps: ``x + dt * v``."""
+
+    def __init__(self, steps: int) -> None:
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        self.timesteps = tuple(1.0 - i / steps for i in range(steps))
+        self.dt = -1.0 / steps
+
+    def step(self, x: torch.Tensor, out: torch.Tensor, i: int) -> torch.Tensor:
+        return x + self.dt * out
+
+
+@dataclass(frozen=True)
+class GuidanceInterval:
+    """The steps guidance applies to, as a fraction of the trajectory: step ``i`` of ``n`` when
+    ``start <= i / n < stop`` (``GuidanceInterval(0, 0.25)`` guides the first quarter, as Cosmos3-Edge guides
+    its first step of four).  Unguided steps run the conditional branch alone."""
+
+    start: float = 0.0
+    stop: float = 1.0
+
+    def guided(self, steps: int) -> tuple[bool, ...]:
+        return tuple(self.start <= i / steps < self.stop for i in range(steps))
 
 
 @dataclass
@@ -76,9 +159,20 @@ def collate(samples: Sequence[Sample]) -> Sample:
 
 
 class Policy(ABC):
-    """A flow-matching action policy split for CFG-parallel serving."""
+    """A flow-matching (or diffusion) action policy split for CFG-parallel serving."""
 
-    name: str = "policy"  # steps and guidance are the server's (--steps / --guidance), not the model's
+    name: str = "policy"
+    #: The policy was trained with a null condition, so classifier-free guidance can run: without one, cfgp=2 and
+    #: a guidance other than 1.0 are refused (built-ins declare it in policy_operator/builtin_policies.py too,
+    #: where ``serve`` reads it before torch; a plug-in's is checked when it loads).
+    has_unconditional: bool = True
+    #: Steps guidance applies to (None: all); see ``guided_steps``.
+    guidance_interval: GuidanceInterval | None = None
+    #: How many of a session's observations, latest last, one request needs (Diffusion Policy's ``n_obs_steps``);
+    #: the ingress keeps them (runtime/serving/history.py) and ``stack_history`` makes them one sample.
+    history: int = 1
+    #: --steps when the flag is not given.
+    default_steps: int = DEFAULT_STEPS
 
     @classmethod
     @abstractmethod
@@ -102,23 +196,44 @@ class Policy(ABC):
         """The batch ``condition`` gets; override when samples of one key still need padding to stack."""
         return collate(samples)
 
+    def stack_history(self, samples: Sequence[Sample]) -> Sample:
+        """One request from a session's last ``history`` prepared samples, oldest first (fewer observations than
+        that are padded with the oldest, as LeRobot's queues are): each tensor stacked on dimension 1."""
+        if len(samples) == 1:
+            return samples[0]
+        tensors = {name: torch.stack([s.tensors[name] for s in samples], dim=1) for name in samples[-1].tensors}
+        return Sample(tensors, dict(samples[-1].meta))
+
     @abstractmethod
-    def condition(self, sample: Sample, branch: Branch) -> torch.Tensor:
+    def condition(self, sample: Sample, branch: Branch) -> Context:
         """Context of one CFG branch for each of the batch's rows, computed once per request.
 
-        The unconditional branch must cost the same as the conditional one
-        (e.g. learned null tokens of the same length), or cfg ranks wait on
-        each other every step.
+        A tensor or any tree of them, batch first (``Context``).  The
+        unconditional branch must cost the same as the conditional one (e.g.
+        learned null tokens of the same length), or cfg ranks wait on each
+        other every step.
         """
 
     @abstractmethod
-    def denoise_step(self, context: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Flow velocity at ``x`` and time ``t`` for a batch of contexts (B rows, or 2B with batched CFG)."""
+    def denoise_step(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The model's output at ``x`` and time ``t`` (a velocity for flow matching) for a batch of contexts
+        (B rows, or 2B with batched CFG); ``integrator().step`` applies it."""
+
+    def integrator(self, steps: int | None = None) -> Integrator:
+        """How ``x`` goes from noise to actions in ``steps`` steps (None: the policy's own number)."""
+        return EulerFlow(self.default_steps if steps is None else steps)
+
+    def guided_steps(self, steps: int) -> tuple[bool, ...]:
+        """Which of ``steps`` steps are guided when guidance runs; all unless ``guidance_interval`` says otherwise.
+        Under cfgp=2 both ranks compute it, and the unconditional rank skips the others (no collective)."""
+        if self.guidance_interval is None:
+            return (True,) * steps
+        return self.guidance_interval.guided(steps)
 
     @abstractmethod
     def init_noise(self, seed: int) -> torch.Tensor:
-        """x at t=1 for one request (batch 1), a deterministic function of ``seed`` on every device and in
-        every batch: the sampler stacks one per row."""
+        """x at the first step for one request (batch 1), a deterministic function of ``seed`` on every device
+        and in every batch: the sampler stacks one per row."""
 
     @abstractmethod
     def postprocess(self, x: torch.Tensor) -> np.ndarray:
@@ -141,11 +256,12 @@ class Policy(ABC):
         raise NotImplementedError
 
 
-def load_policy_class(path: str) -> type[Policy]:
-    """Resolve ``pkg.module:Class``; errors name the path so a typo is obvious."""
+def load_policy_class(policy: str) -> type[Policy]:
+    """Resolve a built-in name or ``pkg.module:Class``; errors name the path so a typo is obvious."""
+    path = policy_target(policy)
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"--policy must look like 'pkg.module:Class', got {path!r}")
+        raise ValueError(f"--policy must be a built-in name or look like 'pkg.module:Class', got {path!r}")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

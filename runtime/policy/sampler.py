@@ -1,8 +1,9 @@
-"""The flow-matching sampler and the three ways to run classifier-free guidance.
+"""The sampler and the three ways to run classifier-free guidance.
 
-Euler integration from noise (t=1) to actions (t=0).  Per step the guided
-velocity is ``u + g * (c - u)``; where the two branch velocities come from is
-the only thing that differs between layouts:
+The policy's integrator (``Policy.integrator``: by default Euler flow matching
+from noise at t=1 to actions at t=0) moves ``x`` one step per model call.  Per
+guided step the combined output is ``u + g * (c - u)``; where the two branch
+outputs come from is the only thing that differs between layouts:
 
 * ``sequential``: one rank, two batch-1 forwards;
 * ``batched``: one rank, one batch-2 forward (faster on a GPU; its GEMM shapes
@@ -24,7 +25,8 @@ Every mode samples a batch of B requests at once (B rows of ``x``, each from
 its own seed's noise): ``batched`` runs 2B rows per step, ``parallel`` sends B
 rows per step through the all_gather.  ``bucket_of`` pads B up to a fixed
 size, so a compiled denoiser (CUDA graphs) only ever sees the shapes it
-captured at warm-up.
+captured at warm-up.  Contexts are trees of tensors (``Context``): batched
+CFG concatenates them leaf by leaf.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from policy_operator.runtime.policy.interface import Branch, Policy, Sample
+from policy_operator.builtin_policies import check_unconditional
 from policy_operator.runtime.errors import PeerFailed, ReplicaFailed
+from policy_operator.runtime.policy.interface import Branch, Context, Integrator, Policy, Sample, context_map
+from policy_operator.serve_flags import policy_guidance
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +53,22 @@ CfgMode = Literal["sequential", "batched", "parallel"]
 class SamplerSettings:
     """The server's sampling flags (--steps, --guidance, --cfg-mode), the same for every request."""
 
-    steps: int
-    guidance: float
+    steps: int | None  # None: the policy's own
+    guidance: float | None  # None: the policy's own (3.0 with an unconditional branch, 1.0 without)
     cfg_mode: CfgMode  # for cfgp=1; cfgp=2 is always "parallel"
     buckets: tuple[int, ...] = ()  # batch sizes a batch is padded up to (compiled denoisers); () = no padding
+
+    def for_policy(self, policy: Policy, cfgp: int = 1) -> SamplerSettings:
+        """These settings with the policy's own steps and guidance where the flags left them unset.
+
+        LayoutError (one line) when they ask ``policy`` for guidance it has no
+        unconditional branch for: ``serve`` refuses a built-in's before any
+        rank starts; this catches a plug-in's when it loads.
+        """
+        guidance = policy_guidance(self.guidance, policy.has_unconditional)
+        check_unconditional(policy.name, policy.has_unconditional, cfgp=cfgp, guidance=guidance)
+        steps = policy.integrator(self.steps).steps
+        return SamplerSettings(steps, guidance, self.cfg_mode, self.buckets)
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -91,82 +107,125 @@ def sample_actions(
     sample: Sample,
     seeds: Sequence[int],
     *,
-    steps: int,
+    steps: int | None = None,
     guidance: float,
     mode: CfgMode = "sequential",
     cfg_group: CfgGroup | None = None,
+    integrator: Integrator | None = None,
 ) -> torch.Tensor:
     """Final ``x`` of the batch (one row per seed) on this rank; the output rank postprocesses it.
 
-    ``sample`` is a collated batch (or one prepared sample) with one row per seed.
+    ``sample`` is a collated batch (or one prepared sample) with one row per
+    seed.  ``integrator`` (default: the policy's, for ``steps``; None = the
+    policy's own number) gives each step's time and update; the policy's
+    ``guided_steps`` which steps combine both branches.
     """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    integ = integrator if integrator is not None else policy.integrator(steps)
+    n = integ.steps
     rows = len(seeds)
     if rows < 1 or sample.batch_size != rows:
         raise ValueError(f"{rows} seeds for a sample of {sample.batch_size} rows")
     guided = float(guidance) != 1.0
-    if mode == "parallel" and (cfg_group is None or not guided):
+    if guided and not policy.has_unconditional:
+        raise ValueError(f"policy {policy.name} has no unconditional branch: guidance must be 1.0, got {guidance:g}")
+    plan = policy.guided_steps(n) if guided else (False,) * n
+    if len(plan) != n:
+        raise ValueError(f"guided_steps gave {len(plan)} flags for {n} steps")
+    if mode == "parallel" and (cfg_group is None or not any(plan)):
         raise ValueError("parallel CFG needs a cfg group and guidance != 1.0")
     with torch.inference_mode():
         x = torch.cat([policy.init_noise(seed) for seed in seeds])
-        dt = -1.0 / steps
-        failed: torch.Tensor | None = None
         if mode == "parallel":
             assert cfg_group is not None
-            branch = Branch(cfg_group.cfg_index)
-            ctx = _guarded(policy.condition, sample, branch)
-            failed = torch.zeros((), device=x.device, dtype=torch.float32)
-            if ctx is None:
-                failed = failed + 1
-            for i in range(steps):
-                t = torch.full((rows,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
-                v = _guarded(policy.denoise_step, ctx, x, t) if ctx is not None else None
-                if v is None:
-                    v, failed = torch.zeros_like(x), failed + 1
-                    ctx = None  # stop computing, keep joining the collectives
-                payload = torch.cat([v.float().flatten(), failed.reshape(1)])
-                if cfg_group.host_staging:
-                    payload = payload.cpu()
-                gathered = [torch.empty_like(payload) for _ in range(2)]
-                try:
-                    dist.all_gather(gathered, payload, group=cfg_group.group)
-                except Exception as exc:  # noqa: BLE001 - gloo: timeout or closed pair; the group is unusable now
-                    raise ReplicaFailed(f"cfg collective failed at step {i + 1} of {steps}: "
-                                        f"{str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}") from exc
-                gathered = [g.to(x.device, non_blocking=True) for g in gathered]
-                c = gathered[0][:-1].view_as(x).to(x.dtype)
-                u = gathered[1][:-1].view_as(x).to(x.dtype)
-                failed = torch.maximum(gathered[0][-1], gathered[1][-1])
-                x = x + dt * (u + guidance * (c - u))
-            if failed.item() > 0:  # the one host sync, after the loop
-                raise PeerFailed("inference failed on a cfg rank; see that rank's log")
-            return x
+            return _parallel(policy, sample, x, integ, plan, guidance, cfg_group)
         ctx_c = policy.condition(sample, Branch.COND)
-        if not guided:
-            for i in range(steps):
-                t = torch.full((rows,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
-                x = x + dt * policy.denoise_step(ctx_c, x, t)
+        if not any(plan):
+            for i in range(n):
+                x = integ.step(x, policy.denoise_step(ctx_c, x, integ.time(i, rows, x.device)), i)
             return x
         ctx_u = policy.condition(sample, Branch.UNCOND)
         if mode == "batched":
-            ctx = torch.cat([ctx_c, ctx_u.expand_as(ctx_c)])
-            for i in range(steps):
-                t = torch.full((2 * rows,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
-                c, u = policy.denoise_step(ctx, torch.cat([x, x]), t).chunk(2)
-                x = x + dt * (u + guidance * (c - u))
+            ctx = context_map(lambda c, u: torch.cat([c, u.expand_as(c)]), ctx_c, ctx_u)
+            for i in range(n):
+                if not plan[i]:
+                    x = integ.step(x, policy.denoise_step(ctx_c, x, integ.time(i, rows, x.device)), i)
+                    continue
+                c, u = policy.denoise_step(ctx, torch.cat([x, x]), integ.time(i, 2 * rows, x.device)).chunk(2)
+                x = integ.step(x, u + guidance * (c - u), i)
             return x
         if mode != "sequential":
             raise ValueError(f"unknown cfg mode {mode!r}")
-        for i in range(steps):
-            t = torch.full((rows,), 1.0 - i / steps, device=x.device, dtype=torch.float32)
+        for i in range(n):
+            t = integ.time(i, rows, x.device)
             c = policy.denoise_step(ctx_c, x, t)
+            if not plan[i]:
+                x = integ.step(x, c, i)
+                continue
             u = policy.denoise_step(ctx_u, x, t)
-            x = x + dt * (u + guidance * (c - u))
+            x = integ.step(x, u + guidance * (c - u), i)
         return x
 
 
-def _guarded(fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor | None:
+def _parallel(policy: Policy, sample: Sample, x: torch.Tensor, integ: Integrator, plan: Sequence[bool],
+              guidance: float, cfg_group: CfgGroup) -> torch.Tensor:
+    """cfgp=2: this rank's branch, one all_gather per guided step.
+
+    Both ranks know ``plan``, so they agree on which steps have a collective:
+    an unguided step runs on the conditional rank alone, and before a guided
+    step that follows unguided ones the conditional rank's ``x`` is gathered
+    (the unconditional rank's is stale).  The unconditional rank's result is
+    never used.
+    """
+    rows = x.shape[0]
+    n = len(plan)
+    branch = Branch(cfg_group.cfg_index)
+    ctx = _guarded(policy.condition, sample, branch)
+    failed = torch.zeros((), device=x.device, dtype=torch.float32)
+    if ctx is None:
+        failed = failed + 1
+    for i in range(n):
+        t = integ.time(i, rows, x.device)
+        if not plan[i]:
+            if branch is Branch.UNCOND:
+                continue
+            v = _guarded(policy.denoise_step, ctx, x, t) if ctx is not None else None
+            if v is None:
+                v, failed = torch.zeros_like(x), failed + 1
+                ctx = None
+            x = integ.step(x, v, i)
+            continue
+        if i > 0 and not plan[i - 1]:  # the unconditional rank skipped the steps before: take the driver's x
+            gathered = _all_gather(torch.cat([x.float().flatten(), failed.reshape(1)]), cfg_group, x.device, i, n)
+            x = gathered[0][:-1].view_as(x).to(x.dtype)
+            failed = torch.maximum(gathered[0][-1], gathered[1][-1])
+        v = _guarded(policy.denoise_step, ctx, x, t) if ctx is not None else None
+        if v is None:
+            v, failed = torch.zeros_like(x), failed + 1
+            ctx = None  # stop computing, keep joining the collectives
+        gathered = _all_gather(torch.cat([v.float().flatten(), failed.reshape(1)]), cfg_group, x.device, i, n)
+        c = gathered[0][:-1].view_as(x).to(x.dtype)
+        u = gathered[1][:-1].view_as(x).to(x.dtype)
+        failed = torch.maximum(gathered[0][-1], gathered[1][-1])
+        x = integ.step(x, u + guidance * (c - u), i)
+    if failed.item() > 0:  # the one host sync, after the loop
+        raise PeerFailed("inference failed on a cfg rank; see that rank's log")
+    return x
+
+
+def _all_gather(payload: torch.Tensor, cfg_group: CfgGroup, device: torch.device, i: int, n: int) -> list[torch.Tensor]:
+    """Both ranks' ``payload`` on ``device``, cond rank's first; ReplicaFailed when the collective itself fails."""
+    if cfg_group.host_staging:
+        payload = payload.cpu()
+    gathered = [torch.empty_like(payload) for _ in range(2)]
+    try:
+        dist.all_gather(gathered, payload, group=cfg_group.group)
+    except Exception as exc:  # noqa: BLE001 - gloo: timeout or closed pair; the group is unusable now
+        raise ReplicaFailed(f"cfg collective failed at step {i + 1} of {n}: "
+                            f"{str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}") from exc
+    return [g.to(device, non_blocking=True) for g in gathered]
+
+
+def _guarded(fn: Callable[..., Context], *args: object) -> Context | None:
     try:
         return fn(*args)
     except Exception:  # noqa: BLE001 - reported through the failure flag, logged here

@@ -48,6 +48,7 @@ from policy_operator.runtime.policy.interface import Policy
 from policy_operator.runtime.policy.observation import parse_seed, parse_session
 from policy_operator.runtime.policy.sampler import SamplerSettings
 from policy_operator.runtime.errors import ErrorKind, NotReady, ReplicaUnavailable
+from policy_operator.runtime.serving.history import SessionHistory
 from policy_operator.runtime.serving.router import Router
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class Ingress:
         self.router = Router(layout.dp)
         self.lanes: list[Lane] = []
         self.policy: Policy | None = None
+        self.history = SessionHistory(None)  # each session's past observations (Policy.history), set by attach
         self.load_error: str | None = None
         self.draining = False
         self.failed: dict[int, str] = {}  # replica -> why its communicator failed; out of service for good
@@ -115,6 +117,7 @@ class Ingress:
     # --- wiring (called by the worker) ----------------------------------------------
     def attach(self, policy: Policy, lanes: list[Lane]) -> None:
         self.policy = policy
+        self.history = SessionHistory(policy)
         self.lanes = lanes
         for lane in lanes:
             lane.arriving = self.expected
@@ -135,12 +138,13 @@ class Ingress:
     def metadata(self) -> dict[str, Any]:
         assert self.policy is not None
         meta = dict(self.policy.metadata())
+        settings = self.settings.for_policy(self.policy, self.layout.cfgp)  # the policy's own where flags are unset
         meta.update({
             "server": "policy-operator",
             "server_version": __version__,
             "layout": self.layout.as_dict(),
-            "steps": self.settings.steps,
-            "guidance": self.settings.guidance,
+            "steps": settings.steps,
+            "guidance": settings.guidance,
             "action_shape": list(self.policy.action_shape),
         })
         return meta
@@ -210,6 +214,7 @@ class Ingress:
                 sample = self.policy.prepare(obs)
             else:
                 sample = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.policy.prepare, obs)
+            sample = self.history.extend(session, sample)
             prepare_ms = (time.perf_counter() - t0) * 1e3
             request = InferenceRequest(f"{self._id_prefix}-{next(self._ids)}", sample, self._seeds.getrandbits(63) if seed is None else seed)
             problems = self.replica_problems()
