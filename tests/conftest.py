@@ -24,6 +24,14 @@ def repo_root() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny reference checkpoint (seed 0), shared by every test of the session."""
+    from tests.support.servers import session_checkpoint
+
+    return session_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def cli_env() -> dict[str, str]:
     """Environment for subprocesses: the venv's scripts (policyserver, torchrun) first on PATH."""
     env = dict(os.environ)

@@ -29,7 +29,7 @@ from policy_operator.operator.manifests import Names
 from policy_operator.sources import checkpoint_key
 from tests.support import promql
 from tests.support.net import wait_for
-from tests.support.servers import VENV_BIN, serve_policy, tiny_checkpoint  # noqa: F401
+from tests.support.servers import VENV_BIN, serve_policy
 
 if TYPE_CHECKING:
     from tests.support.control_plane import ControlPlane

@@ -27,7 +27,7 @@ from policy_operator.runtime.policy.sampler import batch_buckets, bucket_of, sam
 from policy_operator.runtime.serving import wire
 from tests.support.plugins.batch_probe_policy import FAIL_PROMPT, NAN_PROMPT
 from tests.support.plugins.held_policy import hold_prompt
-from tests.support.servers import PolicyServerProcess, serve_policy, tiny_checkpoint  # noqa: F401 - the fixture
+from tests.support.servers import PolicyServerProcess, serve_policy
 
 CFG = PolicyConfig()
 STEPS = 3

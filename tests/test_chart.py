@@ -19,7 +19,7 @@ import io
 import json
 import re
 import shlex
-from functools import cache, lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,13 +36,19 @@ from policy_operator.operator import main as operator_main
 from policy_operator.operator import manifests, rbac
 from policy_operator.operator.spec import parse_spec
 from tests.support import crd_schema
+from tests.support.chart import (
+    CHART,
+    DOCS,
+    EXAMPLES,
+    K8S_VERSIONS,
+    LINT_KUBE_VERSION,
+    NS,
+    RELEASE,
+    REPO,
+    chart,
+    code_lines,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-CHART = REPO / "charts" / "policy-operator"
-RELEASE, NS = "po", "robots"
-K8S_VERSIONS = ("1.32.0", "1.37.0")
-LINT_KUBE_VERSION = "v1.32.0"
-EXAMPLES = {p.name: yaml.safe_load(p.read_text()) for p in sorted((REPO / "examples").glob("policyserver-*.yaml"))}
 CUSTOM_KINDS = {"PolicyServer", "KopfPeering", "ClusterKopfPeering", "ServiceMonitor"}
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
@@ -92,11 +98,6 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="module", autouse=True)
 def _quiet_helm() -> None:
     helm_python.disable_logging()
-
-
-@lru_cache(maxsize=1)
-def chart() -> helm_python.Chart:
-    return helm_python.Chart.load(CHART)
 
 
 @cache
@@ -618,23 +619,6 @@ def test_notes_follow_the_sample_and_the_watch_scope() -> None:
 
 # --- docs/install.md and docs/upgrades.md say what the chart does --------------------------------
 
-DOCS = {name: (REPO / "docs" / name).read_text() for name in ("install.md", "upgrades.md")}
-
-
-def _code_lines(text: str) -> list[str]:
-    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S)
-    lines, pending = [], ""
-    for block in blocks:
-        for line in block.splitlines():
-            line = line.split("  #")[0].rstrip()
-            if line.endswith("\\"):
-                pending += line[:-1] + " "
-                continue
-            lines.append((pending + line).strip())
-            pending = ""
-    return [line for line in lines if line]
-
-
 @pytest.mark.parametrize("doc", DOCS)
 def test_docs_set_only_values_the_chart_has(doc: str) -> None:
     defaults = chart().values
@@ -650,7 +634,7 @@ def test_docs_set_only_values_the_chart_has(doc: str) -> None:
 
 
 def test_install_doc_commands_name_real_files_objects_and_flags() -> None:
-    lines = _code_lines(DOCS["install.md"])
+    lines = code_lines(DOCS["install.md"])
     applied = [m for line in lines for m in re.findall(r"apply -f (examples/\S+)", line)]
     assert sorted(applied) == sorted(f"examples/{n}" for n in EXAMPLES if n != "policyserver-minimal.yaml")
     waited = [m for line in lines for m in re.findall(rf"--for=condition={C.COND_AVAILABLE} {C.SINGULAR}/(\S+)", line)]

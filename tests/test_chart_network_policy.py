@@ -19,7 +19,7 @@ import yaml
 from policy_operator import constants as C
 from policy_operator.operator import manifests
 from policy_operator.operator.spec import parse_spec
-from tests.test_chart import CHART, NS, RELEASE, chart
+from tests.support.chart import CHART, NS, RELEASE, chart
 
 
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from policy_operator import cli
 from policy_operator import constants as C
 from policy_operator.operator import manifests
 from policy_operator.operator.spec import parse_spec
-from tests.test_chart import CHART, EXAMPLES, K8S_VERSIONS, LINT_KUBE_VERSION, NS, RELEASE, chart
+from tests.support.chart import CHART, DOCS, EXAMPLES, K8S_VERSIONS, LINT_KUBE_VERSION, NS, RELEASE, chart, code_lines
 
 HOOK_TEMPLATE = "templates/tests/probe-sample.yaml"
 CFGP2_DP2 = {k: v for k, v in EXAMPLES["policyserver-cfgp2-dp2.yaml"]["spec"].items() if k != "image"}
@@ -139,10 +139,8 @@ def test_schema_rejects_bad_test_values(values: dict[str, Any], where: str) -> N
 
 
 def test_install_doc_shows_the_probe_and_helm_test_as_the_chart_has_them() -> None:
-    from tests.test_chart import DOCS, _code_lines
-
     text = DOCS["install.md"]
-    lines = _code_lines(text)
+    lines = code_lines(text)
     assert any(line.startswith("helm test ") and "--logs" in line for line in lines)
     probes = [line for line in lines if line.startswith("policyserver probe ")]
     assert probes and all(cli.build_parser().parse_args(line.split()[1:]).command == "probe" for line in probes)

@@ -20,7 +20,6 @@ from tests.support.servers import (
     PolicyServerProcess,
     serve_policy,
     subprocess_env,
-    tiny_checkpoint,  # noqa: F401 - the fixture
 )
 
 POLICYSERVER = str(VENV_BIN / "policyserver")

@@ -24,8 +24,8 @@ from policy_operator import constants as C
 from policy_operator.operator import manifests
 from policy_operator.operator.spec import parse_spec
 from tests.support import promql
-from tests.support.servers import serve_policy, tiny_checkpoint  # noqa: F401
-from tests.test_chart import CHART, EXAMPLES, NS, RELEASE, chart
+from tests.support.chart import CHART, EXAMPLES, NS, RELEASE, chart
+from tests.support.servers import serve_policy
 
 DASHBOARD_FILE = CHART / "dashboards" / "policy-server.json"
 VARIABLES = ("datasource", "namespace", "policyserver", "pod")

@@ -27,7 +27,7 @@ from policy_operator.runtime.client import robolab_observation
 from policy_operator.runtime.serving import wire
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.net import wait_for
-from tests.support.servers import PolicyServerProcess, _proc_stat, serve_policy, subprocess_env, tiny_checkpoint  # noqa: F401
+from tests.support.servers import PolicyServerProcess, proc_stat, serve_policy, subprocess_env
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def rank_pids(server: PolicyServerProcess) -> dict[int, int]:
 
 
 def alive(pid: int) -> bool:
-    stat = _proc_stat(pid)
+    stat = proc_stat(pid)
     return stat is not None and Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
 
 

@@ -23,7 +23,7 @@ from policy_operator.runtime.serving import wire
 from policy_operator.runtime.serving.server import GOING_AWAY
 from tests.support.net import wait_for
 from tests.support.plugins.held_policy import hold_prompt
-from tests.support.servers import serve_policy, tiny_checkpoint  # noqa: F401
+from tests.support.servers import serve_policy
 
 pytestmark = pytest.mark.slow
 ARGS = ["--cfgp", "2", "--policy", "held_policy:HeldPolicy", "--threads", "1", "--steps", "2",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import re
 import signal
@@ -135,6 +136,12 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/cmdline").read_bytes() != b""
     except OSError:
         return False
+
+
+def processes_per_pod(layout: str) -> int:
+    """The node processes of one server pod of ``layout`` (``cfgp=C,dp=D``)."""
+    world = math.prod(int(part.split("=")[1]) for part in layout.split(","))
+    return 1 if world == 1 else 2 + world
 
 
 def mounts(pod: dict[str, Any], claim: str) -> bool:
@@ -327,7 +334,10 @@ def test_kubectl_delete_collects_everything_and_the_claim_waits_for_its_pods(dep
     d = deployment
     node = d.cluster.node
     pids = [p.pid for p in node.processes(NS)]
-    assert len(pids) == 6  # serve + torchrun + 2 ranks (cfgp=2), 2 x serve (1 rank each after the layout change)
+    # per pod: serve alone runs a single rank; more ranks are serve + torchrun + one process each (read from the
+    # layout each PolicyServer has now, whichever tests ran before)
+    expected = sum(len(server_pods(d, n)) * processes_per_pod(d.cluster.status(n)["layout"]) for n in (CFGP2, CFGP1))
+    assert len(pids) == expected, [p.argv for p in node.processes(NS)]
     claims = {n: d.cluster.get("v1", "persistentvolumeclaims", Names(n).pvc) for n in (CFGP2, CFGP1)}
     assert all("kubernetes.io/pvc-protection" in c["metadata"]["finalizers"] for c in claims.values())
     volumes = [c["spec"]["volumeName"] for c in claims.values()]

@@ -30,7 +30,7 @@ from tests.support.local_node_api import Api
 from tests.support.local_node_cluster import delete_namespace
 from tests.support.local_node_proc import PathMap, expand, tagged_processes
 from tests.support.local_node_storage import ANN_PROVISIONED_BY, STORAGE_CLASS, STORAGE_PROVISIONER
-from tests.support.net import free_port, wait_for
+from tests.support.net import wait_for
 
 if TYPE_CHECKING:
     from tests.support.control_plane import ControlPlane

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from policy_operator.runtime.errors import ErrorKind, RequestError
 from policy_operator.runtime.policy import InvalidObservation
 from policy_operator.runtime.policy.observation import (
     GRIPPER_KEY,
@@ -27,8 +28,6 @@ from policy_operator.runtime.policy.observation import (
     parse_session,
 )
 from policy_operator.runtime.policy.reference import ReferencePolicy, camera_key
-from policy_operator.runtime.errors import ErrorKind, RequestError
-from tests.support.servers import tiny_checkpoint  # noqa: F401 - the fixture
 
 WRIST = "observation/wrist_image_left"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from policy_operator.operator import rank_probe
-from tests.support.servers import serve_policy, tiny_checkpoint  # noqa: F401 - the fixture
+from tests.support.servers import serve_policy
 
 pytestmark = pytest.mark.slow
 

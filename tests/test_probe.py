@@ -21,7 +21,7 @@ import pytest
 from policy_operator.exit_codes import ProbeExit
 from policy_operator.runtime import probe
 from tests.support.net import free_port
-from tests.support.servers import VENV_BIN, serve_policy, subprocess_env, tiny_checkpoint  # noqa: F401
+from tests.support.servers import VENV_BIN, serve_policy, subprocess_env
 
 TOKEN = "probe-secret-token"
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "

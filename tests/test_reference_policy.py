@@ -30,7 +30,7 @@ from policy_operator.runtime.policy.reference import (
     init_checkpoint,
 )
 from policy_operator.runtime.policy.sampler import sample_actions
-from tests.support.servers import session_checkpoint, tiny_checkpoint  # noqa: F401 - the fixture
+from tests.support.servers import session_checkpoint
 
 CFG_MODES_ATOL = 1e-5
 STEPS = 4

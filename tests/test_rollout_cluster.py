@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 import yaml
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from websockets.sync.client import ClientConnection, connect
 
 from policy_operator import constants as C
@@ -139,32 +139,18 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
     assert "Traceback" not in lc.operator.log.read_text(), f"the operator crashed; see {lc.operator.log}"
 
 
-def _status(lc: LocalCluster, name: str, predicate: Any, what: str) -> dict[str, Any]:
-    last: dict[str, Any] = {}
-
-    def check() -> Any:
-        nonlocal last
-        last = lc.status(name)
-        return predicate(last)
-
-    try:
-        wait_for(check, WAIT_S, interval=0.2, what=what)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}; status: {json.dumps(last, indent=1)[:4000]}\n{lc.describe()}") from None
-    return last
-
-
 def test_a_session_held_across_a_rollout_loses_no_request(cluster: tuple[LocalCluster, str]) -> None:
     lc, name = cluster
-    first = _status(lc, name, lambda s: s.get("phase") == C.PHASE_READY, "first Ready")
+    first = lc.wait_status(name, lambda s: s.get("phase") == C.PHASE_READY, "first Ready", WAIT_S)
     old_revision = first["pods"][0]["revision"]
     robot = Client(lc.node.service_url(NS, name, C.PORT_NAME, scheme="ws"))
     robot.thread.start()
     try:
         wait_for(lambda: robot.ok >= 3 or not robot.thread.is_alive(), 60, what="the robot served")
         lc.kubectl("patch", C.SHORT_NAME, name, "--type=merge", "-p", json.dumps({"spec": {"runtime": {"steps": 3}}}))
-        done = _status(lc, name, lambda s: s.get("observedGeneration") == 2 and s.get("phase") == C.PHASE_READY
-                       and all(p.get("revision") != old_revision for p in s.get("pods") or []), "rolled and Ready")
+        done = lc.wait_status(name, lambda s: s.get("observedGeneration") == 2 and s.get("phase") == C.PHASE_READY
+                              and all(p.get("revision") != old_revision for p in s.get("pods") or []),
+                              "rolled and Ready", WAIT_S)
         sts = lc.get("apps/v1", "statefulsets", name) or {}
         assert sts["spec"]["replicas"] == 1 and C.ANNOTATION_SURGE not in sts["metadata"].get("annotations", {})
         before = robot.ok

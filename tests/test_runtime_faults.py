@@ -32,11 +32,10 @@ from tests.support.servers import (
     VENV_BIN,
     PolicyServerProcess,
     ServerExited,
-    _proc_stat,
+    proc_stat,
     serve_policy,
     session_checkpoint,
     subprocess_env,
-    tiny_checkpoint,  # noqa: F401 - the fixture
 )
 
 JOINT_KEY = "observation/joint_position"
@@ -265,7 +264,7 @@ def test_readyz_load_error_keeps_the_reason_without_the_path(tmp_path: Path, tin
 def test_probes_answer_while_the_torchrun_agent_is_frozen(tiny_checkpoint) -> None:  # noqa: F811
     """The agent hosts the TCPStore the heartbeats live in; freezing it must not freeze /readyz or the handshake."""
     with serve_policy(tiny_checkpoint, "--cfgp", "2", "--steps", "2", *RANKS) as s:
-        agent = _proc_stat(s.rank_pids()[0])[0]  # the ranks' parent: torchrun's agent
+        agent = proc_stat(s.rank_pids()[0])[0]  # the ranks' parent: torchrun's agent
         with frozen(agent):
             time.sleep(1.0)  # past the staleness bound: heartbeats cannot be published now
             t0 = time.monotonic()

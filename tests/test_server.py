@@ -32,7 +32,7 @@ from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePoli
 from policy_operator.runtime.policy.sampler import sample_actions
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.plugins.held_policy import hold_prompt
-from tests.support.servers import PolicyServerProcess, serve_policy, tiny_checkpoint  # noqa: F401 - the fixture
+from tests.support.servers import PolicyServerProcess, serve_policy
 
 CFG = PolicyConfig()  # the tiny checkpoint's config
 ACTION_SHAPE = (CFG.horizon, CFG.action_dim)

@@ -46,7 +46,7 @@ WAIT_S = 150.0
 PS = (C.API_VERSION, C.PLURAL)
 FIXED_CLASS = "storage-it-fixed"  # served by the node's provisioner, allowVolumeExpansion unset
 EXPANDABLE_CLASS = "storage-it-expandable"
-SOURCES = ("pp", "a", "b", "g")  # one checkpoint directory per use, so downloads are counted per test
+SOURCES = ("pp", "pdb", "a", "b", "g")  # one checkpoint directory per use, so downloads are counted per test
 
 
 class Env:
@@ -152,10 +152,13 @@ def test_per_pod_storage_gives_each_pod_its_own_claim_and_download(env: Env) -> 
     assert env.claim(f"{name}-cache") == {}
     ready = cond(status, C.COND_STORAGE_READY)
     assert ready["status"] == "True" and "one claim per pod" in ready["message"], ready
+    env.delete(name)
 
 
 def test_a_pod_disruption_budget_exists_at_two_replicas_and_not_at_one(env: Env) -> None:
-    name = "perpod"  # the previous test's PolicyServer, 2/2 Ready
+    name = "pdb"
+    env.apply(env.doc(name, "pdb", replicas=2, storage={"mode": "perPod"}))
+    env.wait(name, lambda s: s.get("phase") == C.PHASE_READY and s.get("ready") == "2/2", "2/2 Ready")
     owner = env.lc.get(*PS, name)
     pdb_name = Names(name).pdb
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from openpi_client import msgpack_numpy as openpi
 
-from policy_operator.runtime.serving import wire
 from policy_operator.runtime.errors import ErrorKind, WireError
+from policy_operator.runtime.serving import wire
 
 
 def _arrays() -> dict[str, object]:

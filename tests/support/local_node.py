@@ -98,7 +98,7 @@ class NodeEvent:
 
 def _now_micro() -> str:
     """metav1.MicroTime, as a Lease's renewTime wants it."""
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class LocalNode:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from policy_operator.constants import ENV_LOCAL_NODE_CONTAINER
 
-from .servers import _proc_stat
+from .servers import proc_stat
 
 EXIT_START_ERROR = 128  # what containerd reports for an entrypoint that could not be exec'd
 TERMINATION_MESSAGE_LINES = 80  # the kubelet's FallbackToLogsOnError: last 80 lines, at most 2048 bytes
@@ -156,7 +156,7 @@ def tagged_processes(prefix: str) -> list[ProcInfo]:
             continue
         env = _environ(pid) or {}
         tag = env.get(ENV_LOCAL_NODE_CONTAINER, "")
-        stat = _proc_stat(pid)
+        stat = proc_stat(pid)
         if not tag.startswith(prefix) or stat is None:
             continue
         try:
@@ -171,7 +171,7 @@ def tagged_processes(prefix: str) -> list[ProcInfo]:
 
 def signal_processes(procs: Iterable[ProcInfo], sig: int) -> None:
     for p in procs:
-        stat = _proc_stat(p.pid)
+        stat = proc_stat(p.pid)
         if stat is not None and stat[1] == p.start:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(p.pid, sig)
@@ -190,7 +190,7 @@ def kill_tagged(prefix: str, timeout: float = 10.0) -> list[ProcInfo]:
 
 def rfc3339(t: float) -> str:
     """A Kubernetes timestamp (seconds), as the kubelet writes container states."""
-    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).replace(microsecond=0).isoformat().replace(
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).replace(microsecond=0).isoformat().replace(
         "+00:00", "Z")
 
 
@@ -240,7 +240,7 @@ class ContainerProcess:
         return self
 
     def _write_line(self, line: str) -> None:
-        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+        stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
         with self._log_lock, open(self.log_path, "a", encoding="utf-8") as log:
             log.write(f"{stamp} {line}\n")
 

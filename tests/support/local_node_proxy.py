@@ -143,7 +143,7 @@ class ServiceProxy:
         for host, port in backends:
             try:
                 up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
-            except (OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, OSError) as exc:
                 log.info("endpoint %s:%d refused: %s", host, port, exc)
                 continue
             try:

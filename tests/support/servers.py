@@ -23,9 +23,8 @@ drain, a killed rank, ...); every wait is bounded and a failure carries the
 tail of the server's log.
 
 Checkpoints: :func:`session_checkpoint` makes one per (size, seed, overrides)
-per test session; the ``tiny_checkpoint`` fixture is the common case.  Import
-it into a test module (``from tests.support.servers import tiny_checkpoint  #
-noqa: F401``).
+per test session; the ``tiny_checkpoint`` fixture (tests/conftest.py) is the
+common case.
 """
 
 from __future__ import annotations
@@ -118,7 +117,7 @@ def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 
 
 # --- processes -----------------------------------------------------------------------
-def _proc_stat(pid: int) -> tuple[int, int] | None:
+def proc_stat(pid: int) -> tuple[int, int] | None:
     """(ppid, start time) of a live process, or None; the start time tells a reused pid apart."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
@@ -133,7 +132,7 @@ def descendants(pid: int) -> dict[int, int]:
     children: dict[int, list[tuple[int, int]]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            stat = _proc_stat(int(entry))
+            stat = proc_stat(int(entry))
             if stat is not None:
                 children.setdefault(stat[0], []).append((int(entry), stat[1]))
     found: dict[int, int] = {}
@@ -176,7 +175,7 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: flo
 
 
 def _kill_if_same(pid: int, start: int, sig: int) -> None:
-    stat = _proc_stat(pid)
+    stat = proc_stat(pid)
     if stat is not None and stat[1] == start:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
@@ -303,7 +302,7 @@ class PolicyServerProcess:
             known = dict(self._known)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            alive = {p: s for p, s in known.items() if (st := _proc_stat(p)) is not None and st[1] == s}
+            alive = {p: s for p, s in known.items() if (st := proc_stat(p)) is not None and st[1] == s}
             if not alive:
                 return
             for p, s in alive.items():
@@ -425,9 +424,3 @@ def session_checkpoint(tmp_path_factory: pytest.TempPathFactory, size: str = "ti
             name = f"ckpt-{size}-{seed}-{len(_CHECKPOINTS)}"
             _CHECKPOINTS[key] = init_checkpoint(tmp_path_factory.mktemp(name, numbered=True), size, seed, **overrides)
         return _CHECKPOINTS[key]
-
-
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny reference checkpoint (seed 0), shared by every test of the session."""
-    return session_checkpoint(tmp_path_factory)
