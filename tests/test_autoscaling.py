@@ -104,7 +104,7 @@ def test_adapter_rule_and_keda_query_are_promql() -> None:
 
 
 @pytest.fixture(scope="module")
-def server_metrics(tiny_checkpoint: Path) -> dict[str, set[str]]:  # noqa: F811
+def server_metrics(tiny_checkpoint: Path) -> dict[str, set[str]]:
     with serve_policy(tiny_checkpoint, "--steps", "2", "--dp", "1") as server:
         return promql.exported_labels(server.get(C.METRICS_PATH).text)
 

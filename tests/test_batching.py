@@ -43,7 +43,7 @@ def observation(variant: int, **changes: Any) -> dict[str, Any]:
 
 # --- the sampler on a batch ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def policy(tiny_checkpoint: Path) -> ReferencePolicy:  # noqa: F811 - the fixture
+def policy(tiny_checkpoint: Path) -> ReferencePolicy:
     torch.set_num_threads(1)
     return ReferencePolicy.load(str(tiny_checkpoint), device=torch.device("cpu"), dtype=torch.float32)
 
@@ -337,7 +337,7 @@ def queue_behind_a_held_request(server: PolicyServerProcess, gate: Path, queued:
 
 
 @pytest.fixture(scope="module")
-def batching_server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:  # noqa: F811 - the fixture
+def batching_server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
     with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--policy", "batch_probe_policy:BatchProbePolicy",
                       "--max-batch", "8", "--error-format", "dict", "--threads", "1") as s:
         yield s
@@ -394,7 +394,7 @@ def test_a_failed_batch_call_fails_its_requests_and_the_server_carries_on(batchi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfgp,dp", [(2, 1), (1, 2)])
-def test_batches_cross_the_ranks_of_every_layout(tiny_checkpoint: Path, tmp_path: Path,  # noqa: F811
+def test_batches_cross_the_ranks_of_every_layout(tiny_checkpoint: Path, tmp_path: Path,
                                                  cfgp: int, dp: int) -> None:
     """cfgp=2: both ranks run their branch for B rows and the per-step all_gather carries B rows; dp=2: the batch
     goes to replica k's driver over the dispatch group and B Replies come back.  One session pins every request
@@ -415,7 +415,7 @@ def test_batches_cross_the_ranks_of_every_layout(tiny_checkpoint: Path, tmp_path
         assert s.readyz().json()["ranks_ready"] == cfgp * dp, "every rank still serves"
 
 
-def test_closed_loop_robots_come_back_as_one_batch(tiny_checkpoint: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_closed_loop_robots_come_back_as_one_batch(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """Four robots that each send their next request when their reply arrives.  Robot 0's first request is held
     while the other three queue behind it.  A lane that still counted robot 0 as in flight when its batch ended
     would start [1, 2, 3] at once, and the robots would alternate in batches of 1 and 3 forever (seen before the
@@ -455,7 +455,7 @@ def test_closed_loop_robots_come_back_as_one_batch(tiny_checkpoint: Path, tmp_pa
             assert max(waits[k][-4:]) < 400, "a full batch starts without waiting out the window"
 
 
-def test_robots_answered_after_a_long_batch_still_count_as_coming_back(tiny_checkpoint: Path,  # noqa: F811
+def test_robots_answered_after_a_long_batch_still_count_as_coming_back(tiny_checkpoint: Path,
                                                                        tmp_path: Path) -> None:
     """Robot A's request is held for 1.5 s, longer than ``RECENT_SESSION_S``, while robot B's queues behind it.
     When A's batch ends, A is about to come back: counted by the age of its last frame it would look gone and B's

@@ -134,7 +134,7 @@ def test_checkpoint_init_and_verify(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def checkpoint_copy(tmp_path: Path, tiny_checkpoint: Path) -> Path:  # noqa: F811 - the fixture
+def checkpoint_copy(tmp_path: Path, tiny_checkpoint: Path) -> Path:
     """A private copy of the session's (already ``init``-ed) checkpoint, for tests that damage it."""
     return Path(shutil.copytree(tiny_checkpoint, tmp_path / "ckpt"))
 
@@ -173,7 +173,7 @@ def test_verify_require_marker_refuses_an_unfetched_directory(checkpoint_copy: P
 
 # --- the bundled client -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:  # noqa: F811 - the fixture
+def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
     with serve_policy(tiny_checkpoint, "--steps", "2") as s:
         yield s
 

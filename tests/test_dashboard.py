@@ -115,7 +115,7 @@ def test_every_query_is_promql() -> None:
 # --- against a running server -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def metrics_text(tiny_checkpoint: Path) -> str:  # noqa: F811
+def metrics_text(tiny_checkpoint: Path) -> str:
     from websockets.sync.client import connect
 
     from policy_operator.runtime.probe import canned_observation, check_metadata

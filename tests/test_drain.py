@@ -42,7 +42,7 @@ def _close_code(ws: ClientConnection, timeout: float = 20.0) -> int | None:
     return closed.value.rcvd.code if closed.value.rcvd is not None else None
 
 
-def test_sigterm_drains_sessions_and_exits_0(tiny_checkpoint, tmp_path) -> None:  # noqa: F811
+def test_sigterm_drains_sessions_and_exits_0(tiny_checkpoint, tmp_path) -> None:
     gate = tmp_path / "gate"
     with serve_policy(tiny_checkpoint, *ARGS) as server:
         assert len(server.rank_pids()) == 2
@@ -78,7 +78,7 @@ def _drain_both(server, idle: ClientConnection, busy: ClientConnection, gate) ->
     assert _close_code(busy) == GOING_AWAY  # answered, then sent to another pod
 
 
-def test_sigterm_while_idle_exits_0_at_once(tiny_checkpoint) -> None:  # noqa: F811
+def test_sigterm_while_idle_exits_0_at_once(tiny_checkpoint) -> None:
     """Nothing in flight: the drain ends without waiting for the grace period."""
     with serve_policy(tiny_checkpoint, *ARGS) as server:
         ranks = server.rank_pids()
@@ -89,7 +89,7 @@ def test_sigterm_while_idle_exits_0_at_once(tiny_checkpoint) -> None:  # noqa: F
         assert "rank 0 exiting 0 (drained)" in server.log_text()
 
 
-def test_a_session_whose_last_request_failed_is_closed_at_once(tiny_checkpoint) -> None:  # noqa: F811
+def test_a_session_whose_last_request_failed_is_closed_at_once(tiny_checkpoint) -> None:
     """``--error-format dict`` keeps a session open after a bad request: it is between requests like any other, so
     the drain closes it at once and does not wait the grace period for an answer that is not coming."""
     with serve_policy(tiny_checkpoint, *ARGS, "--error-format", "dict") as server:

@@ -357,7 +357,7 @@ def test_healthcheck_names_the_runtime_health_endpoint_and_port() -> None:
     assert timeout < float(flags["timeout"].rstrip("s"))  # urllib gives up before Docker kills the check
 
 
-def test_healthcheck_passes_on_a_live_server_and_fails_once_it_is_gone(tiny_checkpoint: Path) -> None:  # noqa: F811
+def test_healthcheck_passes_on_a_live_server_and_fails_once_it_is_gone(tiny_checkpoint: Path) -> None:
     _, argv = _healthcheck()
     probe = [sys.executable, *argv[1:]]
     with serve_policy(tiny_checkpoint, "--steps", "2") as server:

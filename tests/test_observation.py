@@ -53,7 +53,7 @@ img = np.zeros((8, 8, 3), np.uint8)
 
 
 @pytest.fixture(scope="module")
-def policy(tiny_checkpoint: Path) -> ReferencePolicy:  # noqa: F811 - the fixture
+def policy(tiny_checkpoint: Path) -> ReferencePolicy:
     return ReferencePolicy.load(str(tiny_checkpoint), device=torch.device("cpu"))
 
 

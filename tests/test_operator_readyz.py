@@ -12,7 +12,7 @@ from tests.support.servers import serve_policy
 pytestmark = pytest.mark.slow
 
 
-def test_poller_reads_every_rank_of_a_real_cfgp2_server(tiny_checkpoint: Path) -> None:  # noqa: F811
+def test_poller_reads_every_rank_of_a_real_cfgp2_server(tiny_checkpoint: Path) -> None:
     with serve_policy(tiny_checkpoint, "--cfgp", "2", "--dp", "1", "--guidance", "3.0", "--steps", "2",
                       "--device", "cpu") as server:
         pod = {"metadata": {"name": "ps-0"}, "status": {"phase": "Running", "podIP": server.host},

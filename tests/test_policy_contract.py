@@ -53,7 +53,7 @@ def load(cls: type[Policy], checkpoint: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint: Path) -> ReferencePolicy:  # noqa: F811 - the fixture
+def reference(tiny_checkpoint: Path) -> ReferencePolicy:
     return load(ReferencePolicy, tiny_checkpoint)
 
 

@@ -50,7 +50,7 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def good_server(tiny_checkpoint: Path, token_file: Path):  # noqa: F811
+def good_server(tiny_checkpoint: Path, token_file: Path):
     with serve_policy(tiny_checkpoint, "--steps", "2", "--auth-token-file", str(token_file)) as server:
         yield server
 
@@ -120,7 +120,7 @@ def test_probe_usage_errors_exit_2(tmp_path: Path) -> None:
 
 # --- against servers that answer wrongly ------------------------------------------------------
 
-def test_probe_fails_a_server_whose_actions_contain_nan_and_waits_for_it_to_load(tiny_checkpoint: Path) -> None:  # noqa: F811
+def test_probe_fails_a_server_whose_actions_contain_nan_and_waits_for_it_to_load(tiny_checkpoint: Path) -> None:
     # started, not ready: the probe's retries carry it through refused connections and 503s to the real answer
     with serve_policy(tiny_checkpoint, "--steps", "2", "--policy", "broken_actions_policy:NanActionsPolicy",
                       wait="started") as server:
@@ -135,7 +135,7 @@ def test_probe_fails_a_server_whose_actions_contain_nan_and_waits_for_it_to_load
     assert ("1 non-finite value(s), first at (" in reason and "nan" in reason) or "non_finite_actions" in reason, result
 
 
-def test_probe_fails_a_server_whose_actions_do_not_have_the_advertised_shape(tiny_checkpoint: Path) -> None:  # noqa: F811
+def test_probe_fails_a_server_whose_actions_do_not_have_the_advertised_shape(tiny_checkpoint: Path) -> None:
     with serve_policy(tiny_checkpoint, "--steps", "2", "--policy", "broken_actions_policy:ShortActionsPolicy") as server:
         proc = run_probe(server.url)
         horizon, dim = advertised_metadata(server.url)["action_shape"]

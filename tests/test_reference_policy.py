@@ -48,7 +48,7 @@ def actions(policy: ReferencePolicy, obs: dict[str, Any], seed: int = 0, *, guid
 
 
 @pytest.fixture(scope="module")
-def policy(tiny_checkpoint: Path) -> ReferencePolicy:  # noqa: F811 - the fixture
+def policy(tiny_checkpoint: Path) -> ReferencePolicy:
     return load(tiny_checkpoint)
 
 
@@ -98,7 +98,7 @@ def test_branches_have_the_same_cost(policy: ReferencePolicy, obs: dict[str, Any
     assert cond.shape == uncond.shape == (1, policy.cfg.context_tokens, policy.cfg.width)
 
 
-def test_guidance_one_is_plain_euler_on_the_conditional_branch(tiny_checkpoint: Path,  # noqa: F811
+def test_guidance_one_is_plain_euler_on_the_conditional_branch(tiny_checkpoint: Path,
                                                                obs: dict[str, Any]) -> None:
     policy = load(tiny_checkpoint)
     guided = actions(policy, obs, 5, guidance=3.0)
@@ -191,7 +191,7 @@ def test_native_and_resized_images_both_work(policy: ReferencePolicy, obs: dict[
 
 
 # --- checkpoints ------------------------------------------------------------------------------
-def test_checkpoint_round_trip(tmp_path: Path, tiny_checkpoint: Path, policy: ReferencePolicy,  # noqa: F811
+def test_checkpoint_round_trip(tmp_path: Path, tiny_checkpoint: Path, policy: ReferencePolicy,
                                obs: dict[str, Any]) -> None:
     again = init_checkpoint(tmp_path / "again", "tiny", seed=0)
     assert sorted(p.name for p in again.iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE, MANIFEST_FILE])
@@ -224,7 +224,7 @@ def test_load_policy_class_resolves_the_default_and_refuses_others() -> None:
 
 
 @pytest.fixture
-def broken(tmp_path: Path, tiny_checkpoint: Path) -> Path:  # noqa: F811 - the fixture
+def broken(tmp_path: Path, tiny_checkpoint: Path) -> Path:
     path = tmp_path / "broken"
     shutil.copytree(tiny_checkpoint, path)
     return path
@@ -285,7 +285,7 @@ def test_sizes_are_valid_configs(tmp_path_factory: pytest.TempPathFactory) -> No
 # --- the GPU speed-up paths, on the CPU where they can run ----------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sequential", "batched"])
-def test_compiled_denoiser_matches_eager(tiny_checkpoint: Path, obs: dict[str, Any], mode: str) -> None:  # noqa: F811
+def test_compiled_denoiser_matches_eager(tiny_checkpoint: Path, obs: dict[str, Any], mode: str) -> None:
     """--compile reduce-overhead (CUDA graphs on a GPU) wraps the compiled step so sequential CFG
     keeps the conditional velocity while computing the unconditional one; on the CPU the same
     wrapper and compiled graph run, without the graphs."""

@@ -122,7 +122,7 @@ def in_background(fn, *args: Any) -> tuple[threading.Thread, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:  # noqa: F811 - the fixture
+def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
     with serve_policy(tiny_checkpoint, *FAST) as s:
         yield s
 
@@ -199,7 +199,7 @@ def serve_cli(checkpoint: Path, *args: str, timeout: float = 45) -> subprocess.C
     (["--gil-switch-ms", "inf"], "--gil-switch-ms"),
     (["--cfgp", "2", "--heartbeat-s", "0"], "--heartbeat-s"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
-def test_bad_serve_flags_are_one_line_and_exit_2(tiny_checkpoint, args: list[str], flag: str) -> None:  # noqa: F811
+def test_bad_serve_flags_are_one_line_and_exit_2(tiny_checkpoint, args: list[str], flag: str) -> None:
     res = serve_cli(tiny_checkpoint, *args)
     assert res.returncode == ServeExit.LAYOUT, res.stderr[-3000:]
     lines = res.stderr.strip().splitlines()
@@ -208,7 +208,7 @@ def test_bad_serve_flags_are_one_line_and_exit_2(tiny_checkpoint, args: list[str
 
 
 @pytest.mark.parametrize("layout", [[], ["--cfgp", "2"]], ids=["1-rank", "cfgp2"])
-def test_a_port_in_use_is_refused_before_any_rank_starts(tiny_checkpoint, layout: list[str]) -> None:  # noqa: F811
+def test_a_port_in_use_is_refused_before_any_rank_starts(tiny_checkpoint, layout: list[str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -220,7 +220,7 @@ def test_a_port_in_use_is_refused_before_any_rank_starts(tiny_checkpoint, layout
 
 
 # --- /readyz is public --------------------------------------------------------------------------
-def test_readyz_shows_states_and_reasons_but_no_pids_or_paths(tiny_checkpoint) -> None:  # noqa: F811
+def test_readyz_shows_states_and_reasons_but_no_pids_or_paths(tiny_checkpoint) -> None:
     bodies: list[str] = []
     with serve_policy(tiny_checkpoint, *FAST, wait="listening") as s:
         def ready() -> bool:
@@ -236,7 +236,7 @@ def test_readyz_shows_states_and_reasons_but_no_pids_or_paths(tiny_checkpoint) -
     assert [r["state"] for r in last["ranks"]] in (["warm"], ["serving"]) and "detail" in last["ranks"][0]
 
 
-def test_readyz_load_error_keeps_the_reason_without_the_path(tmp_path: Path, tiny_checkpoint) -> None:  # noqa: F811
+def test_readyz_load_error_keeps_the_reason_without_the_path(tmp_path: Path, tiny_checkpoint) -> None:
     broken = tmp_path / "broken-checkpoint"
     broken.mkdir()
     (broken / "config.json").write_text((tiny_checkpoint / "config.json").read_text())
@@ -261,7 +261,7 @@ def test_readyz_load_error_keeps_the_reason_without_the_path(tmp_path: Path, tin
 
 
 # --- probes never wait on the store ---------------------------------------------------------------
-def test_probes_answer_while_the_torchrun_agent_is_frozen(tiny_checkpoint) -> None:  # noqa: F811
+def test_probes_answer_while_the_torchrun_agent_is_frozen(tiny_checkpoint) -> None:
     """The agent hosts the TCPStore the heartbeats live in; freezing it must not freeze /readyz or the handshake."""
     with serve_policy(tiny_checkpoint, "--cfgp", "2", "--steps", "2", *RANKS) as s:
         agent = proc_stat(s.rank_pids()[0])[0]  # the ranks' parent: torchrun's agent
@@ -282,7 +282,7 @@ def test_probes_answer_while_the_torchrun_agent_is_frozen(tiny_checkpoint) -> No
 
 # --- a failed communicator is never reused; every in-request wait is bounded ------------------------
 @pytest.mark.slow
-def test_cfg_peer_frozen_past_the_pg_timeout_fails_the_replica_instead_of_serving_errors(tiny_checkpoint) -> None:  # noqa: F811
+def test_cfg_peer_frozen_past_the_pg_timeout_fails_the_replica_instead_of_serving_errors(tiny_checkpoint) -> None:
     with serve_policy(tiny_checkpoint, "--cfgp", "2", "--steps", "600", "--pg-timeout-s", "3", *RANKS) as s:
         peer = s.rank_pids()[1]
         thread, box = in_background(request, s, observation())
@@ -312,7 +312,7 @@ def test_cfg_peer_frozen_past_the_pg_timeout_fails_the_replica_instead_of_servin
 
 
 @pytest.mark.slow
-def test_a_stale_replica_gets_no_work_and_the_wait_is_bounded(tiny_checkpoint) -> None:  # noqa: F811
+def test_a_stale_replica_gets_no_work_and_the_wait_is_bounded(tiny_checkpoint) -> None:
     """cfgp=2: the idle cfg peer is frozen; a request must not wait for it to come back."""
     with serve_policy(tiny_checkpoint, "--cfgp", "2", "--steps", "2", "--pg-timeout-s", "3", *RANKS) as s:
         peer = s.rank_pids()[1]
@@ -329,7 +329,7 @@ def test_a_stale_replica_gets_no_work_and_the_wait_is_bounded(tiny_checkpoint) -
 
 
 @pytest.mark.slow
-def test_in_flight_request_on_a_frozen_replica_fails_and_others_serve(tiny_checkpoint) -> None:  # noqa: F811
+def test_in_flight_request_on_a_frozen_replica_fails_and_others_serve(tiny_checkpoint) -> None:
     """dp=2: replica 1's driver freezes mid-request; that request fails with a clear kind, replica 0 keeps serving."""
     with serve_policy(tiny_checkpoint, "--dp", "2", "--steps", "600", "--pg-timeout-s", "3", *RANKS) as s:
         remote = s.rank_pids()[1]

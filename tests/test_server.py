@@ -86,14 +86,14 @@ def serve_args(*extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:  # noqa: F811 - the fixture
+def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
     """Default (openpi) error format: a text frame, then close 1011."""
     with serve_policy(tiny_checkpoint, *serve_args()) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
-def dict_server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:  # noqa: F811 - the fixture
+def dict_server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
     """--error-format dict; also the second process of the cross-process determinism test (same sampler flags)."""
     with serve_policy(tiny_checkpoint, *serve_args("--error-format", "dict")) as s:
         yield s
@@ -122,7 +122,7 @@ def test_openpi_client_gets_actions_and_metadata(server: PolicyServerProcess) ->
     assert not np.array_equal(first["actions"], second["actions"])
 
 
-def test_server_computes_what_the_policy_computes(server: PolicyServerProcess, tiny_checkpoint: Path) -> None:  # noqa: F811
+def test_server_computes_what_the_policy_computes(server: PolicyServerProcess, tiny_checkpoint: Path) -> None:
     """Wire round trip + serving path == the policy run in this process (same seed, steps, guidance)."""
     obs = observation(3, seed=77)
     served = get_actions(server, obs)
@@ -307,7 +307,7 @@ def test_plain_http_paths(server: PolicyServerProcess) -> None:
 
 
 @pytest.fixture(scope="module")
-def held_server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:  # noqa: F811 - the fixture
+def held_server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
     """The reference policy behind the plug-in path; a ``hold:<file>`` prompt keeps a request running."""
     with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--policy", "held_policy:HeldPolicy") as s:
         yield s
@@ -400,7 +400,7 @@ class GatedCheckpointServer(CheckpointServer):
         super().stop()
 
 
-def test_readyz_is_503_until_the_model_is_loaded_and_warm(tmp_path: Path, tiny_checkpoint: Path) -> None:  # noqa: F811
+def test_readyz_is_503_until_the_model_is_loaded_and_warm(tmp_path: Path, tiny_checkpoint: Path) -> None:
     shutil.copytree(tiny_checkpoint, tmp_path / "site" / "ckpt")
     with GatedCheckpointServer(tmp_path / "site") as site:
         source = site.url_for("ckpt/")
@@ -429,7 +429,7 @@ def test_readyz_is_503_until_the_model_is_loaded_and_warm(tmp_path: Path, tiny_c
 
 # --- auth ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def auth_server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServerProcess]:  # noqa: F811
+def auth_server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServerProcess]:
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN + "\n")
     with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--auth-token-file", str(token_file)) as s:
