@@ -57,6 +57,7 @@ def published_tree_is_clean(final: Path, source: Path) -> None:
         if path.is_file():
             got = final / path.relative_to(source)
             assert got.is_file() and sha256_file(got) == sha256_file(path), got
+            assert got.stat().st_nlink == 1, f"{got} has another name: a published inode must be the checkpoint's own"
 
 
 @pytest.fixture()
@@ -134,6 +135,60 @@ def test_planted_symlink_in_staging_writes_nothing_outside_dest(tmp_path, cli_en
     assert res.returncode == 0, res.stderr
     assert list(outside.iterdir()) == [], "the fetch wrote outside DEST through a planted link"
     published_tree_is_clean(dest / request_key(url), ckpt)
+
+
+def _plant_hard_link(outside: Path, name: Path, content: bytes) -> int:
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    outside.write_bytes(content)
+    name.parent.mkdir(parents=True, exist_ok=True)
+    os.link(outside, name)
+    return outside.stat().st_ino
+
+
+def test_planted_hard_link_as_a_partial_download_is_never_written_through(root, tmp_path, cli_env):
+    """``.fetch/<key>/model.safetensors.part`` hard-linked to a file outside DEST, with a validator that does not
+    match (the download restarts): the outside file keeps its bytes and the published weights are a new inode."""
+    dest = tmp_path / "models"
+    outside = tmp_path / "outside" / "precious.bin"
+    precious = b"not yours to overwrite " * 4096
+    with CheckpointServer(root) as server:
+        url = server.url_for("ckpt/")
+        staging = dest / ".fetch" / request_key(url)
+        inode = _plant_hard_link(outside, staging / f"{WEIGHTS}.part", precious)
+        (staging / f"{WEIGHTS}.part.json").write_text(json.dumps({"url": url, "validator": '"not-the-etag"'}))
+        res = fetch(cli_env, url, str(dest))
+    assert res.returncode == 0, res.stderr
+    assert outside.read_bytes() == precious, "the fetch wrote the weights through a planted hard link"
+    final = dest / request_key(url)
+    assert (final / WEIGHTS).stat().st_ino != inode
+    published_tree_is_clean(final, root / "ckpt")
+
+
+@pytest.mark.parametrize("planted", [WEIGHTS, MANIFEST_FILE])
+def test_planted_hard_link_with_the_right_bytes_is_not_published(root, tmp_path, cli_env, planted):
+    """A staged file with the right content but a second name outside DEST: reusing it would publish an inode
+    someone else can still change, so it is fetched again instead."""
+    dest = tmp_path / "models"
+    with CheckpointServer(root) as server:
+        url = server.url_for("ckpt/")
+        outside = tmp_path / "outside" / planted
+        inode = _plant_hard_link(outside, dest / ".fetch" / request_key(url) / planted,
+                                 (root / "ckpt" / planted).read_bytes())
+        res = fetch(cli_env, url, str(dest))
+    assert res.returncode == 0, res.stderr
+    final = dest / request_key(url)
+    assert (final / planted).stat().st_ino != inode and outside.stat().st_nlink == 1
+    published_tree_is_clean(final, root / "ckpt")
+
+
+def test_a_local_source_is_copied_never_hard_linked(root, tmp_path, cli_env):
+    """A published file sharing the source's inode would change whenever the source is edited in place."""
+    dest = tmp_path / "models"
+    source = "file://" + str(root / "ckpt")
+    res = fetch(cli_env, source, str(dest))
+    assert res.returncode == 0, res.stderr
+    published_tree_is_clean(dest / request_key(source), root / "ckpt")
+    assert (root / "ckpt" / WEIGHTS).stat().st_nlink == 1
 
 
 def test_symlink_in_place_of_the_checkpoint_dir_is_not_taken_as_complete(tmp_path, cli_env):

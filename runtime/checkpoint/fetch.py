@@ -22,6 +22,9 @@ Only regular files and directories are ever published: a symlink, or a file
 where a directory belongs, found at ``DEST/<key>``, ``DEST/.fetch/<key>`` or
 anywhere inside staging is removed (the link, never what it points to) before
 a byte is written, so a planted link cannot make the fetch write outside DEST.
+A hard link (a file with a second name, possibly outside DEST) is removed the
+same way, every file is written through a fresh inode (``staging.py``), and a
+tree holding one is never published.
 
 Exit codes: ``FetchExit`` in ``policy_operator/exit_codes.py`` (0 ok, 2 usage,
 3 source unreachable/auth, 4 verification failed, 5 disk full, 1 anything else).
@@ -58,6 +61,7 @@ from policy_operator.runtime.checkpoint.http import STALL_TIMEOUT_S, Patience
 from policy_operator.runtime.checkpoint.marker import check_complete, fsync_path, make_marker, read_marker, write_marker
 from policy_operator.runtime.checkpoint.progress import Progress, human_bytes
 from policy_operator.runtime.checkpoint.sources import HfSource, RemoteFile, Source, make_source
+from policy_operator.runtime.checkpoint.staging import has_other_names
 from policy_operator.sources import HF_SCHEME, InvalidSource, checkpoint_key, split_revision
 from policy_operator.tokens import read_token_file
 
@@ -230,12 +234,13 @@ def _make_real_dir(path: Path, log: _Log) -> None:
 
 
 def _links_under(root: Path) -> list[Path]:
-    """Every entry under ``root`` that is neither a regular file nor a directory (symlinks first of all)."""
+    """Every entry under ``root`` that is not a directory or a regular file of one name: symlinks, special files,
+    and hard links (a file that is also reachable from outside DEST)."""
     found = []
     for dirpath, dirs, files in os.walk(root):  # never follows links to directories
         for name in dirs + files:
             path = Path(dirpath, name)
-            if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            if path.is_symlink() or not (path.is_file() or path.is_dir()) or has_other_names(path):
                 found.append(path)
     return found
 
@@ -260,7 +265,7 @@ def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dic
     for path in planted:  # a write through one would land outside DEST
         path.unlink()
     if planted:
-        log(f"removed {len(planted)} symlinks or special files from {staging}: "
+        log(f"removed {len(planted)} symlinks, hard links or special files from {staging}: "
             f"{', '.join(str(p.relative_to(staging)) for p in planted[:5])}")
 
     files = src.list_files()
@@ -279,8 +284,7 @@ def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dic
     partial = sum(_part_size(staging / f.name) for f in needed)
     present = sum(f.size or 0 for f in files if f.name in digests) + partial
     total = sum(f.size or 0 for f in files)
-    if src.needs_space:
-        _check_space(staging, sum(f.size or 0 for f in needed) - partial)
+    _check_space(staging, sum(f.size or 0 for f in needed) - partial)
 
     if needed:
         log(f"{shown}: {len(needed)} of {len(files)} files to download ({human_bytes(total - present)}) into {staging}")
@@ -293,7 +297,7 @@ def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dic
     _prune(staging, set(records))
     planted = _links_under(staging)
     if planted:  # appeared while we held the lock: someone else writes here
-        raise FetchError(f"refusing to publish {staging}: {planted[0]} is a symlink or special file")
+        raise FetchError(f"refusing to publish {staging}: {planted[0]} is a symlink, a hard link or a special file")
     _fsync_tree(staging, records)
     write_marker(staging, make_marker(key=key, source=shown, revision=rev, resolved_revision=src.resolved_revision,
                                       files=records))

@@ -34,8 +34,9 @@ from typing import BinaryIO
 from urllib.parse import urlsplit
 
 from policy_operator import __version__
-from policy_operator.runtime.checkpoint.errors import SourceError, VerificationError, redact_url
+from policy_operator.runtime.checkpoint.errors import FetchError, SourceError, VerificationError, redact_url
 from policy_operator.runtime.checkpoint.progress import Progress
+from policy_operator.runtime.checkpoint.staging import create_new, has_other_names, open_own
 
 USER_AGENT = f"policyserver-fetch/{__version__}"
 CHUNK = 4 << 20
@@ -300,6 +301,9 @@ def download_file(
     meta = target.with_name(target.name + ".part.json")
     shown = redact_url(url)
     target.parent.mkdir(parents=True, exist_ok=True)
+    for planted in (part, meta):  # a hard link to a file elsewhere: never resumed, written or published
+        if has_other_names(planted):
+            planted.unlink()
     offset = part.stat().st_size if part.exists() else 0
     validator: str | None = None
     if offset and meta.exists():
@@ -353,21 +357,23 @@ def download_file(
             if restarted:  # validator changed or Range ignored: start over
                 progress.advance(-offset)
                 offset, hasher = 0, hashlib.sha256()
-                with open(part, "wb"):
-                    pass
             elif resp.status == 206:
                 match = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
                 if not match or int(match.group(1)) != offset:
                     raise SourceError(f"{shown}: server answered Range {offset}- with "
                                       f"Content-Range {resp.headers.get('Content-Range')!r}")
             validator = _validator(resp)
-            meta.write_text(json.dumps({"url": shown, "validator": validator}))
+            with create_new(meta) as m:
+                m.write(json.dumps({"url": shown, "validator": validator}).encode())
             length = resp.headers.get("Content-Length")
             expected_end = offset + int(length) if length and length.isdigit() else None
             if size is not None and expected_end is not None and expected_end != size:
                 raise wrong_size(f"{shown}: the server says {expected_end} bytes, the listing says {size}")
             dropped: BaseException | None = None
-            with open(part, "ab") as f:
+            opened = create_new(part) if offset == 0 else open_own(part)
+            if opened is None:
+                raise FetchError(f"{part} was replaced while downloading (a link planted?); the next run starts it afresh")
+            with opened as f:
                 sink = _HashingWriter(f, hasher)
                 speed = _SpeedWindow(patience)
                 try:

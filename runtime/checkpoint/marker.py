@@ -17,6 +17,7 @@ from pathlib import Path
 
 from policy_operator.constants import COMPLETE_MARKER, MANIFEST_FILE
 from policy_operator.runtime.checkpoint.format import CheckpointError, parse_manifest, sha256_file
+from policy_operator.runtime.checkpoint.staging import create_new
 
 MARKER_FORMAT = "policy-fetch/v1"
 
@@ -35,9 +36,8 @@ def read_marker(directory: str | os.PathLike[str]) -> dict | None:
 def write_marker(directory: Path, doc: dict) -> None:
     """Write the marker atomically and durably (fsync file, then directory)."""
     tmp = directory / (COMPLETE_MARKER + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=2, sort_keys=True)
-        f.write("\n")
+    with create_new(tmp) as f:
+        f.write((json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / COMPLETE_MARKER)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -25,6 +24,7 @@ from policy_operator.runtime.checkpoint.errors import SourceError, UsageError, r
 from policy_operator.runtime.checkpoint.format import CheckpointError, parse_manifest
 from policy_operator.runtime.checkpoint.http import DEFAULT_PATIENCE, Patience, download_file, fetch_small, head_size
 from policy_operator.runtime.checkpoint.progress import Progress
+from policy_operator.runtime.checkpoint.staging import copy_new, create_new
 from policy_operator.sources import HF_SCHEME, SCHEMES, InvalidSource, check_relpath, scheme_of
 
 _HF_REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
@@ -54,7 +54,6 @@ class Source(ABC):
 
     shown: str
     resolved_revision: str | None = None
-    needs_space = True  # False where files are hard-linked, not copied
     patience = DEFAULT_PATIENCE  # how long HTTP downloads keep trying (make_source sets the caller's)
 
     @abstractmethod
@@ -97,7 +96,8 @@ class HttpDirSource(Source):
         for f in needed:
             target = staging / f.name
             if f.name == MANIFEST_FILE and self._manifest is not None:
-                target.write_bytes(self._manifest)  # the very bytes the listing came from
+                with create_new(target) as out:
+                    out.write(self._manifest)  # the very bytes the listing came from
                 progress.advance(len(self._manifest))
                 digests[f.name] = hashlib.sha256(self._manifest).hexdigest()
                 continue
@@ -201,13 +201,11 @@ class _PresignedDir(HttpDirSource):
 
 # --- local --------------------------------------------------------------------------
 class LocalSource(Source):
-    """A directory or file on a mounted volume: hard-linked where possible, else copied.
+    """A directory or file on a mounted volume, copied (a reflink where the filesystem has them).
 
-    A hard link costs no space and no time, but shares the inode: editing the
-    source in place would edit the fetched copy too (``--verify`` catches it).
+    Never hard-linked: a published file must have no other name, or whoever
+    can write the source could change what the pods serve after it was verified.
     """
-
-    needs_space = False
 
     def __init__(self, path: Path, shown: str) -> None:
         self.path = path
@@ -241,16 +239,12 @@ class LocalSource(Source):
             src = self.path if self.path.is_file() else self.path / f.name
             dst = staging / f.name
             dst.parent.mkdir(parents=True, exist_ok=True)
-            dst.unlink(missing_ok=True)
+            tmp = dst.with_name(dst.name + ".part")
             try:
-                os.link(src, dst)
-            except OSError:
-                tmp = dst.with_name(dst.name + ".part")
-                try:
-                    shutil.copyfile(src, tmp)
-                except FileNotFoundError:
-                    raise SourceError(f"{src}: listed but missing") from None
-                os.replace(tmp, dst)
+                copy_new(src, tmp)
+            except FileNotFoundError:
+                raise SourceError(f"{src}: listed but missing") from None
+            os.replace(tmp, dst)
             progress.advance(f.size or 0)
         return {}
 
