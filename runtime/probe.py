@@ -10,7 +10,10 @@ every value finite.  A NaN in an action chunk would move a real arm, so a
 server that answers with one fails here, not on the robot.
 
 It prints one line and exits 0 (``ok ...``) or 1 (``FAIL ...``); 2 is a usage
-error.  ``--retry-seconds`` keeps retrying while the server refuses the
+error.  Whatever the server does (closes before the handshake, answers
+garbage instead of HTTP, sends a text frame or something that is not
+msgpack, never answers), the line says what was wrong: no traceback, no
+second line, no log record of the WebSocket library.  ``--retry-seconds`` keeps retrying while the server refuses the
 connection or answers 503 (still loading), which is what ``helm test`` right
 after an install needs.  torch-free: the chart's ``helm test`` hook runs it in
 the operator image.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 import time
@@ -28,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from policy_operator.constants import DEFAULT_PORT
 from policy_operator.exit_codes import ProbeExit, describe
 
 # Keys of an openpi / RoboLab DROID observation (runtime/policy/observation.py validates them on the server).
@@ -39,7 +44,13 @@ SEED = 0
 DEFAULT_IMAGE_SIZE = 224  # openpi's image size, for a policy whose metadata does not say
 DEFAULT_JOINT_DIM, DEFAULT_GRIPPER_DIM = 7, 1  # DROID
 MAX_IMAGE_SIDE = 4096
+MAX_DIM = 4096  # cameras, joints, gripper values: far beyond any robot, and an observation that fits in memory
 RETRY_INTERVAL_S = 1.0
+MAX_REASON_CHARS = 400
+# the WebSocket library's own records (a failed handshake, a broken frame) would add lines to the probe's one
+_QUIET_LOG = logging.getLogger("policyserver.probe.websockets")
+_QUIET_LOG.addHandler(logging.NullHandler())
+_QUIET_LOG.propagate = False
 
 
 class ProbeFailed(Exception):
@@ -69,15 +80,21 @@ class ProbeResult:
 
     def line(self) -> str:
         if not self.ok:
-            return f"FAIL {self.url}: {self.reason}"
+            return f"FAIL {self.url}: {one_line(self.reason)}"
         shape = "x".join(map(str, self.action_shape or ()))
         return (f"ok {self.url}: policy {self.policy} ({self.layout}), actions {shape} finite, "
                 f"{self.latency_ms:.1f} ms")
 
     def as_json(self) -> str:
-        return json.dumps({"url": self.url, "ok": self.ok, "reason": self.reason, "policy": self.policy,
+        return json.dumps({"url": self.url, "ok": self.ok, "reason": one_line(self.reason), "policy": self.policy,
                            "layout": self.layout, "action_shape": list(self.action_shape or ()) or None,
                            "latency_ms": self.latency_ms})
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line, shortened: a server's error text or body may hold newlines and any amount of bytes."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= MAX_REASON_CHARS else flat[:MAX_REASON_CHARS - 3] + "..."
 
 
 def _positive_int(meta: dict[str, Any], key: str, default: int | None, upper: int | None = None) -> int:
@@ -107,9 +124,9 @@ def check_metadata(meta: Any) -> Expectation:
     return Expectation(
         action_shape=(int(shape[0]), int(shape[1])),
         image_size=_positive_int(meta, "image_size", DEFAULT_IMAGE_SIZE, MAX_IMAGE_SIDE),
-        cameras=_positive_int(meta, "max_cameras", 1),
-        joint_dim=_positive_int(meta, "joint_dim", DEFAULT_JOINT_DIM),
-        gripper_dim=_positive_int(meta, "gripper_dim", DEFAULT_GRIPPER_DIM),
+        cameras=_positive_int(meta, "max_cameras", 1, MAX_DIM),
+        joint_dim=_positive_int(meta, "joint_dim", DEFAULT_JOINT_DIM, MAX_DIM),
+        gripper_dim=_positive_int(meta, "gripper_dim", DEFAULT_GRIPPER_DIM, MAX_DIM),
     )
 
 
@@ -135,8 +152,10 @@ def check_reply(reply: Any, expect: Expectation) -> np.ndarray:
     if not isinstance(reply, dict):
         raise ProbeFailed(f"the reply must be a map, got {type(reply).__name__}")
     if reply.get("type") == "error":
-        error = reply.get("error") or {}
-        raise ProbeFailed(f"the server answered with an error: {error.get('kind')}: {error.get('message')}")
+        error = reply.get("error")
+        if isinstance(error, dict):
+            raise ProbeFailed(f"the server answered with an error: {error.get('kind')}: {error.get('message')}")
+        raise ProbeFailed(f"the server answered with an error: {error!r}")
     if "actions" not in reply:
         raise ProbeFailed(f"the reply has no 'actions' (keys: {sorted(map(str, reply))})")
     actions = reply["actions"]
@@ -161,7 +180,8 @@ def _connect(url: str, headers: dict[str, str] | None, timeout: float, retry_sec
     deadline = time.monotonic() + retry_seconds
     while True:
         try:
-            return connect(url, additional_headers=headers, open_timeout=timeout, max_size=None, compression=None)
+            return connect(url, additional_headers=headers, open_timeout=timeout, max_size=None, compression=None,
+                           logger=_QUIET_LOG)
         except InvalidURI as exc:
             raise ProbeFailed(f"not a WebSocket URL: {exc}") from None
         except InvalidStatus as exc:
@@ -177,7 +197,7 @@ def _connect(url: str, headers: dict[str, str] | None, timeout: float, retry_sec
 
 def probe(url: str, *, token: str | None = None, timeout: float = 60.0, retry_seconds: float = 0.0) -> ProbeResult:
     """One robot's first request, checked; never raises for what the server does (the result says)."""
-    from websockets.exceptions import ConnectionClosed
+    from websockets.exceptions import ConnectionClosed, InvalidHandshake, WebSocketException
 
     from policy_operator.runtime.serving import wire
 
@@ -185,7 +205,13 @@ def probe(url: str, *, token: str | None = None, timeout: float = 60.0, retry_se
     headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
         with _connect(url, headers, timeout, retry_seconds) as ws:
-            meta = wire.unpackb(ws.recv(timeout=timeout))
+            first = ws.recv(timeout=timeout)
+            if isinstance(first, str):
+                raise ProbeFailed(f"the first frame must be a binary msgpack metadata map, got a text frame: {first!r}")
+            try:
+                meta = wire.unpackb(first)
+            except wire.WireError as exc:
+                raise ProbeFailed(f"the metadata frame is not msgpack: {exc}") from None
             expect = check_metadata(meta)
             result.policy = str(meta.get("policy_name", "?"))
             layout = meta.get("layout")
@@ -208,13 +234,19 @@ def probe(url: str, *, token: str | None = None, timeout: float = 60.0, retry_se
         result.reason = f"no reply within {timeout:g}s"
     except ConnectionClosed as exc:
         result.reason = f"the server closed the connection: {exc}"
+    except InvalidHandshake as exc:  # closed before the handshake, garbage instead of HTTP, a bad upgrade answer
+        result.reason = f"the WebSocket handshake failed: {type(exc).__name__}: {exc}"
+    except WebSocketException as exc:
+        result.reason = f"WebSocket error: {type(exc).__name__}: {exc}"
     except OSError as exc:
         result.reason = f"connection failed: {exc}"
+    except Exception as exc:  # noqa: BLE001 - whatever the server does, the probe answers with one line
+        result.reason = f"unexpected {type(exc).__name__} talking to the server: {exc}"
     return result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", help="server URL, e.g. ws://policy-sample.robots.svc:8000")
+    parser.add_argument("url", help=f"server URL, e.g. ws://policy-sample.robots.svc:{DEFAULT_PORT}")
     parser.add_argument("--token-file", default=None, help="bearer token for a server started with auth")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds to wait to connect and for each reply (default %(default)s)")

@@ -144,6 +144,77 @@ def test_probe_fails_a_server_whose_actions_do_not_have_the_advertised_shape(tin
     assert f"shape ({horizon - 1}, {dim}), the metadata promised ({horizon}, {dim})" in line, line
 
 
+# --- against servers that misbehave at every step ----------------------------------------------
+
+GOOD_META = {"policy_name": "p", "action_shape": [4, 2], "image_size": 8, "max_cameras": 1, "joint_dim": 7,
+             "gripper_dim": 1}
+
+
+def _pack(obj) -> bytes:
+    from policy_operator.runtime.serving import wire
+
+    return wire.packb(obj)
+
+
+def _session(*replies, meta=GOOD_META):
+    """A WebSocket session: ``meta`` (a frame, or an object to pack) on connect, then one reply per request."""
+    def script(ws) -> None:
+        ws.send(meta if isinstance(meta, (bytes, str)) else _pack(meta))
+        for reply in replies:
+            ws.recv()
+            if callable(reply):
+                reply(ws)
+            else:
+                ws.send(reply if isinstance(reply, (bytes, str)) else _pack(reply))
+        ws.recv()  # hold the connection until the probe leaves
+    return script
+
+
+def _close_1011(ws) -> None:
+    ws.close(1011, "internal error\nTraceback (most recent call last):\n  File x")
+
+
+RAW = {
+    "closed before the handshake": b"",
+    "reset before the handshake": "reset",
+    "garbage instead of HTTP": b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
+    "HTTP 200 instead of an upgrade": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
+    "HTTP 500 with a multi-line body": b"HTTP/1.1 500 Oops\r\nContent-Length: 36\r\n\r\nTraceback:\n  File x\n    raise Boom\nBoo",
+    "half an upgrade answer": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n",
+    "an upgrade without the accept key": (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                                          b"Connection: Upgrade\r\n\r\n"),
+    "never answers the upgrade": None,
+}
+SESSIONS = {
+    "metadata not msgpack": _session(meta=b"\xc1\xc1 not msgpack"),
+    "metadata as a text frame": _session(meta="hello\nworld"),
+    "metadata a list": _session(meta=[1, 2]),
+    "metadata without action_shape": _session(meta={"policy_name": "p"}),
+    "metadata with absurd sizes": _session(meta={**GOOD_META, "joint_dim": 10 ** 12}),
+    "closes after the metadata": _session(_close_1011),
+    "reply not msgpack": _session(b"\x93\x01"),
+    "reply a multi-line text frame": _session("invalid_observation: bad\nTraceback (most recent call last):\n  x"),
+    "reply error without a map": _session({"type": "error", "error": "boom"}),
+    "reply without actions": _session({"result": 1}),
+    "reply with the wrong shape": _session({"actions": np.zeros((2, 4), dtype=np.float32)}),
+    "reply actions a map": _session({"actions": {"a": 1}}),
+    "never replies": _session(lambda ws: ws.recv()),
+}
+
+
+@pytest.mark.parametrize("case", [*RAW, *SESSIONS])
+def test_probe_prints_one_line_and_exits_1_whatever_the_server_does(case: str) -> None:
+    from tests.support.bad_ws_servers import BadWsServer, RawServer
+
+    server = RawServer(RAW[case]) if case in RAW else BadWsServer(SESSIONS[case])
+    with server:
+        proc = run_probe(server.url, "--timeout", "3", timeout=60)
+    assert proc.returncode == ProbeExit.FAILED, proc.stdout + proc.stderr
+    assert proc.stderr == "", proc.stderr
+    line = one_line(proc)
+    assert line.startswith(f"FAIL {server.url}: ") and len(line) > len(f"FAIL {server.url}: ") + 10, line
+
+
 # --- the checks themselves ----------------------------------------------------------------------
 
 META = {"policy_name": "p", "action_shape": [16, 8], "action_horizon": 16, "action_dim": 8, "image_size": 32,
