@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit
 
 from policy_operator import serve_flags
 from policy_operator.builtin_policies import builtin, check_unconditional
@@ -94,6 +95,9 @@ def public_reason(text: str, opts: serve_flags.ServeOptions) -> str:
     """``text`` for /readyz, which anyone may read: the checkpoint's and cache's paths replaced by names."""
     found = set()
     for name, value in (("<checkpoint>", opts.checkpoint), ("<cache-dir>", opts.cache_dir)):
+        if value.startswith("file://"):  # the URL as given, and the path it names (errors print either)
+            found.add((value, name))
+            value = unquote(urlsplit(value).path)
         if value and "://" not in value and len(value) > 1:
             found |= {(str(Path(value)), name), (str(Path(value).absolute()), name), (str(Path(value).resolve()), name)}
     for path, name in sorted(found, key=lambda p: -len(p[0])):  # longest first: a path before its own prefix

@@ -260,6 +260,30 @@ def test_readyz_load_error_keeps_the_reason_without_the_path(tmp_path: Path, tin
     assert "model.safetensors" in errors[-1] and str(broken) not in errors[-1] and "/tmp" not in errors[-1], errors
 
 
+def test_readyz_error_of_a_file_source_keeps_the_reason_without_the_path(tmp_path: Path) -> None:
+    """``--checkpoint file:///...`` that is not there: /readyz (read by anyone) says why, not where."""
+    missing = tmp_path / "nowhere" / "ckpt"
+    s = PolicyServerProcess(f"file://{missing}", *FAST, "--cache-dir", str(tmp_path / "cache"))
+    seen: list[Any] = []
+
+    def failed() -> bool:
+        r = s.readyz()
+        seen.append(r)
+        return r.status == 503 and bool(r.json().get("error"))
+
+    try:
+        s.start(wait="listening")
+        with contextlib.suppress(TimeoutError, OSError, ServerExited):
+            s.wait_until(failed, timeout=60, what="/readyz with the load error")
+    finally:
+        s.stop()
+    errors = [r.json()["error"] for r in seen if r.status == 503 and r.json().get("error")]
+    assert errors, [r.text for r in seen][-3:]
+    assert "no such file or directory" in errors[-1], errors
+    assert str(missing) not in errors[-1] and str(tmp_path) not in errors[-1] and "/tmp" not in errors[-1], errors
+    assert "<checkpoint>" in errors[-1], errors
+
+
 # --- probes never wait on the store ---------------------------------------------------------------
 def test_probes_answer_while_the_torchrun_agent_is_frozen(tiny_checkpoint) -> None:
     """The agent hosts the TCPStore the heartbeats live in; freezing it must not freeze /readyz or the handshake."""
