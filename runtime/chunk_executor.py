@@ -13,7 +13,11 @@ old chunk (docs/protocol.md); without it the new chunk is whatever the policy
 samples, and the arm jumps at every switch.
 
 ``boundary_jumps`` records the largest change of any action dimension between
-the last action executed from the old chunk and the first from the new one.
+the last action executed from the old chunk and the first from the new one;
+``switch_offsets`` the same between the first new action and the action the
+old chunk had for that tick -- what the switch itself adds to the motion (the
+jump also holds the policy's own step between consecutive actions, which for
+a random-weight model is as large as any switch).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def boundary_jump(last_old: np.ndarray, first_new: np.ndarray) -> float:
 @dataclass
 class ExecutorStats:
     boundary_jumps: list[float] = field(default_factory=list)  # one per switch to a new chunk
+    switch_offsets: list[float] = field(default_factory=list)  # first new action vs the old chunk's for that tick
     step_sizes: list[float] = field(default_factory=list)  # the same measure between actions of one chunk
     delays: list[int] = field(default_factory=list)  # ticks from a request to the switch to its chunk
     latencies_s: list[float] = field(default_factory=list)
@@ -128,8 +133,10 @@ class ChunkExecutor:
         if delay >= len(new):
             return  # stale before it was used: keep the current chunk (the next request is sent at once)
         self.stats.delays.append(delay)
-        if self._last is not None:
+        if self._last is not None and self._chunk is not None:
             self.stats.boundary_jumps.append(boundary_jump(self._last, new[delay]))
+            old = self._chunk[min(self._tick - self._start, len(self._chunk) - 1)]
+            self.stats.switch_offsets.append(boundary_jump(old, new[delay]))
         self._chunk, self._start, self._switched_now = new, sent, True
 
     def close(self) -> None:
@@ -162,6 +169,7 @@ def summarize(stats: ExecutorStats) -> dict[str, Any]:
         "switches": len(jumps),
         "boundary_jump_mean": mean(jumps),
         "boundary_jump_max": max(jumps) if jumps else math.nan,
+        "switch_offset_mean": mean(stats.switch_offsets),
         "step_size_mean": mean(steps),  # the same measure inside a chunk, for scale
         "delay_ticks_mean": mean([float(d) for d in stats.delays]),
         "latency_ms_p50": float(np.median(stats.latencies_s) * 1e3) if stats.latencies_s else math.nan,
@@ -217,11 +225,14 @@ def simulate(url: str, *, control_hz: float, seconds: float, rtc: bool, executio
 
 def format_comparison(rows: list[dict[str, Any]]) -> str:
     """One line per run: how large the jumps at chunk switches were, next to the steps inside a chunk."""
-    lines = [f"  {'run':<16} {'switches':>8} {'jump mean':>10} {'jump max':>10} {'step mean':>10} {'delay':>6} "
-             f"{'p50 ms':>8} {'starved':>8}"]
+    lines = [f"  {'run':<16} {'switches':>8} {'jump mean':>10} {'jump max':>10} {'vs old plan':>11} {'step mean':>10} "
+             f"{'delay':>6} {'p50 ms':>8} {'starved':>8}"]
     for r in rows:
         name = f"rtc {r['rtc_mode']}" if r["rtc"] else "no rtc"
         lines.append(f"  {name:<16} {r['switches']:>8} {r['boundary_jump_mean']:>10.4f} {r['boundary_jump_max']:>10.4f} "
-                     f"{r['step_size_mean']:>10.4f} {r['delay_ticks_mean']:>6.2f} {r['latency_ms_p50']:>8.1f} "
-                     f"{r['starved_ticks']:>8}")
+                     f"{r['switch_offset_mean']:>11.4f} {r['step_size_mean']:>10.4f} {r['delay_ticks_mean']:>6.2f} "
+                     f"{r['latency_ms_p50']:>8.1f} {r['starved_ticks']:>8}")
+    lines += ["  jump: largest change of an action dimension from the last old action executed to the first new one;",
+              "  vs old plan: the same from the old chunk's action for that tick (what the switch adds);",
+              "  step: the same between consecutive actions of one chunk; delay: ticks from request to switch"]
     return "\n".join(lines)

@@ -7,13 +7,19 @@ server tests start real ``policyserver serve`` processes on 127.0.0.1 (slow).
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from policy_operator.runtime.chunk_executor import ChunkExecutor, boundary_jump
 from policy_operator.runtime.errors import ErrorKind, InvalidRtc, RequestError
+from policy_operator.runtime.policy import collate
+from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePolicy, example_observation
+from policy_operator.runtime.policy.rtc import RtcConstraint, prefix_weights, rtc_unsupported
+from policy_operator.runtime.policy.sampler import sample_actions
 from policy_operator.runtime.serving.rtc_session import RtcSession, RtcSupport, parse_rtc
 
 SHAPE = (16, 8)  # the tiny reference policy's (horizon, action_dim)
@@ -90,17 +96,113 @@ def test_the_short_form_needs_a_chunk_received_on_this_connection() -> None:
 
 
 def test_support_follows_the_flag_and_the_policy() -> None:
-    on = RtcSupport.of("guided", None, action_horizon=16, policy_supports=True, policy_name="p")
+    on = RtcSupport.of("guided", None, action_horizon=16, unsupported=None)
     on.check()
     assert on.metadata() == {"mode": "guided", "max_inference_delay": 15, "forms": ["prev_actions", "executed"]}
-    assert RtcSupport.of("inpaint", 40, 16, True, "p").max_delay == 15
-    assert RtcSupport.of("inpaint", 4, 16, True, "p").max_delay == 4
-    for support, words in ((RtcSupport.of("off", None, 16, True, "p"), "--rtc off"),
-                           (RtcSupport.of("guided", None, 16, False, "lerobot-x"), "policy lerobot-x cannot")):
+    assert RtcSupport.of("inpaint", 40, 16, None).max_delay == 15
+    assert RtcSupport.of("inpaint", 4, 16, None).max_delay == 4
+    for support, words in ((RtcSupport.of("off", None, 16, None), "--rtc off"),
+                           (RtcSupport.of("guided", None, 16, "policy x cannot map"), "policy x cannot map")):
         assert support.metadata()["mode"] == "off"
         with pytest.raises(RequestError, match=words) as info:
             support.check()
         assert info.value.kind is ErrorKind.RTC_UNSUPPORTED
+
+
+# --- the sampler ---------------------------------------------------------------------------------------------
+STEPS = 4
+DELAY = 3
+EXECUTED = 6  # the previous chunk's actions the robot executed before it asked: the tail is 10 actions
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint: Path) -> Path:
+    return tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def policy(checkpoint: Path) -> ReferencePolicy:
+    torch.set_num_threads(1)
+    return ReferencePolicy.load(str(checkpoint), device=torch.device("cpu"), dtype=torch.float32)
+
+
+def run(policy: ReferencePolicy, seeds: list[int], rtc: list[RtcConstraint | None] | None = None,
+        rtc_mode: str = "off", cfg_mode: str = "sequential", variants: list[int] | None = None,
+        steps: int = STEPS) -> torch.Tensor:
+    """Final x of a batch: one request per seed, observation ``variants[i]`` (default: all the same)."""
+    obs = [example_observation(PolicyConfig(), v, image_hw=(32, 32)) for v in (variants or [0] * len(seeds))]
+    sample = collate([policy.prepare(o) for o in obs])
+    return sample_actions(policy, sample, seeds, steps=steps, guidance=3.0, mode=cfg_mode,  # type: ignore[arg-type]
+                          rtc_mode=rtc_mode, rtc=rtc)  # type: ignore[arg-type]
+
+
+def tails(policy: ReferencePolicy, seeds: list[int]) -> list[np.ndarray]:
+    """What robots would be executing: chunks sampled from other seeds, less their first EXECUTED actions."""
+    return [policy.postprocess(x[None])[EXECUTED:] for x in run(policy, [s + 7919 for s in seeds])]
+
+
+def test_the_reference_policy_maps_its_actions_back() -> None:
+    assert rtc_unsupported.__doc__  # the check each server makes at start
+    cfg = PolicyConfig(action_mean=[0.5] * 8, action_std=[2.0] * 8)
+    from policy_operator.runtime.policy.reference import FlowTransformer
+
+    p = ReferencePolicy(cfg, FlowTransformer(cfg), torch.device("cpu"), torch.float32)
+    assert rtc_unsupported(p) is None
+    x = torch.randn(1, 16, 8)
+    np.testing.assert_allclose(p.actions_to_model(p.postprocess(x)).numpy(), x[0].numpy(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rtc_mode", ["inpaint", "guided"])
+def test_the_frozen_prefix_is_the_previous_actions_exactly(policy: ReferencePolicy, rtc_mode: str) -> None:
+    seeds = [1, 2]
+    constraints = [RtcConstraint(policy.actions_to_model(t), DELAY, len(t)) for t in tails(policy, seeds)]
+    x = run(policy, seeds, constraints, rtc_mode)
+    for row, c in zip(x, constraints, strict=True):
+        assert torch.equal(row[:DELAY], c.target[:DELAY])
+        assert not torch.equal(row[DELAY], c.target[DELAY])  # the rest is the policy's, guided
+
+
+@pytest.mark.parametrize("rtc_mode", ["guided", "inpaint"])
+def test_rtc_lowers_the_discontinuity_at_the_switch_over_50_seeds(policy: ReferencePolicy, rtc_mode: str) -> None:
+    """At the switch (index d) the robot goes from the old chunk to the new one: over 50 seeds the first new action
+    is far closer to the action the old chunk had for that tick with RTC, and the new chunk stays near the old
+    plan where guided.  (The raw jump from the last old action also holds the policy's own step between
+    consecutive actions, which for random weights is as large as a switch: chunk_executor.py.)"""
+    seeds = list(range(50))
+    old = tails(policy, seeds)
+    constraints = [RtcConstraint(policy.actions_to_model(t), DELAY, len(t)) for t in old]
+    stats = {}
+    for mode in ("off", rtc_mode):
+        x = run(policy, seeds, constraints if mode != "off" else None, mode, steps=10)
+        new = [policy.postprocess(row[None]) for row in x]
+        stats[mode] = (np.mean([boundary_jump(o[DELAY], n[DELAY]) for o, n in zip(old, new, strict=True)]),
+                       np.mean([np.abs(n[DELAY:len(o)] - o[DELAY:]).mean() for o, n in zip(old, new, strict=True)]))
+    (switch_off, gap_off), (switch_rtc, gap_rtc) = stats["off"], stats[rtc_mode]
+    assert switch_rtc < 0.2 * switch_off, stats
+    assert gap_rtc < 0.6 * gap_off, stats
+
+
+@pytest.mark.parametrize("cfg_mode", ["sequential", "batched"])
+@pytest.mark.parametrize("rtc_mode", ["inpaint", "guided"])
+def test_a_batch_mixing_rtc_and_plain_rows_gives_each_row_its_own(policy: ReferencePolicy, cfg_mode: str,
+                                                                   rtc_mode: str) -> None:
+    seeds, variants = [5, 6, 7], [0, 1, 2]
+    old = tails(policy, seeds)
+    mixed = [RtcConstraint(policy.actions_to_model(old[0]), DELAY, len(old[0])), None,
+             RtcConstraint(policy.actions_to_model(old[2][:5]), 2, 4)]
+    x = run(policy, seeds, mixed, rtc_mode, cfg_mode, variants)
+    plain = run(policy, seeds, None, "off", cfg_mode, variants)
+    assert torch.equal(x[1], plain[1])  # a row without rtc: bitwise what the same batch computes without RTC
+    for i in (0, 2):  # a row with rtc: what it gets alone, up to the batch's floating-point reassociation
+        alone = run(policy, [seeds[i]], [mixed[i]], rtc_mode, cfg_mode, [variants[i]])
+        torch.testing.assert_close(x[i], alone[0], rtol=0, atol=1e-5)
+        assert not torch.allclose(x[i], plain[i], atol=1e-3)
+
+
+def test_weights_follow_the_paper() -> None:
+    w = prefix_weights(3, 10, 16)
+    assert w[:3].tolist() == [1.0] * 3 and w[10:].abs().sum() == 0
+    assert all(1 > a > b > 0 for a, b in zip(w[3:10].tolist(), w[4:10].tolist(), strict=False))
 
 
 # --- the client's executor ---------------------------------------------------------------------------------

@@ -239,6 +239,13 @@ class Policy(ABC):
     def postprocess(self, x: torch.Tensor) -> np.ndarray:
         """Final x of one request (batch 1) -> float32 actions [horizon, action_dim] (output rank only)."""
 
+    def actions_to_model(self, actions: np.ndarray) -> torch.Tensor:
+        """The inverse of ``postprocess``: float32 actions ``[h, action_dim]`` as the server returned them -> the
+        model's final ``x`` for those rows, float32 on the CPU.  Optional; real-time chunking needs it (the
+        robot sends back the actions it executes), and a policy without it reports ``rtc`` off in its metadata
+        and refuses ``rtc`` requests (``rtc_unsupported``)."""
+        raise NotImplementedError
+
     def postprocess_batch(self, x: torch.Tensor) -> list[np.ndarray]:
         """Final x of a batch -> each row's actions; one device-to-host copy, then ``postprocess`` per row."""
         host = x.cpu()

@@ -302,8 +302,9 @@ class ReferencePolicy(Policy):
         images = self.pixels(t, sample.batch_size)
         return self.model.encode(images, t["present"], t["state"].to(self.dtype), t["tokens"])
 
-    @torch.inference_mode()
     def denoise_step(self, context: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        # No inference_mode of its own: the sampler runs it in one, and guided real-time chunking takes a
+        # vector-Jacobian product through it with autograd (runtime/policy/rtc.py).
         return self.model.velocity(context, x, t)
 
     def init_noise(self, seed: int) -> torch.Tensor:
@@ -315,6 +316,9 @@ class ReferencePolicy(Policy):
     def postprocess(self, x: torch.Tensor) -> np.ndarray:
         actions = x[0].float().cpu() * self._std + self._mean
         return actions.numpy().astype(np.float32, copy=False)
+
+    def actions_to_model(self, actions: np.ndarray) -> torch.Tensor:
+        return (torch.from_numpy(np.asarray(actions, dtype=np.float32)) - self._mean) / self._std
 
     def example_observation(self, seed: int = 0) -> dict[str, Any]:
         return example_observation(self.cfg, seed)

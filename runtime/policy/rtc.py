@@ -39,8 +39,9 @@ from typing import Any, Final, Literal
 
 import torch
 
-RtcMode = Literal["off", "inpaint", "guided"]
-RTC_MODES: Final = ("off", "inpaint", "guided")
+from policy_operator.runtime.policy.interface import Branch, EulerFlow, Integrator, Policy, Sample, context_map
+
+RtcMode = Literal["off", "inpaint", "guided"]  # serve_flags.RTC_MODES, the --rtc choices
 MAX_GUIDANCE_WEIGHT: Final = 5.0  # the paper's beta: the correction's scale is clipped here near t=0 and t=1
 
 
@@ -165,30 +166,40 @@ def vjp(out: torch.Tensor, x: torch.Tensor, vector: torch.Tensor) -> torch.Tenso
     return grad
 
 
-def guided_velocity(rtc: RtcBatch, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                    t: float) -> torch.Tensor:
+#: One step's combined output and its parts with their coefficients in it: the output is linear in its parts
+#: (CFG: ``u + g (c - u)`` has parts ``(c, g), (u, 1 - g)``), so its VJP is the sum of theirs, taken per branch
+#: -- which is what lets each cfg rank take its own branch's under cfgp=2.
+Step = tuple[torch.Tensor, Sequence[tuple[torch.Tensor, float]]]
+
+
+def guided_velocity(rtc: RtcBatch, forward: Callable[[torch.Tensor], Step], x: torch.Tensor, t: float
+                    ) -> torch.Tensor:
     """The corrected output of one step: ``forward(x)`` (the combined, CFG-guided output) with RTC's correction.
 
-    ``guided``: ``J^T e = e - t (d out/d x)^T e`` through ``forward`` by autograd; ``inpaint``: ``J = I``.
+    ``guided``: ``J^T e = e - t (d out/d x)^T e`` by autograd through ``forward``, part by part;
+    ``inpaint``: ``J = I``.
     """
     if not rtc.guided:
-        out = forward(x)
+        out = forward(x)[0]
         return rtc.correct(out, rtc.error(x, out, t), t)
     with grad_enabled():
         x_g = x.clone().requires_grad_(True)
-        out = forward(x_g)
-        out_d = out.detach()
-        e = rtc.error(x_g.detach(), out_d, t)
-        jtw = e - t * vjp(out, x_g, e)
-        return rtc.correct(out_d, jtw, t)
+        out, parts = forward(x_g)
+        out = out.detach()
+        e = rtc.error(x, out, t)
+        grads = [vjp(part, x_g, coef * e) for part, coef in parts]
+        total = grads[0]
+        for g in grads[1:]:
+            total = total + g
+        return rtc.correct(out, e - t * total, t)
 
 
-def integrate(rtc: RtcBatch, x: torch.Tensor, integrator: Any, forward: Callable[[torch.Tensor, int], torch.Tensor],
+def integrate(rtc: RtcBatch, x: torch.Tensor, integrator: Any, forward: Callable[[torch.Tensor, int], Step],
               ) -> torch.Tensor:
     """The sampler's loop with RTC: each step's output corrected, then the frozen prefix inpainted.
 
-    ``forward(x, i)`` is step ``i``'s combined output as the sampler computes it without RTC;
-    ``integrator`` is the policy's (flow matching: ``timesteps`` from 1 toward 0, ``step(x, out, i)``).
+    ``forward(x, i)`` is step ``i``'s combined output as the sampler computes it without RTC, with its
+    parts; ``integrator`` is the policy's (flow matching: ``timesteps`` from 1 toward 0, ``step(x, out, i)``).
     """
     rtc.start(x)
     timesteps = integrator.timesteps
@@ -196,3 +207,52 @@ def integrate(rtc: RtcBatch, x: torch.Tensor, integrator: Any, forward: Callable
         out = guided_velocity(rtc, lambda z, i=i: forward(z, i), x, float(t))
         x = rtc.inpaint(integrator.step(x, out, i), time_after(timesteps, i))
     return x
+
+
+def sample_rtc(policy: Policy, sample: Sample, x: torch.Tensor, integrator: Integrator, plan: Sequence[bool],
+               guidance: float, mode: str, rtc: RtcBatch) -> torch.Tensor:
+    """``sample_actions`` of a batch with at least one constrained row, on one rank (cfgp=1, any cfg mode).
+
+    The same model calls as without RTC, step by step; only the output is corrected and the prefix inpainted.
+    """
+    rows = x.shape[0]
+    ctx_c = policy.condition(sample, Branch.COND)
+    ctx_u = policy.condition(sample, Branch.UNCOND) if any(plan) else None
+    if rtc.guided:  # contexts made in inference mode cannot be saved for backward
+        ctx_c, ctx_u = detached(ctx_c), detached(ctx_u)
+    ctx_cu = (context_map(lambda c, u: torch.cat([c, u.expand_as(c)]), ctx_c, ctx_u)
+              if mode == "batched" and ctx_u is not None else None)
+
+    def forward(z: torch.Tensor, i: int) -> Step:
+        t = integrator.time(i, rows, z.device)
+        if not plan[i]:
+            c = policy.denoise_step(ctx_c, z, t)
+            return c, [(c, 1.0)]
+        if ctx_cu is not None:
+            c, u = policy.denoise_step(ctx_cu, torch.cat([z, z]), integrator.time(i, 2 * rows, z.device)).chunk(2)
+            out = u + guidance * (c - u)
+            return out, [(out, 1.0)]
+        c = policy.denoise_step(ctx_c, z, t)
+        u = policy.denoise_step(ctx_u, z, t)
+        return u + guidance * (c - u), [(c, guidance), (u, 1.0 - guidance)]
+
+    return integrate(rtc, x, integrator, forward)
+
+
+def rtc_unsupported(policy: Policy) -> str | None:
+    """Why ``policy`` cannot do real-time chunking, or None when it can: it must map the returned actions back
+    to its model space, and integrate a flow from noise at t=1 (what the correction's ``x0_hat`` assumes)."""
+    if type(policy).actions_to_model is Policy.actions_to_model:
+        return f"policy {policy.name} cannot map actions back to its model space (no actions_to_model)"
+    if not isinstance(policy.integrator(), EulerFlow):
+        return f"policy {policy.name} does not integrate a flow from noise at t=1 (its integrator is not EulerFlow)"
+    return None
+
+
+def warmup_constraint(policy: Policy, mode: str) -> RtcConstraint | None:
+    """A constraint for warm-up requests, so a compiled denoiser meets the RTC path (the guided backward) before
+    ``/readyz``; None when RTC is off or the policy cannot do it."""
+    if mode == "off" or rtc_unsupported(policy) is not None:
+        return None
+    horizon, action_dim = policy.action_shape
+    return RtcConstraint(torch.zeros(horizon, action_dim), min(1, horizon - 1), horizon)

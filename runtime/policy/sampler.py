@@ -42,6 +42,18 @@ import torch.distributed as dist
 from policy_operator.builtin_policies import check_unconditional
 from policy_operator.runtime.errors import PeerFailed, ReplicaFailed
 from policy_operator.runtime.policy.interface import Branch, Context, Integrator, Policy, Sample, context_map
+from policy_operator.runtime.policy.rtc import (
+    RtcBatch,
+    RtcConstraint,
+    RtcMode,
+    Step,
+    detached,
+    grad_enabled,
+    guided_velocity,
+    sample_rtc,
+    time_after,
+    vjp,
+)
 from policy_operator.serve_flags import policy_guidance
 
 log = logging.getLogger(__name__)
@@ -57,6 +69,8 @@ class SamplerSettings:
     guidance: float | None  # None: the policy's own (3.0 with an unconditional branch, 1.0 without)
     cfg_mode: CfgMode  # for cfgp=1; cfgp=2 is always "parallel"
     buckets: tuple[int, ...] = ()  # batch sizes a batch is padded up to (compiled denoisers); () = no padding
+    rtc: RtcMode = "off"  # --rtc: how a request's ``rtc`` constraint is applied (runtime/policy/rtc.py)
+    rtc_max_delay: int | None = None  # --rtc-max-delay; None: any delay the action horizon allows
 
     def for_policy(self, policy: Policy, cfgp: int = 1) -> SamplerSettings:
         """These settings with the policy's own steps and guidance where the flags left them unset.
@@ -68,7 +82,7 @@ class SamplerSettings:
         guidance = policy_guidance(self.guidance, policy.has_unconditional)
         check_unconditional(policy.name, policy.has_unconditional, cfgp=cfgp, guidance=guidance)
         steps = policy.integrator(self.steps).steps
-        return SamplerSettings(steps, guidance, self.cfg_mode, self.buckets)
+        return SamplerSettings(steps, guidance, self.cfg_mode, self.buckets, self.rtc, self.rtc_max_delay)
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -112,8 +126,13 @@ def sample_actions(
     mode: CfgMode = "sequential",
     cfg_group: CfgGroup | None = None,
     integrator: Integrator | None = None,
+    rtc_mode: RtcMode = "off",
+    rtc: Sequence[RtcConstraint | None] | None = None,
 ) -> torch.Tensor:
     """Final ``x`` of the batch (one row per seed) on this rank; the output rank postprocesses it.
+
+    ``rtc``: real-time chunking, one constraint per row (None for a plain row), applied as ``rtc_mode``
+    says (runtime/policy/rtc.py); a batch without any runs exactly as it would without RTC.
 
     ``sample`` is a collated batch (or one prepared sample) with one row per
     seed.  ``integrator`` (default: the policy's, for ``steps``; None = the
@@ -135,9 +154,12 @@ def sample_actions(
         raise ValueError("parallel CFG needs a cfg group and guidance != 1.0")
     with torch.inference_mode():
         x = torch.cat([policy.init_noise(seed) for seed in seeds])
+        constraints = RtcBatch.build(rtc, policy.action_shape, rtc_mode, x.device, x.dtype) if rtc else None
         if mode == "parallel":
             assert cfg_group is not None
-            return _parallel(policy, sample, x, integ, plan, guidance, cfg_group)
+            return _parallel(policy, sample, x, integ, plan, guidance, cfg_group, constraints)
+        if constraints is not None:
+            return sample_rtc(policy, sample, x, integ, plan, guidance, mode, constraints)
         ctx_c = policy.condition(sample, Branch.COND)
         if not any(plan):
             for i in range(n):
@@ -167,7 +189,7 @@ def sample_actions(
 
 
 def _parallel(policy: Policy, sample: Sample, x: torch.Tensor, integ: Integrator, plan: Sequence[bool],
-              guidance: float, cfg_group: CfgGroup) -> torch.Tensor:
+              guidance: float, cfg_group: CfgGroup, rtc: RtcBatch | None = None) -> torch.Tensor:
     """cfgp=2: this rank's branch, one all_gather per guided step.
 
     Both ranks know ``plan``, so they agree on which steps have a collective:
@@ -183,33 +205,89 @@ def _parallel(policy: Policy, sample: Sample, x: torch.Tensor, integ: Integrator
     failed = torch.zeros((), device=x.device, dtype=torch.float32)
     if ctx is None:
         failed = failed + 1
+    if rtc is not None:
+        rtc.start(x)
+        if rtc.guided and ctx is not None:
+            ctx = detached(ctx)
     for i in range(n):
         t = integ.time(i, rows, x.device)
         if not plan[i]:
             if branch is Branch.UNCOND:
                 continue
-            v = _guarded(policy.denoise_step, ctx, x, t) if ctx is not None else None
+            if rtc is not None:  # this rank alone: the same correction as on one rank
+                v = _guarded(_rtc_alone, rtc, policy, ctx, x, t, float(integ.timesteps[i])) if ctx is not None else None
+            else:
+                v = _guarded(policy.denoise_step, ctx, x, t) if ctx is not None else None
             if v is None:
                 v, failed = torch.zeros_like(x), failed + 1
                 ctx = None
             x = integ.step(x, v, i)
+            if rtc is not None:
+                x = rtc.inpaint(x, time_after(integ.timesteps, i))
             continue
         if i > 0 and not plan[i - 1]:  # the unconditional rank skipped the steps before: take the driver's x
             gathered = _all_gather(torch.cat([x.float().flatten(), failed.reshape(1)]), cfg_group, x.device, i, n)
             x = gathered[0][:-1].view_as(x).to(x.dtype)
             failed = torch.maximum(gathered[0][-1], gathered[1][-1])
-        v = _guarded(policy.denoise_step, ctx, x, t) if ctx is not None else None
+        x_g = None  # guided RTC: this branch's output keeps its graph for the VJP below
+        if rtc is not None and rtc.guided and ctx is not None:
+            with grad_enabled():
+                x_g = x.clone().requires_grad_(True)
+                v = _guarded(policy.denoise_step, ctx, x_g, t)
+        else:
+            v = _guarded(policy.denoise_step, ctx, x, t) if ctx is not None else None
         if v is None:
             v, failed = torch.zeros_like(x), failed + 1
             ctx = None  # stop computing, keep joining the collectives
-        gathered = _all_gather(torch.cat([v.float().flatten(), failed.reshape(1)]), cfg_group, x.device, i, n)
+        gathered = _all_gather(torch.cat([v.detach().float().flatten(), failed.reshape(1)]), cfg_group, x.device, i, n)
         c = gathered[0][:-1].view_as(x).to(x.dtype)
         u = gathered[1][:-1].view_as(x).to(x.dtype)
         failed = torch.maximum(gathered[0][-1], gathered[1][-1])
-        x = integ.step(x, u + guidance * (c - u), i)
+        out = u + guidance * (c - u)
+        if rtc is not None:
+            out, failed = _rtc_parallel(rtc, out, x, x_g, v, branch, guidance, float(integ.timesteps[i]), failed,
+                                        cfg_group, i, n)
+        x = integ.step(x, out, i)
+        if rtc is not None:
+            x = rtc.inpaint(x, time_after(integ.timesteps, i))
     if failed.item() > 0:  # the one host sync, after the loop
         raise PeerFailed("inference failed on a cfg rank; see that rank's log")
     return x
+
+
+def _rtc_alone(rtc: RtcBatch, policy: Policy, ctx: Context, x: torch.Tensor, t: torch.Tensor, time: float
+               ) -> torch.Tensor:
+    """An unguided step's corrected output under cfgp=2, on the conditional rank alone."""
+
+    def forward(z: torch.Tensor) -> Step:
+        v = policy.denoise_step(ctx, z, t)
+        return v, [(v, 1.0)]
+
+    return guided_velocity(rtc, forward, x, time)
+
+
+def _rtc_parallel(rtc: RtcBatch, out: torch.Tensor, x: torch.Tensor, x_g: torch.Tensor | None, v: torch.Tensor,
+                  branch: Branch, guidance: float, time: float, failed: torch.Tensor, cfg_group: CfgGroup, i: int,
+                  n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A guided step's RTC correction under cfgp=2: both ranks see the same constraint and the same ``out``.
+
+    ``guided``: each rank takes the VJP of its own branch with its coefficient in ``out`` (``g`` for the
+    conditional, ``1 - g`` for the unconditional) and one more all_gather sums them, in the order one rank
+    sums them in ``sample_rtc`` -- so cfgp=2 computes what cfgp=1 computes.
+    """
+    e = rtc.error(x, out, time)
+    if not rtc.guided:
+        return rtc.correct(out, e, time), failed
+    coef = guidance if branch is Branch.COND else 1.0 - guidance
+    with grad_enabled():
+        r = _guarded(vjp, v, x_g, coef * e) if x_g is not None and v.requires_grad else None
+    if r is None:
+        r, failed = torch.zeros_like(x), failed + 1
+    gathered = _all_gather(torch.cat([r.float().flatten(), failed.reshape(1)]), cfg_group, x.device, i, n)
+    r_c = gathered[0][:-1].view_as(x).to(x.dtype)
+    r_u = gathered[1][:-1].view_as(x).to(x.dtype)
+    failed = torch.maximum(gathered[0][-1], gathered[1][-1])
+    return rtc.correct(out, e - time * (r_c + r_u), time), failed
 
 
 def _all_gather(payload: torch.Tensor, cfg_group: CfgGroup, device: torch.device, i: int, n: int) -> list[torch.Tensor]:

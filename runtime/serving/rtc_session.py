@@ -22,6 +22,8 @@ from typing import Any, Final
 import numpy as np
 
 from policy_operator.runtime.errors import InvalidRtc, RtcNoPreviousChunk, RtcUnsupported
+from policy_operator.runtime.policy.interface import Policy
+from policy_operator.runtime.policy.rtc import RtcConstraint, rtc_unsupported
 
 RTC_KEY: Final = "rtc"
 PREV_ACTIONS: Final = "prev_actions"
@@ -38,6 +40,15 @@ class RtcRequest:
     prev_actions: np.ndarray  # [h, A] float32, finite; 1 <= h <= action horizon
     delay: int  # 0 <= delay <= min(h, max delay), < action horizon
     horizon: int  # delay <= horizon <= h
+
+    def frozen(self, actions: np.ndarray) -> np.ndarray:
+        """The reply's actions with the first ``delay`` set to ``prev_actions[:delay]`` bit for bit: the sampler
+        made them equal in the model's space, and postprocessing the inverse map is exact only up to rounding."""
+        if self.delay == 0:
+            return actions
+        out = np.array(actions, dtype=np.float32, copy=True)
+        out[: self.delay] = self.prev_actions[: self.delay]
+        return out
 
 
 class RtcSession:
@@ -136,12 +147,12 @@ class RtcSupport:
     reason: str = ""  # why the mode is off although --rtc asked for one (the policy cannot take actions back)
 
     @classmethod
-    def of(cls, requested: str, max_delay: int | None, action_horizon: int, policy_supports: bool,
-           policy_name: str) -> RtcSupport:
+    def of(cls, requested: str, max_delay: int | None, action_horizon: int, unsupported: str | None) -> RtcSupport:
+        """``--rtc`` and ``--rtc-max-delay`` (None: any delay the chunk allows) for a policy that cannot do RTC
+        for the reason ``unsupported`` (None: it can)."""
         limit = action_horizon - 1 if max_delay is None else min(max_delay, action_horizon - 1)
-        if requested != "off" and not policy_supports:
-            return cls("off", limit, f"policy {policy_name} cannot map actions back to its model space "
-                                     "(no actions_to_model)")
+        if requested != "off" and unsupported is not None:
+            return cls("off", limit, unsupported)
         return cls(requested, limit)
 
     def check(self) -> None:
@@ -157,3 +168,36 @@ class RtcSupport:
             meta["reason"] = self.reason
         return meta
 
+
+
+@dataclass(frozen=True)
+class RtcPrepared:
+    """A request's checked entry and its constraint in the policy's model space, ready for the replica."""
+
+    request: RtcRequest
+    constraint: RtcConstraint
+
+
+@dataclass(frozen=True)
+class RtcIngress:
+    """The ingress's side of real-time chunking: what it announces, and each entry checked and mapped."""
+
+    support: RtcSupport
+    policy: Policy | None = None
+
+    @classmethod
+    def off(cls) -> RtcIngress:
+        return cls(RtcSupport("off", 0, "the policy is not loaded yet"))
+
+    @classmethod
+    def of(cls, policy: Policy, mode: str, max_delay: int | None) -> RtcIngress:
+        return cls(RtcSupport.of(mode, max_delay, policy.action_shape[0], rtc_unsupported(policy)), policy)
+
+    def parse(self, obs: Mapping[str, Any], session: RtcSession | None, action_shape: tuple[int, int]
+              ) -> RtcPrepared:
+        """The observation's ``rtc`` entry, checked against the session's memory and mapped to the model's space."""
+        self.support.check()
+        assert self.policy is not None, "check() refuses before a policy is attached"
+        request = parse_rtc(obs[RTC_KEY], session, action_shape=action_shape, max_delay=self.support.max_delay)
+        target = self.policy.actions_to_model(request.prev_actions).float()
+        return RtcPrepared(request, RtcConstraint(target, request.delay, request.horizon))
