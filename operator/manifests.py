@@ -109,10 +109,6 @@ class Names:
         """The cleanup Job run once every pod serves ``key``."""
         return f"{self.policyserver}-gc-{key}"
 
-    def pod_claim(self, ordinal: int) -> str:
-        """The claim the StatefulSet controller makes from the volumeClaimTemplate (storage.mode perPod)."""
-        return f"{VOL_CACHE}-{self.statefulset}-{ordinal}"
-
 
 @dataclass(frozen=True)
 class ServingCheckpoint:

@@ -36,6 +36,7 @@ from policy_operator.constants import (
     COND_STORAGE_READY,
     LABEL_CHECKPOINT_KEY,
     LABEL_COMPONENT,
+    LABEL_CONTROLLER_REVISION_HASH,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
     MANAGED_BY,
@@ -302,7 +303,7 @@ def _ready_on(pod: Mapping[str, Any] | None, revision: str | None) -> bool:
     if pod is None or not revision or (pod.get("metadata") or {}).get("deletionTimestamp"):
         return False
     labels = (pod.get("metadata") or {}).get("labels") or {}
-    return labels.get("controller-revision-hash") == revision and _pod_condition(pod, "Ready").get("status") == "True"
+    return labels.get(LABEL_CONTROLLER_REVISION_HASH) == revision and _pod_condition(pod, "Ready").get("status") == "True"
 
 
 def _unschedulable(pod: Mapping[str, Any] | None) -> str | None:

@@ -79,9 +79,6 @@ class ParallelLayout:
     def driver_rank(self, dp_index: int) -> int:
         return self.rank_of(dp_index, 0)
 
-    def is_driver(self, rank: int) -> bool:
-        return self.coords(rank)[1] == 0
-
     @property
     def label(self) -> str:
         return f"cfgp={self.cfgp},dp={self.dp}"

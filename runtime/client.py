@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from policy_operator.constants import DEFAULT_PORT
+
 
 def robolab_observation(metadata: dict[str, Any], seed: int, *, fixed_seed: int | None = None) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
@@ -38,7 +40,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="ws://127.0.0.1:8000", help="server URL (default %(default)s)")
+    parser.add_argument("--url", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help="server URL (default %(default)s)")
     parser.add_argument("--n", type=int, default=10, help="requests per connection (default %(default)s)")
     parser.add_argument("--concurrency", type=int, default=1, help="parallel connections (default %(default)s)")
     parser.add_argument("--seed", type=int, default=None, help="fixed sampling seed sent with every request")

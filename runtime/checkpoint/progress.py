@@ -63,11 +63,6 @@ class Progress:
         with self._lock:
             self.done += n
 
-    def reset_to(self, n: int) -> None:
-        """A file restarted from zero (server ignored Range): take its bytes back."""
-        with self._lock:
-            self.done = n
-
     def _current(self) -> int:
         if self.poll is not None:
             try:
