@@ -33,6 +33,8 @@ MAX_BATCH_WINDOW_MS: Final = 1000.0  # a window is a latency budget; a second is
 MAX_MAX_BATCH: Final = 256  # a batch is one forward pass: far beyond what any GPU runs at once for one policy
 DEFAULT_GIL_SWITCH_MS: Final = 5.0  # Python's own sys.getswitchinterval()
 MAX_GIL_SWITCH_MS: Final = 100.0
+RTC_MODES: Final = ("off", "inpaint", "guided")  # --rtc; runtime/policy/rtc.py implements them
+MAX_RTC_DELAY: Final = 1000  # control steps; far beyond any action horizon served
 DEFAULT_POLICY: Final = REFERENCE
 WORKER_MODULE: Final = "policy_operator.runtime.worker"  # the torchrun program, one process per rank
 SERVE_COMMAND: Final = ("policyserver", "serve")
@@ -53,6 +55,8 @@ class ServeOptions:
     guidance: float | None  # None: the policy's own (policy_guidance)
     steps: int | None  # None: the policy's own (Policy.integrator)
     cfg_mode: str
+    rtc: str
+    rtc_max_delay: int | None
     max_batch: int
     batch_window_ms: float
     event_loop: str
@@ -100,6 +104,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "reference policy)")
     g.add_argument("--cfg-mode", choices=["auto", "sequential", "batched"], default="auto",
                    help="how cfgp=1 runs both branches; auto = batched on cuda, sequential on cpu")
+    g.add_argument("--rtc", choices=RTC_MODES, default="off",
+                   help="real-time chunking of requests that carry an 'rtc' entry (docs/protocol.md): inpaint = "
+                        "frozen prefix + guidance without gradients (keeps CUDA graphs), guided = the published "
+                        "VJP guidance (a backward pass per step); off refuses them (default %(default)s)")
+    g.add_argument("--rtc-max-delay", type=int, default=None, metavar="STEPS",
+                   help="largest rtc.inference_delay a request may ask for, in control steps (default: the action "
+                        "horizon - 1)")
     g = p.add_argument_group("batching")
     g.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                    help="most requests of different sessions a replica runs as one batch; 1 = one request at a "
@@ -161,6 +172,8 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(f"--gil-switch-ms must be in (0, {MAX_GIL_SWITCH_MS:g}] milliseconds, got {opts.gil_switch_ms}")
     if opts.threads is not None and opts.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {opts.threads}")
+    if opts.rtc_max_delay is not None and not 0 <= opts.rtc_max_delay <= MAX_RTC_DELAY:
+        raise ValueError(f"--rtc-max-delay must be in 0..{MAX_RTC_DELAY} control steps, got {opts.rtc_max_delay}")
 
 
 def policy_guidance(guidance: float | None, has_unconditional: bool) -> float:

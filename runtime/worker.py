@@ -165,7 +165,8 @@ class Runtime:
         # A compiled denoiser gets one graph per shape: pad every batch to a bucket, all captured at warm-up.
         # Eager, a batch runs at its own size (padding would only add work).
         buckets = batch_buckets(opts.max_batch) if opts.compile else ()
-        self.settings = SamplerSettings(opts.steps, opts.guidance, cfg_mode, buckets)  # type: ignore[arg-type]
+        self.settings = SamplerSettings(opts.steps, opts.guidance, cfg_mode, buckets,  # type: ignore[arg-type]
+                                        opts.rtc, opts.rtc_max_delay)  # type: ignore[arg-type]
         self.load_s = self.warmup_s = 0.0  # set by load()
 
     def load(self, on_progress: Callable[[FetchProgress], None] | None = None) -> Replica:
@@ -179,6 +180,7 @@ class Runtime:
 
         from policy_operator.runtime.parallel.dispatch import Batch, InferenceRequest, Replica
         from policy_operator.runtime.policy.interface import load_policy_class, parse_dtype
+        from policy_operator.runtime.policy.rtc import warmup_constraint
 
         if self.opts.threads:
             torch.set_num_threads(self.opts.threads)  # per thread under OpenMP: set on the model thread
@@ -207,8 +209,12 @@ class Runtime:
         if self.groups.cfg_index == 0:
             started = time.perf_counter()
             warm = policy.prepare(policy.example_observation(0))
+            rtc = warmup_constraint(policy, self.settings.rtc)  # constrained rows: a compiled guided backward too
             for size in self.settings.buckets or (1,):  # every shape serving will run: no compile after /readyz
                 replica.execute(Batch(tuple(InferenceRequest(f"warmup-{size}-{i}", warm, i) for i in range(size))))
+                if rtc is not None:
+                    replica.execute(Batch(tuple(InferenceRequest(f"warmup-rtc-{size}-{i}", warm, i, rtc)
+                                                for i in range(size))))
             self.warmup_s = time.perf_counter() - started
             log.info("replica %d warmed up (load %.1fs, warm-up %.1fs, batch buckets %s)", self.groups.dp_index,
                      self.load_s, self.warmup_s, list(self.settings.buckets) or "off")

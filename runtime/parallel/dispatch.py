@@ -54,6 +54,7 @@ from policy_operator.readyz import RankState
 from policy_operator.runtime.parallel.groups import Groups
 from policy_operator.runtime.parallel.heartbeat import Heartbeat
 from policy_operator.runtime.policy.interface import Policy, Sample
+from policy_operator.runtime.policy.rtc import RtcConstraint
 from policy_operator.runtime.policy.sampler import CfgGroup, CfgMode, SamplerSettings, bucket_of, sample_actions
 from policy_operator.runtime.errors import (
     ErrorKind,
@@ -74,6 +75,7 @@ class InferenceRequest:
     request_id: str
     sample: Sample
     seed: int
+    rtc: RtcConstraint | None = None  # real-time chunking: the previous chunk's tail, in the model's space
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,8 @@ class Replica:
         mode: CfgMode = "parallel" if self._cfg is not None else s.cfg_mode
         assert s.guidance is not None, "for_policy resolved it"
         x = sample_actions(self.policy, sample, [r.seed for r in requests], guidance=s.guidance, mode=mode,
-                           cfg_group=self._cfg, integrator=self.integrator)
+                           cfg_group=self._cfg, integrator=self.integrator, rtc_mode=s.rtc,
+                           rtc=[r.rtc for r in requests] if any(r.rtc is not None for r in requests) else None)
         return x[: len(batch.requests)]
 
     # --- driver side (cfg index 0) ---------------------------------------------------------
