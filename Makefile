@@ -49,7 +49,7 @@ test-fast: install  ## the unit tier (neither slow nor cluster), a few minutes
 # FORMATTED: the paths `ruff format` keeps; the rest of the tree is not formatted yet (`make format FORMATTED=.`
 # formats it all in one commit, then FORMATTED becomes `.`).
 TYPECHECK := .cache/typecheck
-FORMATTED ?= tools tests/support/chart.py tests/test_architecture_doc.py
+FORMATTED ?= tools tests/support/chart.py tests/test_architecture_doc.py tests/test_version.py
 lint: install  ## ruff (check; format --check over FORMATTED), mypy, import-linter
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check $(FORMATTED)

@@ -1,0 +1,31 @@
+"""One version: pyproject.toml's, which the package reports and the chart and every example image name."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+import policy_operator
+
+REPO = Path(__file__).resolve().parents[1]
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+IMAGE = re.compile(r"ghcr\.io/policy-operator/[a-z-]+:([A-Za-z0-9._-]+)")
+
+
+def test_the_package_reports_the_pyproject_version() -> None:
+    assert policy_operator.__version__ == VERSION
+
+
+def test_the_chart_app_version_is_the_pyproject_version() -> None:
+    chart = yaml.safe_load((REPO / "charts" / "policy-operator" / "Chart.yaml").read_text())
+    assert chart["appVersion"] == VERSION
+
+
+def test_every_image_in_the_examples_and_docs_is_tagged_with_the_version() -> None:
+    files = [*sorted((REPO / "examples").glob("*.yaml")), *sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]
+    tags = {(str(p.relative_to(REPO)), tag) for p in files for tag in IMAGE.findall(p.read_text())}
+    assert tags, "no image reference found: the pattern no longer matches the examples"
+    assert {(where, tag) for where, tag in tags if tag != VERSION} == set()
