@@ -1,0 +1,267 @@
+"""Each LeRobot policy family split at the serving seams: condition once per request, one model call per step.
+
+The flow families (SmolVLA, pi0, pi0.5) condition on the VLM's prefix: the
+KV cache of the images, prompt (and, for SmolVLA, state) tokens, computed
+once, as their own ``sample_actions`` does before its Euler loop.  The cache
+travels as a tree of tensors -- each layer's (keys, values), batch first,
+plus the prefix pad mask -- so batching, padding and row slicing work on it,
+and ``denoise_step`` rebuilds a transformers ``DynamicCache`` around the same
+tensors (no copy) for the action expert's own ``denoise_step``.  Diffusion
+Policy conditions on its global conditioning vector (observation encoders
+over the last ``n_obs_steps`` observations) and steps its own noise
+scheduler (DDIM, or DDPM).  Each family's code up to its loop mirrors the
+LeRobot 0.6 policy it wraps line for line; tests/test_lerobot_policies.py
+checks the actions against LeRobot's ``predict_action_chunk``.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from policy_operator.runtime.policy.interface import Context, EulerFlow, Integrator
+
+STATE_KEY = "observation.state"
+IMAGES_KEY = "observation.images"  # Diffusion Policy's stacked cameras
+TOKENS_KEY = "observation.language.tokens"
+TOKEN_MASK_KEY = "observation.language.attention_mask"
+
+
+class LeRobotEuler(EulerFlow):
+    """LeRobot's ``euler_integrate``: t = 1 + i * dt with dt = -1/n (as doubles, fed as float32), x + dt * v."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(steps)
+        self.timesteps = tuple(1.0 + i * self.dt for i in range(steps))
+
+
+class SchedulerSteps(Integrator):
+    """A diffusers noise scheduler's own timesteps and ``step`` (Diffusion Policy's DDIM or DDPM)."""
+
+    time_dtype = torch.long
+
+    def __init__(self, scheduler: Any, steps: int) -> None:
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        self.scheduler = copy.deepcopy(scheduler)  # set_timesteps is state: one copy per step count
+        self.scheduler.set_timesteps(steps)
+        self._timesteps = self.scheduler.timesteps
+        self.timesteps = tuple(float(t) for t in self._timesteps)
+
+    def time(self, i: int, rows: int, device: torch.device) -> torch.Tensor:
+        return torch.full((rows,), self._timesteps[i], dtype=torch.long, device=device)
+
+    def step(self, x: torch.Tensor, out: torch.Tensor, i: int) -> torch.Tensor:
+        return self.scheduler.step(out, self._timesteps[i], x).prev_sample
+
+
+def kv_tree(cache: Any) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """A transformers cache as each layer's (keys, values), [batch, heads, seq, dim]."""
+    return tuple((layer.keys, layer.values) for layer in cache.layers)
+
+
+def kv_cache(tree: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> Any:
+    """A ``DynamicCache`` holding ``tree``'s tensors themselves (its own ``update`` would copy each of them)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    cache = DynamicCache()
+    layers = []
+    for keys, values in tree:
+        layer = DynamicLayer()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        layers.append(layer)
+    cache.layers = layers
+    return cache
+
+
+class Family(ABC):
+    """One policy type's split; ``policy`` is the LeRobot policy (eval, on the serving device)."""
+
+    history = 1
+    needs_task = True
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.config = policy.config
+
+    @property
+    def action_dim(self) -> int:
+        return int(self.config.output_features["action"].shape[0])
+
+    @property
+    @abstractmethod
+    def chunk(self) -> int:
+        """Actions per answer (rows of ``finish``'s output)."""
+
+    @property
+    @abstractmethod
+    def noise_shape(self) -> tuple[int, ...]:
+        """The initial x of one request, as LeRobot draws it (batch 1)."""
+
+    noise_dtype: torch.dtype | None = torch.float32  # None: the model's dtype
+
+    @property
+    @abstractmethod
+    def default_steps(self) -> int: ...
+
+    @abstractmethod
+    def integrator(self, steps: int) -> Integrator: ...
+
+    @abstractmethod
+    def condition(self, batch: dict[str, torch.Tensor]) -> Context:
+        """The context of a batch of preprocessed observations (on the device)."""
+
+    @abstractmethod
+    def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """Final x -> the action chunk ``predict_action_chunk`` returns (before the postprocessor)."""
+
+
+class _Flow(Family):
+    @property
+    def chunk(self) -> int:
+        return int(self.config.chunk_size)
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        return (1, int(self.config.chunk_size), int(self.config.max_action_dim))
+
+    @property
+    def default_steps(self) -> int:
+        return int(self.config.num_inference_steps)
+
+    def integrator(self, steps: int) -> Integrator:
+        return LeRobotEuler(steps)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :, : self.action_dim]
+
+
+class SmolVLA(_Flow):
+    @property
+    def default_steps(self) -> int:
+        return int(self.config.num_steps)
+
+    def condition(self, batch: dict[str, torch.Tensor]) -> Context:
+        from lerobot.policies.common.vla_utils import make_att_2d_masks
+
+        if not self.config.use_cache:
+            raise ValueError("SmolVLA with use_cache=False recomputes its prefix every step; serve it with use_cache")
+        policy, model = self.policy, self.policy.model
+        batch = policy._prepare_batch(batch)
+        images, img_masks = policy.prepare_images(batch)
+        state = policy.prepare_state(batch)
+        prefix_embs, pad_masks, att_masks = model.embed_prefix(images, img_masks, batch[TOKENS_KEY],
+                                                               batch[TOKEN_MASK_KEY], state=state)
+        _, cache = model.vlm_with_expert.forward(
+            attention_mask=make_att_2d_masks(pad_masks, att_masks), position_ids=torch.cumsum(pad_masks, dim=1) - 1,
+            past_key_values=None, inputs_embeds=[prefix_embs, None], use_cache=True)
+        return {"kv": kv_tree(cache), "pad": pad_masks}
+
+    def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.policy.model.denoise_step(prefix_pad_masks=context["pad"], past_key_values=kv_cache(context["kv"]),
+                                              x_t=x, timestep=t)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        actions = super().finish(x)
+        if self.config.adapt_to_pi_aloha:
+            actions = self.policy._pi_aloha_encode_actions(actions.clone())
+        return actions
+
+
+class Pi0(_Flow):
+    """pi0: images and prompt in the prefix, the state in the action expert's suffix."""
+
+    def _prefix(self, images: list[torch.Tensor], img_masks: list[torch.Tensor], tokens: torch.Tensor,
+                masks: torch.Tensor) -> dict[str, Any]:
+        from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
+
+        model = self.policy.model
+        prefix_embs, pad_masks, att_masks = model.embed_prefix(images, img_masks, tokens, masks)
+        model.paligemma_with_expert.paligemma.model.language_model.config._attn_implementation = "eager"
+        _, cache = model.paligemma_with_expert.forward(
+            attention_mask=prepare_attention_masks_4d(make_att_2d_masks(pad_masks, att_masks)),
+            position_ids=torch.cumsum(pad_masks, dim=1) - 1, past_key_values=None, inputs_embeds=[prefix_embs, None],
+            use_cache=True)
+        return {"kv": kv_tree(cache), "pad": pad_masks}
+
+    def condition(self, batch: dict[str, torch.Tensor]) -> Context:
+        images, img_masks = self.policy._preprocess_images(batch)
+        context = self._prefix(images, img_masks, batch[TOKENS_KEY], batch[TOKEN_MASK_KEY])
+        context["state"] = self.policy.prepare_state(batch)
+        return context
+
+    def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.policy.model.denoise_step(state=context["state"], prefix_pad_masks=context["pad"],
+                                              past_key_values=kv_cache(context["kv"]), x_t=x, timestep=t)
+
+
+class Pi05(Pi0):
+    """pi0.5: the state is discretized into the prompt by the preprocessor; the suffix has none."""
+
+    def condition(self, batch: dict[str, torch.Tensor]) -> Context:
+        images, img_masks = self.policy._preprocess_images(batch)
+        return self._prefix(images, img_masks, batch[TOKENS_KEY], batch[TOKEN_MASK_KEY])
+
+    def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.policy.model.denoise_step(prefix_pad_masks=context["pad"], past_key_values=kv_cache(context["kv"]),
+                                              x_t=x, timestep=t)
+
+
+class Diffusion(Family):
+    """Diffusion Policy: a U-Net denoiser over the horizon, conditioned on the last ``n_obs_steps`` observations."""
+
+    needs_task = False
+    noise_dtype = None
+
+    def __init__(self, policy: Any) -> None:
+        super().__init__(policy)
+        self.history = int(self.config.n_obs_steps)
+
+    @property
+    def chunk(self) -> int:
+        return int(self.config.n_action_steps)
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        return (1, int(self.config.horizon), self.action_dim)
+
+    @property
+    def default_steps(self) -> int:
+        return int(self.policy.diffusion.num_inference_steps)
+
+    def integrator(self, steps: int) -> Integrator:
+        return SchedulerSteps(self.policy.diffusion.noise_scheduler, steps)
+
+    def condition(self, batch: dict[str, torch.Tensor]) -> Context:
+        # [B, n_obs_steps, ...]: a history of one arrives without its step dimension
+        batch = {k: v[:, None] if self.history == 1 and k.startswith("observation.") and k != TOKENS_KEY else v
+                 for k, v in batch.items()}
+        if self.config.image_features:  # [B, n_obs_steps, cameras, C, H, W], as predict_action_chunk stacks them
+            batch[IMAGES_KEY] = torch.stack([batch[key] for key in self.config.image_features], dim=-4)
+        return self.policy.diffusion._prepare_global_conditioning(batch)
+
+    def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.policy.diffusion.unet(x, t, global_cond=context)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        start = int(self.config.n_obs_steps) - 1
+        return x[:, start : start + int(self.config.n_action_steps)]
+
+
+FAMILIES: Mapping[str, type[Family]] = {"smolvla": SmolVLA, "pi0": Pi0, "pi05": Pi05, "diffusion": Diffusion}
+
+
+def family_of(policy: Any) -> Family:
+    kind = str(policy.config.type)
+    try:
+        return FAMILIES[kind](policy)
+    except KeyError:
+        raise ValueError(f"LeRobot policy type {kind!r} is not served yet; served types: {sorted(FAMILIES)}") from None

@@ -1,0 +1,114 @@
+"""``--policy lerobot``: a LeRobot pretrained directory served through the ``Policy`` contract.
+
+``prepare`` checks LeRobot's wire keys and runs the checkpoint's own saved
+preprocessor (normalization, tokenizer) on the CPU of rank 0, one request at a
+time, as LeRobot runs it per frame; ``condition``/``denoise_step`` are the
+family's split (families.py); ``postprocess_batch`` runs the saved
+postprocessor (unnormalization) over the batch.  With the same weights, a
+request of seed ``s`` answers what LeRobot's ``predict_action_chunk(batch,
+noise=randn(noise_shape, Generator().manual_seed(s)))`` followed by the
+postprocessor answers.  None of these families was trained with an
+unconditional branch (``has_unconditional`` False): guidance stays 1.0.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from policy_operator.builtin_policies import BUILTIN_POLICIES, LEROBOT
+from policy_operator.runtime.policy.interface import Branch, Context, Integrator, Policy, Sample
+from policy_operator.runtime.policy.lerobot.families import Family, family_of
+from policy_operator.runtime.policy.lerobot.loading import Loaded, load_pretrained
+from policy_operator.runtime.policy.lerobot.wire import ObservationSpec
+
+
+class LeRobotPolicy(Policy):
+    has_unconditional = BUILTIN_POLICIES[LEROBOT].has_unconditional
+    pin_memory = True  # request tensors go to the GPU from page-locked memory
+
+    def __init__(self, loaded: Loaded, device: torch.device, dtype: torch.dtype) -> None:
+        self.loaded = loaded
+        self.family: Family = family_of(loaded.policy)
+        self._device = device
+        self.dtype = dtype
+        if dtype != torch.float32:
+            cast = getattr(getattr(loaded.policy.model, "paligemma_with_expert", None),
+                           "to_bfloat16_for_selected_params", None)
+            if cast is not None and dtype == torch.bfloat16:  # pi0/pi0.5: the vision path stays float32
+                cast("bfloat16")
+            else:
+                loaded.policy.to(dtype)
+        self.name = f"lerobot/{loaded.type}"
+        self.history = self.family.history
+        self.default_steps = self.family.default_steps
+        self.spec = ObservationSpec(loaded.config.input_features, needs_task=self.family.needs_task)
+        self._denoise = self.family.denoise
+        self._integrator = functools.lru_cache(maxsize=8)(self.family.integrator)
+
+    @classmethod
+    def load(cls, checkpoint: str, *, device: torch.device, dtype: torch.dtype = torch.float32) -> LeRobotPolicy:
+        return cls(load_pretrained(checkpoint, device), device, dtype)
+
+    @property
+    def action_shape(self) -> tuple[int, int]:
+        return (self.family.chunk, self.family.action_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def integrator(self, steps: int | None = None) -> Integrator:
+        return self._integrator(self.default_steps if steps is None else steps)
+
+    def metadata(self) -> dict[str, Any]:
+        meta = super().metadata()
+        meta.update({"lerobot_type": self.loaded.type, "observation_keys": self.spec.describe(),
+                     "chunk_shape": list(self.action_shape), "n_obs_steps": self.history})
+        return meta
+
+    def example_observation(self, seed: int = 0) -> dict[str, Any]:
+        return self.spec.example(seed)
+
+    # --- serving split ----------------------------------------------------------
+    def prepare(self, obs: Mapping[str, Any]) -> Sample:
+        frame = self.spec.parse(obs)
+        with torch.inference_mode():
+            batch = self.loaded.preprocessor(frame)
+        tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        return Sample(tensors)
+
+    def condition(self, sample: Sample, branch: Branch) -> Context:
+        if branch is Branch.UNCOND:
+            raise ValueError(f"{self.name} has no unconditional branch")
+        pin = self.pin_memory and self._device.type == "cuda"
+        batch = {k: (v.pin_memory() if pin else v).to(self._device, non_blocking=True) for k, v in sample.tensors.items()}
+        with torch.inference_mode():
+            return self.family.condition(batch)
+
+    def denoise_step(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._denoise(context, x, t)
+
+    def init_noise(self, seed: int) -> torch.Tensor:
+        noise = torch.randn(self.family.noise_shape, generator=torch.Generator().manual_seed(seed))
+        return noise.to(self._device, dtype=self.family.noise_dtype or self.dtype)
+
+    def postprocess_batch(self, x: torch.Tensor) -> list[np.ndarray]:
+        with torch.inference_mode():
+            actions = self.loaded.postprocessor(self.family.finish(x))
+        host = actions.float().cpu().numpy()
+        return [host[i] for i in range(host.shape[0])]
+
+    def postprocess(self, x: torch.Tensor) -> np.ndarray:
+        return self.postprocess_batch(x)[0]
+
+    def compile(self, mode: str = "default") -> None:
+        # One graph per batch bucket (the replica pads batches to them); the cache is rebuilt inside the graph
+        # around the context's tensors.  A CUDA graph's output buffer is reused by its next replay: copy it out.
+        compiled = torch.compile(self.family.denoise, mode=mode, dynamic=False)
+        self._denoise = (lambda c, x, t: compiled(c, x, t).clone()) if mode == "reduce-overhead" else compiled

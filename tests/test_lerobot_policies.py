@@ -1,0 +1,182 @@
+"""``--policy lerobot`` against LeRobot itself: the real lerobot package, tiny random-weight checkpoints built offline.
+
+For each family the reference answer is LeRobot's own: its saved
+preprocessor, ``predict_action_chunk(batch, noise=...)`` with the noise a
+request of that seed starts from, and its saved postprocessor.  The server's
+split (prefix KV cache once, then the action expert per step; Diffusion
+Policy's conditioning once, then its scheduler) must give the same actions
+within ``ATOL`` (measured: bitwise equal on this CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("lerobot")
+
+from openpi_client.websocket_client_policy import WebsocketClientPolicy  # noqa: E402
+
+from policy_operator.layout import LayoutError  # noqa: E402
+from policy_operator.runtime.errors import InvalidObservation  # noqa: E402
+from policy_operator.runtime.policy.interface import collate, load_policy_class  # noqa: E402
+from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
+from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
+from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
+from policy_operator.runtime.serving.history import SessionHistory  # noqa: E402
+from tests.support.servers import serve_policy  # noqa: E402
+
+ATOL = 1e-5
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def smolvla_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint("smolvla", tmp_path_factory.mktemp("smolvla"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def diffusion_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint("diffusion", tmp_path_factory.mktemp("diffusion"), seed=2)
+
+
+@pytest.fixture(scope="module")
+def smolvla(smolvla_dir: Path) -> LeRobotPolicy:
+    return LeRobotPolicy.load(str(smolvla_dir), device=CPU)
+
+
+@pytest.fixture(scope="module")
+def diffusion(diffusion_dir: Path) -> LeRobotPolicy:
+    return LeRobotPolicy.load(str(diffusion_dir), device=CPU)
+
+
+def served(policy: LeRobotPolicy, observations: list[dict[str, Any]], seed: int) -> np.ndarray:
+    """The server's answer to the last of a session's observations."""
+    history = SessionHistory(policy)
+    for obs in observations:
+        sample = history.extend("robot", policy.prepare(obs))
+    return policy.postprocess(sample_actions(policy, sample, [seed], guidance=1.0))
+
+
+def lerobots_own(policy: LeRobotPolicy, observations: list[dict[str, Any]], seed: int) -> np.ndarray:
+    """LeRobot's answer to the same: its preprocessor per frame, its queue of the last n_obs_steps frames (the
+    first one repeated while fewer came), predict_action_chunk with the request's noise, its postprocessor."""
+    loaded, n = policy.loaded, policy.history
+    frames = [loaded.preprocessor(policy.spec.parse(obs)) for obs in observations][-n:]
+    frames = [frames[0]] * (n - len(frames)) + frames
+    batch = dict(frames[-1])
+    if n > 1:
+        batch.update({k: torch.stack([f[k] for f in frames], dim=1) for k, v in batch.items()
+                      if isinstance(v, torch.Tensor)})
+    noise = torch.randn(policy.family.noise_shape, generator=torch.Generator().manual_seed(seed))
+    loaded.policy.reset()
+    with torch.inference_mode():
+        return loaded.postprocessor(loaded.policy.predict_action_chunk(batch, noise=noise))[0].numpy()
+
+
+# --- the same actions as LeRobot ---------------------------------------------------------------
+@pytest.mark.parametrize("seed", [7])
+def test_smolvla_answers_as_lerobot(smolvla: LeRobotPolicy, seed: int) -> None:
+    obs = smolvla.example_observation(seed)
+    ours = served(smolvla, [obs], seed)
+    assert ours.shape == smolvla.action_shape == (8, 6) and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, lerobots_own(smolvla, [obs], seed), rtol=0, atol=ATOL)
+    # a float CHW frame in [0, 1] is the same observation as its uint8 HWC bytes
+    floats = {k: (v.transpose(2, 0, 1).astype(np.float32) / 255 if isinstance(v, np.ndarray) and v.ndim == 3 else v)
+              for k, v in obs.items()}
+    np.testing.assert_allclose(served(smolvla, [floats], seed), ours, rtol=0, atol=ATOL)
+    assert not np.allclose(served(smolvla, [obs], seed + 1), ours)  # the seed is the noise
+
+
+def test_diffusion_answers_as_lerobot_from_the_sessions_history(diffusion: LeRobotPolicy) -> None:
+    assert diffusion.history == 2 and diffusion.integrator().steps == 4  # n_obs_steps, DDIM's num_inference_steps
+    frames = [diffusion.example_observation(k) for k in range(3)]
+    for n in (1, 2, 3):  # the first request repeats its frame, later ones see the frame before
+        ours = served(diffusion, frames[:n], seed=n)
+        assert ours.shape == (4, 2)
+        np.testing.assert_allclose(ours, lerobots_own(diffusion, frames[:n], seed=n), rtol=0, atol=ATOL)
+    assert not np.allclose(served(diffusion, frames[1:3], seed=3), served(diffusion, frames[2:3], seed=3))
+
+
+@pytest.mark.parametrize("name", ["smolvla", "diffusion"])
+def test_batched_rows_equal_rows_alone(request: pytest.FixtureRequest, name: str) -> None:
+    policy: LeRobotPolicy = request.getfixturevalue(name)
+    history = SessionHistory(policy)
+    samples = [history.extend(f"robot-{k}", policy.prepare(policy.example_observation(k))) for k in range(3)]
+    seeds = [11, 12, 13]
+    together = policy.postprocess_batch(sample_actions(policy, collate(samples), seeds, guidance=1.0))
+    for sample, seed, row in zip(samples, seeds, together, strict=True):
+        alone = policy.postprocess(sample_actions(policy, sample, [seed], guidance=1.0))
+        np.testing.assert_allclose(row, alone, rtol=0, atol=ATOL)
+    padded = sample_actions(policy, collate([*samples, samples[-1]]), [*seeds, seeds[-1]], guidance=1.0)[:3]
+    for row, got in zip(together, policy.postprocess_batch(padded), strict=True):  # bucket padding: copies, dropped
+        np.testing.assert_allclose(got, row, rtol=0, atol=ATOL)
+
+
+# --- refusals ---------------------------------------------------------------------------------------
+def test_lerobot_policies_refuse_guidance(smolvla: LeRobotPolicy) -> None:
+    assert load_policy_class("lerobot") is LeRobotPolicy and not LeRobotPolicy.has_unconditional
+    assert SamplerSettings(None, None, "sequential").for_policy(smolvla).guidance == 1.0
+    with pytest.raises(LayoutError, match="no unconditional branch"):
+        SamplerSettings(None, 3.0, "sequential").for_policy(smolvla)
+    with pytest.raises(LayoutError, match="cfgp=2"):
+        SamplerSettings(None, None, "sequential").for_policy(smolvla, cfgp=2)
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"observation.images.wrist": None}, "missing ['observation.images.wrist']"),
+    ({"observation.images.front": np.zeros((48, 64, 3), np.uint8)}, "unexpected ['observation.images.front']"),
+    ({"task": None}, "missing ['task']"),
+    ({"observation.state": np.zeros(7, np.float32)}, "must have shape [6], got [7]"),
+    ({"observation.state": np.array([0, 0, 0, 0, 0, np.nan], np.float32)}, "NaN or inf"),
+    ({"observation.images.top": np.zeros((64, 48, 3), np.uint8)}, "must have shape [48, 64, 3] (HWC)"),
+    ({"observation.images.top": np.full((3, 48, 64), 2.0, np.float32)}, "values in [0, 1]"),
+    ({"observation.images.top": np.zeros((48, 64, 3), np.int16)}, "uint8 HWC or float CHW"),
+    ({"task": 5}, "'task' must be a string"),
+], ids=["missing-camera", "unknown-camera", "missing-task", "state-shape", "state-nan", "image-shape",
+        "image-range", "image-dtype", "task-type"])
+def test_a_bad_observation_names_what_is_expected(smolvla: LeRobotPolicy, change: dict[str, Any],
+                                                  words: str) -> None:
+    obs = {**smolvla.example_observation(0), **change}
+    obs = {k: v for k, v in obs.items() if v is not None}
+    with pytest.raises(InvalidObservation) as info:
+        smolvla.prepare(obs)
+    assert words in str(info.value)
+    if "missing" in words or "unexpected" in words:
+        assert "this policy takes exactly ['observation.images.top', 'observation.images.wrist', " \
+               "'observation.state', 'task']" in str(info.value)
+
+
+# --- a real server --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def openpi_client(url: str) -> Iterator[WebsocketClientPolicy]:
+    client = WebsocketClientPolicy(url)
+    try:
+        yield client
+    finally:
+        client._ws.close()  # openpi-client 0.1.2 has no close()
+
+
+@pytest.mark.slow
+def test_serve_answers_an_openpi_client_in_lerobot_keys(smolvla_dir: Path, smolvla: LeRobotPolicy) -> None:
+    with serve_policy(smolvla_dir, "--policy", "lerobot", "--error-format", "dict", "--threads", "1") as server:
+        with openpi_client(server.url) as client:
+            meta = client.get_server_metadata()
+            assert meta["lerobot_type"] == "smolvla" and meta["chunk_shape"] == [8, 6]
+            assert (meta["steps"], meta["guidance"]) == (4, 1.0)  # the config's num_steps; no guidance
+            assert set(meta["observation_keys"]) == {"observation.images.top", "observation.images.wrist",
+                                                     "observation.state", "task"}
+            obs = {**smolvla.example_observation(3), "seed": 21}
+            actions = client.infer(obs)["actions"]
+            np.testing.assert_allclose(actions, lerobots_own(smolvla, [obs], 21), rtol=0, atol=ATOL)
+            bad = {k: v for k, v in obs.items() if k != "observation.images.wrist"}
+            error = client.infer(bad)
+            assert error["error"]["kind"] == "invalid_observation", error
+            assert "observation.images.wrist" in error["error"]["message"]
+            np.testing.assert_array_equal(client.infer(obs)["actions"], actions)  # only that request failed
