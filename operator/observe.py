@@ -67,7 +67,7 @@ def surge_pod_name(statefulset: str, replicas: int) -> str:
     return f"{statefulset}-{replicas}"
 
 
-def _running_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> str | None:
+def running_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> str | None:
     """The newest fetch pod whose fetch container is running: the attempt whose progress counts."""
     running = [p for p in job_pods
                if any(cs.get("name") == FETCH_CONTAINER and (cs.get("state") or {}).get("running") is not None
@@ -86,7 +86,7 @@ def fetch_log(kube: Kube, namespace: str, job: Mapping[str, Any] | None,
     """
     if job is None or not ((job.get("status") or {}).get("active") or 0):
         return None
-    pod = _running_fetch_pod(job_pods)
+    pod = running_fetch_pod(job_pods)
     if pod is None:
         return None
     try:

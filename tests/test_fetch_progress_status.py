@@ -102,8 +102,8 @@ def fetch_pod(name: str, state: str, created: str) -> dict[str, Any]:
 def test_the_running_attempt_is_the_pod_whose_log_is_read() -> None:
     pods = [fetch_pod("old", "terminated", "2025-01-01T00:00:00Z"), fetch_pod("new", "running", "2025-01-01T00:01:00Z"),
             fetch_pod("next", "waiting", "2025-01-01T00:02:00Z")]
-    assert observe._running_fetch_pod(pods) == "new"
-    assert observe._running_fetch_pod(pods[:1]) is None
+    assert observe.running_fetch_pod(pods) == "new"
+    assert observe.running_fetch_pod(pods[:1]) is None
 
 
 def active_job() -> dict[str, Any]:
