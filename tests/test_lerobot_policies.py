@@ -11,6 +11,7 @@ within ``ATOL`` (measured: bitwise equal on this CPU).
 from __future__ import annotations
 
 import contextlib
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
 from policy_operator.runtime.serving.history import SessionHistory  # noqa: E402
-from tests.support.servers import serve_policy  # noqa: E402
+from tests.support.servers import VENV_BIN, serve_policy, subprocess_env  # noqa: E402
 
 ATOL = 1e-5
 CPU = torch.device("cpu")
@@ -38,7 +39,13 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def smolvla_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint("smolvla", tmp_path_factory.mktemp("smolvla"), seed=1)
+    """Written by ``policyserver checkpoint init --lerobot`` (what the deploy tests and demos run), then verified."""
+    root = tmp_path_factory.mktemp("smolvla") / "ckpt"
+    for argv in (["init", "--lerobot", "smolvla", "--seed", "1", str(root)], ["verify", "--hashes", str(root)]):
+        done = subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", *argv], capture_output=True, text=True,
+                              timeout=300, env=subprocess_env(), cwd=root.parent)
+        assert done.returncode == 0, done.stderr
+    return root
 
 
 @pytest.fixture(scope="module")

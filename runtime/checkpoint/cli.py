@@ -16,10 +16,14 @@ from policy_operator.runtime.checkpoint.format import CheckpointError, verify_ch
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
-    p = sub.add_parser("init", help="write a reference-policy checkpoint with seeded random weights",
-                       description="Write a reference-policy checkpoint with seeded random weights.")
+    p = sub.add_parser("init", help="write a reference-policy (or LeRobot) checkpoint with seeded random weights",
+                       description="Write a reference-policy checkpoint with seeded random weights; with --lerobot, "
+                                   "a LeRobot pretrained directory of that family, written without any hub.")
     p.add_argument("directory")
-    p.add_argument("--size", choices=["tiny", "small", "base"], default="tiny")
+    p.add_argument("--size", choices=["tiny", "small", "base"], default="tiny",
+                   help="tiny | small | base; a LeRobot family has tiny and base (its published size)")
+    p.add_argument("--lerobot", metavar="FAMILY", choices=["smolvla", "pi0", "pi05", "diffusion"], default=None,
+                   help="smolvla | pi0 | pi05 | diffusion (serve it with --policy lerobot)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(_action=_init)
     p = sub.add_parser("verify", help="check a checkpoint against its manifest (and completion marker)",
@@ -39,6 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _init(args: argparse.Namespace) -> int:
+    if args.lerobot:
+        from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint
+
+        try:
+            path = write_tiny_checkpoint(args.lerobot, args.directory, size=args.size, seed=args.seed)
+        except ValueError as exc:
+            print(f"policyserver: error: {exc}", file=sys.stderr)
+            return 2
+        print(path)
+        return 0
     from policy_operator.runtime.policy.reference import init_checkpoint
 
     path = init_checkpoint(args.directory, args.size, args.seed)
