@@ -71,6 +71,7 @@ class ServeOptions:
     share_gpu: bool
     threads: int | None
     compile: str | None
+    compile_cache_dir: str | None
     log_level: str
 
     @classmethod
@@ -92,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default %(default)s)")
     g.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                    help="torch.compile the denoiser; MODE default | reduce-overhead (CUDA graphs) | max-autotune")
+    g.add_argument("--compile-cache-dir", default=None, metavar="DIR",
+                   help="with --compile: load torch's compile artifacts for this spec from DIR before warm-up, and "
+                        "write them there after (a later server of the same spec skips compiling); off when unset")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
     g = p.add_argument_group("layout and sampling")
     g.add_argument("--cfgp", type=int, default=1, help="classifier-free-guidance parallel degree, 1 or 2")

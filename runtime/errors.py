@@ -29,6 +29,7 @@ class ErrorKind(str, Enum):
     REPLICA_FAILED = "replica_failed"  # a collective of the replica failed or timed out: the replica is gone
     REPLICA_UNAVAILABLE = "replica_unavailable"  # the replica stopped answering while it held the request
     UNAUTHORIZED = "unauthorized"  # refused before the WebSocket upgrade
+    DRAIN_TIMEOUT = "drain_timeout"  # still computing when the drain's grace period ended: retry on another pod
     INTERNAL = "internal"
 
     def __str__(self) -> str:
@@ -108,6 +109,16 @@ class ReplicaUnavailable(RequestError):
     """The replica holding the request stopped heartbeating for longer than the request timeout."""
 
     kind = ErrorKind.REPLICA_UNAVAILABLE
+
+
+class DrainTimeout(RequestError):
+    """The server is shutting down and this request was still running when ``--drain-grace-s`` ended.
+
+    Nothing is wrong with the request: the client retries it on another pod
+    (the session is closed with 1001 right after the error).
+    """
+
+    kind = ErrorKind.DRAIN_TIMEOUT
 
 
 class RequestFailed(RequestError):

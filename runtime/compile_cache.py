@@ -1,0 +1,256 @@
+"""Compile artifacts kept on the cache volume, so a later pod of the same spec loads them instead of compiling.
+
+``--compile`` makes warm-up trace, lower and code-generate the denoiser once
+per batch bucket: most of a fresh pod's time to Ready on a GPU, paid again by
+every surge pod of a rollout and every scale-up although nothing changed.
+torch's portable compile-cache artifacts (``torch.compiler.save_cache_artifacts``:
+inductor's FX-graph entries with their Triton kernels, AOTAutograd entries,
+autotuning results) are written after warm-up by global rank 0 to
+``--compile-cache-dir``, one file per key; every rank of a later pod with the
+same key loads that file before it compiles, so its warm-up hits those caches.
+
+The key is everything that makes an artifact wrong or useless: the checkpoint
+(its manifest's digest), the policy class, dtype, compile mode, batch buckets,
+layout and CFG mode, torch/Triton/Python versions and the device (GPU model
+and compute capability, or the CPU's vector ISA).  torch's own cache entries
+are content-addressed too, so an artifact that does not fit is a miss, never
+a wrong kernel.
+
+A file is ``MAGIC``, one JSON header line (the key, the payload's size and
+sha256) and the payload.  One that is truncated, corrupt, of another key or
+that torch refuses is ignored with one warning and the pod compiles as if
+there were none (then writes a good one).  Writers never corrupt the file:
+each writes a temporary file of its own in the same directory and renames it
+over the final name (atomic on one filesystem), so two pods writing at once
+leave one complete file.  A read-only or full volume only costs the next pod
+its shortcut (one warning).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from policy_operator import __version__
+from policy_operator.constants import CONFIG_FILE, MANIFEST_FILE
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"policy-operator compile artifacts v1\n"
+SUFFIX = ".artifacts"
+MAX_HEADER_BYTES = 64 << 10
+
+
+def checkpoint_identity(checkpoint: str | os.PathLike[str]) -> str:
+    """A digest naming the checkpoint's contents: its manifest (every file's sha256) when it has one, else the
+    names, sizes and modification times of its files (a plug-in's own checkpoint layout)."""
+    root = Path(checkpoint)
+    digest = hashlib.sha256()
+    manifest = root / MANIFEST_FILE
+    if manifest.is_file():
+        digest.update(manifest.read_bytes())
+        return digest.hexdigest()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(root).as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    if (root / CONFIG_FILE).is_file():
+        digest.update((root / CONFIG_FILE).read_bytes())
+    return digest.hexdigest()
+
+
+def device_kind(device: torch.device) -> str:
+    """What generated code depends on: the GPU model and compute capability, or the CPU's architecture and ISA."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}:cuda{torch.version.cuda}"
+    return f"{device.type}:{platform.machine()}:{torch.backends.cpu.get_cpu_capability()}"
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return str(getattr(triton, "__version__", "unknown"))
+
+
+def cache_key(*, checkpoint: str | os.PathLike[str], policy: str, dtype: str, mode: str, buckets: Sequence[int],
+              layout: str, cfg_mode: str, device: torch.device) -> dict[str, str]:
+    """Every input that invalidates compiled artifacts, as strings (the file's header repeats it)."""
+    return {
+        "checkpoint": checkpoint_identity(checkpoint),
+        "policy": policy,
+        "dtype": dtype,
+        "compile_mode": mode,
+        "buckets": ",".join(map(str, buckets)),
+        "layout": layout,
+        "cfg_mode": cfg_mode,
+        "device": device_kind(device),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "python": platform.python_version(),
+        "policy_operator": __version__,
+    }
+
+
+TORCH_CACHE_LOGGER = "torch.compiler._cache"
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class ArtifactError(ValueError):
+    """A cache file that must not be loaded; the message says why, in a few words."""
+
+
+def encode(key: Mapping[str, str], payload: bytes) -> bytes:
+    header = {"key": dict(key), "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    return MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload
+
+
+def decode(data: bytes, key: Mapping[str, str]) -> bytes:
+    """The payload of a cache file written for ``key``; ArtifactError when it is not one, intact."""
+    if not data.startswith(MAGIC):
+        raise ArtifactError("not a compile-artifacts file")
+    end = data.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER_BYTES)
+    if end < 0:
+        raise ArtifactError("no header")
+    try:
+        header = json.loads(data[len(MAGIC):end])
+        stored_key, size, sha256 = header["key"], int(header["bytes"]), str(header["sha256"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ArtifactError(f"unreadable header ({type(exc).__name__})") from None
+    if stored_key != dict(key):
+        changed = sorted(k for k in set(stored_key) | set(key) if stored_key.get(k) != key.get(k))
+        raise ArtifactError(f"written for another spec ({', '.join(changed)} differ)")
+    payload = data[end + 1:]
+    if len(payload) != size:
+        raise ArtifactError(f"truncated ({len(payload)} of {size} bytes)")
+    if hashlib.sha256(payload).hexdigest() != sha256:
+        raise ArtifactError("checksum mismatch")
+    return payload
+
+
+@dataclass
+class CompileCache:
+    """One key's file under the cache directory: ``load`` before compiling, ``save`` after warm-up."""
+
+    directory: Path
+    key: dict[str, str]
+    loaded: bool = False
+
+    @property
+    def path(self) -> Path:
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:32]
+        return self.directory / f"{digest}{SUFFIX}"
+
+    def load(self) -> bool:
+        """Populate torch's compile caches from the file, if there is a good one; never raises."""
+        path = self.path
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            log.info("compile cache: nothing for this spec at %s yet; compiling", path)
+            return False
+        except OSError as exc:
+            log.warning("compile cache: ignoring %s: cannot read it (%s); compiling", path, exc.strerror or exc)
+            return False
+        try:
+            payload = decode(data, self.key)
+            with _quiet(TORCH_CACHE_LOGGER):  # it logs a refused payload with a traceback; one line here instead
+                info = torch.compiler.load_cache_artifacts(payload)
+            if info is None:
+                raise ArtifactError("torch could not read its artifacts")
+        except ArtifactError as exc:
+            log.warning("compile cache: ignoring %s: %s; compiling", path, exc)
+            return False
+        except Exception as exc:  # noqa: BLE001 - whatever torch makes of a bad payload, the pod compiles instead
+            log.warning("compile cache: ignoring %s: torch refused it (%s: %s); compiling", path,
+                        type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            return False
+        count = sum(len(v) for v in info.artifacts.values())
+        self.loaded = True
+        log.info("compile cache: loaded %d artifacts (%d bytes) from %s", count, len(payload), path)
+        return True
+
+    def finish(self) -> bool:
+        """After warm-up (every shape compiled): log how many graphs came from the caches, and save when this
+        process had no good file (True when it wrote one)."""
+        from torch._dynamo.utils import counters
+
+        inductor = counters["inductor"]
+        log.info("compile cache: %d graph(s) from the cache, %d compiled", inductor["fxgraph_cache_hit"],
+                 inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"])
+        return self.save()
+
+    def save(self) -> bool:
+        """Write what this process compiled, atomically (temporary file + rename); never raises."""
+        if self.loaded:
+            return False  # the file already holds this key's artifacts
+        try:
+            saved = torch.compiler.save_cache_artifacts()
+        except Exception as exc:  # noqa: BLE001 - the cache is a shortcut, never a reason to fail a pod
+            log.warning("compile cache: could not serialize the artifacts: %s: %s", type(exc).__name__, exc)
+            return False
+        if saved is None or not saved[0]:
+            log.info("compile cache: nothing was compiled; nothing to save")
+            return False
+        data = encode(self.key, saved[0])
+        path = self.path
+        tmp: str | None = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.directory)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            tmp = None
+        except OSError as exc:
+            log.warning("compile cache: could not write %s (%s); the next pod compiles too", path,
+                        exc.strerror or exc)
+            return False
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+        log.info("compile cache: saved %d bytes of artifacts to %s", len(data), path)
+        return True
+
+
+def open_cache(directory: str | None, **key: object) -> CompileCache | None:
+    """The cache for this spec under ``directory`` (None: no compile cache), already loaded if it had a file."""
+    if not directory:
+        return None
+    try:
+        cache = CompileCache(Path(directory), cache_key(**key))  # type: ignore[arg-type]
+    except OSError as exc:  # the checkpoint's files are unreadable: loading it reports that better
+        log.warning("compile cache: off (%s)", exc)
+        return None
+    cache.load()
+    return cache
+
+
+__all__ = ["ArtifactError", "CompileCache", "cache_key", "checkpoint_identity", "decode", "device_kind", "encode",
+           "open_cache"]

@@ -1,0 +1,177 @@
+"""How a rank ends on SIGTERM: exit 0, promptly while loading, within the grace period plus a few seconds after.
+
+A pod deleted while it starts, and a drain whose last request outlasts
+``--drain-grace-s``, are normal events of a rollout: every rank exits 0, so
+torchrun and ``serve`` exit 0 and Kubernetes records no ``Error``.
+
+* **Signals go to one thread.** ``install`` blocks SIGTERM and SIGINT in the
+  calling (main) thread before torch starts any other, so every thread
+  inherits the mask and only ``Lifecycle``'s own thread receives them
+  (``sigwait``).  A main thread blocked in C (a gloo or NCCL call, loading
+  weights) cannot delay the answer, and a rank is never killed by the signal
+  itself, whatever it is doing.
+* **Loading: exit 0 at once.** Nothing is served yet, so there is nothing to
+  drain; every rank got the signal (``serve`` passes it to each).
+* **Serving: drain, bounded.** The first signal starts the drain
+  (``on_stop``, rank 0's session drain) and arms a last-resort exit at
+  ``grace + heartbeat + EXIT_MARGIN_S``.  From then on a peer that vanishes
+  mid-collective or a silent rank 0 is the shutdown, not a fault: ``stopping``
+  tells the rank's exit path to report 0 instead of ``REPLICA_FAILED`` or
+  ``WATCHDOG``.
+* **Stopping together.** When the grace period ends with requests still
+  running, rank 0 fails them (``drain_timeout``), writes ``STOP_KEY`` to the
+  heartbeat store and exits; every other rank polls that key with its
+  watchdog and exits 0 within a heartbeat period, even from inside a
+  collective that would otherwise wait for ``--pg-timeout-s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from policy_operator.exit_codes import ServeExit
+from policy_operator.runtime.errors import DrainTimeout
+
+if TYPE_CHECKING:
+    from policy_operator.runtime.serving.ingress import Ingress
+    from policy_operator.runtime.serving.server import PolicyWebSocketServer
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_KEY = "policy-operator/stop"  # in the heartbeat store: rank 0 wrote it, every rank exits 0 now
+EXIT_MARGIN_S = 5.0  # after grace + one heartbeat, a rank still running exits 0 whatever it is blocked in
+STOP_POLL_S = 0.25  # how often the other ranks look for STOP_KEY (at most)
+ERROR_SEND_S = 1.0  # after the grace period: how long the failed requests' sessions get to send their error
+
+
+class KV(Protocol):
+    def set(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str) -> bytes | None: ...
+
+
+def exit_now(code: int) -> None:
+    """Leave the process at once with ``code`` (threads stuck in a batch or a collective included)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def announce_stop(kv: KV) -> None:
+    """Rank 0: tell every rank to exit 0 now (their watchdogs read it within a heartbeat period)."""
+    try:
+        kv.set(STOP_KEY, b"1")
+    except Exception as exc:  # noqa: BLE001 - the store is gone: the agent is going down, and the ranks with it
+        log.warning("could not announce the stop to the other ranks: %s", exc)
+
+
+def stop_announced(kv: KV) -> bool:
+    try:
+        return kv.get(STOP_KEY) is not None
+    except Exception:  # noqa: BLE001 - unreadable for now; the watchdog's silence bound covers a store gone for good
+        return False
+
+
+class Lifecycle:
+    """One per rank process: what SIGTERM/SIGINT do at each stage (module docstring)."""
+
+    def __init__(self, rank: int, grace_s: float, heartbeat_s: float) -> None:
+        self.rank = rank
+        self.grace_s = grace_s
+        self.heartbeat_s = heartbeat_s
+        self.stopping = threading.Event()
+        self._on_stop: Callable[[], None] | None = None  # set by serving(): None while loading
+        self._lock = threading.Lock()
+
+    def install(self) -> Lifecycle:
+        """Route SIGTERM/SIGINT to this object's thread; call first, before torch starts threads of its own."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+        for sig in SIGNALS:  # a thread started before the mask (none expected) hands it over the same way
+            signal.signal(sig, lambda signum, frame: self.received(signum))
+        threading.Thread(target=self._wait, name="signals", daemon=True).start()
+        return self
+
+    def _wait(self) -> None:
+        while True:
+            self.received(signal.sigwait(SIGNALS))
+
+    def serving(self, on_stop: Callable[[], None]) -> None:
+        """Loaded: a signal now starts the drain, by calling ``on_stop`` (from the signal thread)."""
+        with self._lock:
+            self._on_stop = on_stop
+        if self.stopping.is_set():  # signalled in between: the drain starts now
+            on_stop()
+
+    def received(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        with self._lock:
+            on_stop = self._on_stop
+            first = not self.stopping.is_set()
+            self.stopping.set()
+        if on_stop is None:
+            log.info("rank %d: %s while loading: nothing to drain, exiting 0", self.rank, name)
+            exit_now(ServeExit.OK)
+        if not first:
+            log.info("rank %d: %s again; already stopping", self.rank, name)
+            return
+        limit = self.grace_s + self.heartbeat_s + EXIT_MARGIN_S
+        log.info("rank %d: %s: stopping (exit 0 at the latest %.0fs from now)", self.rank, name, limit)
+        timer = threading.Timer(limit, self._overdue, args=(limit,))
+        timer.daemon = True
+        timer.start()
+        assert on_stop is not None
+        on_stop()
+
+    def _overdue(self, limit: float) -> None:
+        log.warning("rank %d: still running %.0fs after the signal; exiting 0", self.rank, limit)
+        exit_now(ServeExit.OK)
+
+    def exit_code(self, code: int, why: str) -> int:
+        """``code``, unless this rank is stopping: then a failure caused by the shutdown itself is no failure."""
+        if code != ServeExit.OK and self.stopping.is_set():
+            log.info("rank %d: %s during the shutdown; exiting 0 instead of %d", self.rank, why, code)
+            return ServeExit.OK
+        return code
+
+
+async def drain_and_stop(server: PolicyWebSocketServer, ingress: Ingress, *, grace_s: float, heartbeat_s: float,
+                         kv: KV) -> bool:
+    """Rank 0 after SIGTERM (or a failed replica): drain, and at the deadline fail what still runs and stop every
+    rank together.  True when every request was answered within ``grace_s``.
+
+    Drained, ``Shutdown`` goes down every lane and each loop ends.  Not drained, a lane is still inside its
+    batch, which may outlast the pod: its requests fail with ``drain_timeout`` (sessions closed with 1001 right
+    after, as draining sessions are), no ``Shutdown`` waits behind the batch, and ``STOP_KEY`` tells every rank
+    to exit 0 now, before rank 0 itself leaves mid-collective.
+    """
+    drained = await server.drain(grace_s)  # idle sessions closed 1001 at once, busy ones after their reply
+    if not drained:
+        failed = ingress.give_up(DrainTimeout(
+            f"the server is shutting down and this request was still running when its {grace_s:g}s grace period "
+            "(--drain-grace-s) ended; retry it on another server"))
+        log.warning("grace period over: %d request(s) still running failed with %s", failed,
+                    DrainTimeout.kind.value)
+        deadline = time.monotonic() + ERROR_SEND_S
+        while server.sessions.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    # Keep answering /readyz (503 now) for a heartbeat period before the port closes,
+    # so probes and load balancers observe the drain instead of a refused connection.
+    await asyncio.sleep(min(heartbeat_s, grace_s))
+    await server.stop()
+    if drained:
+        await asyncio.get_running_loop().run_in_executor(None, ingress.stop_lanes)
+    announce_stop(kv)
+    if not drained:
+        await asyncio.sleep(2 * STOP_POLL_S)  # the others leave first: none sees rank 0 vanish mid-collective
+    return drained
