@@ -399,7 +399,8 @@ def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint) -> list[s
     flags = managed_argv(
         checkpoint=serving.path, port=spec.service.port, cfgp=layout.cfgp, dp=layout.dp, guidance=rt.guidance,
         steps=rt.steps, max_batch=rt.batching.max_batch, batch_window_ms=rt.batching.window_ms, device=rt.device,
-        drain_grace_s=rt.drain_grace_seconds,
+        drain_grace_s=rt.drain_grace_seconds, latency_budget_ms=rt.batching.latency_budget_ms,
+        max_connections=rt.max_connections,
         auth_token_file=f"{AUTH_TOKEN_DIR}/{TOKEN_FILE}" if spec.auth.secret_ref is not None else None,
     )
     return serve_argv([*flags, *rt.extra_args])

@@ -54,10 +54,14 @@ from policy_operator.serve_flags import (
     DEFAULT_BATCH_WINDOW_MS,
     DEFAULT_GUIDANCE,
     DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_STEPS,
     MANAGED_FLAGS,
     MAX_BATCH_WINDOW_MS,
+    MAX_LATENCY_BUDGET_MS,
     MAX_MAX_BATCH,
+    MAX_MAX_CONNECTIONS,
+    MIN_LATENCY_BUDGET_MS,
 )
 from policy_operator.serve_flags import DEFAULT_DRAIN_GRACE_S as RUNTIME_DRAIN_GRACE_S
 from policy_operator.sources import SOURCE_PATTERN, InvalidSource, check_relpath, check_source, request_key
@@ -452,6 +456,10 @@ class BatchingSpec(KubeModel):
     last second and have none queued: robots between reply and next request), counted from the latest request
     that joined it, so at most maxBatch windows in all. A lone session never waits. 0: never waits; a batch holds
     what queued while the replica was busy."""
+    latency_budget_ms: float | None = Field(None, ge=MIN_LATENCY_BUDGET_MS, le=MAX_LATENCY_BUDGET_MS)
+    """A robot's control period in milliseconds (--latency-budget-ms). Warm-up measures one batch of every size
+    (bucket) up to maxBatch, and no batch is formed whose measured time exceeds this budget; /metrics shows the
+    times (policy_batch_bucket_seconds). Unset: batches of up to maxBatch."""
 
 
 class RuntimeSpec(KubeModel):
@@ -475,6 +483,9 @@ class RuntimeSpec(KubeModel):
     (the startupProbe)."""
     device: Literal[DEVICES] = "cuda"  # type: ignore[valid-type]
     """cuda requests cfgp x dp GPUs per pod; cpu requests none (tests, CPU-only clusters)."""
+    max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1, le=MAX_MAX_CONNECTIONS)
+    """WebSocket connections one pod accepts at once (--max-connections); more get HTTP 503 before the upgrade
+    and are counted in policy_connections_closed_total{reason="max_connections"}."""
 
 
 class AuthSpec(KubeModel):

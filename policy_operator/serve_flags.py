@@ -31,6 +31,12 @@ DEFAULT_MAX_BATCH: Final = 8
 DEFAULT_BATCH_WINDOW_MS: Final = 2.0
 MAX_BATCH_WINDOW_MS: Final = 1000.0  # a window is a latency budget; a second is already far beyond any control loop's
 MAX_MAX_BATCH: Final = 256  # a batch is one forward pass: far beyond what any GPU runs at once for one policy
+DEFAULT_MAX_CONNECTIONS: Final = 512
+MAX_MAX_CONNECTIONS: Final = 65536
+DEFAULT_MAX_BUFFERED_BYTES: Final = 256 << 20  # unfinished frames across all connections
+DEFAULT_FRAME_READ_TIMEOUT_S: Final = 15.0
+MIN_LATENCY_BUDGET_MS: Final = 0.001
+MAX_LATENCY_BUDGET_MS: Final = 60_000.0
 DEFAULT_GIL_SWITCH_MS: Final = 5.0  # Python's own sys.getswitchinterval()
 MAX_GIL_SWITCH_MS: Final = 100.0
 RTC_MODES: Final = ("off", "inpaint", "guided")  # --rtc; runtime/policy/rtc.py implements them
@@ -59,9 +65,13 @@ class ServeOptions:
     rtc_max_delay: int | None
     max_batch: int
     batch_window_ms: float
+    latency_budget_ms: float | None
     event_loop: str
     gil_switch_ms: float
     max_message_bytes: int
+    max_connections: int
+    max_buffered_bytes: int
+    frame_read_timeout_s: float
     error_format: str
     auth_token_file: str | None
     heartbeat_s: float
@@ -123,12 +133,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long a batch with room waits for the next request of a recently active session "
                         "(counted from the latest request that joined it); a lone session never waits (default "
                         "%(default)s)")
+    g.add_argument("--latency-budget-ms", type=float, default=None,
+                   help="a robot's control period: warm-up measures every batch size (bucket) and no batch is formed "
+                        "whose measured time exceeds it (default: no budget, batches up to --max-batch)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default=os.environ.get(ENV_HOST) or "0.0.0.0",
                    help=f"bind address (default ${ENV_HOST} if set, else 0.0.0.0)")
     g.add_argument("--port", type=int, default=DEFAULT_PORT)
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="larger frames are refused with close code 1009 (default %(default)s)")
+    g.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="WebSocket connections accepted at once; more get HTTP 503 before the upgrade "
+                        "(default %(default)s)")
+    g.add_argument("--max-buffered-bytes", type=int, default=DEFAULT_MAX_BUFFERED_BYTES,
+                   help="bytes of unfinished frames held across all connections; the connection whose frame "
+                        "would exceed it is closed with 1009 (default %(default)s)")
+    g.add_argument("--frame-read-timeout-s", type=float, default=DEFAULT_FRAME_READ_TIMEOUT_S,
+                   help="a frame still unfinished this long after its first byte closes its connection with "
+                        "1008 (default %(default)s)")
     g.add_argument("--error-format", choices=["text", "dict"], default="text",
                    help="text = openpi's text frame + close 1011; dict = {'type': 'error'} reply, connection kept")
     g.add_argument("--auth-token-file", default=None, help="require 'Authorization: Bearer|Api-Key <token>'")
@@ -167,6 +189,17 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(f"--port must be in 0..65535 (0: any free port), got {opts.port}")
     if opts.max_message_bytes < 1:
         raise ValueError(f"--max-message-bytes must be at least 1, got {opts.max_message_bytes}")
+    if not 1 <= opts.max_connections <= MAX_MAX_CONNECTIONS:
+        raise ValueError(f"--max-connections must be in 1..{MAX_MAX_CONNECTIONS}, got {opts.max_connections}")
+    if opts.max_buffered_bytes < opts.max_message_bytes:
+        raise ValueError(f"--max-buffered-bytes must be at least --max-message-bytes ({opts.max_message_bytes}), "
+                         f"got {opts.max_buffered_bytes}")
+    if not (math.isfinite(opts.frame_read_timeout_s) and opts.frame_read_timeout_s > 0):
+        raise ValueError(f"--frame-read-timeout-s must be a positive number of seconds, got {opts.frame_read_timeout_s}")
+    if opts.latency_budget_ms is not None and not (
+            math.isfinite(opts.latency_budget_ms) and MIN_LATENCY_BUDGET_MS <= opts.latency_budget_ms <= MAX_LATENCY_BUDGET_MS):
+        raise ValueError(f"--latency-budget-ms must be in {MIN_LATENCY_BUDGET_MS:g}..{MAX_LATENCY_BUDGET_MS:g} milliseconds, "
+                         f"got {opts.latency_budget_ms}")
     if not 1 <= opts.max_batch <= MAX_MAX_BATCH:
         raise ValueError(f"--max-batch must be in 1..{MAX_MAX_BATCH}, got {opts.max_batch}")
     if not (math.isfinite(opts.batch_window_ms) and 0 <= opts.batch_window_ms <= MAX_BATCH_WINDOW_MS):
@@ -231,14 +264,15 @@ def torchrun_argv(nproc: int, worker_args: list[str]) -> list[str]:
 
 # --- what the operator sets -------------------------------------------------------------
 # ServeOptions fields the operator writes from a PolicyServer's spec, in this order, before extraArgs.
-MANAGED: Final = ("checkpoint", "port", "cfgp", "dp", "guidance", "steps", "max_batch", "batch_window_ms", "device",
-                  "auth_token_file", "drain_grace_s")
+MANAGED: Final = ("checkpoint", "port", "cfgp", "dp", "guidance", "steps", "max_batch", "batch_window_ms",
+                  "latency_budget_ms", "max_connections", "device", "auth_token_file", "drain_grace_s")
 MANAGED_FLAGS: Final = tuple(flag_of(name) for name in MANAGED)
 
 
 def managed_argv(*, checkpoint: str, port: int, cfgp: int, dp: int, guidance: float | None, steps: int | None,
                  max_batch: int, batch_window_ms: float, device: str, auth_token_file: str | None,
-                 drain_grace_s: float) -> list[str]:
+                 drain_grace_s: float, latency_budget_ms: float | None = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> list[str]:
     """The worker flags the operator derives from the spec (``auth_token_file`` None: no auth; ``guidance`` or
     ``steps`` None: the policy's own)."""
     given = locals()

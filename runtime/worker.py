@@ -45,7 +45,10 @@ from policy_operator.progress_line import FetchProgress
 from policy_operator.readyz import RankState
 
 if TYPE_CHECKING:  # torch: imported once the layout is known to be valid
-    from policy_operator.runtime.parallel.dispatch import Replica
+    from policy_operator.runtime.parallel.dispatch import Lane, Replica
+    from policy_operator.runtime.serving.ingress import Ingress
+    from policy_operator.runtime.serving.metrics import ServerMetrics
+    from policy_operator.runtime.serving.server import PolicyWebSocketServer
 
 log = logging.getLogger("policy_operator.runtime.worker")
 
@@ -168,6 +171,7 @@ class Runtime:
         self.settings = SamplerSettings(opts.steps, opts.guidance, cfg_mode, buckets,  # type: ignore[arg-type]
                                         opts.rtc, opts.rtc_max_delay)  # type: ignore[arg-type]
         self.load_s = self.warmup_s = 0.0  # set by load()
+        self.bucket_ms: dict[int, float] = {}  # set by load() under --latency-budget-ms: replica 0's batch times
 
     def load(self, on_progress: Callable[[FetchProgress], None] | None = None) -> Replica:
         """Checkpoint path from rank 0, model on this rank, warm-up by the replica's driver.
@@ -215,26 +219,94 @@ class Runtime:
                 if rtc is not None:
                     replica.execute(Batch(tuple(InferenceRequest(f"warmup-rtc-{size}-{i}", warm, i, rtc)
                                                 for i in range(size))))
+            if self.opts.latency_budget_ms is not None:
+                self.bucket_ms = measure_buckets(replica, warm, self.settings.buckets or batch_sizes(self.opts.max_batch))
             self.warmup_s = time.perf_counter() - started
             log.info("replica %d warmed up (load %.1fs, warm-up %.1fs, batch buckets %s)", self.groups.dp_index,
                      self.load_s, self.warmup_s, list(self.settings.buckets) or "off")
         return replica
 
 
-# --- global rank 0 ------------------------------------------------------------------------
-async def _serve_rank0(rt: Runtime) -> int:
-    from policy_operator.runtime.parallel.dispatch import local_lane, remote_lane
+def batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """The sizes warm-up times for an eager denoiser (no buckets): the buckets a compiled one would have."""
+    from policy_operator.runtime.policy.sampler import batch_buckets
+
+    return batch_buckets(max_batch)
+
+
+MEASURE_REPS = 3  # timed runs per size after its warm-up run: the median is what the budget compares
+
+
+def measure_buckets(replica: Replica, sample: Any, sizes: tuple[int, ...]) -> dict[int, float]:
+    """Milliseconds one batch of each size takes on this replica, warm (median of ``MEASURE_REPS``)."""
+    import statistics
+
+    from policy_operator.runtime.parallel.dispatch import Batch, InferenceRequest
+
+    times: dict[int, float] = {}
+    for size in sizes:
+        batch = Batch(tuple(InferenceRequest(f"measure-{size}-{i}", sample, i) for i in range(size)))
+        replica.execute(batch)  # eager: the first run of a new size pays the allocator
+        times[size] = statistics.median(replica.execute(batch)[1] for _ in range(MEASURE_REPS))
+    return times
+
+
+def budget_max_batch(bucket_ms: dict[int, float], budget_ms: float | None, max_batch: int) -> int:
+    """The largest batch whose measured time fits ``budget_ms`` (at least 1: a lone request is always served)."""
+    if budget_ms is None or not bucket_ms:
+        return max_batch
+    fitting = [size for size, ms in bucket_ms.items() if ms <= budget_ms and size <= max_batch]
+    return max(fitting, default=1)
+
+
+def build_front(rt: Runtime, on_replica_failed: Callable[[int, str], None]) -> tuple[Ingress, PolicyWebSocketServer]:
+    """Rank 0's WebSocket server and ingress, wired in their constructors (metrics and sessions shared)."""
     from policy_operator.runtime.serving.ingress import Ingress
-    from policy_operator.runtime.serving.server import PolicyWebSocketServer, ServerConfig
+    from policy_operator.runtime.serving.metrics import ServerMetrics
+    from policy_operator.runtime.serving.server import PolicyWebSocketServer, ServerConfig, Sessions
     from policy_operator.serve_flags import read_token
 
+    opts = rt.opts
+    metrics = ServerMetrics(rt.layout, opts.max_connections)
+    sessions = Sessions()
+    ingress = Ingress(rt.layout, rt.settings, rt.ingress_board(), request_timeout_s=opts.pg_timeout_s,
+                      poll_s=min(0.25, opts.heartbeat_s / 2), recent_sessions=sessions.recent,
+                      on_replica_failed=on_replica_failed)
+    config = ServerConfig(opts.host, opts.port, opts.max_message_bytes, opts.error_format,  # type: ignore[arg-type]
+                          read_token(opts.auth_token_file), opts.max_connections, opts.max_buffered_bytes,
+                          opts.frame_read_timeout_s)
+    return ingress, PolicyWebSocketServer(ingress, config, metrics, sessions)
+
+
+def build_lanes(rt: Runtime, replica: Replica, model_pool: ThreadPoolExecutor, ingress: Ingress,
+                metrics: ServerMetrics) -> list[Lane]:
+    """One lane per replica, batching up to --max-batch or what --latency-budget-ms allows (replica 0's
+    measured batch times stand for every replica: one pod, one GPU model)."""
+    from policy_operator.runtime.parallel.dispatch import local_lane, remote_lane
+
+    opts = rt.opts
+    max_batch = budget_max_batch(rt.bucket_ms, opts.latency_budget_ms, opts.max_batch)
+    if opts.latency_budget_ms is not None:
+        log.info("batch times %s ms; --latency-budget-ms %g: batches of at most %d",
+                 {k: round(v, 2) for k, v in rt.bucket_ms.items()}, opts.latency_budget_ms, max_batch)
+        for k in range(rt.layout.dp):
+            metrics.observe_buckets(k, {size: ms / 1e3 for size, ms in rt.bucket_ms.items()})
+    batching: dict[str, Any] = {"max_batch": max_batch, "window_s": opts.batch_window_ms / 1e3,
+                                "arriving": ingress.expected, "on_batch": metrics.observe_batch}
+    lanes = [local_lane(replica, model_pool, **batching)]
+    for k in range(1, rt.layout.dp):
+        executor = ThreadPoolExecutor(1, thread_name_prefix=f"replica{k}")
+        lanes.append(remote_lane(k, rt.layout.driver_rank(k), rt.groups.dispatch[k], executor, **batching))
+    return lanes
+
+
+# --- global rank 0 ------------------------------------------------------------------------
+async def _serve_rank0(rt: Runtime) -> int:
     opts = rt.opts
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    ingress = Ingress(rt.layout, rt.settings, rt.ingress_board(), request_timeout_s=opts.pg_timeout_s,
-                      poll_s=min(0.25, opts.heartbeat_s / 2))
     code = ServeExit.OK
 
     def replica_failed(index: int, reason: str) -> None:
@@ -243,10 +315,7 @@ async def _serve_rank0(rt: Runtime) -> int:
         rt.heartbeat.set_state(RankState.FAILED, public_reason(f"replica {index}: {reason}", opts))
         stop.set()
 
-    ingress.on_replica_failed = replica_failed
-    config = ServerConfig(opts.host, opts.port, opts.max_message_bytes, opts.error_format,  # type: ignore[arg-type]
-                          read_token(opts.auth_token_file))
-    server = PolicyWebSocketServer(ingress, config)
+    ingress, server = build_front(rt, replica_failed)
     await server.start()
     print(f"policyserver: listening on ws://{opts.host}:{server.port} ({rt.layout.label})", flush=True)
 
@@ -270,12 +339,7 @@ async def _serve_rank0(rt: Runtime) -> int:
         await asyncio.sleep(opts.heartbeat_s)  # /readyz answers with the reason for a period, then the pod restarts
         await server.stop()
         return ServeExit.LOAD
-    batching = {"max_batch": opts.max_batch, "window_s": opts.batch_window_ms / 1e3}
-    lanes = [local_lane(replica, model_pool, **batching)]
-    for k in range(1, rt.layout.dp):
-        executor = ThreadPoolExecutor(1, thread_name_prefix=f"replica{k}")
-        lanes.append(remote_lane(k, rt.layout.driver_rank(k), rt.groups.dispatch[k], executor, **batching))
-    ingress.attach(replica.policy, lanes)
+    ingress.attach(replica.policy, build_lanes(rt, replica, model_pool, ingress, server.metrics))
     server.metrics.load_seconds.set(rt.load_s)
     server.metrics.warmup_seconds.set(rt.warmup_s)
     print("policyserver: ready", flush=True)

@@ -166,7 +166,7 @@ def test_requests_that_queue_while_the_replica_is_busy_run_as_one_batch() -> Non
     served = run_lane(scenario, replica, max_batch=3)
     assert replica.batches == [["a"], ["b", "c", "d"], ["e", "f"]], "oldest first, at most max_batch"
     assert [s.batch_size for s in served] == [1, 3, 3, 3, 2, 2]
-    assert [s.reply.request_id for s in served] == list("abcdef"), "each request gets its own reply"
+    assert [s.request_id for s in served] == list("abcdef"), "each request gets its own reply"
     assert served[1].queue_ms > 0
 
 
@@ -288,7 +288,7 @@ def test_a_failed_batch_fails_exactly_its_requests() -> None:
 
     results = run_lane(scenario, replica, max_batch=8)
     assert replica.batches == [["a"], ["b", "c"], ["d"]]
-    assert results[0].reply.actions is not None and results[3].reply.actions is not None
+    assert results[0].actions is not None and results[3].actions is not None
     assert all(isinstance(r, RuntimeError) for r in results[1:3])
 
 
@@ -390,6 +390,20 @@ def test_a_failed_batch_call_fails_its_requests_and_the_server_carries_on(batchi
         assert "planted failure" in client.result["error"]["message"]
     assert s.readyz().status == 200
     assert "actions" in one_request(s, observation(1)), "the request that shared the failed batch works alone"
+
+
+def test_a_latency_budget_caps_batches_at_the_largest_measured_size_that_fits(tiny_checkpoint: Path,
+                                                                              tmp_path: Path) -> None:
+    """Warm-up measures a batch of every bucket size and /metrics shows the times; a budget no batch fits (1 us)
+    leaves batches of one: three requests queued behind a held one each run alone instead of as a batch of 3."""
+    with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--policy", "batch_probe_policy:BatchProbePolicy",
+                      "--max-batch", "8", "--latency-budget-ms", "0.001", "--error-format", "dict",
+                      "--threads", "1") as s:
+        times = {bucket: s.metric("policy_batch_bucket_seconds", replica="0", bucket=str(bucket))
+                 for bucket in batch_buckets(8)}
+        assert all(t is not None and t > 0 for t in times.values()), times
+        held, clients = queue_behind_a_held_request(s, tmp_path / "go", [observation(i) for i in range(1, 4)])
+        assert [c.result["server_timing"]["batch_size"] for c in clients] == [1, 1, 1]
 
 
 @pytest.mark.slow

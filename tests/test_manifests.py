@@ -228,7 +228,7 @@ def test_gpus_and_command_follow_the_layout(cfgp: int, dp: int) -> None:
         "policyserver", "serve", "--checkpoint", path, "--port", "8000",
         "--cfgp", str(cfgp), "--dp", str(dp), "--guidance", "2.5", "--steps", "8",
         "--max-batch", "8", "--batch-window-ms", "2.0",  # the defaults, always written: extraArgs may not set them
-        "--device", "cuda", "--drain-grace-s", "20"]
+        "--max-connections", "512", "--device", "cuda", "--drain-grace-s", "20"]
 
 
 def test_worker_command_is_the_runtimes_own() -> None:
@@ -263,6 +263,18 @@ def test_batching_flows_into_the_command(batching: dict[str, Any], flags: list[s
     opts = serve_flags.ServeOptions.from_args(parser.parse_args(command[2:]))
     serve_flags.check_values(opts)
     assert (opts.max_batch, opts.batch_window_ms) == (int(flags[1]), float(flags[3]))
+
+
+def test_latency_budget_and_connection_cap_flow_into_the_command() -> None:
+    spec = spec_of(base(runtime={"batching": {"latencyBudgetMs": 40}, "maxConnections": 64}))
+    command = _server(M.build_statefulset(spec))["command"]
+    at = command.index("--latency-budget-ms")
+    assert command[at:at + 4] == ["--latency-budget-ms", "40.0", "--max-connections", "64"]
+    parser = argparse.ArgumentParser()
+    serve_flags.add_arguments(parser)
+    opts = serve_flags.ServeOptions.from_args(parser.parse_args(command[2:]))
+    serve_flags.check_values(opts)
+    assert (opts.latency_budget_ms, opts.max_connections) == (40.0, 64)
 
 
 def test_init_container_verifies_the_cache_with_the_checkpoint_cli() -> None:

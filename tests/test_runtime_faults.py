@@ -197,6 +197,11 @@ def serve_cli(checkpoint: Path, *args: str, timeout: float = 45) -> subprocess.C
     (["--batch-window-ms", "-1"], "--batch-window-ms"),
     (["--gil-switch-ms", "0"], "--gil-switch-ms"),
     (["--gil-switch-ms", "inf"], "--gil-switch-ms"),
+    (["--max-connections", "0"], "--max-connections"),
+    (["--max-buffered-bytes", "1000"], "--max-buffered-bytes"),
+    (["--frame-read-timeout-s", "0"], "--frame-read-timeout-s"),
+    (["--latency-budget-ms", "0"], "--latency-budget-ms"),
+    (["--latency-budget-ms", "nan"], "--latency-budget-ms"),
     (["--cfgp", "2", "--heartbeat-s", "0"], "--heartbeat-s"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_serve_flags_are_one_line_and_exit_2(tiny_checkpoint, args: list[str], flag: str) -> None:

@@ -167,6 +167,13 @@ def _raw_obs(**changes: Any) -> bytes:
     return msgpack.packb(packed)
 
 
+def _with_raw_entry(key: str, value: bytes) -> bytes:
+    """The good observation plus ``key`` whose value is ``value``, msgpack bytes no packer would write."""
+    packed = msgpack_numpy.packb({**observation(), key: None})  # the entry goes last: its nil is the last byte
+    return packed[:-1] + value
+
+
+NESTED_MAPS = b"\x81\xa1a" * 1000 + b"\x80"  # {"a": {"a": ... {}}}: 1,000 maps in 3 kB
 NAN_JOINTS = np.array([0, 0, np.nan, 0, 0, 0, 0], np.float32)
 # (id, payload: dict -> sent by the openpi client, bytes/str -> sent raw, error kind, words of the message)
 BAD_INPUTS: list[tuple[str, Any, str, str]] = [
@@ -179,6 +186,8 @@ BAD_INPUTS: list[tuple[str, Any, str, str]] = [
      "bad_frame", "needs 28 bytes, got 27"),
     ("scalar-overflow", _raw_obs(seed={b"__npgeneric__": True, b"data": 2**64 - 1, b"dtype": "<i8"}),
      "bad_frame", "not valid msgpack"),
+    ("nested-1000-maps", _with_raw_entry("nested", NESTED_MAPS), "bad_frame", "maps and lists"),
+    ("300-keys", _raw_obs(**{f"extra_{i}": i for i in range(300)}), "bad_frame", "exceeds max_map_len"),
     ("missing-key", {k: v for k, v in observation().items() if k != "observation/joint_position"},
      "invalid_observation", "missing key 'observation/joint_position'"),
     ("wrong-dtype", observation(**{"observation/image": np.zeros((224, 224, 3), np.float32)}),
@@ -244,6 +253,19 @@ def test_bad_input_dict_mode_keeps_the_connection(dict_server: PolicyServerProce
     assert after["actions"].shape == ACTION_SHAPE
     get_actions(dict_server)
     assert dict_server.alive
+
+
+def test_a_deeply_nested_frame_is_logged_in_one_line(dict_server: PolicyServerProcess) -> None:
+    before = len(dict_server.log_text())
+    with raw_connection(dict_server) as ws:
+        ws.send(_with_raw_entry("nested", NESTED_MAPS))
+        error = msgpack_numpy.unpackb(ws.recv(timeout=RECV_TIMEOUT_S))
+        ws.send(msgpack_numpy.packb(observation()))  # answered after the log line is written
+        assert "actions" in msgpack_numpy.unpackb(ws.recv(timeout=RECV_TIMEOUT_S))
+    assert error["error"]["kind"] == "bad_frame", error
+    logged = dict_server.log_text()[before:]
+    assert "Traceback" not in logged and "RecursionError" not in logged, logged[:2000]
+    assert sum("bad frame: frame" in line for line in logged.splitlines()) == 1, logged[:2000]
 
 
 @pytest.mark.parametrize("which", ["server", "dict_server"])

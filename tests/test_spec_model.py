@@ -207,7 +207,7 @@ def test_defaults_fill_an_empty_section() -> None:
                     "batching": {"maxBatch": serve_flags.DEFAULT_MAX_BATCH,
                                  "windowMs": serve_flags.DEFAULT_BATCH_WINDOW_MS},
                     "extraArgs": [], "env": [], "drainGraceSeconds": 20, "startupTimeoutSeconds": 600,
-                    "device": "cuda"},
+                    "device": "cuda", "maxConnections": serve_flags.DEFAULT_MAX_CONNECTIONS},
         "auth": {},
     }
     assert PolicyServerSpec.model_validate(spec.to_api()) == PolicyServerSpec.model_validate(base())
@@ -327,6 +327,7 @@ def test_the_runtime_defaults_are_the_specs() -> None:
     assert (runtime.guidance, runtime.steps, float(runtime.drain_grace_seconds)) == \
         (args.guidance, args.steps, args.drain_grace_s)
     assert (runtime.batching.max_batch, runtime.batching.window_ms) == (args.max_batch, args.batch_window_ms)
+    assert (runtime.batching.latency_budget_ms, runtime.max_connections) == (args.latency_budget_ms, args.max_connections)
 
 
 @pytest.mark.parametrize(("max_batch", "window_ms"), [

@@ -221,6 +221,50 @@ def test_deeply_nested_frame_is_a_wire_error() -> None:
         wire.decode_observation(b"\x91" * 100_000 + b"\xc0")
 
 
+def _nested_maps(depth: int) -> bytes:
+    """``{"a": {"a": ... {}}}``: ``depth`` maps inside each other, 3 bytes each."""
+    return b"\x81\xa1a" * depth + b"\x80"
+
+
+@pytest.mark.parametrize("depth", [30, 1000])
+def test_deeply_nested_maps_are_a_wire_error(depth: int) -> None:
+    """1,000 nested maps decode within msgpack's own stack, then overflow Python's recursion in whatever walks
+    the frame (an internal error with a 166 KB traceback); 30 pass every per-container limit."""
+    frame = b"\x82\xa6prompt\xa1p\xa6nested" + _nested_maps(depth)
+    with pytest.raises(WireError, match="nests maps and lists more than|more than .* maps and lists"):
+        wire.decode_observation(frame)
+
+
+def test_observations_nested_a_few_deep_still_decode() -> None:
+    """ALOHA-style ``{"images": {camera: array}}`` and lists of small arrays stay valid."""
+    obs = {"images": {f"cam_{i}": np.zeros((4, 4, 3), np.uint8) for i in range(4)}, "state": [0.0] * 14,
+           "history": [[np.zeros(8, np.float32) for _ in range(4)]], "prompt": "p"}
+    _assert_same(wire.decode_observation(wire.packb(obs)), obs)
+
+
+@pytest.mark.parametrize("payload, words", [
+    ({f"observation/image_{i}": np.zeros((1, 1, 3), np.uint8) for i in range(3000)}, "exceeds max_map_len"),
+    ({"prompt": "p", **{f"k{i}": i for i in range(wire.MAX_MAP_LEN + 1)}}, "exceeds max_map_len"),
+    ({"cameras": [{"x": 1} for _ in range(wire.MAX_CONTAINERS + 1)]}, "more than 512 maps and lists"),
+    ({"state": list(range(wire.MAX_ARRAY_LEN + 1))}, "exceeds max_array_len"),
+], ids=["3000-camera-maps", "257-keys", "513-maps", "4097-item-list"])
+def test_structurally_absurd_frames_are_refused_while_decoding(payload: dict[str, object], words: str) -> None:
+    with pytest.raises(WireError, match=words):
+        wire.decode_observation(wire.packb(payload))
+
+
+def test_a_frame_of_a_million_keys_is_refused_at_its_header() -> None:
+    """msgpack checks a map's declared length before building it: the refusal costs nothing of the frame."""
+    frame = b"\xdf" + (1_200_000).to_bytes(4, "big") + b"\xa1k\x00" * 1000  # claims 1.2 M keys, holds 1,000
+    with pytest.raises(WireError, match="exceeds max_map_len"):
+        wire.decode_observation(frame)
+
+
+def test_ext_types_are_a_wire_error() -> None:
+    with pytest.raises(WireError):
+        wire.decode_observation(msgpack.packb({"prompt": msgpack.ExtType(5, b"x" * 10)}))
+
+
 def test_random_and_mutated_frames_only_ever_raise_wire_error() -> None:
     """Whatever arrives, decoding either succeeds or raises WireError: nothing else reaches the handler."""
     rng = random.Random(1234)

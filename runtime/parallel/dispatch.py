@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -80,13 +80,20 @@ class InferenceRequest:
 
 @dataclass(frozen=True)
 class Reply:
-    """What a replica's driver sends back: the actions, or why there are none."""
+    """A request's answer, the one type from the replica to the WebSocket session: the actions, or why there are
+    none, and what the request cost.  The driver fills in the first fields; on rank 0 the lane adds
+    ``queue_ms`` and ``batch_size`` and the ingress ``replica``, ``decode_ms`` and ``prepare_ms``."""
 
     request_id: str
     infer_ms: float
     actions: np.ndarray | None = None
     error_kind: ErrorKind | None = None
     error: str = ""
+    queue_ms: float = 0.0  # waited for its replica: the queue and the batch window
+    batch_size: int = 1  # requests of the batch it ran in
+    replica: int = 0
+    decode_ms: float = 0.0
+    prepare_ms: float = 0.0
 
     def unwrap(self) -> np.ndarray:
         """The actions; ``RequestFailed`` with the replica's kind and message when it failed."""
@@ -262,20 +269,11 @@ class Replica:
 
 
 # --- rank 0's end: one lane per replica ------------------------------------------------------------
-@dataclass(frozen=True)
-class Served:
-    """A request's Reply, how long it queued for its replica (ms) and the size of the batch it ran in."""
-
-    reply: Reply
-    queue_ms: float
-    batch_size: int
-
-
 @dataclass
 class _Queued:
     request: InferenceRequest
     key: Hashable
-    future: asyncio.Future[Served]
+    future: asyncio.Future[Reply]
     enqueued: float
 
 
@@ -296,7 +294,8 @@ class Lane:
 
     def __init__(self, index: int, executor: ThreadPoolExecutor, call: Callable[[Batch], list[Reply]],
                  stop: Callable[[], None], *, max_batch: int = 1, window_s: float = 0.0,
-                 arriving: Callable[[], int] = lambda: 0) -> None:
+                 arriving: Callable[[], int] = lambda: 0,
+                 on_batch: Callable[[int, int], None] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.index = index
@@ -304,7 +303,7 @@ class Lane:
         self.max_batch = max_batch
         self.window_s = window_s
         self.arriving = arriving
-        self.on_batch: Callable[[int, int], None] | None = None  # (replica, batch size), on the event loop
+        self.on_batch = on_batch  # (replica, batch size) of every batch it starts, on the event loop
         self._call = call
         self._stop = stop
         self._queue: deque[_Queued] = deque()
@@ -314,7 +313,7 @@ class Lane:
         self._window: tuple[Hashable, int, float] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
-    def submit(self, request: InferenceRequest) -> asyncio.Future[Served]:
+    def submit(self, request: InferenceRequest) -> asyncio.Future[Reply]:
         """Queue ``request`` now (on the event loop thread); the future resolves once its batch has run."""
         self._loop = loop = asyncio.get_running_loop()
         item = _Queued(request, request.sample.group_key(), loop.create_future(), time.perf_counter())
@@ -420,7 +419,7 @@ class Lane:
             if isinstance(outcome, BaseException):
                 item.future.set_exception(outcome)
             else:
-                item.future.set_result(Served(outcome[k], waits[k], len(items)))
+                item.future.set_result(replace(outcome[k], queue_ms=waits[k], batch_size=len(items)))
         assert self._loop is not None
         head = self._head()
         if head is not None and head[1] >= self.max_batch:

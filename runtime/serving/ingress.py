@@ -1,8 +1,9 @@
 """The ingress of a pod: prepare, route, and hand each request to a replica's lane.
 
-Lives on global rank 0 next to the WebSocket server.  ``prepare`` (validation
-and preprocessing) runs here, before routing, so invalid input never reaches a
-replica.  The router picks a replica and the request goes down that replica's
+Lives on global rank 0 next to the WebSocket server.  Decoding and ``prepare``
+(validation and preprocessing) run here, before routing, so invalid input never
+reaches a replica; frames above ``INLINE_MAX_BYTES`` are decoded and prepared on
+the prepare thread, never on the event loop that answers the probes.  The router picks a replica and the request goes down that replica's
 lane (``parallel/dispatch.py``): replica 0's lane is the model thread of this
 process (build, warm-up and inference on one thread, as OpenMP wants), replica
 k's hands the request to replica k's driver over their gloo dispatch group.
@@ -34,31 +35,30 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
-
-import numpy as np
 
 from policy_operator import __version__
 from policy_operator.layout import ParallelLayout
 from policy_operator.readyz import LayoutDoc, RankReadiness, Readiness, all_ranks_ready
-from policy_operator.runtime.parallel.dispatch import InferenceRequest, Lane, Served
+from policy_operator.runtime.errors import ErrorKind, NotReady, ReplicaUnavailable
+from policy_operator.runtime.parallel.dispatch import InferenceRequest, Lane, Reply
 from policy_operator.runtime.parallel.heartbeat import Board, BoardWatcher
-from policy_operator.runtime.policy.interface import Policy
+from policy_operator.runtime.policy.interface import Policy, Sample
 from policy_operator.runtime.policy.observation import parse_seed, parse_session
 from policy_operator.runtime.policy.sampler import SamplerSettings
-from policy_operator.runtime.errors import ErrorKind, NotReady, ReplicaUnavailable
+from policy_operator.runtime.serving import wire
 from policy_operator.runtime.serving.history import SessionHistory
 from policy_operator.runtime.serving.router import Router
 
 log = logging.getLogger(__name__)
 
-# A frame with at most this many bytes of arrays is prepared on the event loop itself: preparing a
-# 224x224 camera frame (checks and one copy; the reference policy resizes on the device) costs ~0.05 ms,
-# less than the two thread switches of handing it to the prepare thread and back.  Larger frames go to
-# the prepare thread (a plug-in policy may still resize on the CPU), so one robot's 4K image never
-# stalls the loop that every other session, /healthz and /readyz share.
-INLINE_PREPARE_MAX_BYTES = 1 << 20
+# A frame of at most this many bytes is decoded and prepared on the event loop itself: a 224x224 camera frame
+# costs ~0.05 ms to decode and ~0.1 ms to prepare, less than the two thread switches of handing it to the
+# prepare thread and back.  Larger frames are decoded and prepared on that thread, so one robot's 4K image or
+# a hostile frame (bounded by wire.py's structural limits) never holds the loop that answers every other
+# session and /healthz, /readyz for longer than one GIL switch interval.
+INLINE_MAX_BYTES = 1 << 19
 
 # Requests are routed by a board snapshot at most this old: reading every rank's beat and building its row
 # per request cost the event loop as much as prepare.  /readyz always reads afresh (and refreshes it), and
@@ -66,34 +66,21 @@ INLINE_PREPARE_MAX_BYTES = 1 << 20
 ROUTING_SNAPSHOT_S = 0.05
 
 
-def _array_bytes(obs: Any) -> int:
-    if isinstance(obs, np.ndarray):
-        return obs.nbytes
-    if isinstance(obs, dict):
-        return sum(_array_bytes(v) for v in obs.values())
-    return 0
-
-
-@dataclass
-class Result:
-    actions: np.ndarray
-    replica: int
-    prepare_ms: float
-    queue_ms: float
-    infer_ms: float
-    batch_size: int
-
-
 class Ingress:
     """What the server needs: metadata, readiness, ``infer``, drain."""
 
     def __init__(self, layout: ParallelLayout, settings: SamplerSettings, board: Board | BoardWatcher, *,
-                 request_timeout_s: float, poll_s: float = 0.25) -> None:
+                 request_timeout_s: float, poll_s: float = 0.25, recent_sessions: Callable[[], int] = lambda: 0,
+                 on_replica_failed: Callable[[int, str], None] = lambda index, reason: None) -> None:
+        """``recent_sessions``: the server's count of sessions that may send soon (the batch window waits for
+        them); ``on_replica_failed``: the worker takes the pod down."""
         self.layout = layout
         self.settings = settings
         self.board = board
         self.request_timeout_s = request_timeout_s
         self._poll_s = poll_s
+        self._recent_sessions = recent_sessions
+        self._on_replica_failed = on_replica_failed
         self.router = Router(layout.dp)
         self.lanes: list[Lane] = []
         self.policy: Policy | None = None
@@ -101,10 +88,7 @@ class Ingress:
         self.load_error: str | None = None
         self.draining = False
         self.failed: dict[int, str] = {}  # replica -> why its communicator failed; out of service for good
-        self.on_replica_failed: Callable[[int, str], None] | None = None  # the worker takes the pod down
-        self.on_batch: Callable[[int, int], None] | None = None  # (replica, size) of every batch a lane starts
-        self.preparing = 0  # requests in prepare: not routed yet
-        self.recent_sessions: Callable[[], int] = lambda: 0  # the server's count of sessions active lately
+        self.preparing = 0  # requests in decode or prepare: not routed yet
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
         self._snapshot: tuple[float, list[RankReadiness]] | None = None  # (monotonic time, ranks)
         self._problems: tuple[tuple[float, int], list[str | None]] | None = None  # of that snapshot
@@ -114,22 +98,16 @@ class Ingress:
         self._ids = itertools.count()
         self._seeds = random.Random(secrets.randbits(128))
 
-    # --- wiring (called by the worker) ----------------------------------------------
     def attach(self, policy: Policy, lanes: list[Lane]) -> None:
+        """The model is loaded: its policy prepares requests, its lanes (built with ``arriving=self.expected``)
+        take them; from now on the server accepts sessions."""
         self.policy = policy
         self.history = SessionHistory(policy)
         self.lanes = lanes
-        for lane in lanes:
-            lane.arriving = self.expected
-            lane.on_batch = self._batch_started
 
     def expected(self) -> int:
         """Requests likely to arrive within a batch window: recent sessions with nothing routed, or in prepare."""
-        return max(self.preparing, self.recent_sessions() - self.router.total_in_flight())
-
-    def _batch_started(self, replica: int, size: int) -> None:
-        if self.on_batch is not None:
-            self.on_batch(replica, size)
+        return max(self.preparing, self._recent_sessions() - self.router.total_in_flight())
 
     @property
     def accepting(self) -> bool:
@@ -197,26 +175,33 @@ class Ingress:
         if index not in self.failed:
             self.failed[index] = reason
             log.error("replica %d failed, the pod goes down: %s", index, reason)
-            if self.on_replica_failed is not None:
-                self.on_replica_failed(index, reason)
+            self._on_replica_failed(index, reason)
 
     # --- the request path --------------------------------------------------------------
-    async def infer(self, obs: dict[str, Any]) -> Result:
-        if not self.accepting:
-            raise NotReady("server is shutting down" if self.draining else "server is not ready yet")
+    def _decode_and_prepare(self, message: bytes | str) -> tuple[Sample, int | None, str | None, float, float]:
+        """The frame's prepared sample, its seed and session, and the milliseconds decode and prepare took."""
         assert self.policy is not None
         t0 = time.perf_counter()
-        seed = parse_seed(obs)
-        session = parse_session(obs)
+        obs = wire.decode_observation(message)
+        t1 = time.perf_counter()
+        seed, session = parse_seed(obs), parse_session(obs)
+        sample = self.policy.prepare(obs)
+        return sample, seed, session, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+
+    async def infer(self, message: bytes | str) -> Reply:
+        """One frame in, its reply out (``actions`` set); any failure raises its ``RequestError``."""
+        if not self.accepting:
+            raise NotReady("server is shutting down" if self.draining else "server is not ready yet")
         self.preparing += 1
         try:
-            if _array_bytes(obs) <= INLINE_PREPARE_MAX_BYTES:
-                sample = self.policy.prepare(obs)
+            if len(message) <= INLINE_MAX_BYTES:
+                sample, seed, session, decode_ms, prepare_ms = self._decode_and_prepare(message)
             else:
-                sample = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.policy.prepare, obs)
-            sample = self.history.extend(session, sample)
-            prepare_ms = (time.perf_counter() - t0) * 1e3
-            request = InferenceRequest(f"{self._id_prefix}-{next(self._ids)}", sample, self._seeds.getrandbits(63) if seed is None else seed)
+                sample, seed, session, decode_ms, prepare_ms = await asyncio.get_running_loop().run_in_executor(
+                    self._prepare_pool, self._decode_and_prepare, message)
+            sample = self.history.extend(session, sample)  # on the loop: sessions' histories change on one thread
+            request = InferenceRequest(f"{self._id_prefix}-{next(self._ids)}", sample,
+                                       self._seeds.getrandbits(63) if seed is None else seed)
             problems = self.replica_problems()
             if all(problems):
                 raise NotReady("no replica can take a request: " + "; ".join(p for p in problems if p))
@@ -229,19 +214,19 @@ class Ingress:
             for lane in self.lanes:  # a lane waiting for this request may stop waiting (or take it)
                 lane.kick()
 
-        def lane_free(done: asyncio.Future[Served]) -> None:
+        def lane_free(done: asyncio.Future[Reply]) -> None:
             self.router.release(index)
             if not done.cancelled():
                 done.exception()  # retrieved: a request that gave up must not leave "never retrieved" warnings
 
         task.add_done_callback(lane_free)
-        served = await self._bounded(index, task)
-        reply = served.reply
+        reply = await self._bounded(index, task)
         if reply.error_kind is ErrorKind.REPLICA_FAILED:
             self._replica_failed(index, reply.error)
-        return Result(reply.unwrap(), index, prepare_ms, served.queue_ms, reply.infer_ms, served.batch_size)
+        reply.unwrap()
+        return replace(reply, replica=index, decode_ms=decode_ms, prepare_ms=prepare_ms)
 
-    async def _bounded(self, index: int, task: asyncio.Future[Served]) -> Served:
+    async def _bounded(self, index: int, task: asyncio.Future[Reply]) -> Reply:
         """The lane's answer, or ReplicaUnavailable once the replica has not been ready for the request timeout."""
         since: float | None = None
         while True:

@@ -20,7 +20,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, layout: ParallelLayout, max_connections: int = 0) -> None:
         self.registry = CollectorRegistry()
         self._replicas: list[tuple[Counter, Histogram, Histogram]] = []  # per replica: its labelled series
         self.latency = Histogram("policy_request_latency_seconds", "Receive-to-reply time of a successful request",
@@ -36,6 +36,21 @@ class ServerMetrics:
         self.in_flight = Gauge("policy_requests_in_flight", "Requests received and not yet answered",
                                registry=self.registry)
         self.connections = Gauge("policy_connections", "Open WebSocket connections", registry=self.registry)
+        self.max_connections = Gauge("policy_max_connections",
+                                     "WebSocket connections this server accepts at once (--max-connections)",
+                                     registry=self.registry)
+        self.connections_closed = Counter(
+            "policy_connections_closed",
+            "Connections refused or closed by a bound: max_connections (HTTP 503 before the upgrade), buffer_full "
+            "(1009: unfinished frames past --max-buffered-bytes), frame_timeout (1008: a frame unfinished past "
+            "--frame-read-timeout-s)", ["reason"], registry=self.registry)
+        self.buffered_bytes = Gauge("policy_buffered_bytes",
+                                    "Bytes of unfinished WebSocket frames held across all connections",
+                                    registry=self.registry)
+        self.bucket_seconds = Gauge("policy_batch_bucket_seconds",
+                                    "Measured time of one batch of each padded size (bucket) at warm-up: what "
+                                    "--latency-budget-ms compares against", ["replica", "bucket"],
+                                    registry=self.registry)
         self.ranks_ready = Gauge("policy_ranks_ready", "Ranks alive and warm", registry=self.registry)
         self.world_size = Gauge("policy_world_size", "Ranks this pod runs (cfgp x dp)", registry=self.registry)
         self.dp_replicas = Gauge("policy_dp_replicas",
@@ -57,8 +72,9 @@ class ServerMetrics:
         self.download_size = Gauge("policy_checkpoint_size_bytes",
                                    "Size of the checkpoint this server is downloading itself; 0 when unknown",
                                    registry=self.registry)
-
-    def set_layout(self, layout: ParallelLayout) -> None:
+        self.max_connections.set(max_connections)
+        for reason in ("max_connections", "buffer_full", "frame_timeout"):
+            self.connections_closed.labels(reason)
         self.world_size.set(layout.world_size)
         self.dp_replicas.set(layout.dp)
         # every replica's series exists from the first scrape: rate() and the dashboard read 0, not "no data",
@@ -75,6 +91,11 @@ class ServerMetrics:
 
     def observe_batch(self, replica: int, size: int) -> None:
         self._replicas[replica][2].observe(size)
+
+    def observe_buckets(self, replica: int, seconds: dict[int, float]) -> None:
+        """Warm-up's measured time of each bucket of ``replica``."""
+        for bucket, value in seconds.items():
+            self.bucket_seconds.labels(str(replica), str(bucket)).set(value)
 
     def observe_download(self, progress: FetchProgress) -> None:
         """Called by the fetch's progress reporter, from its own thread, every few seconds while it downloads."""

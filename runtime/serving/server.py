@@ -30,11 +30,18 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
-from policy_operator.runtime.serving import wire
 from policy_operator.runtime.errors import ErrorKind, NotReady, RequestError
+from policy_operator.runtime.parallel.dispatch import Reply
+from policy_operator.runtime.serving import wire
 from policy_operator.runtime.serving.ingress import Ingress
+from policy_operator.runtime.serving.limits import MAX_QUEUED_FRAMES, ReadBudget, bounded_connection
 from policy_operator.runtime.serving.metrics import ServerMetrics
-from policy_operator.serve_flags import DEFAULT_MAX_MESSAGE_BYTES
+from policy_operator.serve_flags import (
+    DEFAULT_FRAME_READ_TIMEOUT_S,
+    DEFAULT_MAX_BUFFERED_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_MESSAGE_BYTES,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +57,9 @@ class ServerConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     error_format: ErrorFormat = "text"
     auth_token: str | None = None
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
+    frame_read_timeout_s: float = DEFAULT_FRAME_READ_TIMEOUT_S
 
 
 def _response(status: int, body: bytes, content_type: str) -> Response:
@@ -62,31 +72,78 @@ def _response(status: int, body: bytes, content_type: str) -> Response:
 RECENT_SESSION_S = 1.0
 
 
+class Sessions:
+    """The open WebSocket sessions and where each is in its request cycle; what the batch window and a drain read.
+
+    A session is *idle* between requests (what a drain closes at once), *in flight* while its request is
+    decoded, prepared, queued or computed, and *sending* while its reply is being written: a client that
+    stopped reading keeps a session sending for as long as the connection lives, and such a session is not
+    coming back, so the window never waits for it.
+    """
+
+    def __init__(self) -> None:
+        self.open: set[ServerConnection] = set()
+        self.idle: set[ServerConnection] = set()
+        self.sending: set[ServerConnection] = set()
+        # monotonic time of each session's last frame or delivered reply: a robot's next frame follows its reply
+        self.last_active: dict[ServerConnection, float] = {}
+
+    def opened(self, ws: ServerConnection) -> None:
+        self.open.add(ws)
+        self.idle.add(ws)
+
+    def request(self, ws: ServerConnection) -> None:
+        self.idle.discard(ws)
+        self.last_active[ws] = time.monotonic()
+
+    def answered(self, ws: ServerConnection) -> None:
+        self.last_active[ws] = time.monotonic()
+        self.idle.add(ws)
+
+    def closed(self, ws: ServerConnection) -> None:
+        for group in (self.open, self.idle, self.sending):
+            group.discard(ws)
+        self.last_active.pop(ws, None)
+
+    def busy(self) -> set[ServerConnection]:
+        return self.open - self.idle
+
+    def recent(self) -> int:
+        """Open sessions that can send their next request soon: a request in flight (its robot comes back
+        however long the batch computes), or a request or delivered reply within ``RECENT_SESSION_S``.  A
+        session whose reply is still being written (its client is not reading) does not count."""
+        since = time.monotonic() - RECENT_SESSION_S
+        return sum(1 for ws, t in self.last_active.items()
+                   if ws not in self.sending and (t >= since or ws not in self.idle))
+
+
 def _json(status: int, payload: dict[str, Any]) -> Response:
     return _response(status, json.dumps(payload).encode(), "application/json")
 
 
+def reply_frame(reply: Reply, prev_total_ms: float | None, total_ms: float) -> dict[str, Any]:
+    """The actions map of docs/protocol.md; ``total_ms``: frame received -> reply ready, so what the server
+    itself adds is ``total_ms - infer_ms``."""
+    return {
+        "actions": reply.actions,
+        "server_timing": {"infer_ms": reply.infer_ms, "queue_ms": reply.queue_ms, "decode_ms": reply.decode_ms,
+                          "prepare_ms": reply.prepare_ms, "replica": reply.replica, "batch_size": reply.batch_size,
+                          "prev_total_ms": prev_total_ms, "total_ms": total_ms},
+    }
+
+
 class PolicyWebSocketServer:
-    def __init__(self, ingress: Ingress, config: ServerConfig) -> None:
+    """One port: probes and metrics as plain HTTP, robots as WebSocket sessions; requests go to the ingress."""
+
+    def __init__(self, ingress: Ingress, config: ServerConfig, metrics: ServerMetrics, sessions: Sessions) -> None:
         self.ingress = ingress
         self.config = config
-        self.metrics = ServerMetrics()
-        self.metrics.set_layout(ingress.layout)
-        ingress.on_batch = self.metrics.observe_batch
+        self.metrics = metrics
+        self.sessions = sessions
+        self.budget = ReadBudget(config.max_buffered_bytes, config.frame_read_timeout_s,
+                                 on_close=lambda reason: metrics.connections_closed.labels(reason).inc())
         self._server: Server | None = None
-        # open sessions, and those of them waiting for their next request: what a drain closes at once
-        self._sessions: set[ServerConnection] = set()
-        self._idle: set[ServerConnection] = set()
-        # monotonic time of each session's last frame or reply: a robot's next frame follows its reply
-        self._last_active: dict[ServerConnection, float] = {}
-        ingress.recent_sessions = self.recent_sessions
-
-    def recent_sessions(self) -> int:
-        """Open sessions with a request in flight, or that sent one or got a reply within ``RECENT_SESSION_S``:
-        robots in a control loop, likely to send again within milliseconds of their reply -- what a lane's batch
-        window waits for.  A request in flight counts however long its batch computes: its robot comes back."""
-        since = time.monotonic() - RECENT_SESSION_S
-        return sum(1 for ws, t in self._last_active.items() if t >= since or ws not in self._idle)
+        self._sweeper: asyncio.Task[None] | None = None
 
     # --- HTTP before the upgrade ---------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
@@ -117,23 +174,26 @@ class PolicyWebSocketServer:
             return _json(503, {"error": "server is shutting down" if self.ingress.draining else "server is not ready yet"})
         if request.headers.get("Upgrade", "").lower() != "websocket":
             return _json(404, {"error": f"no such path {path}; WebSocket clients connect to /"})
+        if len(self.sessions.open) >= self.config.max_connections:
+            self.metrics.connections_closed.labels("max_connections").inc()
+            return _json(503, {"error": f"server has {self.config.max_connections} connections open "
+                                        "(--max-connections); retry later or elsewhere"})
         return None
 
     # --- the WebSocket session ---------------------------------------------------------
     async def handler(self, ws: ServerConnection) -> None:
         self.metrics.connections.inc()
-        self._sessions.add(ws)
+        sessions = self.sessions
+        sessions.opened(ws)
         try:
             await ws.send(wire.packb(self.ingress.metadata()))
             prev_total_ms: float | None = None
-            self._idle.add(ws)
             async for message in ws:
-                self._idle.discard(ws)
-                self._last_active[ws] = time.monotonic()
+                sessions.request(ws)
                 started = time.perf_counter()
                 self.metrics.in_flight.inc()
                 try:
-                    reply = await self._answer(message)
+                    reply = await self.ingress.infer(message)
                 except NotReady as exc:
                     self.metrics.errors.labels(exc.kind.value).inc()
                     await ws.close(1001, str(exc))
@@ -142,16 +202,18 @@ class PolicyWebSocketServer:
                     kind = exc.kind if isinstance(exc, RequestError) else ErrorKind.INTERNAL
                     if kind is ErrorKind.INTERNAL:
                         log.exception("request failed")
+                    elif kind is ErrorKind.BAD_FRAME:
+                        log.info("bad frame: %s", exc)  # one line: whoever sends these may send many
                     self.metrics.errors.labels(kind.value).inc()
-                    if not await self._send_error(ws, kind, str(exc)) or not await self._answered(ws):
+                    if not await self._send(ws, self._error_frame(ws, kind, str(exc))) or not await self._answered(ws):
                         return
                     continue
                 finally:
                     self.metrics.in_flight.dec()
-                reply["server_timing"]["prev_total_ms"] = prev_total_ms
-                # frame received -> reply ready: what the server itself adds is total_ms - infer_ms
-                reply["server_timing"]["total_ms"] = (time.perf_counter() - started) * 1e3
-                await ws.send(wire.packb(reply))
+                self.metrics.observe_request(reply.replica, reply.infer_ms / 1e3, reply.queue_ms / 1e3)
+                frame = reply_frame(reply, prev_total_ms, (time.perf_counter() - started) * 1e3)
+                if not await self._send(ws, wire.packb(frame)):
+                    return
                 prev_total_ms = (time.perf_counter() - started) * 1e3
                 self.metrics.latency.observe(prev_total_ms / 1e3)
                 if ws.latency > 0:  # 0 until the first keepalive ping of this connection came back
@@ -161,43 +223,36 @@ class PolicyWebSocketServer:
         except websockets.ConnectionClosed:
             pass
         finally:
-            self._sessions.discard(ws)
-            self._idle.discard(ws)
-            self._last_active.pop(ws, None)
+            sessions.closed(ws)
             self.metrics.connections.dec()
+
+    async def _send(self, ws: ServerConnection, frame: bytes | str) -> bool:
+        """Write one frame; while it is written the session is *sending* (not coming back). False when closed."""
+        self.sessions.sending.add(ws)
+        try:
+            await ws.send(frame)
+        finally:
+            self.sessions.sending.discard(ws)
+        if isinstance(frame, str):  # openpi's error reply: a text frame, then the connection closes
+            # A close reason may hold 123 bytes of UTF-8; cut by bytes, not characters, or close() itself raises.
+            await ws.close(1011, frame.encode()[:123].decode("utf-8", "ignore"))
+            return False
+        return True
 
     async def _answered(self, ws: ServerConnection) -> bool:
         """After any reply, actions or error: the session is between requests (what a drain closes at once, what
         the batch window counts as coming back), or closed with 1001 when draining.  False when closed."""
-        self._last_active[ws] = time.monotonic()
         if self.ingress.draining:  # this session's request is answered: send it to a ready pod
             await ws.close(GOING_AWAY, DRAIN_REASON)
             return False
-        self._idle.add(ws)
+        self.sessions.answered(ws)
         return True
 
-    async def _answer(self, message: bytes | str) -> dict[str, Any]:
-        started = time.perf_counter()
-        obs = wire.decode_observation(message)
-        decode_ms = (time.perf_counter() - started) * 1e3
-        result = await self.ingress.infer(obs)
-        self.metrics.observe_request(result.replica, result.infer_ms / 1e3, result.queue_ms / 1e3)
-        return {
-            "actions": result.actions,
-            "server_timing": {"infer_ms": result.infer_ms, "queue_ms": result.queue_ms, "decode_ms": decode_ms,
-                              "prepare_ms": result.prepare_ms, "replica": result.replica,
-                              "batch_size": result.batch_size},
-        }
-
-    async def _send_error(self, ws: ServerConnection, kind: ErrorKind, message: str) -> bool:
-        """Reply with the error; False when the connection is closed afterwards."""
+    def _error_frame(self, ws: ServerConnection, kind: ErrorKind, message: str) -> bytes | str:
+        """``--error-format dict``: the documented error map (the connection stays); text: openpi's text frame."""
         if self.config.error_format == "dict":
-            await ws.send(wire.packb(wire.error_dict(kind, message)))
-            return True
-        await ws.send(f"{kind.value}: {message}")
-        # A close reason may hold 123 bytes of UTF-8; cut by bytes, not characters, or close() itself raises.
-        await ws.close(1011, f"{kind.value}: {message}".encode()[:123].decode("utf-8", "ignore"))
-        return False
+            return wire.packb(wire.error_dict(kind, message))
+        return f"{kind.value}: {message}"
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -205,9 +260,20 @@ class PolicyWebSocketServer:
             self.handler, self.config.host, self.config.port,
             process_request=self.process_request,
             max_size=self.config.max_message_bytes,
+            max_queue=MAX_QUEUED_FRAMES,
             compression=None,
+            create_connection=bounded_connection(self.budget),
         )
+        self._sweeper = asyncio.ensure_future(self._sweep())
         log.info("listening on ws://%s:%d", self.config.host, self.port)
+
+    async def _sweep(self) -> None:
+        """Close connections whose frame is unfinished past ``--frame-read-timeout-s``; export buffered bytes."""
+        period = min(1.0, self.config.frame_read_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.budget.expire()
+            self.metrics.buffered_bytes.set(self.budget.total)
 
     @property
     def port(self) -> int:
@@ -228,17 +294,19 @@ class PolicyWebSocketServer:
         """
         deadline = time.monotonic() + grace_s
         self.ingress.draining = True
-        idle = list(self._idle)
+        idle = list(self.sessions.idle)
         if idle:
             log.info("draining: closing %d idle session(s) with 1001", len(idle))
         await asyncio.gather(*(ws.close(GOING_AWAY, DRAIN_REASON) for ws in idle), return_exceptions=True)
         drained = await self.ingress.drain(max(0.0, deadline - time.monotonic()))
         # the answers of the last requests are on their way: let their sessions send them and close
-        while self._sessions - self._idle and time.monotonic() < deadline:
+        while self.sessions.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         return drained
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             self._server.close(close_connections=True)
             await self._server.wait_closed()
