@@ -25,6 +25,8 @@ from policy_operator.constants import (
     AUTH_TOKEN_DIR,
     CACHE_MOUNT_PATH,
     CHECKPOINT_TOKEN_DIR,
+    COMPILE_CACHE_DIR,
+    COMPILE_CACHE_MOUNT_PATH,
     COMPONENT_CACHE,
     COMPONENT_CACHE_GC,
     COMPONENT_FETCH,
@@ -393,8 +395,12 @@ def build_gc_job(spec: PolicyServerSpec, keep_key: str, cache_modes: Sequence[st
 
 # --- StatefulSet ----------------------------------------------------------------------
 
-def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint) -> list[str]:
-    """``policyserver serve`` with the flags the spec manages, then extraArgs; serve runs torchrun as its child."""
+def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint, *, compile_cache: bool = False) -> list[str]:
+    """``policyserver serve`` with the flags the spec manages, then extraArgs; serve runs torchrun as its child.
+
+    ``compile_cache``: the pod mounts the cache volume's compile-artifacts directory, so ``--compile`` (in
+    extraArgs) loads and saves there; extraArgs may point ``--compile-cache-dir`` elsewhere.
+    """
     rt, layout = spec.runtime, spec.layout
     flags = managed_argv(
         checkpoint=serving.path, port=spec.service.port, cfgp=layout.cfgp, dp=layout.dp, guidance=rt.guidance,
@@ -403,7 +409,16 @@ def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint) -> list[s
         max_connections=rt.max_connections,
         auth_token_file=f"{AUTH_TOKEN_DIR}/{TOKEN_FILE}" if spec.auth.secret_ref is not None else None,
     )
+    if compile_cache:
+        flags += ["--compile-cache-dir", COMPILE_CACHE_MOUNT_PATH]
     return serve_argv([*flags, *rt.extra_args])
+
+
+def compile_cache_writable(per_pod: bool, cache_modes: Sequence[str]) -> bool:
+    """Whether server pods mount the cache's compile-artifacts directory writable: always on a per-pod claim; on the
+    shared claim unless its only access mode is ReadOnlyMany, which some CSI drivers attach only with a read-only
+    pod volume (those pods compile as before)."""
+    return per_pod or set(cache_modes) != {"ReadOnlyMany"}
 
 
 def termination_grace_seconds(spec: PolicyServerSpec) -> int:
@@ -476,13 +491,17 @@ def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint,
     port = spec.service.port
     rt = spec.runtime
     per_pod = spec.storage.per_pod
+    compile_cache = compile_cache_writable(per_pod, spec.access_modes if cache_modes is None else cache_modes)
     mounts = [
         {"name": VOL_CACHE, "mountPath": CACHE_MOUNT_PATH, "readOnly": True},
         {"name": VOL_TMP, "mountPath": TMP_PATH},
         {"name": VOL_SHM, "mountPath": SHM_PATH},
     ]
-    # perPod: the cache volume is the StatefulSet's volumeClaimTemplate, not a pod volume
-    volumes: list[dict[str, Any]] = [] if per_pod else _cache_volumes(spec, read_only=True)[:1]
+    if compile_cache:  # the kubelet creates the directory with the volume root's mode (group-writable: fsGroup)
+        mounts.append({"name": VOL_CACHE, "mountPath": COMPILE_CACHE_MOUNT_PATH, "subPath": COMPILE_CACHE_DIR})
+    # perPod: the cache volume is the StatefulSet's volumeClaimTemplate, not a pod volume; the checkpoints stay
+    # read-only through their mount when the volume itself is writable
+    volumes: list[dict[str, Any]] = [] if per_pod else _cache_volumes(spec, read_only=not compile_cache)[:1]
     volumes += [
         {"name": VOL_TMP, "emptyDir": {}},
         # NCCL moves tensors between local ranks through /dev/shm; the runtime's 64 MiB default is too small
@@ -500,7 +519,7 @@ def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint,
     server: dict[str, Any] = {
         "name": SERVER_CONTAINER,
         "image": spec.image,
-        "command": worker_command(spec, serving),
+        "command": worker_command(spec, serving, compile_cache=compile_cache),
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
         "env": _home_env() + [e.to_api() for e in rt.env],
         "volumeMounts": mounts,

@@ -73,6 +73,10 @@ ENV_HF_ENDPOINT: Final = "HF_ENDPOINT"
 DEFAULT_PORT: Final = 8000  # openpi's default serve_policy port
 PORT_NAME: Final = "ws"
 CACHE_MOUNT_PATH: Final = "/models"
+# <cache>/.compile: torch compile artifacts the server pods write and load (runtime/compile_cache.py), mounted
+# writable at COMPILE_CACHE_MOUNT_PATH while the checkpoints stay read-only at CACHE_MOUNT_PATH
+COMPILE_CACHE_DIR: Final = ".compile"
+COMPILE_CACHE_MOUNT_PATH: Final = "/compile-cache"
 COMPLETE_MARKER: Final = ".complete.json"
 CONFIG_FILE: Final = "config.json"
 WEIGHTS_FILE: Final = "model.safetensors"

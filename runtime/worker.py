@@ -25,7 +25,6 @@ import asyncio
 import errno
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -45,6 +44,8 @@ from policy_operator.progress_line import FetchProgress
 from policy_operator.readyz import RankState
 
 if TYPE_CHECKING:  # torch: imported once the layout is known to be valid
+    from policy_operator.runtime.compile_cache import CompileCache
+    from policy_operator.runtime.lifecycle import Lifecycle
     from policy_operator.runtime.parallel.dispatch import Lane, Replica
     from policy_operator.runtime.serving.ingress import Ingress
     from policy_operator.runtime.serving.metrics import ServerMetrics
@@ -171,6 +172,7 @@ class Runtime:
         self.settings = SamplerSettings(opts.steps, opts.guidance, cfg_mode, buckets,  # type: ignore[arg-type]
                                         opts.rtc, opts.rtc_max_delay)  # type: ignore[arg-type]
         self.load_s = self.warmup_s = 0.0  # set by load()
+        self.compile_cache: CompileCache | None = None  # set by load() under --compile --compile-cache-dir
         self.bucket_ms: dict[int, float] = {}  # set by load() under --latency-budget-ms: replica 0's batch times
 
     def load(self, on_progress: Callable[[FetchProgress], None] | None = None) -> Replica:
@@ -207,6 +209,7 @@ class Runtime:
             # one graph per bucket and CFG width (B or 2B rows): more shapes than dynamo's default limit of 8
             limit = 4 * len(self.settings.buckets) + 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+            self.compile_cache = open_compile_cache(self, path)
             policy.compile(self.opts.compile)
         replica = Replica(policy, self.groups, self.settings, self.heartbeat)
         self.load_s = time.perf_counter() - started
@@ -222,9 +225,20 @@ class Runtime:
             if self.opts.latency_budget_ms is not None:
                 self.bucket_ms = measure_buckets(replica, warm, self.settings.buckets or batch_sizes(self.opts.max_batch))
             self.warmup_s = time.perf_counter() - started
+            if self.rank == 0 and self.compile_cache is not None:
+                self.compile_cache.finish()  # every shape is compiled now
             log.info("replica %d warmed up (load %.1fs, warm-up %.1fs, batch buckets %s)", self.groups.dp_index,
                      self.load_s, self.warmup_s, list(self.settings.buckets) or "off")
         return replica
+
+
+def open_compile_cache(rt: Runtime, checkpoint: str) -> CompileCache | None:
+    """This spec's compile artifacts under --compile-cache-dir, loaded into torch's caches when there are good ones."""
+    from policy_operator.runtime.compile_cache import open_cache
+
+    return open_cache(rt.opts.compile_cache_dir, checkpoint=checkpoint, policy=rt.opts.policy, dtype=rt.opts.dtype,
+                      mode=rt.opts.compile or "", buckets=rt.settings.buckets, layout=rt.layout.label,
+                      cfg_mode=rt.settings.cfg_mode, device=rt.device)
 
 
 def batch_sizes(max_batch: int) -> tuple[int, ...]:
@@ -301,16 +315,19 @@ def build_lanes(rt: Runtime, replica: Replica, model_pool: ThreadPoolExecutor, i
 
 
 # --- global rank 0 ------------------------------------------------------------------------
-async def _serve_rank0(rt: Runtime) -> int:
+async def _serve_rank0(rt: Runtime, lifecycle: Lifecycle) -> int:
+    from policy_operator.runtime.lifecycle import drain_and_stop
+
     opts = rt.opts
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = asyncio.Event()  # SIGTERM once loaded (Lifecycle.serving), or a failed replica
     code = ServeExit.OK
 
     def replica_failed(index: int, reason: str) -> None:
         nonlocal code
+        if lifecycle.stopping.is_set():  # a replica ended by the shutdown itself: no reason to restart the pod
+            log.info("replica %d ended during the shutdown: %s", index, reason)
+            return
         code = ServeExit.REPLICA_FAILED
         rt.heartbeat.set_state(RankState.FAILED, public_reason(f"replica {index}: {reason}", opts))
         stop.set()
@@ -343,6 +360,7 @@ async def _serve_rank0(rt: Runtime) -> int:
     server.metrics.load_seconds.set(rt.load_s)
     server.metrics.warmup_seconds.set(rt.warmup_s)
     print("policyserver: ready", flush=True)
+    lifecycle.serving(lambda: loop.call_soon_threadsafe(stop.set))
 
     await stopper
     if code == ServeExit.OK:
@@ -350,51 +368,60 @@ async def _serve_rank0(rt: Runtime) -> int:
         rt.heartbeat.set_state(RankState.STOPPING)
     else:
         log.error("a replica failed: draining the others up to %.1fs, then exiting %d", opts.drain_grace_s, code)
-    drained = await server.drain(opts.drain_grace_s)  # idle sessions closed 1001 at once, busy ones after their reply
-    # Keep answering /readyz (503 now) for a heartbeat period before the port closes,
-    # so probes and load balancers observe the drain instead of a refused connection.
-    await asyncio.sleep(min(opts.heartbeat_s, opts.drain_grace_s))
-    await server.stop()
-    await loop.run_in_executor(None, ingress.stop_lanes)
+    drained = await drain_and_stop(server, ingress, grace_s=opts.drain_grace_s, heartbeat_s=opts.heartbeat_s,
+                                   kv=rt.kv_factory())
     rt.heartbeat.stop()
     log.info("rank 0 exiting %d (%s)", code, "drained" if drained else "grace period over")
     return code
 
 
 # --- every other rank ------------------------------------------------------------------------
-def _watchdog(rt: Runtime) -> None:
-    """Exit when rank 0 or the launcher is gone, instead of holding a GPU forever."""
+def _watchdog(rt: Runtime, lifecycle: Lifecycle) -> None:
+    """Exit when rank 0 stopped the pod (0), or when rank 0 or the launcher is gone, instead of holding a GPU
+    forever (``WATCHDOG``, or 0 during a shutdown: then their going is expected)."""
+    from policy_operator.runtime.lifecycle import STOP_POLL_S, exit_now, stop_announced
+
     parent = os.getppid()
     board = rt.board_factory()
+    kv = rt.kv_factory()
     limit = max(10 * rt.opts.heartbeat_s, 10.0)
     seen = None
+    checked = 0.0
     while True:
-        time.sleep(rt.opts.heartbeat_s)
+        time.sleep(min(STOP_POLL_S, rt.opts.heartbeat_s))
+        if stop_announced(kv):
+            log.info("rank %d: rank 0 stopped the pod; exiting 0", rt.rank)
+            exit_now(ServeExit.OK)
+        if time.monotonic() - checked < rt.opts.heartbeat_s:
+            continue
+        checked = time.monotonic()
         if os.getppid() != parent:
             log.error("launcher exited; rank %d exiting", rt.rank)
-            os._exit(ServeExit.WATCHDOG)
+            exit_now(lifecycle.exit_code(ServeExit.WATCHDOG, "the launcher exited"))
         status = board.read(0)
         if status.age_s is not None and status.age_s <= board.stale_after:
             seen = time.monotonic()
         elif seen is not None and time.monotonic() - seen > limit:
             log.error("rank 0 silent for %.0fs; rank %d exiting", limit, rt.rank)
-            os._exit(ServeExit.WATCHDOG)
+            exit_now(lifecycle.exit_code(ServeExit.WATCHDOG, "rank 0 went silent"))
 
 
-def _serve_other(rt: Runtime) -> int:
-    grace = rt.opts.drain_grace_s + 5.0
-
-    def on_sigterm(signum, frame):  # torchrun signals every rank; only rank 0's sentinel ends the loop
-        log.info("rank %d: SIGTERM, waiting for rank 0's shutdown (at most %.0fs)", rt.rank, grace)
-        threading.Timer(grace, lambda: os._exit(ServeExit.OK)).start()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    threading.Thread(target=_watchdog, args=(rt,), name="watchdog", daemon=True).start()
+def _serve_other(rt: Runtime, lifecycle: Lifecycle) -> int:
+    threading.Thread(target=_watchdog, args=(rt, lifecycle), name="watchdog", daemon=True).start()
     replica = rt.load()
-    if rt.groups.cfg_index == 0:
-        replica.serve_driver()
-    else:
-        replica.serve_peer()
+    # serve signals every rank; only rank 0's Shutdown (or STOP_KEY, read by the watchdog) ends this one
+    lifecycle.serving(lambda: log.info("rank %d: waiting for rank 0's shutdown", rt.rank))
+    try:
+        if rt.groups.cfg_index == 0:
+            replica.serve_driver()
+        else:
+            replica.serve_peer()
+    except Exception:  # a receive from rank 0 failed: rank 0 is gone
+        if lifecycle.exit_code(ServeExit.REPLICA_FAILED, "rank 0 left") != ServeExit.OK:
+            raise
+        return ServeExit.OK
+    if replica.broken is not None and lifecycle.exit_code(ServeExit.REPLICA_FAILED, replica.broken) == ServeExit.OK:
+        return ServeExit.OK
     if replica.broken is not None:
         time.sleep(rt.opts.heartbeat_s)  # one more beat, so /readyz shows why before torchrun stops the pod
         log.error("rank %d exiting %d: the replica's collective failed", rt.rank, ServeExit.REPLICA_FAILED)
@@ -425,14 +452,17 @@ def run(opts: serve_flags.ServeOptions) -> int:
         print(f"policyserver: error: {exc}", file=sys.stderr)
         return ServeExit.LAYOUT
     rank = int(os.environ.get("RANK", "0"))
+    from policy_operator.runtime.lifecycle import Lifecycle
+
+    lifecycle = Lifecycle(rank, opts.drain_grace_s, opts.heartbeat_s).install()  # before torch starts threads
     _setup_logging(opts.log_level, rank)
     sys.setswitchinterval(opts.gil_switch_ms / 1e3)
     rt = Runtime(opts, layout)
     if rt.rank == 0:
         with asyncio.Runner(loop_factory=event_loop_factory(opts.event_loop)) as runner:
-            code = runner.run(_serve_rank0(rt))
+            code = runner.run(_serve_rank0(rt, lifecycle))
     else:
-        code = _serve_other(rt)
+        code = _serve_other(rt, lifecycle)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown: process groups and pools hold no state worth flushing

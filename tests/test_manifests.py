@@ -228,7 +228,8 @@ def test_gpus_and_command_follow_the_layout(cfgp: int, dp: int) -> None:
         "policyserver", "serve", "--checkpoint", path, "--port", "8000",
         "--cfgp", str(cfgp), "--dp", str(dp), "--guidance", "2.5", "--steps", "8",
         "--max-batch", "8", "--batch-window-ms", "2.0",  # the defaults, always written: extraArgs may not set them
-        "--max-connections", "512", "--device", "cuda", "--drain-grace-s", "20"]
+        "--max-connections", "512", "--device", "cuda", "--drain-grace-s", "20",
+        "--compile-cache-dir", C.COMPILE_CACHE_MOUNT_PATH]
 
 
 def test_worker_command_is_the_runtimes_own() -> None:
@@ -305,11 +306,38 @@ def test_probes_lifecycle_and_volumes() -> None:
     assert pod["terminationGracePeriodSeconds"] > sleep + max(30, spec.runtime.drain_grace_seconds)
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes[M.VOL_SHM]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
-    assert volumes[M.VOL_CACHE]["persistentVolumeClaim"]["readOnly"] is True
+    assert "readOnly" not in volumes[M.VOL_CACHE]["persistentVolumeClaim"]  # the compile artifacts are written
     mounts = {m["mountPath"]: m for m in server["volumeMounts"]}
-    assert mounts[C.CACHE_MOUNT_PATH]["readOnly"] is True and "/dev/shm" in mounts
+    assert mounts[C.CACHE_MOUNT_PATH]["readOnly"] is True and "/dev/shm" in mounts  # the checkpoints are not
+    assert mounts[C.COMPILE_CACHE_MOUNT_PATH] == {"name": M.VOL_CACHE, "mountPath": C.COMPILE_CACHE_MOUNT_PATH,
+                                                  "subPath": C.COMPILE_CACHE_DIR}
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
     assert sts["spec"]["serviceName"] == M.Names("ps").headless_service
+
+
+@pytest.mark.parametrize(("storage", "cache_modes", "writable"), [
+    ({}, None, True),
+    ({"accessModes": ["ReadWriteMany"]}, None, True),
+    ({"accessModes": ["ReadOnlyMany"]}, None, False),  # some CSI drivers attach it only as a read-only pod volume
+    ({}, ["ReadOnlyMany"], False),  # an existing claim's own modes
+    ({"accessModes": ["ReadOnlyMany", "ReadWriteMany"]}, None, True),
+    ({"mode": "perPod"}, None, True),
+])
+def test_server_pods_write_compile_artifacts_where_the_cache_is_writable(
+        storage: dict[str, Any], cache_modes: list[str] | None, writable: bool) -> None:
+    spec = spec_of(base(storage=storage, runtime={"extraArgs": ["--compile", "reduce-overhead"]}))
+    pod = M.build_statefulset(spec, cache_modes=cache_modes)["spec"]["template"]["spec"]
+    server = pod["containers"][0]
+    mounts = {m["mountPath"]: m for m in server["volumeMounts"]}
+    assert mounts[C.CACHE_MOUNT_PATH]["readOnly"] is True  # the checkpoints, always
+    assert (C.COMPILE_CACHE_MOUNT_PATH in mounts) is writable
+    assert ("--compile-cache-dir" in server["command"]) is writable
+    claims = [v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert all(claim.get("readOnly", False) is not writable for claim in claims)
+    args = server["command"][2:]
+    parser = argparse.ArgumentParser()
+    serve_flags.add_arguments(parser)
+    assert parser.parse_args(args).compile_cache_dir == (C.COMPILE_CACHE_MOUNT_PATH if writable else None)
 
 
 def test_cpu_device_requests_no_gpu() -> None:

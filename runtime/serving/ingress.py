@@ -41,7 +41,7 @@ from typing import Any
 from policy_operator import __version__
 from policy_operator.layout import ParallelLayout
 from policy_operator.readyz import LayoutDoc, RankReadiness, Readiness, all_ranks_ready
-from policy_operator.runtime.errors import ErrorKind, NotReady, ReplicaUnavailable
+from policy_operator.runtime.errors import ErrorKind, NotReady, ReplicaUnavailable, RequestError
 from policy_operator.runtime.parallel.dispatch import InferenceRequest, Lane, Reply
 from policy_operator.runtime.parallel.heartbeat import Board, BoardWatcher
 from policy_operator.runtime.policy.interface import Policy, Sample
@@ -89,6 +89,7 @@ class Ingress:
         self.draining = False
         self.failed: dict[int, str] = {}  # replica -> why its communicator failed; out of service for good
         self.preparing = 0  # requests in decode or prepare: not routed yet
+        self._waiting: set[asyncio.Future[Reply]] = set()  # routed requests whose reply has not come: give_up()
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
         self._snapshot: tuple[float, list[RankReadiness]] | None = None  # (monotonic time, ranks)
         self._problems: tuple[tuple[float, int], list[str | None]] | None = None  # of that snapshot
@@ -216,10 +217,12 @@ class Ingress:
 
         def lane_free(done: asyncio.Future[Reply]) -> None:
             self.router.release(index)
+            self._waiting.discard(done)
             if not done.cancelled():
                 done.exception()  # retrieved: a request that gave up must not leave "never retrieved" warnings
 
         task.add_done_callback(lane_free)
+        self._waiting.add(task)
         reply = await self._bounded(index, task)
         if reply.error_kind is ErrorKind.REPLICA_FAILED:
             self._replica_failed(index, reply.error)
@@ -241,6 +244,17 @@ class Ingress:
             if time.monotonic() - since >= self.request_timeout_s:
                 raise ReplicaUnavailable(f"{problem} for {self.request_timeout_s:g}s (--pg-timeout-s) while it held "
                                          "this request; it gets no new requests until it is ready again")
+
+    def give_up(self, error: RequestError) -> int:
+        """Fail every routed request still waiting for its replica with ``error``; how many there were.
+
+        The drain's deadline: each request's session gets ``error`` at once, however long its batch still
+        computes (the replica's late answer is dropped).
+        """
+        waiting = [task for task in self._waiting if not task.done()]
+        for task in waiting:
+            task.set_exception(error)
+        return len(waiting)
 
     async def drain(self, grace_s: float) -> bool:
         """Stop taking requests and wait for in-flight ones; True when all finished in time."""
