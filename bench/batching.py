@@ -13,6 +13,7 @@ columns are what docs/runtime.md quotes for bf16 on a GPU.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -38,6 +39,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write {batch size: p50 ms} as JSON (bench/runtime.py)")
     args = p.parse_args()
 
     import torch
@@ -110,6 +112,8 @@ def main() -> int:
         "",
     ]
     publish(lines, args.out or REPO / "bench" / "results" / f"batching-{args.device}.md")
+    if args.json:
+        Path(args.json).write_text(json.dumps({str(b): ms for b, ms, _, _ in rows}))
     return 0
 
 

@@ -5,6 +5,7 @@
 #   run(command="bash bench/device_batching.sh table", carry=[".whl"])   # the issue's tables
 #   run(command="bash bench/device_batching.sh gil", carry=[".whl"])     # the table, and --gil-switch-ms 0.5
 #   run(command="bash bench/device_batching.sh repeat", carry=[".whl"])  # the table, and max-batch 1 and 8 again
+#   run(command="bash bench/device_batching.sh robots", carry=[".whl"])  # issue 24: robots x max-batch 1/8/32
 set -u
 REPO=$(pwd)
 OUT=${OUT:-/tmp/out}
@@ -51,6 +52,15 @@ gil)
     batching_run gil 5 --max-batch 8 --batch-clients "${GIL_CLIENTS:-1,8,16,32}" \
         --serve-args "--gil-switch-ms 0.5" --no-asyncio-column
     grep '^|' "$OUT/h200-batching.md"; echo "## --gil-switch-ms 0.5"; grep '^|' "$OUT/h200-gil.md"
+    ;;
+robots)
+    # issue 24's table: 1/4/8/16/32 robots (one process each, closed loop, 5 warm-up + 40 requests per robot) x
+    # max-batch 1/8/32, then the same model in-process for batches of 1..32, and the targets as ratios
+    timeout $(( $(left) - 5 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --tables robots \
+        --robot-max-batch "${MAX_BATCH:-1,8,32}" --robots "${ROBOTS:-1,4,8,16,32}" --robot-n "${ROBOT_N:-40}" \
+        --batch-window-ms 2 --out "$OUT/h200-robots.md" 2>"$OUT/robots.err" | grep -v '^|'
+    echo "robots rc=$? after $(( $(date +%s) - start )) s"
+    grep '^|' "$OUT/h200-robots.md"
     ;;
 repeat)
     # the table, then the rows the targets are read from once more: the spread between two runs of one build

@@ -8,11 +8,19 @@ a WebSocket round trip.
     python bench/runtime.py                       # CPU, tiny model, 1 thread per rank
     python bench/runtime.py --device cuda --size base --dtype bfloat16   # on the GPU
     python bench/runtime.py --tables batching --max-batch 1,8,16 --batch-clients 1,4,8,16,32
+    python bench/runtime.py --tables robots        # issue 24's table: robots x max-batch, and in-process batches
 
 The batching table starts one server per ``--max-batch`` value and drives each
 with 1, 4, 8, ... closed-loop clients (every client sends its next request when
 its reply arrives, as a robot does): p50/p99 round trip, requests/s and the
 mean batch size a request ran in, all servers in one run.
+
+The robots table is issue 24's: one server per ``--robot-max-batch`` (1, 8, 32),
+each driven by 1, 4, 8, 16, 32 robots, one process per robot, closed loop,
+``--robot-warmup`` requests per robot (all robots at once) before
+``--robot-n`` measured ones; then the same model in-process
+(``bench/batching.py``: one sampler call on B requests, no server) for the
+batch sizes the targets compare with, and the targets as ratios of this run.
 
 CPU caveat (2 cores here): cfgp=2 is compared with a 1-thread single rank, the
 fair baseline when each rank owns one core; a GPU run compares one GPU per rank.
@@ -171,6 +179,10 @@ def main() -> int:
     p.add_argument("--asyncio-column", action=argparse.BooleanOptionalAction, default=True,
                    help="the batching table's 1-client split also on asyncio's own loop (one more server)")
     p.add_argument("--serve-args", default="", help="more flags for every server, e.g. '--gil-switch-ms 0.5'")
+    p.add_argument("--robot-max-batch", default="1,8,32", help="servers of the robots table, one per value")
+    p.add_argument("--robots", default="1,4,8,16,32", help="robot counts of the robots table")
+    p.add_argument("--robot-n", type=int, default=40, help="measured requests per robot in the robots table")
+    p.add_argument("--robot-warmup", type=int, default=5, help="warm-up requests per robot before each row")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/runtime-<device>.md)")
     args = p.parse_args()
     tables = set(args.tables.split(","))
@@ -195,13 +207,16 @@ def main() -> int:
         lines += layouts_table(checkpoint, args, fast)
     if "batching" in tables:
         lines += batching_table(checkpoint, args, fast)
+    if "robots" in tables:
+        lines += robots_table(checkpoint, args, fast)
     lines += [
         f"Reproduce: `python bench/runtime.py --device {args.device} --size {args.size} --steps {args.steps} "
         f"--dtype {args.dtype}{' --compile ' + args.compile if args.compile else ''} --backend {args.backend}"
         f"{' --share-gpu' if args.share_gpu else ''} --n {args.n} --tables {args.tables}"
         f"{' --max-batch ' + args.max_batch + ' --batch-clients ' + args.batch_clients if 'batching' in tables else ''}"
         f"{f' --batch-window-ms {args.batch_window_ms:g}' if 'batching' in tables else ''}"
-        f"{' --serve-args ' + shlex.quote(args.serve_args) if args.serve_args else ''}`",
+        f"{' --serve-args ' + shlex.quote(args.serve_args) if args.serve_args else ''}"
+        f"{f' --robot-max-batch {args.robot_max_batch} --robots {args.robots} --robot-n {args.robot_n} --robot-warmup {args.robot_warmup}' if 'robots' in tables else ''}`",
         "",
     ]
     publish(lines, args.out or REPO / "bench" / "results" / f"runtime-{args.device}.md")
@@ -274,6 +289,79 @@ def batching_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> lis
                        ("return_p50", "the rest: routing, the lane thread back to the event loop, reply")):
         lines.append(f"| {label} | " + " | ".join(f"{m[key]:.2f}" for m in split) + " |")
     return [*lines, ""]
+
+
+def in_process_batches(checkpoint: Path, args: argparse.Namespace, sizes: list[int]) -> tuple[dict[int, float], list[str]]:
+    """bench/batching.py on the same checkpoint and flags: {B: p50 ms of one batch}, and its table's lines."""
+    with tempfile.TemporaryDirectory(prefix="bench-inprocess-") as tmp:
+        cmd = [sys.executable, str(REPO / "bench" / "batching.py"), "--device", args.device, "--size", args.size,
+               "--dtype", args.dtype, "--steps", str(args.steps), "--checkpoint", str(checkpoint),
+               "--sizes", ",".join(map(str, sizes)), "--reps", "20", "--out", f"{tmp}/t.md", "--json", f"{tmp}/t.json"]
+        if args.compile:
+            cmd += ["--compile", args.compile]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        times = {int(b): ms for b, ms in json.loads(Path(tmp, "t.json").read_text()).items()}
+        table = [line for line in Path(tmp, "t.md").read_text().splitlines() if line.startswith("|")]
+    return times, table
+
+
+def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[str]:
+    """Issue 24's table: robots x max-batch, closed loop, one process per robot; in-process batches beside it."""
+    from policy_operator.runtime.client import run_client
+
+    sizes = [int(x) for x in args.robot_max_batch.split(",")]
+    robots = [int(x) for x in args.robots.split(",")]
+    results: dict[tuple[int, int], dict[str, float]] = {}
+    for size in sizes:
+        server = Server(checkpoint, args, 1, 1, mode, max_batch=size)
+        try:
+            for r in robots:
+                run_client(server.url, args.robot_warmup, r, timeout=600)  # every robot warm, together
+                s = run_client(server.url, args.robot_n, r, timeout=600)
+                if s["errors"]:
+                    raise RuntimeError(f"benchmark requests failed: {s['errors'][:3]}")
+                m = results[(size, r)] = {"p50": s["latency_ms"]["p50"], "p99": s["latency_ms"]["p99"],
+                                          "rps": s["requests_per_s"], "batch": s["mean_batch_size"]}
+                print(f"max-batch {size:>3} robots {r:>3}: p50 {m['p50']:8.2f} ms  p99 {m['p99']:8.2f} ms  "
+                      f"{m['rps']:8.1f} req/s  batch {m['batch']:5.2f}", flush=True)
+        finally:
+            server.close()
+    batch_sizes = sorted({1, *sizes, *(r for r in robots if r <= max(sizes))})
+    inproc, inproc_table = in_process_batches(checkpoint, args, batch_sizes)
+    lines = [
+        f"## Robots x max-batch (1 rank, {mode} CFG, --batch-window-ms {args.batch_window_ms:g})",
+        "",
+        f"One process per robot, closed loop, {args.robot_warmup} warm-up requests per robot (all robots at once), "
+        f"then {args.robot_n} per robot. Cells: p50 ms / req/s (mean batch).",
+        "",
+        "| robots | " + " | ".join(f"max-batch {s}" for s in sizes) + " |",
+        "|---:|" + "---:|" * len(sizes),
+    ]
+    for r in robots:
+        lines.append(f"| {r} | " + " | ".join(
+            f"{results[(s, r)]['p50']:.2f} / {results[(s, r)]['rps']:.0f} ({results[(s, r)]['batch']:.1f})"
+            for s in sizes) + " |")
+    lines += ["", "In-process, the same checkpoint and flags, no server (bench/batching.py):", "", *inproc_table, ""]
+    targets = []
+    if 8 in sizes and 8 in robots:
+        for r in (16, 32):
+            if r in robots:
+                ratio = results[(8, r)]["rps"] / results[(8, 8)]["rps"]
+                targets.append(f"| max-batch 8: req/s at {r} robots / at 8 robots | {ratio:.2f} | >= 0.95 |")
+    top = max(sizes)
+    if top in robots and top in inproc:
+        rate = top / (inproc[top] / 1e3)
+        m = results[(top, top)]
+        targets.append(f"| max-batch {top}, {top} robots: req/s / in-process batch-{top} rate ({rate:.0f}) | "
+                       f"{m['rps'] / rate:.2f} | >= 0.85 |")
+        targets.append(f"| max-batch {top}, {top} robots: p50 / in-process batch-{top} time ({inproc[top]:.2f} ms) | "
+                       f"{m['p50'] / inproc[top]:.2f} | <= 1.25 |")
+    if 1 in robots and 1 in inproc:
+        for s in sizes:
+            targets.append(f"| 1 robot, max-batch {s}: p50 - in-process batch-1 time ({inproc[1]:.2f} ms) | "
+                           f"{results[(s, 1)]['p50'] - inproc[1]:+.2f} ms | <= +1 ms |")
+    lines += ["| target (issue 24), same run | measured | target |", "|---|---:|---:|", *targets, ""]
+    return lines
 
 
 def layouts_table(checkpoint: Path, args: argparse.Namespace, fast: str) -> list[str]:

@@ -212,6 +212,31 @@ def test_a_full_batch_goes_to_the_replica_before_the_previous_replies_are_sent()
     assert order == ["batch handed to the replica", "batch handed to the replica", "a's session resumed"]
 
 
+def test_a_full_batch_waits_at_the_replica_while_the_running_one_computes() -> None:
+    """The next full batch is handed to the replica's thread before the running batch ends, so the replica starts
+    it without a round trip through the event loop; a batch with room is not (it may still grow)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    replica = FakeReplica()
+    handed: list[int] = []
+
+    class RecordingPool(ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            handed.append(len(replica.batches))  # how many batches the replica had started by then
+            return super().submit(fn, *args, **kwargs)
+
+    async def scenario(lane: Lane) -> None:
+        first = lane.submit(request("a"))
+        await _settle(lambda: replica.batches, "the first batch")
+        rest = [lane.submit(request(name)) for name in "bcd"]  # [b, c] is full; d has room
+        assert handed == [0, 1], "the full batch went to the replica while [a] still computed; d waits"
+        replica.gate.set()
+        await asyncio.gather(first, *rest)
+
+    run_lane(scenario, replica, RecordingPool, max_batch=2)
+    assert replica.batches == [["a"], ["b", "c"], ["d"]]
+
+
 def test_a_batch_holds_one_shape_and_the_others_keep_their_order() -> None:
     replica = FakeReplica()
 

@@ -290,6 +290,13 @@ class Lane:
     to the replica within the ``submit`` call.  The replica's thread hands the
     replies back with one callback that resolves every request of the batch:
     each hop between the threads costs the request a scheduler wake-up.
+
+    While a batch runs, a *full* batch (``max_batch`` requests of one shape)
+    that queued behind it goes to the replica's thread at once and waits there:
+    the thread starts it the moment the running one ends, without a round trip
+    through the event loop, which may be busy sending the finished batch's
+    replies and decoding the next frames.  A batch with room is formed only when
+    the replica is free, so it can still grow.
     """
 
     def __init__(self, index: int, executor: ThreadPoolExecutor, call: Callable[[Batch], list[Reply]],
@@ -308,7 +315,7 @@ class Lane:
         self._stop = stop
         self._queue: deque[_Queued] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._busy = False  # a batch is with the replica
+        self._running = 0  # batches with the replica's thread: the one it runs, and at most one full one queued
         # while the oldest request waits for others: (its shape, how many of it were queued, window end)
         self._window: tuple[Hashable, int, float] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -350,14 +357,20 @@ class Lane:
         return taken
 
     def _pump(self) -> None:
-        """Start the next batch if the replica is free and the batch need not wait (any number of calls is fine)."""
-        if self._busy or self._loop is None:
+        """Start the next batch if the replica is free and the batch need not wait, or queue a full one behind
+        the running batch (any number of calls is fine)."""
+        if self._running > 1 or self._loop is None:
             return
         head = self._head()
         if head is None:
-            self._close_window()
+            if not self._running:
+                self._close_window()
             return
         key, queued = head
+        if self._running:
+            if queued >= self.max_batch:
+                self._start(self._take(key, self.max_batch))
+            return
         now = time.monotonic()
         if queued < self.max_batch and self.window_s > 0 and self.arriving() > 0:
             # The window runs from the latest arrival: robots answered together come back one after the
@@ -402,7 +415,7 @@ class Lane:
             except RuntimeError:  # the loop is closed: nobody waits for these any more
                 pass
 
-        self._busy = True
+        self._running += 1
         try:
             self.executor.submit(run)
         except RuntimeError as exc:  # the executor is shut down
@@ -410,7 +423,7 @@ class Lane:
 
     def _finish(self, items: list[_Queued], outcome: list[Reply] | BaseException, waits: list[float]) -> None:
         """On the event loop: every request of the batch gets its reply (or the failure), then the next batch."""
-        self._busy = False
+        self._running -= 1
         if not isinstance(outcome, BaseException) and len(outcome) != len(items):
             outcome = RuntimeError(f"replica {self.index} answered {len(outcome)} of {len(items)} requests")
         for k, item in enumerate(items):
