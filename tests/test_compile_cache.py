@@ -1,0 +1,174 @@
+"""Fast start: torch compile artifacts kept in ``--compile-cache-dir``, loaded by a later server of the same spec.
+
+The file format's checks run in-process; the rest on real ``policyserver
+serve --compile`` processes (inductor on the CPU, a one-block tiny
+checkpoint, one bucket).  Each later server gets an inductor cache directory
+without the graph caches (``fxgraph``, ``aotautograd``), as a fresh pod has:
+a graph it does not compile can only have come from the artifacts file the
+first server left in ``--compile-cache-dir``.  On the CPU those artifacts
+hold the generated C++ source, not the built kernels; the C++ build
+products (the rest of the directory) are copied along so that the later
+servers skip gcc, which the test is not about and which costs minutes on two
+cores (on a GPU the artifacts carry the Triton kernels themselves).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from openpi_client import msgpack_numpy
+from websockets.sync.client import connect
+
+from policy_operator.runtime.compile_cache import ArtifactError, CompileCache, decode, encode
+from tests.support.servers import serve_policy, session_checkpoint
+
+KEY = {"checkpoint": "abc", "device": "cpu:x86_64:AVX2", "torch": "2.11.0"}
+COMPILE = ["--compile", "default", "--max-batch", "1", "--steps", "2", "--threads", "1"]
+COMPILE_START_S = 600.0  # import torch + inductor's C++ build of every kernel, on two busy cores
+GRAPH_CACHES = ("fxgraph", "aotautograd")  # what the artifacts file refills; a new pod starts without them
+LOADED = "compile cache: loaded"
+IGNORED = "compile cache: ignoring"
+
+
+def test_a_file_round_trips_and_every_kind_of_damage_is_refused() -> None:
+    payload = bytes(range(256)) * 40
+    data = encode(KEY, payload)
+    assert decode(data, KEY) == payload
+    damaged = {
+        "not a compile-artifacts file": b"garbage" + data,
+        "truncated": data[:-10],
+        "checksum mismatch": data[:-1] + bytes([data[-1] ^ 1]),
+        "no header": data[: data.index(b"\n") + 5],
+    }
+    for reason, blob in damaged.items():
+        with pytest.raises(ArtifactError, match=reason):
+            decode(blob, KEY)
+    with pytest.raises(ArtifactError, match=r"another spec \(device, torch differ\)"):
+        decode(data, {**KEY, "device": "cuda:NVIDIA H200:sm90:cuda12.8", "torch": "2.12.0"})
+
+
+def test_a_bad_file_is_ignored_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Garbage, and a well-formed file whose payload torch cannot read: no exception, one line each."""
+    cache = CompileCache(tmp_path, KEY)
+    for blob in (b"\x00" * 100, encode(KEY, b"not torch's artifacts")):
+        cache.path.write_bytes(blob)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="policy_operator.runtime.compile_cache"):
+            assert cache.load() is False
+        assert [r.levelno for r in caplog.records] == [logging.WARNING], caplog.text
+        assert IGNORED in caplog.text and "\n" not in caplog.records[0].getMessage()
+        assert not cache.loaded
+
+
+def test_nothing_compiled_writes_nothing(tmp_path: Path) -> None:
+    assert CompileCache(tmp_path / "cache", KEY).save() is False
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+# --- real servers ---------------------------------------------------------------------
+OBS_SEEDS = (1, 2, 3)
+
+
+def _actions(server, seeds=OBS_SEEDS) -> list[np.ndarray]:
+    """Actions for fixed observations and seeds: equal bits across servers iff they run the same kernels."""
+    out = []
+    with connect(server.url, compression=None, max_size=None, open_timeout=30) as ws:
+        ws.recv(timeout=60)
+        for seed in seeds:
+            rng = np.random.default_rng(seed)
+            obs = {"observation/image": rng.integers(0, 256, size=(32, 32, 3), dtype=np.uint8),
+                   "observation/joint_position": rng.standard_normal(7).astype(np.float32),
+                   "observation/gripper_position": rng.random(1).astype(np.float32),
+                   "prompt": "pick up the cup", "seed": seed}
+            ws.send(msgpack_numpy.packb(obs))
+            out.append(np.asarray(msgpack_numpy.unpackb(ws.recv(timeout=60))["actions"]))
+    return out
+
+
+def _serve(checkpoint: Path, cache: Path, inductor: Path):
+    """A server with the inductor cache directory ``inductor`` of its own."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton")}
+    return serve_policy(checkpoint, *COMPILE, "--compile-cache-dir", str(cache), env=env, timeout=COMPILE_START_S)
+
+
+def _fresh_pod_inductor(first: Path, target: Path) -> Path:
+    """``first``'s inductor directory without its graph caches (module docstring)."""
+    shutil.copytree(first, target, ignore=lambda folder, names: [n for n in names if n in GRAPH_CACHES]
+                    if Path(folder) == first else [])
+    return target
+
+
+@pytest.fixture(scope="module")
+def first_server(tmp_path_factory) -> tuple[Path, Path, Path, list[np.ndarray]]:
+    """One server that compiled from nothing: its checkpoint, the cache and inductor directories it wrote, and
+    its answers."""
+    checkpoint = session_checkpoint(tmp_path_factory, depth=1)
+    cache, inductor = tmp_path_factory.mktemp("compile-cache"), tmp_path_factory.mktemp("inductor")
+    with _serve(checkpoint, cache, inductor) as server:
+        actions = _actions(server)
+        log = server.log_text()
+    lines = _cache_lines(log)
+    assert any("compile cache: nothing for this spec" in line for line in lines), lines
+    assert any("compile cache: saved" in line for line in lines) and not any(LOADED in line for line in lines), lines
+    return checkpoint, cache, inductor, actions
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(COMPILE_START_S + 300)
+def test_a_second_server_of_the_same_spec_loads_the_artifacts(first_server, tmp_path) -> None:
+    checkpoint, cache_written, inductor, first_actions = first_server
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_written, cache)
+    files = sorted(cache.glob("*.artifacts"))
+    assert len(files) == 1
+    with _serve(checkpoint, cache, _fresh_pod_inductor(inductor, tmp_path / "inductor")) as server:
+        actions = _actions(server)
+        log = server.log_text()
+    lines = _cache_lines(log)
+    assert any(LOADED in line for line in lines) and not any(IGNORED in line for line in lines), lines
+    assert any(re.search(r"compile cache: [1-9]\d* graph\(s\) from the cache, 0 compiled", line) for line in lines), lines
+    assert "compile cache: saved" not in log  # the file already held these artifacts
+    for a, b in zip(actions, first_actions, strict=True):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()  # bitwise: the same kernels
+    assert sorted(cache.glob("*")) == files  # no temporary file left behind
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(COMPILE_START_S + 300)
+def test_a_corrupt_artifact_file_is_ignored_and_replaced(first_server, tmp_path) -> None:
+    checkpoint, cache_written, inductor, first_actions = first_server
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_written, cache)
+    (path,) = cache.glob("*.artifacts")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the payload
+    path.write_bytes(bytes(data))
+    with _serve(checkpoint, cache, _fresh_pod_inductor(inductor, tmp_path / "inductor")) as server:
+        actions = _actions(server)
+        log = server.log_text()
+    lines = _cache_lines(log)
+    ignored = [line for line in lines if IGNORED in line]
+    assert len(ignored) == 1 and "checksum mismatch" in ignored[0], lines
+    assert not any(LOADED in line for line in lines), lines
+    assert any("compile cache: saved" in line for line in lines), lines  # compiled, then wrote a good file
+    assert decode(path.read_bytes(), _header_key(path))  # intact again
+    for a, b in zip(actions, first_actions, strict=True):
+        assert a.tobytes() == b.tobytes()
+
+
+def _cache_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "compile cache" in line]
+
+
+def _header_key(path: Path) -> dict[str, str]:
+    import json
+
+    from policy_operator.runtime.compile_cache import MAGIC
+
+    data = path.read_bytes()
+    return json.loads(data[len(MAGIC): data.index(b"\n", len(MAGIC))])["key"]
