@@ -29,7 +29,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
+from policy_operator.constants import DEFAULT_PORT, HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 from policy_operator.runtime.errors import ErrorKind, NotReady, RequestError
 from policy_operator.runtime.parallel.dispatch import Reply
 from policy_operator.runtime.serving import wire
@@ -53,7 +53,7 @@ DRAIN_REASON = "server is shutting down; reconnect"
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "0.0.0.0"
-    port: int = 8000
+    port: int = DEFAULT_PORT
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     error_format: ErrorFormat = "text"
     auth_token: str | None = None
