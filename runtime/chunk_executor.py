@@ -46,6 +46,7 @@ class ExecutorStats:
     switch_offsets: list[float] = field(default_factory=list)  # first new action vs the old chunk's for that tick
     step_sizes: list[float] = field(default_factory=list)  # the same measure between actions of one chunk
     delays: list[int] = field(default_factory=list)  # ticks from a request to the switch to its chunk
+    sent_delays: list[int | None] = field(default_factory=list)  # the inference_delay each switch's request sent
     latencies_s: list[float] = field(default_factory=list)
     starved_ticks: int = 0  # ticks that repeated the last action: the chunk ran out before the next arrived
 
@@ -58,10 +59,12 @@ class ChunkExecutor:
     before the next one is used (the request leaves ``execution_horizon - delay`` actions in).
     ``max_delay`` caps the delay sent to the server (its metadata's ``rtc.max_inference_delay``).
     ``short_form``: send ``{"executed": n}`` and let the server take the tail from the chunk it sent last.
+    ``control_hz``: the loop's rate, if known: the first chunk's latency then seeds the delay estimate.
+    A switch whose reply came within the delay it announced starts exactly on the old chunk's action.
     """
 
     def __init__(self, infer: Infer, *, execution_horizon: int, rtc: bool = True, max_delay: int | None = None,
-                 short_form: bool = True, delay_window: int = 5) -> None:
+                 short_form: bool = True, delay_window: int = 5, control_hz: float | None = None) -> None:
         if execution_horizon < 1:
             raise ValueError(f"execution_horizon must be >= 1, got {execution_horizon}")
         self._infer = infer
@@ -69,11 +72,13 @@ class ChunkExecutor:
         self.rtc = rtc
         self.max_delay = max_delay
         self.short_form = short_form
+        self.control_hz = control_hz
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="chunk-request")
         self._chunk: np.ndarray | None = None
         self._start = 0  # the tick the current chunk's action 0 belongs to
         self._tick = 0
-        self._pending: tuple[Future[np.ndarray], int, float] | None = None  # (reply, tick sent, monotonic time)
+        # (reply, tick sent, monotonic time sent, inference_delay sent or None)
+        self._pending: tuple[Future[np.ndarray], int, float, int | None] | None = None
         self._recent = deque([1], maxlen=delay_window)  # recent delays in ticks, for the next estimate
         self._last: np.ndarray | None = None
         self._switched_now = False  # this tick's action is the first of a new chunk: a boundary, not a step
@@ -93,6 +98,8 @@ class ChunkExecutor:
             started = time.monotonic()
             self._chunk, self._start = self._infer(dict(observation)), self._tick
             self.stats.latencies_s.append(time.monotonic() - started)
+            if self.control_hz:
+                self._recent.append(max(1, math.ceil(self.stats.latencies_s[-1] * self.control_hz)))
         self._maybe_switch()
         index = self._tick - self._start
         if self._pending is None and index >= max(0, self.execution_horizon - max(self._recent)):
@@ -111,6 +118,7 @@ class ChunkExecutor:
         assert self._chunk is not None
         obs = dict(observation)
         remaining = len(self._chunk) - index
+        delay: int | None = None
         if self.rtc and remaining >= 1:
             delay = self.expected_delay(remaining)
             if self.short_form:
@@ -118,13 +126,13 @@ class ChunkExecutor:
             else:
                 obs["rtc"] = {"prev_actions": np.ascontiguousarray(self._chunk[index:], dtype=np.float32),
                               "inference_delay": delay}
-        self._pending = (self._pool.submit(self._infer, obs), self._tick, time.monotonic())
+        self._pending = (self._pool.submit(self._infer, obs), self._tick, time.monotonic(), delay)
 
     def _maybe_switch(self) -> None:
         self._switched_now = False
         if self._pending is None or not self._pending[0].done():
             return
-        future, sent, started = self._pending
+        future, sent, started, sent_delay = self._pending
         self._pending = None
         new = future.result()  # a failed request raises here, in the robot loop: the caller decides
         self.stats.latencies_s.append(time.monotonic() - started)
@@ -133,6 +141,7 @@ class ChunkExecutor:
         if delay >= len(new):
             return  # stale before it was used: keep the current chunk (the next request is sent at once)
         self.stats.delays.append(delay)
+        self.stats.sent_delays.append(sent_delay)
         if self._last is not None and self._chunk is not None:
             self.stats.boundary_jumps.append(boundary_jump(self._last, new[delay]))
             old = self._chunk[min(self._tick - self._start, len(self._chunk) - 1)]
@@ -170,6 +179,9 @@ def summarize(stats: ExecutorStats) -> dict[str, Any]:
         "boundary_jump_mean": mean(jumps),
         "boundary_jump_max": max(jumps) if jumps else math.nan,
         "switch_offset_mean": mean(stats.switch_offsets),
+        # switches whose reply came within the delay its request announced (RTC: they start on the old action)
+        "on_time_offsets": [o for o, d, sd in zip(stats.switch_offsets, stats.delays, stats.sent_delays, strict=True)
+                            if sd is not None and d <= sd],
         "step_size_mean": mean(steps),  # the same measure inside a chunk, for scale
         "delay_ticks_mean": mean([float(d) for d in stats.delays]),
         "latency_ms_p50": float(np.median(stats.latencies_s) * 1e3) if stats.latencies_s else math.nan,
@@ -210,7 +222,7 @@ def simulate(url: str, *, control_hz: float, seconds: float, rtc: bool, executio
             return np.asarray(msg["actions"])
 
         executor = ChunkExecutor(infer, execution_horizon=execution_horizon or max(1, horizon // 2), rtc=rtc,
-                                 max_delay=rtc_meta.get("max_inference_delay"))
+                                 max_delay=rtc_meta.get("max_inference_delay"), control_hz=control_hz)
         observation = robolab_observation(meta, seed)
         try:
             stats = run_robot(executor, lambda k: observation, control_hz=control_hz,

@@ -7,20 +7,26 @@ server tests start real ``policyserver serve`` processes on 127.0.0.1 (slow).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from websockets.sync.client import ClientConnection, connect
 
-from policy_operator.runtime.chunk_executor import ChunkExecutor, boundary_jump
+from policy_operator.runtime.chunk_executor import ChunkExecutor, boundary_jump, simulate
+from policy_operator.runtime.client import robolab_observation
 from policy_operator.runtime.errors import ErrorKind, InvalidRtc, RequestError
 from policy_operator.runtime.policy import collate
 from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePolicy, example_observation
 from policy_operator.runtime.policy.rtc import RtcConstraint, prefix_weights, rtc_unsupported
 from policy_operator.runtime.policy.sampler import sample_actions
+from policy_operator.runtime.serving import wire
 from policy_operator.runtime.serving.rtc_session import RtcSession, RtcSupport, parse_rtc
+from tests.support.servers import PolicyServerProcess, serve_policy
 
 SHAPE = (16, 8)  # the tiny reference policy's (horizon, action_dim)
 
@@ -268,3 +274,93 @@ def test_the_executor_short_form_and_without_rtc() -> None:
             s.gate.release(10)
         executor.close()
         plain.close()
+
+
+# --- real servers (slow) --------------------------------------------------------------------------------------
+SERVE = ["--threads", "1", "--steps", "4", "--error-format", "dict", "--max-batch", "1"]
+
+
+@pytest.fixture(scope="module")
+def guided_server(checkpoint: Path) -> Iterator[PolicyServerProcess]:
+    with serve_policy(checkpoint, "--rtc", "guided", "--rtc-max-delay", "5", *SERVE) as server:
+        yield server
+
+
+def ask(ws: ClientConnection, meta: dict[str, Any], seed: int, rtc: dict[str, Any] | None = None) -> dict[str, Any]:
+    obs = robolab_observation(meta, 3, fixed_seed=seed)
+    if rtc is not None:
+        obs["rtc"] = rtc
+    ws.send(wire.packb(obs))
+    return wire.unpackb(ws.recv(timeout=120))
+
+
+@contextmanager
+def session(server: PolicyServerProcess) -> Iterator[tuple[ClientConnection, dict[str, Any]]]:
+    """One connection and the metadata frame it opened with."""
+    with connect(server.url, compression=None, open_timeout=30, max_size=None) as ws:
+        yield ws, wire.unpackb(ws.recv(timeout=30))
+
+
+@pytest.mark.slow
+def test_a_server_answers_both_forms_and_fails_only_bad_entries(guided_server: PolicyServerProcess) -> None:
+    with session(guided_server) as (ws, meta):
+        assert meta["rtc"] == {"mode": "guided", "max_inference_delay": 5, "forms": ["prev_actions", "executed"]}
+        fresh = ask(ws, meta, 1, {"executed": 0, "inference_delay": 1})  # nothing received yet on this connection
+        assert fresh["error"]["kind"] == "rtc_no_previous_chunk"
+        first = np.asarray(ask(ws, meta, 1)["actions"])
+        tail = first[6:] + np.float32(0.25)  # any tail: the first d come back bit for bit
+        full = np.asarray(ask(ws, meta, 2, {"prev_actions": tail, "inference_delay": 4})["actions"])
+        assert np.array_equal(full[:4], tail[:4]) and not np.array_equal(full[4], tail[4])
+        short = np.asarray(ask(ws, meta, 3, {"executed": 5, "inference_delay": 3, "execution_horizon": 6})["actions"])
+        assert np.array_equal(short[:3], full[5:8])  # the short form refers to the chunk received last
+        for entry, kind in (({"prev_actions": tail[:, :3], "inference_delay": 1}, "invalid_rtc"),
+                            ({"prev_actions": tail, "inference_delay": 16}, "invalid_rtc"),
+                            ({"prev_actions": tail, "inference_delay": 6}, "invalid_rtc"),  # over --rtc-max-delay
+                            ({"prev_actions": np.full_like(tail, np.nan), "inference_delay": 1}, "invalid_rtc"),
+                            ({"executed": 99, "inference_delay": 1}, "invalid_rtc")):
+            reply = ask(ws, meta, 4, entry)
+            assert reply.get("type") == "error" and reply["error"]["kind"] == kind, reply
+        again = np.asarray(ask(ws, meta, 3, {"executed": 5, "inference_delay": 3})["actions"])
+        assert np.array_equal(again[:3], short[5:8])  # failed requests leave the chunk referred to as it was
+    assert guided_server.alive
+    assert guided_server.metric("policy_request_errors_total", kind="invalid_rtc") == 5
+
+
+@pytest.mark.slow
+def test_cfgp2_computes_what_cfgp1_computes_under_rtc(checkpoint: Path, guided_server: PolicyServerProcess) -> None:
+    def chunks(server: PolicyServerProcess) -> list[np.ndarray]:
+        with session(server) as (ws, meta):
+            first = np.asarray(ask(ws, meta, 7)["actions"])
+            return [first, np.asarray(ask(ws, meta, 8, {"prev_actions": first[5:], "inference_delay": 2})["actions"]),
+                    np.asarray(ask(ws, meta, 9, {"executed": 4, "inference_delay": 3})["actions"])]
+
+    with serve_policy(checkpoint, "--cfgp", "2", "--rtc", "guided", "--rtc-max-delay", "5", *SERVE) as parallel:
+        two = chunks(parallel)
+    one = chunks(guided_server)
+    for a, b in zip(one, two, strict=True):
+        assert np.array_equal(a, b), np.abs(a - b).max()  # the same batch-1 kernels: bitwise, as without RTC
+
+
+@pytest.mark.slow
+def test_a_server_without_rtc_refuses_it_and_the_client_says_so(checkpoint: Path) -> None:
+    with serve_policy(checkpoint, *SERVE) as server:
+        with session(server) as (ws, meta):
+            assert meta["rtc"]["mode"] == "off"
+            reply = ask(ws, meta, 1, {"executed": 0, "inference_delay": 1})
+            assert reply["error"]["kind"] == "rtc_unsupported" and "--rtc off" in reply["error"]["message"]
+            assert np.asarray(ask(ws, meta, 1)["actions"]).shape == SHAPE  # and serves plain requests
+        with pytest.raises(RuntimeError, match="does not do real-time chunking"):
+            simulate(server.url, control_hz=15, seconds=1, rtc=True)
+
+
+@pytest.mark.slow
+def test_the_simulated_robot_switches_near_the_old_plan_with_rtc(guided_server: PolicyServerProcess) -> None:
+    """A robot at 4 Hz against the server.  A switch whose reply came within the delay its request announced
+    starts on (delay < d: exactly on) the old chunk's action for that tick, or next to it (delay = d: the first
+    guided action); without RTC it jumps.  Real time: which switches are on time depends on the machine's load,
+    so their number is bounded loosely."""
+    plain = simulate(guided_server.url, control_hz=4, seconds=6, rtc=False, execution_horizon=6)
+    rtc = simulate(guided_server.url, control_hz=4, seconds=6, rtc=True, execution_horizon=6)
+    assert plain["switches"] >= 2 and rtc["switches"] >= 2, (plain, rtc)
+    assert rtc["on_time_offsets"], rtc
+    assert np.mean(rtc["on_time_offsets"]) < 0.5 * plain["switch_offset_mean"], (plain, rtc)

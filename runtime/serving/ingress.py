@@ -50,6 +50,7 @@ from policy_operator.runtime.policy.sampler import SamplerSettings
 from policy_operator.runtime.serving import wire
 from policy_operator.runtime.serving.history import SessionHistory
 from policy_operator.runtime.serving.router import Router
+from policy_operator.runtime.serving.rtc_session import RTC_KEY, RtcIngress, RtcPrepared, RtcSession
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class Ingress:
         self.router = Router(layout.dp)
         self.lanes: list[Lane] = []
         self.policy: Policy | None = None
+        self.rtc = RtcIngress.off()  # what ``rtc`` entries get: refused until the policy is attached
         self.history = SessionHistory(None)  # each session's past observations (Policy.history), set by attach
         self.load_error: str | None = None
         self.draining = False
@@ -105,6 +107,7 @@ class Ingress:
         self.policy = policy
         self.history = SessionHistory(policy)
         self.lanes = lanes
+        self.rtc = RtcIngress.of(policy, self.settings.rtc, self.settings.rtc_max_delay)
 
     def expected(self) -> int:
         """Requests likely to arrive within a batch window: recent sessions with nothing routed, or in prepare."""
@@ -125,6 +128,7 @@ class Ingress:
             "steps": settings.steps,
             "guidance": settings.guidance,
             "action_shape": list(self.policy.action_shape),
+            "rtc": self.rtc.support.metadata(),
         })
         return meta
 
@@ -179,30 +183,37 @@ class Ingress:
             self._on_replica_failed(index, reason)
 
     # --- the request path --------------------------------------------------------------
-    def _decode_and_prepare(self, message: bytes | str) -> tuple[Sample, int | None, str | None, float, float]:
-        """The frame's prepared sample, its seed and session, and the milliseconds decode and prepare took."""
+    def _decode_and_prepare(self, message: bytes | str, rtc_session: RtcSession | None = None
+                            ) -> tuple[Sample, int | None, str | None, float, float, RtcPrepared | None]:
+        """The frame's prepared sample, its seed and session, the milliseconds decode and prepare took, and its
+        checked ``rtc`` entry (None without one)."""
         assert self.policy is not None
         t0 = time.perf_counter()
         obs = wire.decode_observation(message)
         t1 = time.perf_counter()
         seed, session = parse_seed(obs), parse_session(obs)
         sample = self.policy.prepare(obs)
-        return sample, seed, session, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        rtc = self.rtc.parse(obs, rtc_session, self.policy.action_shape) if RTC_KEY in obs else None
+        return sample, seed, session, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, rtc
 
-    async def infer(self, message: bytes | str) -> Reply:
-        """One frame in, its reply out (``actions`` set); any failure raises its ``RequestError``."""
+    async def infer(self, message: bytes | str, rtc_session: RtcSession | None = None) -> Reply:
+        """One frame in, its reply out (``actions`` set); any failure raises its ``RequestError``.
+
+        ``rtc_session``: the connection's memory of the last chunk it received, which the short ``rtc`` form
+        refers to; updated here with this reply's actions."""
         if not self.accepting:
             raise NotReady("server is shutting down" if self.draining else "server is not ready yet")
         self.preparing += 1
         try:
             if len(message) <= INLINE_MAX_BYTES:
-                sample, seed, session, decode_ms, prepare_ms = self._decode_and_prepare(message)
+                sample, seed, session, decode_ms, prepare_ms, rtc = self._decode_and_prepare(message, rtc_session)
             else:
-                sample, seed, session, decode_ms, prepare_ms = await asyncio.get_running_loop().run_in_executor(
-                    self._prepare_pool, self._decode_and_prepare, message)
+                sample, seed, session, decode_ms, prepare_ms, rtc = await asyncio.get_running_loop().run_in_executor(
+                    self._prepare_pool, self._decode_and_prepare, message, rtc_session)
             sample = self.history.extend(session, sample)  # on the loop: sessions' histories change on one thread
             request = InferenceRequest(f"{self._id_prefix}-{next(self._ids)}", sample,
-                                       self._seeds.getrandbits(63) if seed is None else seed)
+                                       self._seeds.getrandbits(63) if seed is None else seed,
+                                       rtc.constraint if rtc is not None else None)
             problems = self.replica_problems()
             if all(problems):
                 raise NotReady("no replica can take a request: " + "; ".join(p for p in problems if p))
@@ -226,8 +237,12 @@ class Ingress:
         reply = await self._bounded(index, task)
         if reply.error_kind is ErrorKind.REPLICA_FAILED:
             self._replica_failed(index, reply.error)
-        reply.unwrap()
-        return replace(reply, replica=index, decode_ms=decode_ms, prepare_ms=prepare_ms)
+        actions = reply.unwrap()
+        if rtc is not None:
+            actions = rtc.request.frozen(actions)
+        if rtc_session is not None:
+            rtc_session.received(actions)
+        return replace(reply, actions=actions, replica=index, decode_ms=decode_ms, prepare_ms=prepare_ms)
 
     async def _bounded(self, index: int, task: asyncio.Future[Reply]) -> Reply:
         """The lane's answer, or ReplicaUnavailable once the replica has not been ready for the request timeout."""

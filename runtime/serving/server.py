@@ -36,6 +36,7 @@ from policy_operator.runtime.serving import wire
 from policy_operator.runtime.serving.ingress import Ingress
 from policy_operator.runtime.serving.limits import MAX_QUEUED_FRAMES, ReadBudget, bounded_connection
 from policy_operator.runtime.serving.metrics import ServerMetrics
+from policy_operator.runtime.serving.rtc_session import RtcSession
 from policy_operator.serve_flags import (
     DEFAULT_FRAME_READ_TIMEOUT_S,
     DEFAULT_MAX_BUFFERED_BYTES,
@@ -188,12 +189,13 @@ class PolicyWebSocketServer:
         try:
             await ws.send(wire.packb(self.ingress.metadata()))
             prev_total_ms: float | None = None
+            rtc_session = RtcSession()  # the last chunk this connection received: the short rtc form's reference
             async for message in ws:
                 sessions.request(ws)
                 started = time.perf_counter()
                 self.metrics.in_flight.inc()
                 try:
-                    reply = await self.ingress.infer(message)
+                    reply = await self.ingress.infer(message, rtc_session)
                 except NotReady as exc:
                     self.metrics.errors.labels(exc.kind.value).inc()
                     await ws.close(1001, str(exc))
