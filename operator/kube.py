@@ -179,4 +179,5 @@ class Kube:
         resource = self._resource(kind)
         target = resource.subresources[subresource] if subresource else resource
         return self._call(f"patch {kind} {namespace}/{name}" + (f"/{subresource}" if subresource else ""),
-                          target.patch, body=dict(patch), name=name, namespace=namespace, content_type=MERGE_PATCH)
+                          target.patch, body=dict(patch), name=name, namespace=namespace, content_type=MERGE_PATCH,
+                          field_manager=FIELD_MANAGER)  # the operator's own: a template repair is no foreign owner

@@ -604,7 +604,10 @@ def build_statefulset(spec: PolicyServerSpec, serving: ServingCheckpoint | None 
             "serviceName": names.headless_service,
             # pods are independent replicas: start and replace them all at once, not in ordinal order
             "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
+            # the operator replaces pods itself (operator/rollout.py): a template edited behind its back restarts
+            # nothing before it is put back, and a rollout surges instead of stopping a pod first
+            "updateStrategy": {"type": "OnDelete"},
+            "ordinals": {"start": 0},  # moved up by a rollout that retires the lowest pod (rollout.py)
             "selector": {"matchLabels": selector_labels(spec.name)},
             "template": template,
         },

@@ -11,11 +11,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 from policy_operator import progress_line
 from policy_operator.constants import (
-    ANNOTATION_SURGE,
     COMPONENT_CACHE,
     COMPONENT_FETCH,
     LABEL_CHECKPOINT_KEY,
@@ -46,25 +45,7 @@ class Observed:
     storage_class: dict[str, Any] | None = None  # the cache claims' StorageClass, when readable
     pdb: dict[str, Any] | None = None
     gc_job: dict[str, Any] | None = None  # the cleanup Job of the spec's checkpoint
-    surge_pod: dict[str, Any] | None = None  # the extra pod of a surging rollout (surge_pod_name), when it exists
     cache_jobs: list[dict[str, Any]] = field(default_factory=list)  # every fetch and cleanup Job (shared cache)
-
-
-# The surge annotation (plan.py's rollout state machine writes it; a pass reads it to find the extra pod).
-SURGE_STARTING: Final = "starting"
-SURGE_ROLLING: Final = "rolling"
-
-
-def surge_of(sts: Mapping[str, Any] | None) -> tuple[str, str] | None:
-    """(template hash, phase) of the surge the StatefulSet is in, from its annotation; None: not surging."""
-    value = (((sts or {}).get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SURGE) or ""
-    want_hash, _, phase = value.partition("/")
-    return (want_hash, phase) if want_hash and phase in (SURGE_STARTING, SURGE_ROLLING) else None
-
-
-def surge_pod_name(statefulset: str, replicas: int) -> str:
-    """The extra pod of a surge: the first ordinal past ``replicas``."""
-    return f"{statefulset}-{replicas}"
 
 
 def running_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> str | None:
@@ -138,15 +119,15 @@ def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
     job_pods = kube.list("Pod", ns, {**manifests.selector_labels(spec.name, COMPONENT_FETCH),
                                      LABEL_CHECKPOINT_KEY: spec.checkpoint.key}) if job else []
     sts = kube.get("StatefulSet", ns, names.statefulset)
-    # a surging rollout waits for its extra pod: Ready (go on) or Unschedulable (replace in place)
-    surge_pod = kube.get("Pod", ns, surge_pod_name(names.statefulset, spec.replicas)) if surge_of(sts) else None
+    # the rollout (rollout.py) decides from every server pod's revision, readiness and schedulability
+    pods = kube.list("Pod", ns, manifests.selector_labels(spec.name)) if sts else []
     return Observed(
         pvc=kube.get("PersistentVolumeClaim", ns, manifests.claim_name(spec)),
         job=job,
         job_pods=job_pods,
         fetch_log=fetch_log(kube, ns, job, job_pods),
         statefulset=sts,
-        surge_pod=surge_pod,
+        pods=pods,
         service=kube.get("Service", ns, names.service),
         headless_service=kube.get("Service", ns, names.headless_service),
         **storage_and_disruption(kube, spec),

@@ -9,6 +9,10 @@ first; the StatefulSet and Services only once a checkpoint is ready to serve.
 The StatefulSet and the Services are *server-side applied* on every pass, not
 only when they differ: an apply that changes nothing is a no-op on the API
 server, and one that does change something is a hand edit being put back.
+What apply cannot take back (fields another manager added: an env entry of
+``kubectl set env``, a Service port edited into another key) is found in
+managedFields and replaced whole by a merge patch first, with a ``Repaired``
+Warning.  Which pods to replace for a new template is ``rollout.py``'s.
 The claim and the Jobs are created once: a claim's spec is immutable after
 binding except its size, which grows when the StorageClass allows expansion
 (``_plan_storage``), and a Job's template always is.  The PodDisruptionBudget
@@ -20,7 +24,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import kopf
@@ -34,9 +38,9 @@ from policy_operator.constants import (
     COMPONENT_FETCH,
     COND_PROGRESSING,
     COND_STORAGE_READY,
+    FIELD_MANAGER,
     LABEL_CHECKPOINT_KEY,
     LABEL_COMPONENT,
-    LABEL_CONTROLLER_REVISION_HASH,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
     MANAGED_BY,
@@ -45,11 +49,12 @@ from policy_operator.operator import manifests
 from policy_operator.operator.child_status import CheckpointPhase, CheckpointState
 from policy_operator.operator.conditions import FALSE, TRUE, Condition, Event, Reason
 from policy_operator.operator.manifests import Names, ServingCheckpoint
-from policy_operator.operator.observe import SURGE_ROLLING, SURGE_STARTING, Observed, surge_of, surge_pod_name
+from policy_operator.operator.observe import Observed
+from policy_operator.operator.rollout import plan_rollout, start_ordinal
 from policy_operator.operator.spec import PolicyServerSpec
 
 
-class Verb(str, Enum):
+class Verb(StrEnum):
     APPLY = "apply"    # server-side apply, every pass
     CREATE = "create"  # only when missing
     PATCH = "patch"    # a merge patch of a few fields
@@ -266,105 +271,58 @@ def _plan_job(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], job:
                                  Event("Normal", "Created", f"created fetch Job {job_name} for {spec.checkpoint.source}")))
 
 
-# --- rollouts that keep serving: surge ---------------------------------------------------------
-#
-# A StatefulSet has no maxSurge: it replaces pod k by deleting it and then creating it again, so at
-# replicas: 1 every spec change is downtime.  The surge is built from its rolling-update partition
-# (pods with an ordinal >= partition get the new template, the others keep theirs), driven over
-# several passes from what is observed, with ANNOTATION_SURGE on the StatefulSet remembering where
-# the rollout is:
-#
-#   change seen, pods serving  -> replicas N+1, partition N: only the extra pod (ordinal N) starts,
-#                                 with the new template; the N old pods keep serving   [starting]
-#   extra pod Ready            -> partition 0: the StatefulSet replaces the N old pods one at a
-#                                 time while the extra pod serves                      [rolling]
-#   all N+1 updated and Ready  -> replicas N: the extra pod goes (it drains on SIGTERM)
-#   extra pod Unschedulable    -> replicas N, partition 0: in-place replacement, with a Warning
-#
-# The Service routes only to Ready pods (readiness is /readyz), so some pod serves throughout.
+# --- drift: fields of the operator's children that another manager wrote -----------------------------
 
+def foreign_managers(obj: Mapping[str, Any], *path: str) -> list[str]:
+    """Field managers other than the operator that own fields under ``path`` (``"spec", "template"``).
 
-@dataclass(frozen=True)
-class Rollout:
-    """What the StatefulSet should say now: replicas, partition, the surge annotation (None: none)."""
-
-    replicas: int
-    partition: int = 0
-    surge: str | None = None
-    event: Event | None = None
-
-
-def _pod_condition(pod: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
-    return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == kind), {})
-
-
-def _ready_on(pod: Mapping[str, Any] | None, revision: str | None) -> bool:
-    """The pod is Ready (the kubelet's /readyz probe) and runs ``revision`` of the StatefulSet."""
-    if pod is None or not revision or (pod.get("metadata") or {}).get("deletionTimestamp"):
-        return False
-    labels = (pod.get("metadata") or {}).get("labels") or {}
-    return labels.get(LABEL_CONTROLLER_REVISION_HASH) == revision and _pod_condition(pod, "Ready").get("status") == "True"
-
-
-def _unschedulable(pod: Mapping[str, Any] | None) -> str | None:
-    """The scheduler's message when it found no node for the pod (no GPUs free, ...); None otherwise."""
-    scheduled = _pod_condition(pod or {}, "PodScheduled")
-    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
-        return str(scheduled.get("message") or "Unschedulable")
-    return None
-
-
-def _rolled(sts: Mapping[str, Any], replicas: int) -> bool:
-    """``replicas`` pods, every one on the update revision and Ready, and the controller has seen the latest spec."""
-    meta, status = sts.get("metadata") or {}, sts.get("status") or {}
-    return (int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 1)
-            and bool(status.get("updateRevision")) and status.get("currentRevision") == status.get("updateRevision")
-            and int(status.get("replicas") or 0) == replicas
-            and int(status.get("updatedReplicas") or 0) == replicas
-            and int(status.get("readyReplicas") or 0) == replicas)
-
-
-def plan_rollout(replicas: int, sts: Mapping[str, Any] | None, want_hash: str,
-                 surge_pod: Mapping[str, Any] | None) -> Rollout:
-    """The next step of a rollout to template ``want_hash`` at ``replicas`` pods, from the observed StatefulSet.
-
-    Pure and level-triggered: the same observation gives the same answer,
-    so a pass repeated after a crash or a conflict changes nothing.
+    Server-side apply takes back the fields the operator sets, but leaves
+    those it never set and another manager added (``kubectl set env`` adds an
+    env entry owned by ``kubectl-set``).  Those are found in managedFields.
     """
-    if sts is None or replicas == 0:
-        return Rollout(replicas)
-    name = (sts.get("metadata") or {}).get("name") or "?"
-    extra = surge_pod_name(name, replicas)
-    have_hash = ((sts.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH)
-    status = sts.get("status") or {}
-    if have_hash != want_hash:
-        if not int(status.get("readyReplicas") or 0):
-            return Rollout(replicas)  # nothing serves that a surge could keep serving: replace in place
-        return Rollout(replicas + 1, replicas, f"{want_hash}/{SURGE_STARTING}", Event(
-            "Normal", "SurgeStarted", f"starting {extra} with the new template; the {replicas} serving pod(s) are "
-                                      f"replaced only once it is Ready"))
-    surge = surge_of(sts)
-    if surge is None or surge[0] != want_hash:
-        return Rollout(replicas)
-    if surge[1] == SURGE_STARTING:
-        if _ready_on(surge_pod, status.get("updateRevision")):
-            return Rollout(replicas + 1, 0, f"{want_hash}/{SURGE_ROLLING}", Event(
-                "Normal", "SurgeReady", f"{extra} is Ready with the new template; replacing the other pod(s) one at a "
-                                        f"time while it serves"))
-        why = _unschedulable(surge_pod)
-        if why is not None:
-            return Rollout(replicas, 0, None, Event(
-                "Warning", "SurgeUnschedulable", f"{extra} does not fit ({why}); replacing the pod(s) in place "
-                                                 f"instead: each stops before its successor is Ready"))
-        return Rollout(replicas + 1, replicas, f"{want_hash}/{SURGE_STARTING}")
-    if _rolled(sts, replicas + 1):
-        return Rollout(replicas, 0, None, Event(
-            "Normal", "SurgeComplete", f"every pod runs the new template; removing the extra pod {extra}"))
-    return Rollout(replicas + 1, 0, f"{want_hash}/{SURGE_ROLLING}")
+    found = []
+    for entry in (obj.get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") == FIELD_MANAGER:
+            continue
+        node: Any = entry.get("fieldsV1") or {}
+        for part in path:
+            node = node.get(f"f:{part}") if isinstance(node, dict) else None
+        if node:
+            found.append(str(entry.get("manager")))
+    return sorted(set(found))
+
+
+def replacement_patch(live: Any, desired: Any) -> Any:
+    """A merge patch that turns ``live`` into ``desired``: every map key only ``live`` has set to null.
+
+    Lists are replaced whole by a merge patch; a key the API server had
+    defaulted comes back with its default, so the result is ``desired`` as
+    the API server stores it, whoever wrote the rest.
+    """
+    if not isinstance(live, dict) or not isinstance(desired, dict):
+        return copy.deepcopy(desired)
+    out: dict[str, Any] = {key: None for key in live if key not in desired}
+    for key, value in desired.items():
+        out[key] = replacement_patch(live.get(key), value)
+    return out
+
+
+def _repair_template(plan: Plan, name: str, sts: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """Put the pod template back whole when another manager wrote into it (a PATCH before the apply)."""
+    managers = foreign_managers(sts, "spec", "template")
+    if not managers:
+        return False
+    live = ((sts.get("spec") or {}).get("template")) or {}
+    plan.writes.append(Write(Verb.PATCH, "StatefulSet", name,
+                             {"spec": {"template": replacement_patch(live, desired["spec"]["template"])}},
+                             Event("Warning", "Repaired", f"StatefulSet {name}: the pod template had fields written by "
+                                                          f"{', '.join(managers)}; put back as the PolicyServer says "
+                                                          f"(no pod was replaced for them)")))
+    return True
 
 
 def _plan_statefulset(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], sts: Mapping[str, Any] | None,
-                      pvc: Mapping[str, Any] | None, observed_surge_pod: Mapping[str, Any] | None = None) -> None:
+                      pvc: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]] = ()) -> None:
     names, uid = Names(spec.name), owner["metadata"]["uid"]
     assert plan.serving is not None
     desired = _adopted(manifests.build_statefulset(spec, plan.serving, _cache_modes(spec, pvc)), owner)
@@ -385,22 +343,52 @@ def _plan_statefulset(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, An
         # volumeClaimTemplates are immutable: keep them (a larger size grows the existing claims instead)
         desired["spec"]["volumeClaimTemplates"] = copy.deepcopy(templates)
     meta, current_spec = sts.get("metadata") or {}, sts.get("spec") or {}
-    rollout = plan_rollout(spec.replicas, sts, want_hash, observed_surge_pod)
+    drifted = _repair_template(plan, names.statefulset, sts, desired)
+    rollout = plan_rollout(spec.replicas, sts, want_hash, pods, retire_by_ordinal=not spec.storage.per_pod,
+                           drifted=drifted)
     desired["spec"]["replicas"] = rollout.replicas
-    desired["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": rollout.partition}}
+    desired["spec"]["ordinals"] = {"start": rollout.start}
     if rollout.surge is not None:  # left out, server-side apply removes it: the surge is over
         desired["metadata"].setdefault("annotations", {})[ANNOTATION_SURGE] = rollout.surge
     changes = []
     if (meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH) != want_hash:
         old_key = (meta.get("labels") or {}).get(LABEL_CHECKPOINT_KEY)
         changes.append(f"rolling pods to template {want_hash}" +
-                       (f" (checkpoint {old_key} -> {plan.serving.key})" if old_key != plan.serving.key else ""))
-    if current_spec.get("replicas") != rollout.replicas and rollout.event is None:
+                       (f" (checkpoint {old_key} -> {plan.serving.key})" if old_key != plan.serving.key else "")
+                       + (f"; {rollout.note}" if rollout.note else ""))
+    if current_spec.get("replicas") != rollout.replicas and rollout.event is None and rollout.surge is None \
+            and start_ordinal(sts) == rollout.start:
         changes.append(f"scaling {current_spec.get('replicas')} -> {rollout.replicas} pods")
     event = Event("Normal", "Updated", f"StatefulSet {names.statefulset}: " + "; ".join(changes)) if changes else None
     plan.writes.append(Write(Verb.APPLY, "StatefulSet", names.statefulset, desired, event))
+    for pod in rollout.delete:  # OnDelete: the controller recreates each from the update revision
+        plan.writes.append(Write(Verb.DELETE, "Pod", pod, {}))
     if rollout.event is not None:
         plan.warnings.append(rollout.event)  # posted after the writes, like every warning of the plan
+
+
+def _service_repair(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The merge patch removing ports and selector keys another manager added to a Service; None: none.
+
+    Service ports are a list map keyed by (port, protocol): a port edited by
+    hand is another key, owned by its editor, which server-side apply keeps
+    next to the operator's, and two ports named ``ws`` are refused (422
+    ``Duplicate value``) on every later apply.  A merge patch replaces the list
+    whole (a port kept keeps its nodePort).
+    """
+    if not foreign_managers(existing, "spec", "ports") and not foreign_managers(existing, "spec", "selector"):
+        return None  # a spec change: server-side apply moves the operator's own port
+    have, want = existing.get("spec") or {}, desired["spec"]
+    patch: dict[str, Any] = {}
+    keys = {(p.get("port"), p.get("protocol", "TCP")): p for p in have.get("ports") or []}
+    if set(keys) != {(p["port"], p.get("protocol", "TCP")) for p in want["ports"]}:
+        patch["ports"] = [{**p, **({"nodePort": keys[key]["nodePort"]} if key in keys and "nodePort" in keys[key]
+                                   else {})}
+                          for p in want["ports"] for key in [(p["port"], p.get("protocol", "TCP"))]]
+    extra = set(have.get("selector") or {}) - set(want["selector"])
+    if extra:
+        patch["selector"] = {**dict.fromkeys(sorted(extra)), **want["selector"]}
+    return {"spec": patch} if patch else None
 
 
 def _plan_service(plan: Plan, owner: Mapping[str, Any], existing: Mapping[str, Any] | None,
@@ -412,7 +400,13 @@ def _plan_service(plan: Plan, owner: Mapping[str, Any], existing: Mapping[str, A
     elif not controlled_by(existing, owner["metadata"]["uid"]):
         plan.problem = _conflict("Service", name, "is not controlled by this PolicyServer")
     else:
-        changed = manifests.service_needs_patch(existing, desired)
+        repair = _service_repair(existing, desired)
+        if repair is not None:
+            have = [f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in (existing.get("spec") or {}).get("ports") or []]
+            plan.writes.append(Write(Verb.PATCH, "Service", name, repair, Event(
+                "Warning", "Repaired", f"Service {name}: ports {', '.join(have)} and selector put back as the "
+                                       f"PolicyServer says ({', '.join(f'{p['port']}/{p['protocol']}' for p in desired['spec']['ports'])})")))
+        changed = repair is None and manifests.service_needs_patch(existing, desired)
         plan.writes.append(Write(Verb.APPLY, "Service", name, desired,
                                  Event("Normal", "Updated", f"updated Service {name}") if changed else None))
 
@@ -530,7 +524,7 @@ def plan(spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed, c
         return result
     result.serving = serving_checkpoint(spec, checkpoint, observed.statefulset, hold=cleanup is not None)
     if result.serving is not None:
-        _plan_statefulset(result, spec, owner, observed.statefulset, observed.pvc, observed.surge_pod)
+        _plan_statefulset(result, spec, owner, observed.statefulset, observed.pvc, observed.pods)
         if result.blocked:
             return result
         _plan_service(result, owner, observed.headless_service, manifests.build_headless_service(spec))

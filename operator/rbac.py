@@ -48,8 +48,9 @@ RULES: tuple[Rule, ...] = (
     Rule("", "services", ("get", "create", "patch"), "server-side apply the ClusterIP and headless Services every pass (drift is put back)"),
     Rule("policy", "poddisruptionbudgets", ("get", "create", "patch", "delete"),
          "server-side apply the PodDisruptionBudget while replicas > 1; delete it below that"),
-    Rule("", "pods", ("get", "list", "patch"),
-         "find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness"),
+    Rule("", "pods", ("get", "list", "patch", "delete"),
+         "find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness; "
+         "replace a server pod in a rollout (the StatefulSet's updateStrategy is OnDelete)"),
     Rule("", "pods/log", ("get",),
          "read the last progress line of the running fetch pod's log (status.checkpoint.progress)"),
     Rule("", "events", ("create", "patch", "list"),

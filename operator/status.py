@@ -266,7 +266,8 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
     updated_ready = sum(1 for p in updated if p.ready)
     ranks_unknown = any(not p.ranks_known for p in pods if p.phase != "Terminating")
     total_ranks = workload.desired * spec.layout.world_size
-    ranks = f"{sum(p.ranks_ready for p in pods)}/{total_ranks}"
+    # a surge pod serves next to the pod it replaces for a moment: READY and RANKS count up to what is desired
+    ranks = f"{min(sum(p.ranks_ready for p in pods), total_ranks)}/{total_ranks}"
     prev_conditions = previous.get("conditions") or []
     # served before: Available was True, or already says it no longer is (sticky for the whole outage)
     previously_available = any(c.get("type") == COND_AVAILABLE
@@ -320,7 +321,7 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
         "readyReplicas": ready_pods,
         "updatedReplicas": len(updated),
         "updatedReadyReplicas": updated_ready,
-        "ready": f"{ready_pods}/{workload.desired}",
+        "ready": f"{min(ready_pods, workload.desired)}/{workload.desired}",
         "ranksReady": ranks,
         "layout": spec.layout.label,
         "selector": selector_string(spec.name),

@@ -42,7 +42,7 @@ ANNOTATION_TEMPLATE_HASH: Final = f"{GROUP}/template-hash"
 ANNOTATION_CHECKPOINT_SOURCE: Final = f"{GROUP}/checkpoint-source"
 ANNOTATION_CHECKPOINT_REVISION: Final = f"{GROUP}/checkpoint-revision"
 ANNOTATION_RANKS_READY: Final = f"{GROUP}/ranks-ready"
-# on the StatefulSet while a rollout surges: "<template hash>/<phase>" (operator/plan.py, plan_rollout)
+# on the StatefulSet while a rollout surges: "<template hash>/surge" (operator/rollout.py, plan_rollout)
 ANNOTATION_SURGE: Final = f"{GROUP}/surge"
 
 # --- Conditions and phases -----------------------------------------------------

@@ -271,7 +271,9 @@ def test_checkpoint_change_downloads_once_then_rolls_and_scale_works(cluster: Cl
     sts = c.lc.get("apps/v1", "statefulsets", name)
     assert sts["spec"]["replicas"] == 1 and sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH] == hash_b
     assert set(status["selector"].split(",")) == {f"{k}={v}" for k, v in sts["spec"]["selector"]["matchLabels"].items()}
-    wait_for(lambda: c.lc.get("v1", "pods", f"{name}-1") is None, WAIT_S, what="pod 1 deleted by the controller")
+    wait_for(lambda: len(c.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}="
+                                                f"{C.COMPONENT_SERVER}")) == 1, WAIT_S,
+             what="the highest pod deleted by the controller")
     assert c.recorder.created("statefulsets", name) == [name]
     delete(c, name)
 

@@ -139,16 +139,54 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
     assert "Traceback" not in lc.operator.log.read_text(), f"the operator crashed; see {lc.operator.log}"
 
 
+class StatusWatch:
+    """Samples the PolicyServer's status on its own thread: every READY and RANKS a client of the API could read."""
+
+    def __init__(self, lc: LocalCluster, name: str) -> None:
+        self.lc, self.name = lc, name
+        self.samples: list[tuple[str, str]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="status-watch", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            status = self.lc.status(self.name)
+            self.samples.append((str(status.get("ready")), str(status.get("ranksReady"))))
+            time.sleep(0.1)
+
+
+def _operator_events(lc: LocalCluster, name: str, uid: str, since: str) -> list[dict[str, Any]]:
+    """The Events the operator posted about the PolicyServer from ``since`` (RFC 3339) on, one per occurrence."""
+    return [e for e in lc.api.events(NS, involved_name=name)
+            if e["involvedObject"].get("uid") == uid
+            and (e.get("lastTimestamp") or e.get("eventTime") or "") >= since
+            for _ in range(int(e.get("count") or 1))]
+
+
+def _now_rfc3339() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))
+
+
 def test_a_session_held_across_a_rollout_loses_no_request(cluster: tuple[LocalCluster, str]) -> None:
+    """One replica, one robot: the robot reconnects once (to the pod that stays), READY and RANKS never read more
+    than the desired 1/1 and 2/2, and the rollout posts a handful of Events."""
     lc, name = cluster
     first = lc.wait_status(name, lambda s: s.get("phase") == C.PHASE_READY, "first Ready", WAIT_S)
     old_revision = first["pods"][0]["revision"]
+    generation = first["observedGeneration"]
+    uid = (lc.get(C.API_VERSION, C.PLURAL, name) or {})["metadata"]["uid"]
+    steps = 3 if _steps(lc, name) != 3 else 2  # a change that rolls the pods
     robot = Client(lc.node.service_url(NS, name, C.PORT_NAME, scheme="ws"))
+    watch = StatusWatch(lc, name)
     robot.thread.start()
     try:
         wait_for(lambda: robot.ok >= 3 or not robot.thread.is_alive(), 60, what="the robot served")
-        lc.kubectl("patch", C.SHORT_NAME, name, "--type=merge", "-p", json.dumps({"spec": {"runtime": {"steps": 3}}}))
-        done = lc.wait_status(name, lambda s: s.get("observedGeneration") == 2 and s.get("phase") == C.PHASE_READY
+        lc.operator.settle(passes=3)  # what follows the first Ready (the cleanup Job) is not the rollout's
+        since = _now_rfc3339()
+        watch.thread.start()
+        lc.kubectl("patch", C.SHORT_NAME, name, "--type=merge", "-p", json.dumps({"spec": {"runtime": {"steps": steps}}}))
+        done = lc.wait_status(name, lambda s: s.get("observedGeneration") == generation + 1
+                              and s.get("phase") == C.PHASE_READY and len(s.get("pods") or []) == 1
                               and all(p.get("revision") != old_revision for p in s.get("pods") or []),
                               "rolled and Ready", WAIT_S)
         sts = lc.get("apps/v1", "statefulsets", name) or {}
@@ -157,11 +195,82 @@ def test_a_session_held_across_a_rollout_loses_no_request(cluster: tuple[LocalCl
         wait_for(lambda: robot.ok >= before + 3 or not robot.thread.is_alive(), 60, what="the robot served after")
     finally:
         robot.stop.set()
+        watch.stop.set()
         robot.thread.join(90)
+        watch.thread.join(10)
     assert robot.lost == [], robot.lost
-    assert robot.steps_seen[0] == 2 and robot.steps_seen[-1] == 3  # the session moved to a pod of the new spec
-    assert robot.reconnects >= 1 and robot.ok > 6
+    assert robot.steps_seen[-1] == steps  # the session moved to a pod of the new spec
+    assert robot.reconnects == 1 and robot.ok > 6, (robot.reconnects, robot.steps_seen)
     assert len(done["pods"]) == 1
-    seen = {e["reason"] for e in lc.list("v1", "events") if e["involvedObject"].get("name") == name
-            and e["involvedObject"].get("kind") == C.KIND}
-    assert {"SurgeStarted", "SurgeReady", "SurgeComplete"} <= seen, seen  # the new pod was Ready first
+    world_size = int(done["ranksReady"].split("/")[1])  # one pod's ranks
+    above = [s for s in watch.samples if s != ("None", "None")
+             and not (_fraction(s[0]) <= (1, 1) and _fraction(s[1])[0] <= _fraction(s[1])[1] == world_size)]
+    assert watch.samples and not above, f"READY/RANKS above the desired count: {sorted(set(above))}"
+    events = _operator_events(lc, name, uid, since)
+    reasons = " ".join(e["reason"] for e in events)
+    assert "SurgeComplete" in reasons and "surge:" in next(  # the new pod was Ready first
+        e["message"] for e in events if e["reason"] == "Updated"), reasons
+    # Updated, SurgeComplete, the phase there and back, Progressing there and back; Available's own transitions
+    # (a starting pod is not RanksUnknown) are test_status_cluster's
+    rollout = [e for e in events if not (e.get("message") or "").startswith(f"{C.COND_AVAILABLE}=")]
+    assert len(rollout) <= 6, reasons
+
+
+def _fraction(text: str) -> tuple[int, int]:
+    done, _, total = text.partition("/")
+    return int(done), int(total)
+
+
+def _steps(lc: LocalCluster, name: str) -> int:
+    return int(((lc.get(C.API_VERSION, C.PLURAL, name) or {}).get("spec") or {}).get("runtime", {}).get("steps", 2))
+
+
+def _server_pods(lc: LocalCluster, name: str) -> dict[str, tuple[str, int]]:
+    """name -> (uid, restarts of the server container) of every server pod."""
+    pods = lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+    return {p["metadata"]["name"]: (p["metadata"]["uid"], sum(int(cs.get("restartCount") or 0) for cs in
+                                                             (p.get("status") or {}).get("containerStatuses") or []))
+            for p in pods}
+
+
+def test_kubectl_set_env_is_removed_without_restarting_a_pod(cluster: tuple[LocalCluster, str]) -> None:
+    """Server-side apply leaves an env entry another manager added: the operator takes the whole template back,
+    says so with an Event, and (updateStrategy OnDelete) no pod restarts for either change."""
+    lc, name = cluster
+    lc.wait_status(name, lambda s: s.get("phase") == C.PHASE_READY, "Ready", WAIT_S)
+    pods = _server_pods(lc, name)
+    lc.kubectl("set", "env", f"statefulset/{name}", "-c", "server", "DRIFT_ADDED=1")
+
+    def template_env() -> list[str]:
+        sts = lc.get("apps/v1", "statefulsets", name) or {}
+        return [e["name"] for c in sts["spec"]["template"]["spec"]["containers"] for e in c.get("env") or []]
+
+    wait_for(lambda: "DRIFT_ADDED" not in template_env(), 60, what="the foreign env entry removed")
+    lc.api.wait_event(NS, name, "Warning", "Repaired", message="kubectl-set")
+    lc.operator.settle(passes=3)
+    assert "DRIFT_ADDED" not in template_env()
+    status = lc.wait_status(name, lambda s: s.get("phase") == C.PHASE_READY, "still Ready", WAIT_S)
+    assert _server_pods(lc, name) == pods, "a pod was replaced or restarted for the edit or its repair"
+    sts = lc.get("apps/v1", "statefulsets", name) or {}
+    assert sts["status"]["currentRevision"] == sts["status"]["updateRevision"] == status["pods"][0]["revision"]
+
+
+def test_a_service_port_edited_by_hand_is_put_back(cluster: tuple[LocalCluster, str]) -> None:
+    """``kubectl patch svc`` on the port makes it another key of the ports list map: without the repair every
+    later apply fails with 422 Duplicate value "ws" and robots cannot connect on the documented port."""
+    lc, name = cluster
+    lc.wait_status(name, lambda s: s.get("phase") == C.PHASE_READY, "Ready", WAIT_S)
+    port = (lc.get("v1", "services", name) or {})["spec"]["ports"][0]["port"]
+    lc.kubectl("patch", "service", name, "--type=json",
+               "-p", json.dumps([{"op": "replace", "path": "/spec/ports/0/port", "value": 9999}]))
+    wait_for(lambda: [p["port"] for p in (lc.get("v1", "services", name) or {})["spec"]["ports"]] == [port], 60,
+             what=f"Service port {port} put back")
+    lc.api.wait_event(NS, name, "Warning", "Repaired", message="9999/TCP")
+    lc.operator.settle(passes=3)
+    status = lc.status(name)
+    progressing = next(c for c in status["conditions"] if c["type"] == C.COND_PROGRESSING)
+    assert progressing["reason"] != "ApplyFailed", progressing
+    assert [p["port"] for p in (lc.get("v1", "services", name) or {})["spec"]["ports"]] == [port]
+    robot = Client(lc.node.service_url(NS, name, C.PORT_NAME, scheme="ws"))
+    robot._request(1)  # the documented port serves
+    robot._drop()

@@ -1,10 +1,13 @@
-"""The surge state machine of a rollout (operator/plan.py, ``plan_rollout``): pure, one observation at a time.
+"""Rollouts decided by the operator (operator/rollout.py, ``plan_rollout``): pure, one observation at a time.
 
-Each test hands the planner a StatefulSet (and the surge pod) as the API
-would show them at one point of a rollout and checks the next step: start
-the extra pod with the new template while the old ones serve, go on once it
-is Ready, scale back once every pod is updated, or fall back to in-place
-replacement with a Warning when the extra pod does not fit.
+Each test hands the planner a StatefulSet (``updateStrategy: OnDelete``) and
+its pods as the API would show them at one point of a rollout and checks the
+next step: one extra pod with the new template while the old ones serve, the
+old pod retired by moving ``ordinals.start`` once it is Ready (so clients
+reconnect once, to the pod that stays), in-place replacement one pod at a
+time for perPod storage or a surge pod that does not fit, and nothing
+replaced for a template another manager drifted.  Drift repair itself
+(managedFields, the replacement merge patch) is checked here too.
 """
 
 from __future__ import annotations
@@ -16,113 +19,169 @@ import pytest
 from policy_operator import constants as C
 from policy_operator.operator import child_status
 from policy_operator.operator import plan as pl
+from policy_operator.operator import rollout as ro
 from policy_operator.operator.spec import parse_spec
 
 OWNER = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps", "namespace": "ns", "uid": "uid-1"}}
 READY = child_status.CheckpointState(child_status.CheckpointPhase.READY, child_status.Reason.DOWNLOADED, "", "j")
 OLD, NEW = "hash-old", "hash-new"
+SURGE = f"{NEW}/{ro.SURGE}"
 
 
-def sts(template_hash: str, replicas: int, *, surge: str | None = None, ready: int | None = None,
-        updated: int = 0, current: str = "rev-1", update: str = "rev-2", generation: int = 3,
-        observed: int = 3) -> dict[str, Any]:
+def sts(template_hash: str, replicas: int, *, start: int = 0, surge: str | None = None, update: str = "rev-2",
+        generation: int = 3, observed: int = 3) -> dict[str, Any]:
     annotations = {C.ANNOTATION_TEMPLATE_HASH: template_hash}
     if surge is not None:
         annotations[C.ANNOTATION_SURGE] = surge
     return {"metadata": {"name": "ps", "generation": generation, "annotations": annotations},
-            "spec": {"replicas": replicas},
-            "status": {"replicas": replicas, "readyReplicas": replicas if ready is None else ready,
-                       "updatedReplicas": updated, "currentRevision": current, "updateRevision": update,
-                       "observedGeneration": observed}}
+            "spec": {"replicas": replicas, "ordinals": {"start": start}},
+            "status": {"replicas": replicas, "updateRevision": update, "observedGeneration": observed}}
 
 
-def pod(ready: bool = False, revision: str = "rev-2", unschedulable: str | None = None,
+def pod(ordinal: int, *, ready: bool = True, revision: str = "rev-2", unschedulable: str | None = None,
         deleting: bool = False) -> dict[str, Any]:
     conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
     if unschedulable is not None:
         conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                            "message": unschedulable})
-    meta: dict[str, Any] = {"name": "ps-1", "labels": {"controller-revision-hash": revision}}
+    meta: dict[str, Any] = {"name": f"ps-{ordinal}", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: revision}}
     if deleting:
         meta["deletionTimestamp"] = "2025-01-01T00:00:00Z"
     return {"metadata": meta, "status": {"conditions": conditions}}
 
 
-def test_no_statefulset_or_no_replicas_is_no_surge() -> None:
-    assert pl.plan_rollout(1, None, NEW, None) == pl.Rollout(1)
-    assert pl.plan_rollout(0, sts(OLD, 1), NEW, None) == pl.Rollout(0)
+def step(replicas: int, observed: dict[str, Any] | None, pods: list[dict[str, Any]], *, want: str = NEW,
+         per_pod: bool = False, drifted: bool = False) -> ro.Rollout:
+    return ro.plan_rollout(replicas, observed, want, pods, retire_by_ordinal=not per_pod, drifted=drifted)
 
 
-def test_stable_statefulset_stays_as_it_is() -> None:
-    assert pl.plan_rollout(2, sts(NEW, 2, updated=2, current="rev-2"), NEW, None) == pl.Rollout(2)
+def test_no_statefulset_or_no_replicas_is_no_rollout() -> None:
+    assert step(1, None, []) == ro.Rollout(1)
+    assert step(0, sts(OLD, 1, start=4), [pod(4, revision="rev-1")]) == ro.Rollout(0, 4)
+
+
+def test_a_stable_statefulset_stays_as_it_is() -> None:
+    assert step(2, sts(NEW, 2, start=3), [pod(3), pod(4)]) == ro.Rollout(2, 3)
 
 
 @pytest.mark.parametrize("replicas", [1, 3])
 def test_a_change_starts_one_extra_pod_with_the_new_template(replicas: int) -> None:
-    step = pl.plan_rollout(replicas, sts(OLD, replicas), NEW, None)
-    # ordinals < partition keep the old template: only the extra pod (ordinal N) gets the new one
-    assert (step.replicas, step.partition, step.surge) == (replicas + 1, replicas, f"{NEW}/{pl.SURGE_STARTING}")
-    assert step.event is not None and step.event.type == "Normal" and step.event.reason == "SurgeStarted"
-    assert f"ps-{replicas}" in step.event.message
+    pods = [pod(k, revision="rev-1") for k in range(replicas)]
+    first = step(replicas, sts(OLD, replicas, update="rev-1"), pods)
+    assert (first.replicas, first.start, first.surge, first.delete, first.event) == (replicas + 1, 0, SURGE, (), None)
+    assert first.note is not None and f"ps-{replicas} starts with the new template" in first.note
 
 
-def test_nothing_serving_replaces_in_place() -> None:
-    """A broken old template (no pod Ready) has nobody to keep serving: no extra pod."""
-    assert pl.plan_rollout(1, sts(OLD, 1, ready=0), NEW, None) == pl.Rollout(1)
+def test_nothing_serving_replaces_every_old_pod_in_place() -> None:
+    """A broken old template (no pod Ready) has nobody to keep serving: no extra pod, the old pods go at once."""
+    broken = [pod(0, ready=False, revision="rev-1"), pod(1, ready=False, revision="rev-1")]
+    assert step(2, sts(OLD, 2, update="rev-1"), broken) == ro.Rollout(2)
+    assert step(2, sts(NEW, 2), broken) == ro.Rollout(2, 0, delete=("ps-0", "ps-1"))
 
 
-@pytest.mark.parametrize("surge_pod", [None, pod(ready=False), pod(ready=True, revision="rev-1"),
-                                       pod(ready=True, deleting=True)],
-                         ids=["not created yet", "starting", "ready on the old revision", "being deleted"])
-def test_starting_waits_for_the_extra_pod(surge_pod: dict[str, Any] | None) -> None:
-    observed = sts(NEW, 2, surge=f"{NEW}/{pl.SURGE_STARTING}", ready=1, updated=1)
-    step = pl.plan_rollout(1, observed, NEW, surge_pod)
-    assert step == pl.Rollout(2, 1, f"{NEW}/{pl.SURGE_STARTING}")  # the same answer every pass, no event
-    assert pl.plan_rollout(1, observed, NEW, surge_pod) == step
+@pytest.mark.parametrize("extra", [None, pod(1, ready=False), pod(1, ready=True, deleting=True)],
+                         ids=["not created yet", "starting", "being deleted"])
+def test_the_surge_waits_for_the_extra_pod(extra: dict[str, Any] | None) -> None:
+    pods = [pod(0, revision="rev-1")] + ([extra] if extra else [])
+    assert step(1, sts(NEW, 2, surge=SURGE), pods) == ro.Rollout(2, 0, SURGE)  # the same answer every pass
 
 
-def test_extra_pod_ready_rolls_the_others_while_it_serves() -> None:
-    observed = sts(NEW, 2, surge=f"{NEW}/{pl.SURGE_STARTING}", ready=2, updated=1)
-    step = pl.plan_rollout(1, observed, NEW, pod(ready=True))
-    assert (step.replicas, step.partition, step.surge) == (2, 0, f"{NEW}/{pl.SURGE_ROLLING}")
-    assert step.event is not None and step.event.reason == "SurgeReady"
+def test_one_replica_retires_the_old_pod_by_ordinal_once_the_new_one_is_ready() -> None:
+    """The pod clients reconnect to is the one that stays: one reconnect per rollout, never more than 2 pods."""
+    done = step(1, sts(NEW, 2, start=5, surge=SURGE), [pod(5, revision="rev-1"), pod(6)])
+    assert (done.replicas, done.start, done.surge, done.delete) == (1, 6, None, ())
+    assert done.event is not None and done.event.reason == "SurgeComplete" and "ps-5 goes" in done.event.message
+    # the next pass: one pod, the new one, nothing more to do
+    assert step(1, sts(NEW, 1, start=6), [pod(5, revision="rev-1", deleting=True), pod(6)]) == ro.Rollout(1, 6)
 
 
-def test_extra_pod_that_does_not_fit_falls_back_to_in_place_with_a_warning() -> None:
-    observed = sts(NEW, 2, surge=f"{NEW}/{pl.SURGE_STARTING}", ready=1, updated=0)
+def test_three_replicas_retire_one_old_pod_per_ready_surge_pod() -> None:
+    pods = [pod(0, revision="rev-1"), pod(1, revision="rev-1"), pod(2, revision="rev-1"), pod(3)]
+    first = step(3, sts(NEW, 4, surge=SURGE), pods)
+    assert (first.replicas, first.start, first.surge, first.event) == (4, 1, SURGE, None)  # ps-0 goes, ps-4 starts
+    pods = [pod(1, revision="rev-1"), pod(2, revision="rev-1"), pod(3), pod(4, ready=False)]
+    assert step(3, sts(NEW, 4, start=1, surge=SURGE), pods) == ro.Rollout(4, 1, SURGE)
+    pods = [pod(2, revision="rev-1"), pod(3), pod(4), pod(5)]
+    last = step(3, sts(NEW, 4, start=2, surge=SURGE), pods)
+    assert (last.replicas, last.start, last.surge) == (3, 3, None) and last.event is not None
+
+
+def test_per_pod_storage_replaces_in_place_while_the_surge_pod_serves_then_drops_it() -> None:
+    """perPod claims belong to ordinals: the old pods are replaced where they are, one at a time."""
+    pods = [pod(0, revision="rev-1"), pod(1, revision="rev-1"), pod(2)]
+    first = step(2, sts(NEW, 3, surge=SURGE), pods, per_pod=True)
+    assert (first.replicas, first.start, first.delete) == (3, 0, ("ps-0",))
+    # ps-0 is on its way out, then being recreated: nothing else goes meanwhile
+    for ps0 in ([pod(0, revision="rev-1", deleting=True)], [], [pod(0, ready=False)]):
+        pods = [*ps0, pod(1, revision="rev-1"), pod(2)]
+        assert step(2, sts(NEW, 3, surge=SURGE), pods, per_pod=True).delete == ()
+    pods = [pod(0), pod(1, revision="rev-1"), pod(2)]
+    assert step(2, sts(NEW, 3, surge=SURGE), pods, per_pod=True).delete == ("ps-1",)
+    done = step(2, sts(NEW, 3, surge=SURGE), [pod(0), pod(1), pod(2)], per_pod=True)
+    assert (done.replicas, done.surge) == (2, None) and done.event is not None
+    assert done.event.reason == "SurgeComplete" and "ps-2" in done.event.message
+
+
+def test_an_extra_pod_that_does_not_fit_falls_back_to_in_place_with_a_warning() -> None:
     why = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
-    step = pl.plan_rollout(1, observed, NEW, pod(unschedulable=why))
-    assert (step.replicas, step.partition, step.surge) == (1, 0, None)
-    assert step.event is not None and step.event.type == "Warning" and step.event.reason == "SurgeUnschedulable"
-    assert why in step.event.message and "in place" in step.event.message
-    # next pass: the StatefulSet is back at 1 pod without the annotation, rolling in place
-    after = sts(NEW, 1, ready=1, updated=0)
-    assert pl.plan_rollout(1, after, NEW, None) == pl.Rollout(1)
-
-
-def test_rolling_scales_back_only_once_every_pod_is_updated_and_ready() -> None:
-    surge = f"{NEW}/{pl.SURGE_ROLLING}"
-    half = sts(NEW, 3, surge=surge, ready=2, updated=2)
-    assert pl.plan_rollout(2, half, NEW, None) == pl.Rollout(3, 0, surge)
-    not_seen = sts(NEW, 3, surge=surge, updated=3, current="rev-2", generation=4, observed=3)
-    assert pl.plan_rollout(2, not_seen, NEW, None) == pl.Rollout(3, 0, surge)  # the controller lags the spec
-    done = sts(NEW, 3, surge=surge, updated=3, current="rev-2")
-    step = pl.plan_rollout(2, done, NEW, None)
-    assert (step.replicas, step.partition, step.surge) == (2, 0, None)
-    assert step.event is not None and step.event.reason == "SurgeComplete" and "ps-2" in step.event.message
+    fallback = step(1, sts(NEW, 2, surge=SURGE), [pod(0, revision="rev-1"), pod(1, ready=False, unschedulable=why)])
+    assert (fallback.replicas, fallback.surge, fallback.delete) == (1, None, ())
+    assert fallback.event is not None and fallback.event.type == "Warning"
+    assert fallback.event.reason == "SurgeUnschedulable" and why in fallback.event.message
+    # next pass: no surge, one pod serving on the old revision and nothing else: it is replaced in place
+    assert step(1, sts(NEW, 1), [pod(0, revision="rev-1")]).delete == ("ps-0",)
 
 
 def test_a_second_change_during_a_surge_starts_over_at_the_newest_template() -> None:
-    observed = sts(NEW, 2, surge=f"{NEW}/{pl.SURGE_ROLLING}", ready=2, updated=1)
-    step = pl.plan_rollout(1, observed, "hash-newer", pod(ready=True))
-    assert (step.replicas, step.partition, step.surge) == (2, 1, f"hash-newer/{pl.SURGE_STARTING}")
+    newer = step(1, sts(NEW, 2, surge=SURGE), [pod(0, revision="rev-1"), pod(1)], want="hash-newer")
+    assert (newer.replicas, newer.surge) == (2, f"hash-newer/{ro.SURGE}")
+    # the controller has the newer revision: the surge pod of the intermediate one is replaced
+    later = sts("hash-newer", 2, surge=f"hash-newer/{ro.SURGE}", update="rev-3")
+    assert step(1, later, [pod(0, revision="rev-1"), pod(1)], want="hash-newer").delete == ("ps-1",)
 
 
-def test_a_stale_or_foreign_annotation_is_dropped() -> None:
-    assert pl.plan_rollout(1, sts(NEW, 1, surge=f"{OLD}/{pl.SURGE_ROLLING}"), NEW, None) == pl.Rollout(1)
-    assert pl.plan_rollout(1, sts(NEW, 1, surge="garbage"), NEW, None) == pl.Rollout(1)
-    assert pl.surge_of(sts(NEW, 1, surge="garbage")) is None
+def test_nothing_is_replaced_before_the_controller_saw_the_template_or_while_it_drifted() -> None:
+    lagging = sts(NEW, 2, surge=SURGE, generation=4, observed=3)
+    assert step(1, lagging, [pod(0, revision="rev-1"), pod(1)]) == ro.Rollout(2, 0, SURGE)
+    # kubectl set env made a new update revision: the operator puts the template back, and replaces no pod for it
+    assert step(2, sts(NEW, 2, update="rev-drift"), [pod(0), pod(1)], drifted=True) == ro.Rollout(2)
 
+
+def test_a_stale_or_foreign_annotation_is_no_surge() -> None:
+    assert ro.surge_of(sts(NEW, 1, surge=f"{NEW}/starting")) is None
+    assert ro.surge_of(sts(NEW, 1, surge="garbage")) is None
+    assert step(1, sts(NEW, 1, surge=f"{OLD}/{ro.SURGE}"), [pod(0)]) == ro.Rollout(1)
+
+
+# --- drift: managedFields and the replacement patch -----------------------------------------------
+
+def _managed(manager: str, fields: dict[str, Any], operation: str = "Update") -> dict[str, Any]:
+    return {"manager": manager, "operation": operation, "fieldsType": "FieldsV1", "fieldsV1": fields}
+
+
+def test_foreign_managers_are_those_owning_fields_under_the_path() -> None:
+    env = {"f:spec": {"f:template": {"f:spec": {"f:containers": {'k:{"name":"server"}': {"f:env": {
+        'k:{"name":"DRIFT_ADDED"}': {".": {}, "f:name": {}, "f:value": {}}}}}}}}}
+    obj = {"metadata": {"managedFields": [
+        _managed(C.FIELD_MANAGER, {"f:spec": {"f:template": {"f:metadata": {}}}}, "Apply"),
+        _managed(C.FIELD_MANAGER, {"f:spec": {"f:template": {"f:spec": {}}}}),  # the operator's own repair patch
+        _managed("kube-controller-manager", {"f:status": {"f:replicas": {}}}),
+        _managed("kubectl-set", env)]}}
+    assert pl.foreign_managers(obj, "spec", "template") == ["kubectl-set"]
+    assert pl.foreign_managers(obj, "spec", "ports") == []
+
+
+def test_the_replacement_patch_removes_every_key_desired_lacks() -> None:
+    live = {"metadata": {"labels": {"a": "1", "added": "x"}},
+            "spec": {"containers": [{"name": "server", "env": [{"name": "DRIFT_ADDED", "value": "1"}]}],
+                     "dnsPolicy": "ClusterFirst", "nodeSelector": {"hacked": "yes"}}}
+    desired = {"metadata": {"labels": {"a": "1"}}, "spec": {"containers": [{"name": "server", "env": []}]}}
+    assert pl.replacement_patch(live, desired) == {
+        "metadata": {"labels": {"added": None, "a": "1"}},
+        "spec": {"dnsPolicy": None, "nodeSelector": None, "containers": [{"name": "server", "env": []}]}}
+
+
+# --- through plan() ---------------------------------------------------------------------------------
 
 def _spec(**overrides: Any):
     body: dict[str, Any] = {"image": "img:1", "checkpoint": {"source": "hf://org/p"}, "replicas": 1}
@@ -130,40 +189,74 @@ def _spec(**overrides: Any):
     return parse_spec(body, name="ps", namespace="ns")
 
 
-def _sts_write(result: pl.Plan) -> pl.Write:
-    [write] = [w for w in result.writes if w.kind == "StatefulSet"]
-    return write
+def _sts_writes(result: pl.Plan) -> list[pl.Write]:
+    return [w for w in result.writes if w.kind in ("StatefulSet", "Pod")]
 
 
-def test_plan_writes_the_surge_into_the_statefulset_it_applies() -> None:
+def test_plan_surges_a_one_replica_rollout_through_the_statefulset_it_applies() -> None:
     """Through plan(): a steps change at replicas 1 on a serving StatefulSet, pass after pass."""
     before, after = _spec(), _spec(runtime={"steps": 4})
-    first = pl.plan(before, OWNER, pl.Observed(), READY)
-    running = _sts_write(first).body
-    running["status"] = {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1, "currentRevision": "rev-1",
-                         "updateRevision": "rev-1", "observedGeneration": 1}
+    [create] = _sts_writes(pl.plan(before, OWNER, pl.Observed(), READY))
+    assert create.body["spec"]["updateStrategy"] == {"type": "OnDelete"} and create.body["spec"]["ordinals"] == {"start": 0}
+    running = create.body
+    running["status"] = {"replicas": 1, "updateRevision": "rev-1", "observedGeneration": 1}
     running["metadata"]["generation"] = 1
-    # pass 1: the change is seen, one extra pod with the new template
-    start = _sts_write(pl.plan(after, OWNER, pl.Observed(statefulset=running), READY))
-    assert start.body["spec"]["replicas"] == 2
-    assert start.body["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"partition": 1}}
+    # pass 1: the change is seen, one extra pod with the new template (OnDelete: ps-0 is left alone)
+    [start] = _sts_writes(pl.plan(after, OWNER, pl.Observed(statefulset=running, pods=[pod(0, revision="rev-1")]),
+                                  READY))
+    assert start.verb is pl.Verb.APPLY and start.body["spec"]["replicas"] == 2
+    assert start.body["spec"]["updateStrategy"] == {"type": "OnDelete"}
     new_hash = start.body["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH]
-    assert start.body["metadata"]["annotations"][C.ANNOTATION_SURGE] == f"{new_hash}/{pl.SURGE_STARTING}"
+    assert start.body["metadata"]["annotations"][C.ANNOTATION_SURGE] == f"{new_hash}/{ro.SURGE}"
     assert start.event is not None and "rolling pods to template" in start.event.message
-    assert "scaling" not in start.event.message  # the extra pod is the surge's, said by its own Event
-    # pass 2: the extra pod is Ready on the new revision -> partition 0
-    start.body["status"] = {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 1, "currentRevision": "rev-1",
-                            "updateRevision": "rev-2", "observedGeneration": 2}
+    assert "ps-1 starts with the new template" in start.event.message  # one Event says both
+    assert "scaling" not in start.event.message
+    # pass 2: the extra pod is Ready on the new revision -> ordinals.start 1, one pod: ps-0 goes, ps-1 stays
+    start.body["status"] = {"replicas": 2, "updateRevision": "rev-2", "observedGeneration": 2}
     start.body["metadata"]["generation"] = 2
-    rolled = pl.plan(after, OWNER, pl.Observed(statefulset=start.body, surge_pod=pod(ready=True)), READY)
-    roll = _sts_write(rolled)
-    assert roll.body["spec"]["replicas"] == 2 and roll.body["spec"]["updateStrategy"]["rollingUpdate"] == {"partition": 0}
-    assert [e.reason for e in rolled.warnings] == ["SurgeReady"]
-    # pass 3: both pods updated and Ready -> back to 1 pod, annotation gone (server-side apply removes it)
-    roll.body["status"] = {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "currentRevision": "rev-2",
-                           "updateRevision": "rev-2", "observedGeneration": 3}
-    roll.body["metadata"]["generation"] = 3
-    done = pl.plan(after, OWNER, pl.Observed(statefulset=roll.body), READY)
-    back = _sts_write(done)
-    assert back.body["spec"]["replicas"] == 1 and C.ANNOTATION_SURGE not in back.body["metadata"]["annotations"]
+    done = pl.plan(after, OWNER, pl.Observed(statefulset=start.body, pods=[pod(0, revision="rev-1"), pod(1)]), READY)
+    [back] = _sts_writes(done)
+    assert back.body["spec"]["replicas"] == 1 and back.body["spec"]["ordinals"] == {"start": 1}
+    assert C.ANNOTATION_SURGE not in back.body["metadata"]["annotations"] and back.event is None
     assert [e.reason for e in done.warnings] == ["SurgeComplete"]
+
+
+def test_plan_repairs_a_drifted_template_with_a_patch_before_the_apply_and_replaces_no_pod() -> None:
+    spec = _spec(replicas=2)
+    [create] = _sts_writes(pl.plan(spec, OWNER, pl.Observed(), READY))
+    live = create.body
+    live["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "DRIFT_ADDED", "value": "1"})
+    live["metadata"].update(generation=2, managedFields=[_managed("kubectl-set", {"f:spec": {"f:template": {
+        "f:spec": {"f:containers": {}}}}})])
+    live["status"] = {"replicas": 2, "updateRevision": "rev-drift", "observedGeneration": 2}
+    result = pl.plan(spec, OWNER, pl.Observed(statefulset=live, pods=[pod(0, revision="rev-1"), pod(1, revision="rev-1")]),
+                     READY)
+    repair, apply = _sts_writes(result)
+    assert (repair.verb, apply.verb) == (pl.Verb.PATCH, pl.Verb.APPLY)
+    env = repair.body["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "DRIFT_ADDED" not in {e["name"] for e in env}
+    assert repair.event is not None and repair.event.reason == "Repaired" and "kubectl-set" in repair.event.message
+
+
+def _service(plan_result: pl.Plan, name: str) -> pl.Write:
+    return next(w for w in plan_result.writes if w.kind == "Service" and w.name == name and w.verb is pl.Verb.APPLY)
+
+
+def test_plan_puts_back_a_service_port_edited_into_another_key() -> None:
+    """``kubectl patch svc ... /spec/ports/0/port 9999``: the port is a new list-map key owned by kubectl, which
+    apply would keep beside the operator's (422 Duplicate value "ws" on every pass): replaced whole first."""
+    spec = _spec()
+    first = pl.plan(spec, OWNER, pl.Observed(), READY)
+    svc = _service(first, "ps").body
+    svc["spec"]["ports"][0]["port"] = 9999
+    svc["metadata"]["managedFields"] = [_managed("kubectl-patch", {"f:spec": {"f:ports": {
+        'k:{"port":9999,"protocol":"TCP"}': {".": {}, "f:port": {}}}}})]
+    result = pl.plan(spec, OWNER, pl.Observed(service=svc), READY)
+    [repair] = [w for w in result.writes if w.kind == "Service" and w.verb is pl.Verb.PATCH]
+    assert repair.body == {"spec": {"ports": [{"name": C.PORT_NAME, "port": C.DEFAULT_PORT, "targetPort": C.PORT_NAME,
+                                               "protocol": "TCP"}]}}
+    assert repair.event is not None and repair.event.reason == "Repaired" and "9999/TCP" in repair.event.message
+    # a port the operator itself moved (a spec change) is server-side apply's, not a repair
+    svc["metadata"]["managedFields"] = [_managed(C.FIELD_MANAGER, {"f:spec": {"f:ports": {}}}, "Apply")]
+    assert not [w for w in pl.plan(spec, OWNER, pl.Observed(service=svc), READY).writes
+                if w.kind == "Service" and w.verb is pl.Verb.PATCH]

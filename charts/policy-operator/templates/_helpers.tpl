@@ -112,10 +112,10 @@ The operator's API access: "namespaced" is what a Role in each watched namespace
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch, delete]
-# find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness
+# find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness; replace a server pod in a rollout (the StatefulSet's updateStrategy is OnDelete)
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, patch]
+  verbs: [get, list, patch, delete]
 # read the last progress line of the running fetch pod's log (status.checkpoint.progress)
 - apiGroups: [""]
   resources: [pods/log]

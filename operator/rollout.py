@@ -1,0 +1,163 @@
+"""Rollouts of a PolicyServer's pods, decided by the operator alone: pure, one observation at a time.
+
+The StatefulSet runs with ``updateStrategy: OnDelete``: a new template never
+replaces a pod by itself.  So an edit made behind the operator's back (a
+``kubectl set env``) restarts nothing before the operator puts it back, and
+every replacement happens here, where it can keep a pod serving:
+
+- **surge**: a template change while a pod serves adds one pod with the new
+  template (``replicas: N+1``: the controller creates ordinal ``start+N``
+  from the update revision); only once it is Ready does an old pod go;
+- **retire by ordinal** (storage mode ``shared``): the old pod goes by moving
+  ``spec.ordinals.start`` one up, so the pod that stays is the one clients
+  reconnect to.  At ``replicas: 1`` a robot reconnects once per rollout, and
+  the StatefulSet never has more than N+1 pods, nor more than N once done;
+- **in place** (storage mode ``perPod``, whose claims belong to ordinals; a
+  surge pod that does not fit; nothing serving): an old pod is deleted and
+  the controller recreates it from the update revision, one at a time while
+  the others are Ready, all at once when none is.
+
+``ANNOTATION_SURGE`` (``<template hash>/<phase>``) on the StatefulSet says a
+surge is under way; every other fact is read from the StatefulSet and its
+pods, so a pass repeated after a crash or a conflict decides the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from policy_operator.constants import ANNOTATION_SURGE, ANNOTATION_TEMPLATE_HASH, LABEL_CONTROLLER_REVISION_HASH
+from policy_operator.operator.conditions import Event
+
+SURGE: Final = "surge"
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What the StatefulSet should say now, and which pods to delete (the controller recreates them updated)."""
+
+    replicas: int
+    start: int = 0  # spec.ordinals.start
+    surge: str | None = None  # ANNOTATION_SURGE's value; None: no surge under way
+    delete: tuple[str, ...] = ()
+    event: Event | None = None
+    note: str | None = None  # what this step does, for the StatefulSet's Updated Event (one Event, not two)
+
+
+def surge_of(sts: Mapping[str, Any] | None) -> str | None:
+    """The template hash the StatefulSet is surging to, from its annotation; None: not surging."""
+    value = (((sts or {}).get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SURGE) or ""
+    want_hash, _, phase = value.partition("/")
+    return want_hash if want_hash and phase == SURGE else None
+
+
+def start_ordinal(sts: Mapping[str, Any] | None) -> int:
+    return int((((sts or {}).get("spec") or {}).get("ordinals") or {}).get("start") or 0)
+
+
+def ordinal(pod: Mapping[str, Any]) -> int | None:
+    tail = str((pod.get("metadata") or {}).get("name") or "").rpartition("-")[2]
+    return int(tail) if tail.isdigit() else None
+
+
+def pod_condition(pod: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == kind), {})
+
+
+def _terminating(pod: Mapping[str, Any]) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    """Ready in the kubelet's view (its readinessProbe is /readyz: every rank warm) and not on its way out."""
+    return not _terminating(pod) and pod_condition(pod, "Ready").get("status") == "True"
+
+
+def revision(pod: Mapping[str, Any]) -> str | None:
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_CONTROLLER_REVISION_HASH)
+
+
+def unschedulable(pod: Mapping[str, Any] | None) -> str | None:
+    """The scheduler's message when it found no node for the pod (no GPUs free, ...); None otherwise."""
+    scheduled = pod_condition(pod or {}, "PodScheduled")
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        return str(scheduled.get("message") or "Unschedulable")
+    return None
+
+
+def _pod_name(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("name"))
+
+
+def _in_place(replicas: int, start: int, by_ordinal: Mapping[int, Mapping[str, Any]], old: Sequence[Mapping[str, Any]],
+              ) -> tuple[str, ...]:
+    """The old pod to delete now: every one when nothing serves, else the lowest once every other pod is Ready."""
+    if not any(_ready(p) for p in by_ordinal.values()):
+        return tuple(_pod_name(p) for p in old if not _terminating(p))
+    candidate = min(old, key=lambda p: ordinal(p) or 0)
+    others = [by_ordinal.get(k) for k in range(start, start + replicas) if k != ordinal(candidate)]
+    if _terminating(candidate) or not all(p is not None and _ready(p) for p in others):
+        return ()  # a replacement is still under way: one pod at a time
+    return (_pod_name(candidate),)
+
+
+def plan_rollout(replicas: int, sts: Mapping[str, Any] | None, want_hash: str, pods: Sequence[Mapping[str, Any]], *,
+                 retire_by_ordinal: bool, drifted: bool = False) -> Rollout:
+    """The next step towards ``replicas`` pods of template ``want_hash``, from the StatefulSet and its pods as read.
+
+    ``retire_by_ordinal``: an old pod goes by moving ``ordinals.start`` (storage mode shared); False: it is
+    replaced in place once the surge pod serves, and the surge pod goes at the end (perPod: claims per ordinal).
+    ``drifted``: the template holds fields another manager wrote, put back by this pass; its update revision is
+    nobody's spec, so no pod is replaced for it.
+    """
+    start = start_ordinal(sts)
+    if sts is None or replicas == 0:
+        return Rollout(replicas, start)
+    name = str((sts.get("metadata") or {}).get("name") or "?")
+    meta, status = sts.get("metadata") or {}, sts.get("status") or {}
+    by_ordinal = {k: p for p in pods if (k := ordinal(p)) is not None}
+    extra_name = f"{name}-{start + replicas}"
+    if (meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH) != want_hash:
+        # the template changes with this pass's apply: every pod now is an old one
+        if any(_ready(p) for p in pods):
+            return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}", note=(
+                f"surge: {extra_name} starts with the new template, the serving pod(s) go only once it is Ready"))
+        return Rollout(replicas, start)  # nothing serves that a surge could keep serving: in place, next pass
+    surging = surge_of(sts) == want_hash
+    current_replicas = int((sts.get("spec") or {}).get("replicas") or 0)
+    update = status.get("updateRevision")
+    if drifted or int(status.get("observedGeneration") or 0) < int(meta.get("generation") or 1) or not update:
+        # the controller has not seen the last write: its update revision is not the template's yet
+        return Rollout(current_replicas if surging else replicas, start, f"{want_hash}/{SURGE}" if surging else None)
+    live = [p for k, p in by_ordinal.items() if start <= k < start + current_replicas]
+    old = sorted((p for p in live if revision(p) != update), key=lambda p: ordinal(p) or 0)
+    if not surging:
+        return Rollout(replicas, start, delete=_in_place(replicas, start, by_ordinal, old) if old else ())
+    extra = by_ordinal.get(start + replicas)
+    if not old or old == [extra]:
+        if old and extra is not None and not _terminating(extra):  # a surge pod of an older template
+            return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}", delete=(extra_name,))
+        if current_replicas > replicas:  # perPod: every pod replaced in place; the surge pod goes
+            return Rollout(replicas, start, event=Event(
+                "Normal", "SurgeComplete", f"every pod runs the new template; removing the extra pod {extra_name}"))
+        return Rollout(replicas, start)
+    if extra is not None and revision(extra) != update and not _terminating(extra):
+        return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}", delete=(extra_name,))  # an older surge pod
+    why = unschedulable(extra)
+    if why is not None:
+        return Rollout(replicas, start, event=Event(
+            "Warning", "SurgeUnschedulable", f"{extra_name} does not fit ({why}); replacing the pod(s) in place "
+                                             f"instead: each stops before its successor is Ready"))
+    if extra is None or not _ready(extra):
+        return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}")  # the surge pod is starting
+    lowest = by_ordinal.get(start)
+    if retire_by_ordinal and lowest is not None and lowest in old:
+        if len(old) == 1:  # the last old pod: the pod that serves its clients now is the one that stays
+            return Rollout(replicas, start + 1, event=Event(
+                "Normal", "SurgeComplete", f"{extra_name} is Ready with the new template; {name}-{start} goes"))
+        # one old pod goes, the next surge pod starts: never more than N+1 pods, never fewer than N Ready
+        return Rollout(replicas + 1, start + 1, f"{want_hash}/{SURGE}")
+    return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}",
+                   delete=_in_place(replicas + 1, start, by_ordinal, [p for p in old if p is not extra]))
