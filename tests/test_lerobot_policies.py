@@ -31,6 +31,7 @@ from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
 from policy_operator.runtime.serving.history import SessionHistory  # noqa: E402
+from tests.support.lerobot_tiny import reduced_paligemma, write_small_pi  # noqa: E402
 from tests.support.servers import VENV_BIN, serve_policy, subprocess_env  # noqa: E402
 
 ATOL = 1e-5
@@ -61,6 +62,14 @@ def smolvla(smolvla_dir: Path) -> LeRobotPolicy:
 @pytest.fixture(scope="module")
 def diffusion(diffusion_dir: Path) -> LeRobotPolicy:
     return LeRobotPolicy.load(str(diffusion_dir), device=CPU)
+
+
+@pytest.fixture(scope="module", params=["pi0", "pi05"])
+def small_pi(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LeRobotPolicy]:
+    """pi0 / pi0.5 on a reduced PaliGemma (tests/support/lerobot_tiny.py): LeRobot 0.6 has no small variant."""
+    root = write_small_pi(request.param, tmp_path_factory.mktemp(request.param), seed=3)
+    with reduced_paligemma():
+        yield LeRobotPolicy.load(str(root), device=CPU)
 
 
 def served(policy: LeRobotPolicy, observations: list[dict[str, Any]], seed: int) -> np.ndarray:
@@ -99,6 +108,19 @@ def test_smolvla_answers_as_lerobot(smolvla: LeRobotPolicy, seed: int) -> None:
               for k, v in obs.items()}
     np.testing.assert_allclose(served(smolvla, [floats], seed), ours, rtol=0, atol=ATOL)
     assert not np.allclose(served(smolvla, [obs], seed + 1), ours)  # the seed is the noise
+
+
+def test_pi0_and_pi05_answer_as_lerobot(small_pi: LeRobotPolicy) -> None:
+    """The prefix KV cache (with pi0's state in the suffix; pi0.5's discretized into the prompt) and the expert."""
+    observations = [small_pi.example_observation(k) for k in range(2)]
+    for k, obs in enumerate(observations):
+        ours = served(small_pi, [obs], seed=k)
+        assert ours.shape == small_pi.action_shape == (8, 6)
+        np.testing.assert_allclose(ours, lerobots_own(small_pi, [obs], seed=k), rtol=0, atol=ATOL)
+    samples = [small_pi.prepare(obs) for obs in observations]
+    together = small_pi.postprocess_batch(sample_actions(small_pi, collate(samples), [0, 1], guidance=1.0))
+    for k, row in enumerate(together):
+        np.testing.assert_allclose(row, served(small_pi, [observations[k]], seed=k), rtol=0, atol=ATOL)
 
 
 def test_diffusion_answers_as_lerobot_from_the_sessions_history(diffusion: LeRobotPolicy) -> None:

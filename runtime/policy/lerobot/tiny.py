@@ -18,7 +18,8 @@ PaliGemma ``gemma_2b`` + ``gemma_300m`` expert, ~3.5B, bfloat16).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,23 +159,50 @@ def tiny_config(family: str, directory: str | Path, size: str = "tiny") -> Any:
     return BUILDERS[family](root, size)
 
 
+@contextlib.contextmanager
+def _bundled_tokenizer(path: Path | None) -> Iterator[None]:
+    """pi0's processor factory names the PaliGemma tokenizer on the hub; while it builds, load ours instead."""
+    if path is None:
+        yield
+        return
+    from lerobot.processor import tokenizer_processor
+
+    hub = tokenizer_processor.AutoTokenizer
+
+    class Bundled:
+        @staticmethod
+        def from_pretrained(name: str, *args: Any, **kwargs: Any) -> Any:
+            return hub.from_pretrained(str(path), *args, **kwargs)
+
+    tokenizer_processor.AutoTokenizer = Bundled
+    try:
+        yield
+    finally:
+        tokenizer_processor.AutoTokenizer = hub
+
+
 def write_tiny_checkpoint(family: str, directory: str | Path, *, size: str = "tiny", seed: int = 0,
-                          build: Callable[[Any], Any] | None = None) -> Path:
+                          build: Callable[[Any], Any] | None = None,
+                          configure: Callable[[Any], None] | None = None) -> Path:
     """A LeRobot pretrained directory of ``family`` with weights seeded by ``seed``, written without any hub.
 
-    ``build`` (config -> policy) replaces LeRobot's own policy class, e.g. to build on a GPU.
+    ``configure`` adjusts the config before anything is built; ``build`` (config -> policy) replaces LeRobot's
+    own policy class, e.g. to build on a GPU.
     """
     from lerobot.policies.factory import get_policy_class, make_pre_post_processors
 
     root = Path(directory)
     config = tiny_config(family, root, size)
+    if configure is not None:
+        configure(config)
     vlm = getattr(config, "vlm_model_name", None)
     if vlm == VLM_DIR:  # built from the bundled directory; saved under its relative name
         config.vlm_model_name = str(root / VLM_DIR)
     torch.manual_seed(seed)
     policy = build(config) if build is not None else get_policy_class(family)(config)
     stats = _stats(config, torch.Generator().manual_seed(seed))
-    preprocessor, postprocessor = make_pre_post_processors(config, dataset_stats=stats)
+    with _bundled_tokenizer(root / TOKENIZER_DIR if (root / TOKENIZER_DIR).is_dir() else None):
+        preprocessor, postprocessor = make_pre_post_processors(config, dataset_stats=stats)
     if vlm == VLM_DIR:
         config.vlm_model_name = VLM_DIR
     for step in preprocessor.steps:  # the tokenizer is named by its path relative to the checkpoint
