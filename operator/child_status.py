@@ -84,7 +84,7 @@ def _time(value: Any) -> datetime.datetime | None:
     if not value:
         return None
     if isinstance(value, datetime.datetime):
-        return value if value.tzinfo else value.replace(tzinfo=datetime.timezone.utc)
+        return value if value.tzinfo else value.replace(tzinfo=datetime.UTC)
     try:
         return datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
     except ValueError:

@@ -64,7 +64,7 @@ STATUS_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "upda
 
 
 def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def _seconds_between(earlier: str, later: str) -> float:

@@ -51,11 +51,6 @@ import torch
 import torch.distributed as dist
 
 from policy_operator.readyz import RankState
-from policy_operator.runtime.parallel.groups import Groups
-from policy_operator.runtime.parallel.heartbeat import Heartbeat
-from policy_operator.runtime.policy.interface import Policy, Sample
-from policy_operator.runtime.policy.rtc import RtcConstraint
-from policy_operator.runtime.policy.sampler import CfgGroup, CfgMode, SamplerSettings, bucket_of, sample_actions
 from policy_operator.runtime.errors import (
     ErrorKind,
     NonFiniteActions,
@@ -63,6 +58,11 @@ from policy_operator.runtime.errors import (
     RequestError,
     RequestFailed,
 )
+from policy_operator.runtime.parallel.groups import Groups
+from policy_operator.runtime.parallel.heartbeat import Heartbeat
+from policy_operator.runtime.policy.interface import Policy, Sample
+from policy_operator.runtime.policy.rtc import RtcConstraint
+from policy_operator.runtime.policy.sampler import CfgGroup, CfgMode, SamplerSettings, bucket_of, sample_actions
 
 log = logging.getLogger(__name__)
 

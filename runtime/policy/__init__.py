@@ -6,7 +6,7 @@ from the server is exported here, so a plugin imports from one place::
     from policy_operator.runtime.policy import Branch, InvalidObservation, Policy, Sample
 """
 
-from policy_operator.runtime.policy.interface import Branch, Policy, Sample, collate
 from policy_operator.runtime.errors import InvalidObservation
+from policy_operator.runtime.policy.interface import Branch, Policy, Sample, collate
 
 __all__ = ["Branch", "InvalidObservation", "Policy", "Sample", "collate"]

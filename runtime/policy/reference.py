@@ -29,9 +29,9 @@ from torch import nn
 
 from policy_operator.constants import CONFIG_FILE, WEIGHTS_FILE
 from policy_operator.runtime.checkpoint.format import CheckpointError, write_manifest
+from policy_operator.runtime.errors import InvalidObservation
 from policy_operator.runtime.policy.interface import Branch, Policy, Sample
 from policy_operator.runtime.policy.observation import parse_observation
-from policy_operator.runtime.errors import InvalidObservation
 
 
 @dataclass(frozen=True)
