@@ -76,8 +76,10 @@ help:  ## this list
 # The real control plane (etcd, kube-apiserver, controller-manager, scheduler, kubectl)
 # is one Go binary built from tests/cluster/ into .cache/cluster/bin/, rebuilt only when
 # tests/cluster/{go.mod,go.sum,main.go} change (docs/testing.md).
-cluster-binary: install  ## build the control plane binary (Go) into .cache/cluster/bin/
-	$(PY) -m tests.support.control_plane build
+# Needs no venv (tests/support/control_plane.py builds with the standard library alone), so .ci/run starts it
+# before the install and the two overlap; -P keeps ./operator/ from shadowing the standard library's module.
+cluster-binary:  ## build the control plane binary (Go) into .cache/cluster/bin/
+	$(PYTHON) -P -c 'import sys; sys.path.append("."); from tests.support.control_plane import main; sys.exit(main(["build"]))'
 
 cluster-up: cluster-binary  ## start the control plane
 	$(PY) -m tests.support.control_plane up

@@ -46,7 +46,6 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
 
 from tests.support.net import free_port
 
@@ -536,6 +535,8 @@ class ControlPlane:
             "contexts": [{"name": CLUSTER_NAME, "context": {"cluster": CLUSTER_NAME, "user": user}}],
             "current-context": CLUSTER_NAME,
         }
+        import yaml  # here, not at the top: `build` runs before the venv exists (Makefile, cluster-binary)
+
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         path.chmod(0o600)
