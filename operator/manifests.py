@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
+from policy_operator.builtin_policies import LEROBOT
 from policy_operator.constants import (
     ANNOTATION_CHECKPOINT_REVISION,
     ANNOTATION_CHECKPOINT_SOURCE,
@@ -31,11 +32,14 @@ from policy_operator.constants import (
     COMPONENT_CACHE_GC,
     COMPONENT_FETCH,
     COMPONENT_SERVER,
+    ENV_HF_HUB_CACHE,
+    ENV_HF_HUB_OFFLINE,
     ENV_HF_TOKEN,
     ENV_HOME,
     ENV_XDG_CACHE_HOME,
     GPU_RESOURCE,
     HEALTHZ_PATH,
+    HUB_VIEW_DIR,
     LABEL_CACHE_CLAIM,
     LABEL_CHECKPOINT_KEY,
     LABEL_COMPONENT,
@@ -177,6 +181,15 @@ def _home_env() -> list[dict[str, Any]]:
     return [{"name": ENV_HOME, "value": TMP_PATH}, {"name": ENV_XDG_CACHE_HOME, "value": f"{TMP_PATH}/.cache"}]
 
 
+def _server_env(spec: PolicyServerSpec) -> list[dict[str, Any]]:
+    """The server container's environment: no hub, the cache's view of the fetched repositories, then the user's
+    (a name the user sets replaces the operator's: one entry per name)."""
+    own = {ENV_HF_HUB_OFFLINE: "1", ENV_HF_HUB_CACHE: f"{CACHE_MOUNT_PATH}/{HUB_VIEW_DIR}"}
+    user = [e.to_api() for e in spec.runtime.env]
+    taken = {e["name"] for e in user}
+    return _home_env() + [{"name": k, "value": v} for k, v in own.items() if k not in taken] + user
+
+
 def _secret_volume(volume: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": volume, "secret": {"secretName": secret, "items": [{"key": key, "path": TOKEN_FILE}],
                                        "defaultMode": 0o440}}
@@ -232,6 +245,8 @@ def fetch_command(spec: PolicyServerSpec) -> list[str]:
         cmd += ["--revision", ck.revision]
     for file, digest in sorted(ck.sha256.items()):
         cmd += ["--sha256", f"{file}={digest}"]
+    if spec.policy.type == LEROBOT:  # its VLM and tokenizer repositories too: the pods load offline
+        cmd += ["--references"]
     if ck.secret_ref is not None:
         cmd += ["--token-file", f"{CHECKPOINT_TOKEN_DIR}/{TOKEN_FILE}"]
     return cmd
@@ -403,8 +418,8 @@ def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint, *, compil
     """
     rt, layout = spec.runtime, spec.layout
     flags = managed_argv(
-        checkpoint=serving.path, port=spec.service.port, cfgp=layout.cfgp, dp=layout.dp, guidance=rt.guidance,
-        steps=rt.steps, max_batch=rt.batching.max_batch, batch_window_ms=rt.batching.window_ms, device=rt.device,
+        checkpoint=serving.path, policy=spec.policy.flag, port=spec.service.port, cfgp=layout.cfgp, dp=layout.dp,
+        guidance=rt.guidance, steps=rt.steps, max_batch=rt.batching.max_batch, batch_window_ms=rt.batching.window_ms, device=rt.device,
         drain_grace_s=rt.drain_grace_seconds, latency_budget_ms=rt.batching.latency_budget_ms,
         max_connections=rt.max_connections,
         auth_token_file=f"{AUTH_TOKEN_DIR}/{TOKEN_FILE}" if spec.auth.secret_ref is not None else None,
@@ -521,7 +536,7 @@ def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint,
         "image": spec.image,
         "command": worker_command(spec, serving, compile_cache=compile_cache),
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
-        "env": _home_env() + [e.to_api() for e in rt.env],
+        "env": _server_env(spec),
         "volumeMounts": mounts,
         "resources": _server_resources(spec),
         "securityContext": _container_security_context(),
@@ -536,7 +551,8 @@ def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint,
     verify: dict[str, Any] = {
         "name": VERIFY_CONTAINER,
         "image": spec.image,
-        "command": ["policyserver", "checkpoint", "verify", serving.path, "--require-marker"],
+        "command": ["policyserver", "checkpoint", "verify", serving.path, "--require-marker",
+                    *(["--references"] if spec.policy.type == LEROBOT else [])],
         "env": _home_env(),
         "volumeMounts": mounts[:2],
         "securityContext": _container_security_context(),

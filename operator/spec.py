@@ -18,6 +18,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import AfterValidator, Field, PrivateAttr, ValidationError, model_validator
 
+from policy_operator.builtin_policies import BUILTIN_POLICIES, REFERENCE, builtin, check_unconditional
 from policy_operator.constants import (
     AUTH_TOKEN_DIR,
     CACHE_MOUNT_PATH,
@@ -52,16 +53,15 @@ from policy_operator.operator.kube_model import (
 )
 from policy_operator.serve_flags import (
     DEFAULT_BATCH_WINDOW_MS,
-    DEFAULT_GUIDANCE,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_STEPS,
     MANAGED_FLAGS,
     MAX_BATCH_WINDOW_MS,
     MAX_LATENCY_BUDGET_MS,
     MAX_MAX_BATCH,
     MAX_MAX_CONNECTIONS,
     MIN_LATENCY_BUDGET_MS,
+    policy_guidance,
 )
 from policy_operator.serve_flags import DEFAULT_DRAIN_GRACE_S as RUNTIME_DRAIN_GRACE_S
 from policy_operator.sources import SOURCE_PATTERN, InvalidSource, check_relpath, check_source, request_key
@@ -88,6 +88,13 @@ SECRET_KEY: Final = named_pattern(r"^[-._a-zA-Z0-9]+$", "a Secret key (letters, 
 ENV_NAME: Final = named_pattern(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", "an environment variable name")
 SHA256_HEX: Final = named_pattern(r"^[0-9a-fA-F]{64}$", "64 hex digits")
 NO_SPACE: Final = named_pattern(r"^\S+$", "no whitespace")
+IMPORT_PATH: Final = named_pattern(r"^[A-Za-z_][A-Za-z0-9_]*([.][A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
+                                   "an import path pkg.module:Class")
+MAX_IMPORT_PATH_LENGTH: Final = 256
+POLICY_IMPORT: Final = "import"
+POLICY_TYPES: Final = (*BUILTIN_POLICIES, POLICY_IMPORT)
+# built-in policies trained without a null condition: classifier-free guidance has no branch to run
+UNGUIDED_POLICIES: Final = tuple(name for name, p in BUILTIN_POLICIES.items() if not p.has_unconditional)
 
 SERVICE_TYPES: Final = ("ClusterIP", "NodePort", "LoadBalancer")
 ACCESS_MODES: Final = ("ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod")
@@ -462,14 +469,46 @@ class BatchingSpec(KubeModel):
     times (policy_batch_bucket_seconds). Unset: batches of up to maxBatch."""
 
 
+class PolicySpec(KubeModel):
+    """Which policy the server pods run (their --policy flag)."""
+
+    cel_rules = (Rule(f"!has(self.type) || (self.type == '{POLICY_IMPORT}') == has(self.importPath)",
+                      f"policy.importPath (pkg.module:Class) is set with policy.type {POLICY_IMPORT}, and only then",
+                      field_path=".importPath"),)
+
+    type: Literal[POLICY_TYPES] = REFERENCE  # type: ignore[valid-type]
+    """reference: the runtime's reference flow-matching policy (a checkpoint made by policyserver checkpoint init).
+    lerobot: a LeRobot pretrained directory (SmolVLA, pi0, pi0.5, Diffusion Policy: config.json, model.safetensors
+    and the saved processors); the fetch Job also downloads every hub repository it names (a VLM config, a
+    tokenizer) into the cache, and the pods load them with HF_HUB_OFFLINE=1. It has no unconditional branch, so
+    parallelism.cfgp must be 1 and runtime.guidance 1.0 or unset. import: a Policy class the image can import,
+    named by importPath."""
+    import_path: Annotated[str, Field(max_length=MAX_IMPORT_PATH_LENGTH, pattern=IMPORT_PATH)] | None = None
+    """pkg.module:Class of a Policy subclass inside the image (policy.type import only). Whether it has an
+    unconditional branch is checked when a pod loads it."""
+
+    @property
+    def flag(self) -> str:
+        """The value of the pods' --policy flag: a built-in's name or the import path."""
+        return self.import_path if self.type == POLICY_IMPORT and self.import_path else self.type
+
+    @property
+    def has_unconditional(self) -> bool | None:
+        """Whether classifier-free guidance can run; None for an import, which only a pod can tell."""
+        found = builtin(self.type)
+        return None if found is None else found.has_unconditional
+
+
 class RuntimeSpec(KubeModel):
     """How the policy runs."""
 
-    guidance: float = Field(DEFAULT_GUIDANCE, ge=0)
-    """Classifier-free guidance scale (the runtime's default, 3.0). 1.0 turns CFG off, and then parallelism.cfgp
+    guidance: float | None = Field(None, ge=0)
+    """Classifier-free guidance scale. Unset: the policy's own (3.0 for the reference policy, 1.0 = no guidance
+    for a policy without an unconditional branch, such as lerobot). 1.0 turns CFG off, and then parallelism.cfgp
     must be 1."""
-    steps: int = Field(DEFAULT_STEPS, ge=1, le=1000)
-    """Flow-matching / diffusion integration steps per action chunk."""
+    steps: int | None = Field(None, ge=1, le=1000)
+    """Flow-matching / diffusion integration steps per action chunk. Unset: the policy's own (a LeRobot config's
+    num_steps; 10 for the reference policy)."""
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     extra_args: list[ExtraArg] = Field(default_factory=list, max_length=MAX_EXTRA_ARGS)
     """Further flags of policyserver serve, appended to the worker's command line, e.g. --dtype bfloat16."""
@@ -505,10 +544,19 @@ ExtraVolume = Annotated[Volume, Rule(
 class PolicyServerSpec(KubeModel):
     """Desired state of the policy server."""
 
-    cel_rules = (Rule("self.parallelism.cfgp != 2 || self.runtime.guidance != 1.0",
+    cel_rules = (Rule("self.parallelism.cfgp != 2 || !has(self.runtime.guidance) || self.runtime.guidance != 1.0",
                       "cfgp=2 needs classifier-free guidance: with runtime.guidance 1.0 the unconditional branch is "
                       "never used and the second GPU of every replica would idle; use cfgp=1 or a guidance other "
                       "than 1.0", field_path=".parallelism.cfgp"),
+                 Rule(f"!has(self.policy.type) || !(self.policy.type in {list(UNGUIDED_POLICIES)}) || "
+                      "self.parallelism.cfgp != 2",
+                      f"policy.type {'/'.join(UNGUIDED_POLICIES)} has no unconditional branch (it was not trained for "
+                      "classifier-free guidance), so cfgp=2 would have nothing to run on its second rank; use "
+                      "parallelism.cfgp 1", field_path=".parallelism.cfgp"),
+                 Rule(f"!has(self.policy.type) || !(self.policy.type in {list(UNGUIDED_POLICIES)}) || "
+                      "!has(self.runtime.guidance) || self.runtime.guidance == 1.0",
+                      f"policy.type {'/'.join(UNGUIDED_POLICIES)} has no unconditional branch (it was not trained for "
+                      "classifier-free guidance): runtime.guidance must be 1.0 or unset", field_path=".runtime.guidance"),
                  Rule("self.runtime.device != 'cuda' || "
                       "self.parallelism.cfgp * self.parallelism.dp <= self.maxGpusPerPod",
                       "parallelism.cfgp x parallelism.dp GPUs per pod exceeds maxGpusPerPod: no node of this "
@@ -527,6 +575,7 @@ class PolicyServerSpec(KubeModel):
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, json_schema_extra=list_map("name"))
     """Registry Secrets for pulling the image."""
     checkpoint: CheckpointSpec
+    policy: PolicySpec = Field(default_factory=PolicySpec)
     parallelism: Parallelism = Field(default_factory=Parallelism)
     replicas: int = Field(DEFAULT_REPLICAS, ge=0)
     """Number of pods; the scale subresource (kubectl scale, HPAs) changes it. 0 stops every pod but keeps the
@@ -622,6 +671,14 @@ class PolicyServerSpec(KubeModel):
         return ParallelLayout(cfgp=self.parallelism.cfgp, dp=self.parallelism.dp)
 
     @property
+    def guidance(self) -> float | None:
+        """The guidance the pods run with: runtime.guidance, else the policy's own (None: an import decides)."""
+        has_unconditional = self.policy.has_unconditional
+        if has_unconditional is None:
+            return self.runtime.guidance
+        return policy_guidance(self.runtime.guidance, has_unconditional)
+
+    @property
     def gpus_per_pod(self) -> int:
         """One GPU per rank: cfgp x dp, none on the CPU device."""
         return self.layout.world_size if self.runtime.device == "cuda" else 0
@@ -691,7 +748,12 @@ def parse_spec(spec: Any, *, name: str, namespace: str) -> PolicyServerSpec:
     except ValidationError as exc:
         raise spec_error(exc, ("spec",)) from None
     try:
-        parsed.layout.check_guidance(parsed.runtime.guidance)  # the runtime's own checks, as a pod makes them
+        guidance = parsed.guidance
+        if guidance is not None:  # the runtime's own checks, as a pod makes them
+            parsed.layout.check_guidance(guidance)
+            if parsed.policy.has_unconditional is not None:
+                check_unconditional(parsed.policy.flag, parsed.policy.has_unconditional,
+                                    cfgp=parsed.layout.cfgp, guidance=guidance)
     except LayoutError as exc:
         raise SpecError("spec.parallelism", str(exc)) from None
     try:

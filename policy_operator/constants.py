@@ -68,6 +68,10 @@ PHASE_FAILED: Final = "Failed"
 ENV_PORT: Final = "POLICY_PORT"
 ENV_HF_TOKEN: Final = "HF_TOKEN"
 ENV_HF_ENDPOINT: Final = "HF_ENDPOINT"
+# server pods load from the cache only: huggingface_hub never reaches a hub, and resolves ORG/REPO in the view of the
+# cache the fetch Job makes (DEST/.hub, runtime/checkpoint/references.py)
+ENV_HF_HUB_OFFLINE: Final = "HF_HUB_OFFLINE"
+ENV_HF_HUB_CACHE: Final = "HF_HUB_CACHE"
 
 # --- Ports, paths, files --------------------------------------------------------
 DEFAULT_PORT: Final = 8000  # openpi's default serve_policy port
@@ -81,6 +85,7 @@ COMPLETE_MARKER: Final = ".complete.json"
 CONFIG_FILE: Final = "config.json"
 WEIGHTS_FILE: Final = "model.safetensors"
 MANIFEST_FILE: Final = "manifest.json"
+HUB_VIEW_DIR: Final = ".hub"  # <cache>/.hub: the Hugging Face cache layout over the fetched repositories
 
 HEALTHZ_PATH: Final = "/healthz"
 READYZ_PATH: Final = "/readyz"

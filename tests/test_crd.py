@@ -225,8 +225,8 @@ def test_example_is_accepted_and_the_crds_defaults_are_the_models(crd: dict[str,
     defaulted = crd_schema.apply_defaults(schema, obj)
     assert parse(defaulted) == parse(obj)
     # the apiserver fills in every scalar default the model has, no more
-    assert defaulted["spec"]["runtime"].keys() >= {"guidance", "steps", "drainGraceSeconds",
-                                                    "startupTimeoutSeconds", "device", "batching"}
+    assert defaulted["spec"]["runtime"].keys() >= {"drainGraceSeconds", "startupTimeoutSeconds", "device", "batching"}
+    assert defaulted["spec"]["policy"] == {"type": "reference", **obj["spec"].get("policy", {})}
     assert defaulted["spec"]["runtime"]["batching"].keys() == {"maxBatch", "windowMs"}  # nested defaults too
 
 

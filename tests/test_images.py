@@ -287,13 +287,31 @@ def test_runtime_base_is_a_cuda_pytorch_runtime_image_and_keeps_its_torch() -> N
     base = expand(one_cmd(list(cmds), "FROM").value[0], arg_defaults(RUNTIME_DOCKERFILE))
     assert re.fullmatch(r"pytorch/pytorch:\d+\.\d+\.\d+-cuda12\.\d+-cudnn9-runtime", base), base
     lines = run_lines(final_stage(RUNTIME_DOCKERFILE))
-    (pin,) = [line for line in lines if "torch-constraint.txt" in line and "m.version('torch')" in line]
+    (pin,) = [line for line in lines if "torch-constraint.txt" in line and "m.version(p)" in line]
     argv = shlex.split(pin.split(">")[0])
     proc = _python(argv[2])
-    # a pin that only the base image's own torch build satisfies
-    assert proc.stdout.strip() == f"torch=={importlib.metadata.version('torch')}", proc.stderr
+    # pins that only the base image's own torch and torchvision builds satisfy
+    assert proc.stdout.splitlines() == [f"torch=={importlib.metadata.version('torch')}",
+                                        f"torchvision=={importlib.metadata.version('torchvision')}"], proc.stderr
     (install,) = [line for line in lines if line.startswith("pip install")]
-    assert "--constraint /tmp/torch-constraint.txt" in install and " . " in f"{install} "
+    assert "--constraint /tmp/torch-constraint.txt" in install
+    (target,) = [w for w in shlex.split(install) if w.startswith(".")]
+    assert target == ".[lerobot]"  # the project with its lerobot extra (--policy lerobot)
+
+
+def test_runtime_base_carries_a_torch_pair_the_lerobot_extra_accepts() -> None:
+    """The base image's torch/torchvision (its tag names torch) satisfy what the lerobot extra's lerobot requires,
+    as the versions installed here do."""
+    from packaging.specifiers import SpecifierSet
+
+    base_torch = arg_defaults(RUNTIME_DOCKERFILE)["PYTORCH_VERSION"]
+    assert base_torch == importlib.metadata.version("torch").split("+")[0]
+    wanted = {Requirement(r).name: Requirement(r).specifier for r in importlib.metadata.requires("lerobot") or []
+              if Requirement(r).marker is None}
+    assert base_torch in SpecifierSet(str(wanted["torch"]))
+    assert importlib.metadata.version("torchvision").split("+")[0] in SpecifierSet(str(wanted["torchvision"]))
+    extra = [r for r in importlib.metadata.requires("policy-operator") or [] if 'extra == "lerobot"' in r]
+    assert [Requirement(r).name for r in extra] == ["lerobot"]
 
 
 def _operator_commands() -> list[list[str]]:

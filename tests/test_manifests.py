@@ -56,6 +56,9 @@ VARIANTS = {
                                   "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
                                       {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}}),
     "scaled-to-zero": base(replicas=0, parallelism={"cfgp": 2, "dp": 4}),
+    "lerobot-per-pod": base(policy={"type": "lerobot"}, storage={"mode": "perPod"},
+                            runtime={"env": [{"name": C.ENV_HF_HUB_OFFLINE, "value": "0"}]}),
+    "import": base(policy={"type": "import", "importPath": "my_robot.policies:Mine"}, runtime={"guidance": 2.0}),
 }
 
 
@@ -225,7 +228,7 @@ def test_gpus_and_command_follow_the_layout(cfgp: int, dp: int) -> None:
     assert server["resources"]["requests"] == {"cpu": "4", "memory": "16Gi", C.GPU_RESOURCE: gpus}
     path = f"{C.CACHE_MOUNT_PATH}/{spec.checkpoint.key}"
     assert server["command"] == [
-        "policyserver", "serve", "--checkpoint", path, "--port", "8000",
+        "policyserver", "serve", "--checkpoint", path, "--policy", "reference", "--port", "8000",
         "--cfgp", str(cfgp), "--dp", str(dp), "--guidance", "2.5", "--steps", "8",
         "--max-batch", "8", "--batch-window-ms", "2.0",  # the defaults, always written: extraArgs may not set them
         "--max-connections", "512", "--device", "cuda", "--drain-grace-s", "20",
@@ -242,7 +245,7 @@ def test_worker_command_is_the_runtimes_own() -> None:
     parser = argparse.ArgumentParser()
     serve_flags.add_arguments(parser)
     args = parser.parse_args(worker_args)
-    assert (args.cfgp, args.dp, args.guidance, args.steps, args.port) == (2, 2, 4.0, 10, 8000)
+    assert (args.cfgp, args.dp, args.guidance, args.steps, args.port) == (2, 2, 4.0, None, 8000)  # steps: the policy's
     assert args.auth_token_file == f"{C.AUTH_TOKEN_DIR}/token"
     assert (args.heartbeat_s, args.dtype, args.drain_grace_s, args.device) == (0.5, "bfloat16", 20.0, "cuda")
     assert (args.max_batch, args.batch_window_ms) == (serve_flags.DEFAULT_MAX_BATCH, serve_flags.DEFAULT_BATCH_WINDOW_MS)
@@ -289,6 +292,36 @@ def test_init_container_verifies_the_cache_with_the_checkpoint_cli() -> None:
     args = parser.parse_args(init["command"][2:])
     assert args.directory == spec.checkpoint.path and args.require_marker is True
     assert all(m.get("readOnly") for m in init["volumeMounts"] if m["mountPath"] == C.CACHE_MOUNT_PATH)
+
+
+def test_policy_type_flows_into_the_fetch_the_init_container_and_the_server() -> None:
+    """lerobot: the fetch also fetches the hub repositories the checkpoint names, the init container checks them,
+    and the server (as every server) loads offline from the cache's view of them."""
+    from policy_operator.runtime.checkpoint import cli as checkpoint_cli
+
+    for doc, policy, references in ((base(), "reference", False),
+                                    (base(policy={"type": "lerobot"}), "lerobot", True),
+                                    (base(policy={"type": "import", "importPath": "a.b:C"}), "a.b:C", False)):
+        spec = spec_of(doc)
+        fetch = M.build_fetch_job(spec)["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert _fetch_parser().parse_args(fetch[2:]).references is references
+        pod = M.build_statefulset(spec)["spec"]["template"]["spec"]
+        parser = argparse.ArgumentParser()
+        checkpoint_cli.add_arguments(parser)
+        assert parser.parse_args(pod["initContainers"][0]["command"][2:]).references is references
+        server = pod["containers"][0]
+        assert server["command"][server["command"].index("--policy") + 1] == policy
+        env = {e["name"]: e.get("value") for e in server["env"]}
+        assert env[C.ENV_HF_HUB_OFFLINE] == "1" and env[C.ENV_HF_HUB_CACHE] == f"{C.CACHE_MOUNT_PATH}/{C.HUB_VIEW_DIR}"
+        fetch_env = M.build_fetch_job(spec)["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert C.ENV_HF_HUB_OFFLINE not in {e["name"] for e in fetch_env}  # the fetch is the one that goes online
+    per_pod = spec_of(base(policy={"type": "lerobot"}, storage={"mode": "perPod"}))
+    init = M.build_statefulset(per_pod)["spec"]["template"]["spec"]["initContainers"]
+    assert "--references" in init[0]["command"] and "--references" in init[-1]["command"]
+    # a name the user sets replaces the operator's: one entry per name (server-side apply refuses duplicates)
+    spec = spec_of(base(runtime={"env": [{"name": C.ENV_HF_HUB_OFFLINE, "value": "0"}]}))
+    env = M.build_statefulset(spec)["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert [e.get("value") for e in env if e["name"] == C.ENV_HF_HUB_OFFLINE] == ["0"]
 
 
 def test_probes_lifecycle_and_volumes() -> None:

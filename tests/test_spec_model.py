@@ -17,6 +17,7 @@ import pytest
 
 from policy_operator import constants as C
 from policy_operator import serve_flags
+from policy_operator.builtin_policies import BUILTIN_POLICIES, check_unconditional
 from policy_operator.layout import LayoutError, ParallelLayout
 from policy_operator.operator import spec as S
 from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
@@ -110,6 +111,13 @@ INVALID = [
     (base(runtime={"extraArgs": ["--dtype", "bfloat16", "--cfgp=2"]}), "spec.runtime.extraArgs[2]"),
     (base(runtime={"extraArgs": ["--guid", "1.0"]}), "spec.runtime.extraArgs[0]"),
     (base(runtime={"extraArgs": ["--x"] * 65}), "spec.runtime.extraArgs"),
+    (base(runtime={"extraArgs": ["--policy", "m:C"]}), "spec.runtime.extraArgs[0]"),  # spec.policy says it
+    (base(policy={"type": "lerobot"}, parallelism={"cfgp": 2}), "spec.parallelism.cfgp"),
+    (base(policy={"type": "lerobot"}, runtime={"guidance": 3.0}), "spec.runtime.guidance"),
+    (base(policy={"type": "import"}), "spec.policy.importPath"),
+    (base(policy={"type": "reference", "importPath": "m.p:P"}), "spec.policy.importPath"),
+    (base(policy={"type": "import", "importPath": "m/p.py"}), "spec.policy.importPath"),
+    (base(policy={"type": "openvla"}), "spec.policy.type"),
     (base(runtime={"extraArgs": ["--policy=" + "m" * 1024]}), "spec.runtime.extraArgs[0]"),
     (base(runtime={"extraArgs": [7]}), "spec.runtime.extraArgs[0]"),
     (base(runtime={"drainGraceSeconds": 30}), "spec.runtime.drainGraceSeconds"),
@@ -188,6 +196,7 @@ def test_defaults_fill_an_empty_section() -> None:
         "imagePullSecrets": [],
         "checkpoint": {"source": "hf://org/policy", "sha256": {},
                        "fetchJob": {"backoffLimit": 3, "ttlSecondsAfterFinished": 3600, "env": []}},
+        "policy": {"type": "reference"},
         "parallelism": {"cfgp": 1, "dp": 1},
         "replicas": 1,
         "progressDeadlineSeconds": 900,
@@ -203,8 +212,7 @@ def test_defaults_fill_an_empty_section() -> None:
         "storage": {"mode": "shared", "size": "20Gi", "accessModes": [], "keepCheckpoints": 1,
                     "retainOnDelete": False},
         "service": {"type": "ClusterIP", "port": C.DEFAULT_PORT, "annotations": {}},
-        "runtime": {"guidance": serve_flags.DEFAULT_GUIDANCE, "steps": serve_flags.DEFAULT_STEPS,
-                    "batching": {"maxBatch": serve_flags.DEFAULT_MAX_BATCH,
+        "runtime": {"batching": {"maxBatch": serve_flags.DEFAULT_MAX_BATCH,
                                  "windowMs": serve_flags.DEFAULT_BATCH_WINDOW_MS},
                     "extraArgs": [], "env": [], "drainGraceSeconds": 20, "startupTimeoutSeconds": 600,
                     "device": "cuda", "maxConnections": serve_flags.DEFAULT_MAX_CONNECTIONS},
@@ -242,7 +250,7 @@ def test_derived_values() -> None:
     base(checkpoint={"source": "file:///srv/ckpt"}, storage={"existingClaim": "shared-models"}),
     base(checkpoint={"source": "s3://bucket/prefix/"}, runtime={"extraArgs": ["--heartbeat-s", "5"]}),
     base(checkpoint={"source": "http://10.0.0.1/ckpt/", "secretRef": {"name": "tok", "key": "api.key"}}),
-    base(runtime={"extraArgs": ["--ports=1", "--dtype=bfloat16", "--cache-dir", "/tmp/c", "--policy", "m:C"]}),
+    base(runtime={"extraArgs": ["--ports=1", "--dtype=bfloat16", "--cache-dir", "/tmp/c", "--policys", "m:C"]}),
     base(resources={"requests": {"cpu": "500m", "memory": "1.5Gi", "ephemeral-storage": "1e9"}}),
     base(tolerations=[{"key": C.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
          affinity={"nodeAffinity": {}}, nodeSelector={"gpu": "h100"}),
@@ -316,7 +324,7 @@ def test_guidance_rule_is_the_layouts_check(cfgp: int, guidance: float) -> None:
         runs = True
     except LayoutError:
         runs = False
-    verdict = rule(PolicyServerSpec, "self.runtime.guidance").holds(
+    verdict = rule(PolicyServerSpec, "self.runtime.guidance != 1.0").holds(
         {"parallelism": {"cfgp": cfgp, "dp": 1}, "runtime": {"guidance": guidance}})
     assert verdict == runs
 
@@ -328,6 +336,41 @@ def test_the_runtime_defaults_are_the_specs() -> None:
         (args.guidance, args.steps, args.drain_grace_s)
     assert (runtime.batching.max_batch, runtime.batching.window_ms) == (args.max_batch, args.batch_window_ms)
     assert (runtime.batching.latency_budget_ms, runtime.max_connections) == (args.latency_budget_ms, args.max_connections)
+    assert parse(base()).policy.flag == args.policy
+
+
+@pytest.mark.parametrize("policy", BUILTIN_POLICIES)
+@pytest.mark.parametrize("cfgp", [1, 2])
+@pytest.mark.parametrize("guidance", [None, 0.0, 1.0, 3.0])
+def test_policy_guidance_rules_are_the_runtimes_checks(policy: str, cfgp: int, guidance: float | None) -> None:
+    """Admission refuses exactly the (policy, cfgp, guidance) a pod would refuse at start, guidance unset included."""
+    effective = serve_flags.policy_guidance(guidance, BUILTIN_POLICIES[policy].has_unconditional)
+    try:
+        ParallelLayout(cfgp=cfgp).check_guidance(effective)
+        check_unconditional(policy, BUILTIN_POLICIES[policy].has_unconditional, cfgp=cfgp, guidance=effective)
+        runs = True
+    except LayoutError:
+        runs = False
+    doc = {"policy": {"type": policy}, "parallelism": {"cfgp": cfgp, "dp": 1},
+           "runtime": {} if guidance is None else {"guidance": guidance}}
+    rules = [r for r in PolicyServerSpec.cel_rules if "self.runtime.guidance" in r.rule or "self.policy" in r.rule]
+    assert len(rules) == 3
+    assert all(r.holds(doc) for r in rules) == runs
+    spec = base(policy={"type": policy}, parallelism={"cfgp": cfgp}, runtime=doc["runtime"])
+    if runs:
+        assert parse(spec).guidance == effective
+    else:
+        with pytest.raises(SpecError):
+            parse(spec)
+
+
+def test_policy_type_is_the_pods_policy_flag() -> None:
+    assert parse(base()).policy.flag == "reference"
+    assert parse(base(policy={"type": "lerobot"})).policy.flag == "lerobot"
+    spec = parse(base(policy={"type": "import", "importPath": "my_robot.policies:Mine"}, parallelism={"cfgp": 2}))
+    assert spec.policy.flag == "my_robot.policies:Mine" and spec.policy.has_unconditional is None
+    assert spec.guidance is None  # an import's own: only a pod can tell whether it has an unconditional branch
+
 
 
 @pytest.mark.parametrize(("max_batch", "window_ms"), [

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from policy_operator.constants import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 from policy_operator.exit_codes import CheckpointExit
 from policy_operator.runtime.checkpoint.format import CheckpointError, verify_checkpoint
 
@@ -30,7 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        description="Check a checkpoint directory against its manifest.")
     p.add_argument("directory")
     p.add_argument("--require-marker", action="store_true",
-                   help="also require the completion marker written by 'policyserver fetch'")
+                   help="also require the completion marker written by 'policyserver fetch' (it lists every file "
+                        "the fetch verified, so a checkpoint without manifest.json, such as a LeRobot one, passes)")
+    p.add_argument("--references", action="store_true",
+                   help="also require every hub repository the checkpoint names to be fetched next to it and "
+                        "resolvable offline (policyserver fetch --references)")
     p.add_argument("--hashes", action="store_true", help="re-hash every file (default: sizes only)")
     p.set_defaults(_action=_verify)
     p = sub.add_parser("prune", help="remove old checkpoint directories from a cache volume",
@@ -61,16 +67,29 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from policy_operator.runtime.checkpoint.errors import FetchError
+
+    root = Path(args.directory)
     try:
         if args.require_marker:
             from policy_operator.runtime.checkpoint.fetch import check_complete
 
-            check_complete(args.directory, verify=args.hashes)
-        entries = verify_checkpoint(args.directory, hashes=args.hashes)
-    except CheckpointError as exc:
+            marker = check_complete(root, verify=args.hashes)
+        if args.require_marker and not (root / MANIFEST_FILE).is_file():
+            missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if name not in marker["files"]]
+            if missing:
+                raise CheckpointError(f"{root} is not a checkpoint: {', '.join(missing)} is missing")
+            count = len(marker["files"])  # the marker is the list the fetch verified
+        else:
+            count = len(verify_checkpoint(root, hashes=args.hashes))
+        if args.references:
+            from policy_operator.runtime.checkpoint.references import check_references
+
+            check_references(root, root.parent)
+    except (CheckpointError, FetchError) as exc:
         print(f"policyserver: error: {exc}", file=sys.stderr)
         return CheckpointExit.INVALID
-    print(f"{args.directory}: {len(entries)} files verified ({'sha256' if args.hashes else 'sizes'})")
+    print(f"{args.directory}: {count} files verified ({'sha256' if args.hashes else 'sizes'})")
     return CheckpointExit.OK
 
 

@@ -60,6 +60,7 @@ from policy_operator.runtime.checkpoint.format import CheckpointError, parse_man
 from policy_operator.runtime.checkpoint.http import STALL_TIMEOUT_S, Patience
 from policy_operator.runtime.checkpoint.marker import check_complete, fsync_path, make_marker, read_marker, write_marker
 from policy_operator.runtime.checkpoint.progress import Progress, human_bytes
+from policy_operator.runtime.checkpoint.references import fetch_references
 from policy_operator.runtime.checkpoint.sources import HfSource, RemoteFile, Source, make_source
 from policy_operator.runtime.checkpoint.staging import has_other_names
 from policy_operator.sources import HF_SCHEME, InvalidSource, checkpoint_key, split_revision
@@ -458,6 +459,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", action="store_true",
                         help="re-hash an already complete directory instead of checking sizes only")
     parser.add_argument("--quiet", action="store_true", help="no progress or info lines, only errors")
+    parser.add_argument("--references", action="store_true",
+                        help="also fetch every hub repository the checkpoint's JSON files name (a LeRobot "
+                             "checkpoint's VLM and tokenizer) into DEST, and make DEST/.hub resolve them offline "
+                             "(HF_HUB_CACHE=DEST/.hub, HF_HUB_OFFLINE=1)")
     parser.add_argument("--stall-timeout-s", type=float, default=STALL_TIMEOUT_S, metavar="S",
                         help="an HTTP body that delivers nothing (or under 1 KiB/s) for S seconds is dropped and "
                              "resumed from the bytes received (default %(default)s)")
@@ -473,6 +478,11 @@ def main(args: argparse.Namespace) -> int:
         path = fetch(args.source, args.dest, revision=args.revision, sha256=_parse_sha256(args.sha256),
                      token=token, verify=args.verify, progress=not args.quiet,
                      stall_timeout_s=args.stall_timeout_s)
+        if args.references:  # the hub's own token (HF_TOKEN), never the checkpoint source's
+            fetch_references(path, Path(args.dest), log=_Log(not args.quiet),
+                             fetch_one=lambda source: fetch(source, args.dest, verify=args.verify,
+                                                            progress=not args.quiet,
+                                                            stall_timeout_s=args.stall_timeout_s))
     except FetchError as exc:
         print(f"policyserver fetch: error: {scrub(str(exc), secrets)}", file=sys.stderr)
         return exc.exit_code

@@ -12,7 +12,11 @@ no pod still serves from what it removes.  What it keeps:
   operator decided to prune is the *next* checkpoint, not an old one;
 * anything it cannot prove is a finished download (no valid marker): a
   directory being published, or one a human put there;
-* the fetcher's work directory ``DEST/.fetch`` (partial downloads resume).
+* the fetcher's work directory ``DEST/.fetch`` (partial downloads resume);
+* every hub repository a kept checkpoint names (``references.py``: a LeRobot
+  checkpoint's VLM and tokenizer, fetched next to it): a pod loads them
+  offline.  Such a repository is not a checkpoint of its own: it does not
+  count towards ``--keep-last``, and goes once no kept checkpoint names it.
 
 A directory is removed by renaming it into ``DEST/.fetch`` first, so it stops
 being a checkpoint at once (a reader sees all of it or nothing), then
@@ -32,6 +36,7 @@ from pathlib import Path
 from policy_operator.constants import COMPLETE_MARKER
 from policy_operator.runtime.checkpoint.fetch import WORK_DIR
 from policy_operator.runtime.checkpoint.marker import read_marker
+from policy_operator.runtime.checkpoint.references import referenced_keys
 
 
 def _finished(directory: Path) -> float | None:
@@ -52,10 +57,15 @@ def prunable(dest: Path, keep: set[str], keep_last: int) -> list[Path]:
     if not kept_times:  # the serving checkpoint is not here: nothing is known to be old
         return []
     newest_kept = max(kept_times)
-    older = sorted(((t, name) for name, t in complete.items() if name not in keep and t <= newest_kept),
-                   reverse=True)
+    named = {name: referenced_keys(dest / name) for name in complete}
+    dependencies = set().union(*named.values()) - keep
+    older = sorted(((t, name) for name, t in complete.items()
+                    if name not in keep and name not in dependencies and t <= newest_kept), reverse=True)
     spare = max(0, keep_last - len(kept_times))
-    return [dest / name for _, name in sorted(older[spare:])]
+    removed = {name for _, name in older[spare:]}
+    needed = set().union(*(named[name] for name in complete if name not in removed and name not in dependencies))
+    removed |= {name for name in dependencies & complete.keys() if name not in needed and complete[name] <= newest_kept}
+    return [dest / name for _, name in sorted((complete[name], name) for name in removed)]
 
 
 def prune(dest: Path, keep: set[str], keep_last: int, log: Callable[[str], None] = print) -> list[str]:
