@@ -22,7 +22,7 @@ from policy_operator.constants import ANNOTATION_TEMPLATE_HASH, LABEL_CHECKPOINT
 from policy_operator.exit_codes import FetchExit
 from policy_operator.operator.conditions import Reason
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
-from policy_operator.operator.rank_probe import container_message
+from policy_operator.operator.rank_probe import container_message, unschedulable_message
 from policy_operator.operator.spec import PolicyServerSpec
 from policy_operator.progress_line import FetchProgress, last_progress
 
@@ -53,6 +53,8 @@ class CheckpointState:
     message: str
     job_name: str
     progress: FetchProgress | None = None  # while downloading, from the fetch pod's last progress line
+    claim_uid: str | None = None  # Ready: the cache claim the checkpoint is on
+    stale_job: bool = False  # the Job finished against a cache claim that is gone: delete it, then fetch again
 
 
 def _conditions(obj: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
@@ -120,18 +122,129 @@ def failed_create(owner: Mapping[str, Any] | None, events: Sequence[Mapping[str,
     return str(newest.get("message") or FAILED_CREATE)[:MAX_MESSAGE]
 
 
+# the kubelet's reasons for a container it cannot start; ContainerCreating and PodInitializing only say "not yet"
+KUBELET_START_ERRORS = frozenset({"CreateContainerConfigError", "CreateContainerError", "ErrImagePull",
+                                  "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "RunContainerError"})
+
+
+def _fetch_started(pod: Mapping[str, Any]) -> bool:
+    """The fetch container runs or ran: from then on the attempt is a download, whatever it does."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") == FETCH_CONTAINER:
+            state = cs.get("state") or {}
+            if "running" in state or "terminated" in state or (cs.get("lastState") or {}).get("terminated"):
+                return True
+    return False
+
+
+def _pod_created(pod: Mapping[str, Any]) -> datetime.datetime | None:
+    return _time((pod.get("metadata") or {}).get("creationTimestamp"))
+
+
+def waiting_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The newest fetch pod when no attempt is downloading: one that exists and has not started its fetch."""
+    live = [p for p in job_pods if not (p.get("metadata") or {}).get("deletionTimestamp")
+            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+    if not live or any(_fetch_started(p) for p in live):
+        return None
+    return max(live, key=lambda p: _pod_created(p) or datetime.datetime.min.replace(tzinfo=datetime.UTC))
+
+
+def start_problem(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]] = ()) -> tuple[Reason, str] | None:
+    """Why a pod that exists does not start, in the scheduler's or the kubelet's words; None: nothing says so yet.
+
+    The scheduler says it in the pod's ``PodScheduled`` condition; the
+    kubelet in a container's waiting reason (a missing Secret key, an image
+    it cannot pull) or, for volumes (a missing Secret or claim), only in a
+    Warning Event on the pod (``FailedMount``), which ``events`` holds.
+    """
+    name = (pod.get("metadata") or {}).get("name") or "?"
+    unschedulable = unschedulable_message(pod)
+    if unschedulable:
+        return Reason.UNSCHEDULABLE, f"pod {name} cannot be scheduled: {unschedulable}"
+    status = pod.get("status") or {}
+    for group in ("initContainerStatuses", "containerStatuses"):
+        for cs in status.get(group) or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in KUBELET_START_ERRORS or (waiting and waiting.get("message")):
+                return Reason.FETCH_POD_NOT_STARTING, f"pod {name} cannot start: {container_message(pod)}"
+    uid = (pod.get("metadata") or {}).get("uid")
+    scheduled = any(c.get("type") == "PodScheduled" and c.get("status") == "True" for c in status.get("conditions") or [])
+    warnings = [(t, e) for e in events if e.get("type") == "Warning" and uid
+                and (e.get("involvedObject") or {}).get("uid") == uid and (t := event_time(e)) is not None
+                and not (scheduled and e.get("reason") == "FailedScheduling")]  # the scheduler's, once it placed it
+    if warnings:
+        _, newest = max(warnings, key=lambda te: te[0])
+        return Reason.FETCH_POD_NOT_STARTING, f"pod {name} cannot start: {newest.get('reason')}: {newest.get('message')}"
+    return None
+
+
+def _not_scheduled(pod: Mapping[str, Any]) -> str:
+    """What a pod no scheduler has looked at says: nothing, so the operator names the scheduler it waits for."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    if (pod.get("spec") or {}).get("nodeName") or any(c.get("type") == "PodScheduled" for c in conditions):
+        return ""
+    scheduler = (pod.get("spec") or {}).get("schedulerName") or "default-scheduler"
+    return f"no scheduler has taken it (schedulerName {scheduler})"
+
+
+def fetch_pod_waiting_state(spec: PolicyServerSpec, pod: Mapping[str, Any], job_name: str,
+                            events: Sequence[Mapping[str, Any]], now: datetime.datetime | None) -> CheckpointState:
+    """A fetch pod that exists and does not run: say why as soon as the scheduler or the kubelet does; past
+    ``progressDeadlineSeconds`` from its creation it is ProgressDeadlineExceeded (Stalled), as a rollout would be."""
+    name = (pod.get("metadata") or {}).get("name") or "?"
+    problem = start_problem(pod, events)
+    created = _pod_created(pod)
+    deadline = spec.progress_deadline_seconds
+    if now is not None and created is not None and (now - created).total_seconds() > deadline:
+        detail = (problem[1] if problem else f"pod {name}: " + (_not_scheduled(pod) or container_message(pod)
+                                                                  or "not running"))
+        return CheckpointState(CheckpointPhase.FAILED, Reason.PROGRESS_DEADLINE_EXCEEDED,
+                               f"the fetch pod of {job_name} did not start in {deadline}s "
+                               f"(spec.progressDeadlineSeconds): {detail}"[:MAX_MESSAGE], job_name)
+    if problem is not None:
+        return CheckpointState(CheckpointPhase.PENDING, problem[0], problem[1][:MAX_MESSAGE], job_name)
+    waiting = _not_scheduled(pod) or container_message(pod)
+    return CheckpointState(CheckpointPhase.PENDING, Reason.JOB_PENDING,
+                           f"waiting for the fetch pod {name} to start" + (f" ({waiting})" if waiting else ""),
+                           job_name)
+
+
+def ran_on_older_claim(job: Mapping[str, Any], claim: Mapping[str, Any] | None) -> bool:
+    """The Job was made before the cache claim there is now: it wrote to a claim that was deleted since.
+
+    The claim is always made before its first fetch Job (same pass, earlier
+    write), so a Job older than the claim can only be one whose claim was
+    deleted (and made again, empty) after it.
+    """
+    made = _time((job.get("metadata") or {}).get("creationTimestamp"))
+    claim_made = _time(((claim or {}).get("metadata") or {}).get("creationTimestamp"))
+    return made is not None and claim_made is not None and made < claim_made
+
+
 def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_pods: Sequence[Mapping[str, Any]],
                      recorded: Mapping[str, Any] | None, fetch_log: str | None = None,
-                     job_events: Sequence[Mapping[str, Any]] = ()) -> CheckpointState:
+                     job_events: Sequence[Mapping[str, Any]] = (), *,
+                     now: datetime.datetime | None = None,
+                     claim: Mapping[str, Any] | None = None) -> CheckpointState:
     """Where the spec's checkpoint stands.
 
     ``recorded`` is the last ``status.checkpoint``: a download that finished
     stays Ready after its Job was garbage-collected (ttlSecondsAfterFinished),
     so the cache is not fetched again; pods still verify it before serving.
     ``fetch_log`` is the end of the running fetch pod's log: its last progress
-    line becomes the state's progress.  ``job_events`` are the Job's Events:
-    a ``FailedCreate`` one while the Job has no pod says why (quota,
-    PodSecurity, a missing PriorityClass).
+    line becomes the state's progress.  ``job_events`` are the Events of the
+    Job and of its waiting pod: a ``FailedCreate`` one while the Job has no
+    pod says why (quota, PodSecurity, a missing PriorityClass), a Warning on
+    the pod why it does not start (``FailedMount``).  The Job counts a pod
+    that waits for a node or a volume as active, so a pod that never started
+    its fetch is read for itself (``fetch_pod_waiting_state``), not taken for
+    a download; ``now`` bounds that wait by ``progressDeadlineSeconds``.
+
+    ``claim`` is the shared cache claim as it is now.  A download counts only
+    on the claim it landed on: a Job that ran before the claim was made, or a
+    record of another claim's uid, is a checkpoint the pods will not find
+    (``verify-checkpoint``: "checkpoint not fetched"), so it is fetched again.
     """
     ck = spec.checkpoint
     job_name = Names(spec.name).job(ck.key)
@@ -140,14 +253,28 @@ def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_
         return CheckpointState(CheckpointPhase.READY, Reason.FETCHED_BY_PODS,
                                f"each pod fetches {ck.source} into {ck.path} on its own claim before it serves",
                                job_name)
+    claim_uid = ((claim or {}).get("metadata") or {}).get("uid")
+    claim_name = ((claim or {}).get("metadata") or {}).get("name")
     if job is None:
-        if recorded.get("key") == ck.key and recorded.get("phase") == CheckpointPhase.READY:
-            return CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name)
-        return CheckpointState(CheckpointPhase.PENDING, Reason.JOB_PENDING, f"creating fetch Job {job_name}", job_name)
+        recorded_claim = recorded.get("claimUid")
+        if recorded.get("key") == ck.key and recorded.get("phase") == CheckpointPhase.READY \
+                and (not recorded_claim or not claim_uid or recorded_claim == claim_uid):
+            return CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name,
+                                   claim_uid=recorded_claim or claim_uid)
+        again = recorded_claim and claim_uid and recorded_claim != claim_uid
+        return CheckpointState(CheckpointPhase.PENDING, Reason.JOB_PENDING,
+                               f"creating fetch Job {job_name}" + (
+                                   f": the checkpoint was on a cache claim that is gone; {claim_name} is new"
+                                   if again else ""), job_name)
+    if ran_on_older_claim(job, claim) and _is_true(_conditions(job), "Complete"):
+        return CheckpointState(CheckpointPhase.PENDING, Reason.JOB_PENDING,
+                               f"fetch Job {job_name} wrote to a cache claim that is gone ({claim_name} was made "
+                               f"after it): deleting it to fetch again", job_name, stale_job=True)
     conds = _conditions(job)
     status = job.get("status") or {}
     if _is_true(conds, "Complete") or (status.get("succeeded") or 0) >= 1:
-        return CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name)
+        return CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name,
+                               claim_uid=claim_uid)
     failed = status.get("failed") or 0
     exit_code, last_line = _fetch_termination(job_pods)
     if _is_true(conds, "Failed"):
@@ -159,6 +286,11 @@ def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_
         detail = last_line or cond.get("message") or cond.get("reason") or "the fetch Job failed"
         return CheckpointState(CheckpointPhase.FAILED, reason, f"fetch Job {job_name} failed: {detail}"[:MAX_MESSAGE], job_name)
     attempts = ck.fetch_job.backoff_limit + 1
+    waiting_pod = waiting_fetch_pod(job_pods) if (status.get("active") or 0) >= 1 else None
+    if waiting_pod is not None:
+        not_started = fetch_pod_waiting_state(spec, waiting_pod, job_name, job_events, now)
+        if not (failed and not_started.reason == Reason.JOB_PENDING):  # a retry about to start: the last failure says more
+            return not_started
     if (status.get("active") or 0) >= 1:
         progress = last_progress(fetch_log) if fetch_log else None
         message = f"downloading {ck.source}" + (f": {progress.text}" if progress else "") + \

@@ -65,8 +65,10 @@ class Reason(str, Enum):
     NAME_CONFLICT = "NameConflict"
     APPLY_FAILED = "ApplyFailed"
     CLAIM_NOT_FOUND = "ClaimNotFound"
+    CLAIM_TERMINATING = "ClaimTerminating"  # StorageReady: the cache claim is being deleted
     # CheckpointReady: the fetch Job's progress and, from its exit code, why it failed
     JOB_PENDING = "JobPending"
+    FETCH_POD_NOT_STARTING = "FetchPodNotStarting"  # the kubelet cannot start it: a Secret, a claim, an image
     RETRYING = "Retrying"
     DOWNLOADED = "Downloaded"
     INVALID_SOURCE = "InvalidSource"
@@ -85,8 +87,9 @@ FETCH_FAILURE_REASONS = frozenset({Reason.INVALID_SOURCE, Reason.SOURCE_UNREACHA
 # Those become Warning Events.
 WARNING_REASONS = frozenset({Reason.INVALID_SPEC, Reason.REPLICAS_UNAVAILABLE, Reason.NAME_CONFLICT,
                              Reason.APPLY_FAILED, Reason.FAILED, Reason.CLAIM_NOT_FOUND, Reason.UNSCHEDULABLE,
-                             Reason.FAILED_CREATE, Reason.PROGRESS_DEADLINE_EXCEEDED, *FETCH_FAILURE_REASONS,
-                             Reason.EXPANSION_NOT_ALLOWED, Reason.IMMUTABLE_CHANGE, Reason.CACHE_NOT_SHARED})
+                             Reason.FAILED_CREATE, Reason.FETCH_POD_NOT_STARTING, Reason.PROGRESS_DEADLINE_EXCEEDED, *FETCH_FAILURE_REASONS,
+                             Reason.EXPANSION_NOT_ALLOWED, Reason.IMMUTABLE_CHANGE, Reason.CACHE_NOT_SHARED,
+                             Reason.CLAIM_TERMINATING})
 # Progressing=False reasons that mean "stuck", not "done"
 STUCK_REASONS = frozenset({Reason.FAILED, Reason.NAME_CONFLICT, Reason.APPLY_FAILED, Reason.CLAIM_NOT_FOUND,
                            Reason.PROGRESS_DEADLINE_EXCEEDED, Reason.REPLICAS_UNAVAILABLE})
@@ -127,13 +130,21 @@ def merge_conditions(previous: Sequence[Mapping[str, Any]] | None, new: Sequence
     return sorted(merged, key=lambda c: order.get(c["type"], len(order)))
 
 
+# The reasons a fetch pod that does not run gives CheckpointReady, and Progressing with it
+FETCH_BLOCKED_REASONS = frozenset({Reason.FAILED_CREATE, Reason.UNSCHEDULABLE, Reason.FETCH_POD_NOT_STARTING})
+
+
 def condition_events(previous: Sequence[Mapping[str, Any]] | None, new: Sequence[Condition]) -> list[Event]:
+    """One Event per condition whose status or reason changed; one per reason when several conditions change to
+    the same one in a pass (a pod that cannot be placed turns Available and Progressing to Unschedulable)."""
     old = {c.get("type"): c for c in previous or []}
-    events = []
+    events: list[Event] = []
     for cond in new:
         prev = old.get(cond.type) or {}
         if (prev.get("status"), prev.get("reason")) != (cond.status, cond.reason):
             kind = "Warning" if cond.reason in WARNING_REASONS else "Normal"
+            if any(e.reason == str(cond.reason) and e.type == kind for e in events):
+                continue
             events.append(Event(kind, str(cond.reason), f"{cond.type}={cond.status}: {cond.message}"[:1000]))
     return events
 

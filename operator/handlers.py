@@ -19,6 +19,7 @@ CLI and tests can run several independent operators in one process.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import threading
 import time
@@ -186,10 +187,17 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         for client in clients:
             client.close()
 
+    def seen(kind: str, namespace: str | None, body: kopf.Body) -> None:
+        """What kopf's watch just delivered is at least as new as the operator's own watch of it."""
+        client = kube()
+        if client.informer is not None and namespace:
+            client.informer.put(kind, namespace, copy.deepcopy(dict(cast(dict[str, Any], body))))
+
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")
-    def on_change(namespace: str | None, name: str, logger: Logger, **_: Any) -> None:
+    def on_change(namespace: str | None, name: str, body: kopf.Body, logger: Logger, **_: Any) -> None:
+        seen(KIND, namespace, body)
         outcome = run(namespace, name, logger)
         if outcome is not None and outcome.spec_error is not None:
             raise kopf.PermanentError(f"invalid spec: {outcome.spec_error}")
@@ -201,6 +209,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     def on_child(body: kopf.Body, namespace: str | None, logger: Logger, type: str, **_: Any) -> None:
         owner = _owner_name(body)
         if owner and type:  # no type: the initial listing, which the resume handlers cover
+            if type != "DELETED":
+                seen(str(body.get("kind")), namespace, body)
             run(namespace, owner, logger)
 
     kopf.on.event("batch", "v1", "jobs", labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: COMPONENT_FETCH},

@@ -14,9 +14,12 @@ ones (retry with backoff) and rejections (report in status, do not hammer).
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import kubernetes.client
 import kubernetes.config
@@ -25,7 +28,8 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import DynamicApiError, ResourceNotFoundError
 from kubernetes.dynamic.resource import Resource
 
-from policy_operator.constants import API_VERSION, FIELD_MANAGER
+from policy_operator.constants import ANNOTATION_APPLIED_HASH, API_VERSION, FIELD_MANAGER
+from policy_operator.operator.informer import Informer, Store
 
 MERGE_PATCH = "application/merge-patch+json"
 REQUEST_TIMEOUT = (5.0, 30.0)  # connect, read
@@ -55,11 +59,29 @@ class TransientError(KubeError):
 
 
 class Rejected(KubeError):
-    """The API server refused the request (400/403/422...): repeating it unchanged will not help."""
+    """The API server refused the request (400/403/422, a 500 about the body...): repeating it unchanged will not
+    help."""
 
 
 class NotFound(KubeError):
     """404."""
+
+
+# 500s about the request itself, not the server's state: server-side apply could not build a typed object from the
+# body (a duplicate key of a list map such as env or topologySpreadConstraints, a field the schema lacks).  The same
+# body gets the same answer every time, so retrying it is a loop, not a recovery.
+PERMANENT_SERVER_ERRORS = ("failed to create typed patch object", "failed to create typed live object",
+                           "duplicate entries for key", "field not declared in schema")
+
+
+def is_transient(status: int, message: str) -> bool:
+    """Whether the same request may succeed later: connection trouble, a conflict, throttling, an overloaded server.
+
+    Every other answer (4xx, and the 500s of :data:`PERMANENT_SERVER_ERRORS`) is a rejection of the request.
+    """
+    if status in (409, 429):
+        return True
+    return status >= 500 and not any(m in message for m in PERMANENT_SERVER_ERRORS)
 
 
 def _sorted_error(what: str, exc: Exception) -> KubeError:
@@ -68,7 +90,7 @@ def _sorted_error(what: str, exc: Exception) -> KubeError:
         message = f"{what}: {status} {exc.summary()}"
         if status == 404:
             return NotFound(message, status)
-        if status in (409, 429) or status >= 500:
+        if is_transient(status, message):
             return TransientError(message, status)
         return Rejected(message, status)
     if isinstance(exc, ResourceNotFoundError):  # the CRD is not (yet) served: installing it fixes this
@@ -76,14 +98,60 @@ def _sorted_error(what: str, exc: Exception) -> KubeError:
     return TransientError(f"{what}: {exc}")
 
 
-class Kube:
-    """get / list / apply / merge-patch on plain dicts, with one field manager for everything applied."""
+# The kinds a pass reads by name or label, served from watches (operator/informer.py) instead of a request each
+CACHED_KINDS: Final = ("PolicyServer", "PersistentVolumeClaim", "Job", "StatefulSet", "Service",
+                       "PodDisruptionBudget", "Pod")
+POOL_SIZE: Final = 32
+# managedFields entries that are not a hand edit of what the operator applies
+OWN_SUBRESOURCES: Final = ("status", "scale")
 
-    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+
+def applied_hash(body: Mapping[str, Any]) -> str:
+    """A hash of the body the operator applies (without this very annotation)."""
+    meta = dict(body.get("metadata") or {})
+    meta["annotations"] = {k: v for k, v in (meta.get("annotations") or {}).items() if k != ANNOTATION_APPLIED_HASH}
+    text = json.dumps({**body, "metadata": meta}, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def with_applied_hash(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta = dict(body["metadata"])
+    meta["annotations"] = {**(meta.get("annotations") or {}), ANNOTATION_APPLIED_HASH: applied_hash(body)}
+    return {**body, "metadata": meta}
+
+
+def foreign_managers(obj: Mapping[str, Any]) -> list[str]:
+    """Field managers other than the operator that own fields of the object itself (not its status or scale)."""
+    return sorted({str(m.get("manager")) for m in (obj.get("metadata") or {}).get("managedFields") or []
+                   if m.get("manager") != FIELD_MANAGER and m.get("subresource") not in OWN_SUBRESOURCES})
+
+
+def unchanged(current: Mapping[str, Any] | None, body: Mapping[str, Any]) -> bool:
+    """Whether applying ``body`` (stamped by :func:`with_applied_hash`) would change nothing: the object carries the
+    same hash, and no other manager edited it since (a hand edit makes its author a manager, and an apply puts back
+    what the operator owns)."""
+    if current is None or (current.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    want = ((body.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_APPLIED_HASH)
+    have = ((current.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_APPLIED_HASH)
+    return bool(want) and want == have and not foreign_managers(current)
+
+
+class Kube:
+    """get / list / apply / merge-patch on plain dicts, with one field manager for everything applied.
+
+    With ``cached`` kinds, reads of those come from an :class:`Informer` once
+    it has listed them, every write's answer goes into it, and an apply whose
+    object already carries its body (``unchanged``) is not sent at all: a pass
+    over a PolicyServer at rest makes no request.
+    """
+
+    def __init__(self, api_client: kubernetes.client.ApiClient, *, cached: tuple[str, ...] = ()) -> None:
         self.api_client = api_client
         self._dynamic: DynamicClient | None = None
         self._resources: dict[str, Resource] = {}
         self._discovery_lock = threading.Lock()
+        self.informer = Informer(self._resource, cached) if cached else None
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -92,10 +160,18 @@ class Kube:
             kubernetes.config.load_incluster_config()
         except kubernetes.config.ConfigException:
             kubernetes.config.load_kube_config()
-        return cls(kubernetes.client.ApiClient())
+        configuration = kubernetes.client.Configuration.get_default_copy()
+        # a watch holds a connection for minutes: room for every informer's and every handler thread's
+        configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize or 0, POOL_SIZE)
+        return cls(kubernetes.client.ApiClient(configuration), cached=CACHED_KINDS)
 
     def close(self) -> None:
+        if self.informer is not None:
+            self.informer.stop()
         self.api_client.close()
+
+    def _store(self, kind: str, namespace: str) -> Store | None:
+        return self.informer.store(kind, namespace) if self.informer is not None else None
 
     def _resource(self, kind: str) -> Resource:
         """Discovery happens on first use (not at start-up), so an operator started before its CRD recovers.
@@ -125,6 +201,9 @@ class Kube:
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """One object, or None; ``namespace`` "" for a cluster-scoped kind."""
+        store = self._store(kind, namespace)
+        if store is not None:
+            return copy.deepcopy(store.get(name))
         try:
             return self._call(f"get {kind} {namespace}/{name}", self._resource(kind).get, name=name,
                               namespace=namespace or None)
@@ -134,10 +213,13 @@ class Kube:
     def delete(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """Delete one object (background propagation); None when it was already gone."""
         try:
-            return self._call(f"delete {kind} {namespace}/{name}", self._resource(kind).delete, name=name,
-                              namespace=namespace, body={"propagationPolicy": "Background"})
+            answer = self._call(f"delete {kind} {namespace}/{name}", self._resource(kind).delete, name=name,
+                                namespace=namespace, body={"propagationPolicy": "Background"})
         except NotFound:
-            return None
+            answer = None
+        if self.informer is not None:
+            self.informer.forget(kind, namespace, name, answer)
+        return answer
 
     def pod_log(self, namespace: str, name: str, container: str, *, tail_lines: int, limit_bytes: int,
                 previous: bool = False) -> str:
@@ -149,8 +231,8 @@ class Kube:
                 previous=previous, _request_timeout=REQUEST_TIMEOUT))
         except kubernetes.client.ApiException as exc:
             status = int(exc.status or 0)
-            kind = NotFound if status == 404 else TransientError if status in (409, 429) or status >= 500 else Rejected
             detail = str(exc.body or "")[:300]
+            kind = NotFound if status == 404 else TransientError if is_transient(status, detail) else Rejected
             raise kind(f"{what}: {status} {exc.reason}" + (f": {detail}" if detail else ""), status) from exc
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise TransientError(f"{what}: {exc}") from exc
@@ -158,6 +240,9 @@ class Kube:
     def list(self, kind: str, namespace: str, selector: Mapping[str, str],
              fields: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
         """Objects matching labels ``selector`` and, optionally, field selector ``fields`` (Events: involvedObject...)."""
+        store = None if fields else self._store(kind, namespace)
+        if store is not None:
+            return copy.deepcopy(store.list(selector))
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items()) or None
         field_selector = ",".join(f"{k}={v}" for k, v in (fields or {}).items()) or None
         found = self._call(f"list {kind} in {namespace}", self._resource(kind).get, namespace=namespace,
@@ -167,17 +252,30 @@ class Kube:
     # --- writes -----------------------------------------------------------------------------
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply as the operator's field manager, taking back any field a hand edit changed."""
-        meta = obj["metadata"]
-        return self._call(f"apply {obj['kind']} {meta['namespace']}/{meta['name']}",
-                          self._resource(obj["kind"]).server_side_apply, body=dict(obj), name=meta["name"],
-                          namespace=meta["namespace"], field_manager=FIELD_MANAGER, force_conflicts=True)
+        """Server-side apply as the operator's field manager, taking back any field a hand edit changed; not sent
+        when the watched object already is what it would make (``unchanged``)."""
+        body, meta = with_applied_hash(obj), obj["metadata"]
+        kind, namespace, name = obj["kind"], meta["namespace"], meta["name"]
+        store = self._store(kind, namespace)
+        current = store.get(name) if store is not None else None
+        if current is not None and unchanged(current, body):
+            return copy.deepcopy(current)
+        answer: dict[str, Any] = self._call(f"apply {kind} {namespace}/{name}", self._resource(kind).server_side_apply,
+                                            body=body, name=name, namespace=namespace, field_manager=FIELD_MANAGER,
+                                            force_conflicts=True)
+        if self.informer is not None:
+            self.informer.put(kind, namespace, answer)
+        return answer
 
     def merge_patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any], *,
                     subresource: str | None = None) -> dict[str, Any]:
         """RFC 7386 merge patch (status, pod annotations): fields outside the patch stay as they are."""
         resource = self._resource(kind)
         target = resource.subresources[subresource] if subresource else resource
-        return self._call(f"patch {kind} {namespace}/{name}" + (f"/{subresource}" if subresource else ""),
-                          target.patch, body=dict(patch), name=name, namespace=namespace, content_type=MERGE_PATCH,
-                          field_manager=FIELD_MANAGER)  # the operator's own: a template repair is no foreign owner
+        answer: dict[str, Any] = self._call(
+            f"patch {kind} {namespace}/{name}" + (f"/{subresource}" if subresource else ""), target.patch,
+            body=dict(patch), name=name, namespace=namespace, content_type=MERGE_PATCH,
+            field_manager=FIELD_MANAGER)  # the operator's own: a template repair is no foreign owner
+        if self.informer is not None:
+            self.informer.put(kind, namespace, answer)
+        return answer

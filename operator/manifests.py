@@ -35,8 +35,6 @@ from policy_operator.constants import (
     ENV_HF_HUB_CACHE,
     ENV_HF_HUB_OFFLINE,
     ENV_HF_TOKEN,
-    ENV_HOME,
-    ENV_XDG_CACHE_HOME,
     GPU_RESOURCE,
     HEALTHZ_PATH,
     HUB_VIEW_DIR,
@@ -57,6 +55,7 @@ from policy_operator.exit_codes import FETCH_FATAL
 from policy_operator.operator.spec import (
     DEFAULT_CPU_PER_RANK,
     DEFAULT_MEMORY_PER_RANK,
+    OPERATOR_ENV,
     SHARED_ACCESS_MODES,
     SHM_PATH,
     TMP_PATH,
@@ -178,7 +177,7 @@ def _container_security_context() -> dict[str, Any]:
 
 
 def _home_env() -> list[dict[str, Any]]:
-    return [{"name": ENV_HOME, "value": TMP_PATH}, {"name": ENV_XDG_CACHE_HOME, "value": f"{TMP_PATH}/.cache"}]
+    return [{"name": name, "value": value} for name, value in OPERATOR_ENV.items()]
 
 
 def _server_env(spec: PolicyServerSpec) -> list[dict[str, Any]]:

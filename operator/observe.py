@@ -16,6 +16,7 @@ from typing import Any
 from policy_operator import progress_line
 from policy_operator.constants import (
     COMPONENT_CACHE,
+    COMPONENT_CACHE_GC,
     COMPONENT_FETCH,
     LABEL_CHECKPOINT_KEY,
     LABEL_COMPONENT,
@@ -46,6 +47,7 @@ class Observed:
     pdb: dict[str, Any] | None = None
     gc_job: dict[str, Any] | None = None  # the cleanup Job of the spec's checkpoint
     cache_jobs: list[dict[str, Any]] = field(default_factory=list)  # every fetch and cleanup Job (shared cache)
+    job_pods_all: list[dict[str, Any]] = field(default_factory=list)  # pods of every fetch and cleanup Job
 
 
 def running_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> str | None:
@@ -99,10 +101,20 @@ def failed_create_events(kube: Kube, namespace: str, owner: Mapping[str, Any] | 
 
 def job_events(kube: Kube, namespace: str, job: Mapping[str, Any] | None,
                job_pods: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """A running Job with no pod at all: the Job controller may be refused (its FailedCreate Events say why)."""
+    """A running Job with no pod at all: the Job controller may be refused (its FailedCreate Events say why).
+    A fetch pod that exists and does not start: the kubelet's Warnings on it (``FailedMount``) say why, when
+    neither its containers nor the scheduler do."""
     status = (job or {}).get("status") or {}
     waiting = not job_pods and not status.get("succeeded") and not status.get("active")
-    return failed_create_events(kube, namespace, job, missing_pods=waiting)
+    events = failed_create_events(kube, namespace, job, missing_pods=waiting)
+    pod = child_status.waiting_fetch_pod(job_pods) if status.get("active") else None
+    uid = ((pod or {}).get("metadata") or {}).get("uid")
+    if pod is not None and uid and child_status.start_problem(pod) is None:
+        try:
+            events += kube.list("Event", namespace, {}, {"involvedObject.uid": uid, "type": "Warning"})
+        except KubeError as exc:
+            log.debug("no Events of the fetch pod %s: %s", uid, exc)
+    return events
 
 
 def statefulset_events(kube: Kube, namespace: str, sts: Mapping[str, Any] | None,
@@ -130,8 +142,16 @@ def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
         pods=pods,
         service=kube.get("Service", ns, names.service),
         headless_service=kube.get("Service", ns, names.headless_service),
+        job_pods_all=[p for p in kube.list("Pod", ns, _instance_labels(spec.name))
+                      if ((p.get("metadata") or {}).get("labels") or {}).get(LABEL_COMPONENT)
+                      in (COMPONENT_FETCH, COMPONENT_CACHE_GC)],
         **storage_and_disruption(kube, spec),
     )
+
+
+def _instance_labels(name: str) -> dict[str, str]:
+    """Every child of one PolicyServer, whatever its component."""
+    return {k: v for k, v in manifests.selector_labels(name).items() if k != LABEL_COMPONENT}
 
 
 def storage_and_disruption(kube: Kube, spec: PolicyServerSpec) -> dict[str, Any]:
@@ -140,18 +160,44 @@ def storage_and_disruption(kube: Kube, spec: PolicyServerSpec) -> dict[str, Any]
     claims = kube.list("PersistentVolumeClaim", ns, manifests.selector_labels(spec.name, COMPONENT_CACHE)) \
         if spec.storage.per_pod else []
     shared = None if spec.storage.per_pod else kube.get("PersistentVolumeClaim", ns, manifests.claim_name(spec))
-    class_name = ((claims[0] if claims else shared or {}).get("spec") or {}).get("storageClassName")
+    mine = claims if spec.storage.per_pod else [c for c in [shared] if c is not None and not spec.storage.existing_claim]
+    class_name = ((mine[0] if mine else {}).get("spec") or {}).get("storageClassName")
     storage_class = None
-    if class_name:
-        try:  # a cluster-scoped read: a namespaced operator may not have it; the apiserver then decides
-            storage_class = kube.get("StorageClass", "", class_name)
-        except KubeError as exc:
-            log.debug("StorageClass %s not readable: %s", class_name, exc)
+    if class_name and any(wants_growth(c, spec.storage.size) for c in mine):
+        storage_class = readable_storage_class(kube, class_name)
     return {"cache_claims": claims, "storage_class": storage_class, "pdb": kube.get("PodDisruptionBudget", ns, names.pdb),
             "gc_job": kube.get("Job", ns, names.gc_job(spec.checkpoint.key)),
             # fetch and cleanup Jobs of every checkpoint: a finished fetch vouches for a directory a cleanup removes
             "cache_jobs": [] if spec.storage.per_pod or spec.storage.existing_claim else kube.list(
                 "Job", ns, {k: v for k, v in manifests.selector_labels(spec.name).items() if k != LABEL_COMPONENT})}
+
+
+def wants_growth(claim: Mapping[str, Any], size: str) -> bool:
+    """The claim requests less than ``size``: only then does its StorageClass matter (allowVolumeExpansion)."""
+    from kubernetes.utils import parse_quantity
+
+    have = (((claim.get("spec") or {}).get("resources") or {}).get("requests") or {}).get("storage")
+    try:
+        return have is not None and parse_quantity(have) < parse_quantity(size)
+    except ValueError:
+        return False
+
+
+_unreadable_classes: set[str] = set()  # read once and refused (403): RBAC does not change under a running operator
+
+
+def readable_storage_class(kube: Kube, name: str) -> dict[str, Any] | None:
+    """A StorageClass, read only when a claim is to grow and never again once RBAC refused it (cluster-scoped: a
+    namespaced install may not read them; the apiserver's resize admission then decides)."""
+    if name in _unreadable_classes:
+        return None
+    try:
+        return kube.get("StorageClass", "", name)
+    except KubeError as exc:
+        if exc.status in (401, 403):
+            _unreadable_classes.add(name)
+        log.debug("StorageClass %s not readable: %s", name, exc)
+        return None
 
 
 FAILURE_LOG_LINES = 200  # enough to reach past a rank's shutdown logging and torchrun's report

@@ -198,6 +198,13 @@ def _plan_storage(plan: Plan, spec: PolicyServerSpec, claims: Sequence[Mapping[s
                              f"storage.mode {storage.mode} cannot replace {was} on an existing PolicyServer (a "
                              f"StatefulSet's volumeClaimTemplates are immutable); the pods are left as they are: set "
                              f"it back to {was}, or delete and recreate the PolicyServer"))
+    for claim in claims:
+        meta = claim.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            problems.append((Reason.CLAIM_TERMINATING,
+                             f"PersistentVolumeClaim {meta.get('name')} is being deleted: it goes once no pod uses it "
+                             f"(kubernetes.io/pvc-protection), then a new, empty claim is made and the checkpoint is "
+                             f"fetched again"))
     if not storage.existing_claim:
         want = _bytes(storage.size)
         for claim in claims:
@@ -265,6 +272,10 @@ def _plan_job(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], job:
         return  # every pod fetches into its own claim (an init container)
     if job is not None and not labelled_ours(job, spec.name):
         plan.problem = _conflict("Job", job_name, "was not created for this PolicyServer")
+    elif job is not None and checkpoint.stale_job:  # it filled a claim that is gone: the next pass fetches again
+        plan.writes.append(Write(Verb.DELETE, "Job", job_name, {},
+                                 Event("Normal", "Deleted", f"deleted fetch Job {job_name}: it downloaded into a "
+                                                            f"cache claim that was deleted since")))
     elif job is None and checkpoint.phase != CheckpointPhase.READY and cleanup is None:
         plan.writes.append(Write(Verb.CREATE, "Job", job_name,
                                  _adopted(manifests.build_fetch_job(spec, _cache_modes(spec, pvc)), owner),
@@ -531,5 +542,31 @@ def plan(spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed, c
         _plan_service(result, owner, observed.service, manifests.build_service(spec))
         _plan_pdb(result, spec, owner, observed.pdb)
         _plan_gc(result, spec, owner, observed, checkpoint)
+    result.writes += finished_job_pods(spec, observed)
     result.writes += grows
     return result
+
+
+def finished_job_pods(spec: PolicyServerSpec, observed: Observed) -> list[Write]:
+    """Deletes of the pods of this PolicyServer's fetch and cleanup Jobs that completed.
+
+    A completed pod does nothing more, but it still mounts the cache claim:
+    a claim deleted by hand would stay Terminating for the Job's whole
+    ``ttlSecondsAfterFinished``.  The Job keeps its Complete condition (what
+    vouches for the download).  A failed attempt's pod is kept: its
+    termination message is the fetch's error in status.
+    """
+    complete = {j["metadata"]["name"] for j in observed.cache_jobs + [observed.job] if j and labelled_ours(j, spec.name)
+                and _job_complete(j)}
+    writes = []
+    for pod in observed.job_pods_all:
+        meta = pod.get("metadata") or {}
+        owner = next((r.get("name") for r in meta.get("ownerReferences") or [] if r.get("kind") == "Job"), None)
+        if owner in complete and not meta.get("deletionTimestamp") and labelled_ours(pod, spec.name):
+            writes.append(Write(Verb.DELETE, "Pod", str(meta.get("name")), {}))
+    return writes
+
+
+def _job_complete(job: Mapping[str, Any]) -> bool:
+    return any(c.get("type") == "Complete" and c.get("status") == "True"
+               for c in (job.get("status") or {}).get("conditions") or [])

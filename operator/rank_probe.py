@@ -11,7 +11,8 @@ readiness falls back to the kubelet's view -- the pod's ``Ready`` condition,
 which the kubelet sets from the same ``/readyz`` (200 only when every rank is
 ready).  A pod the kubelet calls Ready then counts every rank ready and is
 flagged ``ranksKnown: false`` (``RanksUnknown`` in status), never reported as
-zero ranks; one it calls not ready counts none, as both views agree.
+zero ranks.  One it does not call Ready is starting (every new pod refuses
+connections until rank 0 listens): no rank ready, and nothing unknown about it.
 """
 
 from __future__ import annotations
@@ -254,15 +255,27 @@ def pod_health(pod: Mapping[str, Any], port: int, world_size: int, timeout: floa
     try:
         code, body = fetch_readyz(ip, pod_port(pod, port), timeout)
     except Unreachable as exc:
-        ready = kubelet_ready(pod)
-        detail = container_message(pod)
-        message = f"{exc}; the kubelet reports the pod {'ready' if ready else 'not ready'}" + \
-            (f" ({detail})" if detail and not ready else "")
-        return dataclasses.replace(facts, ranks_ready=world_size if ready else 0, ready=ready, message=message,
-                                   ranks_known=False)
+        return unreachable_health(facts, pod, exc)
     ready, ranks_ready, ws, ranks, message = parse_readyz(code, body, world_size)
     return dataclasses.replace(facts, world_size=ws, ranks_ready=ranks_ready, ready=ready, ranks=ranks,
                                message=message)
+
+
+def unreachable_health(facts: PodHealth, pod: Mapping[str, Any], exc: Unreachable) -> PodHealth:
+    """A pod whose ``/readyz`` gave no HTTP answer: starting, unless the kubelet already calls it Ready.
+
+    Every new pod refuses connections until its rank 0 listens, so an
+    unreachable pod that the kubelet does not call Ready is simply not
+    serving yet (0 ranks, known).  Only one the kubelet's probe of the same
+    ``/readyz`` found Ready is one the operator cannot see: its ranks count as
+    ready on the kubelet's word and are flagged unknown.
+    """
+    if kubelet_ready(pod):
+        return dataclasses.replace(facts, ranks_ready=facts.world_size, ready=True, ranks_known=False,
+                                   message=f"{exc}; the kubelet reports the pod ready")
+    detail = container_message(pod)
+    return dataclasses.replace(facts, ranks_ready=0, ready=False,
+                               message=f"starting: {exc}" + (f" ({detail})" if detail else ""))
 
 
 def poll_pods(pods: Sequence[Mapping[str, Any]], port: int, world_size: int,

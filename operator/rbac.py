@@ -37,20 +37,23 @@ RULES: tuple[Rule, ...] = (
     Rule(GROUP, PLURAL, ("get", "list", "watch", "patch"),
          "watch PolicyServers; kopf patches its finalizer and progress annotations"),
     Rule(GROUP, f"{PLURAL}/status", ("get", "patch"), "write status (phase, conditions, per-rank readiness)"),
-    Rule("", "persistentvolumeclaims", ("get", "list", "create", "patch"),
+    Rule("", "persistentvolumeclaims", ("get", "list", "watch", "create", "patch"),
          "create the checkpoint cache (server-side apply); adopt/release it as retainOnDelete changes; grow it (and "
-         "list and grow the per-pod claims of storage.mode perPod) when storage.size increases"),
+         "list and grow the per-pod claims of storage.mode perPod) when storage.size increases; watch them, so a "
+         "pass at rest reads nothing from the API (operator/informer.py)"),
     Rule("batch", "jobs", ("get", "list", "watch", "create", "patch", "delete"),
          "create the fetch and cleanup Jobs (a server-side apply: PATCH that creates) and react to their "
          "completion; delete a finished fetch Job before a cleanup may remove its checkpoint"),
     Rule("apps", "statefulsets", ("get", "list", "watch", "create", "patch"),
          "run, roll and scale the server pods; react to their rollout"),
-    Rule("", "services", ("get", "create", "patch"), "server-side apply the ClusterIP and headless Services every pass (drift is put back)"),
-    Rule("policy", "poddisruptionbudgets", ("get", "create", "patch", "delete"),
-         "server-side apply the PodDisruptionBudget while replicas > 1; delete it below that"),
-    Rule("", "pods", ("get", "list", "patch", "delete"),
+    Rule("", "services", ("get", "list", "watch", "create", "patch"),
+         "server-side apply the ClusterIP and headless Services every pass (drift is put back); watch them"),
+    Rule("policy", "poddisruptionbudgets", ("get", "list", "watch", "create", "patch", "delete"),
+         "server-side apply the PodDisruptionBudget while replicas > 1; delete it below that; watch them"),
+    Rule("", "pods", ("get", "list", "watch", "patch", "delete"),
          "find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness; "
-         "replace a server pod in a rollout (the StatefulSet's updateStrategy is OnDelete)"),
+         "replace a server pod in a rollout (the StatefulSet's updateStrategy is OnDelete); delete the pods of "
+         "completed fetch and cleanup Jobs (they would keep a deleted cache claim alive)"),
     Rule("", "pods/log", ("get",),
          "read the last progress line of the running fetch pod's log (status.checkpoint.progress)"),
     Rule("", "events", ("create", "patch", "list"),

@@ -9,6 +9,7 @@ what flows between them.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,8 @@ def reconcile(kube: Kube, namespace: str, name: str, *, post_event: Callable[[di
     observed = observe.children(kube, spec)
     checkpoint = child_status.checkpoint_state(spec, observed.job, observed.job_pods, previous.get("checkpoint"),
                                                observed.fetch_log,
-                                               observe.job_events(kube, namespace, observed.job, observed.job_pods))
+                                               observe.job_events(kube, namespace, observed.job, observed.job_pods),
+                                               now=datetime.datetime.now(datetime.UTC), claim=observed.pvc)
     # plan + apply
     planned = plan(spec, owner, observed, checkpoint)
     applied = apply(kube, planned, namespace)
@@ -64,7 +66,7 @@ def reconcile(kube: Kube, namespace: str, name: str, *, post_event: Callable[[di
     sts = applied.results.get(f"StatefulSet/{names.statefulset}", observed.statefulset)
     new_job = applied.results.get(f"Job/{checkpoint.job_name}")
     if observed.job is None and new_job is not None:
-        checkpoint = child_status.checkpoint_state(spec, new_job, [], previous.get("checkpoint"))
+        checkpoint = child_status.checkpoint_state(spec, new_job, [], previous.get("checkpoint"), claim=observed.pvc)
     pods, healths = observe.ranks(kube, spec, sts, probe_timeout=probe_timeout)
 
     # status

@@ -108,6 +108,9 @@ class CheckpointStatus(KubeModel):
     serving_key: str | None = None
     """Key of the checkpoint the pods load; it differs from key while a new checkpoint downloads, because the old
     one keeps serving until then."""
+    claim_uid: str | None = None
+    """uid of the cache claim the download landed on: a claim deleted and made again is empty, and the checkpoint
+    is fetched again."""
 
 
 # metav1.Condition's own validation, as Kubernetes' generated CRDs state it

@@ -24,6 +24,8 @@ from policy_operator.constants import (
     CACHE_MOUNT_PATH,
     CHECKPOINT_TOKEN_DIR,
     DEFAULT_PORT,
+    ENV_HOME,
+    ENV_XDG_CACHE_HOME,
     GPU_RESOURCE,
     LABEL_CACHE_CLAIM,
     LABEL_CHECKPOINT_KEY,
@@ -126,6 +128,10 @@ VOL_CACHE, VOL_TMP, VOL_SHM = "checkpoint-cache", "tmp", "dshm"
 VOL_CHECKPOINT_TOKEN, VOL_AUTH_TOKEN = "checkpoint-token", "auth-token"
 OPERATOR_VOLUMES: Final = (VOL_CACHE, VOL_TMP, VOL_SHM, VOL_CHECKPOINT_TOKEN, VOL_AUTH_TOKEN)
 OPERATOR_MOUNT_PATHS: Final = (CACHE_MOUNT_PATH, TMP_PATH, SHM_PATH, CHECKPOINT_TOKEN_DIR, AUTH_TOKEN_DIR)
+# the environment the operator sets in every container it makes; a user env entry of the same name would be a
+# duplicate key of the container's env list, which server-side apply refuses (500 "duplicate entries")
+OPERATOR_ENV: Final = {ENV_HOME: TMP_PATH, ENV_XDG_CACHE_HOME: f"{TMP_PATH}/.cache"}
+MAX_ENV_NAME: Final = 256
 LABEL_VALUE: Final = named_pattern(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$", "a label value")
 
 DEFAULT_REPLICAS: Final = 1
@@ -217,9 +223,12 @@ class EnvVar(KubeModel):
     """One environment variable (core/v1 EnvVar)."""
 
     cel_rules = (Rule("!has(self.value) || !has(self.valueFrom)", "set value or valueFrom, not both",
-                      field_path=".valueFrom"),)
+                      field_path=".valueFrom"),
+                 Rule(f"!(self.name in {list(OPERATOR_ENV)})",
+                      f"{', '.join(OPERATOR_ENV)} are set by the operator (the root filesystem is read-only; they "
+                      f"point at the writable {TMP_PATH}) and cannot be set here", field_path=".name"))
 
-    name: Annotated[str, Field(min_length=1, pattern=ENV_NAME)]
+    name: Annotated[str, Field(min_length=1, max_length=MAX_ENV_NAME, pattern=ENV_NAME)]
     """Environment variable name."""
     value: str | None = None
     """Literal value."""

@@ -41,6 +41,7 @@ from policy_operator.constants import (
 from policy_operator.operator.child_status import CheckpointPhase, CheckpointState, WorkloadState
 from policy_operator.operator.conditions import (
     FALSE,
+    FETCH_BLOCKED_REASONS,
     STALLED_REASONS,
     STUCK_REASONS,
     TRUE,
@@ -190,8 +191,8 @@ def progressing_condition(phase: str, *, checkpoint: CheckpointState, workload: 
         return Condition(COND_PROGRESSING, FALSE, Reason.STABLE, "scaled to zero")
     if block is not None and is_progressing(phase, block):
         return Condition(COND_PROGRESSING, TRUE, block.reason, block.message)
-    if phase in (PHASE_PENDING, PHASE_DOWNLOADING):  # a refused fetch pod says so in the reason too
-        reason = Reason.FAILED_CREATE if checkpoint.reason == Reason.FAILED_CREATE else Reason.DOWNLOADING
+    if phase in (PHASE_PENDING, PHASE_DOWNLOADING):  # a fetch pod refused, unplaceable or not starting says so
+        reason = checkpoint.reason if checkpoint.reason in FETCH_BLOCKED_REASONS else Reason.DOWNLOADING
         return Condition(COND_PROGRESSING, TRUE, reason, checkpoint.message)
     if phase == PHASE_STARTING:
         return Condition(COND_PROGRESSING, TRUE, Reason.ROLLING_OUT,
@@ -199,7 +200,9 @@ def progressing_condition(phase: str, *, checkpoint: CheckpointState, workload: 
     if phase == PHASE_READY:
         return Condition(COND_PROGRESSING, FALSE, Reason.STABLE, "every pod runs the current spec")
     if phase == PHASE_FAILED or checkpoint.phase == CheckpointPhase.FAILED:
-        return Condition(COND_PROGRESSING, FALSE, Reason.FAILED, checkpoint.message)
+        stuck = checkpoint.reason == Reason.PROGRESS_DEADLINE_EXCEEDED  # a fetch pod that never started
+        return Condition(COND_PROGRESSING, FALSE, Reason.PROGRESS_DEADLINE_EXCEEDED if stuck else Reason.FAILED,
+                         checkpoint.message)
     return Condition(COND_PROGRESSING, FALSE, Reason.REPLICAS_UNAVAILABLE, "some pods are not ready")
 
 
@@ -314,6 +317,8 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
         checkpoint_status["progress"] = checkpoint.progress.as_status()
     if workload.serving_key:
         checkpoint_status["servingKey"] = workload.serving_key
+    if checkpoint.claim_uid and checkpoint.phase == CheckpointPhase.READY:
+        checkpoint_status["claimUid"] = checkpoint.claim_uid
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "phase": phase,

@@ -44,6 +44,9 @@ ANNOTATION_CHECKPOINT_REVISION: Final = f"{GROUP}/checkpoint-revision"
 ANNOTATION_RANKS_READY: Final = f"{GROUP}/ranks-ready"
 # on the StatefulSet while a rollout surges: "<template hash>/surge" (operator/rollout.py, plan_rollout)
 ANNOTATION_SURGE: Final = f"{GROUP}/surge"
+# on every object the operator server-side applies: a hash of the body it applied, so an unchanged object is not
+# written again (operator/kube.py)
+ANNOTATION_APPLIED_HASH: Final = f"{GROUP}/applied-hash"
 
 # --- Conditions and phases -----------------------------------------------------
 COND_VALID: Final = "Valid"

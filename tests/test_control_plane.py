@@ -605,13 +605,30 @@ def test_the_operator_as_its_service_account_reconciles_the_minimal_example(
         wait_for(lambda: any(c.type == "PodScheduled" and c.reason == "Unschedulable"
                              for c in core.read_namespaced_pod(pods[0].metadata.name, ns).status.conditions or []),
                  RECONCILE_S, what="the scheduler's Unschedulable on the fetch pod")
-        status = wait_for(lambda: get_ps(cluster, ns, name).get("status", {}).get("phase"), RECONCILE_S,
-                          what="status.phase")
-        assert status in (C.PHASE_PENDING, C.PHASE_DOWNLOADING), status
-        conditions = {c["type"]: c for c in get_ps(cluster, ns, name)["status"]["conditions"]}
+        # the Job counts its Pending pod as active: that is no download, and status says what the scheduler says
+        def checkpoint_condition() -> dict[str, Any]:
+            conds = {c["type"]: c for c in get_ps(cluster, ns, name).get("status", {}).get("conditions") or []}
+            ck = conds.get(C.COND_CHECKPOINT_READY) or {}
+            return conds if ck.get("reason") == "Unschedulable" else {}
+
+        conditions = wait_for(checkpoint_condition, RECONCILE_S,
+                              what=f"CheckpointReady=False Unschedulable (log: {operator.log})")
+        status = get_ps(cluster, ns, name)["status"]
+        assert status["phase"] == C.PHASE_PENDING and status["checkpoint"]["phase"] == "Pending", status
         assert conditions[C.COND_VALID]["status"] == "True", conditions
         assert conditions[C.COND_CHECKPOINT_READY]["status"] == "False", conditions
+        message = conditions[C.COND_CHECKPOINT_READY]["message"]  # the scheduler's words, whatever nodes exist now
+        assert "cannot be scheduled: " in message and "nodes available" in message.replace("nodes are available",
+                                                                                           "nodes available"), message
+        assert (conditions[C.COND_PROGRESSING]["status"], conditions[C.COND_PROGRESSING]["reason"]) == (
+            "True", "Unschedulable"), conditions
+        warned = wait_for(lambda: [e for e in core.list_namespaced_event(
+            ns, field_selector=f"involvedObject.name={name}").items if e.type == "Warning"], RECONCILE_S,
+            what="a Warning Event about the unschedulable fetch pod")
         time.sleep(3)  # a few more resync passes: any later RBAC failure would show in the log
+        assert [(e.reason, e.count or 1) for e in core.list_namespaced_event(
+            ns, field_selector=f"involvedObject.name={name}").items if e.type == "Warning"] == [
+            (warned[0].reason, 1)], "one Warning, not one per pass"
         log = operator.text()
         assert not re.search(r"\b403\b|[Ff]orbidden", log), log
         assert "Traceback" not in log, log

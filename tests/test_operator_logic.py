@@ -426,3 +426,58 @@ def test_cli_arguments() -> None:
     for bad in ([], ["-n", "a", "-A"], ["-A", "--standalone", "--peering", "x"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+
+
+def test_a_500_about_the_request_body_is_a_rejection_not_a_retry() -> None:
+    """Server-side apply answers 500 when it cannot build a typed object from the body (a duplicate env name); the
+    same body gets the same answer, so it must reach status as ApplyFailed instead of a 5 s retry loop."""
+    from policy_operator.operator.kube import is_transient
+
+    duplicate = ('failed to create typed patch object (apps/v1, Kind=StatefulSet): .spec.template.spec.containers'
+                 '[name="server"].env: duplicate entries for key [name="HOME"]')
+    assert not is_transient(500, duplicate)
+    assert is_transient(500, "etcdserver: request timed out") and is_transient(503, "")
+    assert is_transient(409, "the object has been modified") and is_transient(429, "")
+    assert not is_transient(422, 'Duplicate value: "ws"') and not is_transient(403, "forbidden")
+
+
+def test_an_apply_is_skipped_only_when_the_object_already_is_what_it_would_make() -> None:
+    """Writes only on change (issue 26 item 9): the same body on an object nobody else edited is not sent again;
+    a changed body, or a hand edit (its author becomes a field manager), is."""
+    from policy_operator.operator.kube import applied_hash, foreign_managers, unchanged, with_applied_hash
+
+    body = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "ps", "namespace": "ns"},
+            "spec": {"ports": [{"name": "ws", "port": 8000}]}}
+    stamped = with_applied_hash(body)
+    assert applied_hash(stamped) == applied_hash(body)  # the annotation is not part of what it hashes
+    ours = [{"manager": C.FIELD_MANAGER, "operation": "Apply"},
+            {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status"}]
+    live = {**stamped, "metadata": {**stamped["metadata"], "managedFields": ours}}
+    assert foreign_managers(live) == [] and unchanged(live, stamped)
+    assert not unchanged(live, with_applied_hash({**body, "spec": {"ports": [{"name": "ws", "port": 9000}]}}))
+    edited = {**live, "metadata": {**live["metadata"], "managedFields": [*ours, {"manager": "kubectl-patch",
+                                                                              "operation": "Update"}]}}
+    assert foreign_managers(edited) == ["kubectl-patch"] and not unchanged(edited, stamped)
+    deleting = {**live, "metadata": {**live["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    assert not unchanged(deleting, stamped) and not unchanged(None, stamped)
+
+
+def test_the_informer_store_keeps_the_newest_version_of_each_object() -> None:
+    """The operator's own write (write-through) and the watch race: an older event must not undo a newer state, and
+    a deleted object does not come back from an event older than its deletion."""
+    from policy_operator.operator.informer import Store
+
+    def obj(name: str, version: int, **labels: str) -> dict[str, Any]:
+        return {"metadata": {"name": name, "resourceVersion": str(version), "labels": labels}}
+
+    store = Store()
+    store.replace([obj("a", 5, app="x"), obj("b", 6)])
+    assert store.synced.is_set() and [o["metadata"]["name"] for o in store.list({"app": "x"})] == ["a"]
+    store.put(obj("a", 9, app="y"))
+    store.put(obj("a", 7, app="x"))  # a watch event older than the write-through
+    assert store.get("a")["metadata"]["resourceVersion"] == "9" and store.list({"app": "x"}) == []
+    store.remove("b", 10)
+    store.put(obj("b", 8))  # older than the deletion
+    assert store.get("b") is None
+    store.put(obj("b", 11))  # made again
+    assert store.get("b") is not None

@@ -2,15 +2,19 @@
 admission and the local node's kubelet decide; the operator's status must say what they did.
 
 One operator and one local node for the module (short resync, tiny checkpoint, 2 CPU steps).  What is
-pinned down: a rollout watched throughout never reads Ready while a pod of the old template serves; a
-template that crashes (``--dtype bogus``) reaches ProgressDeadlineExceeded with the rank's own error;
-a ResourceQuota on ``requests.nvidia.com/gpu`` shows up as FailedCreate instead of an endless Starting.
+pinned down: a rollout watched throughout never reads Ready while a pod of the old template serves, nor
+RanksUnknown while the new pod starts; a template that crashes (``--dtype bogus``) reaches
+ProgressDeadlineExceeded with the rank's own error; a ResourceQuota on ``requests.nvidia.com/gpu`` shows up as
+FailedCreate instead of an endless Starting; a fetch pod that cannot start says why and stalls at the
+deadline; an apply the apiserver always refuses is Stalled, not retried; and a PolicyServer at rest costs the
+operator (as its own ServiceAccount) no API request.
 The decisions themselves are unit-tested in tests/test_status_decisions.py.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +26,7 @@ import yaml
 from policy_operator import constants as C
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.kubelet_logs import ContainerLogServer
-from tests.support.local_node_cluster import LocalCluster, for_local_node, free_port_on
+from tests.support.local_node_cluster import LocalCluster, OperatorProcess, for_local_node, free_port_on
 from tests.support.net import wait_for
 from tests.support.servers import VENV_BIN
 
@@ -34,6 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[1]
 NS = "status-it"
 WAIT_S = 150.0
+RESYNC_S = 0.5
 
 
 class Env:
@@ -70,7 +75,7 @@ def env(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
     subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "ckpt")],
                    check=True, capture_output=True, timeout=120)
     source = CheckpointServer(work / "src").start()
-    lc = LocalCluster(control_plane, work / "cluster", NS, backoff_s=1.0, resync_s=0.5, gpus=2)
+    lc = LocalCluster(control_plane, work / "cluster", NS, backoff_s=1.0, resync_s=RESYNC_S, gpus=2)
     lc.operator.probe_timeout_s = 0.5
     logs = ContainerLogServer(lc.node)  # pods/log: where a crashed rank's error is when its message lost it
     try:
@@ -130,6 +135,11 @@ def test_a_rollout_watched_throughout_never_reads_ready_while_an_old_pod_serves(
                and cond(s["status"], C.COND_PROGRESSING).get("reason") == "RollingOut"]
     assert rolling, "the rollout was never reported as RollingOut"
     assert all(cond(s, C.COND_READY)["status"] == "False" for s in rolling)
+    # the new pod refuses connections while it starts: that is a pod starting, not /readyz cut off from the operator
+    unknown = [s["status"] for s in seen if cond(s["status"], C.COND_AVAILABLE).get("reason") == "RanksUnknown"
+               or any(p.get("ranksKnown") is False for p in s["status"].get("pods") or [])]
+    assert not unknown, unknown[0]
+    assert "RanksUnknown" not in {e.get("reason") for e in env.lc.api.events(NS, involved_name=name)}
     env.delete(name)
 
 
@@ -180,3 +190,130 @@ def test_a_gpu_quota_refusal_is_in_status_as_failed_create(env: Env) -> None:
     finally:
         env.lc.kubectl("delete", "resourcequota", "no-gpus", "--ignore-not-found")
     env.delete(name)
+
+
+def test_a_fetch_pod_that_cannot_start_says_why_then_stalls_at_the_deadline(env: Env) -> None:
+    """The Job counts a Pending pod as active; status used to read Downloading (attempt 1/4) forever."""
+    deadline = 15
+    secret = env.doc("nosecret", progressDeadlineSeconds=deadline)
+    secret["spec"]["checkpoint"]["secretRef"] = {"name": "no-such-secret"}  # the kubelet cannot mount the token
+    nobody = env.doc("noscheduler", progressDeadlineSeconds=deadline)
+    nobody["spec"]["schedulerName"] = "no-such-scheduler"  # no condition at all: nothing ever looks at the pod
+    noclass = env.doc("noclass", progressDeadlineSeconds=deadline)
+    noclass["spec"]["storage"] = {"storageClassName": "no-such-class"}  # the claim never binds
+    for doc in (secret, nobody, noclass):
+        env.apply(doc)
+
+    status = env.wait("nosecret", lambda s: cond(s, C.COND_CHECKPOINT_READY).get("reason") == "FetchPodNotStarting"
+                      and "no-such-secret" in cond(s, C.COND_CHECKPOINT_READY)["message"],
+                      "CheckpointReady=False FetchPodNotStarting naming the Secret")
+    assert 'secret "no-such-secret" not found' in cond(status, C.COND_CHECKPOINT_READY)["message"]
+    assert status["phase"] == C.PHASE_PENDING and status["checkpoint"]["phase"] == "Pending"
+    assert (cond(status, C.COND_PROGRESSING)["status"], cond(status, C.COND_PROGRESSING)["reason"]) == (
+        "True", "FetchPodNotStarting")
+    env.lc.api.wait_event(NS, "nosecret", "Warning", "FetchPodNotStarting")
+    status = env.wait("noclass", lambda s: cond(s, C.COND_CHECKPOINT_READY).get("reason") == "Unschedulable",
+                      "CheckpointReady=False Unschedulable (the claim is not bound)")
+    assert "PersistentVolumeClaim" in cond(status, C.COND_CHECKPOINT_READY)["message"], status
+    early = env.lc.status("noscheduler")
+    assert "no-such-scheduler" in cond(early, C.COND_CHECKPOINT_READY).get("message", ""), early
+
+    # nothing changes for spec.progressDeadlineSeconds: only a change fixes it (kstatus Stalled), said once
+    for name, words in (("nosecret", "no-such-secret"), ("noscheduler", "no scheduler has taken it")):
+        status = env.wait(name, lambda s: cond(s, C.COND_STALLED).get("status") == "True",
+                          f"{name} Stalled past the deadline", timeout=deadline + 60)
+        progressing = cond(status, C.COND_PROGRESSING)
+        assert (progressing["status"], progressing["reason"]) == ("False", "ProgressDeadlineExceeded"), progressing
+        assert words in progressing["message"] and status["phase"] == C.PHASE_FAILED, status
+        env.lc.api.wait_event(NS, name, "Warning", "ProgressDeadlineExceeded")
+    env.lc.operator.settle()
+    warnings = [(e.get("reason"), e.get("message")) for e in env.lc.api.events(NS, involved_name="nosecret")
+                if e.get("type") == "Warning"]
+    reasons = [r for r, _ in warnings]
+    assert {"FetchPodNotStarting", "ProgressDeadlineExceeded"} <= set(reasons), warnings
+    assert len(reasons) == len(set(reasons)), f"a Warning per change, not per pass: {warnings}"
+    for name in ("nosecret", "noscheduler", "noclass"):
+        env.delete(name)
+
+
+def test_an_apply_the_apiserver_always_refuses_is_stalled_with_its_message_not_retried(env: Env) -> None:
+    """Server-side apply answers 500 "duplicate entries" for a list-map key given twice: the same body gets the
+    same answer, so it is ApplyFailed (Stalled) with the API's message, not a silent retry every 5 s."""
+    name = "dupspread"
+    spread = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+              "labelSelector": {"matchLabels": {C.LABEL_INSTANCE: name}}}
+    env.apply(env.doc(name, topologySpreadConstraints=[spread, {**spread, "maxSkew": 2}]))
+    status = env.wait(name, lambda s: cond(s, C.COND_STALLED).get("status") == "True", "Stalled")
+    progressing = cond(status, C.COND_PROGRESSING)
+    assert (progressing["status"], progressing["reason"]) == ("False", "ApplyFailed"), progressing
+    assert "duplicate entries" in progressing["message"] and "StatefulSet" in progressing["message"], progressing
+    env.lc.api.wait_event(NS, name, "Warning", "ApplyFailed")
+    env.lc.operator.settle()
+    assert "transient API error" not in env.lc.operator.log.read_text()
+    env.delete(name)
+
+
+def metric_samples(env: Env, name: str) -> list[tuple[dict[str, str], float]]:
+    """One counter of the apiserver's own /metrics, every sample with its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = env.lc.kubectl("get", "--raw", "/metrics").stdout
+    return [(dict(sample.labels), sample.value) for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name]
+
+
+def operator_requests(env: Env) -> float:
+    """Requests the apiserver dispatched for ServiceAccounts outside kube-system: API Priority and Fairness' flow
+    schema ``service-accounts``.  Only the operator runs as one here (the node and the tests are the admin, the
+    controllers kube-system ServiceAccounts), so this is the operator's count, watches included."""
+    return sum(v for labels, v in metric_samples(env, "apiserver_flowcontrol_dispatched_requests_total")
+               if labels.get("flow_schema") == "service-accounts")
+
+
+def forbidden(env: Env) -> float:
+    return sum(v for labels, v in metric_samples(env, "apiserver_request_total") if labels.get("code") == "403")
+
+
+def operator_as_service_account(env: Env, work: Path) -> OperatorProcess:
+    """The operator with a ServiceAccount token and exactly the Role operator/rbac.py asks for (the chart's)."""
+    from policy_operator.operator import rbac
+
+    account = "policy-operator"
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": account},
+            "rules": rbac.policy_rules(all_namespaces=False)}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": account},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+               "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": NS}]}
+    env.lc.kubectl("create", "serviceaccount", account)
+    for obj in (role, binding):
+        env.lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
+    token = env.lc.kubectl("create", "token", account, "--duration=1h").stdout.strip()
+    kubeconfig = env.lc.control_plane.kubeconfig_for_token(token, work / "operator-sa.kubeconfig")
+    return OperatorProcess({**env.lc.control_plane.env, "KUBECONFIG": str(kubeconfig)}, NS,
+                           work / "operator-sa.log", resync_s=RESYNC_S, probe_timeout_s=0.5)
+
+
+def test_a_policyserver_at_rest_costs_no_api_request(env: Env, tmp_path: Path) -> None:
+    """Every pass used to GET each child (404s for those not there), ask for a StorageClass the Role forbids (403)
+    and re-apply the StatefulSet and Services: 2156 requests in these 40 passes before the change.  At rest a pass reads the operator's watches
+    and writes nothing.  The operator runs as its own ServiceAccount with the chart's Role, so its requests are
+    told apart (APF's flow schema) and anything that Role forbids would be a 403."""
+    name = "atrest"
+    env.lc.operator.stop()
+    operator = operator_as_service_account(env, tmp_path)
+    try:
+        operator.start()
+        env.apply(env.doc(name))
+        env.wait(name, lambda s: s.get("phase") == C.PHASE_READY, "Ready")
+        operator.settle(passes=6)  # the last writes of the rollout (status, rank annotations) are done
+        before, refused, passes = operator_requests(env), forbidden(env), operator.passes()
+        wait_for(lambda: operator.passes() >= passes + 40, 120, what="40 passes at rest")
+        made = operator_requests(env) - before
+        assert made == 0, f"{made:g} requests in 40 passes at rest (log: {operator.log})"
+        assert forbidden(env) == refused, "a request the operator's Role forbids"
+        assert env.lc.status(name)["phase"] == C.PHASE_READY
+        assert not re.search(r"\b403\b|[Ff]orbidden", operator.log.read_text())
+        env.delete(name)
+    finally:
+        operator.stop()
+        env.lc.operator.start()

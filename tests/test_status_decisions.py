@@ -8,6 +8,8 @@ on the real control plane are in tests/test_status_cluster.py.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import re
 from typing import Any
 
@@ -405,7 +407,6 @@ def test_unreachable_readyz_falls_back_to_the_kubelet_and_says_ranks_unknown() -
     assert "unreachable" in ready.message and "kubelet reports the pod ready" in ready.message
     down = rank_probe.pod_health(kubelet_pod(False, port), port, 2, timeout=1)
     assert not down.ready and down.ranks_text == "0/2"  # both views agree it does not serve
-    assert down.as_status()["ranksKnown"] is False and "kubelet reports the pod not ready" in down.message
 
     up = build(spec(replicas=1, parallelism={"cfgp": 2}, runtime={"device": "cpu", "guidance": 3.0}),
                workload(desired=1), [ready])
@@ -415,7 +416,24 @@ def test_unreachable_readyz_falls_back_to_the_kubelet_and_says_ranks_unknown() -
                      workload(desired=1, rolling=True), [down])
     assert starting.status["ranksReady"] == "0/2"
     assert reasons(starting)[C.COND_AVAILABLE] == ("False", "NoReplicasReady")
-    assert starting.status["pods"][0]["ranksKnown"] is False
+
+
+def test_a_starting_pod_that_refuses_connections_is_starting_not_ranks_unknown() -> None:
+    """Every new pod refuses connections until rank 0 listens: mid-rollout that is a pod starting, not a
+    NetworkPolicy in the way.  Only a pod the kubelet calls Ready and the operator cannot reach is RanksUnknown."""
+    port = free_port()
+    starting = rank_probe.pod_health(kubelet_pod(False, port), port, 2, timeout=1)
+    assert starting.ranks_known and "ranksKnown" not in starting.as_status()
+    assert starting.message.startswith("starting: ") and "unreachable" in starting.message
+    serving = pod("ps-0", ready=True, revision="r1")
+    s = spec(replicas=1, parallelism={"cfgp": 2}, runtime={"device": "cpu", "guidance": 3.0})
+    before = build(s, workload(desired=1), [dataclasses.replace(serving, world_size=2, ranks_ready=2)])
+    rolling = build(s, workload(desired=1, rolling=True),
+                    [dataclasses.replace(serving, world_size=2, ranks_ready=2),
+                     dataclasses.replace(starting, name="ps-1")], previous=before.status, now=at(5))
+    assert reasons(rolling)[C.COND_AVAILABLE] == ("True", "ReplicasReady")
+    assert "ranks unknown" not in cond(rolling, C.COND_AVAILABLE)["message"]
+    assert not [e for e in rolling.events if e.reason == "RanksUnknown"]
 
 
 def test_a_server_that_lost_its_pods_stays_replicas_unavailable_until_one_is_back() -> None:
@@ -435,3 +453,129 @@ def test_a_server_that_lost_its_pods_stays_replicas_unavailable_until_one_is_bac
     assert reasons(back)[C.COND_AVAILABLE] == ("True", "ReplicasReady")
     never = build(s, workload(desired=1, rolling=True), down, previous=None)
     assert reasons(never)[C.COND_AVAILABLE] == ("False", "NoReplicasReady")
+
+
+# --- a fetch pod that does not start ---------------------------------------------------------------
+
+def fetch_pod(*, created: str = T0, conditions: list[dict[str, Any]] | None = None,
+              waiting: dict[str, Any] | None = None, scheduler: str | None = None) -> dict[str, Any]:
+    spec_: dict[str, Any] = {"schedulerName": scheduler} if scheduler else {}
+    status: dict[str, Any] = {"phase": "Pending", "conditions": conditions or []}
+    if waiting is not None:
+        status["containerStatuses"] = [{"name": manifests.FETCH_CONTAINER, "state": {"waiting": waiting}}]
+    return {"metadata": {"name": "ps-fetch-k-abc", "uid": "pod-uid", "creationTimestamp": created},
+            "spec": spec_, "status": status}
+
+
+ACTIVE_JOB = {"metadata": {"name": "ps-fetch-k", "uid": "job-uid"}, "status": {"active": 1}}
+
+
+def fetch_state(s, pod_: dict[str, Any], *, now: int = 5, events: list[dict[str, Any]] | None = None):
+    return child_status.checkpoint_state(s, ACTIVE_JOB, [pod_], None, None, events or [],
+                                         now=datetime.datetime.fromisoformat(at(now).replace("Z", "+00:00")))
+
+
+def fetch_status(s, state: CheckpointState, previous: dict[str, Any] | None = None) -> st.StatusUpdate:
+    update = st.build_status(s, checkpoint=state, workload=WorkloadState(exists=False, desired=1, rolling=True),
+                             pods=[], service_exists=False, previous=previous, generation=1, now=at(5))
+    PolicyServerStatus.model_validate(update.status)
+    return update
+
+
+def test_an_unschedulable_fetch_pod_is_pending_with_the_schedulers_message_not_downloading() -> None:
+    """The Job counts a Pending pod as active: that is not a download (it read "Downloading (attempt 1/4)")."""
+    why = "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."
+    s = spec()
+    state = fetch_state(s, fetch_pod(conditions=[{"type": "PodScheduled", "status": "False",
+                                                   "reason": "Unschedulable", "message": why}]))
+    assert (state.phase, state.reason) == (CheckpointPhase.PENDING, Reason.UNSCHEDULABLE)
+    assert why in state.message
+    update = fetch_status(s, state)
+    assert update.status["phase"] == C.PHASE_PENDING and update.status["checkpoint"]["phase"] == "Pending"
+    assert reasons(update)[C.COND_CHECKPOINT_READY] == ("False", "Unschedulable")
+    assert reasons(update)[C.COND_PROGRESSING] == ("True", "Unschedulable")
+    assert reasons(update)[C.COND_READY] == ("False", "Unschedulable") and why in cond(update, C.COND_READY)["message"]
+    assert [(e.type, e.reason) for e in update.events if e.type == "Warning"] == [("Warning", "Unschedulable")]
+    again = fetch_status(s, state, previous=update.status)
+    assert not [e for e in again.events if e.type == "Warning"]  # once, not every pass
+
+
+def test_a_fetch_pod_the_kubelet_cannot_start_says_the_kubelets_message() -> None:
+    s = spec()
+    config = fetch_pod(conditions=[{"type": "PodScheduled", "status": "True"}],
+                       waiting={"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'})
+    state = fetch_state(s, config)
+    assert (state.phase, state.reason) == (CheckpointPhase.PENDING, Reason.FETCH_POD_NOT_STARTING)
+    assert 'secret "hf" not found' in state.message
+    # a volume that cannot be mounted: the real kubelet says ContainerCreating, and why only in a pod Event
+    creating = fetch_pod(conditions=[{"type": "PodScheduled", "status": "True"}],
+                         waiting={"reason": "ContainerCreating"})
+    assert fetch_state(s, creating).reason == Reason.JOB_PENDING
+    mount = {"type": "Warning", "reason": "FailedMount", "lastTimestamp": at(3), "involvedObject": {"uid": "pod-uid"},
+             "message": 'MountVolume.SetUp failed for volume "checkpoint-token" : secret "hf" not found'}
+    state = fetch_state(s, creating, events=[mount])
+    assert state.reason == Reason.FETCH_POD_NOT_STARTING and "FailedMount" in state.message
+    update = fetch_status(s, state)
+    assert update.status["phase"] == C.PHASE_PENDING
+    assert reasons(update)[C.COND_PROGRESSING] == ("True", "FetchPodNotStarting")
+    assert ("Warning", "FetchPodNotStarting") in {(e.type, e.reason) for e in update.events}
+
+
+def test_a_fetch_pod_no_scheduler_takes_is_stalled_past_the_progress_deadline() -> None:
+    s = spec(progressDeadlineSeconds=30)
+    orphan = fetch_pod(scheduler="gang-scheduler")
+    early = fetch_state(s, orphan, now=10)
+    assert early.reason == Reason.JOB_PENDING and "gang-scheduler" in early.message
+    late = fetch_state(s, orphan, now=31)
+    assert (late.phase, late.reason) == (CheckpointPhase.FAILED, Reason.PROGRESS_DEADLINE_EXCEEDED)
+    assert "no scheduler has taken it (schedulerName gang-scheduler)" in late.message
+    update = fetch_status(s, late)
+    assert update.status["phase"] == C.PHASE_FAILED
+    assert reasons(update)[C.COND_PROGRESSING] == ("False", "ProgressDeadlineExceeded")
+    assert reasons(update)[C.COND_STALLED] == ("True", "ProgressDeadlineExceeded")
+
+
+def test_a_fetch_pod_that_runs_is_downloading() -> None:
+    s = spec()
+    running = fetch_pod(conditions=[{"type": "PodScheduled", "status": "True"}])
+    running["status"]["containerStatuses"] = [{"name": manifests.FETCH_CONTAINER, "state": {"running": {}}}]
+    state = fetch_state(s, running, now=10_000)
+    assert (state.phase, state.reason) == (CheckpointPhase.DOWNLOADING, Reason.DOWNLOADING)
+    assert "attempt 1/4" in state.message
+
+
+# --- the checkpoint is on the claim it was fetched into ----------------------------------------------
+
+def claim_obj(uid: str, created: str) -> dict[str, Any]:
+    return {"metadata": {"name": "ps-cache", "uid": uid, "creationTimestamp": created}}
+
+
+def test_a_fetch_job_older_than_the_claim_does_not_vouch_for_the_checkpoint() -> None:
+    """A claim deleted and made again is empty: the Job that filled the old one must not keep CheckpointReady True
+    (the pods crash-looped on "checkpoint not fetched")."""
+    s = spec()
+    done = {"metadata": {"name": "ps-fetch-k", "creationTimestamp": at(10)},
+            "status": {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}}
+    same = child_status.checkpoint_state(s, done, [], None, claim=claim_obj("c1", at(10)))
+    assert (same.phase, same.claim_uid, same.stale_job) == (CheckpointPhase.READY, "c1", False)
+    recreated = child_status.checkpoint_state(s, done, [], None, claim=claim_obj("c2", at(60)))
+    assert recreated.phase == CheckpointPhase.PENDING and recreated.stale_job and "gone" in recreated.message
+    # the Job gone (its TTL): the record says which claim the checkpoint is on
+    recorded = {"key": s.checkpoint.key, "phase": "Ready", "claimUid": "c1"}
+    kept = child_status.checkpoint_state(s, None, [], recorded, claim=claim_obj("c1", at(10)))
+    assert kept.phase == CheckpointPhase.READY and kept.claim_uid == "c1"
+    again = child_status.checkpoint_state(s, None, [], recorded, claim=claim_obj("c2", at(60)))
+    assert again.phase == CheckpointPhase.PENDING and not again.stale_job and "ps-cache is new" in again.message
+    update = st.build_status(s, checkpoint=kept, workload=WorkloadState(exists=False, desired=1, rolling=True),
+                             pods=[], service_exists=False, previous=None, generation=1, now=T0)
+    assert update.status["checkpoint"]["claimUid"] == "c1"
+    PolicyServerStatus.model_validate(update.status)
+
+
+def test_the_schedulers_old_warning_does_not_explain_a_pod_it_has_placed() -> None:
+    placed = fetch_pod(conditions=[{"type": "PodScheduled", "status": "True"}], waiting={"reason": "ContainerCreating"})
+    old = {"type": "Warning", "reason": "FailedScheduling", "lastTimestamp": at(1), "involvedObject": {"uid": "pod-uid"},
+           "message": "0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims."}
+    assert child_status.start_problem(placed, [old]) is None
+    waiting = fetch_pod(waiting={"reason": "ContainerCreating"})
+    assert child_status.start_problem(waiting, [old]) is not None  # not placed yet: the scheduler's word stands

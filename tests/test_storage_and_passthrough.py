@@ -20,6 +20,7 @@ from policy_operator import constants as C
 from policy_operator.operator import child_status
 from policy_operator.operator import manifests as M
 from policy_operator.operator import plan as pl
+from policy_operator.operator.conditions import Reason
 from policy_operator.operator.spec import SpecError, parse_spec
 from policy_operator.runtime.checkpoint.marker import make_marker, write_marker
 from policy_operator.runtime.checkpoint.prune import prune
@@ -279,3 +280,27 @@ def test_default_requests_count_shm_and_leave_limits_to_kubernetes() -> None:
     limited = spec(resources={"limits": {"memory": "8Gi"}, "requests": {"cpu": "3"}})
     assert M.default_requests(limited) == {}
     assert spec(runtime={"device": "cpu"}, parallelism={"dp": 12}).gpus_per_pod == 0  # maxGpusPerPod counts GPUs
+
+
+def test_a_terminating_claim_is_a_storage_problem_and_completed_job_pods_are_deleted() -> None:
+    s = spec(replicas=1)
+    owner = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps", "namespace": "ns", "uid": "u1"}}
+    claim = {"metadata": {"name": "ps-cache", "labels": M.labels("ps", C.COMPONENT_CACHE),
+                          "deletionTimestamp": "2026-01-01T00:00:00Z"},
+             "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "20Gi"}}}}
+    ours = M.labels("ps", C.COMPONENT_FETCH)
+    job = {"metadata": {"name": "ps-fetch-k", "labels": ours},
+           "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    failed = {"metadata": {"name": "ps-fetch-x", "labels": ours},
+              "status": {"conditions": [{"type": "Failed", "status": "True"}]}}
+
+    def job_pod(name: str, job_name: str) -> dict[str, Any]:
+        return {"metadata": {"name": name, "labels": ours, "ownerReferences": [{"kind": "Job", "name": job_name}]}}
+
+    observed = pl.Observed(pvc=claim, job=job, cache_jobs=[job, failed],
+                           job_pods_all=[job_pod("ps-fetch-k-1", "ps-fetch-k"), job_pod("ps-fetch-x-1", "ps-fetch-x")])
+    result = pl.plan(s, owner, observed, child_status.CheckpointState(child_status.CheckpointPhase.READY, Reason.DOWNLOADED, "", "ps-fetch-k"))
+    assert result.storage is not None and (result.storage.status, result.storage.reason) == ("False", "ClaimTerminating")
+    assert "ps-cache is being deleted" in result.storage.message
+    deletes = [(w.kind, w.name) for w in result.writes if w.verb is pl.Verb.DELETE]
+    assert ("Pod", "ps-fetch-k-1") in deletes and ("Pod", "ps-fetch-x-1") not in deletes  # a failure's message stays

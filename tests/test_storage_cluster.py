@@ -46,7 +46,7 @@ WAIT_S = 150.0
 PS = (C.API_VERSION, C.PLURAL)
 FIXED_CLASS = "storage-it-fixed"  # served by the node's provisioner, allowVolumeExpansion unset
 EXPANDABLE_CLASS = "storage-it-expandable"
-SOURCES = ("pp", "pdb", "a", "b", "g")  # one checkpoint directory per use, so downloads are counted per test
+SOURCES = ("pp", "pdb", "a", "b", "g", "r")  # one checkpoint directory per use, so downloads are counted per test
 
 
 class Env:
@@ -261,4 +261,38 @@ def test_the_old_checkpoint_leaves_the_cache_after_the_switch_and_not_before(env
              and s.get("checkpoint", {}).get("servingKey") == key_a, "Ready on checkpoint a again")
     assert env.source.count(f"/a/{C.WEIGHTS_FILE}") == 2
     assert (cache / key_a / C.COMPLETE_MARKER).is_file()
+    env.delete(name)
+
+
+def test_a_deleted_cache_claim_is_reported_and_the_checkpoint_fetched_again_into_the_new_one(env: Env) -> None:
+    """The claim a user deletes stays Terminating while pods use it (StorageReady says so), then the operator makes
+    a new, empty one: a fetch Job that ran against the old claim no longer vouches for the checkpoint, so it is
+    fetched again instead of the pods crash-looping on "checkpoint not fetched"."""
+    name = "reclaim"
+    claim = f"{name}-cache"
+    env.apply(env.doc(name, "r"))
+    status = env.wait(name, lambda s: s.get("phase") == C.PHASE_READY, "Ready")
+    old_uid = env.claim(claim)["metadata"]["uid"]
+    assert status["checkpoint"]["claimUid"] == old_uid
+    # the completed fetch pod goes at once (not after the Job's hour of TTL): it would keep a deleted claim alive
+    fetch_pods = f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_FETCH}"
+    wait_for(lambda: not env.lc.list("v1", "pods", fetch_pods), 60, what="the completed fetch pod deleted")
+    assert env.lc.get("batch/v1", "jobs", Names(name).job(status["checkpoint"]["key"])) is not None
+
+    env.lc.kubectl("delete", "pvc", claim, "--wait=false")
+    status = env.wait(name, lambda s: cond(s, C.COND_STORAGE_READY).get("reason") == "ClaimTerminating",
+                      "StorageReady=False ClaimTerminating")
+    assert cond(status, C.COND_STORAGE_READY)["status"] == "False" and claim in cond(status, C.COND_STORAGE_READY)[
+        "message"]
+    env.lc.api.wait_event(NS, name, "Warning", "ClaimTerminating")
+    env.lc.kubectl("delete", "pod", f"{name}-0", "--wait=false")  # the claim's last user: now it goes
+
+    status = env.wait(name, lambda s: s.get("phase") == C.PHASE_READY
+                      and s.get("checkpoint", {}).get("claimUid") not in (None, old_uid), "Ready on a new claim",
+                      timeout=WAIT_S + 60)
+    new_claim = env.claim(claim)
+    assert new_claim["metadata"]["uid"] == status["checkpoint"]["claimUid"] != old_uid
+    assert env.source.count(f"/r/{C.WEIGHTS_FILE}") == 2  # fetched again, into the new claim
+    assert (env.lc.node.storage.path(NS, claim) / status["checkpoint"]["key"] / C.COMPLETE_MARKER).is_file()
+    assert cond(status, C.COND_STORAGE_READY)["status"] == "True"
     env.delete(name)

@@ -92,10 +92,10 @@ The operator's API access: "namespaced" is what a Role in each watched namespace
 - apiGroups: [policyoperator.io]
   resources: [policyservers/status]
   verbs: [get, patch]
-# create the checkpoint cache (server-side apply); adopt/release it as retainOnDelete changes; grow it (and list and grow the per-pod claims of storage.mode perPod) when storage.size increases
+# create the checkpoint cache (server-side apply); adopt/release it as retainOnDelete changes; grow it (and list and grow the per-pod claims of storage.mode perPod) when storage.size increases; watch them, so a pass at rest reads nothing from the API (operator/informer.py)
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
-  verbs: [get, list, create, patch]
+  verbs: [get, list, watch, create, patch]
 # create the fetch and cleanup Jobs (a server-side apply: PATCH that creates) and react to their completion; delete a finished fetch Job before a cleanup may remove its checkpoint
 - apiGroups: [batch]
   resources: [jobs]
@@ -104,18 +104,18 @@ The operator's API access: "namespaced" is what a Role in each watched namespace
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [get, list, watch, create, patch]
-# server-side apply the ClusterIP and headless Services every pass (drift is put back)
+# server-side apply the ClusterIP and headless Services every pass (drift is put back); watch them
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, create, patch]
-# server-side apply the PodDisruptionBudget while replicas > 1; delete it below that
+  verbs: [get, list, watch, create, patch]
+# server-side apply the PodDisruptionBudget while replicas > 1; delete it below that; watch them
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, create, patch, delete]
-# find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness; replace a server pod in a rollout (the StatefulSet's updateStrategy is OnDelete)
+  verbs: [get, list, watch, create, patch, delete]
+# find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness; replace a server pod in a rollout (the StatefulSet's updateStrategy is OnDelete); delete the pods of completed fetch and cleanup Jobs (they would keep a deleted cache claim alive)
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, patch, delete]
+  verbs: [get, list, watch, patch, delete]
 # read the last progress line of the running fetch pod's log (status.checkpoint.progress)
 - apiGroups: [""]
   resources: [pods/log]
