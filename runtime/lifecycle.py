@@ -91,7 +91,7 @@ class Lifecycle:
         self.grace_s = grace_s
         self.heartbeat_s = heartbeat_s
         self.stopping = threading.Event()
-        self._on_stop: Callable[[], None] | None = None  # set by serving(): None while loading
+        self._on_stop: Callable[[], object] | None = None  # set by serving(): None while loading
         self._lock = threading.Lock()
 
     def install(self) -> Lifecycle:
@@ -106,7 +106,7 @@ class Lifecycle:
         while True:
             self.received(signal.sigwait(SIGNALS))
 
-    def serving(self, on_stop: Callable[[], None]) -> None:
+    def serving(self, on_stop: Callable[[], object]) -> None:
         """Loaded: a signal now starts the drain, by calling ``on_stop`` (from the signal thread)."""
         with self._lock:
             self._on_stop = on_stop
