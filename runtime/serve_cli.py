@@ -35,6 +35,7 @@ from policy_operator import serve_flags
 from policy_operator.exit_codes import ServeExit
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
+_SIGTERM_BIT = 1 << (signal.SIGTERM - 1)  # in /proc/PID/status signal masks
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.2  # how often the launcher looks at torchrun and at signals to pass on
 
@@ -59,6 +60,17 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def takes_sigterm(pid: int) -> bool:
+    """Whether a rank handles SIGTERM yet: its main thread blocks it (for its signal thread, runtime/lifecycle.py) or
+    catches it.  Before that, SIGTERM's default action would kill it -- by signal 15, a failure for torchrun."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    masks = (int(line.split(":", 1)[1], 16) for line in status.splitlines() if line.startswith(("SigBlk:", "SigCgt:")))
+    return any(mask & _SIGTERM_BIT for mask in masks)
+
+
 def _launcher_setup() -> None:
     """In torchrun, before exec: a process group of its own, and SIGTERM when ``serve`` dies (even by SIGKILL)."""
     os.setpgid(0, 0)
@@ -81,6 +93,7 @@ def run_torchrun(argv: list[str]) -> int:
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     handled = 0  # signals received and passed on
+    signalled: set[int] = set()  # ranks that got SIGTERM
     try:
         while True:
             # never an unbounded wait(): waitpid is retried after a signal (PEP 475), so poll instead
@@ -90,25 +103,30 @@ def run_torchrun(argv: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 pass
             if len(received) > handled:
-                handled = _forward(child.pid, len(received), handled)
+                handled = _forward(child.pid, len(received), handled, signalled)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code if code >= 0 else 128 - code  # killed by signal N: 128+N, as a shell reports it
 
 
-def _forward(torchrun: int, received: int, handled: int) -> int:
-    """SIGTERM every rank of ``torchrun``; how many signals are now handled.
+def _forward(torchrun: int, received: int, handled: int, signalled: set[int]) -> int:
+    """SIGTERM every rank of ``torchrun`` that handles it yet; how many signals are now handled.
 
     Before torchrun has started its ranks there is nobody to drain: the signal
     stays pending (looked at again every ``POLL_S``) until the ranks exist,
     unless a second one came (a second Ctrl-C), which goes to torchrun itself.
+    A rank still starting its interpreter gets it a poll later, once it takes
+    it (``takes_sigterm``): killed by the signal itself, it would make torchrun
+    report a failure.
     """
     ranks = children(torchrun)
     for pid in ranks:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    if ranks:
+        if pid not in signalled and takes_sigterm(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            signalled.add(pid)
+    if ranks and signalled.issuperset(ranks):
         return received
     if received - handled > 1:
         with contextlib.suppress(ProcessLookupError):

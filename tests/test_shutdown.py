@@ -87,3 +87,21 @@ def test_sigterm_while_the_ranks_load_exits_0_at_once(tiny_checkpoint, tmp_path)
     assert "SIGTERM while loading: nothing to drain, exiting 0" in log, log[-4000:]
     assert exited_s <= 10.0, (exited_s, log[-4000:])  # the ranks at once; torchrun's own exit takes seconds
     assert "silent for" not in log and "exitcode: -15" not in log.replace("  ", " "), log[-4000:]
+
+
+def test_sigterm_as_the_ranks_start_exits_0(tiny_checkpoint) -> None:
+    """A pod deleted the moment it starts: the signal comes while torchrun's ranks are still starting Python.
+
+    ``serve`` passes it on only once a rank takes it; killed by the signal itself, a rank would make torchrun
+    report a failure (exit 1).
+    """
+    with serve_policy(tiny_checkpoint, "--cfgp", "2", *COMMON, wait="started") as server:
+        server.wait_until(lambda: len(set(server.rank_pids().values()) - {server.pid}) == 2, timeout=60,
+                          what="both ranks started")
+        signalled = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        code = server.wait_exit(timeout=60)
+        exited_s = time.monotonic() - signalled
+        log = server.log_text()
+    assert code == 0, log[-4000:]
+    assert exited_s <= 30.0, (exited_s, log[-4000:])  # the ranks' start-up, then they exit at once
