@@ -421,6 +421,7 @@ def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint, *, compil
         guidance=rt.guidance, steps=rt.steps, max_batch=rt.batching.max_batch, batch_window_ms=rt.batching.window_ms, device=rt.device,
         drain_grace_s=rt.drain_grace_seconds, latency_budget_ms=rt.batching.latency_budget_ms,
         max_connections=rt.max_connections,
+        rtc=rt.rtc.mode if rt.rtc.mode != "off" else None, rtc_max_delay=rt.rtc.max_inference_delay,
         auth_token_file=f"{AUTH_TOKEN_DIR}/{TOKEN_FILE}" if spec.auth.secret_ref is not None else None,
     )
     if compile_cache:

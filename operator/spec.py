@@ -66,6 +66,7 @@ from policy_operator.serve_flags import (
     policy_guidance,
 )
 from policy_operator.serve_flags import DEFAULT_DRAIN_GRACE_S as RUNTIME_DRAIN_GRACE_S
+from policy_operator.serve_flags import MAX_RTC_DELAY, RTC_MODES
 from policy_operator.sources import SOURCE_PATTERN, InvalidSource, check_relpath, check_source, request_key
 
 # Every child name derives from metadata.name: the fetch Job is ``<name>-fetch-<16-hex key>`` and must
@@ -508,6 +509,19 @@ class PolicySpec(KubeModel):
         return None if found is None else found.has_unconditional
 
 
+class RtcSpec(KubeModel):
+    """Real-time chunking (--rtc, --rtc-max-delay): a robot executes one chunk while it asks for the next, and
+    the server makes the new chunk continue the actions executed meanwhile (docs/protocol.md, rtc)."""
+
+    mode: Literal[RTC_MODES] = "off"  # type: ignore[valid-type]
+    """off refuses rtc requests (rtc_unsupported); inpaint freezes the first inference_delay actions to the
+    previous chunk's and guides the rest toward it without gradients (compiled denoisers and CUDA graphs stay as
+    they are); guided is the published method, a vector-Jacobian product through the denoiser at every step (a
+    backward pass per step)."""
+    max_inference_delay: int | None = Field(None, ge=0, le=MAX_RTC_DELAY)
+    """The largest inference_delay (control steps) a request may ask for; unset: any below the action horizon."""
+
+
 class RuntimeSpec(KubeModel):
     """How the policy runs."""
 
@@ -519,6 +533,7 @@ class RuntimeSpec(KubeModel):
     """Flow-matching / diffusion integration steps per action chunk. Unset: the policy's own (a LeRobot config's
     num_steps; 10 for the reference policy)."""
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    rtc: RtcSpec = Field(default_factory=RtcSpec)
     extra_args: list[ExtraArg] = Field(default_factory=list, max_length=MAX_EXTRA_ARGS)
     """Further flags of policyserver serve, appended to the worker's command line, e.g. --dtype bfloat16."""
     env: EnvList = Field(default_factory=list)

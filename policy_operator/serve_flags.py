@@ -265,14 +265,16 @@ def torchrun_argv(nproc: int, worker_args: list[str]) -> list[str]:
 # --- what the operator sets -------------------------------------------------------------
 # ServeOptions fields the operator writes from a PolicyServer's spec, in this order, before extraArgs.
 MANAGED: Final = ("checkpoint", "policy", "port", "cfgp", "dp", "guidance", "steps", "max_batch", "batch_window_ms",
-                  "latency_budget_ms", "max_connections", "device", "auth_token_file", "drain_grace_s")
+                  "latency_budget_ms", "max_connections", "device", "auth_token_file", "drain_grace_s", "rtc",
+                  "rtc_max_delay")
 MANAGED_FLAGS: Final = tuple(flag_of(name) for name in MANAGED)
 
 
 def managed_argv(*, checkpoint: str, policy: str, port: int, cfgp: int, dp: int, guidance: float | None,
                  steps: int | None, max_batch: int, batch_window_ms: float, device: str, auth_token_file: str | None,
                  drain_grace_s: float, latency_budget_ms: float | None = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> list[str]:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, rtc: str | None = None,
+                 rtc_max_delay: int | None = None) -> list[str]:
     """The worker flags the operator derives from the spec (``auth_token_file`` None: no auth; ``guidance`` or
     ``steps`` None: the policy's own)."""
     given = locals()

@@ -281,6 +281,19 @@ def test_latency_budget_and_connection_cap_flow_into_the_command() -> None:
     assert (opts.latency_budget_ms, opts.max_connections) == (40.0, 64)
 
 
+def test_rtc_flows_into_the_command_and_off_writes_nothing() -> None:
+    assert "--rtc" not in _server(M.build_statefulset(spec_of(base())))["command"]
+    spec = spec_of(base(runtime={"rtc": {"mode": "guided", "maxInferenceDelay": 6}}))
+    command = _server(M.build_statefulset(spec))["command"]
+    at = command.index("--rtc")
+    assert command[at:at + 4] == ["--rtc", "guided", "--rtc-max-delay", "6"]
+    parser = argparse.ArgumentParser()
+    serve_flags.add_arguments(parser)
+    opts = serve_flags.ServeOptions.from_args(parser.parse_args(command[2:]))
+    serve_flags.check_values(opts)
+    assert (opts.rtc, opts.rtc_max_delay) == ("guided", 6)
+
+
 def test_init_container_verifies_the_cache_with_the_checkpoint_cli() -> None:
     from policy_operator.runtime.checkpoint import cli as checkpoint_cli
 

@@ -82,8 +82,10 @@ def test_managed_flags_are_serve_flags_the_operator_writes() -> None:
     assert set(serve_flags.MANAGED) <= fields
     argv = serve_flags.managed_argv(checkpoint="/models/k", policy="m.p:P", port=8000, cfgp=2, dp=1, guidance=2.5, steps=8,
                                     max_batch=4, batch_window_ms=0.5, device="cuda", auth_token_file=None,
-                                    drain_grace_s=20, latency_budget_ms=40.0, max_connections=64)
+                                    drain_grace_s=20, latency_budget_ms=40.0, max_connections=64, rtc="guided",
+                                    rtc_max_delay=4)
     opts = parse_serve(argv)
+    assert (opts.rtc, opts.rtc_max_delay) == ("guided", 4)
     assert opts.policy == "m.p:P"
     assert (opts.checkpoint, opts.port, opts.cfgp, opts.dp, opts.guidance, opts.steps, opts.max_batch,
             opts.batch_window_ms, opts.device, opts.auth_token_file, opts.drain_grace_s, opts.latency_budget_ms,

@@ -149,6 +149,10 @@ INVALID = [
     (base(runtime={"batching": {"windowMs": 1000.5}}), "spec.runtime.batching.windowMs"),
     (base(runtime={"batching": {"windowMs": "2ms"}}), "spec.runtime.batching.windowMs"),
     (base(runtime={"batching": {"window": 2}}), "spec.runtime.batching.window"),
+    (base(runtime={"rtc": {"mode": "always"}}), "spec.runtime.rtc.mode"),
+    (base(runtime={"rtc": {"maxInferenceDelay": -1}}), "spec.runtime.rtc.maxInferenceDelay"),
+    (base(runtime={"rtc": {"maxInferenceDelay": serve_flags.MAX_RTC_DELAY + 1}}), "spec.runtime.rtc.maxInferenceDelay"),
+    (base(runtime={"extraArgs": ["--rtc", "guided"]}), "spec.runtime.extraArgs[0]"),
     (base(runtime={"extraArgs": ["--max-batch", "32"]}), "spec.runtime.extraArgs[0]"),
     (base(runtime={"extraArgs": ["--threads", "2", "--batch-window-ms=0"]}), "spec.runtime.extraArgs[2]"),
     (base(runtime={"extraArgs": ["--max-b", "32"]}), "spec.runtime.extraArgs[0]"),
@@ -214,6 +218,7 @@ def test_defaults_fill_an_empty_section() -> None:
         "service": {"type": "ClusterIP", "port": C.DEFAULT_PORT, "annotations": {}},
         "runtime": {"batching": {"maxBatch": serve_flags.DEFAULT_MAX_BATCH,
                                  "windowMs": serve_flags.DEFAULT_BATCH_WINDOW_MS},
+                    "rtc": {"mode": "off"},
                     "extraArgs": [], "env": [], "drainGraceSeconds": 20, "startupTimeoutSeconds": 600,
                     "device": "cuda", "maxConnections": serve_flags.DEFAULT_MAX_CONNECTIONS},
         "auth": {},
@@ -336,6 +341,7 @@ def test_the_runtime_defaults_are_the_specs() -> None:
         (args.guidance, args.steps, args.drain_grace_s)
     assert (runtime.batching.max_batch, runtime.batching.window_ms) == (args.max_batch, args.batch_window_ms)
     assert (runtime.batching.latency_budget_ms, runtime.max_connections) == (args.latency_budget_ms, args.max_connections)
+    assert (runtime.rtc.mode, runtime.rtc.max_inference_delay) == (args.rtc, args.rtc_max_delay)
     assert parse(base()).policy.flag == args.policy
 
 
