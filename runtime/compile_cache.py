@@ -213,12 +213,18 @@ class CompileCache:
         if saved is None or not saved[0]:
             log.info("compile cache: nothing was compiled; nothing to save")
             return False
-        data = encode(self.key, saved[0])
+        return self.write(saved[0])
+
+    def write(self, payload: bytes) -> bool:
+        """``payload`` as this key's file: a temporary file of this writer's own, then renamed over the final name,
+        so a reader (or a second writer) never sees a partial file; never raises."""
+        data = encode(self.key, payload)
         path = self.path
         tmp: str | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.directory)
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide it from a pod running as another user
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()

@@ -15,8 +15,10 @@ cores (on a GPU the artifacts carry the Triton kernels themselves).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +70,34 @@ def test_a_bad_file_is_ignored_with_one_warning(tmp_path: Path, caplog: pytest.L
 def test_nothing_compiled_writes_nothing(tmp_path: Path) -> None:
     assert CompileCache(tmp_path / "cache", KEY).save() is False
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def _writer(directory: str, fill: int, rounds: int) -> None:
+    cache = CompileCache(Path(directory), KEY)
+    for size in range(rounds):
+        assert cache.write(bytes([fill]) * ((1 << 20) + 4096 * size * fill))
+
+
+def test_two_writers_at_once_never_leave_a_partial_file(tmp_path: Path) -> None:
+    """Two pods of a rollout saving at the same moment: a reader sees one writer's whole file, or none yet."""
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=_writer, args=(str(tmp_path), fill, 25)) for fill in (1, 2)]
+    for writer in writers:
+        writer.start()
+    path, reads, deadline = CompileCache(tmp_path, KEY).path, 0, time.monotonic() + 120
+    while any(w.is_alive() for w in writers) and time.monotonic() < deadline:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            continue
+        assert len(set(decode(data, KEY))) == 1  # intact (decode checks size and sha256), and one writer's bytes
+        reads += 1
+    for writer in writers:
+        writer.join(30)
+        assert writer.exitcode == 0
+    assert reads > 0
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+    assert path.stat().st_mode & 0o044 == 0o044  # readable by the pods of other users
 
 
 # --- real servers ---------------------------------------------------------------------
