@@ -31,6 +31,7 @@ without RTC.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -204,9 +205,13 @@ def integrate(rtc: RtcBatch, x: torch.Tensor, integrator: Any, forward: Callable
     rtc.start(x)
     timesteps = integrator.timesteps
     for i, t in enumerate(timesteps):
-        out = guided_velocity(rtc, lambda z, i=i: forward(z, i), x, float(t))
+        out = guided_velocity(rtc, functools.partial(_at_step, forward, i=i), x, float(t))
         x = rtc.inpaint(integrator.step(x, out, i), time_after(timesteps, i))
     return x
+
+
+def _at_step(forward: Callable[[torch.Tensor, int], Step], z: torch.Tensor, *, i: int) -> Step:
+    return forward(z, i)
 
 
 def sample_rtc(policy: Policy, sample: Sample, x: torch.Tensor, integrator: Integrator, plan: Sequence[bool],
