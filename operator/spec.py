@@ -62,11 +62,12 @@ from policy_operator.serve_flags import (
     MAX_LATENCY_BUDGET_MS,
     MAX_MAX_BATCH,
     MAX_MAX_CONNECTIONS,
+    MAX_RTC_DELAY,
     MIN_LATENCY_BUDGET_MS,
+    RTC_MODES,
     policy_guidance,
 )
 from policy_operator.serve_flags import DEFAULT_DRAIN_GRACE_S as RUNTIME_DRAIN_GRACE_S
-from policy_operator.serve_flags import MAX_RTC_DELAY, RTC_MODES
 from policy_operator.sources import SOURCE_PATTERN, InvalidSource, check_relpath, check_source, request_key
 
 # Every child name derives from metadata.name: the fetch Job is ``<name>-fetch-<16-hex key>`` and must

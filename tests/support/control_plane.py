@@ -46,7 +46,6 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-
 from tests.support.net import free_port
 
 if TYPE_CHECKING:
