@@ -44,7 +44,7 @@ class SessionHistory:
             past: deque[Sample] = deque([sample], maxlen=self.length)
         else:
             key = hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-            past = self._sessions.pop(key, None) or deque(maxlen=self.length)
+            past = self._sessions.pop(key) if key in self._sessions else deque(maxlen=self.length)
             if past and past[-1].group_key() != sample.group_key():
                 past.clear()
             past.append(sample)

@@ -69,7 +69,7 @@ def kv_cache(tree: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> Any:
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     cache = DynamicCache()
-    layers = []
+    layers: list[Any] = []
     for keys, values in tree:
         layer = DynamicLayer()
         layer.lazy_initialization(keys, values)

@@ -14,7 +14,7 @@ unconditional branch (``has_unconditional`` False): guidance stays 1.0.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -47,7 +47,7 @@ class LeRobotPolicy(Policy):
         self.history = self.family.history
         self.default_steps = self.family.default_steps
         self.spec = ObservationSpec(loaded.config.input_features, needs_task=self.family.needs_task)
-        self._denoise = self.family.denoise
+        self._denoise: Callable[[Context, torch.Tensor, torch.Tensor], torch.Tensor] = self.family.denoise
         self._integrator = functools.lru_cache(maxsize=8)(self.family.integrator)
 
     @classmethod
@@ -110,5 +110,6 @@ class LeRobotPolicy(Policy):
     def compile(self, mode: str = "default") -> None:
         # One graph per batch bucket (the replica pads batches to them); the cache is rebuilt inside the graph
         # around the context's tensors.  A CUDA graph's output buffer is reused by its next replay: copy it out.
-        compiled = torch.compile(self.family.denoise, mode=mode, dynamic=False)
+        compiled: Callable[[Context, torch.Tensor, torch.Tensor], torch.Tensor] = torch.compile(
+            self.family.denoise, mode=mode, dynamic=False)
         self._denoise = (lambda c, x, t: compiled(c, x, t).clone()) if mode == "reduce-overhead" else compiled

@@ -56,13 +56,15 @@ def train_tokenizer(vocab_size: int = 300) -> Any:
 
 
 def _write_smolvlm(directory: Path, size: str) -> None:
-    from transformers import SmolVLMConfig, SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+    import transformers
+
+    smolvlm: Any = transformers  # the processors and config are resolved lazily: their stubs lag the classes
 
     tokenizer = train_tokenizer()
     if size == "tiny":
-        text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        text: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "head_dim": 16, "vocab_size": len(tokenizer)}
-        vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        vision: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                   "image_size": 64, "patch_size": 16}
         scale, side = 2, 64
     else:  # SmolVLM2-500M-Video-Instruct's shapes
@@ -72,11 +74,11 @@ def _write_smolvlm(directory: Path, size: str) -> None:
                   "image_size": 512, "patch_size": 16}
         scale, side = 4, 512
     text.update({"model_type": "llama", "max_position_embeddings": 8192, "pad_token_id": tokenizer.pad_token_id})
-    SmolVLMConfig(text_config=text, vision_config=vision, scale_factor=scale,
+    smolvlm.SmolVLMConfig(text_config=text, vision_config=vision, scale_factor=scale,
                   image_token_id=tokenizer.convert_tokens_to_ids("<image>")).save_pretrained(directory)
-    images = SmolVLMImageProcessor(do_resize=False, do_image_splitting=False, size={"longest_edge": side},
+    images = smolvlm.SmolVLMImageProcessor(do_resize=False, do_image_splitting=False, size={"longest_edge": side},
                                    max_image_size={"longest_edge": side})
-    SmolVLMProcessor(image_processor=images, tokenizer=tokenizer, video_processor=SmolVLMVideoProcessor(),
+    smolvlm.SmolVLMProcessor(image_processor=images, tokenizer=tokenizer, video_processor=smolvlm.SmolVLMVideoProcessor(),
                      image_seq_len=(side // vision["patch_size"] // scale) ** 2).save_pretrained(directory)
 
 
