@@ -72,7 +72,8 @@ def start(checkpoint: Path, serve_args: list[str], inductor: Path, timeout_s: fl
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton"),
            "PYTHONUNBUFFERED": "1"}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    cmd = [str(VENV_BIN / "policyserver"), "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",
+    # -P: the repository root (cwd) must not shadow the standard library's ``operator`` with ./operator/
+    cmd = [sys.executable, "-P", "-m", "policy_operator.cli", "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",
            "--port", str(port), *serve_args]
     log = tempfile.NamedTemporaryFile("w+", prefix="bench-start-", suffix=".log", delete=False)  # noqa: SIM115
     started = time.monotonic()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The H200 calls of round three (issues 22, 24, 25), each stage bounded so a slow one leaves the others' tables.
+# Wheels the device image lacks travel in .whl/ (lerobot 0.6.1 and the versions it pins, websockets, pydantic...;
+# docs/benchmarks.md lists them); they and the project are installed with --no-deps into /tmp/site.
+#   run(command="bash bench/device_round3.sh a", carry=[".whl"])   # SmolVLA vs LeRobot; issue 24's robots table
+#   run(command="bash bench/device_round3.sh b", carry=[".whl"])   # pi0.5 vs LeRobot; fast start; RTC cost
+set -u
+REPO=$(pwd)
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+SITE=/tmp/site
+start=$(date +%s)
+left() { echo $(( ${BUDGET_S:-575} - ($(date +%s) - start) )); }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$REPO"/.whl/*.whl \
+    >"$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation --target "$SITE" "$REPO" >>"$OUT/install.log" 2>&1 \
+    || { tail -5 "$OUT/install.log"; exit 1; }
+export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
+cd /tmp
+python3 -c "import torch, lerobot, transformers; print('torch', torch.__version__, torch.cuda.get_device_name(), 'lerobot', lerobot.__version__, 'transformers', transformers.__version__)"
+echo "installed after $(( $(date +%s) - start )) s"
+# stage NAME SECONDS_TO_LEAVE_OVER CMD...: runs CMD until that many seconds of the budget are left
+stage() {
+    local name=$1 spare=$2
+    shift 2
+    timeout $(( $(left) - spare )) "$@" >"$OUT/$name.log" 2>&1
+    echo "$name rc=$? after $(( $(date +%s) - start )) s"
+    grep '^|' "$OUT/$name.md" 2>/dev/null || tail -4 "$OUT/$name.log"
+}
+base() { [ -d /tmp/base ] || python3 -m policy_operator.cli checkpoint init /tmp/base --size base >/dev/null; }
+COMMON=(--device cuda --size base --steps 10 --dtype bfloat16 --compile reduce-overhead --checkpoint /tmp/base)
+case "${1:-a}" in
+a)
+    stage lerobot-h200-smolvla 330 python3 "$REPO/bench/lerobot_vs_server.py" --device cuda --compile reduce-overhead \
+        --families smolvla --out "$OUT/lerobot-h200-smolvla.md"
+    base
+    stage h200-robots 5 python3 "$REPO/bench/runtime.py" "${COMMON[@]}" --tables robots \
+        --robot-max-batch "${MAX_BATCH:-1,8,32}" --robots "${ROBOTS:-1,8,16,32}" --robot-n "${ROBOT_N:-40}" \
+        --batch-window-ms 2 --out "$OUT/h200-robots.md"
+    ;;
+b)
+    stage lerobot-h200-pi05 300 python3 "$REPO/bench/lerobot_vs_server.py" --device cuda --compile reduce-overhead \
+        --families pi05 --out "$OUT/lerobot-h200-pi05.md"
+    base
+    stage rtc-h200 180 python3 "$REPO/bench/rtc.py" --device cuda --size base --dtype bfloat16 --compile reduce-overhead \
+        --sizes 1,8 --reps 20 --checkpoint /tmp/base --out "$OUT/rtc-h200.md"
+    stage h200-start-mb8 5 python3 "$REPO/bench/start.py" --device cuda --size base --dtype bfloat16 \
+        --compile reduce-overhead --max-batch 8 --out "$OUT/h200-start-mb8.md"
+    ;;
+esac
