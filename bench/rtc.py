@@ -99,8 +99,8 @@ def main() -> int:
         times: dict[str, list[float]] = {m: [] for m in MODES}
         jumps: dict[str, float] = {}
         gaps: dict[str, float] = {}
-        for _ in range(args.reps):
-            for mode in MODES:
+        for rep in range(args.reps):
+            for mode in MODES[rep % 3:] + MODES[:rep % 3]:  # each mode first as often as the others
                 t0 = time.perf_counter()
                 got = run(b, mode)
                 times[mode].append((time.perf_counter() - t0) * 1e3)
@@ -117,7 +117,7 @@ def main() -> int:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores"
         f"{'; ' + torch.cuda.get_device_name(0) if device.type == 'cuda' else ''}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} intra-op threads. p50 of {args.reps} batches per mode, the three modes "
-        f"interleaved in every repetition, after warm-up ({warm_s:.0f} s). Every row constrained: d={DELAY}, "
+        f"interleaved in every repetition (rotating which goes first), after warm-up ({warm_s:.0f} s). Every row constrained: d={DELAY}, "
         f"the previous chunk's last {policy.action_shape[0] - EXECUTED} actions. One run.",
         "",
         "| batch B | plain ms | inpaint ms | × plain | guided ms | × plain | jump plain / inpaint / guided "
@@ -134,7 +134,8 @@ def main() -> int:
         "large as a switch, so the jump cannot fall below them).",
         "",
         f"Reproduce: `python bench/rtc.py --device {args.device} --size {args.size} --dtype {args.dtype}"
-        f"{' --compile ' + args.compile if args.compile else ''} --sizes {args.sizes} --reps {args.reps}`",
+        f"{' --compile ' + args.compile if args.compile else ''} --sizes {args.sizes} --reps {args.reps}"
+        f"{' --threads ' + str(args.threads) if args.threads else ''}`",
         "",
     ]
     publish(lines, args.out or REPO / "bench" / "results" / f"rtc-{args.device}.md")
