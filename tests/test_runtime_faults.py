@@ -156,11 +156,15 @@ def test_non_finite_actions_are_an_error_reply_counted_in_metrics(tmp_path_facto
 # --- session_id ----------------------------------------------------------------------------------
 def test_long_session_ids_are_refused_and_short_ones_stick(server) -> None:
     with connection(server) as ws:
-        for length in (257, 15 << 20):
+        for length in (257, 64 << 10):
             reply = ask(ws, observation(**{SESSION_KEY: "s" * length}))
             assert error_kind(reply) == "invalid_observation", reply
             assert SESSION_KEY in reply["error"]["message"] and "256" in reply["error"]["message"]
             assert len(reply["error"]["message"]) < 300, "the message must not echo the id"
+        # a string past the frame's structural limit (docs/protocol.md) is refused while the frame is decoded
+        reply = ask(ws, observation(**{SESSION_KEY: "s" * (15 << 20)}))
+        assert error_kind(reply) == "bad_frame" and "max_str_len" in reply["error"]["message"], reply
+        assert len(reply["error"]["message"]) < 300, "the message must not echo the id"
         for session in ("é" * 128, 2**62, "robot-7"):  # 256 bytes of UTF-8, an int, a plain name
             reply = ask(ws, observation(**{SESSION_KEY: session}))
             assert np.isfinite(reply["actions"]).all(), reply
