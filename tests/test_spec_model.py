@@ -378,7 +378,6 @@ def test_policy_type_is_the_pods_policy_flag() -> None:
     assert spec.guidance is None  # an import's own: only a pod can tell whether it has an unconditional branch
 
 
-
 @pytest.mark.parametrize(("max_batch", "window_ms"), [
     (0, 2.0), (1, 2.0), (serve_flags.MAX_MAX_BATCH, 2.0), (serve_flags.MAX_MAX_BATCH + 1, 2.0),
     (8, -0.001), (8, 0.0), (8, 0.5), (8, float(S.MAX_BATCH_WINDOW_MS)), (8, S.MAX_BATCH_WINDOW_MS + 0.001),
