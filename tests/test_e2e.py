@@ -226,8 +226,12 @@ def test_one_fetch_job_and_one_download_per_checkpoint(deployment: Deployment) -
         server = d.servers[name]
         for file in (C.MANIFEST_FILE, C.CONFIG_FILE, C.WEIGHTS_FILE):
             assert server.count(f"/ckpt/{file}") == 1, (name, file, server.requests)
-        fetch_pods = d.cluster.list("v1", "pods", f"{C.LABEL_JOB_NAME}={jobs[0]['metadata']['name']}")
-        assert [p["status"]["phase"] for p in fetch_pods] == ["Succeeded"]
+        # a completed fetch pod is deleted at once: it would keep a deleted cache claim alive (docs/operator.md)
+        selector = f"{C.LABEL_JOB_NAME}={jobs[0]['metadata']['name']}"
+        deadline = time.monotonic() + 30
+        while (fetch_pods := d.cluster.list("v1", "pods", selector)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert [p["status"]["phase"] for p in fetch_pods] == []
     # the cfgp=2 sample's Secret reached the fetch as a bearer token (the server refuses requests without it)
     assert {r.headers.get("Authorization") for r in d.servers[CFGP2].requests} == {"<redacted>"}
     # both pods of the dp=2 PolicyServer mount the one cache claim, of the sample's class, on one volume
@@ -351,8 +355,11 @@ def test_kubectl_delete_collects_everything_and_the_claim_waits_for_its_pods(dep
             for n in (CFGP2, CFGP1):
                 # the server and fetch pods that hold the claim: PVC protection counts a pod once it is bound to
                 # a node (a pod the StatefulSet controller recreates during teardown, never scheduled, mounts nothing)
+                # and until it has terminated (a Succeeded or Failed pod whose object is still being deleted holds
+                # nothing either)
                 pods = [p for p in d.cluster.list("v1", "pods", f"{C.LABEL_INSTANCE}={n}")
-                        if p["spec"].get("nodeName") and mounts(p, Names(n).pvc)]
+                        if p["spec"].get("nodeName") and mounts(p, Names(n).pvc)
+                        and p.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
                 claim = d.cluster.get("v1", "persistentvolumeclaims", Names(n).pvc)
                 if not pods:
                     gone_at.setdefault(f"pods {n}", time.monotonic())
