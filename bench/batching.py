@@ -39,7 +39,9 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--out", default=None)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write {batch size: p50 ms} as JSON (bench/runtime.py)")
+    p.add_argument(
+        "--json", default=None, metavar="PATH", help="also write {batch size: p50 ms} as JSON (bench/runtime.py)"
+    )
     args = p.parse_args()
 
     import torch
@@ -51,8 +53,11 @@ def main() -> int:
     from policy_operator.runtime.policy.sampler import sample_actions
 
     sizes = [int(x) for x in args.sizes.split(",")]
-    checkpoint = Path(args.checkpoint) if args.checkpoint else init_checkpoint(
-        Path(tempfile.mkdtemp(prefix="bench-batching-")) / args.size, args.size)
+    checkpoint = (
+        Path(args.checkpoint)
+        if args.checkpoint
+        else init_checkpoint(Path(tempfile.mkdtemp(prefix="bench-batching-")) / args.size, args.size)
+    )
     if args.device == "cpu":
         torch.set_num_threads(1)
     device = torch.device(args.device)
@@ -91,8 +96,10 @@ def main() -> int:
         diff = max(float(np.abs(got[i] - alone[i]).max()) for i in range(b))
         scale = max(float(np.abs(alone[i]).max()) for i in range(b))
         rows.append((b, statistics.median(times), diff, scale))
-        print(f"B={b:>3}: p50 {rows[-1][1]:8.2f} ms  per request {rows[-1][1] / b:7.2f} ms  max |batch - alone| {diff:.2e}",
-              flush=True)
+        print(
+            f"B={b:>3}: p50 {rows[-1][1]:8.2f} ms  per request {rows[-1][1] / b:7.2f} ms  max |batch - alone| {diff:.2e}",
+            flush=True,
+        )
     base = rows[0][1]
     lines = [
         f"# Batch cost, in-process ({args.device}, size={args.size}, dtype={args.dtype}, steps={args.steps}, "

@@ -55,7 +55,7 @@ _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g"
 def parse_size(text: str) -> int:
     t = text.strip().lower()
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
+    unit = t[len(num) :]
     if unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 512MiB or 1GiB")
     return int(float(num) * _UNITS[unit])
@@ -143,13 +143,16 @@ def main() -> int:
                     def run_curl_checked(out: Path = out) -> None:
                         subprocess.run([curl, "-sSf", "-o", str(out), file_url], check=True)
                         hashlib.sha256(out.read_bytes()) if args.size < (256 << 20) else subprocess.run(
-                            ["sha256sum", str(out)], check=True, capture_output=True)
+                            ["sha256sum", str(out)], check=True, capture_output=True
+                        )
                         fsync_path(out)
 
                     results.setdefault("curl + sha256sum + fsync", []).append(timed(run_curl_checked))
                     out.unlink()
                 copy = root / "copy.out"
-                results.setdefault("cp", []).append(timed(lambda copy=copy: subprocess.run(["cp", str(weights), str(copy)], check=True)))
+                results.setdefault("cp", []).append(
+                    timed(lambda copy=copy: subprocess.run(["cp", str(weights), str(copy)], check=True))
+                )
                 copy.unlink()
     finally:
         shutil.rmtree(root, ignore_errors=True)

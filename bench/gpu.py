@@ -53,8 +53,13 @@ def main() -> int:
     if not args.skip_compile:
         configs += [
             ("bf16, batched CFG, torch.compile", torch.bfloat16, "batched", "default", True),
-            ("bf16, batched CFG, compile reduce-overhead (CUDA graphs)", torch.bfloat16, "batched", "reduce-overhead",
-             True),
+            (
+                "bf16, batched CFG, compile reduce-overhead (CUDA graphs)",
+                torch.bfloat16,
+                "batched",
+                "reduce-overhead",
+                True,
+            ),
             ("same, pageable (not pinned) host memory", torch.bfloat16, "batched", "reduce-overhead", False),
         ]
     results = []
@@ -86,13 +91,20 @@ def main() -> int:
         err = float(abs(actions - reference).max())
         p50 = statistics.median(times)
         results.append((label, p50, min(times), err, warm_s))
-        print(f"{label:<60} p50 {p50:8.3f} ms  min {min(times):8.3f} ms  max|err| vs fp32 seq {err:.2e}  "
-              f"warm-up {warm_s:.1f}s", flush=True)
+        print(
+            f"{label:<60} p50 {p50:8.3f} ms  min {min(times):8.3f} ms  max|err| vs fp32 seq {err:.2e}  "
+            f"warm-up {warm_s:.1f}s",
+            flush=True,
+        )
         del policy
         torch.cuda.empty_cache()
     cfg = ReferencePolicy.load(ckpt, device=torch.device("cpu")).cfg
-    params = sum(v.numel() for v in __import__("safetensors.torch", fromlist=["load_file"]).load_file(
-        str(Path(ckpt) / "model.safetensors")).values())
+    params = sum(
+        v.numel()
+        for v in __import__("safetensors.torch", fromlist=["load_file"])
+        .load_file(str(Path(ckpt) / "model.safetensors"))
+        .values()
+    )
     base = results[0][1]
     lines = [
         f"# One GPU, in-process: {torch.cuda.get_device_name(0)}",

@@ -88,8 +88,9 @@ def bench_family(family: str, args: argparse.Namespace, workdir: Path) -> dict[s
 
     def serve(indices: list[int]) -> list[np.ndarray]:
         samples = [history.extend(f"robot-{i}", ours.prepare(observations[i])) for i in indices]
-        x = sample_actions(ours, collate(samples), [seeds[i] for i in indices], guidance=1.0,
-                           integrator=ours.integrator())
+        x = sample_actions(
+            ours, collate(samples), [seeds[i] for i in indices], guidance=1.0, integrator=ours.integrator()
+        )
         return ours.postprocess_batch(x)
 
     lerobot = load_pretrained(root, device)  # a second copy: LeRobot's own path, same weights
@@ -98,8 +99,10 @@ def bench_family(family: str, args: argparse.Namespace, workdir: Path) -> dict[s
         frame = ours.spec.parse(observations[i])
         batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in loaded.preprocessor(frame).items()}
         if ours.history > 1:
-            batch = {k: (torch.stack([v] * ours.history, dim=1) if isinstance(v, torch.Tensor) else v)
-                     for k, v in batch.items()}
+            batch = {
+                k: (torch.stack([v] * ours.history, dim=1) if isinstance(v, torch.Tensor) else v)
+                for k, v in batch.items()
+            }
         noise = torch.randn(ours.family.noise_shape, generator=torch.Generator().manual_seed(seeds[i])).to(device)
         loaded.policy.reset()
         with torch.inference_mode():
@@ -112,8 +115,12 @@ def bench_family(family: str, args: argparse.Namespace, workdir: Path) -> dict[s
     sync()
     diff = max(float(np.abs(serve([i])[0] - lerobot_request(i)).max()) for i in range(robots))
     row: dict[str, Any] = {
-        "family": family, "params_m": sum(p.numel() for p in ours.loaded.policy.parameters()) / 1e6,
-        "steps": ours.integrator().steps, "chunk": list(ours.action_shape), "write_s": write_s, "diff": diff,
+        "family": family,
+        "params_m": sum(p.numel() for p in ours.loaded.policy.parameters()) / 1e6,
+        "steps": ours.integrator().steps,
+        "chunk": list(ours.action_shape),
+        "write_s": write_s,
+        "diff": diff,
         "ours_1": p50_ms(lambda: serve([0]), args.reps, sync),
         "ours_8": p50_ms(lambda: serve(list(range(robots))), args.reps, sync),
         "lerobot_1": p50_ms(lambda: lerobot_request(0), args.reps, sync),
@@ -152,7 +159,9 @@ def main() -> int:
     p.add_argument("--families", default=None, help="comma-separated; default smolvla,pi05 (--tiny: smolvla,diffusion)")
     p.add_argument("--tiny", action="store_true", help="tiny configs (CPU-sized) instead of the published sizes")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--compile", default=None, metavar="MODE", help="this server's --compile (reduce-overhead: CUDA graphs)")
+    p.add_argument(
+        "--compile", default=None, metavar="MODE", help="this server's --compile (reduce-overhead: CUDA graphs)"
+    )
     p.add_argument("--lerobot-compile", action="store_true", help="also time LeRobot with its compile_model option")
     p.add_argument("--robots", type=int, default=8)
     p.add_argument("--reps", type=int, default=20)
@@ -184,13 +193,20 @@ def main() -> int:
     for r in rows:
         ours_rps, lerobot_rps = n / r["ours_8"] * 1e3, 1e3 / r["lerobot_1"]
         compiled = f"{r['lerobot_compiled_1']:.2f}" if "lerobot_compiled_1" in r else "-"
-        lines.append(f"| {r['family']} | {r['params_m']:.1f} | {r['steps']} | {r['chunk'][0]}x{r['chunk'][1]} | "
-                     f"{r['ours_1']:.2f} | {r['lerobot_1']:.2f} | {compiled} | {r['ours_1'] / r['lerobot_1']:.2f} | "
-                     f"{ours_rps:.1f} | {lerobot_rps:.1f} | {ours_rps / lerobot_rps:.2f} | {r['diff']:.1e} |")
-    lines += ["", "Targets (issue 22): 1 robot <= 0.6x LeRobot's eager p50; 8 robots >= 4x LeRobot one at a time.", "",
-              f"Reproduce: `python bench/lerobot_vs_server.py --device {args.device}{' --tiny' if args.tiny else ''}"
-              f"{' --compile ' + args.compile if args.compile else ''}"
-              f"{' --lerobot-compile' if args.lerobot_compile else ''} --families {','.join(families)}`", ""]
+        lines.append(
+            f"| {r['family']} | {r['params_m']:.1f} | {r['steps']} | {r['chunk'][0]}x{r['chunk'][1]} | "
+            f"{r['ours_1']:.2f} | {r['lerobot_1']:.2f} | {compiled} | {r['ours_1'] / r['lerobot_1']:.2f} | "
+            f"{ours_rps:.1f} | {lerobot_rps:.1f} | {ours_rps / lerobot_rps:.2f} | {r['diff']:.1e} |"
+        )
+    lines += [
+        "",
+        "Targets (issue 22): 1 robot <= 0.6x LeRobot's eager p50; 8 robots >= 4x LeRobot one at a time.",
+        "",
+        f"Reproduce: `python bench/lerobot_vs_server.py --device {args.device}{' --tiny' if args.tiny else ''}"
+        f"{' --compile ' + args.compile if args.compile else ''}"
+        f"{' --lerobot-compile' if args.lerobot_compile else ''} --families {','.join(families)}`",
+        "",
+    ]
     tag = f"{args.device}{'-tiny' if args.tiny else ''}"
     publish(lines, args.out or REPO / "bench" / "results" / f"lerobot-{tag}.md")
     return 0

@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-CHILD = r'''
+CHILD = r"""
 import json, os, sys, uuid
 import yaml
 import kubernetes.client, kubernetes.config
@@ -85,15 +85,18 @@ finally:
     sys.setprofile(None)
 assert state["cut"], "the pass never wrote the StatefulSet"
 print(json.dumps(records[: state["cut"]]))
-'''
+"""
 
 
 def export_tree(rev: str, into: Path) -> Path:
     """``git archive REV`` laid out as the import names: policy_operator/{,runtime,operator}."""
     src = into / "src"
     src.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "policy_operator", "runtime", "operator",
-                              "crds"], check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", rev, "policy_operator", "runtime", "operator", "crds"],
+        check=True,
+        capture_output=True,
+    ).stdout
     with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
         tar.extractall(src, filter="data")
     return link_tree(src, into / "pkg")
@@ -127,22 +130,23 @@ def summarize(records: list[dict]) -> dict:
             seen.add(key)
             hops.append(f"{r['file']}:{r['fn']}")
     files = sorted({r["file"] for r in records})
-    crossings = sum(1 for r in records if r["from_project"] and
-                    os.path.basename(r["caller"]) != os.path.basename(r["file"]))
+    crossings = sum(
+        1 for r in records if r["from_project"] and os.path.basename(r["caller"]) != os.path.basename(r["file"])
+    )
     return {"hops": hops, "files": files, "crossings": crossings}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rev", action="append", default=[],
-                        help="git revision(s) to measure besides the working tree (repeatable)")
+    parser.add_argument(
+        "--rev", action="append", default=[], help="git revision(s) to measure besides the working tree (repeatable)"
+    )
     parser.add_argument("--json", type=Path, help="write every measurement here")
     args = parser.parse_args()
     from tests.support.control_plane import ControlPlane
 
     results = {}
-    with tempfile.TemporaryDirectory() as tmp, ControlPlane(Path(tmp) / "cp", controllers=False,
-                                                             scheduler=False) as cp:
+    with tempfile.TemporaryDirectory() as tmp, ControlPlane(Path(tmp) / "cp", controllers=False, scheduler=False) as cp:
         for i, rev in enumerate([*args.rev, "working tree"]):
             where = Path(tmp) / f"tree{i}"
             if rev == "working tree":

@@ -49,7 +49,7 @@ SKIPPED_THREADS = re.compile(r"^(heartbeat-\d+|watchdog|request-path-watch)$")
 SKIPPED_FUNCTIONS = re.compile(r"<(genexpr|listcomp|dictcomp|setcomp|lambda)>$")
 MODEL_FILES = ("reference.py",)  # a model's internals are not the serving path
 
-SITECUSTOMIZE = '''
+SITECUSTOMIZE = """
 import json, os, sys, threading, time
 
 _trigger = os.environ.get("REQUEST_PATH_TRIGGER")
@@ -88,16 +88,19 @@ if _trigger:
     sys.settrace(_trace)
     threading.settrace(_trace)
     threading.Thread(target=_watch, name="request-path-watch", daemon=True).start()
-'''
+"""
 
 
 def observation(seed: int) -> dict[str, object]:
     """A DROID-shaped observation as RoboLab sends it (built here, so no project import is needed)."""
     rng = np.random.default_rng(seed)
-    return {"observation/image": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8),
-            "observation/joint_position": rng.standard_normal(7).astype(np.float32),
-            "observation/gripper_position": rng.random(1).astype(np.float32),
-            "prompt": "pick up the cube", "seed": seed}
+    return {
+        "observation/image": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8),
+        "observation/joint_position": rng.standard_normal(7).astype(np.float32),
+        "observation/gripper_position": rng.random(1).astype(np.float32),
+        "prompt": "pick up the cube",
+        "seed": seed,
+    }
 
 
 def _get(url: str) -> int:
@@ -118,18 +121,51 @@ class TracedServer:
         self.out.mkdir()
         (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
         checkpoint = work / "ckpt"
-        subprocess.run([sys.executable, "-m", "policy_operator.cli", "checkpoint", "init", str(checkpoint),
-                        "--size", "tiny"], check=True, capture_output=True, timeout=300)
-        env = {**os.environ, "PYTHONPATH": str(site), "REQUEST_PATH_TRIGGER": str(self.trigger),
-               "REQUEST_PATH_OUT": str(self.out),
-               "REQUEST_PATH_ROOTS": os.pathsep.join(str(REPO / d) + os.sep for d in PROJECT_DIRS),
-               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        subprocess.run(
+            [sys.executable, "-m", "policy_operator.cli", "checkpoint", "init", str(checkpoint), "--size", "tiny"],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(site),
+            "REQUEST_PATH_TRIGGER": str(self.trigger),
+            "REQUEST_PATH_OUT": str(self.out),
+            "REQUEST_PATH_ROOTS": os.pathsep.join(str(REPO / d) + os.sep for d in PROJECT_DIRS),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
         self.log = open(work / "server.log", "w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", str(checkpoint), "--host",
-             "127.0.0.1", "--port", "0", "--cfgp", "2", "--dp", str(ranks // 2), "--steps", "2", "--device", "cpu",
-             "--threads", "1", "--heartbeat-s", "1"],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "policy_operator.cli",
+                "serve",
+                "--checkpoint",
+                str(checkpoint),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--cfgp",
+                "2",
+                "--dp",
+                str(ranks // 2),
+                "--steps",
+                "2",
+                "--device",
+                "cpu",
+                "--threads",
+                "1",
+                "--heartbeat-s",
+                "1",
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.port = self._wait_port()
         deadline = time.monotonic() + 300
         while _get(f"http://127.0.0.1:{self.port}/readyz") != 200:
@@ -193,11 +229,13 @@ def reduce_path(dumps: list[dict]) -> dict[str, object]:
             if SKIPPED_THREADS.match(thread) or SKIPPED_FUNCTIONS.search(func):
                 continue
             callee, caller = _project(file), _project(caller_file)
-            if callee is None or (caller is not None and Path(caller).name in MODEL_FILES
-                                  and Path(callee).name in MODEL_FILES):
+            if callee is None or (
+                caller is not None and Path(caller).name in MODEL_FILES and Path(callee).name in MODEL_FILES
+            ):
                 continue
-            events.append((ts, int(dump["rank"]) if dump["rank"].isdigit() else -1, thread, callee, func, caller,
-                           caller_func))
+            events.append(
+                (ts, int(dump["rank"]) if dump["rank"].isdigit() else -1, thread, callee, func, caller, caller_func)
+            )
     events.sort()
     hops, seen, crossings = [], set(), 0
     for _ts, rank, thread, callee, func, caller, caller_func in events:
@@ -205,22 +243,33 @@ def reduce_path(dumps: list[dict]) -> dict[str, object]:
             crossings += 1
         # A loop that was already waiting when the window opened (a driver or peer loop) made no "call"
         # event; it shows up as the caller of what it runs, so it is listed where it first acts.
-        for key, hop in (((rank, caller, caller_func), {"rank": rank, "thread": thread, "file": caller,
-                                                        "function": caller_func, "waiting": True}),
-                         ((rank, callee, func), {"rank": rank, "thread": thread, "file": callee, "function": func})):
+        for key, hop in (
+            (
+                (rank, caller, caller_func),
+                {"rank": rank, "thread": thread, "file": caller, "function": caller_func, "waiting": True},
+            ),
+            ((rank, callee, func), {"rank": rank, "thread": thread, "file": callee, "function": func}),
+        ):
             if key[1] is None or key in seen or SKIPPED_FUNCTIONS.search(key[2]):
                 continue
             if hop.get("waiting") and Path(key[1]).name in MODEL_FILES:
                 continue
             seen.add(key)
             hops.append(hop)
-    return {"hops": len(hops), "files": sorted({h["file"] for h in hops}), "module_crossings": crossings,
-            "ranks": sorted({h["rank"] for h in hops}), "path": hops}
+    return {
+        "hops": len(hops),
+        "files": sorted({h["file"] for h in hops}),
+        "module_crossings": crossings,
+        "ranks": sorted({h["rank"] for h in hops}),
+        "path": hops,
+    }
 
 
 def print_path(title: str, result: dict[str, object]) -> None:
-    print(f"\n## {title}: {result['hops']} hops in {len(result['files'])} files, "
-          f"{result['module_crossings']} module crossings, ranks {result['ranks']}")
+    print(
+        f"\n## {title}: {result['hops']} hops in {len(result['files'])} files, "
+        f"{result['module_crossings']} module crossings, ranks {result['ranks']}"
+    )
     for i, hop in enumerate(result["path"], 1):  # type: ignore[arg-type]
         waiting = "  (already waiting when the request came)" if hop.get("waiting") else ""
         print(f"{i:3d}. rank {hop['rank']} {hop['thread']:<12} {hop['file']}:{hop['function']}{waiting}")
@@ -239,8 +288,10 @@ def main() -> int:
             client = WebsocketClientPolicy("127.0.0.1", server.port)
             client.infer(observation(0))  # untraced: replica 0 (the router's tie-break starts there)
             replies = {}
-            for window, name in ((1, "replica 1 (rank 0 -> driver rank 2 -> cfg peer rank 3)"),
-                                 (2, "replica 0 (rank 0's model thread -> cfg peer rank 1)")):
+            for window, name in (
+                (1, "replica 1 (rank 0 -> driver rank 2 -> cfg peer rank 3)"),
+                (2, "replica 0 (rank 0's model thread -> cfg peer rank 1)"),
+            ):
                 replies[name], dumps = server.traced(client, observation(window), window)
                 results[name] = reduce_path(dumps)
                 results[name]["replica"] = replies[name]["server_timing"]["replica"]

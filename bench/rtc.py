@@ -58,8 +58,11 @@ def main() -> int:
     from policy_operator.runtime.policy.sampler import sample_actions
 
     sizes = [int(x) for x in args.sizes.split(",")]
-    checkpoint = Path(args.checkpoint) if args.checkpoint else init_checkpoint(
-        Path(tempfile.mkdtemp(prefix="bench-rtc-")) / args.size, args.size)
+    checkpoint = (
+        Path(args.checkpoint)
+        if args.checkpoint
+        else init_checkpoint(Path(tempfile.mkdtemp(prefix="bench-rtc-")) / args.size, args.size)
+    )
     if args.device == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -72,10 +75,19 @@ def main() -> int:
     samples = [policy.prepare(example_observation(policy.cfg, i)) for i in range(largest)]
     seeds = [1000 + i for i in range(largest)]
 
-    def sample(b: int, seeds_: list[int], rtc_mode: str = "off", rows: list[RtcConstraint] | None = None
-               ) -> list[np.ndarray]:
-        x = sample_actions(policy, collate(samples[:b]), seeds_[:b], steps=args.steps, guidance=args.guidance,
-                           mode=cfg_mode, rtc_mode=rtc_mode, rtc=rows)  # type: ignore[arg-type]
+    def sample(
+        b: int, seeds_: list[int], rtc_mode: str = "off", rows: list[RtcConstraint] | None = None
+    ) -> list[np.ndarray]:
+        x = sample_actions(
+            policy,
+            collate(samples[:b]),
+            seeds_[:b],
+            steps=args.steps,
+            guidance=args.guidance,
+            mode=cfg_mode,
+            rtc_mode=rtc_mode,
+            rtc=rows,
+        )  # type: ignore[arg-type]
         out = policy.postprocess_batch(x)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -100,7 +112,7 @@ def main() -> int:
         jumps: dict[str, float] = {}
         gaps: dict[str, float] = {}
         for rep in range(args.reps):
-            for mode in MODES[rep % 3:] + MODES[:rep % 3]:  # each mode first as often as the others
+            for mode in MODES[rep % 3 :] + MODES[: rep % 3]:  # each mode first as often as the others
                 t0 = time.perf_counter()
                 got = run(b, mode)
                 times[mode].append((time.perf_counter() - t0) * 1e3)
@@ -108,8 +120,11 @@ def main() -> int:
                 gaps[mode] = float(np.mean([np.abs(got[i][DELAY] - tails[i][DELAY]).max() for i in range(b)]))
         p50 = {m: statistics.median(times[m]) for m in MODES}
         rows.append((b, p50, jumps, gaps))
-        print(f"B={b:>3}: " + "  ".join(f"{m} {p50[m]:8.2f} ms (jump {jumps[m]:.3f}, vs old plan {gaps[m]:.3f})"
-                                        for m in MODES), flush=True)
+        print(
+            f"B={b:>3}: "
+            + "  ".join(f"{m} {p50[m]:8.2f} ms (jump {jumps[m]:.3f}, vs old plan {gaps[m]:.3f})" for m in MODES),
+            flush=True,
+        )
     lines = [
         f"# Real-time chunking cost, in-process ({args.device}, size={args.size}, dtype={args.dtype}, "
         f"steps={args.steps}, {cfg_mode} CFG g={args.guidance:g}{', compile=' + args.compile if args.compile else ''})",
@@ -123,10 +138,12 @@ def main() -> int:
         "| batch B | plain ms | inpaint ms | × plain | guided ms | × plain | jump plain / inpaint / guided "
         "| vs old plan plain / inpaint / guided |",
         "|---:|---:|---:|---:|---:|---:|---|---|",
-        *[f"| {b} | {t['off']:.2f} | {t['inpaint']:.2f} | {t['inpaint'] / t['off']:.2f} | {t['guided']:.2f} | "
-          f"{t['guided'] / t['off']:.2f} | {j['off']:.3f} / {j['inpaint']:.3f} / {j['guided']:.3f} | "
-          f"{g['off']:.3f} / {g['inpaint']:.3f} / {g['guided']:.3f} |"
-          for b, t, j, g in rows],
+        *[
+            f"| {b} | {t['off']:.2f} | {t['inpaint']:.2f} | {t['inpaint'] / t['off']:.2f} | {t['guided']:.2f} | "
+            f"{t['guided'] / t['off']:.2f} | {j['off']:.3f} / {j['inpaint']:.3f} / {j['guided']:.3f} | "
+            f"{g['off']:.3f} / {g['inpaint']:.3f} / {g['guided']:.3f} |"
+            for b, t, j, g in rows
+        ],
         "",
         "Jump: mean over the batch's rows of the largest change of an action dimension from the last executed old "
         "action to the first new one; vs old plan: the same from the action the old chunk had for that tick (what "

@@ -57,14 +57,51 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, checkpoint: Path, args: argparse.Namespace, cfgp: int, dp: int, cfg_mode: str,
-                 max_batch: int = 1, event_loop: str = "auto") -> None:
+    def __init__(
+        self,
+        checkpoint: Path,
+        args: argparse.Namespace,
+        cfgp: int,
+        dp: int,
+        cfg_mode: str,
+        max_batch: int = 1,
+        event_loop: str = "auto",
+    ) -> None:
         self.port = _free_port()
-        cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", str(checkpoint), "--host",
-               "127.0.0.1", "--port", str(self.port), "--cfgp", str(cfgp), "--dp", str(dp), "--steps",
-               str(args.steps), "--guidance", "3.0", "--device", args.device, "--dtype", args.dtype,
-               "--cfg-mode", cfg_mode, "--log-level", "WARNING", "--max-batch", str(max_batch),
-               "--batch-window-ms", str(args.batch_window_ms), "--event-loop", event_loop]
+        cmd = [
+            sys.executable,
+            "-m",
+            "policy_operator.cli",
+            "serve",
+            "--checkpoint",
+            str(checkpoint),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--cfgp",
+            str(cfgp),
+            "--dp",
+            str(dp),
+            "--steps",
+            str(args.steps),
+            "--guidance",
+            "3.0",
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--cfg-mode",
+            cfg_mode,
+            "--log-level",
+            "WARNING",
+            "--max-batch",
+            str(max_batch),
+            "--batch-window-ms",
+            str(args.batch_window_ms),
+            "--event-loop",
+            event_loop,
+        ]
         if args.device == "cpu":
             cmd += ["--threads", "1"]
         if args.compile:
@@ -118,18 +155,33 @@ def measure(url: str, n: int, concurrency: int = 1, warmup: int = 3) -> dict[str
     s = run_client(url, n, concurrency, seed=0, timeout=600)
     if s["errors"]:
         raise RuntimeError(f"benchmark requests failed: {s['errors'][:3]}")
-    rtt, infer, total, queue = (np.array([r[k] for r in s["records"]])
-                                for k in ("rtt_ms", "infer_ms", "total_ms", "queue_ms"))
-    return {"rtt_p50": float(np.percentile(rtt, 50)), "rtt_p99": float(np.percentile(rtt, 99)),
-            "infer_p50": float(np.percentile(infer, 50)), "wall_s": s["wall_s"], "n": len(rtt),
-            "rps": s["requests_per_s"], "overhead_p50": float(np.percentile(rtt - infer, 50)),
-            "server_overhead_p50": float(np.percentile(total - infer, 50)),
-            "queue_p50": float(np.percentile(queue, 50)), "mean_batch": s["mean_batch_size"],
-            "prepare_p50": float(np.percentile([r["prepare_ms"] for r in s["records"]], 50)),
-            "decode_p50": float(np.percentile([r["decode_ms"] for r in s["records"]], 50)),
-            # what is left of total_ms: routing, the lane's wake-up and the hop back to the event loop
-            "return_p50": float(np.percentile([r["total_ms"] - r["infer_ms"] - r["queue_ms"] - r["prepare_ms"]
-                                               - r["decode_ms"] for r in s["records"]], 50))}
+    rtt, infer, total, queue = (
+        np.array([r[k] for r in s["records"]]) for k in ("rtt_ms", "infer_ms", "total_ms", "queue_ms")
+    )
+    return {
+        "rtt_p50": float(np.percentile(rtt, 50)),
+        "rtt_p99": float(np.percentile(rtt, 99)),
+        "infer_p50": float(np.percentile(infer, 50)),
+        "wall_s": s["wall_s"],
+        "n": len(rtt),
+        "rps": s["requests_per_s"],
+        "overhead_p50": float(np.percentile(rtt - infer, 50)),
+        "server_overhead_p50": float(np.percentile(total - infer, 50)),
+        "queue_p50": float(np.percentile(queue, 50)),
+        "mean_batch": s["mean_batch_size"],
+        "prepare_p50": float(np.percentile([r["prepare_ms"] for r in s["records"]], 50)),
+        "decode_p50": float(np.percentile([r["decode_ms"] for r in s["records"]], 50)),
+        # what is left of total_ms: routing, the lane's wake-up and the hop back to the event loop
+        "return_p50": float(
+            np.percentile(
+                [
+                    r["total_ms"] - r["infer_ms"] - r["queue_ms"] - r["prepare_ms"] - r["decode_ms"]
+                    for r in s["records"]
+                ],
+                50,
+            )
+        ),
+    }
 
 
 def in_process_infer(checkpoint: Path, args: argparse.Namespace, n: int) -> float:
@@ -171,13 +223,20 @@ def main() -> int:
     p.add_argument("--backend", default="auto", help="collective backend of the multi-rank servers")
     p.add_argument("--share-gpu", action="store_true", help="ranks share one GPU (functional check only)")
     p.add_argument("--checkpoint", default=None, help="reuse a checkpoint instead of initialising one")
-    p.add_argument("--tables", default="layouts,batching",
-                   help="comma-separated: layouts (CFG strategies, cfgp, dp, overhead; --max-batch 1), batching")
+    p.add_argument(
+        "--tables",
+        default="layouts,batching",
+        help="comma-separated: layouts (CFG strategies, cfgp, dp, overhead; --max-batch 1), batching",
+    )
     p.add_argument("--max-batch", default="1,8,16", help="servers of the batching table, one per value")
     p.add_argument("--batch-clients", default="1,4,8,16,32", help="client counts of the batching table")
     p.add_argument("--batch-window-ms", type=float, default=2.0, help="every server's --batch-window-ms")
-    p.add_argument("--asyncio-column", action=argparse.BooleanOptionalAction, default=True,
-                   help="the batching table's 1-client split also on asyncio's own loop (one more server)")
+    p.add_argument(
+        "--asyncio-column",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the batching table's 1-client split also on asyncio's own loop (one more server)",
+    )
     p.add_argument("--serve-args", default="", help="more flags for every server, e.g. '--gil-switch-ms 0.5'")
     p.add_argument("--robot-max-batch", default="1,8,32", help="servers of the robots table, one per value")
     p.add_argument("--robots", default="1,4,8,16,32", help="robot counts of the robots table")
@@ -238,8 +297,11 @@ def batching_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> lis
         try:
             for c in clients:
                 m = results[(size, c)] = measure(server.url, per_client(args.n, c), c)
-                print(f"max-batch {size:>3} clients {c:>3}: p50 {m['rtt_p50']:8.2f} ms  p99 {m['rtt_p99']:8.2f} ms  "
-                      f"{m['rps']:8.1f} req/s  batch {m['mean_batch']:5.2f}", flush=True)
+                print(
+                    f"max-batch {size:>3} clients {c:>3}: p50 {m['rtt_p50']:8.2f} ms  p99 {m['rtt_p99']:8.2f} ms  "
+                    f"{m['rps']:8.1f} req/s  batch {m['mean_batch']:5.2f}",
+                    flush=True,
+                )
         finally:
             server.close()
     lines = [
@@ -258,19 +320,27 @@ def batching_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> lis
             m = results[(s, c)]
             cells.append(f"{m['rtt_p50']:.2f} | {m['rtt_p99']:.2f} | {m['rps']:.1f} | {m['mean_batch']:.2f}")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    lines += ["", "| ratio (same run) | " + " | ".join(f"max-batch {s}" for s in sizes) + " |",
-              "|---|" + "---:|" * len(sizes)]
+    lines += [
+        "",
+        "| ratio (same run) | " + " | ".join(f"max-batch {s}" for s in sizes) + " |",
+        "|---|" + "---:|" * len(sizes),
+    ]
     one = min(clients)
     for c in clients:
         if c == one:
             continue
-        lines.append(f"| p50 at {c} clients / p50 at {one} client | "
-                     + " | ".join(f"{results[(s, c)]['rtt_p50'] / results[(s, one)]['rtt_p50']:.2f}" for s in sizes)
-                     + " |")
+        lines.append(
+            f"| p50 at {c} clients / p50 at {one} client | "
+            + " | ".join(f"{results[(s, c)]['rtt_p50'] / results[(s, one)]['rtt_p50']:.2f}" for s in sizes)
+            + " |"
+        )
     if 1 in sizes:
         for c in clients:
-            lines.append(f"| req/s at {c} clients / max-batch 1's | "
-                         + " | ".join(f"{results[(s, c)]['rps'] / results[(1, c)]['rps']:.2f}" for s in sizes) + " |")
+            lines.append(
+                f"| req/s at {c} clients / max-batch 1's | "
+                + " | ".join(f"{results[(s, c)]['rps'] / results[(1, c)]['rps']:.2f}" for s in sizes)
+                + " |"
+            )
     columns = [f"max-batch {s}" for s in sizes]
     split = [results[(s, one)] for s in sizes]
     if args.asyncio_column:  # the same 1-client split on asyncio's own loop, beside the default (uvloop if installed)
@@ -280,13 +350,18 @@ def batching_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> lis
         finally:
             plain.close()
         columns.append(f"max-batch {sizes[0]}, --event-loop asyncio")
-    lines += ["", f"| server time outside infer, {one} client (p50 ms) | " + " | ".join(columns) + " |",
-              "|---|" + "---:|" * len(columns)]
-    for key, label in (("server_overhead_p50", "total_ms - infer_ms: everything the server adds"),
-                       ("decode_p50", "decode_ms (msgpack-numpy)"),
-                       ("prepare_p50", "prepare_ms (validation, uint8 tensors)"),
-                       ("queue_p50", "queue_ms (to the lane thread; no wait at 1 client)"),
-                       ("return_p50", "the rest: routing, the lane thread back to the event loop, reply")):
+    lines += [
+        "",
+        f"| server time outside infer, {one} client (p50 ms) | " + " | ".join(columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for key, label in (
+        ("server_overhead_p50", "total_ms - infer_ms: everything the server adds"),
+        ("decode_p50", "decode_ms (msgpack-numpy)"),
+        ("prepare_p50", "prepare_ms (validation, uint8 tensors)"),
+        ("queue_p50", "queue_ms (to the lane thread; no wait at 1 client)"),
+        ("return_p50", "the rest: routing, the lane thread back to the event loop, reply"),
+    ):
         lines.append(f"| {label} | " + " | ".join(f"{m[key]:.2f}" for m in split) + " |")
     return [*lines, ""]
 
@@ -295,12 +370,33 @@ def percentile(values: list[float], q: float = 50) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def in_process_batches(checkpoint: Path, args: argparse.Namespace, sizes: list[int]) -> tuple[dict[int, float], list[str]]:
+def in_process_batches(
+    checkpoint: Path, args: argparse.Namespace, sizes: list[int]
+) -> tuple[dict[int, float], list[str]]:
     """bench/batching.py on the same checkpoint and flags: {B: p50 ms of one batch}, and its table's lines."""
     with tempfile.TemporaryDirectory(prefix="bench-inprocess-") as tmp:
-        cmd = [sys.executable, str(REPO / "bench" / "batching.py"), "--device", args.device, "--size", args.size,
-               "--dtype", args.dtype, "--steps", str(args.steps), "--checkpoint", str(checkpoint),
-               "--sizes", ",".join(map(str, sizes)), "--reps", "20", "--out", f"{tmp}/t.md", "--json", f"{tmp}/t.json"]
+        cmd = [
+            sys.executable,
+            str(REPO / "bench" / "batching.py"),
+            "--device",
+            args.device,
+            "--size",
+            args.size,
+            "--dtype",
+            args.dtype,
+            "--steps",
+            str(args.steps),
+            "--checkpoint",
+            str(checkpoint),
+            "--sizes",
+            ",".join(map(str, sizes)),
+            "--reps",
+            "20",
+            "--out",
+            f"{tmp}/t.md",
+            "--json",
+            f"{tmp}/t.json",
+        ]
         if args.compile:
             cmd += ["--compile", args.compile]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -324,12 +420,19 @@ def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[
                 s = run_client(server.url, args.robot_n, r, timeout=600)
                 if s["errors"]:
                     raise RuntimeError(f"benchmark requests failed: {s['errors'][:3]}")
-                m = results[(size, r)] = {"p50": s["latency_ms"]["p50"], "p99": s["latency_ms"]["p99"],
-                                          "rps": s["requests_per_s"], "batch": s["mean_batch_size"],
-                                          "infer": s["infer_ms_p50"],
-                                          "server": percentile([r["total_ms"] - r["infer_ms"] for r in s["records"]])}
-                print(f"max-batch {size:>3} robots {r:>3}: p50 {m['p50']:8.2f} ms  p99 {m['p99']:8.2f} ms  "
-                      f"{m['rps']:8.1f} req/s  batch {m['batch']:5.2f}", flush=True)
+                m = results[(size, r)] = {
+                    "p50": s["latency_ms"]["p50"],
+                    "p99": s["latency_ms"]["p99"],
+                    "rps": s["requests_per_s"],
+                    "batch": s["mean_batch_size"],
+                    "infer": s["infer_ms_p50"],
+                    "server": percentile([r["total_ms"] - r["infer_ms"] for r in s["records"]]),
+                }
+                print(
+                    f"max-batch {size:>3} robots {r:>3}: p50 {m['p50']:8.2f} ms  p99 {m['p99']:8.2f} ms  "
+                    f"{m['rps']:8.1f} req/s  batch {m['batch']:5.2f}",
+                    flush=True,
+                )
         finally:
             server.close()
     batch_sizes = sorted({1, *sizes, *(r for r in robots if r <= max(sizes))})
@@ -344,9 +447,14 @@ def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[
         "|---:|" + "---:|" * len(sizes),
     ]
     for r in robots:
-        lines.append(f"| {r} | " + " | ".join(
-            f"{results[(s, r)]['p50']:.2f} / {results[(s, r)]['rps']:.0f} ({results[(s, r)]['batch']:.1f})"
-            for s in sizes) + " |")
+        lines.append(
+            f"| {r} | "
+            + " | ".join(
+                f"{results[(s, r)]['p50']:.2f} / {results[(s, r)]['rps']:.0f} ({results[(s, r)]['batch']:.1f})"
+                for s in sizes
+            )
+            + " |"
+        )
     lines += ["", "In-process, the same checkpoint and flags, no server (bench/batching.py):", "", *inproc_table, ""]
     targets = []
     if 8 in sizes and 8 in robots:
@@ -358,17 +466,23 @@ def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[
     if top in robots and top in inproc:
         rate = top / (inproc[top] / 1e3)
         m = results[(top, top)]
-        targets.append(f"| max-batch {top}, {top} robots: req/s / in-process batch-{top} rate ({rate:.0f}) | "
-                       f"{m['rps'] / rate:.2f} | >= 0.85 |")
-        targets.append(f"| max-batch {top}, {top} robots: p50 / in-process batch-{top} time ({inproc[top]:.2f} ms) | "
-                       f"{m['p50'] / inproc[top]:.2f} | <= 1.25 |")
+        targets.append(
+            f"| max-batch {top}, {top} robots: req/s / in-process batch-{top} rate ({rate:.0f}) | "
+            f"{m['rps'] / rate:.2f} | >= 0.85 |"
+        )
+        targets.append(
+            f"| max-batch {top}, {top} robots: p50 / in-process batch-{top} time ({inproc[top]:.2f} ms) | "
+            f"{m['p50'] / inproc[top]:.2f} | <= 1.25 |"
+        )
     if 1 in robots and 1 in inproc:
         for s in sizes:
             m = results[(s, 1)]
             # where a lone robot's time goes: the replica's compute (infer_ms) or the server around it
-            targets.append(f"| 1 robot, max-batch {s}: p50 - in-process batch-1 time ({inproc[1]:.2f} ms); "
-                           f"server infer_ms p50 {m['infer']:.2f}, server outside infer {m['server']:.2f} | "
-                           f"{m['p50'] - inproc[1]:+.2f} ms | <= +1 ms |")
+            targets.append(
+                f"| 1 robot, max-batch {s}: p50 - in-process batch-1 time ({inproc[1]:.2f} ms); "
+                f"server infer_ms p50 {m['infer']:.2f}, server outside infer {m['server']:.2f} | "
+                f"{m['p50'] - inproc[1]:+.2f} ms | <= +1 ms |"
+            )
     lines += ["| target (issue 24), same run | measured | target |", "|---|---:|---:|", *targets, ""]
     return lines
 
@@ -383,8 +497,10 @@ def layouts_table(checkpoint: Path, args: argparse.Namespace, fast: str) -> list
             actions[label] = fixed_seed_actions(server.url)
         finally:
             server.close()
-        print(f"{label:<44} infer p50 {m['infer_p50']:8.2f} ms  rtt p50 {m['rtt_p50']:8.2f} ms  "
-              f"wall {m['wall_s']:.2f}s", flush=True)
+        print(
+            f"{label:<44} infer p50 {m['infer_p50']:8.2f} ms  rtt p50 {m['rtt_p50']:8.2f} ms  wall {m['wall_s']:.2f}s",
+            flush=True,
+        )
         return m
 
     seq = run("cfgp=1 sequential CFG (1 rank)", 1, 1, "sequential")
@@ -399,13 +515,24 @@ def layouts_table(checkpoint: Path, args: argparse.Namespace, fast: str) -> list
     rows = [
         ("sequential CFG, 1 rank", f"{seq['infer_p50']:.2f}", 1.0, "baseline"),
         ("batched CFG, 1 rank", f"{bat['infer_p50']:.2f}", bat["infer_p50"] / seq["infer_p50"], "vs sequential"),
-        ("cfgp=2, 2 ranks", f"{par['infer_p50']:.2f}", par["infer_p50"] / seq["infer_p50"],
-         "vs sequential (target <= 0.55 when compute-bound)"),
-        (f"dp={args.dp}, {args.dp} concurrent clients (wall per round of {args.dp})",
-         f"{many['wall_s'] / args.n * 1e3:.2f}", many["wall_s"] / one["wall_s"],
-         f"vs 1 client on dp={args.dp} (target <= 1.1)"),
-        (f"dp=1, {args.dp} concurrent clients (wall per round of {args.dp})", f"{base['wall_s'] / args.n * 1e3:.2f}",
-         base["wall_s"] / one["wall_s"], "control: serialized on one replica (~dp x)"),
+        (
+            "cfgp=2, 2 ranks",
+            f"{par['infer_p50']:.2f}",
+            par["infer_p50"] / seq["infer_p50"],
+            "vs sequential (target <= 0.55 when compute-bound)",
+        ),
+        (
+            f"dp={args.dp}, {args.dp} concurrent clients (wall per round of {args.dp})",
+            f"{many['wall_s'] / args.n * 1e3:.2f}",
+            many["wall_s"] / one["wall_s"],
+            f"vs 1 client on dp={args.dp} (target <= 1.1)",
+        ),
+        (
+            f"dp=1, {args.dp} concurrent clients (wall per round of {args.dp})",
+            f"{base['wall_s'] / args.n * 1e3:.2f}",
+            base["wall_s"] / one["wall_s"],
+            "control: serialized on one replica (~dp x)",
+        ),
     ]
     overhead = seq["rtt_p50"] - inproc
     return [

@@ -69,12 +69,28 @@ def _metric(text: str, name: str) -> float | None:
 def start(checkpoint: Path, serve_args: list[str], inductor: Path, timeout_s: float) -> dict[str, Any]:
     """One server from nothing to Ready, then stopped; what it took and what its log says about the cache."""
     port = _free_port()
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton"),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+        "TRITON_CACHE_DIR": str(inductor / "triton"),
+        "PYTHONUNBUFFERED": "1",
+    }
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     # -P: the repository root (cwd) must not shadow the standard library's ``operator`` with ./operator/
-    cmd = [sys.executable, "-P", "-m", "policy_operator.cli", "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",
-           "--port", str(port), *serve_args]
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "policy_operator.cli",
+        "serve",
+        "--checkpoint",
+        str(checkpoint),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *serve_args,
+    ]
     log = tempfile.NamedTemporaryFile("w+", prefix="bench-start-", suffix=".log", delete=False)  # noqa: SIM115
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=REPO)
@@ -94,12 +110,21 @@ def start(checkpoint: Path, serve_args: list[str], inductor: Path, timeout_s: fl
             proc.wait()
     text = Path(log.name).read_text()
     graphs = re.search(r"compile cache: (\d+) graph\(s\) from the cache, (\d+) compiled", text)
-    return {"ready_s": ready_s, "load_s": _metric(metrics, "policy_load_seconds"),
-            "warmup_s": _metric(metrics, "policy_warmup_seconds"),
-            "cache": ("loaded" if "compile cache: loaded" in text else
-                      "ignored" if "compile cache: ignoring" in text else
-                      "written" if "compile cache: saved" in text else "-"),
-            "graphs": f"{graphs.group(1)} / {graphs.group(2)}" if graphs else "-"}
+    return {
+        "ready_s": ready_s,
+        "load_s": _metric(metrics, "policy_load_seconds"),
+        "warmup_s": _metric(metrics, "policy_warmup_seconds"),
+        "cache": (
+            "loaded"
+            if "compile cache: loaded" in text
+            else "ignored"
+            if "compile cache: ignoring" in text
+            else "written"
+            if "compile cache: saved" in text
+            else "-"
+        ),
+        "graphs": f"{graphs.group(1)} / {graphs.group(2)}" if graphs else "-",
+    }
 
 
 def main() -> None:
@@ -119,8 +144,16 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-start-"))
     checkpoint = init_checkpoint(work / "checkpoint", args.size, **({"depth": args.depth} if args.depth else {}))
-    base = ["--device", args.device, "--dtype", args.dtype, "--compile", args.compile,
-            *(["--threads", "1"] if args.device == "cpu" else []), *shlex.split(args.serve_args)]
+    base = [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--compile",
+        args.compile,
+        *(["--threads", "1"] if args.device == "cpu" else []),
+        *shlex.split(args.serve_args),
+    ]
     rows = []
     for max_batch in (int(b) for b in args.max_batch.split(",")):
         spec = [*base, "--max-batch", str(max_batch)]
@@ -137,12 +170,17 @@ def main() -> None:
             print(f"max-batch {max_batch}, {label}: {results[label]}", file=sys.stderr, flush=True)
         first = results["first (empty cache dir)"]["ready_s"]
         for label, r in results.items():
-            rows.append(f"| {max_batch} | {label} | {r['ready_s']:.1f} | {r['ready_s'] / first:.2f}x | "
-                        f"{_fmt(r['load_s'])} | {_fmt(r['warmup_s'])} | {r['cache']} | {r['graphs']} |")
+            rows.append(
+                f"| {max_batch} | {label} | {r['ready_s']:.1f} | {r['ready_s'] / first:.2f}x | "
+                f"{_fmt(r['load_s'])} | {_fmt(r['warmup_s'])} | {r['cache']} | {r['graphs']} |"
+            )
     import torch
 
-    device = (torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available()
-              else f"{platform.machine()}, {os.cpu_count()} CPUs")
+    device = (
+        torch.cuda.get_device_name(0)
+        if args.device == "cuda" and torch.cuda.is_available()
+        else f"{platform.machine()}, {os.cpu_count()} CPUs"
+    )
     lines = [
         "# Time to Ready: a first server and a second one of the same spec",
         "",
@@ -158,10 +196,15 @@ def main() -> None:
         "",
         "- ready s: process start to `/readyz` 200 (torch import, load, warm-up with every bucket compiled)",
         "- artifacts: `written` (the first start saved them), `loaded` (the second found them)",
-        *([] if args.device != "cpu" else [
-            "- CPU: the artifacts hold inductor's generated C++ source, not the built kernels, so every start here "
-            "still runs the C++ compiler, which is most of the warm-up: this table shows the load path working "
-            "(graphs from the cache, none compiled), not the GPU's saving; run it on a GPU for the ratio"]),
+        *(
+            []
+            if args.device != "cpu"
+            else [
+                "- CPU: the artifacts hold inductor's generated C++ source, not the built kernels, so every start here "
+                "still runs the C++ compiler, which is most of the warm-up: this table shows the load path working "
+                "(graphs from the cache, none compiled), not the GPU's saving; run it on a GPU for the ratio"
+            ]
+        ),
     ]
     publish(lines, args.out or REPO / "bench" / "results" / f"start-{args.device}.md")
 

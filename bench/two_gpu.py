@@ -68,11 +68,34 @@ def main() -> int:
     from policy_operator.runtime.policy.reference import init_checkpoint
 
     ckpt = init_checkpoint(Path(tempfile.mkdtemp()) / args.size, args.size)
-    env = dict(os.environ, TORCH_NCCL_ASYNC_ERROR_HANDLING="1", NCCL_NVLS_ENABLE="0",
-               PYTHONPATH=str(REPO / "tests" / "support"))  # the planted-failure policy
-    cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", str(ckpt), "--cfgp", "2",
-           "--device", args.device, "--pg-timeout-s", str(args.pg_timeout_s), "--host", "127.0.0.1",
-           "--port", str(args.port), "--policy", "faulty_policy:FaultyPolicy", "--log-level", "WARNING"]
+    env = dict(
+        os.environ,
+        TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+        NCCL_NVLS_ENABLE="0",
+        PYTHONPATH=str(REPO / "tests" / "support"),
+    )  # the planted-failure policy
+    cmd = [
+        sys.executable,
+        "-m",
+        "policy_operator.cli",
+        "serve",
+        "--checkpoint",
+        str(ckpt),
+        "--cfgp",
+        "2",
+        "--device",
+        args.device,
+        "--pg-timeout-s",
+        str(args.pg_timeout_s),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+        "--policy",
+        "faulty_policy:FaultyPolicy",
+        "--log-level",
+        "WARNING",
+    ]
     proc = subprocess.Popen(cmd, env=env, cwd=tempfile.gettempdir(), start_new_session=True)
     results: list[tuple[str, bool, str]] = []
     try:
@@ -94,8 +117,9 @@ def main() -> int:
         results.append((f"request after {args.idle_s:.0f}s idle (PG timeout {args.pg_timeout_s:.0f}s)", same, ""))
         for prompt in (123, "explode:cond", "explode:uncond"):
             reply = request(args.port, prompt=prompt)
-            results.append((f"bad request prompt={prompt!r} answered with an error", isinstance(reply, str),
-                            str(reply)[:80]))
+            results.append(
+                (f"bad request prompt={prompt!r} answered with an error", isinstance(reply, str), str(reply)[:80])
+            )
         again = request(args.port)
         ok = isinstance(again, dict) and np.array_equal(np.asarray(again["actions"]), np.asarray(first["actions"]))
         results.append(("good request after the bad ones", ok, ""))

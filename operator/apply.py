@@ -36,8 +36,12 @@ def apply(kube: Kube, plan: Plan, namespace: str) -> Applied:
             else:  # create-once and every-pass writes are both server-side applies of the whole object
                 answer = kube.apply(write.body)
         except Rejected as exc:
-            applied.problem = Condition(COND_PROGRESSING, FALSE, Reason.APPLY_FAILED,
-                                        f"{write.verb.value} {write.kind} {write.name} was rejected: {exc}")
+            applied.problem = Condition(
+                COND_PROGRESSING,
+                FALSE,
+                Reason.APPLY_FAILED,
+                f"{write.verb.value} {write.kind} {write.name} was rejected: {exc}",
+            )
             break
         applied.results[f"{write.kind}/{write.name}"] = answer
         if write.event:

@@ -40,8 +40,12 @@ class CheckpointPhase(str, Enum):
 
 
 # policyserver fetch exit codes -> condition reasons
-EXIT_REASONS: dict[int, Reason] = {FetchExit.USAGE: Reason.INVALID_SOURCE, FetchExit.SOURCE: Reason.SOURCE_UNREACHABLE,
-                FetchExit.VERIFY: Reason.VERIFICATION_FAILED, FetchExit.DISK_FULL: Reason.DISK_FULL}
+EXIT_REASONS: dict[int, Reason] = {
+    FetchExit.USAGE: Reason.INVALID_SOURCE,
+    FetchExit.SOURCE: Reason.SOURCE_UNREACHABLE,
+    FetchExit.VERIFY: Reason.VERIFICATION_FAILED,
+    FetchExit.DISK_FULL: Reason.DISK_FULL,
+}
 MAX_MESSAGE = 600
 FAILED_CREATE = "FailedCreate"  # the Event reason of the Job and StatefulSet controllers when a pod is refused
 
@@ -67,6 +71,7 @@ def _is_true(conds: Mapping[str, Mapping[str, Any]], kind: str) -> bool:
 
 def _fetch_termination(pods: Sequence[Mapping[str, Any]]) -> tuple[int | None, str]:
     """Exit code and last log line of the newest failed fetch container."""
+
     def created(p: Mapping[str, Any]) -> str:
         return (p.get("metadata") or {}).get("creationTimestamp") or ""
 
@@ -95,12 +100,17 @@ def _time(value: Any) -> datetime.datetime | None:
 
 def event_time(event: Mapping[str, Any]) -> datetime.datetime | None:
     """When an Event last happened: a series' last observation, else lastTimestamp, eventTime, creation."""
-    return (_time((event.get("series") or {}).get("lastObservedTime")) or _time(event.get("lastTimestamp"))
-            or _time(event.get("eventTime")) or _time((event.get("metadata") or {}).get("creationTimestamp")))
+    return (
+        _time((event.get("series") or {}).get("lastObservedTime"))
+        or _time(event.get("lastTimestamp"))
+        or _time(event.get("eventTime"))
+        or _time((event.get("metadata") or {}).get("creationTimestamp"))
+    )
 
 
-def failed_create(owner: Mapping[str, Any] | None, events: Sequence[Mapping[str, Any]],
-                  pods: Sequence[Mapping[str, Any]]) -> str:
+def failed_create(
+    owner: Mapping[str, Any] | None, events: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]
+) -> str:
     """The message of the newest ``FailedCreate`` Event of ``owner`` (a Job or StatefulSet) still in force, or "".
 
     An Event outlives its cause (the apiserver keeps Events for an hour): one
@@ -110,8 +120,11 @@ def failed_create(owner: Mapping[str, Any] | None, events: Sequence[Mapping[str,
     if owner is None:
         return ""
     uid = (owner.get("metadata") or {}).get("uid")
-    mine = [e for e in events if e.get("reason") == FAILED_CREATE
-            and (not uid or (e.get("involvedObject") or {}).get("uid") in (None, uid))]
+    mine = [
+        e
+        for e in events
+        if e.get("reason") == FAILED_CREATE and (not uid or (e.get("involvedObject") or {}).get("uid") in (None, uid))
+    ]
     dated = [(t, e) for e in mine if (t := event_time(e)) is not None]
     if not dated:
         return ""
@@ -123,8 +136,17 @@ def failed_create(owner: Mapping[str, Any] | None, events: Sequence[Mapping[str,
 
 
 # the kubelet's reasons for a container it cannot start; ContainerCreating and PodInitializing only say "not yet"
-KUBELET_START_ERRORS = frozenset({"CreateContainerConfigError", "CreateContainerError", "ErrImagePull",
-                                  "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "RunContainerError"})
+KUBELET_START_ERRORS = frozenset(
+    {
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "ErrImageNeverPull",
+        "RunContainerError",
+    }
+)
 
 
 def _fetch_started(pod: Mapping[str, Any]) -> bool:
@@ -143,8 +165,12 @@ def _pod_created(pod: Mapping[str, Any]) -> datetime.datetime | None:
 
 def waiting_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The newest fetch pod when no attempt is downloading: one that exists and has not started its fetch."""
-    live = [p for p in job_pods if not (p.get("metadata") or {}).get("deletionTimestamp")
-            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+    live = [
+        p
+        for p in job_pods
+        if not (p.get("metadata") or {}).get("deletionTimestamp")
+        and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+    ]
     if not live or any(_fetch_started(p) for p in live):
         return None
     return max(live, key=lambda p: _pod_created(p) or datetime.datetime.min.replace(tzinfo=datetime.UTC))
@@ -169,13 +195,24 @@ def start_problem(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]] = 
             if waiting.get("reason") in KUBELET_START_ERRORS or (waiting and waiting.get("message")):
                 return Reason.FETCH_POD_NOT_STARTING, f"pod {name} cannot start: {container_message(pod)}"
     uid = (pod.get("metadata") or {}).get("uid")
-    scheduled = any(c.get("type") == "PodScheduled" and c.get("status") == "True" for c in status.get("conditions") or [])
-    warnings = [(t, e) for e in events if e.get("type") == "Warning" and uid
-                and (e.get("involvedObject") or {}).get("uid") == uid and (t := event_time(e)) is not None
-                and not (scheduled and e.get("reason") == "FailedScheduling")]  # the scheduler's, once it placed it
+    scheduled = any(
+        c.get("type") == "PodScheduled" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+    warnings = [
+        (t, e)
+        for e in events
+        if e.get("type") == "Warning"
+        and uid
+        and (e.get("involvedObject") or {}).get("uid") == uid
+        and (t := event_time(e)) is not None
+        and not (scheduled and e.get("reason") == "FailedScheduling")
+    ]  # the scheduler's, once it placed it
     if warnings:
         _, newest = max(warnings, key=lambda te: te[0])
-        return Reason.FETCH_POD_NOT_STARTING, f"pod {name} cannot start: {newest.get('reason')}: {newest.get('message')}"
+        return (
+            Reason.FETCH_POD_NOT_STARTING,
+            f"pod {name} cannot start: {newest.get('reason')}: {newest.get('message')}",
+        )
     return None
 
 
@@ -188,8 +225,13 @@ def _not_scheduled(pod: Mapping[str, Any]) -> str:
     return f"no scheduler has taken it (schedulerName {scheduler})"
 
 
-def fetch_pod_waiting_state(spec: PolicyServerSpec, pod: Mapping[str, Any], job_name: str,
-                            events: Sequence[Mapping[str, Any]], now: datetime.datetime | None) -> CheckpointState:
+def fetch_pod_waiting_state(
+    spec: PolicyServerSpec,
+    pod: Mapping[str, Any],
+    job_name: str,
+    events: Sequence[Mapping[str, Any]],
+    now: datetime.datetime | None,
+) -> CheckpointState:
     """A fetch pod that exists and does not run: say why as soon as the scheduler or the kubelet does; past
     ``progressDeadlineSeconds`` from its creation it is ProgressDeadlineExceeded (Stalled), as a rollout would be."""
     name = (pod.get("metadata") or {}).get("name") or "?"
@@ -197,17 +239,28 @@ def fetch_pod_waiting_state(spec: PolicyServerSpec, pod: Mapping[str, Any], job_
     created = _pod_created(pod)
     deadline = spec.progress_deadline_seconds
     if now is not None and created is not None and (now - created).total_seconds() > deadline:
-        detail = (problem[1] if problem else f"pod {name}: " + (_not_scheduled(pod) or container_message(pod)
-                                                                  or "not running"))
-        return CheckpointState(CheckpointPhase.FAILED, Reason.PROGRESS_DEADLINE_EXCEEDED,
-                               f"the fetch pod of {job_name} did not start in {deadline}s "
-                               f"(spec.progressDeadlineSeconds): {detail}"[:MAX_MESSAGE], job_name)
+        detail = (
+            problem[1]
+            if problem
+            else f"pod {name}: " + (_not_scheduled(pod) or container_message(pod) or "not running")
+        )
+        return CheckpointState(
+            CheckpointPhase.FAILED,
+            Reason.PROGRESS_DEADLINE_EXCEEDED,
+            f"the fetch pod of {job_name} did not start in {deadline}s (spec.progressDeadlineSeconds): {detail}"[
+                :MAX_MESSAGE
+            ],
+            job_name,
+        )
     if problem is not None:
         return CheckpointState(CheckpointPhase.PENDING, problem[0], problem[1][:MAX_MESSAGE], job_name)
     waiting = _not_scheduled(pod) or container_message(pod)
-    return CheckpointState(CheckpointPhase.PENDING, Reason.JOB_PENDING,
-                           f"waiting for the fetch pod {name} to start" + (f" ({waiting})" if waiting else ""),
-                           job_name)
+    return CheckpointState(
+        CheckpointPhase.PENDING,
+        Reason.JOB_PENDING,
+        f"waiting for the fetch pod {name} to start" + (f" ({waiting})" if waiting else ""),
+        job_name,
+    )
 
 
 def ran_on_older_claim(job: Mapping[str, Any], claim: Mapping[str, Any] | None) -> bool:
@@ -222,11 +275,17 @@ def ran_on_older_claim(job: Mapping[str, Any], claim: Mapping[str, Any] | None) 
     return made is not None and claim_made is not None and made < claim_made
 
 
-def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_pods: Sequence[Mapping[str, Any]],
-                     recorded: Mapping[str, Any] | None, fetch_log: str | None = None,
-                     job_events: Sequence[Mapping[str, Any]] = (), *,
-                     now: datetime.datetime | None = None,
-                     claim: Mapping[str, Any] | None = None) -> CheckpointState:
+def checkpoint_state(
+    spec: PolicyServerSpec,
+    job: Mapping[str, Any] | None,
+    job_pods: Sequence[Mapping[str, Any]],
+    recorded: Mapping[str, Any] | None,
+    fetch_log: str | None = None,
+    job_events: Sequence[Mapping[str, Any]] = (),
+    *,
+    now: datetime.datetime | None = None,
+    claim: Mapping[str, Any] | None = None,
+) -> CheckpointState:
     """Where the spec's checkpoint stands.
 
     ``recorded`` is the last ``status.checkpoint``: a download that finished
@@ -250,31 +309,51 @@ def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_
     job_name = Names(spec.name).job(ck.key)
     recorded = recorded or {}
     if spec.storage.per_pod:  # no fetch Job: each pod's init container fetches into its own claim
-        return CheckpointState(CheckpointPhase.READY, Reason.FETCHED_BY_PODS,
-                               f"each pod fetches {ck.source} into {ck.path} on its own claim before it serves",
-                               job_name)
+        return CheckpointState(
+            CheckpointPhase.READY,
+            Reason.FETCHED_BY_PODS,
+            f"each pod fetches {ck.source} into {ck.path} on its own claim before it serves",
+            job_name,
+        )
     claim_uid = ((claim or {}).get("metadata") or {}).get("uid")
     claim_name = ((claim or {}).get("metadata") or {}).get("name")
     if job is None:
         recorded_claim = recorded.get("claimUid")
-        if recorded.get("key") == ck.key and recorded.get("phase") == CheckpointPhase.READY \
-                and (not recorded_claim or not claim_uid or recorded_claim == claim_uid):
-            return CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name,
-                                   claim_uid=recorded_claim or claim_uid)
+        if (
+            recorded.get("key") == ck.key
+            and recorded.get("phase") == CheckpointPhase.READY
+            and (not recorded_claim or not claim_uid or recorded_claim == claim_uid)
+        ):
+            return CheckpointState(
+                CheckpointPhase.READY,
+                Reason.DOWNLOADED,
+                f"{ck.path} is complete",
+                job_name,
+                claim_uid=recorded_claim or claim_uid,
+            )
         again = recorded_claim and claim_uid and recorded_claim != claim_uid
-        return CheckpointState(CheckpointPhase.PENDING, Reason.JOB_PENDING,
-                               f"creating fetch Job {job_name}" + (
-                                   f": the checkpoint was on a cache claim that is gone; {claim_name} is new"
-                                   if again else ""), job_name)
+        return CheckpointState(
+            CheckpointPhase.PENDING,
+            Reason.JOB_PENDING,
+            f"creating fetch Job {job_name}"
+            + (f": the checkpoint was on a cache claim that is gone; {claim_name} is new" if again else ""),
+            job_name,
+        )
     if ran_on_older_claim(job, claim) and _is_true(_conditions(job), "Complete"):
-        return CheckpointState(CheckpointPhase.PENDING, Reason.JOB_PENDING,
-                               f"fetch Job {job_name} wrote to a cache claim that is gone ({claim_name} was made "
-                               f"after it): deleting it to fetch again", job_name, stale_job=True)
+        return CheckpointState(
+            CheckpointPhase.PENDING,
+            Reason.JOB_PENDING,
+            f"fetch Job {job_name} wrote to a cache claim that is gone ({claim_name} was made "
+            f"after it): deleting it to fetch again",
+            job_name,
+            stale_job=True,
+        )
     conds = _conditions(job)
     status = job.get("status") or {}
     if _is_true(conds, "Complete") or (status.get("succeeded") or 0) >= 1:
-        return CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name,
-                               claim_uid=claim_uid)
+        return CheckpointState(
+            CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name, claim_uid=claim_uid
+        )
     failed = status.get("failed") or 0
     exit_code, last_line = _fetch_termination(job_pods)
     if _is_true(conds, "Failed"):
@@ -284,33 +363,51 @@ def checkpoint_state(spec: PolicyServerSpec, job: Mapping[str, Any] | None, job_
         else:
             reason = EXIT_REASONS.get(exit_code or 0, Reason.FETCH_FAILED)
         detail = last_line or cond.get("message") or cond.get("reason") or "the fetch Job failed"
-        return CheckpointState(CheckpointPhase.FAILED, reason, f"fetch Job {job_name} failed: {detail}"[:MAX_MESSAGE], job_name)
+        return CheckpointState(
+            CheckpointPhase.FAILED, reason, f"fetch Job {job_name} failed: {detail}"[:MAX_MESSAGE], job_name
+        )
     attempts = ck.fetch_job.backoff_limit + 1
     waiting_pod = waiting_fetch_pod(job_pods) if (status.get("active") or 0) >= 1 else None
     if waiting_pod is not None:
         not_started = fetch_pod_waiting_state(spec, waiting_pod, job_name, job_events, now)
-        if not (failed and not_started.reason == Reason.JOB_PENDING):  # a retry about to start: the last failure says more
+        if not (
+            failed and not_started.reason == Reason.JOB_PENDING
+        ):  # a retry about to start: the last failure says more
             return not_started
     if (status.get("active") or 0) >= 1:
         progress = last_progress(fetch_log) if fetch_log else None
-        message = f"downloading {ck.source}" + (f": {progress.text}" if progress else "") + \
-            f" (attempt {failed + 1}/{attempts})"
+        message = (
+            f"downloading {ck.source}"
+            + (f": {progress.text}" if progress else "")
+            + f" (attempt {failed + 1}/{attempts})"
+        )
         if failed and last_line:
             message += f"; last attempt: {last_line}"
-        return CheckpointState(CheckpointPhase.DOWNLOADING, Reason.DOWNLOADING, message[:MAX_MESSAGE], job_name,
-                               progress)
+        return CheckpointState(
+            CheckpointPhase.DOWNLOADING, Reason.DOWNLOADING, message[:MAX_MESSAGE], job_name, progress
+        )
     if failed:
-        return CheckpointState(CheckpointPhase.DOWNLOADING, Reason.RETRYING,
-                               f"attempt {failed}/{attempts} failed: {last_line or 'see the Job'}"[:MAX_MESSAGE], job_name)
+        return CheckpointState(
+            CheckpointPhase.DOWNLOADING,
+            Reason.RETRYING,
+            f"attempt {failed}/{attempts} failed: {last_line or 'see the Job'}"[:MAX_MESSAGE],
+            job_name,
+        )
     refused = failed_create(job, job_events, job_pods) if not job_pods else ""
     if refused:
-        return CheckpointState(CheckpointPhase.PENDING, Reason.FAILED_CREATE,
-                               f"the Job controller cannot create the fetch pod of {job_name}: {refused}"[:MAX_MESSAGE],
-                               job_name)
+        return CheckpointState(
+            CheckpointPhase.PENDING,
+            Reason.FAILED_CREATE,
+            f"the Job controller cannot create the fetch pod of {job_name}: {refused}"[:MAX_MESSAGE],
+            job_name,
+        )
     waiting = next((m for m in (container_message(p) for p in job_pods) if m), "")
-    return CheckpointState(CheckpointPhase.PENDING, Reason.JOB_PENDING,
-                           f"waiting for the fetch pod of {job_name} to start" + (f" ({waiting})" if waiting else ""),
-                           job_name)
+    return CheckpointState(
+        CheckpointPhase.PENDING,
+        Reason.JOB_PENDING,
+        f"waiting for the fetch pod of {job_name} to start" + (f" ({waiting})" if waiting else ""),
+        job_name,
+    )
 
 
 @dataclass(frozen=True)
@@ -326,8 +423,12 @@ class WorkloadState:
     failed_create: str = ""  # the controller's FailedCreate message while pods are missing
 
 
-def workload_state(sts: Mapping[str, Any] | None, desired: int, events: Sequence[Mapping[str, Any]] = (),
-                   pods: Sequence[Mapping[str, Any]] = ()) -> WorkloadState:
+def workload_state(
+    sts: Mapping[str, Any] | None,
+    desired: int,
+    events: Sequence[Mapping[str, Any]] = (),
+    pods: Sequence[Mapping[str, Any]] = (),
+) -> WorkloadState:
     """Whether the StatefulSet is still converging on its own spec (rolling out or scaling).
 
     "Rolled" means the controller has seen the latest spec (observedGeneration),
@@ -350,8 +451,14 @@ def workload_state(sts: Mapping[str, Any] | None, desired: int, events: Sequence
     )
     live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
     refused = failed_create(sts, events, pods) if len(live) < replicas else ""
-    return WorkloadState(exists=True, desired=desired, current=current, rolling=rolling,
-                         serving_key=(meta.get("labels") or {}).get(LABEL_CHECKPOINT_KEY),
-                         template_hash=(meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH),
-                         update_revision=status.get("updateRevision") or None,
-                         updated=status.get("updatedReplicas") or 0, failed_create=refused)
+    return WorkloadState(
+        exists=True,
+        desired=desired,
+        current=current,
+        rolling=rolling,
+        serving_key=(meta.get("labels") or {}).get(LABEL_CHECKPOINT_KEY),
+        template_hash=(meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH),
+        update_revision=status.get("updateRevision") or None,
+        updated=status.get("updatedReplicas") or 0,
+        failed_create=refused,
+    )

@@ -27,7 +27,15 @@ from policy_operator.constants import (
 )
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
-CONDITION_TYPES = (COND_READY, COND_RECONCILING, COND_STALLED, COND_VALID, COND_CHECKPOINT_READY, COND_AVAILABLE, COND_PROGRESSING)
+CONDITION_TYPES = (
+    COND_READY,
+    COND_RECONCILING,
+    COND_STALLED,
+    COND_VALID,
+    COND_CHECKPOINT_READY,
+    COND_AVAILABLE,
+    COND_PROGRESSING,
+)
 # metav1.Condition's limits, which the CRD's status schema states (operator/resource.py)
 MAX_CONDITION_MESSAGE = 32768
 MAX_REASON = 1024
@@ -82,20 +90,58 @@ class Reason(str, Enum):
         return self.value
 
 
-FETCH_FAILURE_REASONS = frozenset({Reason.INVALID_SOURCE, Reason.SOURCE_UNREACHABLE, Reason.VERIFICATION_FAILED,
-                                   Reason.DISK_FULL, Reason.FETCH_FAILED, Reason.DEADLINE_EXCEEDED})
+FETCH_FAILURE_REASONS = frozenset(
+    {
+        Reason.INVALID_SOURCE,
+        Reason.SOURCE_UNREACHABLE,
+        Reason.VERIFICATION_FAILED,
+        Reason.DISK_FULL,
+        Reason.FETCH_FAILED,
+        Reason.DEADLINE_EXCEEDED,
+    }
+)
 # Those become Warning Events.
-WARNING_REASONS = frozenset({Reason.INVALID_SPEC, Reason.REPLICAS_UNAVAILABLE, Reason.NAME_CONFLICT,
-                             Reason.APPLY_FAILED, Reason.FAILED, Reason.CLAIM_NOT_FOUND, Reason.UNSCHEDULABLE,
-                             Reason.FAILED_CREATE, Reason.FETCH_POD_NOT_STARTING, Reason.PROGRESS_DEADLINE_EXCEEDED, *FETCH_FAILURE_REASONS,
-                             Reason.EXPANSION_NOT_ALLOWED, Reason.IMMUTABLE_CHANGE, Reason.CACHE_NOT_SHARED,
-                             Reason.CLAIM_TERMINATING})
+WARNING_REASONS = frozenset(
+    {
+        Reason.INVALID_SPEC,
+        Reason.REPLICAS_UNAVAILABLE,
+        Reason.NAME_CONFLICT,
+        Reason.APPLY_FAILED,
+        Reason.FAILED,
+        Reason.CLAIM_NOT_FOUND,
+        Reason.UNSCHEDULABLE,
+        Reason.FAILED_CREATE,
+        Reason.FETCH_POD_NOT_STARTING,
+        Reason.PROGRESS_DEADLINE_EXCEEDED,
+        *FETCH_FAILURE_REASONS,
+        Reason.EXPANSION_NOT_ALLOWED,
+        Reason.IMMUTABLE_CHANGE,
+        Reason.CACHE_NOT_SHARED,
+        Reason.CLAIM_TERMINATING,
+    }
+)
 # Progressing=False reasons that mean "stuck", not "done"
-STUCK_REASONS = frozenset({Reason.FAILED, Reason.NAME_CONFLICT, Reason.APPLY_FAILED, Reason.CLAIM_NOT_FOUND,
-                           Reason.PROGRESS_DEADLINE_EXCEEDED, Reason.REPLICAS_UNAVAILABLE})
+STUCK_REASONS = frozenset(
+    {
+        Reason.FAILED,
+        Reason.NAME_CONFLICT,
+        Reason.APPLY_FAILED,
+        Reason.CLAIM_NOT_FOUND,
+        Reason.PROGRESS_DEADLINE_EXCEEDED,
+        Reason.REPLICAS_UNAVAILABLE,
+    }
+)
 # ... of which those that no retry fixes without a change to the spec or the cluster (Stalled=True)
-STALLED_REASONS = frozenset({Reason.INVALID_SPEC, Reason.FAILED, Reason.NAME_CONFLICT, Reason.APPLY_FAILED,
-                             Reason.CLAIM_NOT_FOUND, Reason.PROGRESS_DEADLINE_EXCEEDED})
+STALLED_REASONS = frozenset(
+    {
+        Reason.INVALID_SPEC,
+        Reason.FAILED,
+        Reason.NAME_CONFLICT,
+        Reason.APPLY_FAILED,
+        Reason.CLAIM_NOT_FOUND,
+        Reason.PROGRESS_DEADLINE_EXCEEDED,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -113,17 +159,25 @@ class Event:
     message: str
 
 
-def merge_conditions(previous: Sequence[Mapping[str, Any]] | None, new: Sequence[Condition], *,
-                     generation: int, now: str) -> list[dict[str, Any]]:
+def merge_conditions(
+    previous: Sequence[Mapping[str, Any]] | None, new: Sequence[Condition], *, generation: int, now: str
+) -> list[dict[str, Any]]:
     """The new conditions in API form; a type not in ``new`` is kept as it was."""
     old = {c.get("type"): c for c in previous or []}
     merged = []
     for cond in new:
         prev = old.get(cond.type) or {}
         since = prev.get("lastTransitionTime") if prev.get("status") == cond.status else None
-        merged.append({"type": cond.type, "status": cond.status, "reason": str(cond.reason),
-                       "message": cond.message[:MAX_CONDITION_MESSAGE],
-                       "lastTransitionTime": since or now, "observedGeneration": generation})
+        merged.append(
+            {
+                "type": cond.type,
+                "status": cond.status,
+                "reason": str(cond.reason),
+                "message": cond.message[:MAX_CONDITION_MESSAGE],
+                "lastTransitionTime": since or now,
+                "observedGeneration": generation,
+            }
+        )
     types = {c.type for c in new}
     merged += [dict(c) for t, c in old.items() if t not in types]
     order = {t: i for i, t in enumerate(CONDITION_TYPES)}

@@ -63,45 +63,83 @@ HEADER: Final = """\
 """
 
 PRINTER_COLUMNS: Final = (
-    {"name": "Ready", "type": "string", "description": "Pods whose every rank is ready / desired pods.",
-     "jsonPath": ".status.ready"},
-    {"name": "Ranks", "type": "string",
-     "description": "Ranks ready across all pods / desired ranks (replicas x cfgp x dp).",
-     "jsonPath": ".status.ranksReady"},
+    {
+        "name": "Ready",
+        "type": "string",
+        "description": "Pods whose every rank is ready / desired pods.",
+        "jsonPath": ".status.ready",
+    },
+    {
+        "name": "Ranks",
+        "type": "string",
+        "description": "Ranks ready across all pods / desired ranks (replicas x cfgp x dp).",
+        "jsonPath": ".status.ranksReady",
+    },
     {"name": "Layout", "type": "string", "description": "Parallel layout of each pod.", "jsonPath": ".status.layout"},
-    {"name": "Checkpoint", "type": "string", "description": "Phase of the checkpoint the spec asks for.",
-     "jsonPath": ".status.checkpoint.phase"},
-    {"name": "Progress", "type": "string", "description": "Bytes done / total and rate while the checkpoint downloads.",
-     "jsonPath": ".status.checkpoint.progress.text"},
+    {
+        "name": "Checkpoint",
+        "type": "string",
+        "description": "Phase of the checkpoint the spec asks for.",
+        "jsonPath": ".status.checkpoint.phase",
+    },
+    {
+        "name": "Progress",
+        "type": "string",
+        "description": "Bytes done / total and rate while the checkpoint downloads.",
+        "jsonPath": ".status.checkpoint.progress.text",
+    },
     {"name": "Phase", "type": "string", "description": "Phase of the PolicyServer.", "jsonPath": ".status.phase"},
-    {"name": "Endpoint", "type": "string", "description": "WebSocket URL of the ClusterIP Service.",
-     "jsonPath": ".status.endpoint"},
+    {
+        "name": "Endpoint",
+        "type": "string",
+        "description": "WebSocket URL of the ClusterIP Service.",
+        "jsonPath": ".status.endpoint",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 )
-SCALE: Final = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
-                "labelSelectorPath": ".status.selector"}
+SCALE: Final = {
+    "specReplicasPath": ".spec.replicas",
+    "statusReplicasPath": ".status.replicas",
+    "labelSelectorPath": ".status.selector",
+}
 
 
 # --- Kubernetes' own schemas of the types passed through ------------------------------------------
+
 
 def kubernetes_definitions() -> dict[str, Any]:
     try:
         import kubernetes_validate
     except ImportError:  # pragma: no cover - the dev extra is missing
         raise SystemExit("generating the CRD needs the dev extra: pip install -e '.[dev]'") from None
-    path = (Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
-            / f"v{KUBERNETES_SCHEMA_VERSION}-local" / "_definitions.json")
+    path = (
+        Path(kubernetes_validate.__file__).parent
+        / "kubernetes-json-schema"
+        / f"v{KUBERNETES_SCHEMA_VERSION}-local"
+        / "_definitions.json"
+    )
     if not path.exists():
-        raise SystemExit(f"kubernetes-validate has no schemas of Kubernetes {KUBERNETES_SCHEMA_VERSION}: "
-                         f"pip install -U 'kubernetes-validate>=1.37'")
+        raise SystemExit(
+            f"kubernetes-validate has no schemas of Kubernetes {KUBERNETES_SCHEMA_VERSION}: "
+            f"pip install -U 'kubernetes-validate>=1.37'"
+        )
     definitions: dict[str, Any] = json.loads(path.read_text())["$defs"]
     return definitions
 
 
 # OpenAPI keys a CRD schema may not carry (strategic-merge hints, GVK tags) or that JSON Schema added.
-_DROPPED_KEYS = ("$schema", "$id", "x-kubernetes-patch-strategy", "x-kubernetes-patch-merge-key",
-                 "x-kubernetes-group-version-kind", "x-kubernetes-unions")
-_INT_OR_STRING_TYPES = ("io.k8s.apimachinery.pkg.api.resource.Quantity", "io.k8s.apimachinery.pkg.util.intstr.IntOrString")
+_DROPPED_KEYS = (
+    "$schema",
+    "$id",
+    "x-kubernetes-patch-strategy",
+    "x-kubernetes-patch-merge-key",
+    "x-kubernetes-group-version-kind",
+    "x-kubernetes-unions",
+)
+_INT_OR_STRING_TYPES = (
+    "io.k8s.apimachinery.pkg.api.resource.Quantity",
+    "io.k8s.apimachinery.pkg.util.intstr.IntOrString",
+)
 
 
 def kubernetes_type(name: str, definitions: dict[str, Any], seen: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -142,12 +180,19 @@ def embed_kubernetes_types(node: Any, definitions: dict[str, Any]) -> Any:
     if KUBE_TYPE in node:
         embedded = kubernetes_type(node[KUBE_TYPE], definitions)
         rules = {CEL_VALIDATIONS: node[CEL_VALIDATIONS]} if CEL_VALIDATIONS in node else {}  # the model's own
-        return ordered_keys({"type": "object", **({"description": node["description"]} if "description" in node else {}),
-                             **{k: v for k, v in embedded.items() if k not in ("type", "description")}, **rules})
+        return ordered_keys(
+            {
+                "type": "object",
+                **({"description": node["description"]} if "description" in node else {}),
+                **{k: v for k, v in embedded.items() if k not in ("type", "description")},
+                **rules,
+            }
+        )
     return {key: embed_kubernetes_types(value, definitions) for key, value in node.items()}
 
 
 # --- the CRD -----------------------------------------------------------------------------------
+
 
 def open_api_schema() -> dict[str, Any]:
     """The CRD's ``openAPIV3Schema``: the model's schema with Kubernetes' own schemas of the types it passes on."""
@@ -162,8 +207,10 @@ def model_schema() -> dict[str, Any]:
         props[name] = {"type": "string", "description": props[name]["description"]}
     # only restrictions on metadata.name (and generateName) may be stated; the apiserver owns the rest
     name = props["metadata"]["properties"]["name"]
-    props["metadata"] = {"type": "object", "properties": {"name": {
-        k: v for k, v in name.items() if k in ("type", "minLength", "maxLength", "pattern")}}}
+    props["metadata"] = {
+        "type": "object",
+        "properties": {"name": {k: v for k, v in name.items() if k in ("type", "minLength", "maxLength", "pattern")}},
+    }
     return schema
 
 
@@ -195,17 +242,24 @@ def build_crd() -> dict[str, Any]:
         "spec": {
             "group": C.GROUP,
             "scope": "Namespaced",
-            "names": {"kind": C.KIND, "listKind": f"{C.KIND}List", "plural": C.PLURAL, "singular": C.SINGULAR,
-                      # no categories: in "all", `kubectl delete all --all` would delete every PolicyServer
-                      "shortNames": [C.SHORT_NAME]},
-            "versions": [{
-                "name": C.VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}, "scale": dict(SCALE)},
-                "additionalPrinterColumns": [dict(c) for c in PRINTER_COLUMNS],
-                "schema": {"openAPIV3Schema": schema},
-            }],
+            "names": {
+                "kind": C.KIND,
+                "listKind": f"{C.KIND}List",
+                "plural": C.PLURAL,
+                "singular": C.SINGULAR,
+                # no categories: in "all", `kubectl delete all --all` would delete every PolicyServer
+                "shortNames": [C.SHORT_NAME],
+            },
+            "versions": [
+                {
+                    "name": C.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}, "scale": dict(SCALE)},
+                    "additionalPrinterColumns": [dict(c) for c in PRINTER_COLUMNS],
+                    "schema": {"openAPIV3Schema": schema},
+                }
+            ],
         },
     }
 
@@ -228,6 +282,7 @@ def render_crd(crd: dict[str, Any] | None = None) -> str:
 
 
 # --- docs/crd.md ---------------------------------------------------------------------------------
+
 
 def _text(value: str) -> str:
     return " ".join(value.split()).replace("|", "\\|")
@@ -320,8 +375,10 @@ def fields_table(schema: dict[str, Any], top: str) -> str:
         kind = type_text(row.node) + (", **required**" if row.required else "")
         default = row.node.get("default")
         default_text = "" if default is None or default == {} else _code(default)
-        lines.append(f"| `{row.path}` | {kind} | {default_text} | {constraints_text(row.node)} "
-                     f"| {_text(row.node.get('description', ''))} |")
+        lines.append(
+            f"| `{row.path}` | {kind} | {default_text} | {constraints_text(row.node)} "
+            f"| {_text(row.node.get('description', ''))} |"
+        )
     return "\n".join(lines)
 
 
@@ -347,25 +404,34 @@ def rules_table(schema: dict[str, Any]) -> str:
 
 def doc_sections(schema: dict[str, Any] | None = None) -> dict[str, str]:
     schema = schema or model_schema()  # core/v1 types stay one row each: kubectl explain has the rest
-    return {"rules": rules_table(schema), "spec-fields": fields_table(schema, "spec"),
-            "status-fields": fields_table(schema, "status")}
+    return {
+        "rules": rules_table(schema),
+        "spec-fields": fields_table(schema, "spec"),
+        "status-fields": fields_table(schema, "status"),
+    }
 
 
 def _marker(name: str) -> re.Pattern[str]:
-    return re.compile(rf"(<!-- BEGIN GENERATED: {re.escape(name)} [^\n]*-->\n)(.*?)(<!-- END GENERATED: "
-                      rf"{re.escape(name)} -->)", re.S)
+    return re.compile(
+        rf"(<!-- BEGIN GENERATED: {re.escape(name)} [^\n]*-->\n)(.*?)(<!-- END GENERATED: "
+        rf"{re.escape(name)} -->)",
+        re.S,
+    )
 
 
 def render_doc(text: str, sections: dict[str, str] | None = None) -> str:
     """``text`` (docs/crd.md) with every generated section replaced; a missing marker is an error."""
     for name, body in (sections or doc_sections()).items():
+
         def replace(match: re.Match[str], body: str = body) -> str:
             return f"{match[1]}{body}\n{match[3]}"
 
         text, count = _marker(name).subn(replace, text)
         if count != 1:
-            raise ValueError(f"docs/crd.md needs one '<!-- BEGIN GENERATED: {name} ... -->' ... "
-                             f"'<!-- END GENERATED: {name} -->' pair, found {count}")
+            raise ValueError(
+                f"docs/crd.md needs one '<!-- BEGIN GENERATED: {name} ... -->' ... "
+                f"'<!-- END GENERATED: {name} -->' pair, found {count}"
+            )
     return text
 
 
@@ -383,23 +449,29 @@ class DocExample:
     admission_only: bool = False
 
 
-_EXAMPLE = re.compile(r"^```yaml\n# (refused: (?P<path>\S+)|accepted)(?P<note>[^\n]*)\n(?P<body>.*?)^```$",
-                      re.S | re.M)
+_EXAMPLE = re.compile(r"^```yaml\n# (refused: (?P<path>\S+)|accepted)(?P<note>[^\n]*)\n(?P<body>.*?)^```$", re.S | re.M)
 
 
 def doc_examples(text: str | None = None) -> list[DocExample]:
     text = DOC_PATH.read_text() if text is None else text
-    return [DocExample(text.count("\n", 0, m.start()) + 1, yaml.safe_load(m["body"]), m["path"],
-                       "admission only" in m["note"])
-            for m in _EXAMPLE.finditer(text)]
+    return [
+        DocExample(
+            text.count("\n", 0, m.start()) + 1, yaml.safe_load(m["body"]), m["path"], "admission only" in m["note"]
+        )
+        for m in _EXAMPLE.finditer(text)
+    ]
 
 
 # --- command line ------------------------------------------------------------------------------------
 
+
 def stale_files() -> dict[Path, str]:
     """Each generated file whose committed text differs from the model's, with the text it should have."""
-    wanted = {CRD_PATH: render_crd(), DOC_PATH: render_doc(DOC_PATH.read_text()),
-              rbac.CHART_HELPERS: rbac.render_chart_helpers(rbac.CHART_HELPERS.read_text())}
+    wanted = {
+        CRD_PATH: render_crd(),
+        DOC_PATH: render_doc(DOC_PATH.read_text()),
+        rbac.CHART_HELPERS: rbac.render_chart_helpers(rbac.CHART_HELPERS.read_text()),
+    }
     return {path: text for path, text in wanted.items() if not path.exists() or path.read_text() != text}
 
 

@@ -72,9 +72,12 @@ class Stats:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"passes": self.passes, "failures": self.failures,
-                "secondsSinceLastPass": round(time.time() - self.last_pass, 1) if self.last_pass else None,
-                "lastError": self.last_error}
+        return {
+            "passes": self.passes,
+            "failures": self.failures,
+            "secondsSinceLastPass": round(time.time() - self.last_pass, 1) if self.last_pass else None,
+            "lastError": self.last_error,
+        }
 
 
 class _Lock:
@@ -114,7 +117,8 @@ def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) 
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key=ANNOTATION_LAST_HANDLED.split("/", 1)[1])
+        prefix=GROUP, key=ANNOTATION_LAST_HANDLED.split("/", 1)[1]
+    )
     settings.posting.reporting_component = MANAGED_BY
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 16
@@ -136,8 +140,9 @@ def _owner_name(body: kopf.Body) -> str | None:
     return None
 
 
-def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
-             kube_factory: Callable[[], Kube] = Kube.from_environment) -> None:
+def register(
+    registry: kopf.OperatorRegistry, config: OperatorConfig, kube_factory: Callable[[], Kube] = Kube.from_environment
+) -> None:
     """Register the operator's handlers on ``registry``."""
     locks = ObjectLocks()
     stats = Stats()
@@ -213,10 +218,22 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
                 seen(str(body.get("kind")), namespace, body)
             run(namespace, owner, logger)
 
-    kopf.on.event("batch", "v1", "jobs", labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: COMPONENT_FETCH},
-                  registry=registry, id="fetch-job")(on_child)
-    kopf.on.event("apps", "v1", "statefulsets", labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: COMPONENT_SERVER},
-                  registry=registry, id="statefulset")(on_child)
+    kopf.on.event(
+        "batch",
+        "v1",
+        "jobs",
+        labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: COMPONENT_FETCH},
+        registry=registry,
+        id="fetch-job",
+    )(on_child)
+    kopf.on.event(
+        "apps",
+        "v1",
+        "statefulsets",
+        labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: COMPONENT_SERVER},
+        registry=registry,
+        id="statefulset",
+    )(on_child)
 
     @kopf.on.probe(id="reconciler", registry=registry)
     def reconciler_probe(**_: Any) -> dict[str, Any]:

@@ -69,8 +69,7 @@ class Store:
         """Keep ``obj`` unless a newer version of it (or its deletion) is already known."""
         name, version = obj["metadata"]["name"], resource_version(obj)
         with self._lock:
-            if version and (version <= self._gone.get(name, 0)
-                            or version < resource_version(self._objects.get(name))):
+            if version and (version <= self._gone.get(name, 0) or version < resource_version(self._objects.get(name))):
                 return
             self._gone.pop(name, None)
             self._objects[name] = obj
@@ -120,8 +119,9 @@ class Informer:
             store = self._stores.get(key)
             if store is None:
                 store = self._stores[key] = Store()
-                threading.Thread(target=self._run, args=(kind, namespace, store), daemon=True,
-                                 name=f"informer-{kind}-{namespace}").start()
+                threading.Thread(
+                    target=self._run, args=(kind, namespace, store), daemon=True, name=f"informer-{kind}-{namespace}"
+                ).start()
         return store if store.synced.is_set() else None
 
     def put(self, kind: str, namespace: str, obj: dict[str, Any] | None) -> None:
@@ -160,8 +160,12 @@ class Informer:
                     version = self._watch(watcher, resource, namespace, version, store)
             except (DynamicApiError, kubernetes.client.ApiException) as exc:
                 if int(getattr(exc, "status", 0) or 0) in FORBIDDEN:
-                    log.warning("not watching %s in %s (%s): reading them from the API on every pass", kind,
-                                namespace, getattr(exc, "reason", exc))
+                    log.warning(
+                        "not watching %s in %s (%s): reading them from the API on every pass",
+                        kind,
+                        namespace,
+                        getattr(exc, "reason", exc),
+                    )
                     with self._lock:
                         self._refused.add((kind, namespace))
                         self._stores.pop((kind, namespace), None)
@@ -172,13 +176,20 @@ class Informer:
             store.synced.clear()  # until the next LIST: events may have been missed
             self._stop.wait(RETRY_S)
 
-    def _watch(self, watcher: kubernetes.watch.Watch, resource: Resource, namespace: str, version: str,
-               store: Store) -> str:
+    def _watch(
+        self, watcher: kubernetes.watch.Watch, resource: Resource, namespace: str, version: str, store: Store
+    ) -> str:
         """One WATCH from ``version`` until the apiserver ends it; the last resourceVersion seen."""
-        for event in watcher.stream(resource.get, namespace=namespace, resource_version=version,
-                                    allow_watch_bookmarks=True, timeout_seconds=WATCH_TIMEOUT_S,
-                                    _request_timeout=(5.0, WATCH_TIMEOUT_S + 30.0), serialize=False,
-                                    deserialize=False):
+        for event in watcher.stream(
+            resource.get,
+            namespace=namespace,
+            resource_version=version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=WATCH_TIMEOUT_S,
+            _request_timeout=(5.0, WATCH_TIMEOUT_S + 30.0),
+            serialize=False,
+            deserialize=False,
+        ):
             kind, obj = event.get("type"), event.get("object") or {}
             if kind == "ERROR":
                 raise kubernetes.client.ApiException(status=int(obj.get("code") or 0), reason=obj.get("message"))

@@ -70,8 +70,12 @@ class NotFound(KubeError):
 # 500s about the request itself, not the server's state: server-side apply could not build a typed object from the
 # body (a duplicate key of a list map such as env or topologySpreadConstraints, a field the schema lacks).  The same
 # body gets the same answer every time, so retrying it is a loop, not a recovery.
-PERMANENT_SERVER_ERRORS = ("failed to create typed patch object", "failed to create typed live object",
-                           "duplicate entries for key", "field not declared in schema")
+PERMANENT_SERVER_ERRORS = (
+    "failed to create typed patch object",
+    "failed to create typed live object",
+    "duplicate entries for key",
+    "field not declared in schema",
+)
 
 
 def is_transient(status: int, message: str) -> bool:
@@ -99,8 +103,15 @@ def _sorted_error(what: str, exc: Exception) -> KubeError:
 
 
 # The kinds a pass reads by name or label, served from watches (operator/informer.py) instead of a request each
-CACHED_KINDS: Final = ("PolicyServer", "PersistentVolumeClaim", "Job", "StatefulSet", "Service",
-                       "PodDisruptionBudget", "Pod")
+CACHED_KINDS: Final = (
+    "PolicyServer",
+    "PersistentVolumeClaim",
+    "Job",
+    "StatefulSet",
+    "Service",
+    "PodDisruptionBudget",
+    "Pod",
+)
 POOL_SIZE: Final = 32
 # managedFields entries that are not a hand edit of what the operator applies
 OWN_SUBRESOURCES: Final = ("status", "scale")
@@ -122,8 +133,13 @@ def with_applied_hash(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def foreign_managers(obj: Mapping[str, Any]) -> list[str]:
     """Field managers other than the operator that own fields of the object itself (not its status or scale)."""
-    return sorted({str(m.get("manager")) for m in (obj.get("metadata") or {}).get("managedFields") or []
-                   if m.get("manager") != FIELD_MANAGER and m.get("subresource") not in OWN_SUBRESOURCES})
+    return sorted(
+        {
+            str(m.get("manager"))
+            for m in (obj.get("metadata") or {}).get("managedFields") or []
+            if m.get("manager") != FIELD_MANAGER and m.get("subresource") not in OWN_SUBRESOURCES
+        }
+    )
 
 
 def unchanged(current: Mapping[str, Any] | None, body: Mapping[str, Any]) -> bool:
@@ -205,30 +221,45 @@ class Kube:
         if store is not None:
             return copy.deepcopy(store.get(name))
         try:
-            return self._call(f"get {kind} {namespace}/{name}", self._resource(kind).get, name=name,
-                              namespace=namespace or None)
+            return self._call(
+                f"get {kind} {namespace}/{name}", self._resource(kind).get, name=name, namespace=namespace or None
+            )
         except NotFound:
             return None
 
     def delete(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """Delete one object (background propagation); None when it was already gone."""
         try:
-            answer = self._call(f"delete {kind} {namespace}/{name}", self._resource(kind).delete, name=name,
-                                namespace=namespace, body={"propagationPolicy": "Background"})
+            answer = self._call(
+                f"delete {kind} {namespace}/{name}",
+                self._resource(kind).delete,
+                name=name,
+                namespace=namespace,
+                body={"propagationPolicy": "Background"},
+            )
         except NotFound:
             answer = None
         if self.informer is not None:
             self.informer.forget(kind, namespace, name, answer)
         return answer
 
-    def pod_log(self, namespace: str, name: str, container: str, *, tail_lines: int, limit_bytes: int,
-                previous: bool = False) -> str:
+    def pod_log(
+        self, namespace: str, name: str, container: str, *, tail_lines: int, limit_bytes: int, previous: bool = False
+    ) -> str:
         """The end of one container's log (``pods/log``): the one channel a pod without API access reports through."""
         what = f"read the log of Pod {namespace}/{name}"
         try:
-            return str(kubernetes.client.CoreV1Api(self.api_client).read_namespaced_pod_log(
-                name, namespace, container=container, tail_lines=tail_lines, limit_bytes=limit_bytes,
-                previous=previous, _request_timeout=REQUEST_TIMEOUT))
+            return str(
+                kubernetes.client.CoreV1Api(self.api_client).read_namespaced_pod_log(
+                    name,
+                    namespace,
+                    container=container,
+                    tail_lines=tail_lines,
+                    limit_bytes=limit_bytes,
+                    previous=previous,
+                    _request_timeout=REQUEST_TIMEOUT,
+                )
+            )
         except kubernetes.client.ApiException as exc:
             status = int(exc.status or 0)
             detail = str(exc.body or "")[:300]
@@ -237,16 +268,22 @@ class Kube:
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise TransientError(f"{what}: {exc}") from exc
 
-    def list(self, kind: str, namespace: str, selector: Mapping[str, str],
-             fields: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    def list(
+        self, kind: str, namespace: str, selector: Mapping[str, str], fields: Mapping[str, str] | None = None
+    ) -> list[dict[str, Any]]:
         """Objects matching labels ``selector`` and, optionally, field selector ``fields`` (Events: involvedObject...)."""
         store = None if fields else self._store(kind, namespace)
         if store is not None:
             return copy.deepcopy(store.list(selector))
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items()) or None
         field_selector = ",".join(f"{k}={v}" for k, v in (fields or {}).items()) or None
-        found = self._call(f"list {kind} in {namespace}", self._resource(kind).get, namespace=namespace,
-                           label_selector=label_selector, field_selector=field_selector)
+        found = self._call(
+            f"list {kind} in {namespace}",
+            self._resource(kind).get,
+            namespace=namespace,
+            label_selector=label_selector,
+            field_selector=field_selector,
+        )
         return list(found.get("items") or [])
 
     # --- writes -----------------------------------------------------------------------------
@@ -260,22 +297,34 @@ class Kube:
         current = store.get(name) if store is not None else None
         if current is not None and unchanged(current, body):
             return copy.deepcopy(current)
-        answer: dict[str, Any] = self._call(f"apply {kind} {namespace}/{name}", self._resource(kind).server_side_apply,
-                                            body=body, name=name, namespace=namespace, field_manager=FIELD_MANAGER,
-                                            force_conflicts=True)
+        answer: dict[str, Any] = self._call(
+            f"apply {kind} {namespace}/{name}",
+            self._resource(kind).server_side_apply,
+            body=body,
+            name=name,
+            namespace=namespace,
+            field_manager=FIELD_MANAGER,
+            force_conflicts=True,
+        )
         if self.informer is not None:
             self.informer.put(kind, namespace, answer)
         return answer
 
-    def merge_patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any], *,
-                    subresource: str | None = None) -> dict[str, Any]:
+    def merge_patch(
+        self, kind: str, namespace: str, name: str, patch: Mapping[str, Any], *, subresource: str | None = None
+    ) -> dict[str, Any]:
         """RFC 7386 merge patch (status, pod annotations): fields outside the patch stay as they are."""
         resource = self._resource(kind)
         target = resource.subresources[subresource] if subresource else resource
         answer: dict[str, Any] = self._call(
-            f"patch {kind} {namespace}/{name}" + (f"/{subresource}" if subresource else ""), target.patch,
-            body=dict(patch), name=name, namespace=namespace, content_type=MERGE_PATCH,
-            field_manager=FIELD_MANAGER)  # the operator's own: a template repair is no foreign owner
+            f"patch {kind} {namespace}/{name}" + (f"/{subresource}" if subresource else ""),
+            target.patch,
+            body=dict(patch),
+            name=name,
+            namespace=namespace,
+            content_type=MERGE_PATCH,
+            field_manager=FIELD_MANAGER,
+        )  # the operator's own: a template repair is no foreign owner
         if self.informer is not None:
             self.informer.put(kind, namespace, answer)
         return answer

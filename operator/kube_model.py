@@ -103,8 +103,9 @@ class Rule:
 
     def check(self, value: Any) -> None:
         if not self.holds(value):
-            raise PydanticCustomError(RULE_ERROR, "{message}", {"message": self.message,
-                                                                "field_path": self.field_path or ""})
+            raise PydanticCustomError(
+                RULE_ERROR, "{message}", {"message": self.message, "field_path": self.field_path or ""}
+            )
 
     # As ``Annotated`` metadata on a field's type: validated after the type, written into its schema.
     def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
@@ -122,12 +123,18 @@ class Rule:
 
 # --- the base class -----------------------------------------------------------------------
 
+
 class KubeModel(BaseModel):
     """A closed, strict, camelCase Kubernetes object section whose ``cel_rules`` hold after validation."""
 
     model_config = ConfigDict(
-        extra="forbid", strict=True, frozen=True, alias_generator=to_camel, populate_by_name=True,
-        use_attribute_docstrings=True, allow_inf_nan=False,
+        extra="forbid",
+        strict=True,
+        frozen=True,
+        alias_generator=to_camel,
+        populate_by_name=True,
+        use_attribute_docstrings=True,
+        allow_inf_nan=False,
     )
 
     cel_rules: ClassVar[tuple[Rule, ...]] = ()
@@ -177,7 +184,8 @@ def named_pattern(regex: str, name: str) -> str:
 # size or request here may be negative.
 QUANTITY_PATTERN: Final = named_pattern(
     r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
-    "a quantity such as 500m, 4Gi or 2")
+    "a quantity such as 500m, 4Gi or 2",
+)
 
 
 def _quantity(value: Any) -> Any:
@@ -193,8 +201,9 @@ def _quantity(value: Any) -> Any:
 Quantity = Annotated[
     str,
     BeforeValidator(_quantity),
-    WithJsonSchema({INT_OR_STRING: True, "anyOf": [{"type": "integer"}, {"type": "string"}],
-                    "pattern": QUANTITY_PATTERN}),
+    WithJsonSchema(
+        {INT_OR_STRING: True, "anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY_PATTERN}
+    ),
 ]
 """A Kubernetes quantity (``4Gi``, ``500m``, ``2``), as the int-or-string the API accepts; kept as a string."""
 
@@ -214,8 +223,9 @@ def kube_type_schema(definition: str) -> dict[str, Any]:
 Affinity = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.Affinity"))]
 Toleration = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.Toleration"))]
 EnvVarSource = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.EnvVarSource"))]
-TopologySpreadConstraint = Annotated[dict[str, Any], WithJsonSchema(
-    kube_type_schema("io.k8s.api.core.v1.TopologySpreadConstraint"))]
+TopologySpreadConstraint = Annotated[
+    dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.TopologySpreadConstraint"))
+]
 Volume = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.Volume"))]
 VolumeMount = Annotated[dict[str, Any], WithJsonSchema(kube_type_schema("io.k8s.api.core.v1.VolumeMount"))]
 
@@ -229,6 +239,7 @@ LIST_SET: Final[dict[str, Any]] = {LIST_TYPE: "set"}
 
 
 # --- pydantic JSON schema -> Kubernetes structural schema -----------------------------------
+
 
 class _KubeJsonSchema(GenerateJsonSchema):
     """Pydantic's generator, minus what a structural schema may not say."""
@@ -255,9 +266,30 @@ class _KubeJsonSchema(GenerateJsonSchema):
 
 
 # Keys of a schema node in the order a reader wants them (the rest keep pydantic's order, after these).
-_KEY_ORDER = ("type", "description", "default", "required", "enum", "minimum", "maximum", "minLength", "maxLength",
-              "pattern", "maxItems", "maxProperties", "format", INT_OR_STRING, "anyOf", PRESERVE_UNKNOWN,
-              LIST_TYPE, LIST_MAP_KEYS, CEL_VALIDATIONS, "properties", "additionalProperties", "items")
+_KEY_ORDER = (
+    "type",
+    "description",
+    "default",
+    "required",
+    "enum",
+    "minimum",
+    "maximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "maxItems",
+    "maxProperties",
+    "format",
+    INT_OR_STRING,
+    "anyOf",
+    PRESERVE_UNKNOWN,
+    LIST_TYPE,
+    LIST_MAP_KEYS,
+    CEL_VALIDATIONS,
+    "properties",
+    "additionalProperties",
+    "items",
+)
 
 
 def ordered_keys(node: dict[str, Any]) -> dict[str, Any]:

@@ -23,22 +23,49 @@ LOG_FORMATS = ("json", "plain", "full")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     scope = parser.add_mutually_exclusive_group(required=True)
-    scope.add_argument("-n", "--namespace", action="append", metavar="NS",
-                       help="reconcile PolicyServers in this namespace (repeatable; kopf globs such as 'team-*' allowed)")
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        metavar="NS",
+        help="reconcile PolicyServers in this namespace (repeatable; kopf globs such as 'team-*' allowed)",
+    )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="reconcile PolicyServers in every namespace")
     peering = parser.add_mutually_exclusive_group()
     peering.add_argument("--standalone", action="store_true", help="no peering: only ever run one replica")
-    peering.add_argument("--peering", metavar="NAME", default=None,
-                         help="KopfPeering object for leader election between replicas; it must exist "
-                              f"(default: use {PEERING_NAME!r} if it exists, else run standalone)")
-    parser.add_argument("--priority", type=int, default=None,
-                        help="peering priority (default: random, so that exactly one replica is active)")
-    parser.add_argument("--liveness", default=DEFAULT_LIVENESS, metavar="URL",
-                        help=f"liveness endpoint served by kopf (default {DEFAULT_LIVENESS}; '' disables)")
-    parser.add_argument("--resync-seconds", type=float, default=None, metavar="S",
-                        help="full reconcile of every PolicyServer this often, incl. /readyz polling (default 10)")
-    parser.add_argument("--probe-timeout", type=float, default=None, metavar="S",
-                        help="HTTP timeout of one pod's /readyz poll (default 2)")
+    peering.add_argument(
+        "--peering",
+        metavar="NAME",
+        default=None,
+        help="KopfPeering object for leader election between replicas; it must exist "
+        f"(default: use {PEERING_NAME!r} if it exists, else run standalone)",
+    )
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority (default: random, so that exactly one replica is active)",
+    )
+    parser.add_argument(
+        "--liveness",
+        default=DEFAULT_LIVENESS,
+        metavar="URL",
+        help=f"liveness endpoint served by kopf (default {DEFAULT_LIVENESS}; '' disables)",
+    )
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="full reconcile of every PolicyServer this often, incl. /readyz polling (default 10)",
+    )
+    parser.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="HTTP timeout of one pod's /readyz poll (default 2)",
+    )
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="json", help="log line format (default json)")
     parser.add_argument("--verbose", action="store_true", help="log more")
     parser.add_argument("--debug", action="store_true", help="log everything, including API traffic")

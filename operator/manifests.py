@@ -138,8 +138,12 @@ def selector_labels(name: str, component: str = COMPONENT_SERVER) -> dict[str, s
 
 
 def labels(name: str, component: str) -> dict[str, str]:
-    return {**selector_labels(name, component), LABEL_MANAGED_BY: MANAGED_BY, LABEL_PART_OF: APP_NAME,
-            LABEL_POLICYSERVER: name}
+    return {
+        **selector_labels(name, component),
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_PART_OF: APP_NAME,
+        LABEL_POLICYSERVER: name,
+    }
 
 
 def selector_string(name: str) -> str:
@@ -190,11 +194,14 @@ def _server_env(spec: PolicyServerSpec) -> list[dict[str, Any]]:
 
 
 def _secret_volume(volume: str, secret: str, key: str) -> dict[str, Any]:
-    return {"name": volume, "secret": {"secretName": secret, "items": [{"key": key, "path": TOKEN_FILE}],
-                                       "defaultMode": 0o440}}
+    return {
+        "name": volume,
+        "secret": {"secretName": secret, "items": [{"key": key, "path": TOKEN_FILE}], "defaultMode": 0o440},
+    }
 
 
 # --- PVC ------------------------------------------------------------------------------
+
 
 def _claim_spec(spec: PolicyServerSpec) -> dict[str, Any]:
     storage = spec.storage
@@ -213,16 +220,23 @@ def build_pvc(spec: PolicyServerSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": {"name": Names(spec.name).pvc, "namespace": spec.namespace,
-                     "labels": labels(spec.name, COMPONENT_CACHE)},
+        "metadata": {
+            "name": Names(spec.name).pvc,
+            "namespace": spec.namespace,
+            "labels": labels(spec.name, COMPONENT_CACHE),
+        },
         "spec": _claim_spec(spec),
     }
 
 
 def claim_template(spec: PolicyServerSpec) -> dict[str, Any]:
     """The StatefulSet's volumeClaimTemplate (storage.mode perPod): claim checkpoint-cache-<name>-<ordinal>."""
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": VOL_CACHE, "labels": labels(spec.name, COMPONENT_CACHE)}, "spec": _claim_spec(spec)}
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": VOL_CACHE, "labels": labels(spec.name, COMPONENT_CACHE)},
+        "spec": _claim_spec(spec),
+    }
 
 
 def cache_is_shared(modes: Sequence[str]) -> bool:
@@ -236,6 +250,7 @@ def grown_claim_patch(size: str) -> dict[str, Any]:
 
 
 # --- fetch Job ------------------------------------------------------------------------
+
 
 def fetch_command(spec: PolicyServerSpec) -> list[str]:
     ck = spec.checkpoint
@@ -255,15 +270,21 @@ def _fetch_container(spec: PolicyServerSpec) -> tuple[dict[str, Any], list[dict[
     """The fetch container and the volumes it needs besides the cache and /tmp (the checkpoint token)."""
     ck = spec.checkpoint
     env = _home_env()
-    mounts: list[dict[str, Any]] = [{"name": VOL_CACHE, "mountPath": CACHE_MOUNT_PATH},
-                                    {"name": VOL_TMP, "mountPath": TMP_PATH}]
+    mounts: list[dict[str, Any]] = [
+        {"name": VOL_CACHE, "mountPath": CACHE_MOUNT_PATH},
+        {"name": VOL_TMP, "mountPath": TMP_PATH},
+    ]
     volumes: list[dict[str, Any]] = []
     if ck.secret_ref is not None:
         volumes.append(_secret_volume(VOL_CHECKPOINT_TOKEN, ck.secret_ref.name, ck.secret_ref.key))
         mounts.append({"name": VOL_CHECKPOINT_TOKEN, "mountPath": CHECKPOINT_TOKEN_DIR, "readOnly": True})
         if ck.is_hf:
-            env.append({"name": ENV_HF_TOKEN, "valueFrom": {"secretKeyRef": {
-                "name": ck.secret_ref.name, "key": ck.secret_ref.key}}})
+            env.append(
+                {
+                    "name": ENV_HF_TOKEN,
+                    "valueFrom": {"secretKeyRef": {"name": ck.secret_ref.name, "key": ck.secret_ref.key}},
+                }
+            )
     env += [e.to_api() for e in ck.fetch_job.env]
     container: dict[str, Any] = {
         "name": FETCH_CONTAINER,
@@ -275,8 +296,8 @@ def _fetch_container(spec: PolicyServerSpec) -> tuple[dict[str, Any], list[dict[
         # the last lines of a failed fetch ("policyserver fetch: error: ...") become the
         # termination message, which the operator copies into CheckpointReady
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "resources": (ck.fetch_job.resources.to_api() if ck.fetch_job.resources else None) or {
-            "requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+        "resources": (ck.fetch_job.resources.to_api() if ck.fetch_job.resources else None)
+        or {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
@@ -290,8 +311,9 @@ def _cache_volumes(spec: PolicyServerSpec, *, read_only: bool) -> list[dict[str,
     return [{"name": VOL_CACHE, "persistentVolumeClaim": claim}, {"name": VOL_TMP, "emptyDir": {}}]
 
 
-def _colocate(pod_spec: dict[str, Any], pod_labels: dict[str, str], spec: PolicyServerSpec,
-              cache_modes: Sequence[str]) -> None:
+def _colocate(
+    pod_spec: dict[str, Any], pod_labels: dict[str, str], spec: PolicyServerSpec, cache_modes: Sequence[str]
+) -> None:
     """Label a pod that mounts the shared cache claim; keep it on the node of the others when the claim is RWO.
 
     A ReadWriteOnce volume attaches to one node: a fetch Job pod scheduled
@@ -305,14 +327,17 @@ def _colocate(pod_spec: dict[str, Any], pod_labels: dict[str, str], spec: Policy
         return
     affinity = pod_spec.setdefault("affinity", {})
     pod_affinity = affinity.setdefault("podAffinity", {})
-    pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append({
-        "labelSelector": {"matchLabels": {LABEL_CACHE_CLAIM: claim_name(spec)}},
-        "topologyKey": HOSTNAME_TOPOLOGY,
-    })
+    pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
+        {
+            "labelSelector": {"matchLabels": {LABEL_CACHE_CLAIM: claim_name(spec)}},
+            "topologyKey": HOSTNAME_TOPOLOGY,
+        }
+    )
 
 
-def _job_pod_spec(spec: PolicyServerSpec, containers: list[dict[str, Any]],
-                  volumes: list[dict[str, Any]]) -> dict[str, Any]:
+def _job_pod_spec(
+    spec: PolicyServerSpec, containers: list[dict[str, Any]], volumes: list[dict[str, Any]]
+) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "securityContext": _pod_security_context(),
@@ -325,8 +350,9 @@ def _job_pod_spec(spec: PolicyServerSpec, containers: list[dict[str, Any]],
     return pod_spec
 
 
-def _pod_metadata(spec: PolicyServerSpec, own_labels: dict[str, str],
-                  annotations: dict[str, str] | None = None) -> dict[str, Any]:
+def _pod_metadata(
+    spec: PolicyServerSpec, own_labels: dict[str, str], annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
     """A pod template's metadata: podLabels/podAnnotations first, the operator's own on top."""
     meta: dict[str, Any] = {"labels": {**spec.pod_labels, **own_labels}}
     merged = {**spec.pod_annotations, **(annotations or {})}
@@ -346,12 +372,20 @@ def build_fetch_job(spec: PolicyServerSpec, cache_modes: Sequence[str] | None = 
     job_spec: dict[str, Any] = {
         "backoffLimit": ck.fetch_job.backoff_limit,
         "ttlSecondsAfterFinished": ck.fetch_job.ttl_seconds_after_finished,
-        "podFailurePolicy": {"rules": [
-            {"action": "FailJob", "onExitCodes": {"containerName": FETCH_CONTAINER, "operator": "In",
-                                                  "values": [int(code) for code in FETCH_FATAL]}},
-            # a drained or preempted node is not the download's fault
-            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-        ]},
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {
+                        "containerName": FETCH_CONTAINER,
+                        "operator": "In",
+                        "values": [int(code) for code in FETCH_FATAL],
+                    },
+                },
+                # a drained or preempted node is not the download's fault
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            ]
+        },
         "template": {"metadata": _pod_metadata(spec, pod_labels), "spec": pod_spec},
     }
     if ck.fetch_job.active_deadline_seconds is not None:
@@ -362,15 +396,27 @@ def build_fetch_job(spec: PolicyServerSpec, cache_modes: Sequence[str] | None = 
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": Names(spec.name).job(ck.key), "namespace": spec.namespace, "labels": job_labels,
-                     "annotations": annotations},
+        "metadata": {
+            "name": Names(spec.name).job(ck.key),
+            "namespace": spec.namespace,
+            "labels": job_labels,
+            "annotations": annotations,
+        },
         "spec": job_spec,
     }
 
 
 def prune_command(spec: PolicyServerSpec, keep_key: str) -> list[str]:
-    return ["policyserver", "checkpoint", "prune", CACHE_MOUNT_PATH, "--keep", keep_key,
-            "--keep-last", str(spec.storage.keep_checkpoints)]
+    return [
+        "policyserver",
+        "checkpoint",
+        "prune",
+        CACHE_MOUNT_PATH,
+        "--keep",
+        keep_key,
+        "--keep-last",
+        str(spec.storage.keep_checkpoints),
+    ]
 
 
 def _prune_container(spec: PolicyServerSpec, keep_key: str) -> dict[str, Any]:
@@ -409,6 +455,7 @@ def build_gc_job(spec: PolicyServerSpec, keep_key: str, cache_modes: Sequence[st
 
 # --- StatefulSet ----------------------------------------------------------------------
 
+
 def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint, *, compile_cache: bool = False) -> list[str]:
     """``policyserver serve`` with the flags the spec manages, then extraArgs; serve runs torchrun as its child.
 
@@ -417,11 +464,21 @@ def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint, *, compil
     """
     rt, layout = spec.runtime, spec.layout
     flags = managed_argv(
-        checkpoint=serving.path, policy=spec.policy.flag, port=spec.service.port, cfgp=layout.cfgp, dp=layout.dp,
-        guidance=rt.guidance, steps=rt.steps, max_batch=rt.batching.max_batch, batch_window_ms=rt.batching.window_ms, device=rt.device,
-        drain_grace_s=rt.drain_grace_seconds, latency_budget_ms=rt.batching.latency_budget_ms,
+        checkpoint=serving.path,
+        policy=spec.policy.flag,
+        port=spec.service.port,
+        cfgp=layout.cfgp,
+        dp=layout.dp,
+        guidance=rt.guidance,
+        steps=rt.steps,
+        max_batch=rt.batching.max_batch,
+        batch_window_ms=rt.batching.window_ms,
+        device=rt.device,
+        drain_grace_s=rt.drain_grace_seconds,
+        latency_budget_ms=rt.batching.latency_budget_ms,
         max_connections=rt.max_connections,
-        rtc=rt.rtc.mode if rt.rtc.mode != "off" else None, rtc_max_delay=rt.rtc.max_inference_delay,
+        rtc=rt.rtc.mode if rt.rtc.mode != "off" else None,
+        rtc_max_delay=rt.rtc.max_inference_delay,
         auth_token_file=f"{AUTH_TOKEN_DIR}/{TOKEN_FILE}" if spec.auth.secret_ref is not None else None,
     )
     if compile_cache:
@@ -443,7 +500,7 @@ def termination_grace_seconds(spec: PolicyServerSpec) -> int:
 
 def _quantity(value: Decimal) -> str:
     """A byte count as a quantity: whole Gi or Mi when it is one, else bytes."""
-    for unit, size in (("Gi", Decimal(1024 ** 3)), ("Mi", Decimal(1024 ** 2))):
+    for unit, size in (("Gi", Decimal(1024**3)), ("Mi", Decimal(1024**2))):
         if value % size == 0:
             return f"{int(value / size)}{unit}"
     return str(int(value))
@@ -500,8 +557,9 @@ def _apply_scheduling(pod_spec: dict[str, Any], spec: PolicyServerSpec) -> None:
         pod_spec["imagePullSecrets"] = [ref.to_api() for ref in spec.image_pull_secrets]
 
 
-def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint,
-                       cache_modes: Sequence[str] | None = None) -> dict[str, Any]:
+def build_pod_template(
+    spec: PolicyServerSpec, serving: ServingCheckpoint, cache_modes: Sequence[str] | None = None
+) -> dict[str, Any]:
     """The server pod: (perPod: fetch, prune) verify, then torchrun; ``cache_modes`` are the shared claim's."""
     port = spec.service.port
     rt = spec.runtime
@@ -527,8 +585,12 @@ def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint,
         mounts.append({"name": VOL_AUTH_TOKEN, "mountPath": AUTH_TOKEN_DIR, "readOnly": True})
 
     def http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
-        return {"httpGet": {"path": path, "port": PORT_NAME}, "periodSeconds": period, "timeoutSeconds": 3,
-                "failureThreshold": failures}
+        return {
+            "httpGet": {"path": path, "port": PORT_NAME},
+            "periodSeconds": period,
+            "timeoutSeconds": 3,
+            "failureThreshold": failures,
+        }
 
     startup_period = 5
     server: dict[str, Any] = {
@@ -541,8 +603,9 @@ def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint,
         "resources": _server_resources(spec),
         "securityContext": _container_security_context(),
         # model load + warm-up can take minutes: liveness only starts once the process answers
-        "startupProbe": http_probe(HEALTHZ_PATH, startup_period,
-                                   max(1, -(-rt.startup_timeout_seconds // startup_period))),
+        "startupProbe": http_probe(
+            HEALTHZ_PATH, startup_period, max(1, -(-rt.startup_timeout_seconds // startup_period))
+        ),
         "livenessProbe": http_probe(HEALTHZ_PATH, 10, 3),
         "readinessProbe": http_probe(READYZ_PATH, 5, 2),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
@@ -551,8 +614,14 @@ def build_pod_template(spec: PolicyServerSpec, serving: ServingCheckpoint,
     verify: dict[str, Any] = {
         "name": VERIFY_CONTAINER,
         "image": spec.image,
-        "command": ["policyserver", "checkpoint", "verify", serving.path, "--require-marker",
-                    *(["--references"] if spec.policy.type == LEROBOT else [])],
+        "command": [
+            "policyserver",
+            "checkpoint",
+            "verify",
+            serving.path,
+            "--require-marker",
+            *(["--references"] if spec.policy.type == LEROBOT else []),
+        ],
         "env": _home_env(),
         "volumeMounts": mounts[:2],
         "securityContext": _container_security_context(),
@@ -602,8 +671,9 @@ def template_hash(template: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
-def build_statefulset(spec: PolicyServerSpec, serving: ServingCheckpoint | None = None,
-                      cache_modes: Sequence[str] | None = None) -> dict[str, Any]:
+def build_statefulset(
+    spec: PolicyServerSpec, serving: ServingCheckpoint | None = None, cache_modes: Sequence[str] | None = None
+) -> dict[str, Any]:
     serving = serving or ServingCheckpoint.of(spec)
     names = Names(spec.name)
     template = build_pod_template(spec, serving, cache_modes)
@@ -611,7 +681,8 @@ def build_statefulset(spec: PolicyServerSpec, serving: ServingCheckpoint | None 
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": {
-            "name": names.statefulset, "namespace": spec.namespace,
+            "name": names.statefulset,
+            "namespace": spec.namespace,
             "labels": {**labels(spec.name, COMPONENT_SERVER), LABEL_CHECKPOINT_KEY: serving.key},
             "annotations": {ANNOTATION_TEMPLATE_HASH: template["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH]},
         },
@@ -632,11 +703,14 @@ def build_statefulset(spec: PolicyServerSpec, serving: ServingCheckpoint | None 
         sts["spec"]["volumeClaimTemplates"] = [claim_template(spec)]
         # a scaled-down pod's claim stays (scaling back up reuses its download); deletion follows retainOnDelete
         sts["spec"]["persistentVolumeClaimRetentionPolicy"] = {
-            "whenDeleted": "Retain" if spec.storage.retain_on_delete else "Delete", "whenScaled": "Retain"}
+            "whenDeleted": "Retain" if spec.storage.retain_on_delete else "Delete",
+            "whenScaled": "Retain",
+        }
     return sts
 
 
 # --- PodDisruptionBudget ------------------------------------------------------------------
+
 
 def build_pdb(spec: PolicyServerSpec) -> dict[str, Any]:
     """At most one server pod voluntarily disrupted at a time (node drains, cluster upgrades): replicas > 1 only.
@@ -648,15 +722,22 @@ def build_pdb(spec: PolicyServerSpec) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": {"name": Names(spec.name).pdb, "namespace": spec.namespace,
-                     "labels": labels(spec.name, COMPONENT_SERVER)},
-        "spec": {"maxUnavailable": PDB_MAX_UNAVAILABLE, "selector": {"matchLabels": selector_labels(spec.name)},
-                 # a pod that never became ready (a crash loop) may be evicted: it serves nobody
-                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+        "metadata": {
+            "name": Names(spec.name).pdb,
+            "namespace": spec.namespace,
+            "labels": labels(spec.name, COMPONENT_SERVER),
+        },
+        "spec": {
+            "maxUnavailable": PDB_MAX_UNAVAILABLE,
+            "selector": {"matchLabels": selector_labels(spec.name)},
+            # a pod that never became ready (a crash loop) may be evicted: it serves nobody
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
     }
 
 
 # --- Services -------------------------------------------------------------------------
+
 
 def _service_ports(spec: PolicyServerSpec) -> list[dict[str, Any]]:
     return [{"name": PORT_NAME, "port": spec.service.port, "targetPort": PORT_NAME, "protocol": "TCP"}]
@@ -666,8 +747,11 @@ def build_service(spec: PolicyServerSpec) -> dict[str, Any]:
     svc: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": Names(spec.name).service, "namespace": spec.namespace,
-                     "labels": labels(spec.name, COMPONENT_SERVER)},
+        "metadata": {
+            "name": Names(spec.name).service,
+            "namespace": spec.namespace,
+            "labels": labels(spec.name, COMPONENT_SERVER),
+        },
         "spec": {"type": spec.service.type, "selector": selector_labels(spec.name), "ports": _service_ports(spec)},
     }
     if spec.service.annotations:
@@ -680,18 +764,26 @@ def build_headless_service(spec: PolicyServerSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": Names(spec.name).headless_service, "namespace": spec.namespace,
-                     "labels": labels(spec.name, COMPONENT_SERVER)},
-        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector_labels(spec.name),
-                 "ports": _service_ports(spec)},
+        "metadata": {
+            "name": Names(spec.name).headless_service,
+            "namespace": spec.namespace,
+            "labels": labels(spec.name, COMPONENT_SERVER),
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(spec.name),
+            "ports": _service_ports(spec),
+        },
     }
 
 
 def service_fingerprint(svc: Mapping[str, Any]) -> tuple[Any, ...]:
     """The spec fields of a Service the operator owns; the API server adds others (clusterIP, nodePort...)."""
     spec = svc.get("spec") or {}
-    ports = tuple((p.get("name"), p.get("port"), p.get("targetPort"), p.get("protocol", "TCP"))
-                  for p in spec.get("ports") or [])
+    ports = tuple(
+        (p.get("name"), p.get("port"), p.get("targetPort"), p.get("protocol", "TCP")) for p in spec.get("ports") or []
+    )
     return (spec.get("type", "ClusterIP"), tuple(sorted((spec.get("selector") or {}).items())), ports)
 
 

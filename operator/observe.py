@@ -52,15 +52,21 @@ class Observed:
 
 def running_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> str | None:
     """The newest fetch pod whose fetch container is running: the attempt whose progress counts."""
-    running = [p for p in job_pods
-               if any(cs.get("name") == FETCH_CONTAINER and (cs.get("state") or {}).get("running") is not None
-                      for cs in (p.get("status") or {}).get("containerStatuses") or [])]
+    running = [
+        p
+        for p in job_pods
+        if any(
+            cs.get("name") == FETCH_CONTAINER and (cs.get("state") or {}).get("running") is not None
+            for cs in (p.get("status") or {}).get("containerStatuses") or []
+        )
+    ]
     running.sort(key=lambda p: (p.get("metadata") or {}).get("creationTimestamp") or "")
     return (running[-1].get("metadata") or {}).get("name") if running else None
 
 
-def fetch_log(kube: Kube, namespace: str, job: Mapping[str, Any] | None,
-              job_pods: Sequence[Mapping[str, Any]]) -> str | None:
+def fetch_log(
+    kube: Kube, namespace: str, job: Mapping[str, Any] | None, job_pods: Sequence[Mapping[str, Any]]
+) -> str | None:
     """The end of the running fetch container's log, or None.
 
     Progress is a convenience: a log the kubelet cannot serve (a node being
@@ -73,15 +79,17 @@ def fetch_log(kube: Kube, namespace: str, job: Mapping[str, Any] | None,
     if pod is None:
         return None
     try:
-        return kube.pod_log(namespace, pod, FETCH_CONTAINER, tail_lines=progress_line.TAIL_LINES,
-                            limit_bytes=progress_line.LIMIT_BYTES)
+        return kube.pod_log(
+            namespace, pod, FETCH_CONTAINER, tail_lines=progress_line.TAIL_LINES, limit_bytes=progress_line.LIMIT_BYTES
+        )
     except KubeError as exc:
         log.debug("no download progress from %s/%s: %s", namespace, pod, exc)
         return None
 
 
-def failed_create_events(kube: Kube, namespace: str, owner: Mapping[str, Any] | None, *,
-                         missing_pods: bool) -> list[dict[str, Any]]:
+def failed_create_events(
+    kube: Kube, namespace: str, owner: Mapping[str, Any] | None, *, missing_pods: bool
+) -> list[dict[str, Any]]:
     """The ``FailedCreate`` Events of a Job or StatefulSet, read only while some of its pods are missing.
 
     A pod the API server refuses never exists, so its refusal (quota,
@@ -99,8 +107,9 @@ def failed_create_events(kube: Kube, namespace: str, owner: Mapping[str, Any] | 
         return []
 
 
-def job_events(kube: Kube, namespace: str, job: Mapping[str, Any] | None,
-               job_pods: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def job_events(
+    kube: Kube, namespace: str, job: Mapping[str, Any] | None, job_pods: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
     """A running Job with no pod at all: the Job controller may be refused (its FailedCreate Events say why).
     A fetch pod that exists and does not start: the kubelet's Warnings on it (``FailedMount``) say why, when
     neither its containers nor the scheduler do."""
@@ -117,8 +126,9 @@ def job_events(kube: Kube, namespace: str, job: Mapping[str, Any] | None,
     return events
 
 
-def statefulset_events(kube: Kube, namespace: str, sts: Mapping[str, Any] | None,
-                       pods: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def statefulset_events(
+    kube: Kube, namespace: str, sts: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
     """Fewer pods than the StatefulSet asks for: its FailedCreate Events say whether one was refused."""
     live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
     wanted = int(((sts or {}).get("spec") or {}).get("replicas") or 0)
@@ -128,8 +138,15 @@ def statefulset_events(kube: Kube, namespace: str, sts: Mapping[str, Any] | None
 def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
     ns, names = spec.namespace, Names(spec.name)
     job = kube.get("Job", ns, names.job(spec.checkpoint.key))
-    job_pods = kube.list("Pod", ns, {**manifests.selector_labels(spec.name, COMPONENT_FETCH),
-                                     LABEL_CHECKPOINT_KEY: spec.checkpoint.key}) if job else []
+    job_pods = (
+        kube.list(
+            "Pod",
+            ns,
+            {**manifests.selector_labels(spec.name, COMPONENT_FETCH), LABEL_CHECKPOINT_KEY: spec.checkpoint.key},
+        )
+        if job
+        else []
+    )
     sts = kube.get("StatefulSet", ns, names.statefulset)
     # the rollout (rollout.py) decides from every server pod's revision, readiness and schedulability
     pods = kube.list("Pod", ns, manifests.selector_labels(spec.name)) if sts else []
@@ -142,9 +159,12 @@ def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
         pods=pods,
         service=kube.get("Service", ns, names.service),
         headless_service=kube.get("Service", ns, names.headless_service),
-        job_pods_all=[p for p in kube.list("Pod", ns, _instance_labels(spec.name))
-                      if ((p.get("metadata") or {}).get("labels") or {}).get(LABEL_COMPONENT)
-                      in (COMPONENT_FETCH, COMPONENT_CACHE_GC)],
+        job_pods_all=[
+            p
+            for p in kube.list("Pod", ns, _instance_labels(spec.name))
+            if ((p.get("metadata") or {}).get("labels") or {}).get(LABEL_COMPONENT)
+            in (COMPONENT_FETCH, COMPONENT_CACHE_GC)
+        ],
         **storage_and_disruption(kube, spec),
     )
 
@@ -157,19 +177,31 @@ def _instance_labels(name: str) -> dict[str, str]:
 def storage_and_disruption(kube: Kube, spec: PolicyServerSpec) -> dict[str, Any]:
     """perPod cache claims, the cache's StorageClass, the PodDisruptionBudget and the cleanup Job."""
     ns, names = spec.namespace, Names(spec.name)
-    claims = kube.list("PersistentVolumeClaim", ns, manifests.selector_labels(spec.name, COMPONENT_CACHE)) \
-        if spec.storage.per_pod else []
+    claims = (
+        kube.list("PersistentVolumeClaim", ns, manifests.selector_labels(spec.name, COMPONENT_CACHE))
+        if spec.storage.per_pod
+        else []
+    )
     shared = None if spec.storage.per_pod else kube.get("PersistentVolumeClaim", ns, manifests.claim_name(spec))
-    mine = claims if spec.storage.per_pod else [c for c in [shared] if c is not None and not spec.storage.existing_claim]
+    mine = (
+        claims if spec.storage.per_pod else [c for c in [shared] if c is not None and not spec.storage.existing_claim]
+    )
     class_name = ((mine[0] if mine else {}).get("spec") or {}).get("storageClassName")
     storage_class = None
     if class_name and any(wants_growth(c, spec.storage.size) for c in mine):
         storage_class = readable_storage_class(kube, class_name)
-    return {"cache_claims": claims, "storage_class": storage_class, "pdb": kube.get("PodDisruptionBudget", ns, names.pdb),
-            "gc_job": kube.get("Job", ns, names.gc_job(spec.checkpoint.key)),
-            # fetch and cleanup Jobs of every checkpoint: a finished fetch vouches for a directory a cleanup removes
-            "cache_jobs": [] if spec.storage.per_pod or spec.storage.existing_claim else kube.list(
-                "Job", ns, {k: v for k, v in manifests.selector_labels(spec.name).items() if k != LABEL_COMPONENT})}
+    return {
+        "cache_claims": claims,
+        "storage_class": storage_class,
+        "pdb": kube.get("PodDisruptionBudget", ns, names.pdb),
+        "gc_job": kube.get("Job", ns, names.gc_job(spec.checkpoint.key)),
+        # fetch and cleanup Jobs of every checkpoint: a finished fetch vouches for a directory a cleanup removes
+        "cache_jobs": []
+        if spec.storage.per_pod or spec.storage.existing_claim
+        else kube.list(
+            "Job", ns, {k: v for k, v in manifests.selector_labels(spec.name).items() if k != LABEL_COMPONENT}
+        ),
+    }
 
 
 def wants_growth(claim: Mapping[str, Any], size: str) -> bool:
@@ -214,16 +246,23 @@ def failure_log(kube: Kube, namespace: str, health: PodHealth) -> PodHealth:
         return health
     container, previous = health.log_ref
     try:
-        log_text = kube.pod_log(namespace, health.name, container, tail_lines=FAILURE_LOG_LINES,
-                                limit_bytes=FAILURE_LOG_BYTES, previous=previous)
+        log_text = kube.pod_log(
+            namespace,
+            health.name,
+            container,
+            tail_lines=FAILURE_LOG_LINES,
+            limit_bytes=FAILURE_LOG_BYTES,
+            previous=previous,
+        )
     except KubeError as exc:
         log.debug("no log of %s/%s %s: %s", namespace, health.name, container, exc)
         return health
     return rank_probe.explain(health, log_text)
 
 
-def ranks(kube: Kube, spec: PolicyServerSpec, statefulset: Mapping[str, Any] | None, *,
-          probe_timeout: float) -> tuple[list[dict[str, Any]], list[PodHealth]]:
+def ranks(
+    kube: Kube, spec: PolicyServerSpec, statefulset: Mapping[str, Any] | None, *, probe_timeout: float
+) -> tuple[list[dict[str, Any]], list[PodHealth]]:
     """The server pods and each one's per-rank readiness from its own ``/readyz`` (concurrently, bounded)."""
     if statefulset is None:
         return [], []

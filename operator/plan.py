@@ -55,9 +55,9 @@ from policy_operator.operator.spec import PolicyServerSpec
 
 
 class Verb(StrEnum):
-    APPLY = "apply"    # server-side apply, every pass
+    APPLY = "apply"  # server-side apply, every pass
     CREATE = "create"  # only when missing
-    PATCH = "patch"    # a merge patch of a few fields
+    PATCH = "patch"  # a merge patch of a few fields
     DELETE = "delete"  # an owned child the spec no longer asks for
 
 
@@ -90,6 +90,7 @@ class Plan:
 
 # --- ownership --------------------------------------------------------------------------------
 
+
 def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
     refs = (obj.get("metadata") or {}).get("ownerReferences") or []
     return any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
@@ -101,7 +102,9 @@ def labelled_ours(obj: Mapping[str, Any], name: str) -> bool:
 
 
 def _conflict(kind: str, name: str, why: str) -> Condition:
-    return Condition(COND_PROGRESSING, FALSE, Reason.NAME_CONFLICT, f"{kind} {name} exists but {why}; rename or delete it")
+    return Condition(
+        COND_PROGRESSING, FALSE, Reason.NAME_CONFLICT, f"{kind} {name} exists but {why}; rename or delete it"
+    )
 
 
 def _adopted(obj: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
@@ -118,8 +121,10 @@ def _owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
 
 # --- the parts ------------------------------------------------------------------------------
 
-def serving_checkpoint(spec: PolicyServerSpec, checkpoint: CheckpointState,
-                       sts: Mapping[str, Any] | None, *, hold: bool = False) -> ServingCheckpoint | None:
+
+def serving_checkpoint(
+    spec: PolicyServerSpec, checkpoint: CheckpointState, sts: Mapping[str, Any] | None, *, hold: bool = False
+) -> ServingCheckpoint | None:
     """The checkpoint the pods should load: the spec's once it is downloaded, else whatever they load now;
     ``hold`` keeps what they load now (a cleanup may still be removing the spec's directory)."""
     if checkpoint.phase == CheckpointPhase.READY and not hold:
@@ -131,8 +136,9 @@ def serving_checkpoint(spec: PolicyServerSpec, checkpoint: CheckpointState,
     annotations = template_meta.get("annotations") or {}
     if not key or ANNOTATION_CHECKPOINT_SOURCE not in annotations:
         return None
-    return ServingCheckpoint(key, annotations[ANNOTATION_CHECKPOINT_SOURCE],
-                             annotations.get(ANNOTATION_CHECKPOINT_REVISION))
+    return ServingCheckpoint(
+        key, annotations[ANNOTATION_CHECKPOINT_SOURCE], annotations.get(ANNOTATION_CHECKPOINT_REVISION)
+    )
 
 
 def _plan_pvc(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], pvc: Mapping[str, Any] | None) -> None:
@@ -141,15 +147,26 @@ def _plan_pvc(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], pvc:
         return  # the StatefulSet controller makes one claim per pod from the volumeClaimTemplate
     if spec.storage.existing_claim:
         if pvc is None:
-            plan.problem = Condition(COND_PROGRESSING, FALSE, Reason.CLAIM_NOT_FOUND,
-                                     f"storage.existingClaim {spec.storage.existing_claim} does not exist")
+            plan.problem = Condition(
+                COND_PROGRESSING,
+                FALSE,
+                Reason.CLAIM_NOT_FOUND,
+                f"storage.existingClaim {spec.storage.existing_claim} does not exist",
+            )
         return
     want_owned = not spec.storage.retain_on_delete
     if pvc is None:
         body = manifests.build_pvc(spec)
         body = _adopted(body, owner) if want_owned else body
-        plan.writes.append(Write(Verb.CREATE, "PersistentVolumeClaim", names.pvc, body,
-                                 Event("Normal", "Created", f"created PersistentVolumeClaim {names.pvc}")))
+        plan.writes.append(
+            Write(
+                Verb.CREATE,
+                "PersistentVolumeClaim",
+                names.pvc,
+                body,
+                Event("Normal", "Created", f"created PersistentVolumeClaim {names.pvc}"),
+            )
+        )
         return
     if not labelled_ours(pvc, spec.name):
         plan.problem = _conflict("PersistentVolumeClaim", names.pvc, "was not created for this PolicyServer")
@@ -160,10 +177,20 @@ def _plan_pvc(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], pvc:
     wanted = others + ([_owner_reference(owner)] if want_owned else [])
     if len(wanted) != len(refs) or (want_owned and not controlled_by(pvc, uid)):
         verb = "owned by" if want_owned else "released from"
-        plan.writes.append(Write(Verb.PATCH, "PersistentVolumeClaim", names.pvc,
-                                 {"metadata": {"ownerReferences": wanted or None}},
-                                 Event("Normal", "Updated", f"PersistentVolumeClaim {names.pvc} {verb} the "
-                                                            f"PolicyServer (retainOnDelete={spec.storage.retain_on_delete})")))
+        plan.writes.append(
+            Write(
+                Verb.PATCH,
+                "PersistentVolumeClaim",
+                names.pvc,
+                {"metadata": {"ownerReferences": wanted or None}},
+                Event(
+                    "Normal",
+                    "Updated",
+                    f"PersistentVolumeClaim {names.pvc} {verb} the "
+                    f"PolicyServer (retainOnDelete={spec.storage.retain_on_delete})",
+                ),
+            )
+        )
 
 
 def _bytes(quantity: Any) -> Any:
@@ -179,8 +206,13 @@ def _expandable(storage_class: Mapping[str, Any] | None) -> bool | None:
     return bool(storage_class.get("allowVolumeExpansion"))
 
 
-def _plan_storage(plan: Plan, spec: PolicyServerSpec, claims: Sequence[Mapping[str, Any]],
-                  storage_class: Mapping[str, Any] | None, sts: Mapping[str, Any] | None) -> list[Write]:
+def _plan_storage(
+    plan: Plan,
+    spec: PolicyServerSpec,
+    claims: Sequence[Mapping[str, Any]],
+    storage_class: Mapping[str, Any] | None,
+    sts: Mapping[str, Any] | None,
+) -> list[Write]:
     """StorageReady, and the writes that grow claims (run last: a refused growth must not stop the rest).
 
     A claim's access modes and class cannot change after it is made: an
@@ -194,17 +226,25 @@ def _plan_storage(plan: Plan, spec: PolicyServerSpec, claims: Sequence[Mapping[s
         has_templates = bool((sts.get("spec") or {}).get("volumeClaimTemplates"))
         if has_templates != storage.per_pod:
             was = "perPod" if has_templates else "shared"
-            problems.append((Reason.IMMUTABLE_CHANGE,
-                             f"storage.mode {storage.mode} cannot replace {was} on an existing PolicyServer (a "
-                             f"StatefulSet's volumeClaimTemplates are immutable); the pods are left as they are: set "
-                             f"it back to {was}, or delete and recreate the PolicyServer"))
+            problems.append(
+                (
+                    Reason.IMMUTABLE_CHANGE,
+                    f"storage.mode {storage.mode} cannot replace {was} on an existing PolicyServer (a "
+                    f"StatefulSet's volumeClaimTemplates are immutable); the pods are left as they are: set "
+                    f"it back to {was}, or delete and recreate the PolicyServer",
+                )
+            )
     for claim in claims:
         meta = claim.get("metadata") or {}
         if meta.get("deletionTimestamp"):
-            problems.append((Reason.CLAIM_TERMINATING,
-                             f"PersistentVolumeClaim {meta.get('name')} is being deleted: it goes once no pod uses it "
-                             f"(kubernetes.io/pvc-protection), then a new, empty claim is made and the checkpoint is "
-                             f"fetched again"))
+            problems.append(
+                (
+                    Reason.CLAIM_TERMINATING,
+                    f"PersistentVolumeClaim {meta.get('name')} is being deleted: it goes once no pod uses it "
+                    f"(kubernetes.io/pvc-protection), then a new, empty claim is made and the checkpoint is "
+                    f"fetched again",
+                )
+            )
     if not storage.existing_claim:
         want = _bytes(storage.size)
         for claim in claims:
@@ -212,51 +252,87 @@ def _plan_storage(plan: Plan, spec: PolicyServerSpec, claims: Sequence[Mapping[s
             claim_spec = claim.get("spec") or {}
             modes = sorted(claim_spec.get("accessModes") or [])
             if storage.access_modes and modes != sorted(storage.access_modes):
-                problems.append((Reason.IMMUTABLE_CHANGE,
-                                 f"PersistentVolumeClaim {name} has access modes {modes}, the spec asks for "
-                                 f"{sorted(storage.access_modes)}: access modes cannot change after creation; "
-                                 f"delete the claim (the checkpoint downloads again) or restore the spec"))
+                problems.append(
+                    (
+                        Reason.IMMUTABLE_CHANGE,
+                        f"PersistentVolumeClaim {name} has access modes {modes}, the spec asks for "
+                        f"{sorted(storage.access_modes)}: access modes cannot change after creation; "
+                        f"delete the claim (the checkpoint downloads again) or restore the spec",
+                    )
+                )
             if storage.storage_class_name and claim_spec.get("storageClassName") != storage.storage_class_name:
-                problems.append((Reason.IMMUTABLE_CHANGE,
-                                 f"PersistentVolumeClaim {name} has StorageClass {claim_spec.get('storageClassName')}, "
-                                 f"the spec asks for {storage.storage_class_name}: a claim's class cannot change; "
-                                 f"delete the claim (the checkpoint downloads again) or restore the spec"))
+                problems.append(
+                    (
+                        Reason.IMMUTABLE_CHANGE,
+                        f"PersistentVolumeClaim {name} has StorageClass {claim_spec.get('storageClassName')}, "
+                        f"the spec asks for {storage.storage_class_name}: a claim's class cannot change; "
+                        f"delete the claim (the checkpoint downloads again) or restore the spec",
+                    )
+                )
             have = _bytes(((claim_spec.get("resources") or {}).get("requests") or {}).get("storage"))
             if have is None or want == have:
                 continue
             if want < have:
-                problems.append((Reason.IMMUTABLE_CHANGE,
-                                 f"PersistentVolumeClaim {name} requests {claim_spec['resources']['requests']['storage']}"
-                                 f"; storage.size {storage.size} is smaller and a claim never shrinks"))
+                problems.append(
+                    (
+                        Reason.IMMUTABLE_CHANGE,
+                        f"PersistentVolumeClaim {name} requests {claim_spec['resources']['requests']['storage']}"
+                        f"; storage.size {storage.size} is smaller and a claim never shrinks",
+                    )
+                )
             elif _expandable(storage_class) is False:
-                problems.append((Reason.EXPANSION_NOT_ALLOWED,
-                                 f"PersistentVolumeClaim {name} stays at {claim_spec['resources']['requests']['storage']}"
-                                 f": StorageClass {(storage_class or {}).get('metadata', {}).get('name')} does not "
-                                 f"allow volume expansion (allowVolumeExpansion is not true)"))
+                problems.append(
+                    (
+                        Reason.EXPANSION_NOT_ALLOWED,
+                        f"PersistentVolumeClaim {name} stays at {claim_spec['resources']['requests']['storage']}"
+                        f": StorageClass {(storage_class or {}).get('metadata', {}).get('name')} does not "
+                        f"allow volume expansion (allowVolumeExpansion is not true)",
+                    )
+                )
             else:
-                grows.append(Write(Verb.PATCH, "PersistentVolumeClaim", name, manifests.grown_claim_patch(storage.size),
-                                   Event("Normal", "Expanding", f"PersistentVolumeClaim {name}: "
-                                         f"{claim_spec['resources']['requests']['storage']} -> {storage.size}")))
+                grows.append(
+                    Write(
+                        Verb.PATCH,
+                        "PersistentVolumeClaim",
+                        name,
+                        manifests.grown_claim_patch(storage.size),
+                        Event(
+                            "Normal",
+                            "Expanding",
+                            f"PersistentVolumeClaim {name}: "
+                            f"{claim_spec['resources']['requests']['storage']} -> {storage.size}",
+                        ),
+                    )
+                )
         shared_claim = claims[0] if claims and not storage.per_pod else None
         if shared_claim is not None and spec.replicas > 1:
             modes = (shared_claim.get("spec") or {}).get("accessModes") or []
             if not manifests.cache_is_shared(modes):
-                problems.append((Reason.CACHE_NOT_SHARED,
-                                 f"{spec.replicas} replicas share the ReadWriteOnce cache "
-                                 f"{(shared_claim.get('metadata') or {}).get('name')}: a pod affinity keeps them all "
-                                 f"on one node (they fit only if one node has room for all of them); use "
-                                 f"ReadWriteMany storage or storage.mode perPod"))
+                problems.append(
+                    (
+                        Reason.CACHE_NOT_SHARED,
+                        f"{spec.replicas} replicas share the ReadWriteOnce cache "
+                        f"{(shared_claim.get('metadata') or {}).get('name')}: a pod affinity keeps them all "
+                        f"on one node (they fit only if one node has room for all of them); use "
+                        f"ReadWriteMany storage or storage.mode perPod",
+                    )
+                )
     if problems:
         reason, _ = problems[0]
         plan.storage = Condition(COND_STORAGE_READY, FALSE, reason, "; ".join(m for _, m in problems))
     elif grows:
-        plan.storage = Condition(COND_STORAGE_READY, TRUE, Reason.EXPANDING,
-                                 f"growing {', '.join(w.name for w in grows)} to {storage.size}")
+        plan.storage = Condition(
+            COND_STORAGE_READY, TRUE, Reason.EXPANDING, f"growing {', '.join(w.name for w in grows)} to {storage.size}"
+        )
     else:
-        what = (f"one claim per pod ({manifests.VOL_CACHE}-{spec.name}-N), {storage.size}" if storage.per_pod
-                else f"claim {manifests.claim_name(spec)}")
-        plan.storage = Condition(COND_STORAGE_READY, TRUE, Reason.STORAGE_AS_SPECIFIED,
-                                 f"{what} as spec.storage says (mode {storage.mode})")
+        what = (
+            f"one claim per pod ({manifests.VOL_CACHE}-{spec.name}-N), {storage.size}"
+            if storage.per_pod
+            else f"claim {manifests.claim_name(spec)}"
+        )
+        plan.storage = Condition(
+            COND_STORAGE_READY, TRUE, Reason.STORAGE_AS_SPECIFIED, f"{what} as spec.storage says (mode {storage.mode})"
+        )
     return grows
 
 
@@ -265,24 +341,48 @@ def _cache_modes(spec: PolicyServerSpec, pvc: Mapping[str, Any] | None) -> tuple
     return tuple(((pvc or {}).get("spec") or {}).get("accessModes") or spec.access_modes)
 
 
-def _plan_job(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], job: Mapping[str, Any] | None,
-              checkpoint: CheckpointState, pvc: Mapping[str, Any] | None = None, cleanup: str | None = None) -> None:
+def _plan_job(
+    plan: Plan,
+    spec: PolicyServerSpec,
+    owner: Mapping[str, Any],
+    job: Mapping[str, Any] | None,
+    checkpoint: CheckpointState,
+    pvc: Mapping[str, Any] | None = None,
+    cleanup: str | None = None,
+) -> None:
     job_name = Names(spec.name).job(spec.checkpoint.key)
     if spec.storage.per_pod:
         return  # every pod fetches into its own claim (an init container)
     if job is not None and not labelled_ours(job, spec.name):
         plan.problem = _conflict("Job", job_name, "was not created for this PolicyServer")
     elif job is not None and checkpoint.stale_job:  # it filled a claim that is gone: the next pass fetches again
-        plan.writes.append(Write(Verb.DELETE, "Job", job_name, {},
-                                 Event("Normal", "Deleted", f"deleted fetch Job {job_name}: it downloaded into a "
-                                                            f"cache claim that was deleted since")))
+        plan.writes.append(
+            Write(
+                Verb.DELETE,
+                "Job",
+                job_name,
+                {},
+                Event(
+                    "Normal",
+                    "Deleted",
+                    f"deleted fetch Job {job_name}: it downloaded into a cache claim that was deleted since",
+                ),
+            )
+        )
     elif job is None and checkpoint.phase != CheckpointPhase.READY and cleanup is None:
-        plan.writes.append(Write(Verb.CREATE, "Job", job_name,
-                                 _adopted(manifests.build_fetch_job(spec, _cache_modes(spec, pvc)), owner),
-                                 Event("Normal", "Created", f"created fetch Job {job_name} for {spec.checkpoint.source}")))
+        plan.writes.append(
+            Write(
+                Verb.CREATE,
+                "Job",
+                job_name,
+                _adopted(manifests.build_fetch_job(spec, _cache_modes(spec, pvc)), owner),
+                Event("Normal", "Created", f"created fetch Job {job_name} for {spec.checkpoint.source}"),
+            )
+        )
 
 
 # --- drift: fields of the operator's children that another manager wrote -----------------------------
+
 
 def foreign_managers(obj: Mapping[str, Any], *path: str) -> list[str]:
     """Field managers other than the operator that own fields under ``path`` (``"spec", "template"``).
@@ -324,25 +424,52 @@ def _repair_template(plan: Plan, name: str, sts: Mapping[str, Any], desired: Map
     if not managers:
         return False
     live = ((sts.get("spec") or {}).get("template")) or {}
-    plan.writes.append(Write(Verb.PATCH, "StatefulSet", name,
-                             {"spec": {"template": replacement_patch(live, desired["spec"]["template"])}},
-                             Event("Warning", "Repaired", f"StatefulSet {name}: the pod template had fields written by "
-                                                          f"{', '.join(managers)}; put back as the PolicyServer says "
-                                                          f"(no pod was replaced for them)")))
+    plan.writes.append(
+        Write(
+            Verb.PATCH,
+            "StatefulSet",
+            name,
+            {"spec": {"template": replacement_patch(live, desired["spec"]["template"])}},
+            Event(
+                "Warning",
+                "Repaired",
+                f"StatefulSet {name}: the pod template had fields written by "
+                f"{', '.join(managers)}; put back as the PolicyServer says "
+                f"(no pod was replaced for them)",
+            ),
+        )
+    )
     return True
 
 
-def _plan_statefulset(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], sts: Mapping[str, Any] | None,
-                      pvc: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]] = ()) -> None:
+def _plan_statefulset(
+    plan: Plan,
+    spec: PolicyServerSpec,
+    owner: Mapping[str, Any],
+    sts: Mapping[str, Any] | None,
+    pvc: Mapping[str, Any] | None,
+    pods: Sequence[Mapping[str, Any]] = (),
+) -> None:
     names, uid = Names(spec.name), owner["metadata"]["uid"]
     assert plan.serving is not None
     desired = _adopted(manifests.build_statefulset(spec, plan.serving, _cache_modes(spec, pvc)), owner)
     want_hash = desired["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH]
     if sts is None:
-        plan.writes.append(Write(Verb.APPLY, "StatefulSet", names.statefulset, desired,
-                                 Event("Normal", "Created", f"created StatefulSet {names.statefulset} "
-                                                            f"({spec.replicas} pods x {spec.layout.world_size} ranks, "
-                                                            f"checkpoint {plan.serving.key})")))
+        plan.writes.append(
+            Write(
+                Verb.APPLY,
+                "StatefulSet",
+                names.statefulset,
+                desired,
+                Event(
+                    "Normal",
+                    "Created",
+                    f"created StatefulSet {names.statefulset} "
+                    f"({spec.replicas} pods x {spec.layout.world_size} ranks, "
+                    f"checkpoint {plan.serving.key})",
+                ),
+            )
+        )
         return
     if not controlled_by(sts, uid):
         plan.problem = _conflict("StatefulSet", names.statefulset, "is not controlled by this PolicyServer")
@@ -355,8 +482,9 @@ def _plan_statefulset(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, An
         desired["spec"]["volumeClaimTemplates"] = copy.deepcopy(templates)
     meta, current_spec = sts.get("metadata") or {}, sts.get("spec") or {}
     drifted = _repair_template(plan, names.statefulset, sts, desired)
-    rollout = plan_rollout(spec.replicas, sts, want_hash, pods, retire_by_ordinal=not spec.storage.per_pod,
-                           drifted=drifted)
+    rollout = plan_rollout(
+        spec.replicas, sts, want_hash, pods, retire_by_ordinal=not spec.storage.per_pod, drifted=drifted
+    )
     desired["spec"]["replicas"] = rollout.replicas
     desired["spec"]["ordinals"] = {"start": rollout.start}
     if rollout.surge is not None:  # left out, server-side apply removes it: the surge is over
@@ -364,11 +492,17 @@ def _plan_statefulset(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, An
     changes = []
     if (meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH) != want_hash:
         old_key = (meta.get("labels") or {}).get(LABEL_CHECKPOINT_KEY)
-        changes.append(f"rolling pods to template {want_hash}" +
-                       (f" (checkpoint {old_key} -> {plan.serving.key})" if old_key != plan.serving.key else "")
-                       + (f"; {rollout.note}" if rollout.note else ""))
-    if current_spec.get("replicas") != rollout.replicas and rollout.event is None and rollout.surge is None \
-            and start_ordinal(sts) == rollout.start:
+        changes.append(
+            f"rolling pods to template {want_hash}"
+            + (f" (checkpoint {old_key} -> {plan.serving.key})" if old_key != plan.serving.key else "")
+            + (f"; {rollout.note}" if rollout.note else "")
+        )
+    if (
+        current_spec.get("replicas") != rollout.replicas
+        and rollout.event is None
+        and rollout.surge is None
+        and start_ordinal(sts) == rollout.start
+    ):
         changes.append(f"scaling {current_spec.get('replicas')} -> {rollout.replicas} pods")
     event = Event("Normal", "Updated", f"StatefulSet {names.statefulset}: " + "; ".join(changes)) if changes else None
     plan.writes.append(Write(Verb.APPLY, "StatefulSet", names.statefulset, desired, event))
@@ -393,33 +527,58 @@ def _service_repair(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> 
     patch: dict[str, Any] = {}
     keys = {(p.get("port"), p.get("protocol", "TCP")): p for p in have.get("ports") or []}
     if set(keys) != {(p["port"], p.get("protocol", "TCP")) for p in want["ports"]}:
-        patch["ports"] = [{**p, **({"nodePort": keys[key]["nodePort"]} if key in keys and "nodePort" in keys[key]
-                                   else {})}
-                          for p in want["ports"] for key in [(p["port"], p.get("protocol", "TCP"))]]
+        patch["ports"] = [
+            {**p, **({"nodePort": keys[key]["nodePort"]} if key in keys and "nodePort" in keys[key] else {})}
+            for p in want["ports"]
+            for key in [(p["port"], p.get("protocol", "TCP"))]
+        ]
     extra = set(have.get("selector") or {}) - set(want["selector"])
     if extra:
         patch["selector"] = {**dict.fromkeys(sorted(extra)), **want["selector"]}
     return {"spec": patch} if patch else None
 
 
-def _plan_service(plan: Plan, owner: Mapping[str, Any], existing: Mapping[str, Any] | None,
-                  desired: dict[str, Any]) -> None:
+def _plan_service(
+    plan: Plan, owner: Mapping[str, Any], existing: Mapping[str, Any] | None, desired: dict[str, Any]
+) -> None:
     name = desired["metadata"]["name"]
     desired = _adopted(desired, owner)
     if existing is None:
-        plan.writes.append(Write(Verb.APPLY, "Service", name, desired, Event("Normal", "Created", f"created Service {name}")))
+        plan.writes.append(
+            Write(Verb.APPLY, "Service", name, desired, Event("Normal", "Created", f"created Service {name}"))
+        )
     elif not controlled_by(existing, owner["metadata"]["uid"]):
         plan.problem = _conflict("Service", name, "is not controlled by this PolicyServer")
     else:
         repair = _service_repair(existing, desired)
         if repair is not None:
-            have = [f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in (existing.get("spec") or {}).get("ports") or []]
-            plan.writes.append(Write(Verb.PATCH, "Service", name, repair, Event(
-                "Warning", "Repaired", f"Service {name}: ports {', '.join(have)} and selector put back as the "
-                                       f"PolicyServer says ({', '.join(f'{p['port']}/{p['protocol']}' for p in desired['spec']['ports'])})")))
+            have = [
+                f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in (existing.get("spec") or {}).get("ports") or []
+            ]
+            plan.writes.append(
+                Write(
+                    Verb.PATCH,
+                    "Service",
+                    name,
+                    repair,
+                    Event(
+                        "Warning",
+                        "Repaired",
+                        f"Service {name}: ports {', '.join(have)} and selector put back as the "
+                        f"PolicyServer says ({', '.join(f'{p["port"]}/{p["protocol"]}' for p in desired['spec']['ports'])})",
+                    ),
+                )
+            )
         changed = repair is None and manifests.service_needs_patch(existing, desired)
-        plan.writes.append(Write(Verb.APPLY, "Service", name, desired,
-                                 Event("Normal", "Updated", f"updated Service {name}") if changed else None))
+        plan.writes.append(
+            Write(
+                Verb.APPLY,
+                "Service",
+                name,
+                desired,
+                Event("Normal", "Updated", f"updated Service {name}") if changed else None,
+            )
+        )
 
 
 def _plan_pdb(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], existing: Mapping[str, Any] | None) -> None:
@@ -428,14 +587,28 @@ def _plan_pdb(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], exis
     if existing is not None and not controlled_by(existing, uid):
         plan.problem = _conflict("PodDisruptionBudget", name, "is not controlled by this PolicyServer")
     elif spec.replicas > 1:
-        event = Event("Normal", "Created", f"created PodDisruptionBudget {name} (maxUnavailable "
-                                           f"{manifests.PDB_MAX_UNAVAILABLE})") if existing is None else None
-        plan.writes.append(Write(Verb.APPLY, "PodDisruptionBudget", name, _adopted(manifests.build_pdb(spec), owner),
-                                 event))
+        event = (
+            Event(
+                "Normal",
+                "Created",
+                f"created PodDisruptionBudget {name} (maxUnavailable {manifests.PDB_MAX_UNAVAILABLE})",
+            )
+            if existing is None
+            else None
+        )
+        plan.writes.append(
+            Write(Verb.APPLY, "PodDisruptionBudget", name, _adopted(manifests.build_pdb(spec), owner), event)
+        )
     elif existing is not None:
-        plan.writes.append(Write(Verb.DELETE, "PodDisruptionBudget", name, {},
-                                 Event("Normal", "Deleted", f"deleted PodDisruptionBudget {name}: "
-                                                            f"{spec.replicas} replica(s)")))
+        plan.writes.append(
+            Write(
+                Verb.DELETE,
+                "PodDisruptionBudget",
+                name,
+                {},
+                Event("Normal", "Deleted", f"deleted PodDisruptionBudget {name}: {spec.replicas} replica(s)"),
+            )
+        )
 
 
 def fully_rolled(sts: Mapping[str, Any] | None, key: str) -> bool:
@@ -449,25 +622,33 @@ def fully_rolled(sts: Mapping[str, Any] | None, key: str) -> bool:
     meta, spec, status = sts.get("metadata") or {}, sts.get("spec") or {}, sts.get("status") or {}
     template_labels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
     replicas = int(spec.get("replicas") or 0)
-    return (template_labels.get(LABEL_CHECKPOINT_KEY) == key
-            and int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 1)
-            and bool(status.get("updateRevision")) and status.get("currentRevision") == status.get("updateRevision")
-            and int(status.get("replicas") or 0) == replicas
-            and int(status.get("updatedReplicas") or 0) == replicas
-            and int(status.get("readyReplicas") or 0) == replicas)
+    return (
+        template_labels.get(LABEL_CHECKPOINT_KEY) == key
+        and int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 1)
+        and bool(status.get("updateRevision"))
+        and status.get("currentRevision") == status.get("updateRevision")
+        and int(status.get("replicas") or 0) == replicas
+        and int(status.get("updatedReplicas") or 0) == replicas
+        and int(status.get("readyReplicas") or 0) == replicas
+    )
 
 
 def _job_finished(job: Mapping[str, Any]) -> bool:
-    return any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
-               for c in (job.get("status") or {}).get("conditions") or [])
+    return any(
+        c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+        for c in (job.get("status") or {}).get("conditions") or []
+    )
 
 
 def _cache_jobs(observed: Observed, component: str, spec: PolicyServerSpec) -> list[Mapping[str, Any]]:
     """This PolicyServer's Jobs of one component for checkpoints other than the spec's."""
-    return [j for j in observed.cache_jobs
-            if labelled_ours(j, spec.name)
-            and (j["metadata"].get("labels") or {}).get(LABEL_COMPONENT) == component
-            and (j["metadata"].get("labels") or {}).get(LABEL_CHECKPOINT_KEY) != spec.checkpoint.key]
+    return [
+        j
+        for j in observed.cache_jobs
+        if labelled_ours(j, spec.name)
+        and (j["metadata"].get("labels") or {}).get(LABEL_COMPONENT) == component
+        and (j["metadata"].get("labels") or {}).get(LABEL_CHECKPOINT_KEY) != spec.checkpoint.key
+    ]
 
 
 def cleanup_running(spec: PolicyServerSpec, observed: Observed) -> str | None:
@@ -480,12 +661,14 @@ def cleanup_running(spec: PolicyServerSpec, observed: Observed) -> str | None:
     pods about to load it.  Until the cleanup has ended nothing is fetched and
     the pods keep the checkpoint they load.
     """
-    return next((j["metadata"]["name"] for j in _cache_jobs(observed, COMPONENT_CACHE_GC, spec)
-                 if not _job_finished(j)), None)
+    return next(
+        (j["metadata"]["name"] for j in _cache_jobs(observed, COMPONENT_CACHE_GC, spec) if not _job_finished(j)), None
+    )
 
 
-def _plan_gc(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed,
-             checkpoint: CheckpointState) -> None:
+def _plan_gc(
+    plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed, checkpoint: CheckpointState
+) -> None:
     """The cleanup Job of the shared cache, once per checkpoint, after the switch to it completed.
 
     Only while the checkpoint's fetch Job is still around (a download just
@@ -508,16 +691,38 @@ def _plan_gc(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], obser
     for job in others:
         if _job_finished(job) and controlled_by(job, owner["metadata"]["uid"]):
             name = job["metadata"]["name"]
-            plan.writes.append(Write(Verb.DELETE, "Job", name, {}, Event(
-                "Normal", "Deleted", f"deleted fetch Job {name}: the cleanup of {manifests.claim_name(spec)} may "
-                                     f"remove its checkpoint")))
+            plan.writes.append(
+                Write(
+                    Verb.DELETE,
+                    "Job",
+                    name,
+                    {},
+                    Event(
+                        "Normal",
+                        "Deleted",
+                        f"deleted fetch Job {name}: the cleanup of {manifests.claim_name(spec)} may "
+                        f"remove its checkpoint",
+                    ),
+                )
+            )
     if others:
         return
     name = Names(spec.name).gc_job(key)
     body = _adopted(manifests.build_gc_job(spec, key, _cache_modes(spec, observed.pvc)), owner)
-    plan.writes.append(Write(Verb.CREATE, "Job", name, body, Event(
-        "Normal", "Created", f"created cleanup Job {name}: every pod serves {key}; keeping the last "
-                             f"{storage.keep_checkpoints} checkpoint(s) on {manifests.claim_name(spec)}")))
+    plan.writes.append(
+        Write(
+            Verb.CREATE,
+            "Job",
+            name,
+            body,
+            Event(
+                "Normal",
+                "Created",
+                f"created cleanup Job {name}: every pod serves {key}; keeping the last "
+                f"{storage.keep_checkpoints} checkpoint(s) on {manifests.claim_name(spec)}",
+            ),
+        )
+    )
 
 
 def plan(spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed, checkpoint: CheckpointState) -> Plan:
@@ -556,8 +761,11 @@ def finished_job_pods(spec: PolicyServerSpec, observed: Observed) -> list[Write]
     vouches for the download).  A failed attempt's pod is kept: its
     termination message is the fetch's error in status.
     """
-    complete = {j["metadata"]["name"] for j in observed.cache_jobs + [observed.job] if j and labelled_ours(j, spec.name)
-                and _job_complete(j)}
+    complete = {
+        j["metadata"]["name"]
+        for j in observed.cache_jobs + [observed.job]
+        if j and labelled_ours(j, spec.name) and _job_complete(j)
+    }
     writes = []
     for pod in observed.job_pods_all:
         meta = pod.get("metadata") or {}
@@ -568,5 +776,7 @@ def finished_job_pods(spec: PolicyServerSpec, observed: Observed) -> list[Write]
 
 
 def _job_complete(job: Mapping[str, Any]) -> bool:
-    return any(c.get("type") == "Complete" and c.get("status") == "True"
-               for c in (job.get("status") or {}).get("conditions") or [])
+    return any(
+        c.get("type") == "Complete" and c.get("status") == "True"
+        for c in (job.get("status") or {}).get("conditions") or []
+    )

@@ -45,8 +45,13 @@ class RankHealth:
     ready: bool
 
     def as_status(self) -> dict[str, Any]:
-        return {"rank": self.rank, "dpIndex": self.dp_index, "cfgIndex": self.cfg_index, "state": self.state,
-                "ready": self.ready}
+        return {
+            "rank": self.rank,
+            "dpIndex": self.dp_index,
+            "cfgIndex": self.cfg_index,
+            "state": self.state,
+            "ready": self.ready,
+        }
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,13 @@ class PodHealth:
         return f"{self.ranks_ready}/{self.world_size}"
 
     def as_status(self) -> dict[str, Any]:
-        item: dict[str, Any] = {"name": self.name, "phase": self.phase, "ready": self.ready,
-                                "ranksReady": self.ranks_text, "ranks": [r.as_status() for r in self.ranks]}
+        item: dict[str, Any] = {
+            "name": self.name,
+            "phase": self.phase,
+            "ready": self.ready,
+            "ranksReady": self.ranks_text,
+            "ranks": [r.as_status() for r in self.ranks],
+        }
         if not self.ranks_known:
             item["ranksKnown"] = False
         if self.revision:
@@ -86,15 +96,19 @@ class PodHealth:
         return item
 
 
-def parse_readyz(status_code: int, body: bytes, expected_world_size: int) -> tuple[bool, int, int, tuple[RankHealth, ...], str]:
+def parse_readyz(
+    status_code: int, body: bytes, expected_world_size: int
+) -> tuple[bool, int, int, tuple[RankHealth, ...], str]:
     """(ready, ranks_ready, world_size, ranks, message) from one /readyz answer; a malformed body is not ready."""
     try:
         doc = Readiness.parse(body)
     except ValueError as exc:
         return False, 0, expected_world_size, (), f"/readyz answered {status_code} with a malformed body ({exc})"
     world_size, ranks_ready = doc.world_size, doc.ranks_ready
-    ranks = tuple(RankHealth(rank=r.rank, dp_index=r.dp_index, cfg_index=r.cfg_index, state=r.state.value,
-                             ready=r.ready) for r in doc.ranks)
+    ranks = tuple(
+        RankHealth(rank=r.rank, dp_index=r.dp_index, cfg_index=r.cfg_index, state=r.state.value, ready=r.ready)
+        for r in doc.ranks
+    )
     ready = doc.ready and status_code == 200 and ranks_ready >= world_size
     message = "" if ready else _not_ready_message(ranks, ranks_ready, world_size)
     return ready, max(0, min(ranks_ready, world_size)), world_size, ranks, message
@@ -132,8 +146,10 @@ def probe_readyz(ip: str, port: int, expected_world_size: int, timeout: float = 
 
 def kubelet_ready(pod: Mapping[str, Any]) -> bool:
     """The pod's Ready condition: the kubelet's readiness probe, which asks the same /readyz."""
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
 
 
 def unschedulable_message(pod: Mapping[str, Any]) -> str:
@@ -192,7 +208,10 @@ def termination(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> 
     for group in ("initContainerStatuses", "containerStatuses"):
         for cs in status.get(group) or []:
             state = cs.get("state") or {}
-            for term, previous in ((state.get("terminated"), False), ((cs.get("lastState") or {}).get("terminated"), True)):
+            for term, previous in (
+                (state.get("terminated"), False),
+                ((cs.get("lastState") or {}).get("terminated"), True),
+            ):
                 if term and term.get("exitCode", 0) != 0:
                     head = f"{cs.get('name')} exited {term.get('exitCode')} ({term.get('reason') or 'Error'})"
                     text, explained = _failure_text(head, term.get("message") or "", lines)
@@ -226,8 +245,10 @@ def container_message(pod: Mapping[str, Any]) -> str:
             terminated = state.get("terminated")
             if terminated and terminated.get("exitCode", 0) != 0:
                 detail = (terminated.get("message") or "").strip().splitlines()
-                return (f"{cs.get('name')}: exited {terminated.get('exitCode')} ({terminated.get('reason', 'Error')})"
-                        + (f": {detail[-1]}" if detail else ""))
+                return (
+                    f"{cs.get('name')}: exited {terminated.get('exitCode')} ({terminated.get('reason', 'Error')})"
+                    + (f": {detail[-1]}" if detail else "")
+                )
     unschedulable = unschedulable_message(pod)
     return f"unschedulable: {unschedulable}" if unschedulable else ""
 
@@ -245,9 +266,16 @@ def pod_health(pod: Mapping[str, Any], port: int, world_size: int, timeout: floa
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     name, phase, ip = meta.get("name", "?"), status.get("phase", "Pending"), status.get("podIP")
     ended, log_ref = termination(pod)
-    facts = PodHealth(name, ip, phase, world_size,
-                      revision=(meta.get("labels") or {}).get(LABEL_CONTROLLER_REVISION_HASH),
-                      unschedulable=unschedulable_message(pod), termination=ended, log_ref=log_ref)
+    facts = PodHealth(
+        name,
+        ip,
+        phase,
+        world_size,
+        revision=(meta.get("labels") or {}).get(LABEL_CONTROLLER_REVISION_HASH),
+        unschedulable=unschedulable_message(pod),
+        termination=ended,
+        log_ref=log_ref,
+    )
     if meta.get("deletionTimestamp"):
         return dataclasses.replace(facts, phase="Terminating", message="terminating")
     if phase != "Running" or not ip:
@@ -257,8 +285,7 @@ def pod_health(pod: Mapping[str, Any], port: int, world_size: int, timeout: floa
     except Unreachable as exc:
         return unreachable_health(facts, pod, exc)
     ready, ranks_ready, ws, ranks, message = parse_readyz(code, body, world_size)
-    return dataclasses.replace(facts, world_size=ws, ranks_ready=ranks_ready, ready=ready, ranks=ranks,
-                               message=message)
+    return dataclasses.replace(facts, world_size=ws, ranks_ready=ranks_ready, ready=ready, ranks=ranks, message=message)
 
 
 def unreachable_health(facts: PodHealth, pod: Mapping[str, Any], exc: Unreachable) -> PodHealth:
@@ -271,15 +298,22 @@ def unreachable_health(facts: PodHealth, pod: Mapping[str, Any], exc: Unreachabl
     ready on the kubelet's word and are flagged unknown.
     """
     if kubelet_ready(pod):
-        return dataclasses.replace(facts, ranks_ready=facts.world_size, ready=True, ranks_known=False,
-                                   message=f"{exc}; the kubelet reports the pod ready")
+        return dataclasses.replace(
+            facts,
+            ranks_ready=facts.world_size,
+            ready=True,
+            ranks_known=False,
+            message=f"{exc}; the kubelet reports the pod ready",
+        )
     detail = container_message(pod)
-    return dataclasses.replace(facts, ranks_ready=0, ready=False,
-                               message=f"starting: {exc}" + (f" ({detail})" if detail else ""))
+    return dataclasses.replace(
+        facts, ranks_ready=0, ready=False, message=f"starting: {exc}" + (f" ({detail})" if detail else "")
+    )
 
 
-def poll_pods(pods: Sequence[Mapping[str, Any]], port: int, world_size: int,
-              timeout: float = PROBE_TIMEOUT_S) -> list[PodHealth]:
+def poll_pods(
+    pods: Sequence[Mapping[str, Any]], port: int, world_size: int, timeout: float = PROBE_TIMEOUT_S
+) -> list[PodHealth]:
     """Every pod's health, probed concurrently so one hung pod costs one timeout, not N."""
     ordered = sorted(pods, key=lambda p: _ordinal_key((p.get("metadata") or {}).get("name", "")))
     if not ordered:

@@ -32,8 +32,14 @@ class Outcome:
     spec_error: SpecError | None = None
 
 
-def reconcile(kube: Kube, namespace: str, name: str, *, post_event: Callable[[dict[str, Any], Event], None],
-              probe_timeout: float = PROBE_TIMEOUT_S) -> Outcome | None:
+def reconcile(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    *,
+    post_event: Callable[[dict[str, Any], Event], None],
+    probe_timeout: float = PROBE_TIMEOUT_S,
+) -> Outcome | None:
     """One full pass; None when the PolicyServer is gone or being deleted (garbage collection does the rest)."""
     owner = kube.get("PolicyServer", namespace, name)
     if owner is None or (owner.get("metadata") or {}).get("deletionTimestamp"):
@@ -51,10 +57,16 @@ def reconcile(kube: Kube, namespace: str, name: str, *, post_event: Callable[[di
 
     # observe
     observed = observe.children(kube, spec)
-    checkpoint = child_status.checkpoint_state(spec, observed.job, observed.job_pods, previous.get("checkpoint"),
-                                               observed.fetch_log,
-                                               observe.job_events(kube, namespace, observed.job, observed.job_pods),
-                                               now=datetime.datetime.now(datetime.UTC), claim=observed.pvc)
+    checkpoint = child_status.checkpoint_state(
+        spec,
+        observed.job,
+        observed.job_pods,
+        previous.get("checkpoint"),
+        observed.fetch_log,
+        observe.job_events(kube, namespace, observed.job, observed.job_pods),
+        now=datetime.datetime.now(datetime.UTC),
+        claim=observed.pvc,
+    )
     # plan + apply
     planned = plan(spec, owner, observed, checkpoint)
     applied = apply(kube, planned, namespace)
@@ -71,15 +83,24 @@ def reconcile(kube: Kube, namespace: str, name: str, *, post_event: Callable[[di
 
     # status
     st.annotate_pods(kube, namespace, pods, healths)
-    workload = child_status.workload_state(sts, spec.replicas, observe.statefulset_events(kube, namespace, sts, pods),
-                                           pods)
-    update = st.build_status(spec, checkpoint=checkpoint, workload=workload,
-                             pods=healths, service_exists=observed.service is not None or
-                             f"Service/{names.service}" in applied.results,
-                             previous=previous, generation=generation, now=st.now_rfc3339(), problem=applied.problem)
+    workload = child_status.workload_state(
+        sts, spec.replicas, observe.statefulset_events(kube, namespace, sts, pods), pods
+    )
+    update = st.build_status(
+        spec,
+        checkpoint=checkpoint,
+        workload=workload,
+        pods=healths,
+        service_exists=observed.service is not None or f"Service/{names.service}" in applied.results,
+        previous=previous,
+        generation=generation,
+        now=st.now_rfc3339(),
+        problem=applied.problem,
+    )
     if planned.storage is not None:  # StorageReady: the cache claims against spec.storage (plan._plan_storage)
-        update.status["conditions"] = merge_conditions(update.status["conditions"], [planned.storage],
-                                                       generation=generation, now=st.now_rfc3339())
+        update.status["conditions"] = merge_conditions(
+            update.status["conditions"], [planned.storage], generation=generation, now=st.now_rfc3339()
+        )
         update.events.extend(condition_events(previous.get("conditions"), [planned.storage]))
     st.write_status(kube, namespace, name, previous, update.status, full=True)
     for event in update.events:

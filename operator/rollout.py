@@ -91,8 +91,12 @@ def _pod_name(pod: Mapping[str, Any]) -> str:
     return str((pod.get("metadata") or {}).get("name"))
 
 
-def _in_place(replicas: int, start: int, by_ordinal: Mapping[int, Mapping[str, Any]], old: Sequence[Mapping[str, Any]],
-              ) -> tuple[str, ...]:
+def _in_place(
+    replicas: int,
+    start: int,
+    by_ordinal: Mapping[int, Mapping[str, Any]],
+    old: Sequence[Mapping[str, Any]],
+) -> tuple[str, ...]:
     """The old pod to delete now: every one when nothing serves, else the lowest once every other pod is Ready."""
     if not any(_ready(p) for p in by_ordinal.values()):
         return tuple(_pod_name(p) for p in old if not _terminating(p))
@@ -103,8 +107,15 @@ def _in_place(replicas: int, start: int, by_ordinal: Mapping[int, Mapping[str, A
     return (_pod_name(candidate),)
 
 
-def plan_rollout(replicas: int, sts: Mapping[str, Any] | None, want_hash: str, pods: Sequence[Mapping[str, Any]], *,
-                 retire_by_ordinal: bool, drifted: bool = False) -> Rollout:
+def plan_rollout(
+    replicas: int,
+    sts: Mapping[str, Any] | None,
+    want_hash: str,
+    pods: Sequence[Mapping[str, Any]],
+    *,
+    retire_by_ordinal: bool,
+    drifted: bool = False,
+) -> Rollout:
     """The next step towards ``replicas`` pods of template ``want_hash``, from the StatefulSet and its pods as read.
 
     ``retire_by_ordinal``: an old pod goes by moving ``ordinals.start`` (storage mode shared); False: it is
@@ -122,8 +133,12 @@ def plan_rollout(replicas: int, sts: Mapping[str, Any] | None, want_hash: str, p
     if (meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH) != want_hash:
         # the template changes with this pass's apply: every pod now is an old one
         if any(_ready(p) for p in pods):
-            return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}", note=(
-                f"surge: {extra_name} starts with the new template, the serving pod(s) go only once it is Ready"))
+            return Rollout(
+                replicas + 1,
+                start,
+                f"{want_hash}/{SURGE}",
+                note=(f"surge: {extra_name} starts with the new template, the serving pod(s) go only once it is Ready"),
+            )
         return Rollout(replicas, start)  # nothing serves that a surge could keep serving: in place, next pass
     surging = surge_of(sts) == want_hash
     current_replicas = int((sts.get("spec") or {}).get("replicas") or 0)
@@ -140,24 +155,45 @@ def plan_rollout(replicas: int, sts: Mapping[str, Any] | None, want_hash: str, p
         if old and extra is not None and not _terminating(extra):  # a surge pod of an older template
             return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}", delete=(extra_name,))
         if current_replicas > replicas:  # perPod: every pod replaced in place; the surge pod goes
-            return Rollout(replicas, start, event=Event(
-                "Normal", "SurgeComplete", f"every pod runs the new template; removing the extra pod {extra_name}"))
+            return Rollout(
+                replicas,
+                start,
+                event=Event(
+                    "Normal", "SurgeComplete", f"every pod runs the new template; removing the extra pod {extra_name}"
+                ),
+            )
         return Rollout(replicas, start)
     if extra is not None and revision(extra) != update and not _terminating(extra):
         return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}", delete=(extra_name,))  # an older surge pod
     why = unschedulable(extra)
     if why is not None:
-        return Rollout(replicas, start, event=Event(
-            "Warning", "SurgeUnschedulable", f"{extra_name} does not fit ({why}); replacing the pod(s) in place "
-                                             f"instead: each stops before its successor is Ready"))
+        return Rollout(
+            replicas,
+            start,
+            event=Event(
+                "Warning",
+                "SurgeUnschedulable",
+                f"{extra_name} does not fit ({why}); replacing the pod(s) in place "
+                f"instead: each stops before its successor is Ready",
+            ),
+        )
     if extra is None or not _ready(extra):
         return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}")  # the surge pod is starting
     lowest = by_ordinal.get(start)
     if retire_by_ordinal and lowest is not None and lowest in old:
         if len(old) == 1:  # the last old pod: the pod that serves its clients now is the one that stays
-            return Rollout(replicas, start + 1, event=Event(
-                "Normal", "SurgeComplete", f"{extra_name} is Ready with the new template; {name}-{start} goes"))
+            return Rollout(
+                replicas,
+                start + 1,
+                event=Event(
+                    "Normal", "SurgeComplete", f"{extra_name} is Ready with the new template; {name}-{start} goes"
+                ),
+            )
         # one old pod goes, the next surge pod starts: never more than N+1 pods, never fewer than N Ready
         return Rollout(replicas + 1, start + 1, f"{want_hash}/{SURGE}")
-    return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}",
-                   delete=_in_place(replicas + 1, start, by_ordinal, [p for p in old if p is not extra]))
+    return Rollout(
+        replicas + 1,
+        start,
+        f"{want_hash}/{SURGE}",
+        delete=_in_place(replicas + 1, start, by_ordinal, [p for p in old if p is not extra]),
+    )

@@ -86,14 +86,16 @@ MAX_EXTRA_ARG_LENGTH: Final = 1024
 MAX_NAME_253: Final = 253  # object names that are DNS-1123 subdomains
 
 DNS1035_LABEL: Final = named_pattern(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", "a DNS-1035 label")
-DNS1123_SUBDOMAIN: Final = named_pattern(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
-                                         "a DNS-1123 subdomain")
+DNS1123_SUBDOMAIN: Final = named_pattern(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$", "a DNS-1123 subdomain"
+)
 SECRET_KEY: Final = named_pattern(r"^[-._a-zA-Z0-9]+$", "a Secret key (letters, digits, '-', '_', '.')")
 ENV_NAME: Final = named_pattern(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", "an environment variable name")
 SHA256_HEX: Final = named_pattern(r"^[0-9a-fA-F]{64}$", "64 hex digits")
 NO_SPACE: Final = named_pattern(r"^\S+$", "no whitespace")
-IMPORT_PATH: Final = named_pattern(r"^[A-Za-z_][A-Za-z0-9_]*([.][A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
-                                   "an import path pkg.module:Class")
+IMPORT_PATH: Final = named_pattern(
+    r"^[A-Za-z_][A-Za-z0-9_]*([.][A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$", "an import path pkg.module:Class"
+)
 MAX_IMPORT_PATH_LENGTH: Final = 256
 POLICY_IMPORT: Final = "import"
 POLICY_TYPES: Final = (*BUILTIN_POLICIES, POLICY_IMPORT)
@@ -107,20 +109,56 @@ DEVICES: Final = ("cuda", "cpu")
 SHARED_ACCESS_MODES: Final = ("ReadOnlyMany", "ReadWriteMany")
 STORAGE_MODES: Final = ("shared", "perPod")
 # labels the operator sets on every pod it makes; podLabels may not change them (selectors depend on them)
-RESERVED_POD_LABELS: Final = (LABEL_NAME, LABEL_INSTANCE, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_PART_OF,
-                              LABEL_POLICYSERVER, LABEL_CHECKPOINT_KEY, LABEL_CACHE_CLAIM)
+RESERVED_POD_LABELS: Final = (
+    LABEL_NAME,
+    LABEL_INSTANCE,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    LABEL_PART_OF,
+    LABEL_POLICYSERVER,
+    LABEL_CHECKPOINT_KEY,
+    LABEL_CACHE_CLAIM,
+)
 MAX_POD_METADATA: Final = 64
 MAX_EXTRA_VOLUMES: Final = 32
 # The volume sources spec.volumes may use: none mounts the node's filesystem, a device or a storage system by
 # address, so creating a PolicyServer gives a pod nothing a user's own pod spec could not name in the namespace.
-ALLOWED_VOLUME_SOURCES: Final = ("configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected", "csi",
-                                 "downwardAPI", "ephemeral")
+ALLOWED_VOLUME_SOURCES: Final = (
+    "configMap",
+    "secret",
+    "emptyDir",
+    "persistentVolumeClaim",
+    "projected",
+    "csi",
+    "downwardAPI",
+    "ephemeral",
+)
 # Every other source of core/v1 Volume (Kubernetes 1.37): CEL cannot list an object's keys, so the CRD's rule
 # names each one; tests/test_spec_model.py checks that the two lists cover Kubernetes' Volume exactly.
-REFUSED_VOLUME_SOURCES: Final = ("awsElasticBlockStore", "azureDisk", "azureFile", "cephfs", "cinder", "fc",
-                                 "flexVolume", "flocker", "gcePersistentDisk", "gitRepo", "glusterfs", "hostPath",
-                                 "image", "iscsi", "nfs", "photonPersistentDisk", "portworxVolume", "quobyte", "rbd",
-                                 "scaleIO", "storageos", "vsphereVolume")
+REFUSED_VOLUME_SOURCES: Final = (
+    "awsElasticBlockStore",
+    "azureDisk",
+    "azureFile",
+    "cephfs",
+    "cinder",
+    "fc",
+    "flexVolume",
+    "flocker",
+    "gcePersistentDisk",
+    "gitRepo",
+    "glusterfs",
+    "hostPath",
+    "image",
+    "iscsi",
+    "nfs",
+    "photonPersistentDisk",
+    "portworxVolume",
+    "quobyte",
+    "rbd",
+    "scaleIO",
+    "storageos",
+    "vsphereVolume",
+)
 MAX_SPREAD_CONSTRAINTS: Final = 8
 MAX_KEEP_CHECKPOINTS: Final = 10
 # the volumes and mount paths of the operator's own pod spec (operator/manifests.py builds them)
@@ -168,26 +206,26 @@ MANAGED_FLAG_PATTERN: Final = f"^--({'|'.join(_prefixes(f) for f in MANAGED_FLAG
 
 OPERATOR_ONLY_CHECKS: Final = {
     "spec.checkpoint.source": "the key of an hf:// source is computed with the fetcher's own request_key, "
-                              "and the source and sha256 file names are checked with the fetcher's own "
-                              "check_source/check_relpath (policy_operator/sources.py); the CRD's CEL rules "
-                              "say the same, these are the runtime's definitions",
+    "and the source and sha256 file names are checked with the fetcher's own "
+    "check_source/check_relpath (policy_operator/sources.py); the CRD's CEL rules "
+    "say the same, these are the runtime's definitions",
     "spec.parallelism": "the layout is built with the runtime's own ParallelLayout (cfgp, dp, guidance), so the "
-                        "operator refuses exactly what a pod would refuse at start",
+    "operator refuses exactly what a pod would refuse at start",
     "spec.affinity, spec.tolerations[], env[].valueFrom": "core/v1 objects the operator copies into pod specs "
-                                                          "unchanged: the CRD embeds Kubernetes' own schema of "
-                                                          "them (unknown and mistyped fields are refused at "
-                                                          "admission); their cross-field rules are checked when "
-                                                          "the operator applies the StatefulSet or Job "
-                                                          "(Progressing=False, reason ApplyFailed, with the "
-                                                          "apiserver's message)",
+    "unchanged: the CRD embeds Kubernetes' own schema of "
+    "them (unknown and mistyped fields are refused at "
+    "admission); their cross-field rules are checked when "
+    "the operator applies the StatefulSet or Job "
+    "(Progressing=False, reason ApplyFailed, with the "
+    "apiserver's message)",
     "spec.volumes[].name, spec.volumeMounts[].mountPath": "an extra volume may not reuse a name or mount path the "
-                                                          "operator uses (checkpoint-cache, /models, /tmp, "
-                                                          "/dev/shm...); Kubernetes' schema of Volume has no "
-                                                          "length bound on names, so a CEL rule comparing them "
-                                                          "would exceed the apiserver's cost budget",
+    "operator uses (checkpoint-cache, /models, /tmp, "
+    "/dev/shm...); Kubernetes' schema of Volume has no "
+    "length bound on names, so a CEL rule comparing them "
+    "would exceed the apiserver's cost budget",
     "spec.storage.mode": "the mode cannot change on an existing PolicyServer (a StatefulSet's "
-                         "volumeClaimTemplates are immutable): the operator keeps the pods as they are and reports "
-                         "StorageReady=False ImmutableChange",
+    "volumeClaimTemplates are immutable): the operator keeps the pods as they are and reports "
+    "StorageReady=False ImmutableChange",
 }
 
 
@@ -224,11 +262,15 @@ class LocalObjectReference(KubeModel):
 class EnvVar(KubeModel):
     """One environment variable (core/v1 EnvVar)."""
 
-    cel_rules = (Rule("!has(self.value) || !has(self.valueFrom)", "set value or valueFrom, not both",
-                      field_path=".valueFrom"),
-                 Rule(f"!(self.name in {list(OPERATOR_ENV)})",
-                      f"{', '.join(OPERATOR_ENV)} are set by the operator (the root filesystem is read-only; they "
-                      f"point at the writable {TMP_PATH}) and cannot be set here", field_path=".name"))
+    cel_rules = (
+        Rule("!has(self.value) || !has(self.valueFrom)", "set value or valueFrom, not both", field_path=".valueFrom"),
+        Rule(
+            f"!(self.name in {list(OPERATOR_ENV)})",
+            f"{', '.join(OPERATOR_ENV)} are set by the operator (the root filesystem is read-only; they "
+            f"point at the writable {TMP_PATH}) and cannot be set here",
+            field_path=".name",
+        ),
+    )
 
     name: Annotated[str, Field(min_length=1, max_length=MAX_ENV_NAME, pattern=ENV_NAME)]
     """Environment variable name."""
@@ -251,6 +293,7 @@ class ResourceRequirements(KubeModel):
 
 
 # --- spec sections ----------------------------------------------------------------------------
+
 
 class FetchJob(KubeModel):
     """Settings of the fetch Job that downloads the checkpoint into the cache volume."""
@@ -291,19 +334,25 @@ def _relpaths(digests: dict[str, str]) -> dict[str, str]:
 Source = Annotated[
     str,
     Field(min_length=1, max_length=MAX_SOURCE_LENGTH),
-    Rule(f"self.matches('{SOURCE_PATTERN.pattern}')",
-         "checkpoint.source must start with hf://, http://, https://, s3:// or file://, or be an absolute path"),
-    Rule("!self.startsWith('hf://') || self.matches('^hf://[^@]+(@[^@]+)?$')",
-         "an hf:// source is hf://ORG/REPO or hf://ORG/REPO@REVISION (one '@', a revision after it)"),
+    Rule(
+        f"self.matches('{SOURCE_PATTERN.pattern}')",
+        "checkpoint.source must start with hf://, http://, https://, s3:// or file://, or be an absolute path",
+    ),
+    Rule(
+        "!self.startsWith('hf://') || self.matches('^hf://[^@]+(@[^@]+)?$')",
+        "an hf:// source is hf://ORG/REPO or hf://ORG/REPO@REVISION (one '@', a revision after it)",
+    ),
     AfterValidator(_source_is_fetchable),
 ]
 
 Sha256Map = Annotated[
     dict[str, Annotated[str, Field(pattern=SHA256_HEX)]],
     Field(max_length=MAX_SHA256_FILES),
-    Rule("self.all(f, !f.contains('\\\\') && !f.matches('(^|/)[.]{0,2}(/|$)'))",
-         "checkpoint.sha256 keys must be relative paths inside the checkpoint: no leading '/', no empty, '.' or "
-         "'..' components, no '\\'"),
+    Rule(
+        "self.all(f, !f.contains('\\\\') && !f.matches('(^|/)[.]{0,2}(/|$)'))",
+        "checkpoint.sha256 keys must be relative paths inside the checkpoint: no leading '/', no empty, '.' or "
+        "'..' components, no '\\'",
+    ),
     AfterValidator(_relpaths),
 ]
 
@@ -313,10 +362,13 @@ class CheckpointSpec(KubeModel):
     the cache volume at /models/<key>, where key is a hash of (source, revision); changing source or revision
     starts exactly one new download, then rolls the pods."""
 
-    cel_rules = (Rule("!has(self.revision) || !self.source.matches('^hf://.*@') || "
-                      "self.source.endsWith('@' + self.revision)",
-                      "checkpoint.revision conflicts with the revision after '@' in checkpoint.source; "
-                      "set it in one place", field_path=".revision"),)
+    cel_rules = (
+        Rule(
+            "!has(self.revision) || !self.source.matches('^hf://.*@') || self.source.endsWith('@' + self.revision)",
+            "checkpoint.revision conflicts with the revision after '@' in checkpoint.source; set it in one place",
+            field_path=".revision",
+        ),
+    )
 
     source: Source
     """Where the checkpoint lives: hf://ORG/REPO[@REV] (Hugging Face Hub), http(s)://HOST/DIR/ (a directory
@@ -352,9 +404,13 @@ class Parallelism(KubeModel):
     branches on two GPUs at once; dp independent replicas inside the pod serve requests concurrently."""
 
     # has(): the apiserver also checks the rule against this section's `default: {}`, before nested defaulting
-    cel_rules = (Rule(f"!has(self.cfgp) || !has(self.dp) || self.cfgp * self.dp <= {MAX_RANKS_PER_POD}",
-                      f"cfgp x dp must be at most {MAX_RANKS_PER_POD}: a pod runs on one node, with one GPU per rank",
-                      field_path=".dp"),)
+    cel_rules = (
+        Rule(
+            f"!has(self.cfgp) || !has(self.dp) || self.cfgp * self.dp <= {MAX_RANKS_PER_POD}",
+            f"cfgp x dp must be at most {MAX_RANKS_PER_POD}: a pod runs on one node, with one GPU per rank",
+            field_path=".dp",
+        ),
+    )
 
     cfgp: Literal[SUPPORTED_CFGP] = 1  # type: ignore[valid-type]
     """Classifier-free-guidance parallel degree: 1 runs both branches on one GPU, 2 runs the conditional and the
@@ -364,9 +420,11 @@ class Parallelism(KubeModel):
 
 
 def _quantity_map_without_gpus(field: str) -> Rule:
-    return Rule(f"!('{GPU_RESOURCE}' in self)",
-                f"resources.{field} must not set {GPU_RESOURCE}: the operator requests cfgp x dp GPUs per pod itself",
-                reason="FieldValueForbidden")
+    return Rule(
+        f"!('{GPU_RESOURCE}' in self)",
+        f"resources.{field} must not set {GPU_RESOURCE}: the operator requests cfgp x dp GPUs per pod itself",
+        reason="FieldValueForbidden",
+    )
 
 
 class ServerResources(KubeModel):
@@ -387,18 +445,26 @@ class ServerResources(KubeModel):
 class StorageSpec(KubeModel):
     """The checkpoint cache volume(s), written by the fetch and mounted read-only by every server pod."""
 
-    cel_rules = (Rule("!has(self.existingClaim) || !has(self.storageClassName)",
-                      "storage.storageClassName has no effect with storage.existingClaim; set one of them",
-                      field_path=".storageClassName"),
-                 Rule("!has(self.mode) || self.mode != 'perPod' || !has(self.existingClaim)",
-                      "storage.existingClaim is one claim; mode perPod makes one claim per pod",
-                      field_path=".existingClaim"),
-                 Rule("!has(self.mode) || self.mode == 'perPod' || !has(self.accessModes) || "
-                      "!self.accessModes.exists(m, m == 'ReadWriteOncePod')",
-                      "storage.accessModes ReadWriteOncePod lets one pod at a time mount the cache; in mode shared "
-                      "the fetch Job must mount it while a server pod serves from it: use ReadWriteOnce (the "
-                      "operator keeps the pods that mount it on one node) or mode perPod",
-                      field_path=".accessModes"))
+    cel_rules = (
+        Rule(
+            "!has(self.existingClaim) || !has(self.storageClassName)",
+            "storage.storageClassName has no effect with storage.existingClaim; set one of them",
+            field_path=".storageClassName",
+        ),
+        Rule(
+            "!has(self.mode) || self.mode != 'perPod' || !has(self.existingClaim)",
+            "storage.existingClaim is one claim; mode perPod makes one claim per pod",
+            field_path=".existingClaim",
+        ),
+        Rule(
+            "!has(self.mode) || self.mode == 'perPod' || !has(self.accessModes) || "
+            "!self.accessModes.exists(m, m == 'ReadWriteOncePod')",
+            "storage.accessModes ReadWriteOncePod lets one pod at a time mount the cache; in mode shared "
+            "the fetch Job must mount it while a server pod serves from it: use ReadWriteOnce (the "
+            "operator keeps the pods that mount it on one node) or mode perPod",
+            field_path=".accessModes",
+        ),
+    )
 
     mode: Literal[STORAGE_MODES] = "shared"  # type: ignore[valid-type]
     """shared: one cache claim <name>-cache for all pods, filled once by a fetch Job (one download in total);
@@ -412,7 +478,8 @@ class StorageSpec(KubeModel):
     storage_class_name: Dns1123Name | None = None
     """StorageClass of the cache claims; the cluster default when unset. Cannot change on an existing claim."""
     access_modes: list[Literal[ACCESS_MODES]] = Field(  # type: ignore[valid-type]
-        default_factory=list, max_length=len(ACCESS_MODES), json_schema_extra=LIST_SET)
+        default_factory=list, max_length=len(ACCESS_MODES), json_schema_extra=LIST_SET
+    )
     """Access modes of the cache claims; they cannot change on an existing claim. Unset: in mode shared
     ReadWriteMany when the claim is created with replicas > 1, else ReadWriteOnce; in mode perPod
     ReadWriteOnce. Explicit modes without ReadWriteMany/ReadOnlyMany are refused with replicas > 1 in mode
@@ -454,9 +521,12 @@ class ServiceSpec(KubeModel):
 ExtraArg = Annotated[
     str,
     Field(max_length=MAX_EXTRA_ARG_LENGTH),
-    Rule(f"!self.matches('{MANAGED_FLAG_PATTERN}')",
-         f"runtime.extraArgs must not set {', '.join(MANAGED_FLAGS)} (nor an abbreviation of one): the operator "
-         f"sets them from the spec; change the corresponding field instead", reason="FieldValueForbidden"),
+    Rule(
+        f"!self.matches('{MANAGED_FLAG_PATTERN}')",
+        f"runtime.extraArgs must not set {', '.join(MANAGED_FLAGS)} (nor an abbreviation of one): the operator "
+        f"sets them from the spec; change the corresponding field instead",
+        reason="FieldValueForbidden",
+    ),
 ]
 
 
@@ -483,9 +553,13 @@ class BatchingSpec(KubeModel):
 class PolicySpec(KubeModel):
     """Which policy the server pods run (their --policy flag)."""
 
-    cel_rules = (Rule(f"!has(self.type) || (self.type == '{POLICY_IMPORT}') == has(self.importPath)",
-                      f"policy.importPath (pkg.module:Class) is set with policy.type {POLICY_IMPORT}, and only then",
-                      field_path=".importPath"),)
+    cel_rules = (
+        Rule(
+            f"!has(self.type) || (self.type == '{POLICY_IMPORT}') == has(self.importPath)",
+            f"policy.importPath (pkg.module:Class) is set with policy.type {POLICY_IMPORT}, and only then",
+            field_path=".importPath",
+        ),
+    )
 
     type: Literal[POLICY_TYPES] = REFERENCE  # type: ignore[valid-type]
     """reference: the runtime's reference flow-matching policy (a checkpoint made by policyserver checkpoint init).
@@ -560,37 +634,57 @@ class AuthSpec(KubeModel):
     /var/run/secrets/policy-auth/token and passed as --auth-token-file. Unset: no authentication."""
 
 
-ExtraVolume = Annotated[Volume, Rule(
-    " && ".join(f"!has(self.{source})" for source in REFUSED_VOLUME_SOURCES),
-    f"only {', '.join(ALLOWED_VOLUME_SOURCES)} volumes may be added: hostPath and the other "
-    f"sources reach the node or storage by address, which a PolicyServer must not hand out", reason="FieldValueForbidden")]
+ExtraVolume = Annotated[
+    Volume,
+    Rule(
+        " && ".join(f"!has(self.{source})" for source in REFUSED_VOLUME_SOURCES),
+        f"only {', '.join(ALLOWED_VOLUME_SOURCES)} volumes may be added: hostPath and the other "
+        f"sources reach the node or storage by address, which a PolicyServer must not hand out",
+        reason="FieldValueForbidden",
+    ),
+]
 
 
 class PolicyServerSpec(KubeModel):
     """Desired state of the policy server."""
 
-    cel_rules = (Rule("self.parallelism.cfgp != 2 || !has(self.runtime.guidance) || self.runtime.guidance != 1.0",
-                      "cfgp=2 needs classifier-free guidance: with runtime.guidance 1.0 the unconditional branch is "
-                      "never used and the second GPU of every replica would idle; use cfgp=1 or a guidance other "
-                      "than 1.0", field_path=".parallelism.cfgp"),
-                 Rule(f"!has(self.policy.type) || !(self.policy.type in {list(UNGUIDED_POLICIES)}) || "
-                      "self.parallelism.cfgp != 2",
-                      f"policy.type {'/'.join(UNGUIDED_POLICIES)} has no unconditional branch (it was not trained for "
-                      "classifier-free guidance), so cfgp=2 would have nothing to run on its second rank; use "
-                      "parallelism.cfgp 1", field_path=".parallelism.cfgp"),
-                 Rule(f"!has(self.policy.type) || !(self.policy.type in {list(UNGUIDED_POLICIES)}) || "
-                      "!has(self.runtime.guidance) || self.runtime.guidance == 1.0",
-                      f"policy.type {'/'.join(UNGUIDED_POLICIES)} has no unconditional branch (it was not trained for "
-                      "classifier-free guidance): runtime.guidance must be 1.0 or unset", field_path=".runtime.guidance"),
-                 Rule("self.runtime.device != 'cuda' || "
-                      "self.parallelism.cfgp * self.parallelism.dp <= self.maxGpusPerPod",
-                      "parallelism.cfgp x parallelism.dp GPUs per pod exceeds maxGpusPerPod: no node of this "
-                      "cluster has that many; lower dp (or cfgp) or raise maxGpusPerPod", field_path=".parallelism"),
-                 Rule("self.storage.mode == 'perPod' || self.replicas <= 1 || !has(self.storage.accessModes) || "
-                      "size(self.storage.accessModes) == 0 || self.storage.accessModes.exists(m, m == 'ReadWriteMany' || m == 'ReadOnlyMany')",
-                      "replicas > 1 with storage.mode shared needs storage.accessModes ReadWriteMany (pods on "
-                      "several nodes mount the one cache; a ReadWriteOnce claim attaches to one node only): use "
-                      "ReadWriteMany storage, or storage.mode perPod", field_path=".storage.accessModes"))
+    cel_rules = (
+        Rule(
+            "self.parallelism.cfgp != 2 || !has(self.runtime.guidance) || self.runtime.guidance != 1.0",
+            "cfgp=2 needs classifier-free guidance: with runtime.guidance 1.0 the unconditional branch is "
+            "never used and the second GPU of every replica would idle; use cfgp=1 or a guidance other "
+            "than 1.0",
+            field_path=".parallelism.cfgp",
+        ),
+        Rule(
+            f"!has(self.policy.type) || !(self.policy.type in {list(UNGUIDED_POLICIES)}) || self.parallelism.cfgp != 2",
+            f"policy.type {'/'.join(UNGUIDED_POLICIES)} has no unconditional branch (it was not trained for "
+            "classifier-free guidance), so cfgp=2 would have nothing to run on its second rank; use "
+            "parallelism.cfgp 1",
+            field_path=".parallelism.cfgp",
+        ),
+        Rule(
+            f"!has(self.policy.type) || !(self.policy.type in {list(UNGUIDED_POLICIES)}) || "
+            "!has(self.runtime.guidance) || self.runtime.guidance == 1.0",
+            f"policy.type {'/'.join(UNGUIDED_POLICIES)} has no unconditional branch (it was not trained for "
+            "classifier-free guidance): runtime.guidance must be 1.0 or unset",
+            field_path=".runtime.guidance",
+        ),
+        Rule(
+            "self.runtime.device != 'cuda' || self.parallelism.cfgp * self.parallelism.dp <= self.maxGpusPerPod",
+            "parallelism.cfgp x parallelism.dp GPUs per pod exceeds maxGpusPerPod: no node of this "
+            "cluster has that many; lower dp (or cfgp) or raise maxGpusPerPod",
+            field_path=".parallelism",
+        ),
+        Rule(
+            "self.storage.mode == 'perPod' || self.replicas <= 1 || !has(self.storage.accessModes) || "
+            "size(self.storage.accessModes) == 0 || self.storage.accessModes.exists(m, m == 'ReadWriteMany' || m == 'ReadOnlyMany')",
+            "replicas > 1 with storage.mode shared needs storage.accessModes ReadWriteMany (pods on "
+            "several nodes mount the one cache; a ReadWriteOnce claim attaches to one node only): use "
+            "ReadWriteMany storage, or storage.mode perPod",
+            field_path=".storage.accessModes",
+        ),
+    )
 
     image: Annotated[str, Field(min_length=1, pattern=NO_SPACE)]
     """Image with the policy-operator runtime (policyserver and torchrun on PATH), used by the fetch Job, the
@@ -620,7 +714,8 @@ class PolicyServerSpec(KubeModel):
     priority_class_name: Dns1123Name | None = None
     """PriorityClass of the pods."""
     topology_spread_constraints: list[TopologySpreadConstraint] = Field(
-        default_factory=list, max_length=MAX_SPREAD_CONSTRAINTS)
+        default_factory=list, max_length=MAX_SPREAD_CONSTRAINTS
+    )
     """How the server pods spread across zones or nodes (core/v1 TopologySpreadConstraint); give it a
     labelSelector such as app.kubernetes.io/instance: <name>."""
     scheduler_name: Dns1123Name | None = None
@@ -630,21 +725,25 @@ class PolicyServerSpec(KubeModel):
     pod_labels: Annotated[
         dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]],
         Field(max_length=MAX_POD_METADATA),
-        Rule(f"!self.exists(k, k in {list(RESERVED_POD_LABELS)})",
-             f"podLabels may not set a label the operator manages ({', '.join(RESERVED_POD_LABELS)}): selectors and "
-             f"Services depend on them", reason="FieldValueForbidden"),
+        Rule(
+            f"!self.exists(k, k in {list(RESERVED_POD_LABELS)})",
+            f"podLabels may not set a label the operator manages ({', '.join(RESERVED_POD_LABELS)}): selectors and "
+            f"Services depend on them",
+            reason="FieldValueForbidden",
+        ),
     ] = Field(default_factory=dict)
     """Extra labels of every pod (server, fetch, cleanup), e.g. kueue.x-k8s.io/queue-name."""
     pod_annotations: dict[str, str] = Field(default_factory=dict, max_length=MAX_POD_METADATA)
     """Extra annotations of every pod (server, fetch, cleanup), e.g. for a service mesh or a log shipper."""
-    volumes: Annotated[list[ExtraVolume], Field(max_length=MAX_EXTRA_VOLUMES, json_schema_extra=list_map("name"))] = \
+    volumes: Annotated[list[ExtraVolume], Field(max_length=MAX_EXTRA_VOLUMES, json_schema_extra=list_map("name"))] = (
         Field(default_factory=list)
+    )
     """Extra volumes of the server pods (core/v1 Volume), mounted through volumeMounts. Only configMap, secret,
     emptyDir, persistentVolumeClaim, projected, csi, downwardAPI and ephemeral sources: hostPath and the other
     sources are refused at admission."""
-    volume_mounts: Annotated[list[VolumeMount], Field(max_length=MAX_EXTRA_VOLUMES,
-                                                      json_schema_extra=list_map("mountPath"))] = \
-        Field(default_factory=list)
+    volume_mounts: Annotated[
+        list[VolumeMount], Field(max_length=MAX_EXTRA_VOLUMES, json_schema_extra=list_map("mountPath"))
+    ] = Field(default_factory=list)
     """Extra mounts of the server container (core/v1 VolumeMount)."""
     max_gpus_per_pod: int = Field(DEFAULT_MAX_GPUS_PER_POD, ge=1, le=MAX_RANKS_PER_POD)
     """The most GPUs one pod may ask for (cfgp x dp with runtime.device cuda); a layout above it is refused at
@@ -661,19 +760,26 @@ class PolicyServerSpec(KubeModel):
         for index, volume in enumerate(self.volumes):  # a source newer than REFUSED_VOLUME_SOURCES too
             other = sorted(set(volume) - {"name", *ALLOWED_VOLUME_SOURCES})
             if other:
-                raise ValueError(f"volumes[{index}]: {other[0]} is not an allowed volume source "
-                                 f"({', '.join(ALLOWED_VOLUME_SOURCES)})")
+                raise ValueError(
+                    f"volumes[{index}]: {other[0]} is not an allowed volume source "
+                    f"({', '.join(ALLOWED_VOLUME_SOURCES)})"
+                )
         taken = sorted({str(v.get("name")) for v in self.volumes} & set(OPERATOR_VOLUMES))
         if taken:
-            raise ValueError(f"volumes: {', '.join(map(str, taken))} is a volume the operator adds itself; "
-                             f"rename it (taken: {', '.join(OPERATOR_VOLUMES)})")
+            raise ValueError(
+                f"volumes: {', '.join(map(str, taken))} is a volume the operator adds itself; "
+                f"rename it (taken: {', '.join(OPERATOR_VOLUMES)})"
+            )
         names = {v.get("name") for v in self.volumes}
         for m in self.volume_mounts:
             path = str(m.get("mountPath", "")).rstrip("/") or "/"
-            if path in OPERATOR_MOUNT_PATHS or any(p.startswith(path + "/") or path.startswith(p + "/")
-                                                   for p in OPERATOR_MOUNT_PATHS):
-                raise ValueError(f"volumeMounts: {path} overlaps a path the operator mounts "
-                                 f"({', '.join(OPERATOR_MOUNT_PATHS)}); mount it elsewhere")
+            if path in OPERATOR_MOUNT_PATHS or any(
+                p.startswith(path + "/") or path.startswith(p + "/") for p in OPERATOR_MOUNT_PATHS
+            ):
+                raise ValueError(
+                    f"volumeMounts: {path} overlaps a path the operator mounts "
+                    f"({', '.join(OPERATOR_MOUNT_PATHS)}); mount it elsewhere"
+                )
             if m.get("name") not in names:
                 raise ValueError(f"volumeMounts: {m.get('name')!r} is not one of spec.volumes")
         return self
@@ -722,6 +828,7 @@ class ObjectMeta(KubeModel, extra="allow"):
 
 
 # --- parsing -------------------------------------------------------------------------------------
+
 
 def _path(loc: tuple[int | str, ...], field_path: str = "") -> str:
     text = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
@@ -777,8 +884,9 @@ def parse_spec(spec: Any, *, name: str, namespace: str) -> PolicyServerSpec:
         if guidance is not None:  # the runtime's own checks, as a pod makes them
             parsed.layout.check_guidance(guidance)
             if parsed.policy.has_unconditional is not None:
-                check_unconditional(parsed.policy.flag, parsed.policy.has_unconditional,
-                                    cfgp=parsed.layout.cfgp, guidance=guidance)
+                check_unconditional(
+                    parsed.policy.flag, parsed.policy.has_unconditional, cfgp=parsed.layout.cfgp, guidance=guidance
+                )
     except LayoutError as exc:
         raise SpecError("spec.parallelism", str(exc)) from None
     try:
@@ -787,4 +895,3 @@ def parse_spec(spec: Any, *, name: str, namespace: str) -> PolicyServerSpec:
         raise SpecError("spec.checkpoint.source", str(exc)) from None
     parsed._name, parsed._namespace = name, namespace
     return parsed
-

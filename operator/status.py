@@ -59,9 +59,24 @@ from policy_operator.operator.spec import PolicyServerSpec
 
 _NOT_YET = (CheckpointPhase.PENDING, CheckpointPhase.DOWNLOADING)
 # Every status key the operator writes; a full write drops those it no longer sets.
-STATUS_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "updatedReadyReplicas",
-               "ready", "ranksReady", "layout", "selector", "endpoint", "templateHash", "lastProgressTime",
-               "checkpoint", "pods", "conditions")
+STATUS_KEYS = (
+    "observedGeneration",
+    "phase",
+    "replicas",
+    "readyReplicas",
+    "updatedReplicas",
+    "updatedReadyReplicas",
+    "ready",
+    "ranksReady",
+    "layout",
+    "selector",
+    "endpoint",
+    "templateHash",
+    "lastProgressTime",
+    "checkpoint",
+    "pods",
+    "conditions",
+)
 
 
 def now_rfc3339() -> str:
@@ -76,6 +91,7 @@ def _seconds_between(earlier: str, later: str) -> float:
 
 
 # --- deciding ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Blocker:
@@ -102,9 +118,16 @@ def updated_pods(workload: WorkloadState, pods: Sequence[PodHealth]) -> list[Pod
     return [p for p in live if p.revision == workload.update_revision]
 
 
-def decide_phase(*, checkpoint: CheckpointState, workload: WorkloadState, ready_pods: int,
-                 previous_phase: str | None, updated_ready: int | None = None, blocked: bool = False,
-                 deadline_exceeded: bool = False) -> str:
+def decide_phase(
+    *,
+    checkpoint: CheckpointState,
+    workload: WorkloadState,
+    ready_pods: int,
+    previous_phase: str | None,
+    updated_ready: int | None = None,
+    blocked: bool = False,
+    deadline_exceeded: bool = False,
+) -> str:
     """The one-word summary; see docs/operator.md for the table.
 
     ``ready_pods`` counts every ready pod (old template or new), ``updated_ready``
@@ -161,9 +184,17 @@ def checkpoint_condition(ck: CheckpointState) -> Condition:
     return Condition(COND_CHECKPOINT_READY, TRUE if ck.phase == CheckpointPhase.READY else FALSE, ck.reason, ck.message)
 
 
-def available_condition(*, checkpoint: CheckpointState, workload: WorkloadState, ready_pods: int, ranks: str,
-                        previously_available: bool, block: Blocker | None = None, ranks_unknown: bool = False,
-                        updated_ready: int | None = None) -> Condition:
+def available_condition(
+    *,
+    checkpoint: CheckpointState,
+    workload: WorkloadState,
+    ready_pods: int,
+    ranks: str,
+    previously_available: bool,
+    block: Blocker | None = None,
+    ranks_unknown: bool = False,
+    updated_ready: int | None = None,
+) -> Condition:
     summary = f"{ready_pods}/{workload.desired} pods ready ({ranks} ranks)"
     if updated_ready is not None and updated_ready != ready_pods:
         summary += f", {updated_ready} of them on the current spec"
@@ -175,15 +206,24 @@ def available_condition(*, checkpoint: CheckpointState, workload: WorkloadState,
     if workload.desired == 0:
         return Condition(COND_AVAILABLE, FALSE, Reason.SCALED_TO_ZERO, "replicas is 0")
     if not workload.exists and checkpoint.phase != CheckpointPhase.READY:
-        return Condition(COND_AVAILABLE, FALSE, Reason.CHECKPOINT_NOT_READY, "pods start once the checkpoint is downloaded")
+        return Condition(
+            COND_AVAILABLE, FALSE, Reason.CHECKPOINT_NOT_READY, "pods start once the checkpoint is downloaded"
+        )
     if block is not None:
         return Condition(COND_AVAILABLE, FALSE, block.reason, block.message)
     reason = Reason.REPLICAS_UNAVAILABLE if previously_available else Reason.NO_REPLICAS_READY
     return Condition(COND_AVAILABLE, FALSE, reason, summary)
 
 
-def progressing_condition(phase: str, *, checkpoint: CheckpointState, workload: WorkloadState,
-                          block: Blocker | None = None, deadline: str | None = None, updated: int = 0) -> Condition:
+def progressing_condition(
+    phase: str,
+    *,
+    checkpoint: CheckpointState,
+    workload: WorkloadState,
+    block: Blocker | None = None,
+    deadline: str | None = None,
+    updated: int = 0,
+) -> Condition:
     """``deadline``: the ProgressDeadlineExceeded message, once the rollout made no progress for too long."""
     if deadline is not None:
         return Condition(COND_PROGRESSING, FALSE, Reason.PROGRESS_DEADLINE_EXCEEDED, deadline)
@@ -195,22 +235,26 @@ def progressing_condition(phase: str, *, checkpoint: CheckpointState, workload: 
         reason = checkpoint.reason if checkpoint.reason in FETCH_BLOCKED_REASONS else Reason.DOWNLOADING
         return Condition(COND_PROGRESSING, TRUE, reason, checkpoint.message)
     if phase == PHASE_STARTING:
-        return Condition(COND_PROGRESSING, TRUE, Reason.ROLLING_OUT,
-                         f"{updated}/{workload.desired} pods run the current spec; pods are starting or being replaced")
+        return Condition(
+            COND_PROGRESSING,
+            TRUE,
+            Reason.ROLLING_OUT,
+            f"{updated}/{workload.desired} pods run the current spec; pods are starting or being replaced",
+        )
     if phase == PHASE_READY:
         return Condition(COND_PROGRESSING, FALSE, Reason.STABLE, "every pod runs the current spec")
     if phase == PHASE_FAILED or checkpoint.phase == CheckpointPhase.FAILED:
         stuck = checkpoint.reason == Reason.PROGRESS_DEADLINE_EXCEEDED  # a fetch pod that never started
-        return Condition(COND_PROGRESSING, FALSE, Reason.PROGRESS_DEADLINE_EXCEEDED if stuck else Reason.FAILED,
-                         checkpoint.message)
+        return Condition(
+            COND_PROGRESSING, FALSE, Reason.PROGRESS_DEADLINE_EXCEEDED if stuck else Reason.FAILED, checkpoint.message
+        )
     return Condition(COND_PROGRESSING, FALSE, Reason.REPLICAS_UNAVAILABLE, "some pods are not ready")
 
 
 def ready_condition(phase: str, *, available: Condition, progressing: Condition, desired: int) -> Condition:
     """The one condition generic tools read: True only in phase Ready, else the most telling other reason."""
     if phase == PHASE_READY and progressing.reason == Reason.STABLE:
-        return Condition(COND_READY, TRUE, Reason.REPLICAS_READY,
-                         f"{desired}/{desired} pods ready on the current spec")
+        return Condition(COND_READY, TRUE, Reason.REPLICAS_READY, f"{desired}/{desired} pods ready on the current spec")
     if progressing.status == TRUE or progressing.reason in STUCK_REASONS:
         return Condition(COND_READY, FALSE, progressing.reason, progressing.message)
     if available.status == FALSE:
@@ -229,8 +273,10 @@ def kstatus_conditions(ready: Condition, *, scaled_to_zero: bool = False) -> lis
     """
     stalled = ready.status == FALSE and ready.reason in STALLED_REASONS
     reconciling = ready.status == FALSE and not stalled and not scaled_to_zero
-    return [Condition(COND_RECONCILING, TRUE if reconciling else FALSE, ready.reason, ready.message),
-            Condition(COND_STALLED, TRUE if stalled else FALSE, ready.reason, ready.message)]
+    return [
+        Condition(COND_RECONCILING, TRUE if reconciling else FALSE, ready.reason, ready.message),
+        Condition(COND_STALLED, TRUE if stalled else FALSE, ready.reason, ready.message),
+    ]
 
 
 @dataclass(frozen=True)
@@ -247,17 +293,28 @@ def invalid_status(error: Exception, *, previous: Mapping[str, Any] | None, gene
     status = {
         "observedGeneration": generation,
         "phase": PHASE_FAILED,
-        "conditions": merge_conditions(previous.get("conditions"), [ready, *kstatus_conditions(ready), cond],
-                                       generation=generation, now=now),
+        "conditions": merge_conditions(
+            previous.get("conditions"), [ready, *kstatus_conditions(ready), cond], generation=generation, now=now
+        ),
     }
-    events = condition_events(previous.get("conditions"), [cond]) + phase_event(previous.get("phase"), PHASE_FAILED,
-                                                                                 str(error))
+    events = condition_events(previous.get("conditions"), [cond]) + phase_event(
+        previous.get("phase"), PHASE_FAILED, str(error)
+    )
     return StatusUpdate(status, events)
 
 
-def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workload: WorkloadState,
-                 pods: Sequence[PodHealth], service_exists: bool, previous: Mapping[str, Any] | None,
-                 generation: int, now: str, problem: Condition | None = None) -> StatusUpdate:
+def build_status(
+    spec: PolicyServerSpec,
+    *,
+    checkpoint: CheckpointState,
+    workload: WorkloadState,
+    pods: Sequence[PodHealth],
+    service_exists: bool,
+    previous: Mapping[str, Any] | None,
+    generation: int,
+    now: str,
+    problem: Condition | None = None,
+) -> StatusUpdate:
     """The full status of a valid PolicyServer, and the Events for what changed since ``previous``.
 
     ``problem`` is a Progressing=False condition from the apply step (a name
@@ -273,34 +330,57 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
     ranks = f"{min(sum(p.ranks_ready for p in pods), total_ranks)}/{total_ranks}"
     prev_conditions = previous.get("conditions") or []
     # served before: Available was True, or already says it no longer is (sticky for the whole outage)
-    previously_available = any(c.get("type") == COND_AVAILABLE
-                               and (c.get("status") == TRUE or c.get("reason") == Reason.REPLICAS_UNAVAILABLE)
-                               for c in prev_conditions)
+    previously_available = any(
+        c.get("type") == COND_AVAILABLE and (c.get("status") == TRUE or c.get("reason") == Reason.REPLICAS_UNAVAILABLE)
+        for c in prev_conditions
+    )
     block = blocker(workload, pods) if workload.exists else None
-    phase_args: dict[str, Any] = dict(checkpoint=checkpoint, workload=workload, ready_pods=ready_pods,
-                                      previous_phase=previous.get("phase"), updated_ready=updated_ready,
-                                      blocked=block is not None)
+    phase_args: dict[str, Any] = dict(
+        checkpoint=checkpoint,
+        workload=workload,
+        ready_pods=ready_pods,
+        previous_phase=previous.get("phase"),
+        updated_ready=updated_ready,
+        blocked=block is not None,
+    )
     phase = decide_phase(**phase_args)
 
     # the progress deadline: the clock restarts whenever the rollout moves (a new spec, a new or newly ready pod)
-    marker = {"observedGeneration": generation, "templateHash": workload.template_hash,
-              "updatedReplicas": len(updated), "updatedReadyReplicas": updated_ready}
+    marker = {
+        "observedGeneration": generation,
+        "templateHash": workload.template_hash,
+        "updatedReplicas": len(updated),
+        "updatedReadyReplicas": updated_ready,
+    }
     progress_since = last_progress(previous, marker, now) if is_progressing(phase, block) else None
     deadline = None
     if progress_since is not None and _seconds_between(progress_since, now) > spec.progress_deadline_seconds:
-        deadline = (f"no progress for {spec.progress_deadline_seconds}s (spec.progressDeadlineSeconds): "
-                    f"{deadline_detail(updated or pods, block)}")
+        deadline = (
+            f"no progress for {spec.progress_deadline_seconds}s (spec.progressDeadlineSeconds): "
+            f"{deadline_detail(updated or pods, block)}"
+        )
         phase = decide_phase(**phase_args, deadline_exceeded=True)
 
-    available = available_condition(checkpoint=checkpoint, workload=workload, ready_pods=ready_pods, ranks=ranks,
-                                    previously_available=previously_available, block=block,
-                                    ranks_unknown=ranks_unknown and ready_pods > 0,
-                                    updated_ready=updated_ready if workload.rolling else None)
-    progressing = problem or progressing_condition(phase, checkpoint=checkpoint, workload=workload, block=block,
-                                                   deadline=deadline, updated=len(updated))
+    available = available_condition(
+        checkpoint=checkpoint,
+        workload=workload,
+        ready_pods=ready_pods,
+        ranks=ranks,
+        previously_available=previously_available,
+        block=block,
+        ranks_unknown=ranks_unknown and ready_pods > 0,
+        updated_ready=updated_ready if workload.rolling else None,
+    )
+    progressing = problem or progressing_condition(
+        phase, checkpoint=checkpoint, workload=workload, block=block, deadline=deadline, updated=len(updated)
+    )
     conditions = [
-        Condition(COND_VALID, TRUE, Reason.SPEC_VALID,
-                  f"layout {spec.layout.label} (world size {spec.layout.world_size}), {spec.gpus_per_pod} GPU(s) per pod"),
+        Condition(
+            COND_VALID,
+            TRUE,
+            Reason.SPEC_VALID,
+            f"layout {spec.layout.label} (world size {spec.layout.world_size}), {spec.gpus_per_pod} GPU(s) per pod",
+        ),
         checkpoint_condition(checkpoint),
         available,
         progressing,
@@ -308,8 +388,12 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
     ready = ready_condition(phase, available=available, progressing=progressing, desired=workload.desired)
     ck = spec.checkpoint
     checkpoint_status: dict[str, Any] = {
-        "key": ck.key, "source": ck.source, "path": ck.path, "jobName": checkpoint.job_name,
-        "phase": str(checkpoint.phase), "message": checkpoint.message,
+        "key": ck.key,
+        "source": ck.source,
+        "path": ck.path,
+        "jobName": checkpoint.job_name,
+        "phase": str(checkpoint.phase),
+        "message": checkpoint.message,
     }
     if ck.revision is not None:
         checkpoint_status["revision"] = ck.revision
@@ -332,8 +416,18 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
         "selector": selector_string(spec.name),
         "checkpoint": checkpoint_status,
         "pods": [p.as_status() for p in pods],
-        "conditions": merge_conditions(prev_conditions, [ready, *kstatus_conditions(ready, scaled_to_zero=(
-            workload.desired == 0 and progressing.reason == Reason.STABLE)), *conditions], generation=generation, now=now),
+        "conditions": merge_conditions(
+            prev_conditions,
+            [
+                ready,
+                *kstatus_conditions(
+                    ready, scaled_to_zero=(workload.desired == 0 and progressing.reason == Reason.STABLE)
+                ),
+                *conditions,
+            ],
+            generation=generation,
+            now=now,
+        ),
     }
     if service_exists:
         status["endpoint"] = endpoint(spec)
@@ -354,6 +448,7 @@ def build_status(spec: PolicyServerSpec, *, checkpoint: CheckpointState, workloa
 
 # --- writing ----------------------------------------------------------------------------------
 
+
 def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any], *, full: bool) -> dict[str, Any] | None:
     """A merge patch from ``previous`` to ``new`` status (None when nothing changed); ``full`` drops stale keys."""
     patch: dict[str, Any] = {}
@@ -371,8 +466,9 @@ def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any], *, full: b
     return patch or None
 
 
-def write_status(kube: Kube, namespace: str, name: str, previous: Mapping[str, Any], status: Mapping[str, Any], *,
-                 full: bool) -> None:
+def write_status(
+    kube: Kube, namespace: str, name: str, previous: Mapping[str, Any], status: Mapping[str, Any], *, full: bool
+) -> None:
     patch = status_patch(previous, status, full=full)
     if patch is not None:
         kube.merge_patch("PolicyServer", namespace, name, {"status": patch}, subresource="status")
@@ -387,6 +483,8 @@ def annotate_pods(kube: Kube, namespace: str, pods: Sequence[Mapping[str, Any]],
             continue
         if ((pod.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RANKS_READY) != h.ranks_text:
             try:
-                kube.merge_patch("Pod", namespace, h.name, {"metadata": {"annotations": {ANNOTATION_RANKS_READY: h.ranks_text}}})
+                kube.merge_patch(
+                    "Pod", namespace, h.name, {"metadata": {"annotations": {ANNOTATION_RANKS_READY: h.ranks_text}}}
+                )
             except (NotFound, Rejected):  # a pod that just vanished is not worth failing the pass
                 pass

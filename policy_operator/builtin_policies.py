@@ -29,12 +29,20 @@ class BuiltinPolicy:
 REFERENCE: Final = "reference"
 LEROBOT: Final = "lerobot"
 
-BUILTIN_POLICIES: Final[Mapping[str, BuiltinPolicy]] = MappingProxyType({
-    REFERENCE: BuiltinPolicy("policy_operator.runtime.policy.reference:ReferencePolicy", True,
-                             "the reference flow-matching transformer (policyserver checkpoint init)"),
-    LEROBOT: BuiltinPolicy("policy_operator.runtime.policy.lerobot:LeRobotPolicy", False,
-                           "a LeRobot pretrained directory: SmolVLA, pi0, pi0.5, Diffusion Policy"),
-})
+BUILTIN_POLICIES: Final[Mapping[str, BuiltinPolicy]] = MappingProxyType(
+    {
+        REFERENCE: BuiltinPolicy(
+            "policy_operator.runtime.policy.reference:ReferencePolicy",
+            True,
+            "the reference flow-matching transformer (policyserver checkpoint init)",
+        ),
+        LEROBOT: BuiltinPolicy(
+            "policy_operator.runtime.policy.lerobot:LeRobotPolicy",
+            False,
+            "a LeRobot pretrained directory: SmolVLA, pi0, pi0.5, Diffusion Policy",
+        ),
+    }
+)
 
 
 def builtin(policy: str) -> BuiltinPolicy | None:
@@ -53,8 +61,12 @@ def check_unconditional(policy: str, has_unconditional: bool, *, cfgp: int, guid
     if has_unconditional:
         return
     if cfgp == 2:
-        raise LayoutError(f"--policy {policy} has no unconditional branch (it was not trained for classifier-free "
-                          "guidance), so cfgp=2 has nothing to run on its second rank; use cfgp=1")
+        raise LayoutError(
+            f"--policy {policy} has no unconditional branch (it was not trained for classifier-free "
+            "guidance), so cfgp=2 has nothing to run on its second rank; use cfgp=1"
+        )
     if float(guidance) != 1.0:
-        raise LayoutError(f"--policy {policy} has no unconditional branch (it was not trained for classifier-free "
-                          f"guidance): guidance must be 1.0, got {guidance:g}; leave --guidance unset")
+        raise LayoutError(
+            f"--policy {policy} has no unconditional branch (it was not trained for classifier-free "
+            f"guidance): guidance must be 1.0, got {guidance:g}; leave --guidance unset"
+        )

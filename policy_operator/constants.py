@@ -112,4 +112,6 @@ ENV_HOST: Final = "POLICY_HOST"  # default of the runtime's --host (0.0.0.0 when
 
 # --- Labels the Kubernetes controllers put on the pods they create ---
 LABEL_CONTROLLER_REVISION_HASH: Final = "controller-revision-hash"  # the StatefulSet controller's template revision
-ENV_LOCAL_NODE_CONTAINER: Final = "LOCAL_NODE_CONTAINER"  # test support: marks every process of one local-node container
+ENV_LOCAL_NODE_CONTAINER: Final = (
+    "LOCAL_NODE_CONTAINER"  # test support: marks every process of one local-node container
+)

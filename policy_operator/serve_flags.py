@@ -91,84 +91,177 @@ class ServeOptions:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--checkpoint", required=True,
-                   help="checkpoint directory, or a source (hf://org/repo[@rev], http(s)://, s3://, file://) that "
-                        "global rank 0 downloads once into --cache-dir")
+    g.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint directory, or a source (hf://org/repo[@rev], http(s)://, s3://, file://) that "
+        "global rank 0 downloads once into --cache-dir",
+    )
     g.add_argument("--revision", default=None, help="revision of a hf:// source")
     g.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="where a source is downloaded (default %(default)s)")
-    g.add_argument("--policy", default=DEFAULT_POLICY,
-                   help=f"a built-in policy ({', '.join(BUILTIN_POLICIES)}) or a Policy class as pkg.module:Class "
-                        "(default %(default)s)")
+    g.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        help=f"a built-in policy ({', '.join(BUILTIN_POLICIES)}) or a Policy class as pkg.module:Class "
+        "(default %(default)s)",
+    )
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default %(default)s)")
-    g.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
-                   help="torch.compile the denoiser; MODE default | reduce-overhead (CUDA graphs) | max-autotune")
-    g.add_argument("--compile-cache-dir", default=None, metavar="DIR",
-                   help="with --compile: load torch's compile artifacts for this spec from DIR before warm-up, and "
-                        "write them there after (a later server of the same spec skips compiling); off when unset")
+    g.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="MODE",
+        help="torch.compile the denoiser; MODE default | reduce-overhead (CUDA graphs) | max-autotune",
+    )
+    g.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="with --compile: load torch's compile artifacts for this spec from DIR before warm-up, and "
+        "write them there after (a later server of the same spec skips compiling); off when unset",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
     g = p.add_argument_group("layout and sampling")
     g.add_argument("--cfgp", type=int, default=1, help="classifier-free-guidance parallel degree, 1 or 2")
     g.add_argument("--dp", type=int, default=1, help="data-parallel replicas in this pod (outermost rank axis)")
-    g.add_argument("--guidance", type=float, default=None,
-                   help=f"CFG scale g (default: {DEFAULT_GUIDANCE:g} for a policy with an unconditional branch, "
-                        "1.0 = no guidance for one without)")
-    g.add_argument("--steps", type=int, default=None,
-                   help=f"denoising steps (default: the policy's own, e.g. a LeRobot config's; {DEFAULT_STEPS} for the "
-                        "reference policy)")
-    g.add_argument("--cfg-mode", choices=["auto", "sequential", "batched"], default="auto",
-                   help="how cfgp=1 runs both branches; auto = batched on cuda, sequential on cpu")
-    g.add_argument("--rtc", choices=RTC_MODES, default="off",
-                   help="real-time chunking of requests that carry an 'rtc' entry (docs/protocol.md): inpaint = "
-                        "frozen prefix + guidance without gradients (keeps CUDA graphs), guided = the published "
-                        "VJP guidance (a backward pass per step); off refuses them (default %(default)s)")
-    g.add_argument("--rtc-max-delay", type=int, default=None, metavar="STEPS",
-                   help="largest rtc.inference_delay a request may ask for, in control steps (default: the action "
-                        "horizon - 1)")
+    g.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help=f"CFG scale g (default: {DEFAULT_GUIDANCE:g} for a policy with an unconditional branch, "
+        "1.0 = no guidance for one without)",
+    )
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"denoising steps (default: the policy's own, e.g. a LeRobot config's; {DEFAULT_STEPS} for the "
+        "reference policy)",
+    )
+    g.add_argument(
+        "--cfg-mode",
+        choices=["auto", "sequential", "batched"],
+        default="auto",
+        help="how cfgp=1 runs both branches; auto = batched on cuda, sequential on cpu",
+    )
+    g.add_argument(
+        "--rtc",
+        choices=RTC_MODES,
+        default="off",
+        help="real-time chunking of requests that carry an 'rtc' entry (docs/protocol.md): inpaint = "
+        "frozen prefix + guidance without gradients (keeps CUDA graphs), guided = the published "
+        "VJP guidance (a backward pass per step); off refuses them (default %(default)s)",
+    )
+    g.add_argument(
+        "--rtc-max-delay",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="largest rtc.inference_delay a request may ask for, in control steps (default: the action horizon - 1)",
+    )
     g = p.add_argument_group("batching")
-    g.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
-                   help="most requests of different sessions a replica runs as one batch; 1 = one request at a "
-                        "time (default %(default)s)")
-    g.add_argument("--batch-window-ms", type=float, default=DEFAULT_BATCH_WINDOW_MS,
-                   help="how long a batch with room waits for the next request of a recently active session "
-                        "(counted from the latest request that joined it); a lone session never waits (default "
-                        "%(default)s)")
-    g.add_argument("--latency-budget-ms", type=float, default=None,
-                   help="a robot's control period: warm-up measures every batch size (bucket) and no batch is formed "
-                        "whose measured time exceeds it (default: no budget, batches up to --max-batch)")
+    g.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help="most requests of different sessions a replica runs as one batch; 1 = one request at a "
+        "time (default %(default)s)",
+    )
+    g.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=DEFAULT_BATCH_WINDOW_MS,
+        help="how long a batch with room waits for the next request of a recently active session "
+        "(counted from the latest request that joined it); a lone session never waits (default "
+        "%(default)s)",
+    )
+    g.add_argument(
+        "--latency-budget-ms",
+        type=float,
+        default=None,
+        help="a robot's control period: warm-up measures every batch size (bucket) and no batch is formed "
+        "whose measured time exceeds it (default: no budget, batches up to --max-batch)",
+    )
     g = p.add_argument_group("server")
-    g.add_argument("--host", default=os.environ.get(ENV_HOST) or "0.0.0.0",
-                   help=f"bind address (default ${ENV_HOST} if set, else 0.0.0.0)")
+    g.add_argument(
+        "--host",
+        default=os.environ.get(ENV_HOST) or "0.0.0.0",
+        help=f"bind address (default ${ENV_HOST} if set, else 0.0.0.0)",
+    )
     g.add_argument("--port", type=int, default=DEFAULT_PORT)
-    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                   help="larger frames are refused with close code 1009 (default %(default)s)")
-    g.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="WebSocket connections accepted at once; more get HTTP 503 before the upgrade "
-                        "(default %(default)s)")
-    g.add_argument("--max-buffered-bytes", type=int, default=DEFAULT_MAX_BUFFERED_BYTES,
-                   help="bytes of unfinished frames held across all connections; the connection whose frame "
-                        "would exceed it is closed with 1009 (default %(default)s)")
-    g.add_argument("--frame-read-timeout-s", type=float, default=DEFAULT_FRAME_READ_TIMEOUT_S,
-                   help="a frame still unfinished this long after its first byte closes its connection with "
-                        "1008 (default %(default)s)")
-    g.add_argument("--error-format", choices=["text", "dict"], default="text",
-                   help="text = openpi's text frame + close 1011; dict = {'type': 'error'} reply, connection kept")
+    g.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="larger frames are refused with close code 1009 (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="WebSocket connections accepted at once; more get HTTP 503 before the upgrade (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-buffered-bytes",
+        type=int,
+        default=DEFAULT_MAX_BUFFERED_BYTES,
+        help="bytes of unfinished frames held across all connections; the connection whose frame "
+        "would exceed it is closed with 1009 (default %(default)s)",
+    )
+    g.add_argument(
+        "--frame-read-timeout-s",
+        type=float,
+        default=DEFAULT_FRAME_READ_TIMEOUT_S,
+        help="a frame still unfinished this long after its first byte closes its connection with "
+        "1008 (default %(default)s)",
+    )
+    g.add_argument(
+        "--error-format",
+        choices=["text", "dict"],
+        default="text",
+        help="text = openpi's text frame + close 1011; dict = {'type': 'error'} reply, connection kept",
+    )
     g.add_argument("--auth-token-file", default=None, help="require 'Authorization: Bearer|Api-Key <token>'")
-    g.add_argument("--event-loop", choices=["auto", "asyncio", "uvloop"], default="auto",
-                   help="rank 0's event loop; auto = uvloop when installed (default %(default)s)")
-    g.add_argument("--gil-switch-ms", type=float, default=DEFAULT_GIL_SWITCH_MS,
-                   help="how long a thread may hold the GIL while another waits (sys.setswitchinterval): rank 0's "
-                        "event loop and its model thread share one interpreter (default %(default)s)")
+    g.add_argument(
+        "--event-loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="rank 0's event loop; auto = uvloop when installed (default %(default)s)",
+    )
+    g.add_argument(
+        "--gil-switch-ms",
+        type=float,
+        default=DEFAULT_GIL_SWITCH_MS,
+        help="how long a thread may hold the GIL while another waits (sys.setswitchinterval): rank 0's "
+        "event loop and its model thread share one interpreter (default %(default)s)",
+    )
     g = p.add_argument_group("health and lifecycle")
     g.add_argument("--heartbeat-s", type=float, default=1.0, help="rank heartbeat period (default %(default)s)")
-    g.add_argument("--drain-grace-s", type=float, default=DEFAULT_DRAIN_GRACE_S,
-                   help="on SIGTERM, how long in-flight requests may finish (default %(default)s)")
-    g.add_argument("--pg-timeout-s", type=float, default=1800.0,
-                   help="timeout of the per-request collectives; idle waits never use it (default %(default)s)")
-    g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                   help="per-step collective backend; auto = nccl on cuda, gloo on cpu")
-    g.add_argument("--share-gpu", action="store_true",
-                   help="let ranks outnumber visible GPUs (rank i on GPU i mod count): functional checks only")
+    g.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=DEFAULT_DRAIN_GRACE_S,
+        help="on SIGTERM, how long in-flight requests may finish (default %(default)s)",
+    )
+    g.add_argument(
+        "--pg-timeout-s",
+        type=float,
+        default=1800.0,
+        help="timeout of the per-request collectives; idle waits never use it (default %(default)s)",
+    )
+    g.add_argument(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="per-step collective backend; auto = nccl on cuda, gloo on cpu",
+    )
+    g.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="let ranks outnumber visible GPUs (rank i on GPU i mod count): functional checks only",
+    )
     g.add_argument("--log-level", default="INFO")
 
 
@@ -192,21 +285,32 @@ def check_values(opts: ServeOptions) -> None:
     if not 1 <= opts.max_connections <= MAX_MAX_CONNECTIONS:
         raise ValueError(f"--max-connections must be in 1..{MAX_MAX_CONNECTIONS}, got {opts.max_connections}")
     if opts.max_buffered_bytes < opts.max_message_bytes:
-        raise ValueError(f"--max-buffered-bytes must be at least --max-message-bytes ({opts.max_message_bytes}), "
-                         f"got {opts.max_buffered_bytes}")
+        raise ValueError(
+            f"--max-buffered-bytes must be at least --max-message-bytes ({opts.max_message_bytes}), "
+            f"got {opts.max_buffered_bytes}"
+        )
     if not (math.isfinite(opts.frame_read_timeout_s) and opts.frame_read_timeout_s > 0):
-        raise ValueError(f"--frame-read-timeout-s must be a positive number of seconds, got {opts.frame_read_timeout_s}")
+        raise ValueError(
+            f"--frame-read-timeout-s must be a positive number of seconds, got {opts.frame_read_timeout_s}"
+        )
     if opts.latency_budget_ms is not None and not (
-            math.isfinite(opts.latency_budget_ms) and MIN_LATENCY_BUDGET_MS <= opts.latency_budget_ms <= MAX_LATENCY_BUDGET_MS):
-        raise ValueError(f"--latency-budget-ms must be in {MIN_LATENCY_BUDGET_MS:g}..{MAX_LATENCY_BUDGET_MS:g} milliseconds, "
-                         f"got {opts.latency_budget_ms}")
+        math.isfinite(opts.latency_budget_ms)
+        and MIN_LATENCY_BUDGET_MS <= opts.latency_budget_ms <= MAX_LATENCY_BUDGET_MS
+    ):
+        raise ValueError(
+            f"--latency-budget-ms must be in {MIN_LATENCY_BUDGET_MS:g}..{MAX_LATENCY_BUDGET_MS:g} milliseconds, "
+            f"got {opts.latency_budget_ms}"
+        )
     if not 1 <= opts.max_batch <= MAX_MAX_BATCH:
         raise ValueError(f"--max-batch must be in 1..{MAX_MAX_BATCH}, got {opts.max_batch}")
     if not (math.isfinite(opts.batch_window_ms) and 0 <= opts.batch_window_ms <= MAX_BATCH_WINDOW_MS):
-        raise ValueError(f"--batch-window-ms must be in 0..{MAX_BATCH_WINDOW_MS:g} milliseconds, "
-                         f"got {opts.batch_window_ms}")
+        raise ValueError(
+            f"--batch-window-ms must be in 0..{MAX_BATCH_WINDOW_MS:g} milliseconds, got {opts.batch_window_ms}"
+        )
     if not (math.isfinite(opts.gil_switch_ms) and 0 < opts.gil_switch_ms <= MAX_GIL_SWITCH_MS):
-        raise ValueError(f"--gil-switch-ms must be in (0, {MAX_GIL_SWITCH_MS:g}] milliseconds, got {opts.gil_switch_ms}")
+        raise ValueError(
+            f"--gil-switch-ms must be in (0, {MAX_GIL_SWITCH_MS:g}] milliseconds, got {opts.gil_switch_ms}"
+        )
     if opts.threads is not None and opts.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {opts.threads}")
     if opts.rtc_max_delay is not None and not 0 <= opts.rtc_max_delay <= MAX_RTC_DELAY:
@@ -258,23 +362,59 @@ def serve_argv(worker_args: list[str]) -> list[str]:
 
 def torchrun_argv(nproc: int, worker_args: list[str]) -> list[str]:
     """The launch command of a pod or a multi-rank ``serve``: one worker process per rank, no restarts."""
-    return ["torchrun", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", WORKER_MODULE,
-            *worker_args]
+    return [
+        "torchrun",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "-m",
+        WORKER_MODULE,
+        *worker_args,
+    ]
 
 
 # --- what the operator sets -------------------------------------------------------------
 # ServeOptions fields the operator writes from a PolicyServer's spec, in this order, before extraArgs.
-MANAGED: Final = ("checkpoint", "policy", "port", "cfgp", "dp", "guidance", "steps", "max_batch", "batch_window_ms",
-                  "latency_budget_ms", "max_connections", "device", "auth_token_file", "drain_grace_s", "rtc",
-                  "rtc_max_delay")
+MANAGED: Final = (
+    "checkpoint",
+    "policy",
+    "port",
+    "cfgp",
+    "dp",
+    "guidance",
+    "steps",
+    "max_batch",
+    "batch_window_ms",
+    "latency_budget_ms",
+    "max_connections",
+    "device",
+    "auth_token_file",
+    "drain_grace_s",
+    "rtc",
+    "rtc_max_delay",
+)
 MANAGED_FLAGS: Final = tuple(flag_of(name) for name in MANAGED)
 
 
-def managed_argv(*, checkpoint: str, policy: str, port: int, cfgp: int, dp: int, guidance: float | None,
-                 steps: int | None, max_batch: int, batch_window_ms: float, device: str, auth_token_file: str | None,
-                 drain_grace_s: float, latency_budget_ms: float | None = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, rtc: str | None = None,
-                 rtc_max_delay: int | None = None) -> list[str]:
+def managed_argv(
+    *,
+    checkpoint: str,
+    policy: str,
+    port: int,
+    cfgp: int,
+    dp: int,
+    guidance: float | None,
+    steps: int | None,
+    max_batch: int,
+    batch_window_ms: float,
+    device: str,
+    auth_token_file: str | None,
+    drain_grace_s: float,
+    latency_budget_ms: float | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    rtc: str | None = None,
+    rtc_max_delay: int | None = None,
+) -> list[str]:
     """The worker flags the operator derives from the spec (``auth_token_file`` None: no auth; ``guidance`` or
     ``steps`` None: the policy's own)."""
     given = locals()

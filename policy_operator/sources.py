@@ -37,13 +37,14 @@ def scheme_of(source: str) -> str:
 def check_source(source: str) -> None:
     """Refuse what the operator cannot hand to a fetch Job (the CRD's CEL rule says the same)."""
     if not SOURCE_PATTERN.match(source):
-        raise InvalidSource(f"{source!r} has no supported scheme: use {', '.join(s + '://' for s in SCHEMES)} "
-                            f"or an absolute path")
+        raise InvalidSource(
+            f"{source!r} has no supported scheme: use {', '.join(s + '://' for s in SCHEMES)} or an absolute path"
+        )
 
 
 def split_revision(source: str, revision: str | None) -> tuple[str, str | None]:
     """``hf://org/repo@rev`` -> (``hf://org/repo``, ``rev``), so both spellings share a key."""
-    if source.startswith(HF_SCHEME) and "@" in source[len(HF_SCHEME):]:
+    if source.startswith(HF_SCHEME) and "@" in source[len(HF_SCHEME) :]:
         base, _, inline = source.rpartition("@")
         if not inline:
             raise InvalidSource(f"{source}: empty revision after '@'")

@@ -63,8 +63,17 @@ class ChunkExecutor:
     A switch whose reply came within the delay it announced starts exactly on the old chunk's action.
     """
 
-    def __init__(self, infer: Infer, *, execution_horizon: int, rtc: bool = True, max_delay: int | None = None,
-                 short_form: bool = True, delay_window: int = 5, control_hz: float | None = None) -> None:
+    def __init__(
+        self,
+        infer: Infer,
+        *,
+        execution_horizon: int,
+        rtc: bool = True,
+        max_delay: int | None = None,
+        short_form: bool = True,
+        delay_window: int = 5,
+        control_hz: float | None = None,
+    ) -> None:
         if execution_horizon < 1:
             raise ValueError(f"execution_horizon must be >= 1, got {execution_horizon}")
         self._infer = infer
@@ -124,8 +133,10 @@ class ChunkExecutor:
             if self.short_form:
                 obs["rtc"] = {"executed": index, "inference_delay": delay}
             else:
-                obs["rtc"] = {"prev_actions": np.ascontiguousarray(self._chunk[index:], dtype=np.float32),
-                              "inference_delay": delay}
+                obs["rtc"] = {
+                    "prev_actions": np.ascontiguousarray(self._chunk[index:], dtype=np.float32),
+                    "inference_delay": delay,
+                }
         self._pending = (self._pool.submit(self._infer, obs), self._tick, time.monotonic(), delay)
 
     def _maybe_switch(self) -> None:
@@ -152,8 +163,9 @@ class ChunkExecutor:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def run_robot(executor: ChunkExecutor, observe: Callable[[int], dict[str, Any]], *, control_hz: float,
-              ticks: int) -> ExecutorStats:
+def run_robot(
+    executor: ChunkExecutor, observe: Callable[[int], dict[str, Any]], *, control_hz: float, ticks: int
+) -> ExecutorStats:
     """Drive ``executor`` in real time at ``control_hz`` for ``ticks`` ticks, as a robot's loop would."""
     period = 1.0 / control_hz
     next_tick = time.monotonic()
@@ -180,8 +192,11 @@ def summarize(stats: ExecutorStats) -> dict[str, Any]:
         "boundary_jump_max": max(jumps) if jumps else math.nan,
         "switch_offset_mean": mean(stats.switch_offsets),
         # switches whose reply came within the delay its request announced (RTC: they start on the old action)
-        "on_time_offsets": [o for o, d, sd in zip(stats.switch_offsets, stats.delays, stats.sent_delays, strict=True)
-                            if sd is not None and d <= sd],
+        "on_time_offsets": [
+            o
+            for o, d, sd in zip(stats.switch_offsets, stats.delays, stats.sent_delays, strict=True)
+            if sd is not None and d <= sd
+        ],
         "step_size_mean": mean(steps),  # the same measure inside a chunk, for scale
         "delay_ticks_mean": mean([float(d) for d in stats.delays]),
         "latency_ms_p50": float(np.median(stats.latencies_s) * 1e3) if stats.latencies_s else math.nan,
@@ -190,8 +205,17 @@ def summarize(stats: ExecutorStats) -> dict[str, Any]:
 
 
 # --- a simulated robot against a server (policyserver client --rtc) ---------------------------------------
-def simulate(url: str, *, control_hz: float, seconds: float, rtc: bool, execution_horizon: int | None = None,
-             headers: dict[str, str] | None = None, timeout: float = 60.0, seed: int = 0) -> dict[str, Any]:
+def simulate(
+    url: str,
+    *,
+    control_hz: float,
+    seconds: float,
+    rtc: bool,
+    execution_horizon: int | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 60.0,
+    seed: int = 0,
+) -> dict[str, Any]:
     """A robot at ``control_hz`` for ``seconds`` against ``url``, one connection, chunks fetched asynchronously.
 
     Every request carries its own seed (``seed + k``), so the policy samples a different chunk each time
@@ -221,30 +245,48 @@ def simulate(url: str, *, control_hz: float, seconds: float, rtc: bool, executio
                 raise RuntimeError(f"server error: {msg['error']['kind']}: {msg['error']['message']}")
             return np.asarray(msg["actions"])
 
-        executor = ChunkExecutor(infer, execution_horizon=execution_horizon or max(1, horizon // 2), rtc=rtc,
-                                 max_delay=rtc_meta.get("max_inference_delay"), control_hz=control_hz)
+        executor = ChunkExecutor(
+            infer,
+            execution_horizon=execution_horizon or max(1, horizon // 2),
+            rtc=rtc,
+            max_delay=rtc_meta.get("max_inference_delay"),
+            control_hz=control_hz,
+        )
         observation = robolab_observation(meta, seed)
         try:
-            stats = run_robot(executor, lambda k: observation, control_hz=control_hz,
-                              ticks=max(1, round(seconds * control_hz)))
+            stats = run_robot(
+                executor, lambda k: observation, control_hz=control_hz, ticks=max(1, round(seconds * control_hz))
+            )
         finally:
             executor.close()
     summary = summarize(stats)
-    summary.update({"rtc": rtc, "rtc_mode": rtc_meta.get("mode", "off") if rtc else "off",
-                    "execution_horizon": executor.execution_horizon, "action_horizon": horizon})
+    summary.update(
+        {
+            "rtc": rtc,
+            "rtc_mode": rtc_meta.get("mode", "off") if rtc else "off",
+            "execution_horizon": executor.execution_horizon,
+            "action_horizon": horizon,
+        }
+    )
     return summary
 
 
 def format_comparison(rows: list[dict[str, Any]]) -> str:
     """One line per run: how large the jumps at chunk switches were, next to the steps inside a chunk."""
-    lines = [f"  {'run':<16} {'switches':>8} {'jump mean':>10} {'jump max':>10} {'vs old plan':>11} {'step mean':>10} "
-             f"{'delay':>6} {'p50 ms':>8} {'starved':>8}"]
+    lines = [
+        f"  {'run':<16} {'switches':>8} {'jump mean':>10} {'jump max':>10} {'vs old plan':>11} {'step mean':>10} "
+        f"{'delay':>6} {'p50 ms':>8} {'starved':>8}"
+    ]
     for r in rows:
         name = f"rtc {r['rtc_mode']}" if r["rtc"] else "no rtc"
-        lines.append(f"  {name:<16} {r['switches']:>8} {r['boundary_jump_mean']:>10.4f} {r['boundary_jump_max']:>10.4f} "
-                     f"{r['switch_offset_mean']:>11.4f} {r['step_size_mean']:>10.4f} {r['delay_ticks_mean']:>6.2f} "
-                     f"{r['latency_ms_p50']:>8.1f} {r['starved_ticks']:>8}")
-    lines += ["  jump: largest change of an action dimension from the last old action executed to the first new one;",
-              "  vs old plan: the same from the old chunk's action for that tick (what the switch adds);",
-              "  step: the same between consecutive actions of one chunk; delay: ticks from request to switch"]
+        lines.append(
+            f"  {name:<16} {r['switches']:>8} {r['boundary_jump_mean']:>10.4f} {r['boundary_jump_max']:>10.4f} "
+            f"{r['switch_offset_mean']:>11.4f} {r['step_size_mean']:>10.4f} {r['delay_ticks_mean']:>6.2f} "
+            f"{r['latency_ms_p50']:>8.1f} {r['starved_ticks']:>8}"
+        )
+    lines += [
+        "  jump: largest change of an action dimension from the last old action executed to the first new one;",
+        "  vs old plan: the same from the old chunk's action for that tick (what the switch adds);",
+        "  step: the same between consecutive actions of one chunk; delay: ticks from request to switch",
+    ]
     return "\n".join(lines)

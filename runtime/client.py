@@ -47,18 +47,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-file", default=None, help="bearer token for a server started with auth")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     g = parser.add_argument_group("real-time chunking (a simulated robot)")
-    g.add_argument("--rtc", action="store_true",
-                   help="simulate a robot executing chunks asynchronously at --control-hz, once without and once "
-                        "with real-time chunking, and print the jumps at chunk switches")
-    g.add_argument("--control-hz", type=float, default=15.0, help="the simulated robot's control rate (default %(default)s)")
-    g.add_argument("--seconds", type=float, default=10.0, help="how long each simulated run lasts (default %(default)s)")
-    g.add_argument("--execution-horizon", type=int, default=None,
-                   help="actions executed from each chunk before switching (default: half the action horizon)")
+    g.add_argument(
+        "--rtc",
+        action="store_true",
+        help="simulate a robot executing chunks asynchronously at --control-hz, once without and once "
+        "with real-time chunking, and print the jumps at chunk switches",
+    )
+    g.add_argument(
+        "--control-hz", type=float, default=15.0, help="the simulated robot's control rate (default %(default)s)"
+    )
+    g.add_argument(
+        "--seconds", type=float, default=10.0, help="how long each simulated run lasts (default %(default)s)"
+    )
+    g.add_argument(
+        "--execution-horizon",
+        type=int,
+        default=None,
+        help="actions executed from each chunk before switching (default: half the action horizon)",
+    )
     parser.add_argument("--timeout", type=float, default=60.0)
 
 
-def _session(url: str, n: int, worker: int, seed: int | None, headers: dict[str, str] | None, timeout: float,
-             barrier: Any) -> dict[str, Any]:
+def _session(
+    url: str, n: int, worker: int, seed: int | None, headers: dict[str, str] | None, timeout: float, barrier: Any
+) -> dict[str, Any]:
     """One robot: its own connection, sending its next frame as soon as its reply is in.
 
     With several sessions each runs in a process of its own, as robots do: in one process the
@@ -86,13 +98,18 @@ def _session(url: str, n: int, worker: int, seed: int | None, headers: dict[str,
                     raise RuntimeError(f"server error: {reply}")
                 msg = wire.unpackb(reply)
                 timing = msg["server_timing"]
-                out["records"].append({"rtt_ms": dt, "infer_ms": float(timing["infer_ms"]),
-                                       "total_ms": float(timing.get("total_ms", "nan")),
-                                       "replica": int(timing.get("replica", 0)),
-                                       "queue_ms": float(timing.get("queue_ms", "nan")),
-                                       "prepare_ms": float(timing.get("prepare_ms", "nan")),
-                                       "decode_ms": float(timing.get("decode_ms", "nan")),
-                                       "batch_size": int(timing.get("batch_size", 1))})
+                out["records"].append(
+                    {
+                        "rtt_ms": dt,
+                        "infer_ms": float(timing["infer_ms"]),
+                        "total_ms": float(timing.get("total_ms", "nan")),
+                        "replica": int(timing.get("replica", 0)),
+                        "queue_ms": float(timing.get("queue_ms", "nan")),
+                        "prepare_ms": float(timing.get("prepare_ms", "nan")),
+                        "decode_ms": float(timing.get("decode_ms", "nan")),
+                        "batch_size": int(timing.get("batch_size", 1)),
+                    }
+                )
                 out["shapes"].append(tuple(np.asarray(msg["actions"]).shape))
             out["end"] = time.monotonic()
     except Exception as exc:  # noqa: BLE001 - reported in the summary
@@ -102,8 +119,9 @@ def _session(url: str, n: int, worker: int, seed: int | None, headers: dict[str,
     return out
 
 
-def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, token: str | None = None,
-               timeout: float = 60.0) -> dict[str, Any]:
+def run_client(
+    url: str, n: int, concurrency: int = 1, seed: int | None = None, token: str | None = None, timeout: float = 60.0
+) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {token}"} if token else None
     if concurrency == 1:
         sessions = [_session(url, n, 0, seed, headers, timeout, None)]
@@ -126,8 +144,12 @@ def run_client(url: str, n: int, concurrency: int = 1, seed: int | None = None, 
         "requests": len(latencies),
         "errors": errors,
         "action_shapes": sorted({shape for s in sessions for shape in s["shapes"]}),
-        "latency_ms": {"p50": percentile(latencies, 50), "p90": percentile(latencies, 90),
-                       "p99": percentile(latencies, 99), "mean": statistics.fmean(latencies) if latencies else None},
+        "latency_ms": {
+            "p50": percentile(latencies, 50),
+            "p90": percentile(latencies, 90),
+            "p99": percentile(latencies, 99),
+            "mean": statistics.fmean(latencies) if latencies else None,
+        },
         "infer_ms_p50": percentile([r["infer_ms"] for r in records], 50),
         # per request: the batch size a request saw, averaged (a batch of 8 counts 8 times)
         "mean_batch_size": statistics.fmean(r["batch_size"] for r in records) if records else None,
@@ -164,9 +186,18 @@ def _main_rtc(args: argparse.Namespace, token: str | None) -> int:
     rows = []
     for rtc in (False, True):
         try:
-            rows.append(simulate(args.url, control_hz=args.control_hz, seconds=args.seconds, rtc=rtc,
-                                 execution_horizon=args.execution_horizon, headers=headers, timeout=args.timeout,
-                                 seed=args.seed or 0))
+            rows.append(
+                simulate(
+                    args.url,
+                    control_hz=args.control_hz,
+                    seconds=args.seconds,
+                    rtc=rtc,
+                    execution_horizon=args.execution_horizon,
+                    headers=headers,
+                    timeout=args.timeout,
+                    seed=args.seed or 0,
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - reported, exit 1
             print(f"policyserver client: {'with' if rtc else 'without'} rtc: {type(exc).__name__}: {exc}")
             return 1

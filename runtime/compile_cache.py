@@ -84,8 +84,17 @@ def _triton_version() -> str:
     return str(getattr(triton, "__version__", "unknown"))
 
 
-def cache_key(*, checkpoint: str | os.PathLike[str], policy: str, dtype: str, mode: str, buckets: Sequence[int],
-              layout: str, cfg_mode: str, device: torch.device) -> dict[str, str]:
+def cache_key(
+    *,
+    checkpoint: str | os.PathLike[str],
+    policy: str,
+    dtype: str,
+    mode: str,
+    buckets: Sequence[int],
+    layout: str,
+    cfg_mode: str,
+    device: torch.device,
+) -> dict[str, str]:
     """Every input that invalidates compiled artifacts, as strings (the file's header repeats it)."""
     return {
         "checkpoint": checkpoint_identity(checkpoint),
@@ -134,14 +143,14 @@ def decode(data: bytes, key: Mapping[str, str]) -> bytes:
     if end < 0:
         raise ArtifactError("no header")
     try:
-        header = json.loads(data[len(MAGIC):end])
+        header = json.loads(data[len(MAGIC) : end])
         stored_key, size, sha256 = header["key"], int(header["bytes"]), str(header["sha256"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ArtifactError(f"unreadable header ({type(exc).__name__})") from None
     if stored_key != dict(key):
         changed = sorted(k for k in set(stored_key) | set(key) if stored_key.get(k) != key.get(k))
         raise ArtifactError(f"written for another spec ({', '.join(changed)} differ)")
-    payload = data[end + 1:]
+    payload = data[end + 1 :]
     if len(payload) != size:
         raise ArtifactError(f"truncated ({len(payload)} of {size} bytes)")
     if hashlib.sha256(payload).hexdigest() != sha256:
@@ -183,8 +192,12 @@ class CompileCache:
             log.warning("compile cache: ignoring %s: %s; compiling", path, exc)
             return False
         except Exception as exc:  # noqa: BLE001 - whatever torch makes of a bad payload, the pod compiles instead
-            log.warning("compile cache: ignoring %s: torch refused it (%s: %s); compiling", path,
-                        type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            log.warning(
+                "compile cache: ignoring %s: torch refused it (%s: %s); compiling",
+                path,
+                type(exc).__name__,
+                str(exc).splitlines()[0][:200] if str(exc) else "",
+            )
             return False
         count = sum(len(v) for v in info.artifacts.values())
         self.loaded = True
@@ -197,8 +210,11 @@ class CompileCache:
         from torch._dynamo.utils import counters
 
         inductor = counters["inductor"]
-        log.info("compile cache: %d graph(s) from the cache, %d compiled", inductor["fxgraph_cache_hit"],
-                 inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"])
+        log.info(
+            "compile cache: %d graph(s) from the cache, %d compiled",
+            inductor["fxgraph_cache_hit"],
+            inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"],
+        )
         return self.save()
 
     def save(self) -> bool:
@@ -232,8 +248,7 @@ class CompileCache:
             os.replace(tmp, path)
             tmp = None
         except OSError as exc:
-            log.warning("compile cache: could not write %s (%s); the next pod compiles too", path,
-                        exc.strerror or exc)
+            log.warning("compile cache: could not write %s (%s); the next pod compiles too", path, exc.strerror or exc)
             return False
         finally:
             if tmp is not None:
@@ -258,5 +273,13 @@ def open_cache(directory: str | None, **key: object) -> CompileCache | None:
     return cache
 
 
-__all__ = ["ArtifactError", "CompileCache", "cache_key", "checkpoint_identity", "decode", "device_kind", "encode",
-           "open_cache"]
+__all__ = [
+    "ArtifactError",
+    "CompileCache",
+    "cache_key",
+    "checkpoint_identity",
+    "decode",
+    "device_kind",
+    "encode",
+    "open_cache",
+]

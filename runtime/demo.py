@@ -37,8 +37,26 @@ def _ready(port: int) -> dict | None:
 
 
 def _serve(checkpoint: Path, port: int, cfgp: int, dp: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", str(checkpoint), "--host",
-           "127.0.0.1", "--port", str(port), "--cfgp", str(cfgp), "--dp", str(dp), "--threads", "1", "--log-level", "WARNING"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "policy_operator.cli",
+        "serve",
+        "--checkpoint",
+        str(checkpoint),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--cfgp",
+        str(cfgp),
+        "--dp",
+        str(dp),
+        "--threads",
+        "1",
+        "--log-level",
+        "WARNING",
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
 
@@ -86,8 +104,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'layout':<14} {'ranks ready':>11} {'requests':>9} {'p50 ms':>8} {'p99 ms':>8} {'actions':>8}")
     for label, ready, world, s in rows:
         shape = "x".join(map(str, s["action_shapes"][0])) if s["action_shapes"] else "-"
-        print(f"{label:<14} {f'{ready}/{world}':>11} {s['requests']:>9} {s['latency_ms']['p50']:>8.1f} "
-              f"{s['latency_ms']['p99']:>8.1f} {shape:>8}")
+        print(
+            f"{label:<14} {f'{ready}/{world}':>11} {s['requests']:>9} {s['latency_ms']['p50']:>8.1f} "
+            f"{s['latency_ms']['p99']:>8.1f} {shape:>8}"
+        )
     a, b = actions[LAYOUTS[0]], actions[LAYOUTS[1]]
     same = np.array_equal(a, b)
     print(f"\nseed 42, first action: {np.array2string(a[0], precision=3)}")

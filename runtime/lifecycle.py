@@ -145,8 +145,9 @@ class Lifecycle:
         return code
 
 
-async def drain_and_stop(server: PolicyWebSocketServer, ingress: Ingress, *, grace_s: float, heartbeat_s: float,
-                         kv: KV) -> bool:
+async def drain_and_stop(
+    server: PolicyWebSocketServer, ingress: Ingress, *, grace_s: float, heartbeat_s: float, kv: KV
+) -> bool:
     """Rank 0 after SIGTERM (or a failed replica): drain, and at the deadline fail what still runs and stop every
     rank together.  True when every request was answered within ``grace_s``.
 
@@ -157,11 +158,13 @@ async def drain_and_stop(server: PolicyWebSocketServer, ingress: Ingress, *, gra
     """
     drained = await server.drain(grace_s)  # idle sessions closed 1001 at once, busy ones after their reply
     if not drained:
-        failed = ingress.give_up(DrainTimeout(
-            f"the server is shutting down and this request was still running when its {grace_s:g}s grace period "
-            "(--drain-grace-s) ended; retry it on another server"))
-        log.warning("grace period over: %d request(s) still running failed with %s", failed,
-                    DrainTimeout.kind.value)
+        failed = ingress.give_up(
+            DrainTimeout(
+                f"the server is shutting down and this request was still running when its {grace_s:g}s grace period "
+                "(--drain-grace-s) ended; retry it on another server"
+            )
+        )
+        log.warning("grace period over: %d request(s) still running failed with %s", failed, DrainTimeout.kind.value)
         deadline = time.monotonic() + ERROR_SEND_S
         while server.sessions.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

@@ -82,19 +82,26 @@ class ProbeResult:
         if not self.ok:
             return f"FAIL {self.url}: {one_line(self.reason)}"
         shape = "x".join(map(str, self.action_shape or ()))
-        return (f"ok {self.url}: policy {self.policy} ({self.layout}), actions {shape} finite, "
-                f"{self.latency_ms:.1f} ms")
+        return f"ok {self.url}: policy {self.policy} ({self.layout}), actions {shape} finite, {self.latency_ms:.1f} ms"
 
     def as_json(self) -> str:
-        return json.dumps({"url": self.url, "ok": self.ok, "reason": one_line(self.reason), "policy": self.policy,
-                           "layout": self.layout, "action_shape": list(self.action_shape or ()) or None,
-                           "latency_ms": self.latency_ms})
+        return json.dumps(
+            {
+                "url": self.url,
+                "ok": self.ok,
+                "reason": one_line(self.reason),
+                "policy": self.policy,
+                "layout": self.layout,
+                "action_shape": list(self.action_shape or ()) or None,
+                "latency_ms": self.latency_ms,
+            }
+        )
 
 
 def one_line(text: str) -> str:
     """``text`` on one line, shortened: a server's error text or body may hold newlines and any amount of bytes."""
     flat = " ".join(str(text).split())
-    return flat if len(flat) <= MAX_REASON_CHARS else flat[:MAX_REASON_CHARS - 3] + "..."
+    return flat if len(flat) <= MAX_REASON_CHARS else flat[: MAX_REASON_CHARS - 3] + "..."
 
 
 def _positive_int(meta: dict[str, Any], key: str, default: int | None, upper: int | None = None) -> int:
@@ -103,8 +110,12 @@ def _positive_int(meta: dict[str, Any], key: str, default: int | None, upper: in
             raise ProbeFailed(f"metadata has no {key!r}")
         return default
     value = meta[key]
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1 \
-            or (upper is not None and value > upper):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or value < 1
+        or (upper is not None and value > upper)
+    ):
         bound = f"1..{upper}" if upper else ">= 1"
         raise ProbeFailed(f"metadata {key!r} must be an integer in {bound}, got {value!r}")
     return int(value)
@@ -115,8 +126,11 @@ def check_metadata(meta: Any) -> Expectation:
     if not isinstance(meta, dict):
         raise ProbeFailed(f"the first frame must be a metadata map, got {type(meta).__name__}")
     shape = meta.get("action_shape")
-    if not isinstance(shape, (list, tuple)) or len(shape) != 2 or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) != 2
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)
+    ):
         raise ProbeFailed(f"metadata 'action_shape' must be [horizon, action_dim] of positive ints, got {shape!r}")
     for key, dim in (("action_horizon", shape[0]), ("action_dim", shape[1])):
         if key in meta and meta[key] != dim:
@@ -134,8 +148,9 @@ def canned_observation(expect: Expectation) -> dict[str, Any]:
     """One valid observation of the advertised sizes, the same bytes on every run (fixed pattern and seed)."""
     s = expect.image_size
     ramp = np.linspace(0, 255, s, dtype=np.float32)
-    image = np.stack([np.add.outer(ramp, ramp) / 2, np.tile(ramp, (s, 1)), np.tile(ramp[:, None], (1, s))],
-                     axis=-1).astype(np.uint8)
+    image = np.stack(
+        [np.add.outer(ramp, ramp) / 2, np.tile(ramp, (s, 1)), np.tile(ramp[:, None], (1, s))], axis=-1
+    ).astype(np.uint8)
     return {
         IMAGE_KEY: image,
         JOINT_KEY: np.linspace(-0.5, 0.5, expect.joint_dim, dtype=np.float32),
@@ -167,8 +182,10 @@ def check_reply(reply: Any, expect: Expectation) -> np.ndarray:
     finite = np.isfinite(actions)
     if not finite.all():
         bad = np.argwhere(~finite)
-        raise ProbeFailed(f"'actions' has {len(bad)} non-finite value(s), first at {tuple(int(i) for i in bad[0])}: "
-                          f"{actions[tuple(bad[0])]}")
+        raise ProbeFailed(
+            f"'actions' has {len(bad)} non-finite value(s), first at {tuple(int(i) for i in bad[0])}: "
+            f"{actions[tuple(bad[0])]}"
+        )
     return actions
 
 
@@ -180,8 +197,14 @@ def _connect(url: str, headers: dict[str, str] | None, timeout: float, retry_sec
     deadline = time.monotonic() + retry_seconds
     while True:
         try:
-            return connect(url, additional_headers=headers, open_timeout=timeout, max_size=None, compression=None,
-                           logger=_QUIET_LOG)
+            return connect(
+                url,
+                additional_headers=headers,
+                open_timeout=timeout,
+                max_size=None,
+                compression=None,
+                logger=_QUIET_LOG,
+            )
         except InvalidURI as exc:
             raise ProbeFailed(f"not a WebSocket URL: {exc}") from None
         except InvalidStatus as exc:
@@ -248,11 +271,18 @@ def probe(url: str, *, token: str | None = None, timeout: float = 60.0, retry_se
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", help=f"server URL, e.g. ws://policy-sample.robots.svc:{DEFAULT_PORT}")
     parser.add_argument("--token-file", default=None, help="bearer token for a server started with auth")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds to wait to connect and for each reply (default %(default)s)")
-    parser.add_argument("--retry-seconds", type=float, default=0.0,
-                        help="keep retrying this long while the server refuses connections or is not ready "
-                             "(default %(default)s)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait to connect and for each reply (default %(default)s)",
+    )
+    parser.add_argument(
+        "--retry-seconds",
+        type=float,
+        default=0.0,
+        help="keep retrying this long while the server refuses connections or is not ready (default %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     parser.epilog = f"Prints one line (ok ... / FAIL ...). Exit codes: {describe(ProbeExit)}."
 

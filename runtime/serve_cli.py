@@ -153,6 +153,5 @@ def main(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     started = time.monotonic()
     code = run_torchrun([exe, *cmd[1:]])
-    print(f"policyserver: torchrun exited {code} after {time.monotonic() - started:.0f}s", file=sys.stderr,
-          flush=True)
+    print(f"policyserver: torchrun exited {code} after {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
     return code

@@ -55,8 +55,9 @@ log = logging.getLogger("policy_operator.runtime.worker")
 
 
 def _setup_logging(level: str, rank: int) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def validate_layout(opts: serve_flags.ServeOptions) -> ParallelLayout:
@@ -80,8 +81,10 @@ def check_port(host: str, port: int) -> None:
     if port == 0:
         return
     try:
-        addresses = {info[4][:2]: info[0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                                         flags=socket.AI_PASSIVE)}
+        addresses = {
+            info[4][:2]: info[0]
+            for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        }
     except socket.gaierror as exc:
         raise ValueError(f"--host {host}: cannot resolve ({exc.strerror})") from None
     for address, family in addresses.items():
@@ -123,8 +126,9 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
     return uvloop.new_event_loop
 
 
-def resolve_checkpoint(opts: serve_flags.ServeOptions,
-                       on_progress: Callable[[FetchProgress], None] | None = None) -> str:
+def resolve_checkpoint(
+    opts: serve_flags.ServeOptions, on_progress: Callable[[FetchProgress], None] | None = None
+) -> str:
     """A local directory as is; a source is fetched once (file lock + completion marker), reporting to ``on_progress``."""
     if Path(opts.checkpoint).is_dir():
         return opts.checkpoint
@@ -161,16 +165,26 @@ class Runtime:
         # What the ingress reads: under torchrun a copy refreshed by a thread (the store may block); in one
         # process the board itself (a dict in memory never blocks, and the copy would only lag).
         self.ingress_board: Callable[[], Board | BoardWatcher] = (
-            (lambda: BoardWatcher(self.board_factory, layout, opts.heartbeat_s).start()) if layout.world_size > 1
-            else self.board_factory)
-        cfg_mode = opts.cfg_mode if opts.cfg_mode != "auto" else ("batched" if self.device.type == "cuda" else "sequential")
+            (lambda: BoardWatcher(self.board_factory, layout, opts.heartbeat_s).start())
+            if layout.world_size > 1
+            else self.board_factory
+        )
+        cfg_mode = (
+            opts.cfg_mode if opts.cfg_mode != "auto" else ("batched" if self.device.type == "cuda" else "sequential")
+        )
         from policy_operator.runtime.policy.sampler import SamplerSettings, batch_buckets
 
         # A compiled denoiser gets one graph per shape: pad every batch to a bucket, all captured at warm-up.
         # Eager, a batch runs at its own size (padding would only add work).
         buckets = batch_buckets(opts.max_batch) if opts.compile else ()
-        self.settings = SamplerSettings(opts.steps, opts.guidance, cfg_mode, buckets,  # type: ignore[arg-type]
-                                        opts.rtc, opts.rtc_max_delay)  # type: ignore[arg-type]
+        self.settings = SamplerSettings(
+            opts.steps,
+            opts.guidance,
+            cfg_mode,
+            buckets,  # type: ignore[arg-type]
+            opts.rtc,
+            opts.rtc_max_delay,
+        )  # type: ignore[arg-type]
         self.load_s = self.warmup_s = 0.0  # set by load()
         self.compile_cache: CompileCache | None = None  # set by load() under --compile --compile-cache-dir
         self.bucket_ms: dict[int, float] = {}  # set by load() under --latency-budget-ms: replica 0's batch times
@@ -220,15 +234,23 @@ class Runtime:
             for size in self.settings.buckets or (1,):  # every shape serving will run: no compile after /readyz
                 replica.execute(Batch(tuple(InferenceRequest(f"warmup-{size}-{i}", warm, i) for i in range(size))))
                 if rtc is not None:
-                    replica.execute(Batch(tuple(InferenceRequest(f"warmup-rtc-{size}-{i}", warm, i, rtc)
-                                                for i in range(size))))
+                    replica.execute(
+                        Batch(tuple(InferenceRequest(f"warmup-rtc-{size}-{i}", warm, i, rtc) for i in range(size)))
+                    )
             if self.opts.latency_budget_ms is not None:
-                self.bucket_ms = measure_buckets(replica, warm, self.settings.buckets or batch_sizes(self.opts.max_batch))
+                self.bucket_ms = measure_buckets(
+                    replica, warm, self.settings.buckets or batch_sizes(self.opts.max_batch)
+                )
             self.warmup_s = time.perf_counter() - started
             if self.rank == 0 and self.compile_cache is not None:
                 self.compile_cache.finish()  # every shape is compiled now
-            log.info("replica %d warmed up (load %.1fs, warm-up %.1fs, batch buckets %s)", self.groups.dp_index,
-                     self.load_s, self.warmup_s, list(self.settings.buckets) or "off")
+            log.info(
+                "replica %d warmed up (load %.1fs, warm-up %.1fs, batch buckets %s)",
+                self.groups.dp_index,
+                self.load_s,
+                self.warmup_s,
+                list(self.settings.buckets) or "off",
+            )
         return replica
 
 
@@ -236,9 +258,17 @@ def open_compile_cache(rt: Runtime, checkpoint: str) -> CompileCache | None:
     """This spec's compile artifacts under --compile-cache-dir, loaded into torch's caches when there are good ones."""
     from policy_operator.runtime.compile_cache import open_cache
 
-    return open_cache(rt.opts.compile_cache_dir, checkpoint=checkpoint, policy=rt.opts.policy, dtype=rt.opts.dtype,
-                      mode=rt.opts.compile or "", buckets=rt.settings.buckets, layout=rt.layout.label,
-                      cfg_mode=rt.settings.cfg_mode, device=rt.device)
+    return open_cache(
+        rt.opts.compile_cache_dir,
+        checkpoint=checkpoint,
+        policy=rt.opts.policy,
+        dtype=rt.opts.dtype,
+        mode=rt.opts.compile or "",
+        buckets=rt.settings.buckets,
+        layout=rt.layout.label,
+        cfg_mode=rt.settings.cfg_mode,
+        device=rt.device,
+    )
 
 
 def batch_sizes(max_batch: int) -> tuple[int, ...]:
@@ -283,17 +313,31 @@ def build_front(rt: Runtime, on_replica_failed: Callable[[int, str], None]) -> t
     opts = rt.opts
     metrics = ServerMetrics(rt.layout, opts.max_connections)
     sessions = Sessions()
-    ingress = Ingress(rt.layout, rt.settings, rt.ingress_board(), request_timeout_s=opts.pg_timeout_s,
-                      poll_s=min(0.25, opts.heartbeat_s / 2), recent_sessions=sessions.recent,
-                      on_replica_failed=on_replica_failed)
-    config = ServerConfig(opts.host, opts.port, opts.max_message_bytes, opts.error_format,  # type: ignore[arg-type]
-                          read_token(opts.auth_token_file), opts.max_connections, opts.max_buffered_bytes,
-                          opts.frame_read_timeout_s)
+    ingress = Ingress(
+        rt.layout,
+        rt.settings,
+        rt.ingress_board(),
+        request_timeout_s=opts.pg_timeout_s,
+        poll_s=min(0.25, opts.heartbeat_s / 2),
+        recent_sessions=sessions.recent,
+        on_replica_failed=on_replica_failed,
+    )
+    config = ServerConfig(
+        opts.host,
+        opts.port,
+        opts.max_message_bytes,
+        opts.error_format,  # type: ignore[arg-type]
+        read_token(opts.auth_token_file),
+        opts.max_connections,
+        opts.max_buffered_bytes,
+        opts.frame_read_timeout_s,
+    )
     return ingress, PolicyWebSocketServer(ingress, config, metrics, sessions)
 
 
-def build_lanes(rt: Runtime, replica: Replica, model_pool: ThreadPoolExecutor, ingress: Ingress,
-                metrics: ServerMetrics) -> list[Lane]:
+def build_lanes(
+    rt: Runtime, replica: Replica, model_pool: ThreadPoolExecutor, ingress: Ingress, metrics: ServerMetrics
+) -> list[Lane]:
     """One lane per replica, batching up to --max-batch or what --latency-budget-ms allows (replica 0's
     measured batch times stand for every replica: one pod, one GPU model)."""
     from policy_operator.runtime.parallel.dispatch import local_lane, remote_lane
@@ -301,12 +345,20 @@ def build_lanes(rt: Runtime, replica: Replica, model_pool: ThreadPoolExecutor, i
     opts = rt.opts
     max_batch = budget_max_batch(rt.bucket_ms, opts.latency_budget_ms, opts.max_batch)
     if opts.latency_budget_ms is not None:
-        log.info("batch times %s ms; --latency-budget-ms %g: batches of at most %d",
-                 {k: round(v, 2) for k, v in rt.bucket_ms.items()}, opts.latency_budget_ms, max_batch)
+        log.info(
+            "batch times %s ms; --latency-budget-ms %g: batches of at most %d",
+            {k: round(v, 2) for k, v in rt.bucket_ms.items()},
+            opts.latency_budget_ms,
+            max_batch,
+        )
         for k in range(rt.layout.dp):
             metrics.observe_buckets(k, {size: ms / 1e3 for size, ms in rt.bucket_ms.items()})
-    batching: dict[str, Any] = {"max_batch": max_batch, "window_s": opts.batch_window_ms / 1e3,
-                                "arriving": ingress.expected, "on_batch": metrics.observe_batch}
+    batching: dict[str, Any] = {
+        "max_batch": max_batch,
+        "window_s": opts.batch_window_ms / 1e3,
+        "arriving": ingress.expected,
+        "on_batch": metrics.observe_batch,
+    }
     lanes = [local_lane(replica, model_pool, **batching)]
     for k in range(1, rt.layout.dp):
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"replica{k}")
@@ -368,8 +420,9 @@ async def _serve_rank0(rt: Runtime, lifecycle: Lifecycle) -> int:
         rt.heartbeat.set_state(RankState.STOPPING)
     else:
         log.error("a replica failed: draining the others up to %.1fs, then exiting %d", opts.drain_grace_s, code)
-    drained = await drain_and_stop(server, ingress, grace_s=opts.drain_grace_s, heartbeat_s=opts.heartbeat_s,
-                                   kv=rt.kv_factory())
+    drained = await drain_and_stop(
+        server, ingress, grace_s=opts.drain_grace_s, heartbeat_s=opts.heartbeat_s, kv=rt.kv_factory()
+    )
     rt.heartbeat.stop()
     log.info("rank 0 exiting %d (%s)", code, "drained" if drained else "grace period over")
     return code

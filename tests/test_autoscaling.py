@@ -58,11 +58,13 @@ def adapter_rule() -> dict[str, Any]:
 
 def adapter_query(template: str) -> str:
     """prometheus-adapter's Go templates, filled as it fills them for a pods query."""
-    return (template.replace("<<.GroupBy>>", "namespace, pod")
-            .replace("<<.LabelMatchers>>", 'namespace="robots",pod=~"policy-cfgp2-dp1-0|policy-cfgp2-dp1-1"'))
+    return template.replace("<<.GroupBy>>", "namespace, pod").replace(
+        "<<.LabelMatchers>>", 'namespace="robots",pod=~"policy-cfgp2-dp1-0|policy-cfgp2-dp1-1"'
+    )
 
 
 # --- the documents ------------------------------------------------------------------------------
+
 
 def test_crd_has_the_scale_subresource_the_doc_describes() -> None:
     (version,) = CRD["spec"]["versions"]
@@ -98,8 +100,11 @@ def test_adapter_rule_and_keda_query_are_promql() -> None:
     rule = adapter_rule()
     assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
     assert re.fullmatch(rule["name"]["matches"], "policy_requests_in_flight")
-    for query in (rule["seriesQuery"], adapter_query(rule["metricsQuery"]),
-                  by_kind("ScaledObject")["spec"]["triggers"][0]["metadata"]["query"]):
+    for query in (
+        rule["seriesQuery"],
+        adapter_query(rule["metricsQuery"]),
+        by_kind("ScaledObject")["spec"]["triggers"][0]["metadata"]["query"],
+    ):
         promql.usage(query)
 
 
@@ -129,13 +134,19 @@ WAIT_S = 180.0
 
 
 @pytest.fixture(scope="module")
-def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Any, int]]:
+def cluster(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LocalCluster, Any, int]]:
     from tests.support.http_checkpoint_server import CheckpointServer
     from tests.support.local_node_cluster import LocalCluster, free_port_on
 
     work = tmp_path_factory.mktemp("autoscaling")
-    subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "ckpt")],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "ckpt")],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     source = CheckpointServer(work / "src").start()
     lc = LocalCluster(control_plane, work / "cluster", NS, backoff_s=1.0, resync_s=0.5, gpus=2)
     try:
@@ -160,8 +171,11 @@ def test_hpa_resolves_the_scale_subresource_and_replicas_zero_keeps_the_cache(cl
 
     lc, source, port = cluster
     name = "scaled"
-    doc = for_local_node(yaml.safe_load((REPO / "examples" / "policyserver-minimal.yaml").read_text()),
-                         source=source.url_for("ckpt/"), port=port)
+    doc = for_local_node(
+        yaml.safe_load((REPO / "examples" / "policyserver-minimal.yaml").read_text()),
+        source=source.url_for("ckpt/"),
+        port=port,
+    )
     doc["metadata"].update(name=name, namespace=NS)
     key = checkpoint_key(doc["spec"]["checkpoint"]["source"])
     lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
@@ -182,9 +196,15 @@ def test_hpa_resolves_the_scale_subresource_and_replicas_zero_keeps_the_cache(cl
     assert condition(got, "AbleToScale")["reason"] == "SucceededGetScale"
     assert got["status"]["currentReplicas"] == 1
     # without a custom metrics API the HPA cannot read the metric: it says so and leaves replicas alone
-    wait_for(lambda: condition(lc.get("autoscaling/v2", "horizontalpodautoscalers", name) or {},
-                               "ScalingActive").get("status") == "False", 120, interval=0.5,
-             what="HPA ScalingActive=False without a metrics API")
+    wait_for(
+        lambda: (
+            condition(lc.get("autoscaling/v2", "horizontalpodautoscalers", name) or {}, "ScalingActive").get("status")
+            == "False"
+        ),
+        120,
+        interval=0.5,
+        what="HPA ScalingActive=False without a metrics API",
+    )
     header, row = lc.kubectl("get", "hpa", name).stdout.splitlines()[:2]
     assert header.split()[:3] == ["NAME", "REFERENCE", "TARGETS"]
     assert row.split()[:2] == [name, f"{C.KIND}/{name}"]
@@ -196,8 +216,10 @@ def test_hpa_resolves_the_scale_subresource_and_replicas_zero_keeps_the_cache(cl
     def scaled_to_zero() -> bool:
         nonlocal status
         status = lc.status(name)
-        return condition({"status": status}, C.COND_AVAILABLE).get("reason") == "ScaledToZero" \
+        return (
+            condition({"status": status}, C.COND_AVAILABLE).get("reason") == "ScaledToZero"
             and status.get("replicas") == 0
+        )
 
     wait_for(scaled_to_zero, WAIT_S, interval=0.5, what="status ScaledToZero")
     assert condition({"status": status}, C.COND_AVAILABLE)["status"] == "False"
@@ -207,8 +229,11 @@ def test_hpa_resolves_the_scale_subresource_and_replicas_zero_keeps_the_cache(cl
     assert lc.get("apps/v1", "statefulsets", name)["spec"]["replicas"] == 0
     assert lc.get("v1", "persistentvolumeclaims", Names(name).pvc) is not None  # the cache is kept
     assert lc.get("v1", "services", Names(name).service) is not None
-    wait_for(lambda: not lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}"),
-             WAIT_S, what="server pods gone")
+    wait_for(
+        lambda: not lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}"),
+        WAIT_S,
+        what="server pods gone",
+    )
     assert lc.get("autoscaling/v2", "horizontalpodautoscalers", name)["spec"]["minReplicas"] == 1
     downloads = source.count("/ckpt/model.safetensors")
 
@@ -216,8 +241,10 @@ def test_hpa_resolves_the_scale_subresource_and_replicas_zero_keeps_the_cache(cl
     lc.kubectl("scale", f"{C.PLURAL}/{name}", "--replicas=1")
     wait_for(lambda: lc.status(name).get("phase") == C.PHASE_READY, WAIT_S, what=f"{name} Ready again")
     assert source.count("/ckpt/model.safetensors") == downloads == 1
-    fetches = [j["metadata"]["name"] for j in lc.list("batch/v1", "jobs", f"{C.LABEL_INSTANCE}={name},"
-                                                                          f"{C.LABEL_COMPONENT}={C.COMPONENT_FETCH}")]
+    fetches = [
+        j["metadata"]["name"]
+        for j in lc.list("batch/v1", "jobs", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_FETCH}")
+    ]
     assert fetches in ([Names(name).job(key)], [])  # the one fetch Job (or none, once its TTL collected it)
     lc.kubectl("delete", "hpa", name)
     lc.kubectl("delete", C.SHORT_NAME, name, "--timeout=120s", timeout=150)

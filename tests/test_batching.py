@@ -55,8 +55,9 @@ def alone(policy: ReferencePolicy, obs: dict[str, Any], seed: int, mode: str) ->
 
 @pytest.mark.parametrize("mode", ["sequential", "batched"])
 @pytest.mark.parametrize("pad_to", [None, 8])
-def test_each_row_of_a_batch_is_the_request_served_alone(policy: ReferencePolicy, mode: str,
-                                                         pad_to: int | None) -> None:
+def test_each_row_of_a_batch_is_the_request_served_alone(
+    policy: ReferencePolicy, mode: str, pad_to: int | None
+) -> None:
     """Five requests (own observation, own seed) as one batch, optionally padded to a bucket of 8 rows."""
     seeds = [11, 7, 2**40, 0, 11]
     observations = [observation(i) for i in range(len(seeds))]
@@ -243,8 +244,12 @@ def test_a_batch_holds_one_shape_and_the_others_keep_their_order() -> None:
     async def scenario(lane: Lane) -> None:
         first = lane.submit(request("a"))
         await _settle(lambda: replica.batches, "the first batch")
-        rest = [lane.submit(request("b", 4)), lane.submit(request("c", 5)), lane.submit(request("d", 4)),
-                lane.submit(request("e", 5))]
+        rest = [
+            lane.submit(request("b", 4)),
+            lane.submit(request("c", 5)),
+            lane.submit(request("d", 4)),
+            lane.submit(request("e", 5)),
+        ]
         replica.gate.set()
         await asyncio.gather(first, *rest)
 
@@ -296,7 +301,9 @@ def test_the_window_runs_from_the_latest_arrival_and_ends_when_none_comes() -> N
 
     last = run_lane(scenario, replica, max_batch=8, window_s=0.3, arriving=lambda: arriving[0] + 1)
     assert replica.batches == [["a", "b", "c"]]
-    assert 0.25 <= replica.started[0] - last < 3.0, "waited one window after the last arrival for the session that never came"
+    assert 0.25 <= replica.started[0] - last < 3.0, (
+        "waited one window after the last arrival for the session that never came"
+    )
 
 
 def test_a_failed_batch_fails_exactly_its_requests() -> None:
@@ -339,8 +346,9 @@ def one_request(server: PolicyServerProcess, obs: dict[str, Any]) -> Any:
     return client.result
 
 
-def queue_behind_a_held_request(server: PolicyServerProcess, gate: Path, queued: list[dict[str, Any]],
-                                session: str | None = None) -> tuple[Client, list[Client]]:
+def queue_behind_a_held_request(
+    server: PolicyServerProcess, gate: Path, queued: list[dict[str, Any]], session: str | None = None
+) -> tuple[Client, list[Client]]:
     """A held request, then ``queued`` requests waiting behind it; the gate opens once all are in flight."""
     extra = {"session_id": session} if session else {}
     held = Client(server, observation(0, prompt=hold_prompt(gate), seed=1, **extra))
@@ -351,8 +359,9 @@ def queue_behind_a_held_request(server: PolicyServerProcess, gate: Path, queued:
         c.start()
     try:
         # /readyz counts routed requests, i.e. queued at a lane (the metric also counts those still in prepare)
-        server.wait_until(lambda: server.readyz().json()["in_flight"] == 1 + len(queued), timeout=60,
-                          what="the queued requests")
+        server.wait_until(
+            lambda: server.readyz().json()["in_flight"] == 1 + len(queued), timeout=60, what="the queued requests"
+        )
     finally:
         gate.touch()
     for c in [held, *clients]:
@@ -363,13 +372,25 @@ def queue_behind_a_held_request(server: PolicyServerProcess, gate: Path, queued:
 
 @pytest.fixture(scope="module")
 def batching_server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
-    with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--policy", "batch_probe_policy:BatchProbePolicy",
-                      "--max-batch", "8", "--error-format", "dict", "--threads", "1") as s:
+    with serve_policy(
+        tiny_checkpoint,
+        "--steps",
+        str(STEPS),
+        "--policy",
+        "batch_probe_policy:BatchProbePolicy",
+        "--max-batch",
+        "8",
+        "--error-format",
+        "dict",
+        "--threads",
+        "1",
+    ) as s:
         yield s
 
 
-def test_a_server_batches_queued_sessions_and_each_gets_its_own_actions(batching_server: PolicyServerProcess,
-                                                                          tmp_path: Path) -> None:
+def test_a_server_batches_queued_sessions_and_each_gets_its_own_actions(
+    batching_server: PolicyServerProcess, tmp_path: Path
+) -> None:
     s = batching_server
     before = s.metrics()
     queued = [observation(i, seed=100 + i) for i in range(1, 4)]
@@ -384,16 +405,22 @@ def test_a_server_batches_queued_sessions_and_each_gets_its_own_actions(batching
         assert float(np.abs(client.result["actions"] - again["actions"]).max()) <= TOLERANCE
     after = s.metrics()
     batches = after[("policy_batch_size_count", (("replica", "0"),))] - before.get(
-        ("policy_batch_size_count", (("replica", "0"),)), 0)
+        ("policy_batch_size_count", (("replica", "0"),)), 0
+    )
     rows = after[("policy_batch_size_sum", (("replica", "0"),))] - before.get(
-        ("policy_batch_size_sum", (("replica", "0"),)), 0)
+        ("policy_batch_size_sum", (("replica", "0"),)), 0
+    )
     assert (batches, rows) == (1 + 1 + 3, 1 + 3 + 3), "held, the batch of 3, then the 3 alone"
 
 
 def test_bad_rows_and_bad_requests_fail_only_themselves(batching_server: PolicyServerProcess, tmp_path: Path) -> None:
     s = batching_server
-    queued = [observation(1, seed=5), observation(2, prompt=NAN_PROMPT), observation(3, seed=6),
-              observation(4, **{"observation/joint_position": [1.0, 2.0]})]  # refused in prepare
+    queued = [
+        observation(1, seed=5),
+        observation(2, prompt=NAN_PROMPT),
+        observation(3, seed=6),
+        observation(4, **{"observation/joint_position": [1.0, 2.0]}),
+    ]  # refused in prepare
     held, clients = queue_behind_a_held_request(s, tmp_path / "go", queued[:3])
     good, nan_row, good2 = (c.result for c in clients)
     assert good["server_timing"]["batch_size"] == good2["server_timing"]["batch_size"] == 3
@@ -405,10 +432,13 @@ def test_bad_rows_and_bad_requests_fail_only_themselves(batching_server: PolicyS
     assert "actions" in one_request(s, observation(7)), "the server still serves"
 
 
-def test_a_failed_batch_call_fails_its_requests_and_the_server_carries_on(batching_server: PolicyServerProcess,
-                                                                          tmp_path: Path) -> None:
+def test_a_failed_batch_call_fails_its_requests_and_the_server_carries_on(
+    batching_server: PolicyServerProcess, tmp_path: Path
+) -> None:
     s = batching_server
-    held, clients = queue_behind_a_held_request(s, tmp_path / "go", [observation(1), observation(2, prompt=FAIL_PROMPT)])
+    held, clients = queue_behind_a_held_request(
+        s, tmp_path / "go", [observation(1), observation(2, prompt=FAIL_PROMPT)]
+    )
     assert "actions" in held.result, "the held request ran in a batch of its own"
     for client in clients:
         assert client.result["type"] == "error" and client.result["error"]["kind"] == "inference_failed", client.result
@@ -417,15 +447,30 @@ def test_a_failed_batch_call_fails_its_requests_and_the_server_carries_on(batchi
     assert "actions" in one_request(s, observation(1)), "the request that shared the failed batch works alone"
 
 
-def test_a_latency_budget_caps_batches_at_the_largest_measured_size_that_fits(tiny_checkpoint: Path,
-                                                                              tmp_path: Path) -> None:
+def test_a_latency_budget_caps_batches_at_the_largest_measured_size_that_fits(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
     """Warm-up measures a batch of every bucket size and /metrics shows the times; a budget no batch fits (1 us)
     leaves batches of one: three requests queued behind a held one each run alone instead of as a batch of 3."""
-    with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--policy", "batch_probe_policy:BatchProbePolicy",
-                      "--max-batch", "8", "--latency-budget-ms", "0.001", "--error-format", "dict",
-                      "--threads", "1") as s:
-        times = {bucket: s.metric("policy_batch_bucket_seconds", replica="0", bucket=str(bucket))
-                 for bucket in batch_buckets(8)}
+    with serve_policy(
+        tiny_checkpoint,
+        "--steps",
+        str(STEPS),
+        "--policy",
+        "batch_probe_policy:BatchProbePolicy",
+        "--max-batch",
+        "8",
+        "--latency-budget-ms",
+        "0.001",
+        "--error-format",
+        "dict",
+        "--threads",
+        "1",
+    ) as s:
+        times = {
+            bucket: s.metric("policy_batch_bucket_seconds", replica="0", bucket=str(bucket))
+            for bucket in batch_buckets(8)
+        }
         assert all(t is not None and t > 0 for t in times.values()), times
         held, clients = queue_behind_a_held_request(s, tmp_path / "go", [observation(i) for i in range(1, 4)])
         assert [c.result["server_timing"]["batch_size"] for c in clients] == [1, 1, 1]
@@ -433,14 +478,27 @@ def test_a_latency_budget_caps_batches_at_the_largest_measured_size_that_fits(ti
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfgp,dp", [(2, 1), (1, 2)])
-def test_batches_cross_the_ranks_of_every_layout(tiny_checkpoint: Path, tmp_path: Path,
-                                                 cfgp: int, dp: int) -> None:
+def test_batches_cross_the_ranks_of_every_layout(tiny_checkpoint: Path, tmp_path: Path, cfgp: int, dp: int) -> None:
     """cfgp=2: both ranks run their branch for B rows and the per-step all_gather carries B rows; dp=2: the batch
     goes to replica k's driver over the dispatch group and B Replies come back.  One session pins every request
     to one replica, so the queued ones meet in its lane."""
-    with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--policy", "batch_probe_policy:BatchProbePolicy",
-                      "--cfgp", str(cfgp), "--dp", str(dp), "--max-batch", "8", "--error-format", "dict",
-                      "--threads", "1") as s:
+    with serve_policy(
+        tiny_checkpoint,
+        "--steps",
+        str(STEPS),
+        "--policy",
+        "batch_probe_policy:BatchProbePolicy",
+        "--cfgp",
+        str(cfgp),
+        "--dp",
+        str(dp),
+        "--max-batch",
+        "8",
+        "--error-format",
+        "dict",
+        "--threads",
+        "1",
+    ) as s:
         queued = [observation(1, seed=21), observation(2, prompt=NAN_PROMPT), observation(3, seed=22)]
         held, clients = queue_behind_a_held_request(s, tmp_path / "go", queued, session="robot-1")
         replica = held.result["server_timing"]["replica"]
@@ -461,8 +519,19 @@ def test_closed_loop_robots_come_back_as_one_batch(tiny_checkpoint: Path, tmp_pa
     fix).  The window waits for the session that was just answered instead: from then on every batch holds
     all four."""
     gate = tmp_path / "go"
-    with serve_policy(tiny_checkpoint, "--steps", "1", "--max-batch", "4", "--batch-window-ms", "500",
-                      "--threads", "1", "--policy", "held_policy:HeldPolicy") as s:
+    with serve_policy(
+        tiny_checkpoint,
+        "--steps",
+        "1",
+        "--max-batch",
+        "4",
+        "--batch-window-ms",
+        "500",
+        "--threads",
+        "1",
+        "--policy",
+        "held_policy:HeldPolicy",
+    ) as s:
         sizes: dict[int, list[int]] = {}
         waits: dict[int, list[float]] = {}
 
@@ -494,17 +563,29 @@ def test_closed_loop_robots_come_back_as_one_batch(tiny_checkpoint: Path, tmp_pa
             assert max(waits[k][-4:]) < 400, "a full batch starts without waiting out the window"
 
 
-def test_robots_answered_after_a_long_batch_still_count_as_coming_back(tiny_checkpoint: Path,
-                                                                       tmp_path: Path) -> None:
+def test_robots_answered_after_a_long_batch_still_count_as_coming_back(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """Robot A's request is held for 1.5 s, longer than ``RECENT_SESSION_S``, while robot B's queues behind it.
     When A's batch ends, A is about to come back: counted by the age of its last frame it would look gone and B's
     request would run alone at once (seen before the fix).  A was in flight until just now, so the window waits
     for A's next request and the two run together."""
     gate = tmp_path / "go"
-    with serve_policy(tiny_checkpoint, "--steps", "1", "--max-batch", "4", "--batch-window-ms", "1000",
-                      "--threads", "1", "--policy", "held_policy:HeldPolicy") as s:
-        with (connect(s.url, compression=None, max_size=None, open_timeout=30) as a,
-              connect(s.url, compression=None, max_size=None, open_timeout=30) as b):
+    with serve_policy(
+        tiny_checkpoint,
+        "--steps",
+        "1",
+        "--max-batch",
+        "4",
+        "--batch-window-ms",
+        "1000",
+        "--threads",
+        "1",
+        "--policy",
+        "held_policy:HeldPolicy",
+    ) as s:
+        with (
+            connect(s.url, compression=None, max_size=None, open_timeout=30) as a,
+            connect(s.url, compression=None, max_size=None, open_timeout=30) as b,
+        ):
             for ws in (a, b):
                 wire.unpackb(ws.recv(timeout=RECV_TIMEOUT_S))
             a.send(wire.packb(observation(0, prompt=hold_prompt(gate))))

@@ -58,40 +58,85 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "watch-all-namespaces-two-replicas": {"watchAllNamespaces": True, "replicaCount": 2},
     "two-namespaces-two-replicas": {"watchNamespaces": ["team-a", "team-b"], "replicaCount": 2},
     "service-monitor": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
-    "service-monitor-all-namespaces": {"serviceMonitor": {"enabled": True, "interval": "1m"},
-                                       "watchAllNamespaces": True},
+    "service-monitor-all-namespaces": {
+        "serviceMonitor": {"enabled": True, "interval": "1m"},
+        "watchAllNamespaces": True,
+    },
     "sample": {"samplePolicyServer": {"enabled": True}},
     "network-policy": {"networkPolicy": {"enabled": True}, "watchNamespaces": ["team-a", "team-b"]},
-    "network-policy-all-namespaces": {"networkPolicy": {"enabled": True, "namespaces": [NS], "metrics": [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
-                                      "watchAllNamespaces": True},
+    "network-policy-all-namespaces": {
+        "networkPolicy": {
+            "enabled": True,
+            "namespaces": [NS],
+            "metrics": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+        },
+        "watchAllNamespaces": True,
+    },
     "dashboard": {"dashboard": {"enabled": True, "annotations": {"grafana_folder": "Robots"}}},
-    "sample-cfgp2-dp1": {"samplePolicyServer": {"enabled": True, "name": "policy-cfgp2-dp1", "namespace": "team-a",
-                                                "image": {"tag": "0.1.0-cuda"},
-                                                "spec": {k: v for k, v in EXAMPLES["policyserver-cfgp2-dp1.yaml"]
-                                                         ["spec"].items() if k != "image"}},
-                         "watchNamespaces": ["team-a"]},
-    "extra-env": {"extraEnv": [{"name": "KOPF_EXTRA", "value": "1"},
-                               {"name": "HTTPS_PROXY", "valueFrom": {"secretKeyRef": {"name": "proxy", "key": "url"}}}]},
-    "custom-image": {"image": {"repository": "registry.example.com:5000/robots/policy-operator", "tag": "v1.2.3-rc.1",
-                               "pullPolicy": "Always"},
-                     "imagePullSecrets": [{"name": "regcred"}]},
+    "sample-cfgp2-dp1": {
+        "samplePolicyServer": {
+            "enabled": True,
+            "name": "policy-cfgp2-dp1",
+            "namespace": "team-a",
+            "image": {"tag": "0.1.0-cuda"},
+            "spec": {k: v for k, v in EXAMPLES["policyserver-cfgp2-dp1.yaml"]["spec"].items() if k != "image"},
+        },
+        "watchNamespaces": ["team-a"],
+    },
+    "extra-env": {
+        "extraEnv": [
+            {"name": "KOPF_EXTRA", "value": "1"},
+            {"name": "HTTPS_PROXY", "valueFrom": {"secretKeyRef": {"name": "proxy", "key": "url"}}},
+        ]
+    },
+    "custom-image": {
+        "image": {
+            "repository": "registry.example.com:5000/robots/policy-operator",
+            "tag": "v1.2.3-rc.1",
+            "pullPolicy": "Always",
+        },
+        "imagePullSecrets": [{"name": "regcred"}],
+    },
     "image-digest": {"image": {"digest": "sha256:" + "ab" * 32}},
-    "scheduling": {"nodeSelector": {"kubernetes.io/os": "linux"},
-                   "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}],
-                   "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-                       {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname", "labelSelector": {
-                           "matchLabels": {"app.kubernetes.io/name": "policy-operator"}}}}]}},
-                   "priorityClassName": "system-cluster-critical", "podLabels": {"team": "robots"},
-                   "podAnnotations": {"example.com/owner": "robots"},
-                   "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": 1, "memory": "1Gi"}}},
-    "tuned-operator": {"operator": {"logFormat": "plain", "logLevel": "debug", "resyncSeconds": 30,
-                                    "probeTimeoutSeconds": 1.5, "healthPort": 9090,
-                                    "extraArgs": ["--priority", "100"]}},
-    "existing-service-account-no-rbac": {"serviceAccount": {"create": False, "name": "ops-robot"},
-                                         "rbac": {"create": False}},
-    "platform-assigned-uid": {"securityContext": {"runAsUser": None, "runAsGroup": None, "fsGroup": None},
-                              "fullnameOverride": "robots-operator"},
+    "scheduling": {
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}],
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "policy-operator"}},
+                        },
+                    }
+                ]
+            }
+        },
+        "priorityClassName": "system-cluster-critical",
+        "podLabels": {"team": "robots"},
+        "podAnnotations": {"example.com/owner": "robots"},
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": 1, "memory": "1Gi"}},
+    },
+    "tuned-operator": {
+        "operator": {
+            "logFormat": "plain",
+            "logLevel": "debug",
+            "resyncSeconds": 30,
+            "probeTimeoutSeconds": 1.5,
+            "healthPort": 9090,
+            "extraArgs": ["--priority", "100"],
+        }
+    },
+    "existing-service-account-no-rbac": {
+        "serviceAccount": {"create": False, "name": "ops-robot"},
+        "rbac": {"create": False},
+    },
+    "platform-assigned-uid": {
+        "securityContext": {"runAsUser": None, "runAsGroup": None, "fsGroup": None},
+        "fullnameOverride": "robots-operator",
+    },
 }
 
 
@@ -105,8 +150,13 @@ def _render(name: str) -> tuple[dict[str, str], tuple[dict[str, Any], ...]]:
     values = VALUE_SETS[name]
     chart().validate_schema(values)
     files = chart().render(copy.deepcopy(values), name=RELEASE, namespace=NS)
-    objects = tuple(obj for path, text in sorted(files.items()) if not path.endswith("NOTES.txt")
-                    for obj in yaml.safe_load_all(text) if obj)
+    objects = tuple(
+        obj
+        for path, text in sorted(files.items())
+        if not path.endswith("NOTES.txt")
+        for obj in yaml.safe_load_all(text)
+        if obj
+    )
     return files, objects
 
 
@@ -155,10 +205,12 @@ def parse_operator_args(argv: list[str]) -> argparse.Namespace:
 
 # --- the chart as a whole ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_lint_strict_has_no_findings_above_info(name: str) -> None:
-    report = helm_python.lint(CHART, copy.deepcopy(VALUE_SETS[name]), strict=True, namespace=NS,
-                              kube_version=LINT_KUBE_VERSION)
+    report = helm_python.lint(
+        CHART, copy.deepcopy(VALUE_SETS[name]), strict=True, namespace=NS, kube_version=LINT_KUBE_VERSION
+    )
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
@@ -166,7 +218,10 @@ def test_lint_strict_has_no_findings_above_info(name: str) -> None:
 def test_app_version_is_the_package_version_and_the_default_image_tag() -> None:
     meta = chart().metadata
     assert meta["appVersion"] == policy_operator.__version__
-    assert operator_container(objects("default"))["image"] == f"ghcr.io/policy-operator/policy-operator:{meta['appVersion']}"
+    assert (
+        operator_container(objects("default"))["image"]
+        == f"ghcr.io/policy-operator/policy-operator:{meta['appVersion']}"
+    )
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
@@ -204,8 +259,15 @@ def test_every_object_carries_the_standard_labels_and_lands_in_the_right_namespa
         allowed_ns = set(watched(values)) | {NS} | {values.get("samplePolicyServer", {}).get("namespace") or NS}
         for obj in objects(name):
             labels = obj["metadata"]["labels"]
-            for key in (C.LABEL_NAME, C.LABEL_INSTANCE, C.LABEL_VERSION, C.LABEL_MANAGED_BY, C.LABEL_PART_OF,
-                        C.LABEL_COMPONENT, "helm.sh/chart"):
+            for key in (
+                C.LABEL_NAME,
+                C.LABEL_INSTANCE,
+                C.LABEL_VERSION,
+                C.LABEL_MANAGED_BY,
+                C.LABEL_PART_OF,
+                C.LABEL_COMPONENT,
+                "helm.sh/chart",
+            ):
                 assert labels.get(key), (name, obj["kind"], key)
             assert labels[C.LABEL_MANAGED_BY] == "Helm" and labels[C.LABEL_INSTANCE] == RELEASE
             assert labels[C.LABEL_VERSION] == chart().metadata["appVersion"]
@@ -214,6 +276,7 @@ def test_every_object_carries_the_standard_labels_and_lands_in_the_right_namespa
 
 
 # --- CRDs: crds/ only, one source of truth, never templated -------------------------------
+
 
 def test_chart_crds_are_the_repository_crds() -> None:
     """The chart's crds/ are symlinks to crds/ (Helm follows them and packages the target), so they cannot drift."""
@@ -258,6 +321,7 @@ def test_template_sources_never_mention_crds() -> None:
 
 # --- RBAC: exactly rbac.RULES ---------------------------------------------------------------
 
+
 def triples(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
     return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
 
@@ -282,15 +346,20 @@ def test_rbac_grants_exactly_what_the_operator_calls(name: str) -> None:
         assert rbac.missing(rules, all_namespaces=everywhere) == []
         assert triples(rules) <= allowed, f"granted beyond rbac.RULES: {sorted(triples(rules) - allowed)}"
         assert all(set(rule) == {"apiGroups", "resources", "verbs"} for rule in rules)  # no resourceNames/URLs
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role["kind"],
-                                      "name": role["metadata"]["name"]}
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": role["kind"],
+            "name": role["metadata"]["name"],
+        }
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NS}]
 
 
 def test_namespaced_rules_fall_short_of_all_namespaces() -> None:
     """The Role really is the smaller grant: it misses exactly the cluster-scoped reads."""
     (role,) = of_kind(objects("default"), "Role")
-    cluster_only = {f"{r.api_group or 'core'}/{r.resource}:{v}" for r in rbac.RULES if r.cluster_scoped for v in r.verbs}
+    cluster_only = {
+        f"{r.api_group or 'core'}/{r.resource}:{v}" for r in rbac.RULES if r.cluster_scoped for v in r.verbs
+    }
     assert set(rbac.missing(role["rules"], all_namespaces=True)) == cluster_only
 
 
@@ -302,6 +371,7 @@ def test_bring_your_own_service_account_and_rbac() -> None:
 
 
 # --- the operator Deployment ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_operator_args_parse_with_the_operator_parser_and_mean_what_the_values_say(name: str) -> None:
@@ -329,15 +399,16 @@ def test_operator_args_parse_with_the_operator_parser_and_mean_what_the_values_s
         if values.get("watchAllNamespaces"):
             assert [(p["kind"], p["metadata"]["name"]) for p in peerings] == [("ClusterKopfPeering", C.PEERING_NAME)]
         else:
-            assert sorted((p["kind"], p["metadata"]["name"], p["metadata"]["namespace"]) for p in peerings) == \
-                sorted(("KopfPeering", C.PEERING_NAME, ns) for ns in watched(values))
+            assert sorted((p["kind"], p["metadata"]["name"], p["metadata"]["namespace"]) for p in peerings) == sorted(
+                ("KopfPeering", C.PEERING_NAME, ns) for ns in watched(values)
+            )
         assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
     op = values.get("operator", {})
     assert args.log_format == op.get("logFormat", "json")
     assert (args.verbose, args.debug) == (op.get("logLevel") == "verbose", op.get("logLevel") == "debug")
     assert args.resync_seconds == op.get("resyncSeconds") and args.probe_timeout == op.get("probeTimeoutSeconds")
     if "extraArgs" in op:
-        assert container["args"][-len(op["extraArgs"]):] == op["extraArgs"]
+        assert container["args"][-len(op["extraArgs"]) :] == op["extraArgs"]
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
@@ -374,13 +445,18 @@ def test_operator_pod_is_locked_down(name: str) -> None:
 
 
 def test_image_reference_forms() -> None:
-    assert operator_container(objects("custom-image"))["image"] == \
-        "registry.example.com:5000/robots/policy-operator:v1.2.3-rc.1"
+    assert (
+        operator_container(objects("custom-image"))["image"]
+        == "registry.example.com:5000/robots/policy-operator:v1.2.3-rc.1"
+    )
     assert operator_container(objects("custom-image"))["imagePullPolicy"] == "Always"
-    assert one(objects("custom-image"), "Deployment")["spec"]["template"]["spec"]["imagePullSecrets"] == \
-        [{"name": "regcred"}]
-    assert operator_container(objects("image-digest"))["image"] == \
-        "ghcr.io/policy-operator/policy-operator@sha256:" + "ab" * 32
+    assert one(objects("custom-image"), "Deployment")["spec"]["template"]["spec"]["imagePullSecrets"] == [
+        {"name": "regcred"}
+    ]
+    assert (
+        operator_container(objects("image-digest"))["image"]
+        == "ghcr.io/policy-operator/policy-operator@sha256:" + "ab" * 32
+    )
 
 
 def test_extra_env_scheduling_and_resources_reach_the_pod() -> None:
@@ -410,6 +486,7 @@ def test_deployment_selector_never_matches_policyserver_pods() -> None:
 
 # --- ServiceMonitor -----------------------------------------------------------------------------
 
+
 def policyserver_services(namespace: str) -> list[dict[str, Any]]:
     spec = parse_spec(EXAMPLES["policyserver-cfgp2-dp1.yaml"]["spec"], name="policy-cfgp2-dp1", namespace=namespace)
     return [manifests.build_service(spec), manifests.build_headless_service(spec)]
@@ -417,7 +494,9 @@ def policyserver_services(namespace: str) -> list[dict[str, Any]]:
 
 def test_service_monitor_only_when_enabled() -> None:
     for name, values in VALUE_SETS.items():
-        assert len(of_kind(objects(name), "ServiceMonitor")) == int(values.get("serviceMonitor", {}).get("enabled", False))
+        assert len(of_kind(objects(name), "ServiceMonitor")) == int(
+            values.get("serviceMonitor", {}).get("enabled", False)
+        )
 
 
 @pytest.mark.parametrize("name", ["service-monitor", "service-monitor-all-namespaces"])
@@ -427,9 +506,16 @@ def test_service_monitor_scrapes_each_policyserver_pod_once(name: str) -> None:
     spec = sm["spec"]
     assert set(spec) <= {"jobLabel", "selector", "namespaceSelector", "endpoints"}
     # the selector is a valid LabelSelector by the official schema (checked through a kind that embeds one)
-    kubernetes_validate.validate({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "x"},
-                                  "spec": {"maxUnavailable": 1, "selector": spec["selector"]}}, K8S_VERSIONS[0],
-                                 strict=True)
+    kubernetes_validate.validate(
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": "x"},
+            "spec": {"maxUnavailable": 1, "selector": spec["selector"]},
+        },
+        K8S_VERSIONS[0],
+        strict=True,
+    )
     if values.get("watchAllNamespaces"):
         assert spec["namespaceSelector"] == {"any": True}
     else:
@@ -443,9 +529,10 @@ def test_service_monitor_scrapes_each_policyserver_pod_once(name: str) -> None:
             continue
         assert C.PORT_NAME in [p["name"] for p in svc["spec"]["ports"]]
         meta = {"__meta_kubernetes_service_cluster_ip": svc["spec"].get("clusterIP", "10.0.0.10")}
-        dropped = any(r["action"] == "drop" and re.fullmatch(r["regex"], ";".join(meta.get(s, "") for s in
-                                                                                  r["sourceLabels"]))
-                      for r in endpoint["relabelings"])
+        dropped = any(
+            r["action"] == "drop" and re.fullmatch(r["regex"], ";".join(meta.get(s, "") for s in r["sourceLabels"]))
+            for r in endpoint["relabelings"]
+        )
         if not dropped:
             scraped.append(svc["metadata"]["name"])
     assert scraped == ["policy-cfgp2-dp1"]  # the ClusterIP Service, not also the headless one
@@ -453,6 +540,7 @@ def test_service_monitor_scrapes_each_policyserver_pod_once(name: str) -> None:
 
 
 # --- the sample PolicyServer ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["sample", "sample-cfgp2-dp1"])
 def test_sample_policyserver_is_accepted_by_the_crd_and_the_operator(name: str) -> None:
@@ -467,8 +555,9 @@ def test_sample_policyserver_is_accepted_by_the_crd_and_the_operator(name: str) 
     tag = values.get("image", {}).get("tag") or chart().metadata["appVersion"]
     assert spec.image == f"ghcr.io/policy-operator/policy-server:{tag}"
     if "spec" in values:
-        assert {k: v for k, v in ps["spec"].items() if k != "image"} == \
-            {k: v for k, v in values["spec"].items() if k != "image"}
+        assert {k: v for k, v in ps["spec"].items() if k != "image"} == {
+            k: v for k, v in values["spec"].items() if k != "image"
+        }
 
 
 def test_sample_keeps_an_explicit_spec_image() -> None:
@@ -480,6 +569,7 @@ def test_sample_keeps_an_explicit_spec_image() -> None:
 
 
 # --- values.yaml and values.schema.json ---------------------------------------------------------
+
 
 def test_every_value_set_and_the_defaults_pass_the_schema() -> None:
     chart().validate_schema(chart().values)
@@ -593,12 +683,14 @@ def test_schema_covers_exactly_the_values() -> None:
 
 # --- NOTES.txt ---------------------------------------------------------------------------------------
 
+
 def test_notes_tell_the_next_commands_with_real_names() -> None:
     text = notes("default")
     for path in re.findall(r"apply -f (\S+)", text):
         assert (REPO / path).is_file(), path
-    assert {f"examples/{n}" for n in EXAMPLES if n != "policyserver-minimal.yaml"} <= \
-        set(re.findall(r"apply -f (\S+)", text))
+    assert {f"examples/{n}" for n in EXAMPLES if n != "policyserver-minimal.yaml"} <= set(
+        re.findall(r"apply -f (\S+)", text)
+    )
     assert f"get {C.SHORT_NAME} -w" in text
     (waited,) = re.findall(rf"wait --for=condition={C.COND_AVAILABLE} {C.SINGULAR}/(\S+)", text)
     assert waited == EXAMPLES["policyserver-cfgp2-dp1.yaml"]["metadata"]["name"]
@@ -619,6 +711,7 @@ def test_notes_follow_the_sample_and_the_watch_scope() -> None:
 
 # --- docs/install.md and docs/upgrades.md say what the chart does --------------------------------
 
+
 @pytest.mark.parametrize("doc", DOCS)
 def test_docs_set_only_values_the_chart_has(doc: str) -> None:
     defaults = chart().values
@@ -629,8 +722,14 @@ def test_docs_set_only_values_the_chart_has(doc: str) -> None:
             assert isinstance(node, dict) and part in node, f"{doc}: --set {key} is not a chart value"
             node = node[part]
     if doc == "install.md":
-        assert {"watchNamespaces", "replicaCount", "watchAllNamespaces", "serviceMonitor.enabled",
-                "samplePolicyServer.enabled", "image.repository"} <= set(keys)
+        assert {
+            "watchNamespaces",
+            "replicaCount",
+            "watchAllNamespaces",
+            "serviceMonitor.enabled",
+            "samplePolicyServer.enabled",
+            "image.repository",
+        } <= set(keys)
 
 
 def test_install_doc_commands_name_real_files_objects_and_flags() -> None:

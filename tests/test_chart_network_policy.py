@@ -25,8 +25,13 @@ from tests.support.chart import CHART, NS, RELEASE, chart
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:
     chart().validate_schema(values)
     files = chart().render(copy.deepcopy(values), name=RELEASE, namespace=NS)
-    return [o for path, text in sorted(files.items()) if not path.endswith("NOTES.txt")
-            for o in yaml.safe_load_all(text) if o]
+    return [
+        o
+        for path, text in sorted(files.items())
+        if not path.endswith("NOTES.txt")
+        for o in yaml.safe_load_all(text)
+        if o
+    ]
 
 
 def matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -42,12 +47,14 @@ def test_it_guards_the_server_pods_of_each_watched_namespace_on_their_ws_port() 
     objs = render({"networkPolicy": {"enabled": True}, "watchNamespaces": ["team-a", "team-b"]})
     policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
     assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]
-    sts = manifests.build_statefulset(parse_spec({"image": "i:1", "checkpoint": {"source": "hf://o/p"}},
-                                                 name="ps", namespace="team-a"))
+    sts = manifests.build_statefulset(
+        parse_spec({"image": "i:1", "checkpoint": {"source": "hf://o/p"}}, name="ps", namespace="team-a")
+    )
     pod_labels = sts["spec"]["template"]["metadata"]["labels"]
     (server,) = [c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == manifests.SERVER_CONTAINER]
-    fetch_labels = manifests.build_fetch_job(parse_spec({"image": "i:1", "checkpoint": {"source": "hf://o/p"}},
-                                                        name="ps", namespace="team-a"))["spec"]["template"]["metadata"]["labels"]
+    fetch_labels = manifests.build_fetch_job(
+        parse_spec({"image": "i:1", "checkpoint": {"source": "hf://o/p"}}, name="ps", namespace="team-a")
+    )["spec"]["template"]["metadata"]["labels"]
     operator = next(o for o in objs if o["kind"] == "Deployment")
     operator_labels = operator["spec"]["template"]["metadata"]["labels"]
     for policy in policies:
@@ -66,13 +73,15 @@ def test_it_guards_the_server_pods_of_each_watched_namespace_on_their_ws_port() 
 def test_all_namespaces_needs_the_namespaces_named() -> None:
     with pytest.raises(Exception, match="networkPolicy.namespaces"):
         render({"networkPolicy": {"enabled": True}, "watchAllNamespaces": True})
-    objs = render({"networkPolicy": {"enabled": True, "namespaces": ["team-a"], "clients": []},
-                   "watchAllNamespaces": True})
+    objs = render(
+        {"networkPolicy": {"enabled": True, "namespaces": ["team-a"], "clients": []}, "watchAllNamespaces": True}
+    )
     (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
     assert policy["metadata"]["namespace"] == "team-a" and len(policy["spec"]["ingress"][0]["from"]) == 1
 
 
 def test_lint_is_clean() -> None:
-    report = helm_python.lint(CHART, {"networkPolicy": {"enabled": True}}, strict=True, namespace=NS,
-                              kube_version="v1.32.0")
+    report = helm_python.lint(
+        CHART, {"networkPolicy": {"enabled": True}}, strict=True, namespace=NS, kube_version="v1.32.0"
+    )
     assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []

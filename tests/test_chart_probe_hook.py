@@ -27,13 +27,20 @@ CFGP2_DP2 = {k: v for k, v in EXAMPLES["policyserver-cfgp2-dp2.yaml"]["spec"].it
 
 VALUES: dict[str, dict[str, Any]] = {
     "sample": {"samplePolicyServer": {"enabled": True}},
-    "sample-elsewhere-auth-port": {"samplePolicyServer": {"enabled": True, "name": "policy-cfgp2-dp2",
-                                                          "namespace": "team-a",
-                                                          "spec": {**CFGP2_DP2, "service": {"port": 9100}}},
-                                   "watchNamespaces": ["team-a"], "imagePullSecrets": [{"name": "regcred"}],
-                                   "image": {"digest": "sha256:" + "cd" * 32}},
-    "sample-slow-start": {"samplePolicyServer": {"enabled": True, "test": {"retrySeconds": 600,
-                                                                           "timeoutSeconds": 300}}},
+    "sample-elsewhere-auth-port": {
+        "samplePolicyServer": {
+            "enabled": True,
+            "name": "policy-cfgp2-dp2",
+            "namespace": "team-a",
+            "spec": {**CFGP2_DP2, "service": {"port": 9100}},
+        },
+        "watchNamespaces": ["team-a"],
+        "imagePullSecrets": [{"name": "regcred"}],
+        "image": {"digest": "sha256:" + "cd" * 32},
+    },
+    "sample-slow-start": {
+        "samplePolicyServer": {"enabled": True, "test": {"retrySeconds": 600, "timeoutSeconds": 300}}
+    },
 }
 
 
@@ -45,8 +52,13 @@ def _quiet_helm() -> None:
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:
     chart().validate_schema(copy.deepcopy(values))
     files = chart().render(copy.deepcopy(values), name=RELEASE, namespace=NS)
-    return [obj for path, text in sorted(files.items()) if not path.endswith("NOTES.txt")
-            for obj in yaml.safe_load_all(text) if obj]
+    return [
+        obj
+        for path, text in sorted(files.items())
+        if not path.endswith("NOTES.txt")
+        for obj in yaml.safe_load_all(text)
+        if obj
+    ]
 
 
 def hooks(values: dict[str, Any]) -> list[dict[str, Any]]:
@@ -73,7 +85,9 @@ def test_hook_is_a_test_pod_that_helm_runs_only_on_helm_test(name: str) -> None:
     assert hook["spec"]["automountServiceAccountToken"] is False  # it needs no API access
     (container,) = hook["spec"]["containers"]
     sc = container["securityContext"]
-    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"] == {"drop": ["ALL"]}
+    assert (
+        sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"] == {"drop": ["ALL"]}
+    )
 
 
 @pytest.mark.parametrize("name", VALUES)
@@ -120,18 +134,22 @@ def test_no_hook_without_the_sample_or_when_switched_off() -> None:
 
 @pytest.mark.parametrize("name", VALUES)
 def test_lint_strict_with_the_hook(name: str) -> None:
-    report = helm_python.lint(CHART, copy.deepcopy(VALUES[name]), strict=True, namespace=NS,
-                              kube_version=LINT_KUBE_VERSION)
+    report = helm_python.lint(
+        CHART, copy.deepcopy(VALUES[name]), strict=True, namespace=NS, kube_version=LINT_KUBE_VERSION
+    )
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
-@pytest.mark.parametrize(("values", "where"), [
-    ({"samplePolicyServer": {"test": {"retrySeconds": -1}}}, "/samplePolicyServer/test/retrySeconds"),
-    ({"samplePolicyServer": {"test": {"timeoutSeconds": 0}}}, "/samplePolicyServer/test/timeoutSeconds"),
-    ({"samplePolicyServer": {"test": {"enabled": "yes"}}}, "/samplePolicyServer/test/enabled"),
-    ({"samplePolicyServer": {"test": {"image": "x"}}}, "/samplePolicyServer/test"),
-])
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        ({"samplePolicyServer": {"test": {"retrySeconds": -1}}}, "/samplePolicyServer/test/retrySeconds"),
+        ({"samplePolicyServer": {"test": {"timeoutSeconds": 0}}}, "/samplePolicyServer/test/timeoutSeconds"),
+        ({"samplePolicyServer": {"test": {"enabled": "yes"}}}, "/samplePolicyServer/test/enabled"),
+        ({"samplePolicyServer": {"test": {"image": "x"}}}, "/samplePolicyServer/test"),
+    ],
+)
 def test_schema_rejects_bad_test_values(values: dict[str, Any], where: str) -> None:
     with pytest.raises(helm_python.HelmValuesError) as exc:
         chart().validate_schema(copy.deepcopy(values))
@@ -145,12 +163,22 @@ def test_install_doc_shows_the_probe_and_helm_test_as_the_chart_has_them() -> No
     probes = [line for line in lines if line.startswith("policyserver probe ")]
     assert probes and all(cli.build_parser().parse_args(line.split()[1:]).command == "probe" for line in probes)
     defaults = chart().values["samplePolicyServer"]
-    assert f"`samplePolicyServer.test.retrySeconds` ({defaults['test']['retrySeconds']} by default)" in \
-        " ".join(text.split())
+    assert f"`samplePolicyServer.test.retrySeconds` ({defaults['test']['retrySeconds']} by default)" in " ".join(
+        text.split()
+    )
     assert f"ws://{defaults['name']}.NAMESPACE.svc:{C.DEFAULT_PORT}" in text
     # the example output is the probe's own format
     from policy_operator.runtime.probe import ProbeResult
 
     ok_line = next(line for line in text.splitlines() if line.startswith("ok ws://"))
-    assert ProbeResult("ws://127.0.0.1:8000", ok=True, policy="reference-flow-policy", layout="cfgp=2,dp=1",
-                       action_shape=(16, 8), latency_ms=41.7).line() == ok_line
+    assert (
+        ProbeResult(
+            "ws://127.0.0.1:8000",
+            ok=True,
+            policy="reference-flow-policy",
+            layout="cfgp=2,dp=1",
+            action_shape=(16, 8),
+            latency_ms=41.7,
+        ).line()
+        == ok_line
+    )

@@ -27,8 +27,14 @@ CLI_TIMEOUT_S = 120
 
 
 def policyserver(*args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([POLICYSERVER, *args], capture_output=True, text=True, timeout=timeout,
-                          env=subprocess_env(), stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [POLICYSERVER, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(),
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -53,8 +59,11 @@ def test_top_level_help_and_version() -> None:
 PRESENT = [name for name, (module, _) in COMMANDS.items() if importlib.util.find_spec(module) is not None]
 
 
-@pytest.mark.parametrize("argv", [[name] for name in PRESENT] + [["checkpoint", "init"], ["checkpoint", "verify"]],
-                         ids=lambda argv: " ".join(argv))
+@pytest.mark.parametrize(
+    "argv",
+    [[name] for name in PRESENT] + [["checkpoint", "init"], ["checkpoint", "verify"]],
+    ids=lambda argv: " ".join(argv),
+)
 def test_every_subcommand_help_exits_0(argv: list[str]) -> None:
     result = policyserver(*argv, "--help")
     assert result.returncode == 0, result.stderr
@@ -71,8 +80,9 @@ def test_runtime_subcommand_parsers_import_no_torch() -> None:
         "    m.add_arguments(argparse.ArgumentParser())\n"
         "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.')))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
-                            env=subprocess_env())
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=subprocess_env()
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
@@ -83,23 +93,36 @@ def test_serve_requires_a_checkpoint() -> None:
 
 
 # --- serve refuses bad launches before loading anything -------------------------------------------
-@pytest.mark.parametrize(("flags", "words"), [
-    (["--cfgp", "3"], "cfgp=3 is not supported"),
-    (["--cfgp", "2", "--guidance", "1.0"], "cfgp=2 needs classifier-free guidance"),
-    (["--cfgp", "2", "--dp", "2", "--guidance", "1"], "cfgp=2 needs classifier-free guidance"),
-    (["--dp", "0"], "dp=0 is not supported"),
-    (["--steps", "0"], "--steps must be >= 1"),
-    (["--cfgp", "2", "--steps", "0"], "--steps must be >= 1"),  # caught before torchrun is exec'd
-    (["--auth-token-file", "{missing}"], "--auth-token-file {missing}: cannot read it"),
-    (["--dp", "2", "--auth-token-file", "{empty}"], "the file is empty"),
-], ids=["cfgp3", "cfgp2-guidance1", "cfgp2-dp2-guidance1", "dp0", "steps0", "cfgp2-steps0", "token-missing",
-        "token-empty"])
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--cfgp", "3"], "cfgp=3 is not supported"),
+        (["--cfgp", "2", "--guidance", "1.0"], "cfgp=2 needs classifier-free guidance"),
+        (["--cfgp", "2", "--dp", "2", "--guidance", "1"], "cfgp=2 needs classifier-free guidance"),
+        (["--dp", "0"], "dp=0 is not supported"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--cfgp", "2", "--steps", "0"], "--steps must be >= 1"),  # caught before torchrun is exec'd
+        (["--auth-token-file", "{missing}"], "--auth-token-file {missing}: cannot read it"),
+        (["--dp", "2", "--auth-token-file", "{empty}"], "the file is empty"),
+    ],
+    ids=[
+        "cfgp3",
+        "cfgp2-guidance1",
+        "cfgp2-dp2-guidance1",
+        "dp0",
+        "steps0",
+        "cfgp2-steps0",
+        "token-missing",
+        "token-empty",
+    ],
+)
 def test_serve_refuses_bad_launches_with_one_line(tmp_path: Path, flags: list[str], words: str) -> None:
     (tmp_path / "empty").write_text("\n")
     flags = [f.format(missing=tmp_path / "missing", empty=tmp_path / "empty") for f in flags]
     # a checkpoint that does not exist: had serve got as far as loading, it would say so and exit 3
-    result = policyserver("serve", "--checkpoint", str(tmp_path / "no-such-checkpoint"), "--host", "127.0.0.1",
-                          "--port", "0", *flags)
+    result = policyserver(
+        "serve", "--checkpoint", str(tmp_path / "no-such-checkpoint"), "--host", "127.0.0.1", "--port", "0", *flags
+    )
     assert result.returncode == 2, result.stderr
     assert words.format(missing=tmp_path / "missing") in one_error_line(result)
     assert "listening" not in result.stdout and "no-such-checkpoint" not in result.stderr
@@ -109,8 +132,10 @@ def test_serve_missing_checkpoint_fails_with_a_reason(tmp_path: Path) -> None:
     with serve_policy(tmp_path / "nowhere", "--steps", "2", wait="started") as server:
         code = server.wait_exit(60)
     assert code == 3
-    assert f"policyserver: error: FileNotFoundError: checkpoint directory {tmp_path / 'nowhere'} does not exist" \
+    assert (
+        f"policyserver: error: FileNotFoundError: checkpoint directory {tmp_path / 'nowhere'} does not exist"
         in server.log_text()
+    )
 
 
 # --- checkpoint init / verify ----------------------------------------------------------------------
@@ -151,12 +176,16 @@ def test_verify_catches_a_corrupted_byte_with_hashes(checkpoint_copy: Path) -> N
     assert f"{WEIGHTS_FILE}: sha256" in one_error_line(result)
 
 
-@pytest.mark.parametrize(("damage", "words"), [
-    (lambda p: (p / WEIGHTS_FILE).write_bytes((p / WEIGHTS_FILE).read_bytes()[:-10]), "size"),
-    (lambda p: (p / WEIGHTS_FILE).unlink(), f"{WEIGHTS_FILE} is missing"),
-    (lambda p: (p / MANIFEST_FILE).unlink(), f"has no {MANIFEST_FILE}"),
-    (lambda p: (p / MANIFEST_FILE).write_text("{"), f"malformed {MANIFEST_FILE}"),
-], ids=["truncated", "no-weights", "no-manifest", "bad-manifest"])
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        (lambda p: (p / WEIGHTS_FILE).write_bytes((p / WEIGHTS_FILE).read_bytes()[:-10]), "size"),
+        (lambda p: (p / WEIGHTS_FILE).unlink(), f"{WEIGHTS_FILE} is missing"),
+        (lambda p: (p / MANIFEST_FILE).unlink(), f"has no {MANIFEST_FILE}"),
+        (lambda p: (p / MANIFEST_FILE).write_text("{"), f"malformed {MANIFEST_FILE}"),
+    ],
+    ids=["truncated", "no-weights", "no-manifest", "bad-manifest"],
+)
 def test_verify_fails_on_a_damaged_checkpoint(checkpoint_copy: Path, damage, words: str) -> None:  # type: ignore[no-untyped-def]
     damage(checkpoint_copy)
     result = policyserver("checkpoint", "verify", str(checkpoint_copy))

@@ -111,10 +111,13 @@ def _actions(server, seeds=OBS_SEEDS) -> list[np.ndarray]:
         ws.recv(timeout=60)
         for seed in seeds:
             rng = np.random.default_rng(seed)
-            obs = {"observation/image": rng.integers(0, 256, size=(32, 32, 3), dtype=np.uint8),
-                   "observation/joint_position": rng.standard_normal(7).astype(np.float32),
-                   "observation/gripper_position": rng.random(1).astype(np.float32),
-                   "prompt": "pick up the cup", "seed": seed}
+            obs = {
+                "observation/image": rng.integers(0, 256, size=(32, 32, 3), dtype=np.uint8),
+                "observation/joint_position": rng.standard_normal(7).astype(np.float32),
+                "observation/gripper_position": rng.random(1).astype(np.float32),
+                "prompt": "pick up the cup",
+                "seed": seed,
+            }
             ws.send(msgpack_numpy.packb(obs))
             out.append(np.asarray(msgpack_numpy.unpackb(ws.recv(timeout=60))["actions"]))
     return out
@@ -128,8 +131,11 @@ def _serve(checkpoint: Path, cache: Path, inductor: Path):
 
 def _fresh_pod_inductor(first: Path, target: Path) -> Path:
     """``first``'s inductor directory without its graph caches (module docstring)."""
-    shutil.copytree(first, target, ignore=lambda folder, names: [n for n in names if n in GRAPH_CACHES]
-                    if Path(folder) == first else [])
+    shutil.copytree(
+        first,
+        target,
+        ignore=lambda folder, names: [n for n in names if n in GRAPH_CACHES] if Path(folder) == first else [],
+    )
     return target
 
 
@@ -161,7 +167,9 @@ def test_a_second_server_of_the_same_spec_loads_the_artifacts(first_server, tmp_
         log = server.log_text()
     lines = _cache_lines(log)
     assert any(LOADED in line for line in lines) and not any(IGNORED in line for line in lines), lines
-    assert any(re.search(r"compile cache: [1-9]\d* graph\(s\) from the cache, 0 compiled", line) for line in lines), lines
+    assert any(re.search(r"compile cache: [1-9]\d* graph\(s\) from the cache, 0 compiled", line) for line in lines), (
+        lines
+    )
     assert "compile cache: saved" not in log  # the file already held these artifacts
     for a, b in zip(actions, first_actions, strict=True):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes()  # bitwise: the same kernels
@@ -201,4 +209,4 @@ def _header_key(path: Path) -> dict[str, str]:
     from policy_operator.runtime.compile_cache import MAGIC
 
     data = path.read_bytes()
-    return json.loads(data[len(MAGIC): data.index(b"\n", len(MAGIC))])["key"]
+    return json.loads(data[len(MAGIC) : data.index(b"\n", len(MAGIC))])["key"]

@@ -55,9 +55,23 @@ def _closed(server: PolicyServerProcess, reason: str) -> float:
 
 @pytest.fixture(scope="module")
 def limited(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
-    with serve_policy(tiny_checkpoint, "--steps", "1", "--threads", "1", "--max-connections", "3",
-                      "--max-message-bytes", str(MAX_MESSAGE), "--max-buffered-bytes", str(MAX_BUFFERED),
-                      "--frame-read-timeout-s", str(FRAME_TIMEOUT_S), "--error-format", "dict") as s:
+    with serve_policy(
+        tiny_checkpoint,
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+        "--max-connections",
+        "3",
+        "--max-message-bytes",
+        str(MAX_MESSAGE),
+        "--max-buffered-bytes",
+        str(MAX_BUFFERED),
+        "--frame-read-timeout-s",
+        str(FRAME_TIMEOUT_S),
+        "--error-format",
+        "dict",
+    ) as s:
         yield s
 
 
@@ -76,8 +90,11 @@ def test_unfinished_frames_are_bounded_in_bytes_and_in_time(limited: PolicyServe
     try:
         started = time.monotonic()
         first.socket.sendall(_frame_header(900_000) + bytes(800_000))
-        wait_for(lambda: (s.metric("policy_buffered_bytes") or 0) >= 800_000, timeout=10,
-                 what="the first frame's bytes buffered")
+        wait_for(
+            lambda: (s.metric("policy_buffered_bytes") or 0) >= 800_000,
+            timeout=10,
+            what="the first frame's bytes buffered",
+        )
         second.socket.sendall(_frame_header(900_000) + bytes(800_000))
         assert _close_code(second, RECV_TIMEOUT_S) == 1009
         assert s.get("/healthz").status == 200
@@ -115,15 +132,25 @@ def test_connections_past_the_cap_are_refused_before_the_upgrade(limited: Policy
         assert "actions" in wire.unpackb(ws.recv(timeout=RECV_TIMEOUT_S))
 
 
-def test_a_client_that_stopped_reading_does_not_hold_the_batch_window(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_client_that_stopped_reading_does_not_hold_the_batch_window(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A client sends requests and never reads a reply: once its socket is full the server's send to it blocks.
     Such a session cannot send again, so a lone robot's request must not wait the batch window for it (before
     the fix every lone request waited the full window while the stuck session lived).  Replies of 256 kB (a
     256 x 256 action chunk) fill the socket buffers in a few requests."""
     checkpoint = session_checkpoint(tmp_path_factory, horizon=256, action_dim=256)
-    with serve_policy(checkpoint, "--steps", "1", "--threads", "1", "--max-batch", "8",
-                      "--batch-window-ms", "1000", "--drain-grace-s", "1") as s:
+    with serve_policy(
+        checkpoint,
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+        "--max-batch",
+        "8",
+        "--batch-window-ms",
+        "1000",
+        "--drain-grace-s",
+        "1",
+    ) as s:
         stuck = socket.socket()
         stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small receive window
         stuck.connect((s.host, s.port))
@@ -141,6 +168,7 @@ def test_a_client_that_stopped_reading_does_not_hold_the_batch_window(
         sender = threading.Thread(target=flood, daemon=True)
         sender.start()
         try:
+
             def answered() -> float:
                 return s.metric("policy_requests_total", replica="0") or 0.0
 

@@ -81,7 +81,7 @@ def invalid_doc_examples() -> list[DocExample]:
     found: list[DocExample] = []
     heading, previous_end = "", 0
     for match in _FENCE.finditer(text):
-        prose, block = text[previous_end:match.start()], match.group(1)
+        prose, block = text[previous_end : match.start()], match.group(1)
         previous_end = match.end()
         headings = _HEADING.findall(prose)  # only outside fences: a YAML comment is no heading
         heading = headings[-1].strip() if headings else heading
@@ -93,8 +93,9 @@ def invalid_doc_examples() -> list[DocExample]:
         for doc in yaml.safe_load_all(block):
             if isinstance(doc, dict) and doc.get("kind") == C.KIND:
                 name = doc.get("metadata", {}).get("name", f"example-{len(found)}")
-                found.append(DocExample(f"{name} ({path.group(1) if path else 'no path'})", doc,
-                                        path.group(1) if path else None))
+                found.append(
+                    DocExample(f"{name} ({path.group(1) if path else 'no path'})", doc, path.group(1) if path else None)
+                )
     return found
 
 
@@ -125,8 +126,9 @@ def get_ps(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
     return ps_api(cp).get_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, name)
 
 
-def apply_stdin(cp: ControlPlane, namespace: str, manifest: dict[str, Any], *extra: str,
-                check: bool = True) -> subprocess.CompletedProcess[str]:
+def apply_stdin(
+    cp: ControlPlane, namespace: str, manifest: dict[str, Any], *extra: str, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     return cp.kubectl("apply", "-n", namespace, "-f", "-", *extra, input=json.dumps(manifest), check=check)
 
 
@@ -146,6 +148,7 @@ def wait_established(cluster: ControlPlane, timeout: float = 60) -> dict[str, st
     ``status.conditions`` yet, and kubectl 1.37's wait fails on that instead
     of waiting.
     """
+
     def conditions() -> dict[str, str] | None:
         stored = json.loads(cluster.kubectl("get", f"crd/{CRD_NAME}", "-o", "json").stdout)
         found = {c["type"]: c["status"] for c in stored.get("status", {}).get("conditions") or []}
@@ -185,12 +188,19 @@ def test_kubectl_matches_the_server_and_every_component_runs(control_plane: Cont
     sa = CoreV1Api(control_plane.api_client).read_namespaced_service_account("default", "cp-components")
     assert sa.metadata.name == "default"
     # scheduler: with no node able to take it, a pod is marked unschedulable by the scheduler itself
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "waits"},
-           "spec": {"nodeSelector": {"policyoperator.io/test": "no-such-node"},
-                    "containers": [{"name": "c", "image": "registry.invalid/none:0"}]}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "waits"},
+        "spec": {
+            "nodeSelector": {"policyoperator.io/test": "no-such-node"},
+            "containers": [{"name": "c", "image": "registry.invalid/none:0"}],
+        },
+    }
     control_plane.kubectl("apply", "-n", "cp-components", "-f", "-", input=json.dumps(pod))
-    control_plane.kubectl("wait", "-n", "cp-components", "pod/waits", "--for=condition=PodScheduled=false",
-                          "--timeout=60s")
+    control_plane.kubectl(
+        "wait", "-n", "cp-components", "pod/waits", "--for=condition=PodScheduled=false", "--timeout=60s"
+    )
     status = CoreV1Api(control_plane.api_client).read_namespaced_pod("waits", "cp-components").status
     (scheduled,) = [c for c in status.conditions if c.type == "PodScheduled"]
     assert scheduled.reason == "Unschedulable", scheduled
@@ -206,8 +216,9 @@ def test_kubectl_matches_the_server_and_every_component_runs(control_plane: Cont
             assert line.split()[3].startswith("127.0.0.1:"), line
 
 
-def test_a_second_control_plane_starts_and_stops_exactly_its_own_processes(control_plane: ControlPlane,
-                                                                            tmp_path: Path) -> None:
+def test_a_second_control_plane_starts_and_stops_exactly_its_own_processes(
+    control_plane: ControlPlane, tmp_path: Path
+) -> None:
     """An apiserver alone (no controllers, no scheduler) next to the session's; stop() leaves the other running."""
     with ControlPlane(tmp_path, controllers=False, scheduler=False) as alone:
         components = list(alone.components)
@@ -261,15 +272,20 @@ def test_the_crd_is_established_and_explained(cluster: ControlPlane) -> None:
     assert "NonStructuralSchema" not in conditions
 
     # the apiserver publishes a new CRD's OpenAPI (what explain reads) a moment after Established
-    explained = wait_for(lambda: cluster.kubectl("explain", f"{C.SINGULAR}.spec.parallelism").stdout, 60,
-                         interval=0.5, what="kubectl explain once the CRD's OpenAPI is published")
+    explained = wait_for(
+        lambda: cluster.kubectl("explain", f"{C.SINGULAR}.spec.parallelism").stdout,
+        60,
+        interval=0.5,
+        what="kubectl explain once the CRD's OpenAPI is published",
+    )
     description = schema_at("spec.parallelism")["description"]
     assert _words(description)[:8] == _words(explained.split("DESCRIPTION:")[1])[:8], explained
     for field in schema_at("spec.parallelism")["properties"]:
         assert re.search(rf"^\s+{field}\s+<", explained, re.M), (field, explained)
     short = cluster.kubectl("explain", f"{C.SHORT_NAME}.spec.parallelism.cfgp").stdout
-    assert _words(schema_at("spec.parallelism.cfgp")["description"])[:6] == \
-        _words(short.split("DESCRIPTION:")[1])[:6], short
+    assert (
+        _words(schema_at("spec.parallelism.cfgp")["description"])[:6] == _words(short.split("DESCRIPTION:")[1])[:6]
+    ), short
 
 
 def _words(text: str) -> list[str]:
@@ -278,14 +294,27 @@ def _words(text: str) -> list[str]:
 
 def test_the_apiserver_really_checks_crd_schemas_and_cel_cost(cluster: ControlPlane) -> None:
     """The same server refuses a non-structural schema and a CEL rule over its cost budget (no stand-in does)."""
+
     def probe_crd(schema: dict[str, Any], validations: list[dict[str, str]] | None = None) -> str:
         spec = dict(schema, **({"x-kubernetes-validations": validations} if validations else {}))
-        body = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-                "metadata": {"name": "probes.cost.policyoperator.io"},
-                "spec": {"group": "cost.policyoperator.io", "scope": "Namespaced",
-                         "names": {"plural": "probes", "singular": "probe", "kind": "Probe"},
-                         "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
-                             "openAPIV3Schema": {"type": "object", "properties": {"spec": spec}}}}]}}
+        body = {
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": "probes.cost.policyoperator.io"},
+            "spec": {
+                "group": "cost.policyoperator.io",
+                "scope": "Namespaced",
+                "names": {"plural": "probes", "singular": "probe", "kind": "Probe"},
+                "versions": [
+                    {
+                        "name": "v1",
+                        "served": True,
+                        "storage": True,
+                        "schema": {"openAPIV3Schema": {"type": "object", "properties": {"spec": spec}}},
+                    }
+                ],
+            },
+        }
         result = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(body), check=False)
         assert result.returncode != 0, "the apiserver accepted a CRD it must refuse"
         return result.stderr
@@ -296,14 +325,40 @@ def test_the_apiserver_really_checks_crd_schemas_and_cel_cost(cluster: ControlPl
     bounded = copy.deepcopy(unbounded)
     bounded["properties"]["items"].update(maxItems=4, items={"type": "string", "maxLength": 8})
     # the same rule with bounded lists passes the estimator: the budget is what refused it
-    body_ok = cluster.kubectl("create", "--dry-run=server", "-o", "name", "-f", "-", check=False, input=json.dumps({
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": "probes.cost.policyoperator.io"},
-        "spec": {"group": "cost.policyoperator.io", "scope": "Namespaced",
-                 "names": {"plural": "probes", "singular": "probe", "kind": "Probe"},
-                 "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                     "type": "object", "properties": {"spec": dict(bounded, **{"x-kubernetes-validations": quadratic})}
-                 }}}]}}))
+    body_ok = cluster.kubectl(
+        "create",
+        "--dry-run=server",
+        "-o",
+        "name",
+        "-f",
+        "-",
+        check=False,
+        input=json.dumps(
+            {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": "probes.cost.policyoperator.io"},
+                "spec": {
+                    "group": "cost.policyoperator.io",
+                    "scope": "Namespaced",
+                    "names": {"plural": "probes", "singular": "probe", "kind": "Probe"},
+                    "versions": [
+                        {
+                            "name": "v1",
+                            "served": True,
+                            "storage": True,
+                            "schema": {
+                                "openAPIV3Schema": {
+                                    "type": "object",
+                                    "properties": {"spec": dict(bounded, **{"x-kubernetes-validations": quadratic})},
+                                }
+                            },
+                        }
+                    ],
+                },
+            }
+        ),
+    )
     assert body_ok.returncode == 0, body_ok.stderr
     assert "type" in probe_crd({"properties": {"x": {"type": "string"}}})  # no type at the root: not structural
 
@@ -315,13 +370,18 @@ def test_docs_crd_md_has_invalid_examples_with_field_paths() -> None:
 
 
 @pytest.mark.parametrize("example", INVALID, ids=str)
-def test_invalid_doc_example_is_refused_at_admission(cluster: ControlPlane, admission_namespace: str,
-                                                     example: DocExample) -> None:
+def test_invalid_doc_example_is_refused_at_admission(
+    cluster: ControlPlane, admission_namespace: str, example: DocExample
+) -> None:
     result = apply_stdin(cluster, admission_namespace, example.manifest, "--dry-run=server", check=False)
     assert result.returncode != 0, f"accepted by the apiserver: {example}\n{yaml.safe_dump(example.manifest)}"
     message = result.stderr
-    assert "is invalid" in message or "Invalid value" in message or "Unsupported value" in message \
-        or "unknown field" in message, message
+    assert (
+        "is invalid" in message
+        or "Invalid value" in message
+        or "Unsupported value" in message
+        or "unknown field" in message
+    ), message
     assert example.field_path and example.field_path in message, (example.field_path, message)
 
 
@@ -381,12 +441,27 @@ def test_pass_through_fields_do_what_the_crd_says(cluster: ControlPlane, namespa
     """
     base = yaml.safe_load(EXAMPLES[0].read_text())
     cases = [  # (schema path, spec field, value, path the server names, what it says)
-        ("spec.affinity", "affinity", {"nodeAffinity": {"requiredDuringScheduling": {"bogus": True}}},
-         "spec.affinity.nodeAffinity.requiredDuringScheduling", "unknown field"),
-        ("spec.runtime.env", "runtime", {"env": [{"name": "A", "valueFrom": {"secretKeyRef": "not-an-object"}}]},
-         "spec.runtime.env[0].valueFrom.secretKeyRef", "must be of type object"),
-        ("spec.runtime.env", "runtime", {"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s"}}}]},
-         "spec.runtime.env[0].valueFrom.secretKeyRef.key", "Required value"),
+        (
+            "spec.affinity",
+            "affinity",
+            {"nodeAffinity": {"requiredDuringScheduling": {"bogus": True}}},
+            "spec.affinity.nodeAffinity.requiredDuringScheduling",
+            "unknown field",
+        ),
+        (
+            "spec.runtime.env",
+            "runtime",
+            {"env": [{"name": "A", "valueFrom": {"secretKeyRef": "not-an-object"}}]},
+            "spec.runtime.env[0].valueFrom.secretKeyRef",
+            "must be of type object",
+        ),
+        (
+            "spec.runtime.env",
+            "runtime",
+            {"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s"}}}]},
+            "spec.runtime.env[0].valueFrom.secretKeyRef.key",
+            "Required value",
+        ),
     ]
     for i, (schema_path, field, value, error_path, says) in enumerate(cases):
         manifest = copy.deepcopy(base)
@@ -395,8 +470,9 @@ def test_pass_through_fields_do_what_the_crd_says(cluster: ControlPlane, namespa
         result = apply_stdin(cluster, namespace, manifest, check=False)
         schema = schema_at(schema_path)
         schema = schema.get("items", schema)
-        opaque = schema.get("x-kubernetes-preserve-unknown-fields") or \
-            schema.get("properties", {}).get("valueFrom", {}).get("x-kubernetes-preserve-unknown-fields")
+        opaque = schema.get("x-kubernetes-preserve-unknown-fields") or schema.get("properties", {}).get(
+            "valueFrom", {}
+        ).get("x-kubernetes-preserve-unknown-fields")
         if opaque:
             assert result.returncode == 0, (error_path, result.stderr)
             assert get_ps(cluster, namespace, manifest["metadata"]["name"])["spec"][field] == value
@@ -408,28 +484,64 @@ def test_pass_through_fields_do_what_the_crd_says(cluster: ControlPlane, namespa
 def test_immutable_fields_of_the_children_are_enforced(cluster: ControlPlane, namespace: str) -> None:
     """The rules the operator has to live with when a spec change reaches a child it already made."""
     children = [
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "cache"},
-         "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}},
-        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "server"},
-         "spec": {"replicas": 0, "serviceName": "server", "selector": {"matchLabels": {"app": "server"}},
-                  "template": {"metadata": {"labels": {"app": "server"}},
-                               "spec": {"containers": [{"name": "c", "image": "registry.invalid/none:0"}]}},
-                  "volumeClaimTemplates": [{"metadata": {"name": "cache"}, "spec": {
-                      "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}]}},
-        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "fetch"},
-         "spec": {"suspend": True, "template": {"spec": {"restartPolicy": "Never", "containers": [
-             {"name": "c", "image": "registry.invalid/none:0"}]}}}},
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "cache"},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": "server"},
+            "spec": {
+                "replicas": 0,
+                "serviceName": "server",
+                "selector": {"matchLabels": {"app": "server"}},
+                "template": {
+                    "metadata": {"labels": {"app": "server"}},
+                    "spec": {"containers": [{"name": "c", "image": "registry.invalid/none:0"}]},
+                },
+                "volumeClaimTemplates": [
+                    {
+                        "metadata": {"name": "cache"},
+                        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+                    }
+                ],
+            },
+        },
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "fetch"},
+            "spec": {
+                "suspend": True,
+                "template": {
+                    "spec": {
+                        "restartPolicy": "Never",
+                        "containers": [{"name": "c", "image": "registry.invalid/none:0"}],
+                    }
+                },
+            },
+        },
     ]
     for child in children:
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(child))
     changes = [  # (kind/name, merge patch, the field the server names, what it says)
-        ("pvc/cache", '{"spec": {"accessModes": ["ReadWriteMany"]}}',
-         "spec", "spec is immutable after creation"),
-        ("statefulset/server", '{"spec": {"volumeClaimTemplates": [{"metadata": {"name": "cache"}, "spec": '
-                               '{"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}}]}}',
-         "spec.volumeClaimTemplates", "field is immutable"),
-        ("job/fetch", '{"spec": {"template": {"spec": {"containers": [{"name": "c", "image": "other:1"}]}}}}',
-         "spec.template.spec", "field is immutable"),
+        ("pvc/cache", '{"spec": {"accessModes": ["ReadWriteMany"]}}', "spec", "spec is immutable after creation"),
+        (
+            "statefulset/server",
+            '{"spec": {"volumeClaimTemplates": [{"metadata": {"name": "cache"}, "spec": '
+            '{"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}}]}}',
+            "spec.volumeClaimTemplates",
+            "field is immutable",
+        ),
+        (
+            "job/fetch",
+            '{"spec": {"template": {"spec": {"containers": [{"name": "c", "image": "other:1"}]}}}}',
+            "spec.template.spec",
+            "field is immutable",
+        ),
     ]
     for target, patch, field, says in changes:
         result = cluster.kubectl("patch", target, "-n", namespace, "--type=merge", "-p", patch, check=False)
@@ -472,25 +584,48 @@ def release(cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def test_helm_install_created_the_chart_objects(cluster: ControlPlane, release: Release) -> None:
-    objects = json.loads(cluster.kubectl("get", "deployment,serviceaccount,role,rolebinding", "-n", release.namespace,
-                                         "-l", "app.kubernetes.io/instance=po", "-o", "json").stdout)["items"]
+    objects = json.loads(
+        cluster.kubectl(
+            "get",
+            "deployment,serviceaccount,role,rolebinding",
+            "-n",
+            release.namespace,
+            "-l",
+            "app.kubernetes.io/instance=po",
+            "-o",
+            "json",
+        ).stdout
+    )["items"]
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == ["Deployment", "Role", "RoleBinding", "ServiceAccount"], kinds
     # helm installs the chart's crds/ only when absent: the CRD stays the one applied above, Established
     assert wait_established(cluster, timeout=10)["NamesAccepted"] == "True"
 
 
-def _can_i(cluster: ControlPlane, release: Release, verb: str, api_group: str, resource: str,
-           namespace: str) -> bool:
+def _can_i(cluster: ControlPlane, release: Release, verb: str, api_group: str, resource: str, namespace: str) -> bool:
     """The apiserver's authorizer asked about the chart's ServiceAccount (a SubjectAccessReview, as the admin)."""
     name, _, subresource = resource.partition("/")
-    review = AuthorizationV1Api(cluster.api_client).create_subject_access_review({
-        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
-        "spec": {"user": f"system:serviceaccount:{release.namespace}:{release.service_account}",
-                 "groups": ["system:serviceaccounts", f"system:serviceaccounts:{release.namespace}",
-                            "system:authenticated"],
-                 "resourceAttributes": {"namespace": namespace, "verb": verb, "group": api_group,
-                                        "resource": name, "subresource": subresource}}})
+    review = AuthorizationV1Api(cluster.api_client).create_subject_access_review(
+        {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {
+                "user": f"system:serviceaccount:{release.namespace}:{release.service_account}",
+                "groups": [
+                    "system:serviceaccounts",
+                    f"system:serviceaccounts:{release.namespace}",
+                    "system:authenticated",
+                ],
+                "resourceAttributes": {
+                    "namespace": namespace,
+                    "verb": verb,
+                    "group": api_group,
+                    "resource": name,
+                    "subresource": subresource,
+                },
+            },
+        }
+    )
     return bool(review.status.allowed)
 
 
@@ -501,16 +636,22 @@ def test_the_service_account_may_do_exactly_what_rbac_py_lists(cluster: ControlP
             allowed = _can_i(cluster, release, verb, rule.api_group, rule.resource, release.namespace)
             if allowed != (verb in rule.verbs):
                 wrong.append(f"{verb} {rule.api_group}/{rule.resource}: {'yes' if allowed else 'no'}")
-    for api_group, resource in (("", "secrets"), ("", "configmaps"), ("apps", "deployments"),
-                                ("rbac.authorization.k8s.io", "roles"), ("", "pods/exec")):
+    for api_group, resource in (
+        ("", "secrets"),
+        ("", "configmaps"),
+        ("apps", "deployments"),
+        ("rbac.authorization.k8s.io", "roles"),
+        ("", "pods/exec"),
+    ):
         for verb in ("get", "list", "create"):
             if _can_i(cluster, release, verb, api_group, resource, release.namespace):
                 wrong.append(f"{verb} {api_group}/{resource}: yes")
     if _can_i(cluster, release, "list", C.GROUP, C.PLURAL, "default"):
         wrong.append(f"list {C.PLURAL} in a namespace it does not watch: yes")
     for rule in rbac.rules(all_namespaces=True):
-        if rule.cluster_scoped and _can_i(cluster, release, rule.verbs[0], rule.api_group, rule.resource,
-                                          release.namespace):
+        if rule.cluster_scoped and _can_i(
+            cluster, release, rule.verbs[0], rule.api_group, rule.resource, release.namespace
+        ):
             wrong.append(f"{rule.verbs[0]} {rule.resource} (only for --all-namespaces): yes")
     assert not wrong, wrong
 
@@ -524,8 +665,7 @@ def test_kubectl_auth_can_i_as_the_service_account(cluster: ControlPlane, releas
         extra = [f"--subresource={subresource}"] if subresource else []
         refused = next(v for v in ALL_VERBS if v not in rule.verbs)
         for verb, expected in ((rule.verbs[0], "yes"), (refused, "no")):
-            result = cluster.kubectl("auth", "can-i", verb, target, "-n", release.namespace, *extra, as_sa,
-                                     check=False)
+            result = cluster.kubectl("auth", "can-i", verb, target, "-n", release.namespace, *extra, as_sa, check=False)
             assert result.stdout.strip() == expected, (verb, rule.resource, result.stdout, result.stderr)
 
 
@@ -537,9 +677,11 @@ def test_real_requests_with_the_token_are_authorized_per_rbac(cluster: ControlPl
         ps = CustomObjectsApi(client).list_namespaced_custom_object(C.GROUP, C.VERSION, release.namespace, C.PLURAL)
         assert ps["items"] == []
         assert BatchV1Api(client).list_namespaced_job(release.namespace).items == []
-        for forbidden in (lambda: CoreV1Api(client).list_namespaced_secret(release.namespace),
-                          lambda: CoreV1Api(client).list_namespaced_pod("default"),
-                          lambda: BatchV1Api(client).delete_collection_namespaced_job(release.namespace)):
+        for forbidden in (
+            lambda: CoreV1Api(client).list_namespaced_secret(release.namespace),
+            lambda: CoreV1Api(client).list_namespaced_pod("default"),
+            lambda: BatchV1Api(client).delete_collection_namespaced_job(release.namespace),
+        ):
             with pytest.raises(ApiException) as denied:
                 forbidden()
             assert denied.value.status == 403, denied.value
@@ -555,10 +697,25 @@ class OperatorProcess:
         self.log, self.liveness = log, f"http://127.0.0.1:{free_port()}/healthz"
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [str(VENV_BIN / "policyserver"), "operator", "--namespace", namespace, "--standalone",
-                 "--resync-seconds", "1", "--liveness", self.liveness, "--log-format", "plain"],
-                env={**env, "KUBECONFIG": str(kubeconfig)}, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True)
+                [
+                    str(VENV_BIN / "policyserver"),
+                    "operator",
+                    "--namespace",
+                    namespace,
+                    "--standalone",
+                    "--resync-seconds",
+                    "1",
+                    "--liveness",
+                    self.liveness,
+                    "--log-format",
+                    "plain",
+                ],
+                env={**env, "KUBECONFIG": str(kubeconfig)},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         wait_for(self.probe, OPERATOR_START_S, what=f"operator liveness (log: {log})")
 
     def probe(self) -> bool:
@@ -580,7 +737,8 @@ class OperatorProcess:
 
 
 def test_the_operator_as_its_service_account_reconciles_the_minimal_example(
-        cluster: ControlPlane, release: Release, tmp_path: Path) -> None:
+    cluster: ControlPlane, release: Release, tmp_path: Path
+) -> None:
     """Everything up to the fetch pod, which stays Pending: no node can take it here."""
     example = yaml.safe_load((REPO / "examples" / "policyserver-minimal.yaml").read_text())
     name, ns = example["metadata"]["name"], release.namespace
@@ -599,36 +757,57 @@ def test_the_operator_as_its_service_account_reconciles_the_minimal_example(
         pvc = core.read_namespaced_persistent_volume_claim(f"{name}-cache", ns)
         assert pvc.metadata.owner_references[0].name == name
         # the real Job controller made the pod; the real scheduler found no node for it
-        pods = wait_for(lambda: core.list_namespaced_pod(ns, label_selector=f"job-name={job}").items, RECONCILE_S,
-                        what="the fetch Job's pod (real Job controller)")
+        pods = wait_for(
+            lambda: core.list_namespaced_pod(ns, label_selector=f"job-name={job}").items,
+            RECONCILE_S,
+            what="the fetch Job's pod (real Job controller)",
+        )
         assert pods[0].status.phase == "Pending"
-        wait_for(lambda: any(c.type == "PodScheduled" and c.reason == "Unschedulable"
-                             for c in core.read_namespaced_pod(pods[0].metadata.name, ns).status.conditions or []),
-                 RECONCILE_S, what="the scheduler's Unschedulable on the fetch pod")
+        wait_for(
+            lambda: any(
+                c.type == "PodScheduled" and c.reason == "Unschedulable"
+                for c in core.read_namespaced_pod(pods[0].metadata.name, ns).status.conditions or []
+            ),
+            RECONCILE_S,
+            what="the scheduler's Unschedulable on the fetch pod",
+        )
+
         # the Job counts its Pending pod as active: that is no download, and status says what the scheduler says
         def checkpoint_condition() -> dict[str, Any]:
             conds = {c["type"]: c for c in get_ps(cluster, ns, name).get("status", {}).get("conditions") or []}
             ck = conds.get(C.COND_CHECKPOINT_READY) or {}
             return conds if ck.get("reason") == "Unschedulable" else {}
 
-        conditions = wait_for(checkpoint_condition, RECONCILE_S,
-                              what=f"CheckpointReady=False Unschedulable (log: {operator.log})")
+        conditions = wait_for(
+            checkpoint_condition, RECONCILE_S, what=f"CheckpointReady=False Unschedulable (log: {operator.log})"
+        )
         status = get_ps(cluster, ns, name)["status"]
         assert status["phase"] == C.PHASE_PENDING and status["checkpoint"]["phase"] == "Pending", status
         assert conditions[C.COND_VALID]["status"] == "True", conditions
         assert conditions[C.COND_CHECKPOINT_READY]["status"] == "False", conditions
         message = conditions[C.COND_CHECKPOINT_READY]["message"]  # the scheduler's words, whatever nodes exist now
-        assert "cannot be scheduled: " in message and "nodes available" in message.replace("nodes are available",
-                                                                                           "nodes available"), message
+        assert "cannot be scheduled: " in message and "nodes available" in message.replace(
+            "nodes are available", "nodes available"
+        ), message
         assert (conditions[C.COND_PROGRESSING]["status"], conditions[C.COND_PROGRESSING]["reason"]) == (
-            "True", "Unschedulable"), conditions
-        warned = wait_for(lambda: [e for e in core.list_namespaced_event(
-            ns, field_selector=f"involvedObject.name={name}").items if e.type == "Warning"], RECONCILE_S,
-            what="a Warning Event about the unschedulable fetch pod")
+            "True",
+            "Unschedulable",
+        ), conditions
+        warned = wait_for(
+            lambda: [
+                e
+                for e in core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
+                if e.type == "Warning"
+            ],
+            RECONCILE_S,
+            what="a Warning Event about the unschedulable fetch pod",
+        )
         time.sleep(3)  # a few more resync passes: any later RBAC failure would show in the log
-        assert [(e.reason, e.count or 1) for e in core.list_namespaced_event(
-            ns, field_selector=f"involvedObject.name={name}").items if e.type == "Warning"] == [
-            (warned[0].reason, 1)], "one Warning, not one per pass"
+        assert [
+            (e.reason, e.count or 1)
+            for e in core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
+            if e.type == "Warning"
+        ] == [(warned[0].reason, 1)], "one Warning, not one per pass"
         log = operator.text()
         assert not re.search(r"\b403\b|[Ff]orbidden", log), log
         assert "Traceback" not in log, log

@@ -44,6 +44,7 @@ def parse(obj: dict[str, Any]):
 
 # --- generated files -----------------------------------------------------------------------------
 
+
 def test_committed_crd_and_doc_tables_are_generated_from_the_model() -> None:
     stale = G.stale_files()
     assert not stale, f"{', '.join(str(p.relative_to(REPO)) for p in stale)} differ from the model: run make crd"
@@ -73,6 +74,7 @@ def test_the_chart_ships_the_generated_file_through_a_link() -> None:
 
 # --- the CRD is one Kubernetes accepts ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("version", ["1.32.0", "1.37.0"])
 def test_crd_is_a_valid_apiextensions_object(crd: dict[str, Any], version: str) -> None:
     kubernetes_validate.validate(crd, version, strict=True)
@@ -97,24 +99,35 @@ def test_schema_is_structural(schema: dict[str, Any]) -> None:
         for key in ("$ref", "$defs", "title", "const", "nullable", "oneOf", "allOf"):
             if key in node:
                 problems.append(f"{path}: {key}")
-        if node.get("additionalProperties") is not None and (node.get("properties")
-                                                             or not isinstance(node["additionalProperties"], dict)):
+        if node.get("additionalProperties") is not None and (
+            node.get("properties") or not isinstance(node["additionalProperties"], dict)
+        ):
             problems.append(f"{path}: additionalProperties beside properties, or not a schema")
         if node.get(PRESERVE_UNKNOWN) and node.get("type") != "object":
             problems.append(f"{path}: preserve-unknown-fields on a non-object")
         if "default" in node and (path.startswith(".metadata") or node["default"] is None):
             problems.append(f"{path}: default {node['default']!r}")
     assert problems == []
-    assert schema["properties"]["metadata"] == {"type": "object", "properties": {"name": {
-        "type": "string", "minLength": 1, "maxLength": 40, "pattern": schema["properties"]["metadata"]
-        ["properties"]["name"]["pattern"]}}}
+    assert schema["properties"]["metadata"] == {
+        "type": "object",
+        "properties": {
+            "name": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": 40,
+                "pattern": schema["properties"]["metadata"]["properties"]["name"]["pattern"],
+            }
+        },
+    }
 
 
 def test_every_field_has_a_description(schema: dict[str, Any]) -> None:
     """kubectl explain must say something for every field of spec and status."""
-    missing = [path for path, node in _nodes(schema)
-               if path.startswith((".spec", ".status")) and "[" not in path.rsplit(".", 1)[-1]
-               and "description" not in node]
+    missing = [
+        path
+        for path, node in _nodes(schema)
+        if path.startswith((".spec", ".status")) and "[" not in path.rsplit(".", 1)[-1] and "description" not in node
+    ]
     assert missing == []
 
 
@@ -139,15 +152,21 @@ def test_every_cel_rule_compiles_and_reads_only_bounded_values(schema: dict[str,
         if "fieldPath" in rule:
             _resolve(node, rule["fieldPath"])  # the apiserver refuses a fieldPath the schema lacks
         walked = re.sub(r"has\(self[.\w]*\)", "", rule["rule"])  # has() reads no value
-        read = [node] + [_resolve(node, m) for m in re.findall(r"self((?:\.\w+)+)", walked)
-                         if not m.endswith((".matches", ".startsWith", ".endsWith", ".contains", ".all", ".exists"))]
+        read = [node] + [
+            _resolve(node, m)
+            for m in re.findall(r"self((?:\.\w+)+)", walked)
+            if not m.endswith((".matches", ".startsWith", ".endsWith", ".contains", ".all", ".exists"))
+        ]
         for target in read:
             if target.get("type") == "string":
                 assert "maxLength" in target or "enum" in target, (path, rule["rule"])
             if target.get("type") == "array" and re.search(r"\.(all|exists)\(", rule["rule"]):
                 assert "maxItems" in target, (path, rule["rule"])
-            if target.get("type") == "object" and "additionalProperties" in target \
-                    and re.search(r"\.(all|exists)\(", rule["rule"]):
+            if (
+                target.get("type") == "object"
+                and "additionalProperties" in target
+                and re.search(r"\.(all|exists)\(", rule["rule"])
+            ):
                 assert "maxProperties" in target, (path, rule["rule"])
 
 
@@ -169,8 +188,12 @@ def test_names_and_keep_annotation(crd: dict[str, Any]) -> None:
     spec = crd["spec"]
     assert crd["metadata"]["name"] == f"{C.PLURAL}.{C.GROUP}"
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    assert (spec["group"], spec["names"]["kind"], spec["names"]["plural"], spec["names"]["singular"]) == \
-        (C.GROUP, C.KIND, C.PLURAL, C.SINGULAR)
+    assert (spec["group"], spec["names"]["kind"], spec["names"]["plural"], spec["names"]["singular"]) == (
+        C.GROUP,
+        C.KIND,
+        C.PLURAL,
+        C.SINGULAR,
+    )
     # not in "all" (nor any category): `kubectl delete all --all` must leave PolicyServers alone
     assert spec["names"]["shortNames"] == [C.SHORT_NAME] and "categories" not in spec["names"]
     assert [v["name"] for v in spec["versions"]] == [C.VERSION]
@@ -178,14 +201,18 @@ def test_names_and_keep_annotation(crd: dict[str, Any]) -> None:
 
 # --- docs/crd.md's examples: the verdict it promises, from the CRD and from the operator -------------
 
+
 def test_the_doc_has_examples_for_every_rule(schema: dict[str, Any]) -> None:
     refused = [ex for ex in DOC_EXAMPLES if ex.path]
     assert len(refused) >= 20 and any(ex.path is None for ex in DOC_EXAMPLES)
     failing = set()
     for ex in refused:
         defaulted = crd_schema.apply_defaults(schema, ex.obj)
-        failing |= {rule["rule"] for _, rule, value in crd_schema.iter_rules(schema, defaulted)
-                    if not crd_schema.eval_rule(rule["rule"], value)}
+        failing |= {
+            rule["rule"]
+            for _, rule, value in crd_schema.iter_rules(schema, defaulted)
+            if not crd_schema.eval_rule(rule["rule"], value)
+        }
     assert {rule["rule"] for _, _, rule in _rules(schema)} <= failing
 
 
@@ -212,14 +239,16 @@ def test_doc_example_verdict(crd: dict[str, Any], example: G.DocExample) -> None
 
 # --- the repository's examples and the operator's status ---------------------------------------------
 
+
 def test_examples_cover_the_documented_layouts() -> None:
     layouts = {(s.layout.cfgp, s.layout.dp) for s in (parse(yaml.safe_load(p.read_text())) for p in EXAMPLES)}
     assert {(1, 1), (2, 1), (1, 2), (2, 2)} <= layouts
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_example_is_accepted_and_the_crds_defaults_are_the_models(crd: dict[str, Any], schema: dict[str, Any],
-                                                                   path: Path) -> None:
+def test_example_is_accepted_and_the_crds_defaults_are_the_models(
+    crd: dict[str, Any], schema: dict[str, Any], path: Path
+) -> None:
     obj = yaml.safe_load(path.read_text())
     assert crd_schema.validate(crd, obj) == []
     defaulted = crd_schema.apply_defaults(schema, obj)
@@ -237,13 +266,22 @@ def test_status_written_by_the_operator_fits_the_model_and_the_crd(crd: dict[str
     obj = yaml.safe_load((REPO / "examples" / "policyserver-cfgp2-dp2.yaml").read_text())
     spec = parse(obj)
     ranks = tuple(rank_probe.RankHealth(r, r // 2, r % 2, "serving", True) for r in range(4))
-    pods = [rank_probe.PodHealth("p-0", "10.0.0.1", "Running", 4, 4, True, ranks),
-            rank_probe.PodHealth("p-1", None, "Pending", 4, message="verify-checkpoint: Init:Error")]
+    pods = [
+        rank_probe.PodHealth("p-0", "10.0.0.1", "Running", 4, 4, True, ranks),
+        rank_probe.PodHealth("p-1", None, "Pending", 4, message="verify-checkpoint: Init:Error"),
+    ]
     update = status.build_status(
-        spec, checkpoint=child_status.CheckpointState(child_status.CheckpointPhase.READY, "Downloaded", "done", "j"),
-        workload=child_status.WorkloadState(exists=True, desired=2, current=2, serving_key=spec.checkpoint.key,
-                                            template_hash="abc"),
-        pods=pods, service_exists=True, previous=None, generation=3, now="2025-01-01T00:00:00Z")
+        spec,
+        checkpoint=child_status.CheckpointState(child_status.CheckpointPhase.READY, "Downloaded", "done", "j"),
+        workload=child_status.WorkloadState(
+            exists=True, desired=2, current=2, serving_key=spec.checkpoint.key, template_hash="abc"
+        ),
+        pods=pods,
+        service_exists=True,
+        previous=None,
+        generation=3,
+        now="2025-01-01T00:00:00Z",
+    )
     PolicyServerStatus.model_validate(update.status)
     assert crd_schema.validate(crd, {**obj, "status": update.status}) == []
     with pytest.raises(ValueError, match="handlerResult"):
@@ -251,6 +289,7 @@ def test_status_written_by_the_operator_fits_the_model_and_the_crd(crd: dict[str
 
 
 # --- the real apiserver ------------------------------------------------------------------------------
+
 
 @pytest.mark.cluster
 def test_real_apiserver_installs_the_crd_and_agrees_with_the_model_on_every_doc_example(control_plane) -> None:
@@ -263,8 +302,9 @@ def test_real_apiserver_installs_the_crd_and_agrees_with_the_model_on_every_doc_
     cp.create_namespace(namespace)
     disagreements = []
     for example in DOC_EXAMPLES:
-        result = cp.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-",
-                            input=yaml.safe_dump(example.obj), check=False)
+        result = cp.kubectl(
+            "apply", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(example.obj), check=False
+        )
         try:
             parse(example.obj)
             model = None
@@ -273,12 +313,18 @@ def test_real_apiserver_installs_the_crd_and_agrees_with_the_model_on_every_doc_
         if example.path is None:
             ok = result.returncode == 0 and model is None
         else:
-            ok = result.returncode != 0 and f"{example.path}:" in result.stderr \
+            ok = (
+                result.returncode != 0
+                and f"{example.path}:" in result.stderr
                 and model == (None if example.admission_only else example.path)
+            )
         if not ok:
-            disagreements.append(f"line {example.line} ({example.path}): apiserver rc={result.returncode} "
-                                 f"{result.stderr.strip()[-300:]!r}; parse_spec: {model}")
+            disagreements.append(
+                f"line {example.line} ({example.path}): apiserver rc={result.returncode} "
+                f"{result.stderr.strip()[-300:]!r}; parse_spec: {model}"
+            )
     assert disagreements == []
     explained = cp.kubectl("explain", "policyserver.spec.parallelism").stdout
-    assert " ".join(G.open_api_schema()["properties"]["spec"]["properties"]["parallelism"]["description"].split()[:6]) \
-        in " ".join(explained.split())
+    assert " ".join(
+        G.open_api_schema()["properties"]["spec"]["properties"]["parallelism"]["description"].split()[:6]
+    ) in " ".join(explained.split())

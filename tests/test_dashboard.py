@@ -32,7 +32,7 @@ VARIABLES = ("datasource", "namespace", "policyserver", "pod")
 # families of the server's registry that no panel needs to show, and why
 NOT_ON_THE_DASHBOARD: dict[str, str] = {
     "policy_batch_bucket_seconds": "set once at warm-up, and only by a server with --latency-budget-ms: a constant per "
-                                   "pod that `kubectl get --raw` or a scrape answers, not a time series to watch",
+    "pod that `kubectl get --raw` or a scrape answers, not a time series to watch",
 }
 
 
@@ -69,6 +69,7 @@ def dashboard_usage(dash: dict[str, Any]) -> promql.Usage:
 
 
 # --- the JSON itself ------------------------------------------------------------------------
+
 
 def test_dashboard_is_grafana_json_with_unique_ids_and_a_layout_that_fits() -> None:
     dash = dashboard()
@@ -117,6 +118,7 @@ def test_every_query_is_promql() -> None:
 
 # --- against a running server -----------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def metrics_text(tiny_checkpoint: Path) -> str:
     from websockets.sync.client import connect
@@ -152,8 +154,11 @@ def test_every_family_the_server_exports_is_on_the_dashboard(metrics_text: str) 
 
     shown = dashboard_usage(dashboard()).metrics()
     # *_created: prometheus_client's creation timestamp of each counter and histogram, not a family of its own
-    families = {f.name for f in text_string_to_metric_families(metrics_text)
-                if f.name.startswith("policy_") and not f.name.endswith("_created")}
+    families = {
+        f.name
+        for f in text_string_to_metric_families(metrics_text)
+        if f.name.startswith("policy_") and not f.name.endswith("_created")
+    }
     assert len(families) >= 10
     missing = {f for f in families if not any(m == f or m.startswith(f + "_") for m in shown)}
     assert missing - set(NOT_ON_THE_DASHBOARD) == set()
@@ -165,18 +170,24 @@ def test_the_check_catches_a_metric_or_label_the_server_does_not_have(server_met
         ('rate(policy_request_latency_total{namespace="a"}[5m])', "metric policy_request_latency_total is not"),
         ('sum(rate(policy_requests_total{kind="x"}[5m]))', "policy_requests_total has no label(s) ['kind']"),
         ("sum by (replica) (policy_requests_in_flight)", "grouping by ['replica']"),
-        ('max(policy_requests_in_flight) / on (gpu) max(policy_connections)', "grouping by ['gpu']"),
+        ("max(policy_requests_in_flight) / on (gpu) max(policy_connections)", "grouping by ['gpu']"),
     ):
         assert any(words in p for p in promql.problems(promql.usage(expr), server_metrics)), expr
 
 
 # --- the chart's ConfigMap ------------------------------------------------------------------------
 
+
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:
     chart().validate_schema(copy.deepcopy(values))
     files = chart().render(copy.deepcopy(values), name=RELEASE, namespace=NS)
-    return [o for path, text in sorted(files.items()) if not path.endswith("NOTES.txt")
-            for o in yaml.safe_load_all(text) if o]
+    return [
+        o
+        for path, text in sorted(files.items())
+        if not path.endswith("NOTES.txt")
+        for o in yaml.safe_load_all(text)
+        if o
+    ]
 
 
 def configmaps(values: dict[str, Any]) -> list[dict[str, Any]]:
@@ -199,20 +210,30 @@ def test_configmap_carries_the_json_unchanged_with_the_sidecar_label() -> None:
 
 
 def test_configmap_namespace_labels_and_annotations_follow_the_values() -> None:
-    (cm,) = configmaps({"dashboard": {"enabled": True, "namespace": "monitoring",
-                                      "labels": {"grafana_dashboard": "robots"},
-                                      "annotations": {"grafana_folder": "Robots"}}})
+    (cm,) = configmaps(
+        {
+            "dashboard": {
+                "enabled": True,
+                "namespace": "monitoring",
+                "labels": {"grafana_dashboard": "robots"},
+                "annotations": {"grafana_folder": "Robots"},
+            }
+        }
+    )
     assert cm["metadata"]["namespace"] == "monitoring"
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "robots"
     assert cm["metadata"]["annotations"] == {"grafana_folder": "Robots"}
 
 
-@pytest.mark.parametrize(("values", "where"), [
-    ({"dashboard": {"enabled": "yes"}}, "/dashboard/enabled"),
-    ({"dashboard": {"namespace": "Monitoring"}}, "/dashboard/namespace"),
-    ({"dashboard": {"labels": {"grafana_dashboard": 1}}}, "/dashboard/labels/grafana_dashboard"),
-    ({"dashboard": {"json": "{}"}}, "/dashboard"),
-])
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        ({"dashboard": {"enabled": "yes"}}, "/dashboard/enabled"),
+        ({"dashboard": {"namespace": "Monitoring"}}, "/dashboard/namespace"),
+        ({"dashboard": {"labels": {"grafana_dashboard": 1}}}, "/dashboard/labels/grafana_dashboard"),
+        ({"dashboard": {"json": "{}"}}, "/dashboard"),
+    ],
+)
 def test_schema_rejects_bad_dashboard_values(values: dict[str, Any], where: str) -> None:
     with pytest.raises(helm_python.HelmValuesError) as exc:
         chart().validate_schema(copy.deepcopy(values))
@@ -221,6 +242,7 @@ def test_schema_rejects_bad_dashboard_values(values: dict[str, Any], where: str)
 
 # --- the start-up panels show real numbers ---------------------------------------------------------
 
+
 def test_a_server_fetching_its_own_checkpoint_exports_progress_load_and_warmup(tmp_path: Path) -> None:
     """``serve --checkpoint URL``: rank 0 downloads while /metrics is up, then loads and warms up."""
     import subprocess
@@ -228,12 +250,17 @@ def test_a_server_fetching_its_own_checkpoint_exports_progress_load_and_warmup(t
     from tests.support.http_checkpoint_server import CheckpointServer
     from tests.support.servers import VENV_BIN, PolicyServerProcess
 
-    subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(tmp_path / "src" / "ckpt")],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [str(VENV_BIN / "policyserver"), "checkpoint", "init", str(tmp_path / "src" / "ckpt")],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     size = sum(p.stat().st_size for p in (tmp_path / "src" / "ckpt").rglob("*") if p.is_file())
     with CheckpointServer(tmp_path / "src", throttle_bps=max(size // 8, 1)) as source:
         server = PolicyServerProcess(source.url_for("ckpt/"), "--steps", "2", "--cache-dir", str(tmp_path / "cache"))
         with server.start(wait="listening"):
+
             def downloading() -> tuple[float, float] | None:
                 done = server.metric("policy_checkpoint_downloaded_bytes")
                 total = server.metric("policy_checkpoint_size_bytes")

@@ -37,8 +37,9 @@ FAULTY = ["--policy", "faulty_policy:FaultyPolicy"]
 COMMON = ["--threads", "1", "--steps", "4", "--heartbeat-s", "0.5", "--log-level", "INFO"]
 
 
-def request(url: str, seed: int | None = 11, prompt: str = "pick up the cup", session: str | None = None,
-            **extra) -> dict | str:
+def request(
+    url: str, seed: int | None = 11, prompt: str = "pick up the cup", session: str | None = None, **extra
+) -> dict | str:
     """One observation on a fresh connection; the decoded reply, or the error text frame."""
     with connect(url, compression=None, open_timeout=30) as ws:
         meta = wire.unpackb(ws.recv(timeout=30))
@@ -84,8 +85,13 @@ def layout_actions(tiny_checkpoint):
             for t in threads:
                 t.join(120)
             sticky = [request(server.url, seed=1, session="robot-7")["server_timing"]["replica"] for _ in range(3)]
-            out[(cfgp, dp)] = {"ready": ready, "first": first, "pair": replies, "sticky": sticky,
-                               "pids": rank_pids(server)}
+            out[(cfgp, dp)] = {
+                "ready": ready,
+                "first": first,
+                "pair": replies,
+                "sticky": sticky,
+                "pids": rank_pids(server),
+            }
     return out
 
 
@@ -106,7 +112,8 @@ def test_same_seed_same_actions_in_every_layout(layout_actions, cfgp: int, dp: i
     ready = got["ready"]
     assert ready["ready"] and ready["ranks_ready"] == cfgp * dp == ready["world_size"]
     assert sorted((r["dp_index"], r["cfg_index"]) for r in ready["ranks"]) == [
-        (d, c) for d in range(dp) for c in range(cfgp)]
+        (d, c) for d in range(dp) for c in range(cfgp)
+    ]
     assert len(set(got["pids"].values())) == cfgp * dp  # one process per rank
 
 
@@ -165,8 +172,11 @@ def test_frozen_rank_flips_readyz_within_two_periods(tiny_checkpoint) -> None:
         pid = rank_pids(server)[1]
         os.kill(pid, signal.SIGSTOP)
         try:
-            stale = server.wait_until(lambda: (r := server.readyz()).status == 503 and r.json(),
-                                      timeout=2 * 0.5 + 3.0, what="/readyz 503 after SIGSTOP")
+            stale = server.wait_until(
+                lambda: (r := server.readyz()).status == 503 and r.json(),
+                timeout=2 * 0.5 + 3.0,
+                what="/readyz 503 after SIGSTOP",
+            )
         finally:
             os.kill(pid, signal.SIGCONT)
         rank1 = next(r for r in stale["ranks"] if r["rank"] == 1)
@@ -224,9 +234,24 @@ def test_sigterm_drains_the_request_in_flight(tiny_checkpoint) -> None:
 
 def test_mismatched_world_size_fails_before_loading(tiny_checkpoint) -> None:
     """Started by hand under torchrun with the wrong --nproc-per-node: one line per rank, no model load."""
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=3", "--max-restarts=0",
-           "-m", "policy_operator.runtime.worker", "--checkpoint", str(tiny_checkpoint), "--cfgp", "2", "--dp", "1",
-           "--port", "0", "--host", "127.0.0.1"]
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--standalone",
+        "--nproc-per-node=3",
+        "--max-restarts=0",
+        "-m",
+        "policy_operator.runtime.worker",
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--cfgp",
+        "2",
+        "--dp",
+        "1",
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=subprocess_env())
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("policyserver: error:")]

@@ -26,8 +26,20 @@ from tests.support.plugins.held_policy import hold_prompt
 from tests.support.servers import serve_policy
 
 pytestmark = pytest.mark.slow
-ARGS = ["--cfgp", "2", "--policy", "held_policy:HeldPolicy", "--threads", "1", "--steps", "2",
-        "--heartbeat-s", "0.5", "--drain-grace-s", "60"]
+ARGS = [
+    "--cfgp",
+    "2",
+    "--policy",
+    "held_policy:HeldPolicy",
+    "--threads",
+    "1",
+    "--steps",
+    "2",
+    "--heartbeat-s",
+    "0.5",
+    "--drain-grace-s",
+    "60",
+]
 
 
 def _session(url: str) -> ClientConnection:

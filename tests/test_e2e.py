@@ -73,8 +73,12 @@ def example(name: str) -> dict[str, Any]:
 
 
 def init_checkpoint(path: Path, seed: int) -> None:
-    subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(path), "--seed", str(seed)],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [str(VENV_BIN / "policyserver"), "checkpoint", "init", str(path), "--seed", str(seed)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,30 +86,46 @@ def deployment(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFac
     work = tmp_path_factory.mktemp("e2e")
     init_checkpoint(work / "sources" / "a" / "ckpt", seed=0)
     init_checkpoint(work / "sources" / "b" / "ckpt", seed=1)
-    servers = {CFGP2: CheckpointServer(work / "sources" / "a", token=TOKEN).start(),
-               CFGP1: CheckpointServer(work / "sources" / "b").start()}
+    servers = {
+        CFGP2: CheckpointServer(work / "sources" / "a", token=TOKEN).start(),
+        CFGP1: CheckpointServer(work / "sources" / "b").start(),
+    }
     storage_class = example("policyserver-cfgp1-dp2")["spec"]["storage"]["storageClassName"]
     cluster = LocalCluster(control_plane, work / "cluster", NS, backoff_s=2.0, storage_classes=[storage_class])
     try:
         cluster.start()
         secret = example("policyserver-cfgp2-dp1")["spec"]["checkpoint"]["secretRef"]["name"]
-        cluster.api.create("v1", "secrets", {"metadata": {"name": secret},
-                                             "data": {C.SECRET_TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()}},
-                           NS)
+        cluster.api.create(
+            "v1",
+            "secrets",
+            {"metadata": {"name": secret}, "data": {C.SECRET_TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()}},
+            NS,
+        )
         port = free_port_on(["127.0.0.1", *cluster.node.ips(24)])
-        docs = {name: for_local_node(example(f"policyserver-{name.removeprefix('policy-')}"),
-                                     source=servers[name].url_for("ckpt/"), port=port)
-                for name in (CFGP2, CFGP1)}
+        docs = {
+            name: for_local_node(
+                example(f"policyserver-{name.removeprefix('policy-')}"),
+                source=servers[name].url_for("ckpt/"),
+                port=port,
+            )
+            for name in (CFGP2, CFGP1)
+        }
         applied_at = time.time()
         cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs.values()))
         wait_output = {}
         for name in docs:
             try:
-                wait_output[name] = cluster.kubectl("wait", "--for=condition=Available", f"policyserver/{name}",
-                                                    f"--timeout={AVAILABLE_S}s", timeout=AVAILABLE_S + 30).stdout
+                wait_output[name] = cluster.kubectl(
+                    "wait",
+                    "--for=condition=Available",
+                    f"policyserver/{name}",
+                    f"--timeout={AVAILABLE_S}s",
+                    timeout=AVAILABLE_S + 30,
+                ).stdout
             except subprocess.CalledProcessError as exc:
-                raise AssertionError(f"{exc}\nstatus: {json.dumps(cluster.status(name), indent=1)[:4000]}\n"
-                                     f"{cluster.describe()}") from None
+                raise AssertionError(
+                    f"{exc}\nstatus: {json.dumps(cluster.status(name), indent=1)[:4000]}\n{cluster.describe()}"
+                ) from None
         yield Deployment(cluster, port, servers, docs, applied_at, wait_output)
     finally:
         cluster.stop()
@@ -116,8 +136,9 @@ def deployment(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFac
     assert "Traceback" not in cluster.operator.log.read_text(), f"the operator crashed; see {cluster.operator.log}"
 
 
-def wait_status(d: Deployment, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,
-                timeout: float = WAIT_S) -> dict[str, Any]:
+def wait_status(
+    d: Deployment, name: str, predicate: Callable[[dict[str, Any]], Any], what: str, timeout: float = WAIT_S
+) -> dict[str, Any]:
     return d.cluster.wait_status(name, predicate, what, timeout)
 
 
@@ -127,8 +148,10 @@ def server_pods(d: Deployment, name: str) -> list[dict[str, Any]]:
 
 
 def events(d: Deployment, name: str) -> list[tuple[str, str, str]]:
-    return [(e.get("type", ""), e.get("reason", ""), e.get("message", ""))
-            for e in d.cluster.api.events(NS, involved_name=name)]
+    return [
+        (e.get("type", ""), e.get("reason", ""), e.get("message", ""))
+        for e in d.cluster.api.events(NS, involved_name=name)
+    ]
 
 
 def alive(pid: int) -> bool:
@@ -176,20 +199,27 @@ def actions_through_service(d: Deployment, name: str, connections: int, seed: in
 
 # --- the tests, in the order a person would check things -------------------------------------------
 
+
 def test_kubectl_wait_available_and_every_rank_ready(deployment: Deployment) -> None:
     d = deployment
     for name in (CFGP2, CFGP1):
         assert f"policyserver.{C.GROUP}/{name} condition met" in d.wait_output[name]
-        d.cluster.kubectl("wait", "--for=jsonpath={.status.phase}=Ready", f"policyserver/{name}",
-                          f"--timeout={int(WAIT_S)}s", timeout=WAIT_S + 30)
+        d.cluster.kubectl(
+            "wait",
+            "--for=jsonpath={.status.phase}=Ready",
+            f"policyserver/{name}",
+            f"--timeout={int(WAIT_S)}s",
+            timeout=WAIT_S + 30,
+        )
     a = wait_status(d, CFGP2, lambda s: s.get("ranksReady") == "2/2", "cfgp=2: 2/2 ranks")
     b = wait_status(d, CFGP1, lambda s: s.get("ranksReady") == "4/4", "cfgp=1,dp=2: 4/4 ranks (2 pods)")
     assert (a["ready"], a["layout"], b["ready"], b["layout"]) == ("1/1", "cfgp=2,dp=1", "2/2", "cfgp=1,dp=2")
     for status, cfgp in ((a, 2), (b, 1)):
         for pod in status["pods"]:
             assert pod["ranksReady"] == "2/2" and pod["ready"] is True
-            assert [(r["rank"], r["dpIndex"], r["cfgIndex"], r["ready"]) for r in pod["ranks"]] == \
-                [(r, r // cfgp, r % cfgp, True) for r in range(2)]
+            assert [(r["rank"], r["dpIndex"], r["cfgIndex"], r["ready"]) for r in pod["ranks"]] == [
+                (r, r // cfgp, r % cfgp, True) for r in range(2)
+            ]
     table = d.cluster.kubectl("get", C.SHORT_NAME).stdout.splitlines()
     rows = {line.split()[0]: line.split() for line in table[1:]}
     assert rows[CFGP2][1:6] == ["1/1", "2/2", "cfgp=2,dp=1", "Ready", "Ready"]
@@ -201,8 +231,15 @@ def test_real_controllers_made_the_pods_and_the_scheduler_bound_them(deployment:
     for name, replicas in ((CFGP2, 1), (CFGP1, 2)):
         # the controller counts pods the node reports Ready (its readinessProbe, every 5 s), which may come a
         # little after the operator's own /readyz poll made the PolicyServer Available
-        sts = wait_for(lambda n=name, r=replicas: (s := d.cluster.get("apps/v1", "statefulsets", Names(n).statefulset))
-                       and s["status"].get("readyReplicas") == r and s, WAIT_S, what=f"{name}: StatefulSet ready")
+        sts = wait_for(
+            lambda n=name, r=replicas: (
+                (s := d.cluster.get("apps/v1", "statefulsets", Names(n).statefulset))
+                and s["status"].get("readyReplicas") == r
+                and s
+            ),
+            WAIT_S,
+            what=f"{name}: StatefulSet ready",
+        )
         assert sts["status"]["currentRevision"] == sts["status"]["updateRevision"]
         for pod in server_pods(d, name):
             owner = pod["metadata"]["ownerReferences"][0]
@@ -267,7 +304,9 @@ def test_pods_run_torchrun_with_gloo_on_cpu(deployment: Deployment) -> None:
     assert len(ips) == 3  # three pods, three loopback addresses, one port
 
 
-@pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")  # openpi-client's
+@pytest.mark.filterwarnings(
+    "ignore:connect\\(\\) must be used as a context manager:DeprecationWarning"
+)  # openpi-client's
 def test_openpi_client_gets_actions_through_the_service(deployment: Deployment) -> None:
     d = deployment
     for name, (cfgp, dp) in ((CFGP2, (2, 1)), (CFGP1, (1, 2))):
@@ -299,19 +338,35 @@ def test_killed_rank_degrades_then_the_restarted_container_recovers(deployment: 
     assert (available["status"], available["reason"]) == ("False", "ReplicasUnavailable")
     # torchrun (--max-restarts=0) ends the job, the container exits non-zero, the node restarts it after its
     # backoff (restartPolicy Always) and its readinessProbe (every 5 s, as the manifest says) passes again
-    cs = wait_for(lambda: (c := d.cluster.get("v1", "pods", pod_name)["status"]["containerStatuses"][0])
-                  ["restartCount"] == before + 1 and c["ready"] and c, AVAILABLE_S,
-                  what="the server container restarted and Ready again")
+    cs = wait_for(
+        lambda: (
+            (c := d.cluster.get("v1", "pods", pod_name)["status"]["containerStatuses"][0])["restartCount"] == before + 1
+            and c["ready"]
+            and c
+        ),
+        AVAILABLE_S,
+        what="the server container restarted and Ready again",
+    )
     assert cs["started"] is True
     last = cs["lastState"]["terminated"]
     assert last["exitCode"] != 0 and last["reason"] == "Error", last  # torchrun's exit once a rank died
-    recovered = wait_status(d, CFGP2, lambda s: s.get("phase") == C.PHASE_READY and s.get("ranksReady") == "2/2",
-                            "phase Ready again", timeout=AVAILABLE_S)
+    recovered = wait_status(
+        d,
+        CFGP2,
+        lambda s: s.get("phase") == C.PHASE_READY and s.get("ranksReady") == "2/2",
+        "phase Ready again",
+        timeout=AVAILABLE_S,
+    )
     assert next(c for c in recovered["conditions"] if c["type"] == C.COND_AVAILABLE)["status"] == "True"
     # kopf posts Events from its queue after the status patch: wait for them, bounded
-    wait_for(lambda: {("Warning", "phase Ready -> Degraded"), ("Normal", "phase Degraded -> Ready")}
-             <= {(t, m.split(":", 1)[0]) for t, r, m in events(d, CFGP2) if m.startswith("phase ")}, 30,
-             what="the phase Events of the outage and the recovery")
+    wait_for(
+        lambda: (
+            {("Warning", "phase Ready -> Degraded"), ("Normal", "phase Degraded -> Ready")}
+            <= {(t, m.split(":", 1)[0]) for t, r, m in events(d, CFGP2) if m.startswith("phase ")}
+        ),
+        30,
+        what="the phase Events of the outage and the recovery",
+    )
     # the pod kept its name and address: the StatefulSet did not replace it, the kubelet restarted the container
     assert d.cluster.get("v1", "pods", pod_name)["metadata"]["uid"] == pod["metadata"]["uid"]
 
@@ -321,9 +376,13 @@ def test_layout_change_rolls_the_pods_to_the_new_world_size(deployment: Deployme
     d = deployment
     old = {p["metadata"]["name"]: p["metadata"]["uid"] for p in server_pods(d, CFGP1)}
     d.cluster.kubectl("patch", C.SHORT_NAME, CFGP1, "--type=merge", "-p", '{"spec":{"parallelism":{"dp":1}}}')
-    status = wait_status(d, CFGP1, lambda s: s.get("layout") == "cfgp=1,dp=1" and s.get("phase") == C.PHASE_READY
-                         and s.get("ranksReady") == "2/2", "rolled to cfgp=1,dp=1 (2 pods x 1 rank)",
-                         timeout=AVAILABLE_S)
+    status = wait_status(
+        d,
+        CFGP1,
+        lambda s: s.get("layout") == "cfgp=1,dp=1" and s.get("phase") == C.PHASE_READY and s.get("ranksReady") == "2/2",
+        "rolled to cfgp=1,dp=1 (2 pods x 1 rank)",
+        timeout=AVAILABLE_S,
+    )
     assert status["ready"] == "2/2"
     new = {p["metadata"]["name"]: p["metadata"]["uid"] for p in server_pods(d, CFGP1)}
     # every pod replaced (each old one retired once a new one serves: the names move up, rollout.py)
@@ -357,9 +416,13 @@ def test_kubectl_delete_collects_everything_and_the_claim_waits_for_its_pods(dep
                 # a node (a pod the StatefulSet controller recreates during teardown, never scheduled, mounts nothing)
                 # and until it has terminated (a Succeeded or Failed pod whose object is still being deleted holds
                 # nothing either)
-                pods = [p for p in d.cluster.list("v1", "pods", f"{C.LABEL_INSTANCE}={n}")
-                        if p["spec"].get("nodeName") and mounts(p, Names(n).pvc)
-                        and p.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
+                pods = [
+                    p
+                    for p in d.cluster.list("v1", "pods", f"{C.LABEL_INSTANCE}={n}")
+                    if p["spec"].get("nodeName")
+                    and mounts(p, Names(n).pvc)
+                    and p.get("status", {}).get("phase") not in ("Succeeded", "Failed")
+                ]
                 claim = d.cluster.get("v1", "persistentvolumeclaims", Names(n).pvc)
                 if not pods:
                     gone_at.setdefault(f"pods {n}", time.monotonic())
@@ -374,8 +437,11 @@ def test_kubectl_delete_collects_everything_and_the_claim_waits_for_its_pods(dep
     d.cluster.kubectl("delete", C.SHORT_NAME, CFGP2, CFGP1, "--timeout=120s", timeout=150)
     watcher.join(WAIT_S + 5)
     try:
-        wait_for(lambda: not d.cluster.list("v1", "pods") and not node.processes(NS), WAIT_S,
-                 what="every pod gone and every process ended")
+        wait_for(
+            lambda: not d.cluster.list("v1", "pods") and not node.processes(NS),
+            WAIT_S,
+            what="every pod gone and every process ended",
+        )
     except TimeoutError as exc:
         raise AssertionError(f"{exc}\n{d.cluster.describe()}") from None
     assert not any(alive(pid) for pid in pids)
@@ -383,8 +449,18 @@ def test_kubectl_delete_collects_everything_and_the_claim_waits_for_its_pods(dep
     # the pods mounting it were gone (the server pods' preStop sleep alone lasts 5 s)
     assert len(gone_at) == 4 and all(gone_at[f"claim {n}"] >= gone_at[f"pods {n}"] for n in (CFGP2, CFGP1)), gone_at
     assert held == {CFGP2, CFGP1}
-    for gv, plural in (("apps/v1", "statefulsets"), ("batch/v1", "jobs"), ("v1", "services"),
-                       ("v1", "persistentvolumeclaims")):
+    for gv, plural in (
+        ("apps/v1", "statefulsets"),
+        ("batch/v1", "jobs"),
+        ("v1", "services"),
+        ("v1", "persistentvolumeclaims"),
+    ):
         assert d.cluster.list(gv, plural) == [], plural
-    wait_for(lambda: all(d.cluster.api.get("v1", "persistentvolumes", v) is None for v in volumes)
-             and not list((node.root / "pv").iterdir()), WAIT_S, what="the released volumes and directories deleted")
+    wait_for(
+        lambda: (
+            all(d.cluster.api.get("v1", "persistentvolumes", v) is None for v in volumes)
+            and not list((node.root / "pv").iterdir())
+        ),
+        WAIT_S,
+        what="the released volumes and directories deleted",
+    )

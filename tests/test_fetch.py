@@ -51,13 +51,11 @@ def same_tree(a: Path, b: Path) -> None:
 
 
 def run_fetch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*FETCH_CMD, *args], env=env,
-                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    return subprocess.run([*FETCH_CMD, *args], env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
 
 
 def popen_fetch(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([*FETCH_CMD, *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([*FETCH_CMD, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture()
@@ -85,7 +83,8 @@ def test_http_fetch_verifies_then_second_fetch_sends_nothing(server, src_root, t
     assert set(marker["files"]) == {"config.json", "model.safetensors", "norm/stats.json", MANIFEST_FILE}
     assert marker["files"]["model.safetensors"]["sha256"] == sha256_file(src_root / "ckpt" / "model.safetensors")
     assert sorted(r.path for r in server.requests) == sorted(
-        f"/ckpt/{n}" for n in ("manifest.json", "config.json", "model.safetensors", "norm/stats.json"))
+        f"/ckpt/{n}" for n in ("manifest.json", "config.json", "model.safetensors", "norm/stats.json")
+    )
     assert not (dest / ".fetch" / final.name).exists(), "staging dir left behind"
     assert "done, 4 files" in first.stderr
 
@@ -100,12 +99,18 @@ def test_http_fetch_verifies_then_second_fetch_sends_nothing(server, src_root, t
 
 def test_registered_as_policyserver_fetch(server, tmp_path, cli_env):
     url = server.url_for("ckpt/")
-    res = subprocess.run(["policyserver", "fetch", url, str(tmp_path / "models"), "--quiet"], env=cli_env,
-                         capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    res = subprocess.run(
+        ["policyserver", "fetch", url, str(tmp_path / "models"), "--quiet"],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(tmp_path / "models" / request_key(url)) and res.stderr == ""
-    usage = subprocess.run(["policyserver", "fetch"], env=cli_env, capture_output=True, text=True,
-                           timeout=CLI_TIMEOUT_S)
+    usage = subprocess.run(
+        ["policyserver", "fetch"], env=cli_env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S
+    )
     assert usage.returncode == FetchExit.USAGE and "SOURCE" in usage.stderr
 
 
@@ -305,8 +310,9 @@ def test_unreachable_source(tmp_path, cli_env):
     assert res.returncode == FetchExit.SOURCE and "cannot reach" in res.stderr
 
 
-@pytest.mark.parametrize("name", ["../escape.bin", "a/../../escape.bin", "/tmp/escape.bin", "sub\\..\\escape.bin",
-                                  "a//b.bin", "./a.bin", ""])
+@pytest.mark.parametrize(
+    "name", ["../escape.bin", "a/../../escape.bin", "/tmp/escape.bin", "sub\\..\\escape.bin", "a//b.bin", "./a.bin", ""]
+)
 def test_a_manifest_naming_files_outside_the_checkpoint_is_refused(tmp_path, name):
     """Over HTTP and from a local directory: nothing is written anywhere, the error names the file."""
     src = tmp_path / "srv" / "ckpt"
@@ -374,8 +380,9 @@ def test_disk_full_exits_5(server, tmp_path, cli_env):
     url = server.url_for("ckpt/")
     script = f'mount -t tmpfs -o size=1m tmpfs "{dest}" && exec "$@"'
     cmd = ["unshare", "-m", "sh", "-c", script, "sh", *FETCH_CMD, url, str(dest)]
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=1m tmpfs "{dest}"'],
-                           capture_output=True, timeout=30)
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=1m tmpfs "{dest}"'], capture_output=True, timeout=30
+    )
     if probe.returncode != 0:
         pytest.skip(f"cannot mount tmpfs here: {probe.stderr.decode().strip()}")
     res = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
@@ -392,4 +399,3 @@ def test_git_blob_sha1_matches_git():
     path = Path(__file__)
     expected = subprocess.run(["git", "hash-object", str(path)], capture_output=True, text=True, check=True).stdout
     assert git_blob_sha1(path) == expected.strip()
-

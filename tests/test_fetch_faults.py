@@ -40,11 +40,13 @@ def make_checkpoint(directory: Path, weights_size: int = 2 * MiB) -> Path:
 def fetch(env: dict[str, str], *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     """``policyserver fetch ARGS``; a run that does not end within ``timeout`` fails the test."""
     try:
-        return subprocess.run([str(VENV_BIN / "policyserver"), "fetch", *args], env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            [str(VENV_BIN / "policyserver"), "fetch", *args], env=env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"policyserver fetch {' '.join(args)} still running after {timeout}s\n"
-                    f"{(exc.stderr or b'')[-3000:]!r}")
+        pytest.fail(
+            f"policyserver fetch {' '.join(args)} still running after {timeout}s\n{(exc.stderr or b'')[-3000:]!r}"
+        )
 
 
 def published_tree_is_clean(final: Path, source: Path) -> None:
@@ -172,8 +174,9 @@ def test_planted_hard_link_with_the_right_bytes_is_not_published(root, tmp_path,
     with CheckpointServer(root) as server:
         url = server.url_for("ckpt/")
         outside = tmp_path / "outside" / planted
-        inode = _plant_hard_link(outside, dest / ".fetch" / request_key(url) / planted,
-                                 (root / "ckpt" / planted).read_bytes())
+        inode = _plant_hard_link(
+            outside, dest / ".fetch" / request_key(url) / planted, (root / "ckpt" / planted).read_bytes()
+        )
         res = fetch(cli_env, url, str(dest))
     assert res.returncode == 0, res.stderr
     final = dest / request_key(url)

@@ -43,8 +43,7 @@ def hub_env(cli_env: dict[str, str], hub: HubStub, home: Path, token: str | None
 
 
 def run_fetch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*FETCH_CMD, *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([*FETCH_CMD, *args], env=env, capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture()
@@ -67,7 +66,8 @@ def test_hf_fetch_through_huggingface_hub(repo_dir, tmp_path, cli_env):
         assert marker["source"] == f"hf://{REPO}" and marker["revision"] is None
         assert marker["resolved_revision"] == commit
         assert sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file()) == sorted(
-            ["config.json", "model.safetensors", "assets/norm_stats.json", "manifest.json", COMPLETE_MARKER])
+            ["config.json", "model.safetensors", "assets/norm_stats.json", "manifest.json", COMPLETE_MARKER]
+        )
         # the real client walked the real routes: tree pages, resolve HEADs, the LFS redirect to the "CDN"
         paths = [r.path for r in hub.requests]
         assert sum(p.startswith(f"/api/models/{REPO}/tree/{commit}") for p in paths) >= 3
@@ -108,8 +108,9 @@ def test_hf_token_is_sent_to_the_hub_only_and_never_printed(repo_dir, tmp_path, 
 
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN)
-        by_file = run_fetch(hub_env(cli_env, hub, tmp_path / "home3"), f"hf://{REPO}@main", str(dest),
-                            "--token-file", str(token_file))
+        by_file = run_fetch(
+            hub_env(cli_env, hub, tmp_path / "home3"), f"hf://{REPO}@main", str(dest), "--token-file", str(token_file)
+        )
         assert by_file.returncode == 0, by_file.stderr
         for res in (denied, ok, by_file):
             assert TOKEN not in res.stdout + res.stderr

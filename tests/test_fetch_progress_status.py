@@ -34,11 +34,15 @@ def spec() -> Any:
 
 # --- the line -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("progress", [
-    FetchProgress(1288490188, 3650722201, 12_300_000.0),
-    FetchProgress(0, 10, 0.0),
-    FetchProgress(5 * 1024**4, None, 1.0),  # a source that gives no size
-])
+
+@pytest.mark.parametrize(
+    "progress",
+    [
+        FetchProgress(1288490188, 3650722201, 12_300_000.0),
+        FetchProgress(0, 10, 0.0),
+        FetchProgress(5 * 1024**4, None, 1.0),  # a source that gives no size
+    ],
+)
 def test_line_round_trip(progress: FetchProgress) -> None:
     line = progress.line()
     assert line.startswith(f"fetch: {progress.text} [progress ")
@@ -50,20 +54,26 @@ def test_text_is_what_people_read() -> None:
     p = FetchProgress(1288490188, 3650722201, 12_300_000.0)
     assert p.text == "1.2 GiB / 3.4 GiB (35.3%) 12.3 MB/s"
     assert FetchProgress(512, None, 2e6).text == "512 B 2.0 MB/s"
-    assert p.as_status() == {"bytesDone": 1288490188, "bytesTotal": 3650722201, "bytesPerSecond": 12300000,
-                             "text": p.text}
+    assert p.as_status() == {
+        "bytesDone": 1288490188,
+        "bytesTotal": 3650722201,
+        "bytesPerSecond": 12300000,
+        "text": p.text,
+    }
     assert "bytesTotal" not in FetchProgress(1, None, 0.0).as_status()
 
 
 def test_last_progress_is_the_newest_line_and_ignores_everything_else() -> None:
-    log = "\n".join([
-        "fetch: resolving hf://org/p",
-        FetchProgress(10, 100, 1.0).line(),
-        "a line that mentions [progress but is not one",
-        FetchProgress(60, 100, 5.0).line(),
-        "WARNING: retrying model.safetensors after a reset",
-        "",
-    ])
+    log = "\n".join(
+        [
+            "fetch: resolving hf://org/p",
+            FetchProgress(10, 100, 1.0).line(),
+            "a line that mentions [progress but is not one",
+            FetchProgress(60, 100, 5.0).line(),
+            "WARNING: retrying model.safetensors after a reset",
+            "",
+        ]
+    )
     assert progress_line.last_progress(log) == FetchProgress(60, 100, 5.0)
     assert progress_line.last_progress("fetch: resolving\n[progress x/y z]\n") is None
     assert progress_line.last_progress("") is None
@@ -84,8 +94,9 @@ def test_the_fetch_reporter_writes_lines_the_operator_reads() -> None:
             time.sleep(0.02)
         progress.advance(2048)
         deadline = time.monotonic() + 10
-        while (progress_line.last_progress(out.getvalue()) or FetchProgress(0, 0, 0)).done != 4096 \
-                and time.monotonic() < deadline:
+        while (
+            progress_line.last_progress(out.getvalue()) or FetchProgress(0, 0, 0)
+        ).done != 4096 and time.monotonic() < deadline:
             time.sleep(0.02)
     read = progress_line.last_progress(out.getvalue())
     assert read is not None and (read.done, read.total) == (4096, 4096) and read.rate > 0
@@ -94,14 +105,20 @@ def test_the_fetch_reporter_writes_lines_the_operator_reads() -> None:
 
 # --- the operator's steps --------------------------------------------------------------------------
 
+
 def fetch_pod(name: str, state: str, created: str) -> dict[str, Any]:
-    return {"metadata": {"name": name, "creationTimestamp": created},
-            "status": {"containerStatuses": [{"name": manifests.FETCH_CONTAINER, "state": {state: {}}}]}}
+    return {
+        "metadata": {"name": name, "creationTimestamp": created},
+        "status": {"containerStatuses": [{"name": manifests.FETCH_CONTAINER, "state": {state: {}}}]},
+    }
 
 
 def test_the_running_attempt_is_the_pod_whose_log_is_read() -> None:
-    pods = [fetch_pod("old", "terminated", "2025-01-01T00:00:00Z"), fetch_pod("new", "running", "2025-01-01T00:01:00Z"),
-            fetch_pod("next", "waiting", "2025-01-01T00:02:00Z")]
+    pods = [
+        fetch_pod("old", "terminated", "2025-01-01T00:00:00Z"),
+        fetch_pod("new", "running", "2025-01-01T00:01:00Z"),
+        fetch_pod("next", "waiting", "2025-01-01T00:02:00Z"),
+    ]
     assert observe.running_fetch_pod(pods) == "new"
     assert observe.running_fetch_pod(pods[:1]) is None
 
@@ -126,8 +143,16 @@ def test_a_downloading_state_carries_the_progress_and_says_it() -> None:
 
 def build(checkpoint: child_status.CheckpointState, previous: dict[str, Any] | None = None) -> dict[str, Any]:
     workload = child_status.WorkloadState(exists=False, desired=1, rolling=True)
-    return status_step.build_status(spec(), checkpoint=checkpoint, workload=workload, pods=[], service_exists=False,
-                                    previous=previous, generation=1, now=NOW).status
+    return status_step.build_status(
+        spec(),
+        checkpoint=checkpoint,
+        workload=workload,
+        pods=[],
+        service_exists=False,
+        previous=previous,
+        generation=1,
+        now=NOW,
+    ).status
 
 
 def test_status_has_the_progress_while_downloading_and_the_schema_keeps_it() -> None:
@@ -137,13 +162,18 @@ def test_status_has_the_progress_while_downloading_and_the_schema_keeps_it() -> 
     # closed model = the CRD's schema: a field it lacks would be pruned by the apiserver, and fails here
     parsed = PolicyServerStatus.model_validate(status)
     assert parsed.checkpoint is not None and parsed.checkpoint.progress is not None
-    assert parsed.model_dump(by_alias=True, exclude_none=True)["checkpoint"]["progress"] == status["checkpoint"]["progress"]
+    assert (
+        parsed.model_dump(by_alias=True, exclude_none=True)["checkpoint"]["progress"]
+        == status["checkpoint"]["progress"]
+    )
 
 
 def test_progress_leaves_the_status_once_the_download_is_done() -> None:
     downloading = build(child_status.checkpoint_state(spec(), active_job(), [], None, FetchProgress(5, 9, 1).line()))
-    ready = build(child_status.checkpoint_state(spec(), {"metadata": {"name": "j"}, "status": {"succeeded": 1}}, [],
-                                                None), previous=downloading)
+    ready = build(
+        child_status.checkpoint_state(spec(), {"metadata": {"name": "j"}, "status": {"succeeded": 1}}, [], None),
+        previous=downloading,
+    )
     assert "progress" not in ready["checkpoint"]
     patch = status_step.status_patch(downloading, ready, full=True)
     assert patch is not None and patch["checkpoint"]["progress"] is None  # a merge patch must null it explicitly
@@ -170,6 +200,7 @@ def test_rbac_grants_reading_pod_logs_and_nothing_more() -> None:
 
 # --- on a real control plane ---------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.timeout(600)
@@ -184,16 +215,25 @@ def test_kubectl_get_ps_shows_a_running_downloads_progress(control_plane, tmp_pa
     from tests.support.net import wait_for
     from tests.support.servers import VENV_BIN
 
-    subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(tmp_path / "src" / "ckpt")],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [str(VENV_BIN / "policyserver"), "checkpoint", "init", str(tmp_path / "src" / "ckpt")],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     size = sum(p.stat().st_size for p in (tmp_path / "src" / "ckpt").rglob("*") if p.is_file())
     namespace, name = "fetch-progress", "slow"
     # about 12 s of download: several progress lines (one every 2 s) while the operator resyncs every 0.5 s
-    with CheckpointServer(tmp_path / "src", throttle_bps=max(size // 12, 1)) as source, \
-            LocalCluster(control_plane, tmp_path / "cluster", namespace, backoff_s=1.0, resync_s=0.5, gpus=1) as lc, \
-            ContainerLogServer(lc.node) as kubelet:
-        doc = for_local_node(yaml.safe_load((crd.REPO / "examples" / "policyserver-minimal.yaml").read_text()),
-                             source=source.url_for("ckpt/"), port=8000)
+    with (
+        CheckpointServer(tmp_path / "src", throttle_bps=max(size // 12, 1)) as source,
+        LocalCluster(control_plane, tmp_path / "cluster", namespace, backoff_s=1.0, resync_s=0.5, gpus=1) as lc,
+        ContainerLogServer(lc.node) as kubelet,
+    ):
+        doc = for_local_node(
+            yaml.safe_load((crd.REPO / "examples" / "policyserver-minimal.yaml").read_text()),
+            source=source.url_for("ckpt/"),
+            port=8000,
+        )
         doc["metadata"].update(name=name, namespace=namespace)
         doc["spec"]["replicas"] = 0  # the fetch runs all the same; no server pod needed here
         lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
@@ -210,7 +250,7 @@ def test_kubectl_get_ps_shows_a_running_downloads_progress(control_plane, tmp_pa
         header, row = lc.kubectl("get", C.SHORT_NAME, name).stdout.splitlines()[:2]
         columns = header.split()
         assert columns[:7] == ["NAME", "READY", "RANKS", "LAYOUT", "CHECKPOINT", "PROGRESS", "PHASE"]
-        cell = row[header.index("PROGRESS"):header.index("PHASE")].strip()
+        cell = row[header.index("PROGRESS") : header.index("PHASE")].strip()
         assert "Downloading" in row and " / " in cell and "%)" in cell and cell.endswith("MB/s"), (header, row)
         for progress in seen:
             assert progress["bytesTotal"] == size and 0 <= progress["bytesDone"] <= size
@@ -219,13 +259,21 @@ def test_kubectl_get_ps_shows_a_running_downloads_progress(control_plane, tmp_pa
         message = lc.status(name)["checkpoint"]["message"]
         assert message.startswith(f"downloading {source.url_for('ckpt/')}")
         # the operator asked the kubelet for the end of the fetch container's log, bounded
-        assert any(f"/{manifests.FETCH_CONTAINER}?" in r and f"tailLines={progress_line.TAIL_LINES}" in r
-                   and f"limitBytes={progress_line.LIMIT_BYTES}" in r for r in kubelet.requests), kubelet.requests
+        assert any(
+            f"/{manifests.FETCH_CONTAINER}?" in r
+            and f"tailLines={progress_line.TAIL_LINES}" in r
+            and f"limitBytes={progress_line.LIMIT_BYTES}" in r
+            for r in kubelet.requests
+        ), kubelet.requests
 
-        wait_for(lambda: (lc.status(name).get("checkpoint") or {}).get("phase") == "Ready", 120, interval=0.3,
-                 what="download done")
+        wait_for(
+            lambda: (lc.status(name).get("checkpoint") or {}).get("phase") == "Ready",
+            120,
+            interval=0.3,
+            what="download done",
+        )
         wait_for(lambda: "progress" not in lc.status(name)["checkpoint"], 30, interval=0.3, what="progress cleared")
         header, row = lc.kubectl("get", C.SHORT_NAME, name).stdout.splitlines()[:2]
-        assert row[header.index("CHECKPOINT"):header.index("PROGRESS")].strip() == "Ready", row
-        assert row[header.index("PROGRESS"):header.index("PHASE")].strip() == "", row  # an empty cell
+        assert row[header.index("CHECKPOINT") : header.index("PROGRESS")].strip() == "Ready", row
+        assert row[header.index("PROGRESS") : header.index("PHASE")].strip() == "", row  # an empty cell
         lc.kubectl("delete", C.SHORT_NAME, name, "--timeout=120s", timeout=150)

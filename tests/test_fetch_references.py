@@ -32,9 +32,17 @@ def write_checkpoint(root: Path, vlm: str = VLM, tokenizer: str = TOK) -> Path:
     """A LeRobot-shaped directory whose config names a VLM and whose saved preprocessor names a tokenizer."""
     root.mkdir(parents=True)
     (root / "config.json").write_text(json.dumps({"type": "smolvla", "vlm_model_name": vlm, "chunk_size": 8}))
-    (root / "policy_preprocessor.json").write_text(json.dumps({"name": "policy_preprocessor", "steps": [
-        {"registry_name": "rename_observations_processor", "config": {"rename_map": {}}},
-        {"registry_name": "tokenizer_processor", "config": {"tokenizer_name": tokenizer, "max_length": 16}}]}))
+    (root / "policy_preprocessor.json").write_text(
+        json.dumps(
+            {
+                "name": "policy_preprocessor",
+                "steps": [
+                    {"registry_name": "rename_observations_processor", "config": {"rename_map": {}}},
+                    {"registry_name": "tokenizer_processor", "config": {"tokenizer_name": tokenizer, "max_length": 16}},
+                ],
+            }
+        )
+    )
     (root / "model.safetensors").write_bytes(os.urandom(1 << 16))
     write_manifest(root)
     return root
@@ -46,14 +54,17 @@ def write_repos(root: Path) -> tuple[Path, Path]:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         vocab_size=128)
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=128
+    )
     config.save_pretrained(root / "vlm")
     config.save_pretrained(root / "tokenizer")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["pick up the cube", "open the drawer"], trainer=trainers.BpeTrainer(
-        vocab_size=64, special_tokens=["<pad>"], show_progress=False))
+    tok.train_from_iterator(
+        ["pick up the cube", "open the drawer"],
+        trainer=trainers.BpeTrainer(vocab_size=64, special_tokens=["<pad>"], show_progress=False),
+    )
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>").save_pretrained(root / "tokenizer")
     return root / "vlm", root / "tokenizer"
 
@@ -64,8 +75,9 @@ def repos(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def fetch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(VENV_BIN / "policyserver"), "fetch", *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [str(VENV_BIN / "policyserver"), "fetch", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def hub_env(cli_env: dict[str, str], hub: HubStub, home: Path) -> dict[str, str]:
@@ -96,8 +108,9 @@ def load_offline(cli_env: dict[str, str], view: Path, home: Path) -> subprocess.
     """What a server pod does: transformers resolves the names with no hub (HF_ENDPOINT is a closed port)."""
     env = {k: v for k, v in cli_env.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(home), HF_ENDPOINT="http://127.0.0.1:9")
-    return subprocess.run([sys.executable, "-c", OFFLINE_LOAD, VLM, TOK, str(view)], env=env, capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-c", OFFLINE_LOAD, VLM, TOK, str(view)], env=env, capture_output=True, text=True, timeout=180
+    )
 
 
 def test_named_repositories_are_fetched_and_load_offline(repos, tmp_path: Path, cli_env) -> None:
@@ -121,9 +134,20 @@ def test_named_repositories_are_fetched_and_load_offline(repos, tmp_path: Path, 
     view = dest / HUB_VIEW_DIR / "models--lab--tiny-vlm"
     assert (view / "refs" / "main").read_text() == vlm_commit
     assert (view / "snapshots" / vlm_commit).resolve() == (dest / request_key(f"hf://{VLM}")).resolve()
-    verify = subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "verify",
-                             str(dest / request_key(f"hf://{CKPT}")), "--require-marker", "--references"],
-                            capture_output=True, text=True, timeout=60, env=cli_env)
+    verify = subprocess.run(
+        [
+            str(VENV_BIN / "policyserver"),
+            "checkpoint",
+            "verify",
+            str(dest / request_key(f"hf://{CKPT}")),
+            "--require-marker",
+            "--references",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env,
+    )
     assert verify.returncode == CheckpointExit.OK, verify.stderr
 
     loaded = load_offline(cli_env, dest / HUB_VIEW_DIR, tmp_path / "pod-home")
@@ -131,8 +155,7 @@ def test_named_repositories_are_fetched_and_load_offline(repos, tmp_path: Path, 
     assert loaded.stdout.split()[:2] == ["llama", "32"], loaded.stdout  # and not "resolved without the view"
 
 
-def test_a_repository_the_hub_does_not_have_fails_the_fetch_naming_who_asked(repos, tmp_path: Path,
-                                                                              cli_env) -> None:
+def test_a_repository_the_hub_does_not_have_fails_the_fetch_naming_who_asked(repos, tmp_path: Path, cli_env) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", vlm="lab/not-there")
     dest = tmp_path / "models"
     with HubStub() as hub:
@@ -141,11 +164,24 @@ def test_a_repository_the_hub_does_not_have_fails_the_fetch_naming_who_asked(rep
         res = fetch(hub_env(cli_env, hub, tmp_path / "hf-home"), f"hf://{CKPT}", str(dest), "--references")
     assert res.returncode == FetchExit.SOURCE, res.stderr
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("policyserver fetch: error: config.json vlm_model_name names lab/not-there, which the "
-                           "server needs offline: hf://lab/not-there"), last
-    verify = subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "verify",
-                             str(dest / request_key(f"hf://{CKPT}")), "--require-marker", "--references"],
-                            capture_output=True, text=True, timeout=60, env=cli_env)
+    assert last.startswith(
+        "policyserver fetch: error: config.json vlm_model_name names lab/not-there, which the "
+        "server needs offline: hf://lab/not-there"
+    ), last
+    verify = subprocess.run(
+        [
+            str(VENV_BIN / "policyserver"),
+            "checkpoint",
+            "verify",
+            str(dest / request_key(f"hf://{CKPT}")),
+            "--require-marker",
+            "--references",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env,
+    )
     assert verify.returncode == CheckpointExit.INVALID and "lab/not-there, not fetched" in verify.stderr
 
 
@@ -196,9 +232,13 @@ def test_a_checkpoint_without_a_manifest_verifies_against_the_fetch_marker(tmp_p
     assert fetch(cli_env, str(ckpt), str(dest)).returncode == 0
 
     def verify(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "verify",
-                               str(dest / request_key(str(ckpt))), *flags],
-                              capture_output=True, text=True, timeout=60, env=cli_env)
+        return subprocess.run(
+            [str(VENV_BIN / "policyserver"), "checkpoint", "verify", str(dest / request_key(str(ckpt))), *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=cli_env,
+        )
 
     marked = verify("--require-marker")
     assert marked.returncode == CheckpointExit.OK and "3 files verified" in marked.stdout, marked.stderr

@@ -41,8 +41,14 @@ def test_heartbeat_publishes_and_stops() -> None:
 
 
 def rank(index: int, ready: bool) -> RankReadiness:
-    return RankReadiness(rank=index, dp_index=0, cfg_index=index, state=RankState.WARM if ready else RankState.LOADING,
-                         age_s=0.1, ready=ready)
+    return RankReadiness(
+        rank=index,
+        dp_index=0,
+        cfg_index=index,
+        state=RankState.WARM if ready else RankState.LOADING,
+        age_s=0.1,
+        ready=ready,
+    )
 
 
 def test_ready_only_when_every_rank_answers() -> None:
@@ -62,9 +68,11 @@ def test_readyz_document_round_trips_and_refuses_drift() -> None:
     assert Readiness.parse(body) == doc
     assert Readiness.parse(Readiness(**{**doc.model_dump(), "error": "boom"}).to_json()).error == "boom"
     good = doc.model_dump(mode="json")
-    for broken in ({**good, "ranksReady": 0, "ranks_ready": None},
-                   {**good, "ranks": [{**good["ranks"][0], "state": "warming"}]},
-                   {**good, "ranks": [{**good["ranks"][0], "rank": -1}]}):
+    for broken in (
+        {**good, "ranksReady": 0, "ranks_ready": None},
+        {**good, "ranks": [{**good["ranks"][0], "state": "warming"}]},
+        {**good, "ranks": [{**good["ranks"][0], "rank": -1}]},
+    ):
         with pytest.raises(ValueError) as info:
             Readiness.parse(json.dumps(broken))
         assert "\n" not in str(info.value)

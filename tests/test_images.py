@@ -45,6 +45,7 @@ EXAMPLES = {p.name: yaml.safe_load(p.read_text()) for p in sorted((REPO / "examp
 
 # --- reading a Dockerfile ---------------------------------------------------------------------
 
+
 def commands(path: Path) -> tuple[dockerfile.Command, ...]:
     return dockerfile.parse_file(str(path))
 
@@ -102,6 +103,7 @@ def one_cmd(stage: list[dockerfile.Command], name: str) -> dockerfile.Command:
 
 # --- both images ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("image", DOCKERFILES)
 def test_dockerfile_parses_with_buildkits_parser(image: str) -> None:
     path = DOCKERFILES[image]
@@ -143,7 +145,9 @@ def test_every_copy_source_exists_and_is_in_the_build_context(image: str) -> Non
 def test_the_copied_sources_build_the_whole_project(tmp_path: Path) -> None:
     """Only what the images COPY goes into the wheel build, so a package folder the images forget fails here."""
     for image, path in DOCKERFILES.items():
-        copied = {s for c in final_stage(path) + stages(path)[0] if c.cmd == "COPY" and not c.flags for s in c.value[:-1]}
+        copied = {
+            s for c in final_stage(path) + stages(path)[0] if c.cmd == "COPY" and not c.flags for s in c.value[:-1]
+        }
         assert copied == {"pyproject.toml", "README.md", "policy_operator/", "runtime/", "operator/"}, image
     context = tmp_path / "context"
     context.mkdir()
@@ -152,17 +156,39 @@ def test_the_copied_sources_build_the_whole_project(tmp_path: Path) -> None:
     for folder in ("policy_operator", "runtime", "operator"):
         subprocess.run(["cp", "-r", str(REPO / folder), str(context / folder)], check=True)
     out = tmp_path / "wheels"
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                           "--wheel-dir", str(out), str(context)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "--wheel-dir",
+            str(out),
+            str(context),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = out.glob("*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
-    for module in ("policy_operator/cli.py", "policy_operator/runtime/worker.py", "policy_operator/runtime/serve_cli.py",
-                   "policy_operator/runtime/serving/server.py", "policy_operator/runtime/parallel/dispatch.py",
-                   "policy_operator/runtime/policy/interface.py", "policy_operator/runtime/checkpoint/fetch.py",
-                   "policy_operator/operator/main.py", "policy_operator/operator/handlers.py"):
+    for module in (
+        "policy_operator/cli.py",
+        "policy_operator/runtime/worker.py",
+        "policy_operator/runtime/serve_cli.py",
+        "policy_operator/runtime/serving/server.py",
+        "policy_operator/runtime/parallel/dispatch.py",
+        "policy_operator/runtime/policy/interface.py",
+        "policy_operator/runtime/checkpoint/fetch.py",
+        "policy_operator/operator/main.py",
+        "policy_operator/operator/handlers.py",
+    ):
         assert module in names
     assert "policyserver = policy_operator.cli:main" in entry_points
 
@@ -187,8 +213,10 @@ def test_users_are_the_uids_the_pods_run_as() -> None:
 @pytest.mark.parametrize("image", DOCKERFILES)
 def test_build_args_pin_versions(image: str) -> None:
     args = arg_defaults(DOCKERFILES[image])
-    expected = {"operator": {"PYTHON_VERSION"}, "runtime": {"PYTORCH_VERSION", "CUDA_VERSION", "CUDNN_VERSION",
-                                                             "EXTRA_PACKAGES"}}[image]
+    expected = {
+        "operator": {"PYTHON_VERSION"},
+        "runtime": {"PYTORCH_VERSION", "CUDA_VERSION", "CUDNN_VERSION", "EXTRA_PACKAGES"},
+    }[image]
     assert expected <= set(args)
     for name in expected - {"EXTRA_PACKAGES"}:
         assert re.fullmatch(r"\d+(\.\d+)*", args[name]), (name, args[name])
@@ -204,6 +232,7 @@ def test_makefile_builds_both_images_from_the_repository_root() -> None:
 
 
 # --- the operator image -------------------------------------------------------------------------
+
 
 def test_operator_image_installs_the_project_dependencies_minus_torch(tmp_path: Path) -> None:
     """Runs the Dockerfile's own requirements step on the real pyproject.toml."""
@@ -233,9 +262,11 @@ def test_operator_import_path_runs_without_torch() -> None:
     assert argv[:2] == ["python", "-c"]
     proc = _python(argv[2])
     assert proc.returncode == 0, proc.stderr
-    every_module = ("import pkgutil, importlib, policy_operator.operator as op; "
-                    "[importlib.import_module(f'policy_operator.operator.{m.name}') for m in pkgutil.iter_modules(op.__path__)]; "
-                    "from policy_operator.cli import main; main(['operator', '--help'])")
+    every_module = (
+        "import pkgutil, importlib, policy_operator.operator as op; "
+        "[importlib.import_module(f'policy_operator.operator.{m.name}') for m in pkgutil.iter_modules(op.__path__)]; "
+        "from policy_operator.cli import main; main(['operator', '--help'])"
+    )
     proc = _python(BLOCK_TORCH + every_module)
     assert proc.returncode == 0 and "--all-namespaces" in proc.stdout, proc.stderr
     # the block is real: the runtime's model code, which does need torch, fails under it
@@ -245,15 +276,22 @@ def test_operator_import_path_runs_without_torch() -> None:
 
 def test_what_the_operator_and_the_fetch_job_share_needs_no_torch() -> None:
     """policy_operator's own modules (serve flags, /readyz, exit codes, sources) and runtime/checkpoint/."""
-    code = ("import pkgutil, importlib, policy_operator, policy_operator.runtime.checkpoint as ck; "
-            "names = [f'policy_operator.{m.name}' for m in pkgutil.iter_modules(policy_operator.__path__) "
-            "if not m.ispkg] + [f'{ck.__name__}.{m.name}' for m in pkgutil.iter_modules(ck.__path__)]; "
-            "[importlib.import_module(n) for n in names]; print(len(names), sorted(names))")
+    code = (
+        "import pkgutil, importlib, policy_operator, policy_operator.runtime.checkpoint as ck; "
+        "names = [f'policy_operator.{m.name}' for m in pkgutil.iter_modules(policy_operator.__path__) "
+        "if not m.ispkg] + [f'{ck.__name__}.{m.name}' for m in pkgutil.iter_modules(ck.__path__)]; "
+        "[importlib.import_module(n) for n in names]; print(len(names), sorted(names))"
+    )
     proc = _python(BLOCK_TORCH + code)
     assert proc.returncode == 0, proc.stderr
-    for module in ("policy_operator.readyz", "policy_operator.sources", "policy_operator.serve_flags",
-                   "policy_operator.exit_codes", "policy_operator.runtime.checkpoint.fetch",
-                   "policy_operator.runtime.checkpoint.format"):
+    for module in (
+        "policy_operator.readyz",
+        "policy_operator.sources",
+        "policy_operator.serve_flags",
+        "policy_operator.exit_codes",
+        "policy_operator.runtime.checkpoint.fetch",
+        "policy_operator.runtime.checkpoint.format",
+    ):
         assert f"'{module}'" in proc.stdout, proc.stdout
 
 
@@ -266,7 +304,9 @@ def test_operator_image_default_command_is_the_operator() -> None:
     assert args._main is operator_main.main and args.all_namespaces and args.standalone
     # the chart overrides the command with the same executable
     chart = helm_python.Chart.load(REPO / "charts" / "policy-operator")
-    deployment = yaml.safe_load(chart.render({}, name="po", namespace="ns")["policy-operator/templates/deployment.yaml"])
+    deployment = yaml.safe_load(
+        chart.render({}, name="po", namespace="ns")["policy-operator/templates/deployment.yaml"]
+    )
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["command"][0] == entrypoint[0]
     assert one_cmd(stage, "EXPOSE").value == (str(urlport(operator_main.DEFAULT_LIVENESS)),)
@@ -282,6 +322,7 @@ def urlport(url: str) -> int:
 
 # --- the runtime image ---------------------------------------------------------------------------
 
+
 def test_runtime_base_is_a_cuda_pytorch_runtime_image_and_keeps_its_torch() -> None:
     cmds = commands(RUNTIME_DOCKERFILE)
     base = expand(one_cmd(list(cmds), "FROM").value[0], arg_defaults(RUNTIME_DOCKERFILE))
@@ -291,8 +332,10 @@ def test_runtime_base_is_a_cuda_pytorch_runtime_image_and_keeps_its_torch() -> N
     argv = shlex.split(pin.split(">")[0])
     proc = _python(argv[2])
     # pins that only the base image's own torch and torchvision builds satisfy
-    assert proc.stdout.splitlines() == [f"torch=={importlib.metadata.version('torch')}",
-                                        f"torchvision=={importlib.metadata.version('torchvision')}"], proc.stderr
+    assert proc.stdout.splitlines() == [
+        f"torch=={importlib.metadata.version('torch')}",
+        f"torchvision=={importlib.metadata.version('torchvision')}",
+    ], proc.stderr
     (install,) = [line for line in lines if line.startswith("pip install")]
     assert "--constraint /tmp/torch-constraint.txt" in install
     (target,) = [w for w in shlex.split(install) if w.startswith(".")]
@@ -306,8 +349,11 @@ def test_runtime_base_carries_a_torch_pair_the_lerobot_extra_accepts() -> None:
 
     base_torch = arg_defaults(RUNTIME_DOCKERFILE)["PYTORCH_VERSION"]
     assert base_torch == importlib.metadata.version("torch").split("+")[0]
-    wanted = {Requirement(r).name: Requirement(r).specifier for r in importlib.metadata.requires("lerobot") or []
-              if Requirement(r).marker is None}
+    wanted = {
+        Requirement(r).name: Requirement(r).specifier
+        for r in importlib.metadata.requires("lerobot") or []
+        if Requirement(r).marker is None
+    }
     assert base_torch in SpecifierSet(str(wanted["torch"]))
     assert importlib.metadata.version("torchvision").split("+")[0] in SpecifierSet(str(wanted["torchvision"]))
     extra = [r for r in importlib.metadata.requires("policy-operator") or [] if 'extra == "lerobot"' in r]

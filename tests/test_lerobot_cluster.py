@@ -83,8 +83,9 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
 
 @pytest.fixture(scope="module")
 def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    lc = LocalCluster(control_plane, tmp_path_factory.mktemp("lerobot-cluster"), NS, backoff_s=1.0, resync_s=0.5,
-                      gpus=0)
+    lc = LocalCluster(
+        control_plane, tmp_path_factory.mktemp("lerobot-cluster"), NS, backoff_s=1.0, resync_s=0.5, gpus=0
+    )
     try:
         yield lc.start()
     finally:
@@ -102,8 +103,13 @@ def lerobot_server(lc: LocalCluster, hub: Hub, name: str, repo: str) -> dict[str
     spec["runtime"].pop("steps")  # the checkpoint's own num_steps
     spec["runtime"]["extraArgs"] = ["--threads", "1", "--error-format", "dict"]
     spec["policy"] = {"type": "lerobot"}
-    spec["checkpoint"]["fetchJob"] = {"backoffLimit": 0, "env": [
-        {"name": C.ENV_HF_ENDPOINT, "value": hub.stub.endpoint}, {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]}
+    spec["checkpoint"]["fetchJob"] = {
+        "backoffLimit": 0,
+        "env": [
+            {"name": C.ENV_HF_ENDPOINT, "value": hub.stub.endpoint},
+            {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        ],
+    }
     lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
     return doc
 
@@ -127,7 +133,8 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
 
 
 def test_lerobot_policyserver_fetches_what_the_checkpoint_names_and_serves_openpi_clients(
-        cluster: LocalCluster, hub: Hub) -> None:
+    cluster: LocalCluster, hub: Hub
+) -> None:
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
     lc = cluster
@@ -151,8 +158,12 @@ def test_lerobot_policyserver_fetches_what_the_checkpoint_names_and_serves_openp
     try:
         meta = client.get_server_metadata()
         assert meta["lerobot_type"] == "smolvla" and meta["guidance"] == 1.0
-        assert set(meta["observation_keys"]) == {"observation.images.top", "observation.images.wrist",
-                                                 "observation.state", "task"}
+        assert set(meta["observation_keys"]) == {
+            "observation.images.top",
+            "observation.images.wrist",
+            "observation.state",
+            "task",
+        }
         horizon, dim = meta["chunk_shape"]
         obs = {**observation(meta, seed=1), "seed": 7}
         first = client.infer(obs)["actions"]
@@ -175,7 +186,13 @@ def test_a_repository_the_hub_lacks_fails_before_any_server_pod(cluster: LocalCl
     ready = condition(status, C.COND_CHECKPOINT_READY)
     assert ready["status"] == "False" and ready["reason"] == "SourceUnreachable", ready
     assert "config.json vlm_model_name names lab/not-on-the-hub, which the server needs offline" in ready["message"]
-    wait_for(lambda: any(e.get("type") == "Warning" and "lab/not-on-the-hub" in e.get("message", "")
-                         for e in lc.api.events(NS, involved_name="broken")), 60, what="a Warning Event")
+    wait_for(
+        lambda: any(
+            e.get("type") == "Warning" and "lab/not-on-the-hub" in e.get("message", "")
+            for e in lc.api.events(NS, involved_name="broken")
+        ),
+        60,
+        what="a Warning Event",
+    )
     assert lc.get("apps/v1", "statefulsets", "broken") is None
     assert not lc.list("v1", "pods", f"{C.LABEL_INSTANCE}=broken,{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")

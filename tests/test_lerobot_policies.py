@@ -43,8 +43,14 @@ def smolvla_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Written by ``policyserver checkpoint init --lerobot`` (what the deploy tests and demos run), then verified."""
     root = tmp_path_factory.mktemp("smolvla") / "ckpt"
     for argv in (["init", "--lerobot", "smolvla", "--seed", "1", str(root)], ["verify", "--hashes", str(root)]):
-        done = subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", *argv], capture_output=True, text=True,
-                              timeout=300, env=subprocess_env(), cwd=root.parent)
+        done = subprocess.run(
+            [str(VENV_BIN / "policyserver"), "checkpoint", *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=subprocess_env(),
+            cwd=root.parent,
+        )
         assert done.returncode == 0, done.stderr
     return root
 
@@ -88,8 +94,9 @@ def lerobots_own(policy: LeRobotPolicy, observations: list[dict[str, Any]], seed
     frames = [frames[0]] * (n - len(frames)) + frames
     batch = dict(frames[-1])
     if n > 1:
-        batch.update({k: torch.stack([f[k] for f in frames], dim=1) for k, v in batch.items()
-                      if isinstance(v, torch.Tensor)})
+        batch.update(
+            {k: torch.stack([f[k] for f in frames], dim=1) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        )
     noise = torch.randn(policy.family.noise_shape, generator=torch.Generator().manual_seed(seed))
     loaded.policy.reset()
     with torch.inference_mode():
@@ -104,8 +111,10 @@ def test_smolvla_answers_as_lerobot(smolvla: LeRobotPolicy, seed: int) -> None:
     assert ours.shape == smolvla.action_shape == (8, 6) and ours.dtype == np.float32
     np.testing.assert_allclose(ours, lerobots_own(smolvla, [obs], seed), rtol=0, atol=ATOL)
     # a float CHW frame in [0, 1] is the same observation as its uint8 HWC bytes
-    floats = {k: (v.transpose(2, 0, 1).astype(np.float32) / 255 if isinstance(v, np.ndarray) and v.ndim == 3 else v)
-              for k, v in obs.items()}
+    floats = {
+        k: (v.transpose(2, 0, 1).astype(np.float32) / 255 if isinstance(v, np.ndarray) and v.ndim == 3 else v)
+        for k, v in obs.items()
+    }
     np.testing.assert_allclose(served(smolvla, [floats], seed), ours, rtol=0, atol=ATOL)
     assert not np.allclose(served(smolvla, [obs], seed + 1), ours)  # the seed is the noise
 
@@ -158,28 +167,42 @@ def test_lerobot_policies_refuse_guidance(smolvla: LeRobotPolicy) -> None:
         SamplerSettings(None, None, "sequential").for_policy(smolvla, cfgp=2)
 
 
-@pytest.mark.parametrize(("change", "words"), [
-    ({"observation.images.wrist": None}, "missing ['observation.images.wrist']"),
-    ({"observation.images.front": np.zeros((48, 64, 3), np.uint8)}, "unexpected ['observation.images.front']"),
-    ({"task": None}, "missing ['task']"),
-    ({"observation.state": np.zeros(7, np.float32)}, "must have shape [6], got [7]"),
-    ({"observation.state": np.array([0, 0, 0, 0, 0, np.nan], np.float32)}, "NaN or inf"),
-    ({"observation.images.top": np.zeros((64, 48, 3), np.uint8)}, "must have shape [48, 64, 3] (HWC)"),
-    ({"observation.images.top": np.full((3, 48, 64), 2.0, np.float32)}, "values in [0, 1]"),
-    ({"observation.images.top": np.zeros((48, 64, 3), np.int16)}, "uint8 HWC or float CHW"),
-    ({"task": 5}, "'task' must be a string"),
-], ids=["missing-camera", "unknown-camera", "missing-task", "state-shape", "state-nan", "image-shape",
-        "image-range", "image-dtype", "task-type"])
-def test_a_bad_observation_names_what_is_expected(smolvla: LeRobotPolicy, change: dict[str, Any],
-                                                  words: str) -> None:
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"observation.images.wrist": None}, "missing ['observation.images.wrist']"),
+        ({"observation.images.front": np.zeros((48, 64, 3), np.uint8)}, "unexpected ['observation.images.front']"),
+        ({"task": None}, "missing ['task']"),
+        ({"observation.state": np.zeros(7, np.float32)}, "must have shape [6], got [7]"),
+        ({"observation.state": np.array([0, 0, 0, 0, 0, np.nan], np.float32)}, "NaN or inf"),
+        ({"observation.images.top": np.zeros((64, 48, 3), np.uint8)}, "must have shape [48, 64, 3] (HWC)"),
+        ({"observation.images.top": np.full((3, 48, 64), 2.0, np.float32)}, "values in [0, 1]"),
+        ({"observation.images.top": np.zeros((48, 64, 3), np.int16)}, "uint8 HWC or float CHW"),
+        ({"task": 5}, "'task' must be a string"),
+    ],
+    ids=[
+        "missing-camera",
+        "unknown-camera",
+        "missing-task",
+        "state-shape",
+        "state-nan",
+        "image-shape",
+        "image-range",
+        "image-dtype",
+        "task-type",
+    ],
+)
+def test_a_bad_observation_names_what_is_expected(smolvla: LeRobotPolicy, change: dict[str, Any], words: str) -> None:
     obs = {**smolvla.example_observation(0), **change}
     obs = {k: v for k, v in obs.items() if v is not None}
     with pytest.raises(InvalidObservation) as info:
         smolvla.prepare(obs)
     assert words in str(info.value)
     if "missing" in words or "unexpected" in words:
-        assert "this policy takes exactly ['observation.images.top', 'observation.images.wrist', " \
-               "'observation.state', 'task']" in str(info.value)
+        assert (
+            "this policy takes exactly ['observation.images.top', 'observation.images.wrist', "
+            "'observation.state', 'task']" in str(info.value)
+        )
 
 
 # --- a real server --------------------------------------------------------------------------------
@@ -199,8 +222,12 @@ def test_serve_answers_an_openpi_client_in_lerobot_keys(smolvla_dir: Path, smolv
             meta = client.get_server_metadata()
             assert meta["lerobot_type"] == "smolvla" and meta["chunk_shape"] == [8, 6]
             assert (meta["steps"], meta["guidance"]) == (4, 1.0)  # the config's num_steps; no guidance
-            assert set(meta["observation_keys"]) == {"observation.images.top", "observation.images.wrist",
-                                                     "observation.state", "task"}
+            assert set(meta["observation_keys"]) == {
+                "observation.images.top",
+                "observation.images.wrist",
+                "observation.state",
+                "task",
+            }
             obs = {**smolvla.example_observation(3), "seed": 21}
             actions = client.infer(obs)["actions"]
             np.testing.assert_allclose(actions, lerobots_own(smolvla, [obs], 21), rtol=0, atol=ATOL)

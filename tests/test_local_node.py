@@ -53,8 +53,15 @@ def api(control_plane: ControlPlane) -> Iterator[Api]:
 
 @pytest.fixture(scope="module")
 def node(control_plane: ControlPlane, api: Api) -> Iterator[LocalNode]:
-    n = LocalNode(control_plane.kubeconfig, namespaces=[NS], name="node-local-node-test", gpus=GPUS,
-                  backoff_s=0.2, backoff_cap_s=1.0, resync_s=0.5)
+    n = LocalNode(
+        control_plane.kubeconfig,
+        namespaces=[NS],
+        name="node-local-node-test",
+        gpus=GPUS,
+        backoff_s=0.2,
+        backoff_cap_s=1.0,
+        resync_s=0.5,
+    )
     n.start()
     try:
         yield n
@@ -66,8 +73,12 @@ def node(control_plane: ControlPlane, api: Api) -> Iterator[LocalNode]:
 
 
 def pod_body(name: str, containers: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"test": name}},
-            "spec": {"containers": containers, **spec}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"test": name}},
+        "spec": {"containers": containers, **spec},
+    }
 
 
 def python(name: str, script: str, *args: str, **extra: Any) -> dict[str, Any]:
@@ -78,8 +89,16 @@ def condition(obj: dict[str, Any], kind: str) -> str | None:
     return next((c["status"] for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == kind), None)
 
 
-def wait_obj(api: Api, node: LocalNode, gv: str, plural: str, name: str, predicate: Callable[[dict[str, Any]], Any],
-             what: str, timeout: float = WAIT_S) -> dict[str, Any]:
+def wait_obj(
+    api: Api,
+    node: LocalNode,
+    gv: str,
+    plural: str,
+    name: str,
+    predicate: Callable[[dict[str, Any]], Any],
+    what: str,
+    timeout: float = WAIT_S,
+) -> dict[str, Any]:
     try:
         return wait_for(lambda: (o := api.get(gv, plural, name, NS)) and predicate(o) and o, timeout, what=what)
     except TimeoutError as exc:
@@ -87,8 +106,9 @@ def wait_obj(api: Api, node: LocalNode, gv: str, plural: str, name: str, predica
         raise AssertionError(f"{exc}\nstatus: {json.dumps(status, indent=1)[:3000]}\n{node.describe(NS)}") from None
 
 
-def wait_pod(api: Api, node: LocalNode, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,
-             timeout: float = WAIT_S) -> dict[str, Any]:
+def wait_pod(
+    api: Api, node: LocalNode, name: str, predicate: Callable[[dict[str, Any]], Any], what: str, timeout: float = WAIT_S
+) -> dict[str, Any]:
     return wait_obj(api, node, "v1", "pods", name, predicate, what, timeout)
 
 
@@ -101,6 +121,7 @@ def alive(pid: int) -> bool:
 
 # --- pure parts ------------------------------------------------------------------------------
 
+
 def test_path_map_rewrites_mount_prefixes_only() -> None:
     paths = PathMap.of({"/models": "/h/pvc", "/tmp": "/h/tmp", "/models/cache": "/h/cache"})
     assert paths.host("/models") == "/h/pvc"
@@ -109,12 +130,16 @@ def test_path_map_rewrites_mount_prefixes_only() -> None:
     assert paths.host("--checkpoint=/models/abc") == "--checkpoint=/h/pvc/abc"
     assert paths.host("HOME=/tmp") == "HOME=/h/tmp"
     assert paths.host("/modelsX") == "/modelsX" and paths.host("models/x") == "models/x"
-    assert paths.host("http://h/models/x") == "http://h/models/x" and paths.host("--url=http://h/tmp") == "--url=http://h/tmp"
+    assert (
+        paths.host("http://h/models/x") == "http://h/models/x"
+        and paths.host("--url=http://h/tmp") == "--url=http://h/tmp"
+    )
     assert paths.container("/h/pvc/abc") == "/models/abc"
     assert expand("$(A)-$(B)-$$(A)", {"A": "1"}) == "1-$(B)-$(A)"
 
 
 # --- the Node ----------------------------------------------------------------------------------
+
 
 def test_node_is_registered_ready_with_gpus_and_keeps_its_lease(api: Api, node: LocalNode) -> None:
     obj = api.get("v1", "nodes", node.name)
@@ -125,8 +150,11 @@ def test_node_is_registered_ready_with_gpus_and_keeps_its_lease(api: Api, node: 
     lease = api.get("coordination.k8s.io/v1", "leases", node.name, "kube-node-lease")
     first = lease["spec"]["renewTime"]
     assert lease["spec"]["holderIdentity"] == node.name
-    wait_for(lambda: api.get("coordination.k8s.io/v1", "leases", node.name, "kube-node-lease")["spec"]["renewTime"]
-             != first, 30, what="the lease renewed")
+    wait_for(
+        lambda: api.get("coordination.k8s.io/v1", "leases", node.name, "kube-node-lease")["spec"]["renewTime"] != first,
+        30,
+        what="the lease renewed",
+    )
 
 
 def test_pod_asking_for_more_gpus_than_the_node_has_stays_unschedulable(api: Api, node: LocalNode) -> None:
@@ -165,33 +193,57 @@ SERVER = """
 
 
 def server_pod(name: str, port: int) -> dict[str, Any]:
-    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           {"name": "SECRET", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
-           {"name": "PORT", "value": str(port)}, {"name": "HOME", "value": "/data/home"}]
-    mounts = [{"name": "data", "mountPath": "/data"}, {"name": "creds", "mountPath": "/var/run/creds", "readOnly": True}]
-    server = python("server", SERVER, "/data/facts.json", "/var/run/creds/token",
-                    "/var/run/secrets/kubernetes.io/serviceaccount/namespace", env=env, volumeMounts=mounts,
-                    workingDir="/data", ports=[{"name": "http", "containerPort": port}],
-                    readinessProbe={"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1},
-                    livenessProbe={"tcpSocket": {"port": port}, "periodSeconds": 1})
-    init = python("init", "import sys; open(sys.argv[1], 'w').write('init ran')", "/data/init.txt",
-                  volumeMounts=mounts[:1])
+    env = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "SECRET", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+        {"name": "PORT", "value": str(port)},
+        {"name": "HOME", "value": "/data/home"},
+    ]
+    mounts = [
+        {"name": "data", "mountPath": "/data"},
+        {"name": "creds", "mountPath": "/var/run/creds", "readOnly": True},
+    ]
+    server = python(
+        "server",
+        SERVER,
+        "/data/facts.json",
+        "/var/run/creds/token",
+        "/var/run/secrets/kubernetes.io/serviceaccount/namespace",
+        env=env,
+        volumeMounts=mounts,
+        workingDir="/data",
+        ports=[{"name": "http", "containerPort": port}],
+        readinessProbe={"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1},
+        livenessProbe={"tcpSocket": {"port": port}, "periodSeconds": 1},
+    )
+    init = python(
+        "init", "import sys; open(sys.argv[1], 'w').write('init ran')", "/data/init.txt", volumeMounts=mounts[:1]
+    )
     # no automountServiceAccountToken: false, so the API server's ServiceAccount admission adds its projected
     # volume (a bound token, kube-root-ca.crt, the namespace) and the node must set it up
-    return pod_body(name, [server], initContainers=[init],
-                    volumes=[{"name": "data", "emptyDir": {}},
-                             {"name": "creds", "secret": {"secretName": "creds", "items": [{"key": "token", "path": "token"}]}}])
+    return pod_body(
+        name,
+        [server],
+        initContainers=[init],
+        volumes=[
+            {"name": "data", "emptyDir": {}},
+            {"name": "creds", "secret": {"secretName": "creds", "items": [{"key": "token", "path": "token"}]}},
+        ],
+    )
 
 
 def test_pod_with_an_http_server_gets_ready_through_its_probe(api: Api, node: LocalNode) -> None:
     port = free_port_on_node(node)
-    api.create("v1", "secrets", {"metadata": {"name": "creds"},
-                                 "data": {"token": base64.b64encode(b"s3cret").decode()}}, NS)
+    api.create(
+        "v1", "secrets", {"metadata": {"name": "creds"}, "data": {"token": base64.b64encode(b"s3cret").decode()}}, NS
+    )
     for name in ("web-a", "web-b"):  # the same port on two pods: each has its own IP
         api.create("v1", "pods", server_pod(name, port), NS)
-    pods = {name: wait_pod(api, node, name, lambda p: condition(p, "Ready") == "True", f"{name} Ready")
-            for name in ("web-a", "web-b")}
+    pods = {
+        name: wait_pod(api, node, name, lambda p: condition(p, "Ready") == "True", f"{name} Ready")
+        for name in ("web-a", "web-b")
+    }
     ips = {p["status"]["podIP"] for p in pods.values()}
     assert len(ips) == 2 and all(ip.startswith("127.") and ip != "127.0.0.1" for ip in ips)
     for name, p in pods.items():
@@ -206,8 +258,16 @@ def test_pod_with_an_http_server_gets_ready_through_its_probe(api: Api, node: Lo
             facts = json.loads(r.read())
         runner = node.pod(NS, name)
         data = runner.volumes["data"]
-        assert facts == {"ip": status["podIP"], "name": name, "secret_env": "s3cret", "secret_file": "s3cret",
-                         "home": f"{data}/home", "cwd": str(data), "init": "init ran", "namespace_file": NS}
+        assert facts == {
+            "ip": status["podIP"],
+            "name": name,
+            "secret_env": "s3cret",
+            "secret_file": "s3cret",
+            "home": f"{data}/home",
+            "cwd": str(data),
+            "init": "init ran",
+            "namespace_file": NS,
+        }
         procs = node.processes(NS, name, "server")
         assert len(procs) == 1 and procs[0].argv[-3:-1] == (f"{data}/facts.json", f"{runner.volumes['creds']}/token")
         token_volume = next(v for v in p["spec"]["volumes"] if "projected" in v)["name"]
@@ -222,36 +282,77 @@ def free_port_on_node(node: LocalNode) -> int:
 
 def test_missing_secret_is_a_config_error_until_it_exists(api: Api, node: LocalNode) -> None:
     env = [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "later", "key": "token"}}}]
-    api.create("v1", "pods", pod_body("waits", [python("main", "import time; time.sleep(600)", env=env)],
-                                      terminationGracePeriodSeconds=1), NS)
-    p = wait_pod(api, node, "waits", lambda p: ((p["status"].get("containerStatuses") or [{}])[0]
-                 .get("state", {}).get("waiting") or {}).get("reason") == "CreateContainerConfigError", "config error")
+    api.create(
+        "v1",
+        "pods",
+        pod_body("waits", [python("main", "import time; time.sleep(600)", env=env)], terminationGracePeriodSeconds=1),
+        NS,
+    )
+    p = wait_pod(
+        api,
+        node,
+        "waits",
+        lambda p: (
+            ((p["status"].get("containerStatuses") or [{}])[0].get("state", {}).get("waiting") or {}).get("reason")
+            == "CreateContainerConfigError"
+        ),
+        "config error",
+    )
     assert p["status"]["containerStatuses"][0]["state"]["waiting"]["message"] == 'secret "later" not found'
     api.create("v1", "secrets", {"metadata": {"name": "later"}, "stringData": {"token": "x"}}, NS)
     wait_pod(api, node, "waits", lambda p: condition(p, "Ready") == "True", "Ready once the Secret exists")
 
 
 def test_crashed_container_is_restarted_and_liveness_failure_kills_it(api: Api, node: LocalNode) -> None:
-    liveness = {"exec": {"command": [PY, "-c", "import os, sys; sys.exit(os.path.exists(os.environ['FLAG']))"]},
-                "periodSeconds": 1, "failureThreshold": 1}
-    main = python("main", "import time; print('up', flush=True); time.sleep(600)", livenessProbe=liveness,
-                  env=[{"name": "FLAG", "value": "/scratch/unhealthy"}],
-                  volumeMounts=[{"name": "scratch", "mountPath": "/scratch"}])
-    api.create("v1", "pods", pod_body("crashy", [main], volumes=[{"name": "scratch", "emptyDir": {}}],
-                                      terminationGracePeriodSeconds=1, automountServiceAccountToken=False), NS)
+    liveness = {
+        "exec": {"command": [PY, "-c", "import os, sys; sys.exit(os.path.exists(os.environ['FLAG']))"]},
+        "periodSeconds": 1,
+        "failureThreshold": 1,
+    }
+    main = python(
+        "main",
+        "import time; print('up', flush=True); time.sleep(600)",
+        livenessProbe=liveness,
+        env=[{"name": "FLAG", "value": "/scratch/unhealthy"}],
+        volumeMounts=[{"name": "scratch", "mountPath": "/scratch"}],
+    )
+    api.create(
+        "v1",
+        "pods",
+        pod_body(
+            "crashy",
+            [main],
+            volumes=[{"name": "scratch", "emptyDir": {}}],
+            terminationGracePeriodSeconds=1,
+            automountServiceAccountToken=False,
+        ),
+        NS,
+    )
     wait_pod(api, node, "crashy", lambda p: condition(p, "Ready") == "True", "Ready")
     first = node.processes(NS, "crashy", "main")
     assert len(first) == 1
     os.kill(first[0].pid, signal.SIGKILL)
-    p = wait_pod(api, node, "crashy", lambda p: p["status"]["containerStatuses"][0]["restartCount"] == 1
-                 and p["status"]["containerStatuses"][0]["ready"], "restarted once")
+    p = wait_pod(
+        api,
+        node,
+        "crashy",
+        lambda p: (
+            p["status"]["containerStatuses"][0]["restartCount"] == 1 and p["status"]["containerStatuses"][0]["ready"]
+        ),
+        "restarted once",
+    )
     last = p["status"]["containerStatuses"][0]["lastState"]["terminated"]
     assert (last["exitCode"], last["reason"], last["signal"]) == (137, "Error", 9)
     assert "up" in node.logs(NS, "crashy", "main", run=-2) and "up" in node.logs(NS, "crashy", "main")
 
     (node.pod(NS, "crashy").volumes["scratch"] / "unhealthy").write_text("")  # the exec probe now fails
-    p = wait_pod(api, node, "crashy", lambda p: p["status"]["containerStatuses"][0]["restartCount"] >= 2,
-                 "restart by the liveness probe")
+    p = wait_pod(
+        api,
+        node,
+        "crashy",
+        lambda p: p["status"]["containerStatuses"][0]["restartCount"] >= 2,
+        "restart by the liveness probe",
+    )
     assert "Liveness probe failed" in p["status"]["containerStatuses"][0]["lastState"]["terminated"]["message"]
 
 
@@ -274,11 +375,21 @@ KEEPER = """
 
 def test_delete_runs_prestop_then_sigterm_then_kills_the_whole_tree(api: Api, node: LocalNode) -> None:
     pre_stop = {"exec": {"command": [PY, "-c", "import sys; open(sys.argv[1], 'a').write('preStop\\n')", "/out/log"]}}
-    main = python("main", KEEPER, "/out/log", volumeMounts=[{"name": "out", "mountPath": "/out"}],
-                  lifecycle={"preStop": pre_stop})
+    main = python(
+        "main", KEEPER, "/out/log", volumeMounts=[{"name": "out", "mountPath": "/out"}], lifecycle={"preStop": pre_stop}
+    )
     (node.root / "out").mkdir()
-    api.create("v1", "pods", pod_body("tree", [main], terminationGracePeriodSeconds=2,
-                                      volumes=[{"name": "out", "hostPath": {"path": str(node.root / "out")}}]), NS)
+    api.create(
+        "v1",
+        "pods",
+        pod_body(
+            "tree",
+            [main],
+            terminationGracePeriodSeconds=2,
+            volumes=[{"name": "out", "hostPath": {"path": str(node.root / "out")}}],
+        ),
+        NS,
+    )
     log = node.root / "out" / "log"
     wait_for(lambda: log.exists() and "pids" in log.read_text(), WAIT_S, what="the process tree")
     pids = [int(x) for x in log.read_text().split("pids", 1)[1].split()]
@@ -294,12 +405,24 @@ def test_delete_runs_prestop_then_sigterm_then_kills_the_whole_tree(api: Api, no
 
 # --- Jobs (the real Job controller) -------------------------------------------------------------
 
+
 def job_body(name: str, script: str, backoff_limit: int = 0, **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
-            "spec": {"backoffLimit": backoff_limit, **spec,
-                     "template": {"spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
-                                           "containers": [python("work", script,
-                                                                 terminationMessagePolicy="FallbackToLogsOnError")]}}}}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name},
+        "spec": {
+            "backoffLimit": backoff_limit,
+            **spec,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    "containers": [python("work", script, terminationMessagePolicy="FallbackToLogsOnError")],
+                }
+            },
+        },
+    }
 
 
 def job_pods(api: Api, name: str) -> list[dict[str, Any]]:
@@ -307,8 +430,9 @@ def job_pods(api: Api, name: str) -> list[dict[str, Any]]:
 
 
 def wait_job(api: Api, node: LocalNode, name: str, kind: str, timeout: float = WAIT_S) -> dict[str, Any]:
-    return wait_obj(api, node, "batch/v1", "jobs", name, lambda j: condition(j, kind) == "True", f"Job {name} {kind}",
-                    timeout)
+    return wait_obj(
+        api, node, "batch/v1", "jobs", name, lambda j: condition(j, kind) == "True", f"Job {name} {kind}", timeout
+    )
 
 
 def test_job_pod_exit_0_completes_the_job(api: Api, node: LocalNode) -> None:
@@ -324,13 +448,23 @@ def test_job_pod_exit_0_completes_the_job(api: Api, node: LocalNode) -> None:
 
 def test_job_failures_use_backoff_limit_and_pod_failure_policy(api: Api, node: LocalNode) -> None:
     api.create("batch/v1", "jobs", job_body("flaky", "print('error: boom'); raise SystemExit(3)", backoff_limit=1), NS)
-    fatal = job_body("fatal", "print('error: bad hash'); raise SystemExit(4)", backoff_limit=5, podFailurePolicy={
-        "rules": [{"action": "FailJob", "onExitCodes": {"containerName": "work", "operator": "In", "values": [2, 4]}}]})
+    fatal = job_body(
+        "fatal",
+        "print('error: bad hash'); raise SystemExit(4)",
+        backoff_limit=5,
+        podFailurePolicy={
+            "rules": [
+                {"action": "FailJob", "onExitCodes": {"containerName": "work", "operator": "In", "values": [2, 4]}}
+            ]
+        },
+    )
     api.create("batch/v1", "jobs", fatal, NS)
 
     job = wait_job(api, node, "fatal", "Failed")
     failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
-    assert failed["reason"] == "PodFailurePolicy" and "exit code 4 matching FailJob rule at index 0" in failed["message"]
+    assert (
+        failed["reason"] == "PodFailurePolicy" and "exit code 4 matching FailJob rule at index 0" in failed["message"]
+    )
     assert len(job_pods(api, "fatal")) == 1  # no retry of a fatal exit code
 
     job = wait_job(api, node, "flaky", "Failed", timeout=WAIT_S + 30)  # the controller waits 10 s before a retry
@@ -360,21 +494,40 @@ WEB = """
 
 def web_statefulset(port: int, replicas: int) -> dict[str, Any]:
     labels = {"app": "web"}
-    serve = python("web", WEB, str(port), ports=[{"name": "http", "containerPort": port}],
-                   env=[{"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                        {"name": "VERSION", "value": "1"},
-                        {"name": "UNREADY_FLAG", "value": "/flags/unready"}],  # env values are path-mapped
-                   volumeMounts=[{"name": "flags", "mountPath": "/flags"}],
-                   readinessProbe={"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1,
-                                   "failureThreshold": 1})
-    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "web"},
-            "spec": {"replicas": replicas, "serviceName": "web", "podManagementPolicy": "Parallel",
-                     "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": labels},
-                                  "spec": {"containers": [serve], "terminationGracePeriodSeconds": 2,
-                                           "automountServiceAccountToken": False,
-                                           "volumes": [{"name": "flags", "emptyDir": {}}]}}}}
+    serve = python(
+        "web",
+        WEB,
+        str(port),
+        ports=[{"name": "http", "containerPort": port}],
+        env=[
+            {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "VERSION", "value": "1"},
+            {"name": "UNREADY_FLAG", "value": "/flags/unready"},
+        ],  # env values are path-mapped
+        volumeMounts=[{"name": "flags", "mountPath": "/flags"}],
+        readinessProbe={"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1, "failureThreshold": 1},
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "web"},
+        "spec": {
+            "replicas": replicas,
+            "serviceName": "web",
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [serve],
+                    "terminationGracePeriodSeconds": 2,
+                    "automountServiceAccountToken": False,
+                    "volumes": [{"name": "flags", "emptyDir": {}}],
+                },
+            },
+        },
+    }
 
 
 def get_through(url: str) -> str:
@@ -384,8 +537,15 @@ def get_through(url: str) -> str:
 
 def test_statefulset_pods_scale_roll_and_serve_through_the_service_proxy(api: Api, node: LocalNode) -> None:
     port = free_port_on_node(node)
-    api.create("v1", "services", {"metadata": {"name": "web"}, "spec": {
-        "selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}, NS)
+    api.create(
+        "v1",
+        "services",
+        {
+            "metadata": {"name": "web"},
+            "spec": {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
+        },
+        NS,
+    )
     api.create("apps/v1", "statefulsets", web_statefulset(port, 2), NS)
 
     def sts(pred: Callable[[dict[str, Any]], Any], what: str) -> dict[str, Any]:
@@ -405,8 +565,11 @@ def test_statefulset_pods_scale_roll_and_serve_through_the_service_proxy(api: Ap
     assert seen == {"web-0 v1", "web-1 v1"}  # random choice among the ready endpoints reaches both
     (node.pod(NS, "web-1").volumes["flags"] / "unready").write_text("")  # web-1 fails its readiness probe
     wait_pod(api, node, "web-1", lambda p: condition(p, "Ready") == "False", "web-1 not ready")
-    wait_for(lambda: node.proxy.backends(NS, "web") == [(pods["web-0"]["status"]["podIP"], port)], WAIT_S,
-             what="only web-0 behind the Service")
+    wait_for(
+        lambda: node.proxy.backends(NS, "web") == [(pods["web-0"]["status"]["podIP"], port)],
+        WAIT_S,
+        what="only web-0 behind the Service",
+    )
     assert {get_through(url) for _ in range(10)} == {"web-0 v1"}
 
     old_pids = [p.pid for p in node.processes(NS, "web-1")]
@@ -417,8 +580,15 @@ def test_statefulset_pods_scale_roll_and_serve_through_the_service_proxy(api: Ap
     template = s["spec"]["template"]
     template["spec"]["containers"][0]["env"][2]["value"] = "2"
     api.patch("apps/v1", "statefulsets", "web", {"spec": {"template": template}}, NS)
-    s = sts(lambda st: st.get("observedGeneration") == 3 and st.get("updatedReplicas") == 1
-            and st.get("readyReplicas") == 1 and st.get("currentRevision") == st.get("updateRevision"), "rolled")
+    s = sts(
+        lambda st: (
+            st.get("observedGeneration") == 3
+            and st.get("updatedReplicas") == 1
+            and st.get("readyReplicas") == 1
+            and st.get("currentRevision") == st.get("updateRevision")
+        ),
+        "rolled",
+    )
     pod = api.get("v1", "pods", "web-0", NS)
     assert pod["metadata"]["labels"][C.LABEL_CONTROLLER_REVISION_HASH] == s["status"]["updateRevision"]
     assert pod["metadata"]["uid"] != pods["web-0"]["metadata"]["uid"]
@@ -433,35 +603,76 @@ def test_statefulset_pods_scale_roll_and_serve_through_the_service_proxy(api: Ap
 
 # --- volumes (the node's provisioner, the real PV and PVC-protection controllers) -------------------
 
+
 def test_claim_is_provisioned_protected_while_in_use_and_released_after(api: Api, node: LocalNode) -> None:
-    api.create("v1", "persistentvolumeclaims", {"metadata": {"name": "cache"}, "spec": {
-        "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}}, NS)
-    claim = wait_obj(api, node, "v1", "persistentvolumeclaims", "cache",
-                     lambda c: (c.get("status") or {}).get("phase") == "Bound", "claim Bound")
+    api.create(
+        "v1",
+        "persistentvolumeclaims",
+        {
+            "metadata": {"name": "cache"},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
+        },
+        NS,
+    )
+    claim = wait_obj(
+        api,
+        node,
+        "v1",
+        "persistentvolumeclaims",
+        "cache",
+        lambda c: (c.get("status") or {}).get("phase") == "Bound",
+        "claim Bound",
+    )
     assert claim["spec"]["storageClassName"] == STORAGE_CLASS  # the default class, set at admission
     volume = api.get("v1", "persistentvolumes", claim["spec"]["volumeName"])
     assert volume["metadata"]["annotations"][ANN_PROVISIONED_BY] == STORAGE_PROVISIONER
     assert volume["spec"]["claimRef"]["uid"] == claim["metadata"]["uid"]
     path = Path(volume["spec"]["local"]["path"])
 
-    writer = python("main", "import sys, time; open(sys.argv[1], 'w').write('kept'); time.sleep(600)", "/cache/f",
-                    volumeMounts=[{"name": "cache", "mountPath": "/cache"}])
-    api.create("v1", "pods", pod_body("user", [writer], terminationGracePeriodSeconds=1,
-                                      automountServiceAccountToken=False,
-                                      volumes=[{"name": "cache", "persistentVolumeClaim": {"claimName": "cache"}}]), NS)
+    writer = python(
+        "main",
+        "import sys, time; open(sys.argv[1], 'w').write('kept'); time.sleep(600)",
+        "/cache/f",
+        volumeMounts=[{"name": "cache", "mountPath": "/cache"}],
+    )
+    api.create(
+        "v1",
+        "pods",
+        pod_body(
+            "user",
+            [writer],
+            terminationGracePeriodSeconds=1,
+            automountServiceAccountToken=False,
+            volumes=[{"name": "cache", "persistentVolumeClaim": {"claimName": "cache"}}],
+        ),
+        NS,
+    )
     wait_pod(api, node, "user", lambda p: condition(p, "Ready") == "True", "the claim's user Ready")
     wait_for(lambda: (path / "f").exists(), WAIT_S, what="the file on the volume")
     assert node.pod(NS, "user").claims == {(NS, "cache")}
 
     api.delete("v1", "persistentvolumeclaims", "cache", NS)  # in use: PVC protection keeps it
-    claim = wait_obj(api, node, "v1", "persistentvolumeclaims", "cache",
-                     lambda c: c["metadata"].get("deletionTimestamp"), "claim terminating")
+    claim = wait_obj(
+        api,
+        node,
+        "v1",
+        "persistentvolumeclaims",
+        "cache",
+        lambda c: c["metadata"].get("deletionTimestamp"),
+        "claim terminating",
+    )
     assert "kubernetes.io/pvc-protection" in claim["metadata"]["finalizers"]
     time.sleep(4 * node.resync_s)  # a few passes of the node and the controllers: still held
     assert api.get("v1", "persistentvolumeclaims", "cache", NS) is not None and (path / "f").read_text() == "kept"
 
     api.delete("v1", "pods", "user", NS)
-    wait_for(lambda: api.get("v1", "persistentvolumeclaims", "cache", NS) is None, WAIT_S,
-             what="the claim gone once no pod uses it")
-    wait_for(lambda: api.get("v1", "persistentvolumes", volume["metadata"]["name"]) is None and not path.exists(),
-             WAIT_S, what="the released volume and its directory deleted")
+    wait_for(
+        lambda: api.get("v1", "persistentvolumeclaims", "cache", NS) is None,
+        WAIT_S,
+        what="the claim gone once no pod uses it",
+    )
+    wait_for(
+        lambda: api.get("v1", "persistentvolumes", volume["metadata"]["name"]) is None and not path.exists(),
+        WAIT_S,
+        what="the released volume and its directory deleted",
+    )

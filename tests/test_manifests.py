@@ -40,31 +40,60 @@ def base(**overrides: Any) -> dict[str, Any]:
 EXAMPLES = {p.name: yaml.safe_load(p.read_text()) for p in sorted((REPO / "examples").glob("policyserver-*.yaml"))}
 VARIANTS = {
     **EXAMPLES,
-    "auth-and-http-token": base(checkpoint={"source": "https://host/ckpt/", "secretRef": {"name": "tok", "key": "t"}},
-                                auth={"secretRef": {"name": "clients"}}),
+    "auth-and-http-token": base(
+        checkpoint={"source": "https://host/ckpt/", "secretRef": {"name": "tok", "key": "t"}},
+        auth={"secretRef": {"name": "clients"}},
+    ),
     "existing-claim": base(storage={"existingClaim": "shared-models"}, replicas=3),
-    "retained-rwop": base(storage={"mode": "perPod", "retainOnDelete": True, "accessModes": ["ReadWriteOncePod"],
-                                   "size": "5Gi"}),
-    "cpu-device": base(runtime={"device": "cpu", "guidance": 1.0, "steps": 4, "extraArgs": ["--threads", "2"],
-                                "env": [{"name": "OMP_NUM_THREADS", "value": "2"}]}),
-    "nodeport-revision": base(checkpoint={"source": "hf://org/policy", "revision": "v2", "secretRef": {"name": "hf"},
-                                          "fetchJob": {"activeDeadlineSeconds": 900,
-                                                       "resources": {"limits": {"memory": "2Gi"}}}},
-                              service={"type": "NodePort", "port": 9000, "annotations": {"a": "b"}},
-                              imagePullSecrets=[{"name": "regcred"}], priorityClassName="robots",
-                              serviceAccountName="policy", affinity={"nodeAffinity": {
-                                  "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-                                      {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}}),
+    "retained-rwop": base(
+        storage={"mode": "perPod", "retainOnDelete": True, "accessModes": ["ReadWriteOncePod"], "size": "5Gi"}
+    ),
+    "cpu-device": base(
+        runtime={
+            "device": "cpu",
+            "guidance": 1.0,
+            "steps": 4,
+            "extraArgs": ["--threads", "2"],
+            "env": [{"name": "OMP_NUM_THREADS", "value": "2"}],
+        }
+    ),
+    "nodeport-revision": base(
+        checkpoint={
+            "source": "hf://org/policy",
+            "revision": "v2",
+            "secretRef": {"name": "hf"},
+            "fetchJob": {"activeDeadlineSeconds": 900, "resources": {"limits": {"memory": "2Gi"}}},
+        },
+        service={"type": "NodePort", "port": 9000, "annotations": {"a": "b"}},
+        imagePullSecrets=[{"name": "regcred"}],
+        priorityClassName="robots",
+        serviceAccountName="policy",
+        affinity={
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]
+                }
+            }
+        },
+    ),
     "scaled-to-zero": base(replicas=0, parallelism={"cfgp": 2, "dp": 4}),
-    "lerobot-per-pod": base(policy={"type": "lerobot"}, storage={"mode": "perPod"},
-                            runtime={"env": [{"name": C.ENV_HF_HUB_OFFLINE, "value": "0"}]}),
+    "lerobot-per-pod": base(
+        policy={"type": "lerobot"},
+        storage={"mode": "perPod"},
+        runtime={"env": [{"name": C.ENV_HF_HUB_OFFLINE, "value": "0"}]},
+    ),
     "import": base(policy={"type": "import", "importPath": "my_robot.policies:Mine"}, runtime={"guidance": 2.0}),
 }
 
 
 def built(spec: PolicyServerSpec) -> list[dict[str, Any]]:
-    return [M.build_pvc(spec), M.build_fetch_job(spec), M.build_statefulset(spec), M.build_service(spec),
-            M.build_headless_service(spec)]
+    return [
+        M.build_pvc(spec),
+        M.build_fetch_job(spec),
+        M.build_statefulset(spec),
+        M.build_service(spec),
+        M.build_headless_service(spec),
+    ]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -82,6 +111,7 @@ def test_the_validator_does_reject_unknown_fields() -> None:
 
 
 # --- names and labels -------------------------------------------------------------------
+
 
 def test_names_are_deterministic_and_fit_label_values() -> None:
     longest = base()
@@ -110,12 +140,16 @@ def test_selector_is_stable_and_matches_the_template() -> None:
 
 # --- PVC ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("replicas", "modes", "expected"), [
-    (1, None, ["ReadWriteOnce"]),
-    (2, None, ["ReadWriteMany"]),
-    (0, None, ["ReadWriteOnce"]),
-    (3, ["ReadOnlyMany"], ["ReadOnlyMany"]),
-])
+
+@pytest.mark.parametrize(
+    ("replicas", "modes", "expected"),
+    [
+        (1, None, ["ReadWriteOnce"]),
+        (2, None, ["ReadWriteMany"]),
+        (0, None, ["ReadWriteOnce"]),
+        (3, ["ReadOnlyMany"], ["ReadOnlyMany"]),
+    ],
+)
 def test_pvc_access_modes(replicas: int, modes: list[str] | None, expected: list[str]) -> None:
     storage = {"size": "30Gi", **({"accessModes": modes} if modes else {})}
     pvc = M.build_pvc(spec_of(base(replicas=replicas, storage=storage)))
@@ -127,12 +161,17 @@ def test_pvc_access_modes(replicas: int, modes: list[str] | None, expected: list
 def test_existing_claim_is_mounted_instead_of_the_pvc() -> None:
     spec = spec_of(base(storage={"existingClaim": "shared-models"}))
     job, sts = M.build_fetch_job(spec), M.build_statefulset(spec)
-    claims = [v["persistentVolumeClaim"]["claimName"] for obj in (job, sts)
-              for v in obj["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    claims = [
+        v["persistentVolumeClaim"]["claimName"]
+        for obj in (job, sts)
+        for v in obj["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    ]
     assert claims == ["shared-models", "shared-models"]
 
 
 # --- fetch Job -------------------------------------------------------------------------------
+
 
 def _fetch_parser() -> argparse.ArgumentParser:
     from policy_operator.runtime.checkpoint import fetch
@@ -143,9 +182,16 @@ def _fetch_parser() -> argparse.ArgumentParser:
 
 
 def test_fetch_job_runs_the_fetch_cli_contract() -> None:
-    spec = spec_of(base(checkpoint={
-        "source": "hf://org/policy", "revision": "v2", "secretRef": {"name": "hf-token"},
-        "sha256": {"model.safetensors": "B" * 64, "config.json": "a" * 64}}))
+    spec = spec_of(
+        base(
+            checkpoint={
+                "source": "hf://org/policy",
+                "revision": "v2",
+                "secretRef": {"name": "hf-token"},
+                "sha256": {"model.safetensors": "B" * 64, "config.json": "a" * 64},
+            }
+        )
+    )
     job = M.build_fetch_job(spec)
     key = checkpoint_key("hf://org/policy", "v2")
     assert job["metadata"]["name"] == f"ps-fetch-{key}"
@@ -153,9 +199,19 @@ def test_fetch_job_runs_the_fetch_cli_contract() -> None:
     pod = job["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["command"] == [
-        "policyserver", "fetch", "hf://org/policy", C.CACHE_MOUNT_PATH, "--revision", "v2",
-        "--sha256", f"config.json={'a' * 64}", "--sha256", f"model.safetensors={'b' * 64}",
-        "--token-file", f"{C.CHECKPOINT_TOKEN_DIR}/token"]
+        "policyserver",
+        "fetch",
+        "hf://org/policy",
+        C.CACHE_MOUNT_PATH,
+        "--revision",
+        "v2",
+        "--sha256",
+        f"config.json={'a' * 64}",
+        "--sha256",
+        f"model.safetensors={'b' * 64}",
+        "--token-file",
+        f"{C.CHECKPOINT_TOKEN_DIR}/token",
+    ]
     args = _fetch_parser().parse_args(container["command"][2:])
     assert (args.source, args.dest, args.revision) == ("hf://org/policy", C.CACHE_MOUNT_PATH, "v2")
     env = {e["name"]: e for e in container["env"]}
@@ -192,8 +248,10 @@ def test_job_name_changes_with_the_checkpoint_only() -> None:
     name = M.build_fetch_job(spec_of(base()))["metadata"]["name"]
     same = [base(image="new:2"), base(runtime={"steps": 50}), base(replicas=4), base(parallelism={"cfgp": 2})]
     assert {M.build_fetch_job(spec_of(o))["metadata"]["name"] for o in same} == {name}
-    changed = [base(checkpoint={"source": "hf://org/policy", "revision": "v3"}),
-               base(checkpoint={"source": "hf://org/other"})]
+    changed = [
+        base(checkpoint={"source": "hf://org/policy", "revision": "v3"}),
+        base(checkpoint={"source": "hf://org/other"}),
+    ]
     names = {M.build_fetch_job(spec_of(o))["metadata"]["name"] for o in changed}
     assert len(names) == 2 and name not in names
 
@@ -214,31 +272,66 @@ def test_pods_run_as_non_root_with_read_only_root() -> None:
 
 # --- StatefulSet ---------------------------------------------------------------------------
 
+
 def _server(sts: dict[str, Any]) -> dict[str, Any]:
     return sts["spec"]["template"]["spec"]["containers"][0]
 
 
 @pytest.mark.parametrize(("cfgp", "dp"), [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4)])
 def test_gpus_and_command_follow_the_layout(cfgp: int, dp: int) -> None:
-    spec = spec_of(base(parallelism={"cfgp": cfgp, "dp": dp}, runtime={"guidance": 2.5, "steps": 8},
-                        resources={"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}}))
+    spec = spec_of(
+        base(
+            parallelism={"cfgp": cfgp, "dp": dp},
+            runtime={"guidance": 2.5, "steps": 8},
+            resources={"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}},
+        )
+    )
     server = _server(M.build_statefulset(spec))
     gpus = str(cfgp * dp)
     assert server["resources"]["limits"] == {"memory": "32Gi", C.GPU_RESOURCE: gpus}
     assert server["resources"]["requests"] == {"cpu": "4", "memory": "16Gi", C.GPU_RESOURCE: gpus}
     path = f"{C.CACHE_MOUNT_PATH}/{spec.checkpoint.key}"
     assert server["command"] == [
-        "policyserver", "serve", "--checkpoint", path, "--policy", "reference", "--port", "8000",
-        "--cfgp", str(cfgp), "--dp", str(dp), "--guidance", "2.5", "--steps", "8",
-        "--max-batch", "8", "--batch-window-ms", "2.0",  # the defaults, always written: extraArgs may not set them
-        "--max-connections", "512", "--device", "cuda", "--drain-grace-s", "20",
-        "--compile-cache-dir", C.COMPILE_CACHE_MOUNT_PATH]
+        "policyserver",
+        "serve",
+        "--checkpoint",
+        path,
+        "--policy",
+        "reference",
+        "--port",
+        "8000",
+        "--cfgp",
+        str(cfgp),
+        "--dp",
+        str(dp),
+        "--guidance",
+        "2.5",
+        "--steps",
+        "8",
+        "--max-batch",
+        "8",
+        "--batch-window-ms",
+        "2.0",  # the defaults, always written: extraArgs may not set them
+        "--max-connections",
+        "512",
+        "--device",
+        "cuda",
+        "--drain-grace-s",
+        "20",
+        "--compile-cache-dir",
+        C.COMPILE_CACHE_MOUNT_PATH,
+    ]
 
 
 def test_worker_command_is_the_runtimes_own() -> None:
     """``policyserver serve`` (which runs torchrun as its child) with flags its parser accepts."""
-    spec = spec_of(base(parallelism={"cfgp": 2, "dp": 2}, auth={"secretRef": {"name": "c"}},
-                        runtime={"guidance": 4.0, "extraArgs": ["--heartbeat-s", "0.5", "--dtype=bfloat16"]}))
+    spec = spec_of(
+        base(
+            parallelism={"cfgp": 2, "dp": 2},
+            auth={"secretRef": {"name": "c"}},
+            runtime={"guidance": 4.0, "extraArgs": ["--heartbeat-s", "0.5", "--dtype=bfloat16"]},
+        )
+    )
     command = _server(M.build_statefulset(spec))["command"]
     worker_args = command[2:]
     assert command == serve_flags.serve_argv(worker_args)
@@ -248,20 +341,26 @@ def test_worker_command_is_the_runtimes_own() -> None:
     assert (args.cfgp, args.dp, args.guidance, args.steps, args.port) == (2, 2, 4.0, None, 8000)  # steps: the policy's
     assert args.auth_token_file == f"{C.AUTH_TOKEN_DIR}/token"
     assert (args.heartbeat_s, args.dtype, args.drain_grace_s, args.device) == (0.5, "bfloat16", 20.0, "cuda")
-    assert (args.max_batch, args.batch_window_ms) == (serve_flags.DEFAULT_MAX_BATCH, serve_flags.DEFAULT_BATCH_WINDOW_MS)
+    assert (args.max_batch, args.batch_window_ms) == (
+        serve_flags.DEFAULT_MAX_BATCH,
+        serve_flags.DEFAULT_BATCH_WINDOW_MS,
+    )
 
 
-@pytest.mark.parametrize(("batching", "flags"), [
-    ({"maxBatch": 1}, ["--max-batch", "1", "--batch-window-ms", "2.0"]),
-    ({"maxBatch": 32, "windowMs": 0.5}, ["--max-batch", "32", "--batch-window-ms", "0.5"]),
-    ({"windowMs": 2}, ["--max-batch", "8", "--batch-window-ms", "2.0"]),  # the apiserver's integer 2
-    ({"windowMs": 0}, ["--max-batch", "8", "--batch-window-ms", "0.0"]),
-])
+@pytest.mark.parametrize(
+    ("batching", "flags"),
+    [
+        ({"maxBatch": 1}, ["--max-batch", "1", "--batch-window-ms", "2.0"]),
+        ({"maxBatch": 32, "windowMs": 0.5}, ["--max-batch", "32", "--batch-window-ms", "0.5"]),
+        ({"windowMs": 2}, ["--max-batch", "8", "--batch-window-ms", "2.0"]),  # the apiserver's integer 2
+        ({"windowMs": 0}, ["--max-batch", "8", "--batch-window-ms", "0.0"]),
+    ],
+)
 def test_batching_flows_into_the_command(batching: dict[str, Any], flags: list[str]) -> None:
     spec = spec_of(base(runtime={"batching": batching, "extraArgs": ["--threads", "2"]}))
     command = _server(M.build_statefulset(spec))["command"]
     at = command.index("--max-batch")
-    assert command[at:at + 4] == flags and command[-2:] == ["--threads", "2"]
+    assert command[at : at + 4] == flags and command[-2:] == ["--threads", "2"]
     parser = argparse.ArgumentParser()
     serve_flags.add_arguments(parser)
     opts = serve_flags.ServeOptions.from_args(parser.parse_args(command[2:]))
@@ -273,7 +372,7 @@ def test_latency_budget_and_connection_cap_flow_into_the_command() -> None:
     spec = spec_of(base(runtime={"batching": {"latencyBudgetMs": 40}, "maxConnections": 64}))
     command = _server(M.build_statefulset(spec))["command"]
     at = command.index("--latency-budget-ms")
-    assert command[at:at + 4] == ["--latency-budget-ms", "40.0", "--max-connections", "64"]
+    assert command[at : at + 4] == ["--latency-budget-ms", "40.0", "--max-connections", "64"]
     parser = argparse.ArgumentParser()
     serve_flags.add_arguments(parser)
     opts = serve_flags.ServeOptions.from_args(parser.parse_args(command[2:]))
@@ -286,7 +385,7 @@ def test_rtc_flows_into_the_command_and_off_writes_nothing() -> None:
     spec = spec_of(base(runtime={"rtc": {"mode": "guided", "maxInferenceDelay": 6}}))
     command = _server(M.build_statefulset(spec))["command"]
     at = command.index("--rtc")
-    assert command[at:at + 4] == ["--rtc", "guided", "--rtc-max-delay", "6"]
+    assert command[at : at + 4] == ["--rtc", "guided", "--rtc-max-delay", "6"]
     parser = argparse.ArgumentParser()
     serve_flags.add_arguments(parser)
     opts = serve_flags.ServeOptions.from_args(parser.parse_args(command[2:]))
@@ -312,9 +411,11 @@ def test_policy_type_flows_into_the_fetch_the_init_container_and_the_server() ->
     and the server (as every server) loads offline from the cache's view of them."""
     from policy_operator.runtime.checkpoint import cli as checkpoint_cli
 
-    for doc, policy, references in ((base(), "reference", False),
-                                    (base(policy={"type": "lerobot"}), "lerobot", True),
-                                    (base(policy={"type": "import", "importPath": "a.b:C"}), "a.b:C", False)):
+    for doc, policy, references in (
+        (base(), "reference", False),
+        (base(policy={"type": "lerobot"}), "lerobot", True),
+        (base(policy={"type": "import", "importPath": "a.b:C"}), "a.b:C", False),
+    ):
         spec = spec_of(doc)
         fetch = M.build_fetch_job(spec)["spec"]["template"]["spec"]["containers"][0]["command"]
         assert _fetch_parser().parse_args(fetch[2:]).references is references
@@ -355,22 +456,29 @@ def test_probes_lifecycle_and_volumes() -> None:
     assert "readOnly" not in volumes[M.VOL_CACHE]["persistentVolumeClaim"]  # the compile artifacts are written
     mounts = {m["mountPath"]: m for m in server["volumeMounts"]}
     assert mounts[C.CACHE_MOUNT_PATH]["readOnly"] is True and "/dev/shm" in mounts  # the checkpoints are not
-    assert mounts[C.COMPILE_CACHE_MOUNT_PATH] == {"name": M.VOL_CACHE, "mountPath": C.COMPILE_CACHE_MOUNT_PATH,
-                                                  "subPath": C.COMPILE_CACHE_DIR}
+    assert mounts[C.COMPILE_CACHE_MOUNT_PATH] == {
+        "name": M.VOL_CACHE,
+        "mountPath": C.COMPILE_CACHE_MOUNT_PATH,
+        "subPath": C.COMPILE_CACHE_DIR,
+    }
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
     assert sts["spec"]["serviceName"] == M.Names("ps").headless_service
 
 
-@pytest.mark.parametrize(("storage", "cache_modes", "writable"), [
-    ({}, None, True),
-    ({"accessModes": ["ReadWriteMany"]}, None, True),
-    ({"accessModes": ["ReadOnlyMany"]}, None, False),  # some CSI drivers attach it only as a read-only pod volume
-    ({}, ["ReadOnlyMany"], False),  # an existing claim's own modes
-    ({"accessModes": ["ReadOnlyMany", "ReadWriteMany"]}, None, True),
-    ({"mode": "perPod"}, None, True),
-])
+@pytest.mark.parametrize(
+    ("storage", "cache_modes", "writable"),
+    [
+        ({}, None, True),
+        ({"accessModes": ["ReadWriteMany"]}, None, True),
+        ({"accessModes": ["ReadOnlyMany"]}, None, False),  # some CSI drivers attach it only as a read-only pod volume
+        ({}, ["ReadOnlyMany"], False),  # an existing claim's own modes
+        ({"accessModes": ["ReadOnlyMany", "ReadWriteMany"]}, None, True),
+        ({"mode": "perPod"}, None, True),
+    ],
+)
 def test_server_pods_write_compile_artifacts_where_the_cache_is_writable(
-        storage: dict[str, Any], cache_modes: list[str] | None, writable: bool) -> None:
+    storage: dict[str, Any], cache_modes: list[str] | None, writable: bool
+) -> None:
     spec = spec_of(base(storage=storage, runtime={"extraArgs": ["--compile", "reduce-overhead"]}))
     pod = M.build_statefulset(spec, cache_modes=cache_modes)["spec"]["template"]["spec"]
     server = pod["containers"][0]
@@ -405,10 +513,13 @@ def test_template_hash_rolls_on_what_changes_the_pods_only() -> None:
     assert hash_of(base()) == original
     assert hash_of(base(replicas=5)) == original  # scaling is not a rollout
     assert hash_of(base(storage={"retainOnDelete": True})) == original
-    rolling = [base(image="registry.example/policy:2"), base(runtime={"steps": 20}),
-               base(runtime={"env": [{"name": "X", "value": "1"}]}),
-               base(checkpoint={"source": "hf://org/policy", "revision": "v9"}),
-               base(parallelism={"cfgp": 1, "dp": 2})]
+    rolling = [
+        base(image="registry.example/policy:2"),
+        base(runtime={"steps": 20}),
+        base(runtime={"env": [{"name": "X", "value": "1"}]}),
+        base(checkpoint={"source": "hf://org/policy", "revision": "v9"}),
+        base(parallelism={"cfgp": 1, "dp": 2}),
+    ]
     hashes = [hash_of(o) for o in rolling]
     assert original not in hashes and len(set(hashes)) == len(hashes)
     sts = M.build_statefulset(spec_of(base()))
@@ -427,6 +538,7 @@ def test_serving_checkpoint_overrides_the_spec() -> None:
 
 
 # --- Services ------------------------------------------------------------------------------
+
 
 def test_services_and_endpoint() -> None:
     spec = spec_of(base(service={"type": "LoadBalancer", "port": 9100, "annotations": {"lb": "internal"}}))

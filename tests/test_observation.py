@@ -66,11 +66,19 @@ REJECTED: list[tuple[str, Callable[[], Any], str, str]] = [
     ("image-2d", lambda: good(observation__image=np.zeros((8, 8), np.uint8)), IMAGE_KEY, "(H, W, 3)"),
     ("image-rgba", lambda: good(observation__image=np.zeros((8, 8, 4), np.uint8)), IMAGE_KEY, "(H, W, 3)"),
     ("image-empty", lambda: good(observation__image=np.zeros((0, 8, 3), np.uint8)), IMAGE_KEY, "size 0x8"),
-    ("image-huge", lambda: good(observation__image=np.zeros((MAX_IMAGE_SIDE + 1, 1, 3), np.uint8)), IMAGE_KEY,
-     "each side"),
+    (
+        "image-huge",
+        lambda: good(observation__image=np.zeros((MAX_IMAGE_SIDE + 1, 1, 3), np.uint8)),
+        IMAGE_KEY,
+        "each side",
+    ),
     ("camera-dict-empty", lambda: good(observation__image={}), IMAGE_KEY, "empty dict"),
-    ("camera-dict-bad", lambda: good(observation__image={"base": img, "wrist": np.zeros((8, 8), np.uint8)}),
-     f"{IMAGE_KEY}/wrist", "(H, W, 3)"),
+    (
+        "camera-dict-bad",
+        lambda: good(observation__image={"base": img, "wrist": np.zeros((8, 8), np.uint8)}),
+        f"{IMAGE_KEY}/wrist",
+        "(H, W, 3)",
+    ),
     ("extra-camera-bad", lambda: good(**{WRIST: np.zeros((8, 8, 3), np.int16)}), WRIST, "uint8"),
     ("too-many-cameras", lambda: good(observation__image={"a": img, "b": img}, **{WRIST: img}), WRIST, "at most 2"),
     ("no-joints", lambda: good(observation__joint_position=_DROP), JOINT_KEY, "missing"),
@@ -82,8 +90,12 @@ REJECTED: list[tuple[str, Callable[[], Any], str, str]] = [
     ("joints-ragged", lambda: good(observation__joint_position=[1.0, [2.0, 3.0]]), JOINT_KEY, "flat list"),
     ("joints-short", lambda: good(observation__joint_position=np.zeros(6, np.float32)), JOINT_KEY, "(7,), got (6,)"),
     ("joints-2d", lambda: good(observation__joint_position=np.zeros((7, 1), np.float32)), JOINT_KEY, "got (7, 1)"),
-    ("joints-nan", lambda: good(observation__joint_position=np.array([0, 0, np.nan, 0, 0, 0, 0], np.float32)),
-     JOINT_KEY, "NaN or inf"),
+    (
+        "joints-nan",
+        lambda: good(observation__joint_position=np.array([0, 0, np.nan, 0, 0, 0, 0], np.float32)),
+        JOINT_KEY,
+        "NaN or inf",
+    ),
     ("joints-inf", lambda: good(observation__joint_position=[0.0, 0, 0, 0, 0, 0, -np.inf]), JOINT_KEY, "NaN or inf"),
     ("joints-overflow", lambda: good(observation__joint_position=np.full(7, 1e39)), JOINT_KEY, "NaN or inf"),
     ("no-gripper", lambda: good(observation__gripper_position=_DROP), GRIPPER_KEY, "missing"),
@@ -98,8 +110,9 @@ REJECTED: list[tuple[str, Callable[[], Any], str, str]] = [
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # joints-overflow, on purpose
 @pytest.mark.parametrize(("make", "key", "words"), [r[1:] for r in REJECTED], ids=[r[0] for r in REJECTED])
-def test_prepare_rejects_and_names_the_key(policy: ReferencePolicy, make: Callable[[], Any], key: str,
-                                           words: str) -> None:
+def test_prepare_rejects_and_names_the_key(
+    policy: ReferencePolicy, make: Callable[[], Any], key: str, words: str
+) -> None:
     with pytest.raises(InvalidObservation) as info:
         policy.prepare(make())
     message = str(info.value)
@@ -107,18 +120,31 @@ def test_prepare_rejects_and_names_the_key(policy: ReferencePolicy, make: Callab
     assert info.value.kind is ErrorKind.INVALID_OBSERVATION and isinstance(info.value, RequestError)
 
 
-@pytest.mark.parametrize("obs", [
-    good(),
-    good(observation__joint_position=[0.0] * 7, observation__gripper_position=0.5),  # plain Python numbers
-    good(observation__joint_position=np.zeros(7, np.float64), observation__gripper_position=np.float32(1.0)),
-    good(observation__joint_position=np.arange(7, dtype=np.int32), observation__gripper_position=[1]),
-    good(observation__image={"base": img, "wrist": img}),
-    good(**{WRIST: img}),
-    good(prompt=_DROP),
-    good(prompt="x" * MAX_PROMPT_CHARS, unknown_key=object(), **{"observation/state_extra": "ignored"}),
-    good(observation__image=np.zeros((MAX_IMAGE_SIDE, 1, 3), np.uint8)),
-], ids=["numpy", "python-numbers", "float64-and-scalar", "ints", "camera-dict", "extra-camera", "no-prompt",
-        "limits-and-unknown-keys", "max-side"])
+@pytest.mark.parametrize(
+    "obs",
+    [
+        good(),
+        good(observation__joint_position=[0.0] * 7, observation__gripper_position=0.5),  # plain Python numbers
+        good(observation__joint_position=np.zeros(7, np.float64), observation__gripper_position=np.float32(1.0)),
+        good(observation__joint_position=np.arange(7, dtype=np.int32), observation__gripper_position=[1]),
+        good(observation__image={"base": img, "wrist": img}),
+        good(**{WRIST: img}),
+        good(prompt=_DROP),
+        good(prompt="x" * MAX_PROMPT_CHARS, unknown_key=object(), **{"observation/state_extra": "ignored"}),
+        good(observation__image=np.zeros((MAX_IMAGE_SIDE, 1, 3), np.uint8)),
+    ],
+    ids=[
+        "numpy",
+        "python-numbers",
+        "float64-and-scalar",
+        "ints",
+        "camera-dict",
+        "extra-camera",
+        "no-prompt",
+        "limits-and-unknown-keys",
+        "max-side",
+    ],
+)
 def test_prepare_accepts_valid_observations(policy: ReferencePolicy, obs: dict[str, Any]) -> None:
     sample = policy.prepare(obs)
     cfg = policy.cfg
@@ -143,25 +169,43 @@ def test_read_only_arrays_from_the_wire_are_accepted(policy: ReferencePolicy) ->
 
 def test_camera_order_is_sorted_and_stable() -> None:
     a, b, c = (np.full((4, 4, 3), v, np.uint8) for v in (1, 2, 3))
-    parsed = parse_observation(good(observation__image={"zeta": a, "alpha": b}), joint_dim=7, gripper_dim=1,
-                               max_cameras=3)
+    parsed = parse_observation(
+        good(observation__image={"zeta": a, "alpha": b}), joint_dim=7, gripper_dim=1, max_cameras=3
+    )
     assert [int(x[0, 0, 0]) for x in parsed.cameras] == [2, 1]
-    parsed = parse_observation(good(observation__image=a, observation__wrist_image=c, observation__exterior_image=b),
-                               joint_dim=7, gripper_dim=1, max_cameras=3)
+    parsed = parse_observation(
+        good(observation__image=a, observation__wrist_image=c, observation__exterior_image=b),
+        joint_dim=7,
+        gripper_dim=1,
+        max_cameras=3,
+    )
     assert [int(x[0, 0, 0]) for x in parsed.cameras] == [1, 2, 3]  # the main image first, then the others sorted
 
 
 def test_state_is_joints_then_gripper() -> None:
-    parsed = parse_observation(good(observation__joint_position=np.arange(7), observation__gripper_position=[9]),
-                               joint_dim=7, gripper_dim=1, max_cameras=2)
+    parsed = parse_observation(
+        good(observation__joint_position=np.arange(7), observation__gripper_position=[9]),
+        joint_dim=7,
+        gripper_dim=1,
+        max_cameras=2,
+    )
     assert parsed.state.dtype == np.float32 and parsed.state.tolist() == [0, 1, 2, 3, 4, 5, 6, 9]
     assert parsed.prompt == "pick up the cube"
 
 
 # --- seed and session ---------------------------------------------------------------------
-@pytest.mark.parametrize(("seed", "expected"), [
-    (None, None), (0, 0), (7, 7), (2**63 - 1, 2**63 - 1), (np.int64(5), 5), (np.uint64(6), 6), (np.array(8), 8),
-])
+@pytest.mark.parametrize(
+    ("seed", "expected"),
+    [
+        (None, None),
+        (0, 0),
+        (7, 7),
+        (2**63 - 1, 2**63 - 1),
+        (np.int64(5), 5),
+        (np.uint64(6), 6),
+        (np.array(8), 8),
+    ],
+)
 def test_parse_seed_accepts(seed: Any, expected: int | None) -> None:
     assert parse_seed({"seed": seed}) == expected
 
@@ -170,11 +214,18 @@ def test_parse_seed_absent_is_none() -> None:
     assert parse_seed({}) is None
 
 
-@pytest.mark.parametrize(("seed", "words"), [
-    (1.0, "integer, got float"), ("3", "integer, got str"), (True, "integer, got bool"),
-    (np.array([1, 2]), "integer, got ndarray"), (-1, "0..2**63-1"), (2**63, "0..2**63-1"),
-    (np.float32(2), "integer, got float32"),
-])
+@pytest.mark.parametrize(
+    ("seed", "words"),
+    [
+        (1.0, "integer, got float"),
+        ("3", "integer, got str"),
+        (True, "integer, got bool"),
+        (np.array([1, 2]), "integer, got ndarray"),
+        (-1, "0..2**63-1"),
+        (2**63, "0..2**63-1"),
+        (np.float32(2), "integer, got float32"),
+    ],
+)
 def test_parse_seed_rejects(seed: Any, words: str) -> None:
     with pytest.raises(InvalidObservation, match="'seed'") as info:
         parse_seed({"seed": seed})

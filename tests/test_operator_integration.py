@@ -102,17 +102,28 @@ class Recorder:
     def created(self, plural: str, instance: str | None = None) -> list[str]:
         """Names of that plural created (once each; a name made twice appears twice), optionally of one instance."""
         with self._lock:
-            return [name for (p, name) in self.order if p == plural
-                    and (instance is None or name == instance or name.startswith(f"{instance}-"))]
+            return [
+                name
+                for (p, name) in self.order
+                if p == plural and (instance is None or name == instance or name.startswith(f"{instance}-"))
+            ]
 
 
 @pytest.fixture(scope="module")
 def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("operator-it")
-    subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "ckpt")],
-                   check=True, capture_output=True, timeout=120)
-    subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "v2"), "--seed", "1"],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "ckpt")],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    subprocess.run(
+        [str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "v2"), "--seed", "1"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     source = CheckpointServer(work / "src").start()
     lc = LocalCluster(control_plane, work / "cluster", NS, backoff_s=1.0, resync_s=RESYNC_S, gpus=NODE_GPUS)
     lc.operator.probe_timeout_s = 0.5
@@ -152,8 +163,9 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return next((x for x in status.get("conditions") or [] if x["type"] == kind), {})
 
 
-def wait_status(c: Cluster, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,
-                timeout: float = WAIT_S) -> dict[str, Any]:
+def wait_status(
+    c: Cluster, name: str, predicate: Callable[[dict[str, Any]], Any], what: str, timeout: float = WAIT_S
+) -> dict[str, Any]:
     return c.lc.wait_status(name, predicate, what, timeout)
 
 
@@ -170,7 +182,9 @@ def names_of(c: Cluster, group_version: str, plural: str, selector: str | None =
 
 
 def events(c: Cluster, name: str) -> list[tuple[str, str, str]]:
-    return [(e.get("type", ""), e.get("reason", ""), e.get("message", "")) for e in c.api.events(NS, involved_name=name)]
+    return [
+        (e.get("type", ""), e.get("reason", ""), e.get("message", "")) for e in c.api.events(NS, involved_name=name)
+    ]
 
 
 def children(c: Cluster, name: str) -> list[str]:
@@ -184,6 +198,7 @@ def delete(c: Cluster, name: str) -> None:
 
 
 # --- tests -----------------------------------------------------------------------------------
+
 
 def test_fetch_then_serve_in_order_with_per_rank_status_and_events(cluster: Cluster) -> None:
     c = cluster
@@ -202,32 +217,58 @@ def test_fetch_then_serve_in_order_with_per_rank_status_and_events(cluster: Clus
         assert pod["ranksReady"] == "1/1" and [r["ready"] for r in pod["ranks"]] == [True]
 
     # the cache claim and the fetch Job first; the StatefulSet only once the Job had completed; then Services
-    mine = {("persistentvolumeclaims", Names(name).pvc), ("jobs", Names(name).job(key)), ("statefulsets", name),
-            ("services", name), ("services", Names(name).headless_service)}
+    mine = {
+        ("persistentvolumeclaims", Names(name).pvc),
+        ("jobs", Names(name).job(key)),
+        ("statefulsets", name),
+        ("services", name),
+        ("services", Names(name).headless_service),
+    }
     created = [k for k in c.recorder.order if k in mine]  # (the cache-GC Job, made later, is not part of this)
     assert sorted(created[3:]) == [("services", name), ("services", Names(name).headless_service)], created
-    assert created[:3] == [("persistentvolumeclaims", Names(name).pvc), ("jobs", Names(name).job(key)),
-                           ("statefulsets", name)]
+    assert created[:3] == [
+        ("persistentvolumeclaims", Names(name).pvc),
+        ("jobs", Names(name).job(key)),
+        ("statefulsets", name),
+    ]
     job = c.lc.get("batch/v1", "jobs", Names(name).job(key))
     sts = c.lc.get("apps/v1", "statefulsets", name)
     done = next(x["lastTransitionTime"] for x in job["status"]["conditions"] if x["type"] == "Complete")
     assert sts["metadata"]["creationTimestamp"] >= done
     assert sts["spec"]["replicas"] == 2 and C.GPU_RESOURCE not in json.dumps(sts["spec"]["template"])
 
-    wait_for(lambda: all((p["metadata"].get("annotations") or {}).get(C.ANNOTATION_RANKS_READY) == "1/1"
-                         for p in c.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},"
-                                                          f"{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")),
-             WAIT_S, what="per-pod ranks annotations")
+    wait_for(
+        lambda: all(
+            (p["metadata"].get("annotations") or {}).get(C.ANNOTATION_RANKS_READY) == "1/1"
+            for p in c.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+        ),
+        WAIT_S,
+        what="per-pod ranks annotations",
+    )
     row = table(c.lc.kubectl("get", C.SHORT_NAME, name).stdout)[0]  # the CRD's printer columns, as kubectl prints
     assert {k: row[k] for k in ("NAME", "READY", "RANKS", "LAYOUT", "CHECKPOINT", "PHASE", "ENDPOINT")} == {
-        "NAME": name, "READY": "2/2", "RANKS": "2/2", "LAYOUT": "cfgp=1,dp=1", "CHECKPOINT": "Ready",
-        "PHASE": "Ready", "ENDPOINT": status["endpoint"]}
+        "NAME": name,
+        "READY": "2/2",
+        "RANKS": "2/2",
+        "LAYOUT": "cfgp=1,dp=1",
+        "CHECKPOINT": "Ready",
+        "PHASE": "Ready",
+        "ENDPOINT": status["endpoint"],
+    }
     evs = events(c, name)
-    created = [(m.group(1), m.group(2)) for t, r, text in evs if r == "Created"
-               and (m := re.match(r"created (?:fetch )?(\w+) (\S+)", text))]
+    created = [
+        (m.group(1), m.group(2))
+        for t, r, text in evs
+        if r == "Created" and (m := re.match(r"created (?:fetch )?(\w+) (\S+)", text))
+    ]
     assert len(created) == len(set(created)), created  # each child announced once
-    assert {("PersistentVolumeClaim", Names(name).pvc), ("Job", Names(name).job(key)), ("StatefulSet", name),
-            ("Service", name), ("Service", Names(name).headless_service)} <= set(created), created
+    assert {
+        ("PersistentVolumeClaim", Names(name).pvc),
+        ("Job", Names(name).job(key)),
+        ("StatefulSet", name),
+        ("Service", name),
+        ("Service", Names(name).headless_service),
+    } <= set(created), created
     assert {("Normal", "Downloaded"), ("Normal", "Ready")} <= {(t, r) for t, r, _ in evs}
     assert c.lc.operator.probe()["reconciler"]["failures"] == 0
 
@@ -238,26 +279,38 @@ def test_checkpoint_change_downloads_once_then_rolls_and_scale_works(cluster: Cl
     key_a = status_of(c, name)["checkpoint"]["key"]
     sts = c.lc.get("apps/v1", "statefulsets", name)
     hash_a = sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH]
-    old_pods = {p["metadata"]["uid"] for p in c.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},"
-                                                                      f"{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")}
+    old_pods = {
+        p["metadata"]["uid"]
+        for p in c.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+    }
 
     patch = {"spec": {"checkpoint": {"source": c.source.url_for("v2/")}}}
     c.lc.kubectl("patch", C.SHORT_NAME, name, "--type=merge", "-p", json.dumps(patch))
     key_b = checkpoint_key(c.source.url_for("v2/"))
     wait_status(c, name, lambda s: s.get("checkpoint", {}).get("servingKey") == key_b, "serving checkpoint B")
     # the real StatefulSet controller rolls the pods one at a time, each once the others are Ready
-    sts = wait_for(lambda: (s := c.lc.get("apps/v1", "statefulsets", name))
-                   and s["status"].get("observedGeneration") == s["metadata"]["generation"]
-                   and s["status"].get("updatedReplicas") == 2 and s["status"].get("readyReplicas") == 2
-                   and s["status"].get("currentRevision") == s["status"].get("updateRevision") and s, 240,
-                   what="the StatefulSet rolled to checkpoint B")
-    status = wait_status(c, name, lambda s: s.get("phase") == C.PHASE_READY and s.get("ready") == "2/2",
-                         "Ready on checkpoint B")
+    sts = wait_for(
+        lambda: (
+            (s := c.lc.get("apps/v1", "statefulsets", name))
+            and s["status"].get("observedGeneration") == s["metadata"]["generation"]
+            and s["status"].get("updatedReplicas") == 2
+            and s["status"].get("readyReplicas") == 2
+            and s["status"].get("currentRevision") == s["status"].get("updateRevision")
+            and s
+        ),
+        240,
+        what="the StatefulSet rolled to checkpoint B",
+    )
+    status = wait_status(
+        c, name, lambda s: s.get("phase") == C.PHASE_READY and s.get("ready") == "2/2", "Ready on checkpoint B"
+    )
     assert status["checkpoint"]["key"] == key_b
     assert sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH] != hash_a
     assert f"{C.CACHE_MOUNT_PATH}/{key_b}" in sts["spec"]["template"]["spec"]["containers"][0]["command"]
-    new_pods = {p["metadata"]["uid"] for p in c.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},"
-                                                                      f"{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")}
+    new_pods = {
+        p["metadata"]["uid"]
+        for p in c.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+    }
     assert not new_pods & old_pods  # the real StatefulSet controller replaced every pod
     fetch_jobs = [j for j in c.recorder.created("jobs", name) if j.startswith(f"{name}-fetch-")]
     assert fetch_jobs == [Names(name).job(key_a), Names(name).job(key_b)]
@@ -271,9 +324,13 @@ def test_checkpoint_change_downloads_once_then_rolls_and_scale_works(cluster: Cl
     sts = c.lc.get("apps/v1", "statefulsets", name)
     assert sts["spec"]["replicas"] == 1 and sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH] == hash_b
     assert set(status["selector"].split(",")) == {f"{k}={v}" for k, v in sts["spec"]["selector"]["matchLabels"].items()}
-    wait_for(lambda: len(c.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}="
-                                                f"{C.COMPONENT_SERVER}")) == 1, WAIT_S,
-             what="the highest pod deleted by the controller")
+    wait_for(
+        lambda: (
+            len(c.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")) == 1
+        ),
+        WAIT_S,
+        what="the highest pod deleted by the controller",
+    )
     assert c.recorder.created("statefulsets", name) == [name]
     delete(c, name)
 
@@ -303,22 +360,37 @@ def test_delete_cascades_and_retain_on_delete_keeps_the_cache(cluster: Cluster) 
     c = cluster
     for name, retain in (("drop", False), ("keep", True)):
         apply(c, runnable(c, name, storage={"retainOnDelete": retain}))
-        wait_for(lambda n=name: names_of(c, "batch/v1", "jobs", f"{C.LABEL_INSTANCE}={n}"), WAIT_S, what=f"Job of {name}")
+        wait_for(
+            lambda n=name: names_of(c, "batch/v1", "jobs", f"{C.LABEL_INSTANCE}={n}"), WAIT_S, what=f"Job of {name}"
+        )
     keep_pvc = c.lc.get("v1", "persistentvolumeclaims", "keep-cache")
     assert not keep_pvc["metadata"].get("ownerReferences")
     assert c.lc.get("v1", "persistentvolumeclaims", "drop-cache")["metadata"]["ownerReferences"][0]["name"] == "drop"
 
     c.lc.kubectl("delete", C.SHORT_NAME, "drop", "--wait=false")
-    wait_for(lambda: c.lc.get(*PS, "drop") is None and not children(c, "drop"), WAIT_S,
-             what="the garbage collector's cascade of drop")
+    wait_for(
+        lambda: c.lc.get(*PS, "drop") is None and not children(c, "drop"),
+        WAIT_S,
+        what="the garbage collector's cascade of drop",
+    )
     c.lc.kubectl("delete", C.SHORT_NAME, "keep", "--wait=false")
-    wait_for(lambda: c.lc.get(*PS, "keep") is None and children(c, "keep") == ["persistentvolumeclaims/keep-cache"],
-             WAIT_S, what="cascade of keep, cache retained")
+    wait_for(
+        lambda: c.lc.get(*PS, "keep") is None and children(c, "keep") == ["persistentvolumeclaims/keep-cache"],
+        WAIT_S,
+        what="cascade of keep, cache retained",
+    )
 
     apply(c, runnable(c, "keep", storage={"retainOnDelete": False}))  # a new owner adopts the retained cache
-    wait_for(lambda: ((c.lc.get("v1", "persistentvolumeclaims", "keep-cache")["metadata"].get("ownerReferences")
-                       or [{}])[0].get("uid") == c.lc.get(*PS, "keep")["metadata"]["uid"]), WAIT_S,
-             what="retained PVC adopted")
+    wait_for(
+        lambda: (
+            (c.lc.get("v1", "persistentvolumeclaims", "keep-cache")["metadata"].get("ownerReferences") or [{}])[0].get(
+                "uid"
+            )
+            == c.lc.get(*PS, "keep")["metadata"]["uid"]
+        ),
+        WAIT_S,
+        what="retained PVC adopted",
+    )
     assert c.lc.get("v1", "persistentvolumeclaims", "keep-cache")["metadata"]["uid"] == keep_pvc["metadata"]["uid"]
     assert c.recorder.created("persistentvolumeclaims", "keep") == ["keep-cache"]  # never a second keep-cache
     c.lc.kubectl("delete", C.SHORT_NAME, "keep", "--wait=false")
@@ -329,15 +401,22 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(cluster: Clu
     c = cluster
     name = "killed"
     c.lc.operator.stop()
-    op = OperatorProcess(c.lc.control_plane.env, NS, c.lc.workdir / "killed.log", resync_s=RESYNC_S,
-                         probe_timeout_s=0.5)
+    op = OperatorProcess(
+        c.lc.control_plane.env, NS, c.lc.workdir / "killed.log", resync_s=RESYNC_S, probe_timeout_s=0.5
+    )
     try:
         op.start()
         apply(c, runnable(c, name))
         wait_for(lambda: c.recorder.created("jobs", name), WAIT_S, interval=0.01, what="the fetch Job")
         op.stop(signal.SIGKILL)  # right after the Job was created: that pass never wrote its status
-        wait_for(lambda: (j := c.lc.list("batch/v1", "jobs", f"{C.LABEL_INSTANCE}={name}"))
-                 and (j[0].get("status") or {}).get("succeeded"), WAIT_S, what="the Job done while no operator runs")
+        wait_for(
+            lambda: (
+                (j := c.lc.list("batch/v1", "jobs", f"{C.LABEL_INSTANCE}={name}"))
+                and (j[0].get("status") or {}).get("succeeded")
+            ),
+            WAIT_S,
+            what="the Job done while no operator runs",
+        )
         op.start()
         wait_for(lambda: c.recorder.created("statefulsets", name), WAIT_S, interval=0.01, what="the StatefulSet")
         op.stop(signal.SIGKILL)  # right after the StatefulSet: the Services of that pass never came
@@ -363,8 +442,12 @@ def test_more_gpus_than_the_node_has_stays_pending_and_says_so(cluster: Cluster)
     doc = runnable(c, name, parallelism={"cfgp": 2, "dp": 2})  # 4 ranks: 4 GPUs per pod on cuda; the node has 2
     doc["spec"]["runtime"]["device"] = "cuda"
     apply(c, doc)
-    status = wait_status(c, name, lambda s: "Insufficient" in condition(s, C.COND_AVAILABLE).get("message", ""),
-                         "Available=False saying the pod does not fit")
+    status = wait_status(
+        c,
+        name,
+        lambda s: "Insufficient" in condition(s, C.COND_AVAILABLE).get("message", ""),
+        "Available=False saying the pod does not fit",
+    )
     available = condition(status, C.COND_AVAILABLE)
     assert available["status"] == "False" and available["reason"] == "Unschedulable", available
     assert f"Insufficient {C.GPU_RESOURCE}" in available["message"]
@@ -376,13 +459,27 @@ def test_more_gpus_than_the_node_has_stays_pending_and_says_so(cluster: Cluster)
 
 
 KOPF_PEERING_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
     "metadata": {"name": "kopfpeerings.kopf.dev"},
-    "spec": {"group": "kopf.dev", "scope": "Namespaced",
-             "names": {"kind": "KopfPeering", "plural": "kopfpeerings", "singular": "kopfpeering"},
-             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                 "type": "object", "properties": {"status": {"type": "object",
-                                                             "x-kubernetes-preserve-unknown-fields": True}}}}}]},
+    "spec": {
+        "group": "kopf.dev",
+        "scope": "Namespaced",
+        "names": {"kind": "KopfPeering", "plural": "kopfpeerings", "singular": "kopfpeering"},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {"status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                    }
+                },
+            }
+        ],
+    },
 }
 
 
@@ -390,20 +487,41 @@ def test_two_replicas_elect_one_leader_through_kopf_peering(cluster: Cluster) ->
     c = cluster
     c.lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(KOPF_PEERING_CRD))
     c.lc.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev", "--timeout=60s")
-    c.lc.kubectl("apply", "-f", "-", input=yaml.safe_dump({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
-                                                           "metadata": {"name": C.PEERING_NAME}}))
+    c.lc.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=yaml.safe_dump(
+            {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": C.PEERING_NAME}}
+        ),
+    )
     c.lc.kubectl("delete", C.SHORT_NAME, "--all", "--timeout=120s", timeout=150)  # what a failed test left
     c.lc.operator.stop()
     work = c.lc.workdir
-    low = OperatorProcess(c.lc.control_plane.env, NS, work / "low.log", resync_s=RESYNC_S,
-                          peering=["--peering", C.PEERING_NAME, "--priority", "10"], log_format="json")
-    high = OperatorProcess(c.lc.control_plane.env, NS, work / "high.log", resync_s=RESYNC_S,
-                           peering=["--peering", C.PEERING_NAME, "--priority", "20"], log_format="json")
+    low = OperatorProcess(
+        c.lc.control_plane.env,
+        NS,
+        work / "low.log",
+        resync_s=RESYNC_S,
+        peering=["--peering", C.PEERING_NAME, "--priority", "10"],
+        log_format="json",
+    )
+    high = OperatorProcess(
+        c.lc.control_plane.env,
+        NS,
+        work / "high.log",
+        resync_s=RESYNC_S,
+        peering=["--peering", C.PEERING_NAME, "--priority", "20"],
+        log_format="json",
+    )
     try:
         low.start()  # alone for a moment, with no PolicyServer in the namespace: nothing to reconcile yet
         high.start()
-        wait_for(lambda: "Pausing operations in favour of" in low.log.read_text(), 60,
-                 what="the lower-priority replica to pause")
+        wait_for(
+            lambda: "Pausing operations in favour of" in low.log.read_text(),
+            60,
+            what="the lower-priority replica to pause",
+        )
         name = "peered"
         apply(c, runnable(c, name))
         wait_for(lambda: status_of(c, name).get("phase"), WAIT_S, what="a reconcile by the leader")
@@ -418,4 +536,3 @@ def test_two_replicas_elect_one_leader_through_kopf_peering(cluster: Cluster) ->
         low.stop()
         c.lc.operator.start()
     delete(c, "peered")
-

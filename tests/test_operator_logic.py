@@ -35,22 +35,27 @@ def spec(**overrides: Any):
 
 # --- conditions -------------------------------------------------------------------------------
 
+
 def test_transition_time_moves_only_when_the_status_flips() -> None:
-    first = cond.merge_conditions(None, [cond.Condition("Available", "False", "NoReplicasReady", "0/1")],
-                                  generation=1, now=NOW)
-    same = cond.merge_conditions(first, [cond.Condition("Available", "False", "ReplicasUnavailable", "0/2")],
-                                 generation=2, now=LATER)
+    first = cond.merge_conditions(
+        None, [cond.Condition("Available", "False", "NoReplicasReady", "0/1")], generation=1, now=NOW
+    )
+    same = cond.merge_conditions(
+        first, [cond.Condition("Available", "False", "ReplicasUnavailable", "0/2")], generation=2, now=LATER
+    )
     assert same[0]["lastTransitionTime"] == NOW and same[0]["observedGeneration"] == 2
     assert same[0]["reason"] == "ReplicasUnavailable"
-    flipped = cond.merge_conditions(same, [cond.Condition("Available", "True", "ReplicasReady", "1/1")],
-                                    generation=2, now=LATER)
+    flipped = cond.merge_conditions(
+        same, [cond.Condition("Available", "True", "ReplicasReady", "1/1")], generation=2, now=LATER
+    )
     assert flipped[0]["lastTransitionTime"] == LATER
 
 
 def test_foreign_conditions_are_kept_and_ours_are_ordered() -> None:
     previous = [{"type": "Custom", "status": "True", "reason": "X", "lastTransitionTime": NOW}]
-    merged = cond.merge_conditions(previous, [cond.Condition(t, "True", "R") for t in reversed(cond.CONDITION_TYPES)],
-                                   generation=1, now=NOW)
+    merged = cond.merge_conditions(
+        previous, [cond.Condition(t, "True", "R") for t in reversed(cond.CONDITION_TYPES)], generation=1, now=NOW
+    )
     assert [c["type"] for c in merged] == [*cond.CONDITION_TYPES, "Custom"]
 
 
@@ -69,27 +74,37 @@ CK = {p: child_status.CheckpointState(p, "r", "m", "j") for p in ("Pending", "Do
 
 
 def workload(exists: bool = True, desired: int = 2, rolling: bool = False, serving: str | None = "k"):
-    return child_status.WorkloadState(exists=exists, desired=desired, current=desired if exists else 0, rolling=rolling,
-                                 serving_key=serving if exists else None)
+    return child_status.WorkloadState(
+        exists=exists,
+        desired=desired,
+        current=desired if exists else 0,
+        rolling=rolling,
+        serving_key=serving if exists else None,
+    )
 
 
-@pytest.mark.parametrize(("ck", "wl", "ready", "previous", "expected"), [
-    ("Pending", workload(exists=False), 0, None, C.PHASE_PENDING),
-    ("Downloading", workload(exists=False), 0, C.PHASE_PENDING, C.PHASE_DOWNLOADING),
-    ("Failed", workload(exists=False), 0, C.PHASE_DOWNLOADING, C.PHASE_FAILED),
-    ("Failed", workload(), 2, C.PHASE_READY, C.PHASE_DEGRADED),  # new checkpoint failed, old one still serves
-    ("Downloading", workload(), 2, C.PHASE_READY, C.PHASE_DOWNLOADING),  # new checkpoint on its way
-    ("Ready", workload(rolling=True), 0, C.PHASE_DOWNLOADING, C.PHASE_STARTING),
-    ("Ready", workload(), 1, C.PHASE_STARTING, C.PHASE_STARTING),  # never was Ready: still starting
-    ("Ready", workload(), 2, C.PHASE_STARTING, C.PHASE_READY),
-    ("Ready", workload(), 3, C.PHASE_READY, C.PHASE_READY),  # scaling down: extra ready pods
-    ("Ready", workload(), 1, C.PHASE_READY, C.PHASE_DEGRADED),
-    ("Ready", workload(), 0, C.PHASE_DEGRADED, C.PHASE_DEGRADED),
-    ("Ready", workload(rolling=True), 1, C.PHASE_READY, C.PHASE_STARTING),  # a rollout replaces pods
-    ("Ready", workload(desired=0), 0, C.PHASE_READY, C.PHASE_PENDING),
-])
+@pytest.mark.parametrize(
+    ("ck", "wl", "ready", "previous", "expected"),
+    [
+        ("Pending", workload(exists=False), 0, None, C.PHASE_PENDING),
+        ("Downloading", workload(exists=False), 0, C.PHASE_PENDING, C.PHASE_DOWNLOADING),
+        ("Failed", workload(exists=False), 0, C.PHASE_DOWNLOADING, C.PHASE_FAILED),
+        ("Failed", workload(), 2, C.PHASE_READY, C.PHASE_DEGRADED),  # new checkpoint failed, old one still serves
+        ("Downloading", workload(), 2, C.PHASE_READY, C.PHASE_DOWNLOADING),  # new checkpoint on its way
+        ("Ready", workload(rolling=True), 0, C.PHASE_DOWNLOADING, C.PHASE_STARTING),
+        ("Ready", workload(), 1, C.PHASE_STARTING, C.PHASE_STARTING),  # never was Ready: still starting
+        ("Ready", workload(), 2, C.PHASE_STARTING, C.PHASE_READY),
+        ("Ready", workload(), 3, C.PHASE_READY, C.PHASE_READY),  # scaling down: extra ready pods
+        ("Ready", workload(), 1, C.PHASE_READY, C.PHASE_DEGRADED),
+        ("Ready", workload(), 0, C.PHASE_DEGRADED, C.PHASE_DEGRADED),
+        ("Ready", workload(rolling=True), 1, C.PHASE_READY, C.PHASE_STARTING),  # a rollout replaces pods
+        ("Ready", workload(desired=0), 0, C.PHASE_READY, C.PHASE_PENDING),
+    ],
+)
 def test_phase_table(ck: str, wl: child_status.WorkloadState, ready: int, previous: str | None, expected: str) -> None:
-    assert status_step.decide_phase(checkpoint=CK[ck], workload=wl, ready_pods=ready, previous_phase=previous) == expected
+    assert (
+        status_step.decide_phase(checkpoint=CK[ck], workload=wl, ready_pods=ready, previous_phase=previous) == expected
+    )
 
 
 def _pod(name: str, ready: bool, ranks: int, world: int = 2) -> rank_probe.PodHealth:
@@ -98,8 +113,16 @@ def _pod(name: str, ready: bool, ranks: int, world: int = 2) -> rank_probe.PodHe
 
 def test_build_status_counts_pods_and_ranks() -> None:
     s = spec(parallelism={"cfgp": 2, "dp": 1}, replicas=2)
-    update = status_step.build_status(s, checkpoint=CK["Ready"], workload=workload(), pods=[_pod("a", True, 2), _pod("b", False, 1)],
-                               service_exists=True, previous=None, generation=4, now=NOW)
+    update = status_step.build_status(
+        s,
+        checkpoint=CK["Ready"],
+        workload=workload(),
+        pods=[_pod("a", True, 2), _pod("b", False, 1)],
+        service_exists=True,
+        previous=None,
+        generation=4,
+        now=NOW,
+    )
     st = update.status
     assert (st["ready"], st["readyReplicas"], st["ranksReady"], st["replicas"]) == ("1/2", 1, "3/4", 2)
     assert st["endpoint"] == "ws://ps.ns.svc:8000" and st["observedGeneration"] == 4
@@ -111,10 +134,26 @@ def test_build_status_counts_pods_and_ranks() -> None:
 
 def test_losing_every_ready_pod_is_a_warning() -> None:
     s = spec(replicas=1)
-    ready = status_step.build_status(s, checkpoint=CK["Ready"], workload=workload(desired=1), pods=[_pod("a", True, 1, 1)],
-                              service_exists=True, previous=None, generation=1, now=NOW)
-    lost = status_step.build_status(s, checkpoint=CK["Ready"], workload=workload(desired=1), pods=[_pod("a", False, 0, 1)],
-                             service_exists=True, previous=ready.status, generation=1, now=LATER)
+    ready = status_step.build_status(
+        s,
+        checkpoint=CK["Ready"],
+        workload=workload(desired=1),
+        pods=[_pod("a", True, 1, 1)],
+        service_exists=True,
+        previous=None,
+        generation=1,
+        now=NOW,
+    )
+    lost = status_step.build_status(
+        s,
+        checkpoint=CK["Ready"],
+        workload=workload(desired=1),
+        pods=[_pod("a", False, 0, 1)],
+        service_exists=True,
+        previous=ready.status,
+        generation=1,
+        now=LATER,
+    )
     assert lost.status["phase"] == C.PHASE_DEGRADED
     kinds = {(e.type, e.reason) for e in lost.events}
     assert ("Warning", "ReplicasUnavailable") in kinds and ("Warning", C.PHASE_DEGRADED) in kinds
@@ -131,14 +170,23 @@ def test_invalid_status_keeps_what_runs() -> None:
 
 # --- child_status: the fetch Job -------------------------------------------------------------------------
 
+
 def job(**status: Any) -> dict[str, Any]:
     return {"metadata": {"name": "j"}, "status": status}
 
 
 def fetch_pod(exit_code: int, message: str, created: str = NOW) -> dict[str, Any]:
-    return {"metadata": {"name": f"p{exit_code}", "creationTimestamp": created},
-            "status": {"containerStatuses": [{"name": manifests.FETCH_CONTAINER,
-                                              "state": {"terminated": {"exitCode": exit_code, "message": message}}}]}}
+    return {
+        "metadata": {"name": f"p{exit_code}", "creationTimestamp": created},
+        "status": {
+            "containerStatuses": [
+                {
+                    "name": manifests.FETCH_CONTAINER,
+                    "state": {"terminated": {"exitCode": exit_code, "message": message}},
+                }
+            ]
+        },
+    }
 
 
 def test_checkpoint_states_of_a_job() -> None:
@@ -147,8 +195,14 @@ def test_checkpoint_states_of_a_job() -> None:
     assert state(s, None, [], None).phase == "Pending"
     assert state(s, None, [], {"key": s.checkpoint.key, "phase": "Ready"}).phase == "Ready"  # Job gone by TTL
     assert state(s, None, [], {"key": "other", "phase": "Ready"}).phase == "Pending"
-    waiting = {"metadata": {"name": "p"}, "status": {"containerStatuses": [
-        {"name": "fetch", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}}]}}
+    waiting = {
+        "metadata": {"name": "p"},
+        "status": {
+            "containerStatuses": [
+                {"name": "fetch", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}}
+            ]
+        },
+    }
     pending = state(s, job(), [waiting], None)
     assert pending.phase == "Pending" and "ImagePullBackOff" in pending.message
     active = state(s, job(active=1), [], None)
@@ -161,29 +215,56 @@ def test_checkpoint_states_of_a_job() -> None:
     assert state(s, job(conditions=[{"type": "Complete", "status": "True"}]), [], None).phase == "Ready"
 
 
-@pytest.mark.parametrize(("code", "reason"), [(2, "InvalidSource"), (3, "SourceUnreachable"),
-                                               (4, "VerificationFailed"), (5, "DiskFull"), (1, "FetchFailed")])
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [(2, "InvalidSource"), (3, "SourceUnreachable"), (4, "VerificationFailed"), (5, "DiskFull"), (1, "FetchFailed")],
+)
 def test_failed_job_reason_comes_from_the_fetch_exit_code(code: int, reason: str) -> None:
-    failed = job(failed=1, conditions=[{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-                                        "message": "Job has reached the specified backoff limit"}])
-    pods = [fetch_pod(1, "old", "2024-01-01T00:00:00Z"),
-            fetch_pod(code, "progress 10%\npolicyserver fetch: error: the real reason\n", NOW)]
+    failed = job(
+        failed=1,
+        conditions=[
+            {
+                "type": "Failed",
+                "status": "True",
+                "reason": "BackoffLimitExceeded",
+                "message": "Job has reached the specified backoff limit",
+            }
+        ],
+    )
+    pods = [
+        fetch_pod(1, "old", "2024-01-01T00:00:00Z"),
+        fetch_pod(code, "progress 10%\npolicyserver fetch: error: the real reason\n", NOW),
+    ]
     state = child_status.checkpoint_state(spec(), failed, pods, None)
     assert (state.phase, state.reason) == ("Failed", reason)
     assert "the real reason" in state.message
 
 
 def test_failed_job_without_pods_uses_the_job_message() -> None:
-    failed = job(conditions=[{"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
-                              "message": "Job was active longer than specified deadline"}])
+    failed = job(
+        conditions=[
+            {
+                "type": "Failed",
+                "status": "True",
+                "reason": "DeadlineExceeded",
+                "message": "Job was active longer than specified deadline",
+            }
+        ]
+    )
     state = child_status.checkpoint_state(spec(), failed, [], None)
     assert state.reason == "DeadlineExceeded" and "longer than specified deadline" in state.message
 
 
 def sts(generation: int = 2, spec_replicas: int = 2, **status: Any) -> dict[str, Any]:
-    return {"metadata": {"generation": generation, "labels": {C.LABEL_CHECKPOINT_KEY: "k"},
-                         "annotations": {C.ANNOTATION_TEMPLATE_HASH: "h"}},
-            "spec": {"replicas": spec_replicas}, "status": status}
+    return {
+        "metadata": {
+            "generation": generation,
+            "labels": {C.LABEL_CHECKPOINT_KEY: "k"},
+            "annotations": {C.ANNOTATION_TEMPLATE_HASH: "h"},
+        },
+        "spec": {"replicas": spec_replicas},
+        "status": status,
+    }
 
 
 def test_rollout_state_of_a_statefulset() -> None:
@@ -199,12 +280,27 @@ def test_rollout_state_of_a_statefulset() -> None:
 
 # --- rank_probe: /readyz ---------------------------------------------------------------------------------
 
+
 def readyz_body(ranks: list[bool], cfgp: int = 2) -> bytes:
-    return json.dumps({"ready": all(ranks), "world_size": len(ranks), "ranks_ready": sum(ranks),
-                       "layout": {"cfgp": cfgp, "dp": len(ranks) // cfgp, "world_size": len(ranks)},
-                       "ranks": [{"rank": i, "dp_index": i // cfgp, "cfg_index": i % cfgp,
-                                  "state": "serving" if ok else "loading", "age_s": 0.2, "ready": ok}
-                                 for i, ok in enumerate(ranks)]}).encode()
+    return json.dumps(
+        {
+            "ready": all(ranks),
+            "world_size": len(ranks),
+            "ranks_ready": sum(ranks),
+            "layout": {"cfgp": cfgp, "dp": len(ranks) // cfgp, "world_size": len(ranks)},
+            "ranks": [
+                {
+                    "rank": i,
+                    "dp_index": i // cfgp,
+                    "cfg_index": i % cfgp,
+                    "state": "serving" if ok else "loading",
+                    "age_s": 0.2,
+                    "ready": ok,
+                }
+                for i, ok in enumerate(ranks)
+            ],
+        }
+    ).encode()
 
 
 def test_parse_readyz() -> None:
@@ -257,8 +353,7 @@ def test_a_hung_pod_costs_one_timeout() -> None:
     listener.listen(8)  # accepts connections, never answers
     try:
         port = listener.getsockname()[1]
-        pods = [{"metadata": {"name": f"ps-{i}"}, "status": {"phase": "Running", "podIP": "127.0.0.1"}}
-                for i in (1, 0)]
+        pods = [{"metadata": {"name": f"ps-{i}"}, "status": {"phase": "Running", "podIP": "127.0.0.1"}} for i in (1, 0)]
         result = rank_probe.poll_pods(pods, port, 2, timeout=0.3)
         assert [p.name for p in result] == ["ps-0", "ps-1"]
         assert all(not p.ready and p.ranks_ready == 0 and "unreachable" in p.message for p in result)
@@ -267,13 +362,32 @@ def test_a_hung_pod_costs_one_timeout() -> None:
 
 
 def test_pod_messages_say_why_it_is_not_running() -> None:
-    init_failed = {"metadata": {"name": "ps-0"}, "status": {"phase": "Pending", "initContainerStatuses": [
-        {"name": manifests.VERIFY_CONTAINER, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-         "lastState": {"terminated": {"exitCode": 1, "message": "checkpoint /models/k: .complete.json missing\n"}}}]}}
+    init_failed = {
+        "metadata": {"name": "ps-0"},
+        "status": {
+            "phase": "Pending",
+            "initContainerStatuses": [
+                {
+                    "name": manifests.VERIFY_CONTAINER,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {
+                        "terminated": {"exitCode": 1, "message": "checkpoint /models/k: .complete.json missing\n"}
+                    },
+                }
+            ],
+        },
+    }
     h = rank_probe.pod_health(init_failed, 8000, 2)
     assert h.message == "verify-checkpoint: CrashLoopBackOff: checkpoint /models/k: .complete.json missing"
-    unscheduled = {"metadata": {"name": "ps-1"}, "status": {"phase": "Pending", "conditions": [
-        {"type": "PodScheduled", "status": "False", "message": "0/3 nodes have 2 free nvidia.com/gpu"}]}}
+    unscheduled = {
+        "metadata": {"name": "ps-1"},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "False", "message": "0/3 nodes have 2 free nvidia.com/gpu"}
+            ],
+        },
+    }
     assert "nvidia.com/gpu" in rank_probe.pod_health(unscheduled, 8000, 2).message
     going = {"metadata": {"name": "ps-2", "deletionTimestamp": NOW}, "status": {"phase": "Running"}}
     assert rank_probe.pod_health(going, 8000, 2).phase == "Terminating"
@@ -285,6 +399,7 @@ def test_pod_port_follows_the_pods_own_spec() -> None:
 
 
 # --- the plan -----------------------------------------------------------------------------------------
+
 
 def created(plan: pl.Plan) -> list[str]:
     return [f"{w.kind}/{w.name}" for w in plan.changes if w.event.reason == "Created"]
@@ -319,8 +434,11 @@ def test_plan_order_and_idempotence() -> None:
     again = pl.plan(s, OWNER, as_observed(second, observed), ready)
     assert again.changes == []
     # every pass still server-side applies what it owns, so a hand edit is put back
-    assert [(w.verb, w.kind) for w in again.writes] == [(pl.Verb.APPLY, "StatefulSet"), (pl.Verb.APPLY, "Service"),
-                                                        (pl.Verb.APPLY, "Service")]
+    assert [(w.verb, w.kind) for w in again.writes] == [
+        (pl.Verb.APPLY, "StatefulSet"),
+        (pl.Verb.APPLY, "Service"),
+        (pl.Verb.APPLY, "Service"),
+    ]
 
 
 def test_plan_keeps_the_old_checkpoint_serving_while_the_new_one_downloads() -> None:
@@ -355,8 +473,10 @@ def test_scaling_patches_replicas_not_the_template() -> None:
 def test_plan_refuses_objects_it_does_not_own() -> None:
     ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
     observed = as_observed(pl.plan(spec(), OWNER, pl.Observed(), ready))
-    observed.statefulset = {**observed.statefulset, "metadata": {**observed.statefulset["metadata"],
-                                                                   "ownerReferences": []}}
+    observed.statefulset = {
+        **observed.statefulset,
+        "metadata": {**observed.statefulset["metadata"], "ownerReferences": []},
+    }
     plan = pl.plan(spec(image="img:2"), OWNER, observed, ready)
     assert plan.problem.reason == Reason.NAME_CONFLICT and plan.writes == []
     foreign_pvc = pl.Observed(pvc={"metadata": {"name": "ps-cache", "labels": {}}})
@@ -367,8 +487,11 @@ def test_plan_refuses_objects_it_does_not_own() -> None:
 def test_retain_on_delete_releases_and_adopts_the_cache() -> None:
     pending = child_status.CheckpointState("Pending", "JobPending", "", "j")
     owned = as_observed(pl.plan(spec(), OWNER, pl.Observed(), pending))
-    [release] = [a for a in pl.plan(spec(storage={"retainOnDelete": True}), OWNER, owned, pending).writes
-                 if a.kind == "PersistentVolumeClaim"]
+    [release] = [
+        a
+        for a in pl.plan(spec(storage={"retainOnDelete": True}), OWNER, owned, pending).writes
+        if a.kind == "PersistentVolumeClaim"
+    ]
     assert release.body == {"metadata": {"ownerReferences": None}}
     retained = as_observed(pl.plan(spec(storage={"retainOnDelete": True}), OWNER, pl.Observed(), pending))
     assert "ownerReferences" not in retained.pvc["metadata"]
@@ -380,20 +503,24 @@ def test_existing_claim_is_never_created() -> None:
     s = spec(storage={"existingClaim": "shared"})
     plan = pl.plan(s, OWNER, pl.Observed(), child_status.checkpoint_state(s, None, [], None))
     assert created(plan) == [f"Job/ps-fetch-{s.checkpoint.key}"] and plan.problem.reason == "ClaimNotFound"
-    plan = pl.plan(s, OWNER, pl.Observed(pvc={"metadata": {"name": "shared"}}),
-                    child_status.checkpoint_state(s, None, [], None))
+    plan = pl.plan(
+        s, OWNER, pl.Observed(pvc={"metadata": {"name": "shared"}}), child_status.checkpoint_state(s, None, [], None)
+    )
     assert plan.problem is None
 
 
 def test_status_patch_is_minimal_and_drops_stale_keys() -> None:
     previous = {"phase": "Ready", "endpoint": "ws://x", "ready": "1/1", "kopfState": 1}
-    assert status_step.status_patch(previous, {"phase": "Ready", "endpoint": "ws://x", "ready": "1/1"}, full=True) is None
+    assert (
+        status_step.status_patch(previous, {"phase": "Ready", "endpoint": "ws://x", "ready": "1/1"}, full=True) is None
+    )
     patch = status_step.status_patch(previous, {"phase": "Degraded", "ready": "1/1"}, full=True)
     assert patch == {"phase": "Degraded", "endpoint": None}  # keys it does not own (kopfState) stay
     assert status_step.status_patch(previous, {"phase": "Failed"}, full=False) == {"phase": "Failed"}
 
 
 # --- RBAC and CLI ------------------------------------------------------------------------------------
+
 
 def test_rbac_covers_every_kind_the_client_touches() -> None:
     by_resource = {(r.api_group, r.resource): r for r in rbac.RULES}
@@ -411,8 +538,9 @@ def test_rbac_namespaced_vs_cluster_and_missing() -> None:
     assert "core/namespaces:list" in rbac.missing(namespaced, all_namespaces=True)
     assert rbac.missing([{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}], all_namespaces=True) == []
     short = [r for r in namespaced if r["resources"] != ["statefulsets"]]
-    assert rbac.missing(short, all_namespaces=False) == [f"apps/statefulsets:{v}" for v in
-                                                         ("get", "list", "watch", "create", "patch")]
+    assert rbac.missing(short, all_namespaces=False) == [
+        f"apps/statefulsets:{v}" for v in ("get", "list", "watch", "create", "patch")
+    ]
 
 
 def test_cli_arguments() -> None:
@@ -433,8 +561,10 @@ def test_a_500_about_the_request_body_is_a_rejection_not_a_retry() -> None:
     same body gets the same answer, so it must reach status as ApplyFailed instead of a 5 s retry loop."""
     from policy_operator.operator.kube import is_transient
 
-    duplicate = ('failed to create typed patch object (apps/v1, Kind=StatefulSet): .spec.template.spec.containers'
-                 '[name="server"].env: duplicate entries for key [name="HOME"]')
+    duplicate = (
+        "failed to create typed patch object (apps/v1, Kind=StatefulSet): .spec.template.spec.containers"
+        '[name="server"].env: duplicate entries for key [name="HOME"]'
+    )
     assert not is_transient(500, duplicate)
     assert is_transient(500, "etcdserver: request timed out") and is_transient(503, "")
     assert is_transient(409, "the object has been modified") and is_transient(429, "")
@@ -446,17 +576,25 @@ def test_an_apply_is_skipped_only_when_the_object_already_is_what_it_would_make(
     a changed body, or a hand edit (its author becomes a field manager), is."""
     from policy_operator.operator.kube import applied_hash, foreign_managers, unchanged, with_applied_hash
 
-    body = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "ps", "namespace": "ns"},
-            "spec": {"ports": [{"name": "ws", "port": 8000}]}}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "ps", "namespace": "ns"},
+        "spec": {"ports": [{"name": "ws", "port": 8000}]},
+    }
     stamped = with_applied_hash(body)
     assert applied_hash(stamped) == applied_hash(body)  # the annotation is not part of what it hashes
-    ours = [{"manager": C.FIELD_MANAGER, "operation": "Apply"},
-            {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status"}]
+    ours = [
+        {"manager": C.FIELD_MANAGER, "operation": "Apply"},
+        {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status"},
+    ]
     live = {**stamped, "metadata": {**stamped["metadata"], "managedFields": ours}}
     assert foreign_managers(live) == [] and unchanged(live, stamped)
     assert not unchanged(live, with_applied_hash({**body, "spec": {"ports": [{"name": "ws", "port": 9000}]}}))
-    edited = {**live, "metadata": {**live["metadata"], "managedFields": [*ours, {"manager": "kubectl-patch",
-                                                                              "operation": "Update"}]}}
+    edited = {
+        **live,
+        "metadata": {**live["metadata"], "managedFields": [*ours, {"manager": "kubectl-patch", "operation": "Update"}]},
+    }
     assert foreign_managers(edited) == ["kubectl-patch"] and not unchanged(edited, stamped)
     deleting = {**live, "metadata": {**live["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
     assert not unchanged(deleting, stamped) and not unchanged(None, stamped)

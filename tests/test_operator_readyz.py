@@ -13,10 +13,14 @@ pytestmark = pytest.mark.slow
 
 
 def test_poller_reads_every_rank_of_a_real_cfgp2_server(tiny_checkpoint: Path) -> None:
-    with serve_policy(tiny_checkpoint, "--cfgp", "2", "--dp", "1", "--guidance", "3.0", "--steps", "2",
-                      "--device", "cpu") as server:
-        pod = {"metadata": {"name": "ps-0"}, "status": {"phase": "Running", "podIP": server.host},
-               "spec": {"containers": [{"ports": [{"name": "ws", "containerPort": server.port}]}]}}
+    with serve_policy(
+        tiny_checkpoint, "--cfgp", "2", "--dp", "1", "--guidance", "3.0", "--steps", "2", "--device", "cpu"
+    ) as server:
+        pod = {
+            "metadata": {"name": "ps-0"},
+            "status": {"phase": "Running", "podIP": server.host},
+            "spec": {"containers": [{"ports": [{"name": "ws", "containerPort": server.port}]}]},
+        }
         result = rank_probe.pod_health(pod, 1, world_size=2, timeout=5)
         assert (result.ready, result.ranks_ready, result.world_size, result.message) == (True, 2, 2, "")
         assert [(r.rank, r.dp_index, r.cfg_index, r.ready) for r in result.ranks] == [(0, 0, 0, True), (1, 0, 1, True)]

@@ -57,8 +57,15 @@ def reference(tiny_checkpoint: Path) -> ReferencePolicy:
     return load(ReferencePolicy, tiny_checkpoint)
 
 
-def x_of(policy: Policy, seed: int = 3, *, obs_seed: int = 0, guidance: float = 3.0, mode: str = "sequential",
-         steps: int | None = STEPS) -> torch.Tensor:
+def x_of(
+    policy: Policy,
+    seed: int = 3,
+    *,
+    obs_seed: int = 0,
+    guidance: float = 3.0,
+    mode: str = "sequential",
+    steps: int | None = STEPS,
+) -> torch.Tensor:
     sample = policy.prepare(policy.example_observation(obs_seed))
     return sample_actions(policy, sample, [seed], steps=steps, guidance=guidance, mode=mode)  # type: ignore[arg-type]
 
@@ -81,8 +88,9 @@ def manual(policy: Policy, plan: list[bool], *, guidance: float = 3.0, seed: int
 
 # --- contexts are trees ------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["sequential", "batched"])
-def test_a_tree_context_samples_as_the_tensor_it_holds(reference: ReferencePolicy, tiny_checkpoint: Path,
-                                                       mode: str) -> None:
+def test_a_tree_context_samples_as_the_tensor_it_holds(
+    reference: ReferencePolicy, tiny_checkpoint: Path, mode: str
+) -> None:
     tree = load(TreeContextPolicy, tiny_checkpoint)
     assert torch.equal(x_of(tree, mode=mode), x_of(reference, mode=mode))
 
@@ -127,10 +135,10 @@ def test_a_policy_integrates_with_its_own_schedule(reference: ReferencePolicy, t
 
 
 # --- guidance interval -------------------------------------------------------------------------------
-@pytest.mark.parametrize(("cls", "plan"), [(EarlyGuidance, [True, True, False, False]),
-                                           (LateGuidance, [False, False, True, True])])
-def test_a_guidance_interval_guides_only_its_steps(tiny_checkpoint: Path, cls: type[Policy],
-                                                   plan: list[bool]) -> None:
+@pytest.mark.parametrize(
+    ("cls", "plan"), [(EarlyGuidance, [True, True, False, False]), (LateGuidance, [False, False, True, True])]
+)
+def test_a_guidance_interval_guides_only_its_steps(tiny_checkpoint: Path, cls: type[Policy], plan: list[bool]) -> None:
     policy = load(cls, tiny_checkpoint)
     assert list(policy.guided_steps(STEPS)) == plan
     x = x_of(policy)
@@ -148,9 +156,17 @@ def test_cfgp2_skips_unguided_steps_on_both_ranks_alike(tiny_checkpoint: Path, t
     classes = ["EarlyGuidance", "LateGuidance", "TreeContextPolicy"]
     port, out = free_port(), tmp_path / "x.pt"
     args = [str(port), str(tiny_checkpoint), str(STEPS), str(out), *(f"contract_policies:{c}" for c in classes)]
-    ranks = [subprocess.Popen([str(VENV_BIN / "python"), str(PLUGIN_DIR / "cfg_pair.py"), str(r), *args],
-                              env=subprocess_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [str(VENV_BIN / "python"), str(PLUGIN_DIR / "cfg_pair.py"), str(r), *args],
+            env=subprocess_env(),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     try:
         logs = [p.communicate(timeout=120)[0] for p in ranks]
     finally:
@@ -190,16 +206,36 @@ def test_builtin_declarations_match_their_classes() -> None:
         assert cls.has_unconditional is declared.has_unconditional, name
 
 
-@pytest.mark.parametrize(("flags", "words"), [
-    (["--policy", "lerobot", "--cfgp", "2"], "--policy lerobot has no unconditional branch"),
-    (["--policy", "lerobot", "--guidance", "3"], "guidance must be 1.0, got 3"),
-    (["--policy", "lerobot", "--cfgp", "2", "--dp", "2", "--guidance", "1.5"], "cfgp=2 has nothing to run"),
-], ids=["cfgp2", "guidance", "cfgp2-dp2"])
-def test_serve_refuses_guidance_for_a_policy_without_an_unconditional_branch(tmp_path: Path, flags: list[str],
-                                                                             words: str) -> None:
-    result = subprocess.run([str(VENV_BIN / "policyserver"), "serve", "--checkpoint", str(tmp_path / "none"),
-                             "--host", "127.0.0.1", "--port", "0", *flags], capture_output=True, text=True,
-                            timeout=60, env=subprocess_env(), cwd=tmp_path)
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--policy", "lerobot", "--cfgp", "2"], "--policy lerobot has no unconditional branch"),
+        (["--policy", "lerobot", "--guidance", "3"], "guidance must be 1.0, got 3"),
+        (["--policy", "lerobot", "--cfgp", "2", "--dp", "2", "--guidance", "1.5"], "cfgp=2 has nothing to run"),
+    ],
+    ids=["cfgp2", "guidance", "cfgp2-dp2"],
+)
+def test_serve_refuses_guidance_for_a_policy_without_an_unconditional_branch(
+    tmp_path: Path, flags: list[str], words: str
+) -> None:
+    result = subprocess.run(
+        [
+            str(VENV_BIN / "policyserver"),
+            "serve",
+            "--checkpoint",
+            str(tmp_path / "none"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=subprocess_env(),
+        cwd=tmp_path,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], result.stderr
@@ -242,4 +278,3 @@ def test_a_session_whose_shapes_change_starts_its_history_afresh(tiny_checkpoint
     history.extend("a", policy.prepare(small))
     stacked = history.extend("a", policy.prepare(big))
     assert stacked.tensors["camera0"].shape == (1, 2, 64, 64, 3)
-

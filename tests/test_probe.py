@@ -29,8 +29,13 @@ BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "
 
 def run_probe(*args: str, torch_blocked: bool = False, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     if torch_blocked:
-        argv = [sys.executable, "-c", BLOCK_TORCH + "from policy_operator.cli import main; sys.exit(main(sys.argv[1:]))",
-                "probe", *args]
+        argv = [
+            sys.executable,
+            "-c",
+            BLOCK_TORCH + "from policy_operator.cli import main; sys.exit(main(sys.argv[1:]))",
+            "probe",
+            *args,
+        ]
     else:
         argv = [str(VENV_BIN / "policyserver"), "probe", *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
@@ -56,6 +61,7 @@ def good_server(tiny_checkpoint: Path, token_file: Path):
 
 
 # --- against a real server ------------------------------------------------------------------
+
 
 def advertised_metadata(url: str, token: str | None = None) -> dict:
     """The metadata frame, read here independently of the probe."""
@@ -120,10 +126,12 @@ def test_probe_usage_errors_exit_2(tmp_path: Path) -> None:
 
 # --- against servers that answer wrongly ------------------------------------------------------
 
+
 def test_probe_fails_a_server_whose_actions_contain_nan_and_waits_for_it_to_load(tiny_checkpoint: Path) -> None:
     # started, not ready: the probe's retries carry it through refused connections and 503s to the real answer
-    with serve_policy(tiny_checkpoint, "--steps", "2", "--policy", "broken_actions_policy:NanActionsPolicy",
-                      wait="started") as server:
+    with serve_policy(
+        tiny_checkpoint, "--steps", "2", "--policy", "broken_actions_policy:NanActionsPolicy", wait="started"
+    ) as server:
         proc = run_probe(f"ws://127.0.0.1:{server.port}", "--retry-seconds", "150", "--timeout", "60", "--json")
         assert server.readyz().status == 200
     assert proc.returncode == ProbeExit.FAILED
@@ -136,7 +144,9 @@ def test_probe_fails_a_server_whose_actions_contain_nan_and_waits_for_it_to_load
 
 
 def test_probe_fails_a_server_whose_actions_do_not_have_the_advertised_shape(tiny_checkpoint: Path) -> None:
-    with serve_policy(tiny_checkpoint, "--steps", "2", "--policy", "broken_actions_policy:ShortActionsPolicy") as server:
+    with serve_policy(
+        tiny_checkpoint, "--steps", "2", "--policy", "broken_actions_policy:ShortActionsPolicy"
+    ) as server:
         proc = run_probe(server.url)
         horizon, dim = advertised_metadata(server.url)["action_shape"]
     assert proc.returncode == ProbeExit.FAILED
@@ -146,8 +156,14 @@ def test_probe_fails_a_server_whose_actions_do_not_have_the_advertised_shape(tin
 
 # --- against servers that misbehave at every step ----------------------------------------------
 
-GOOD_META = {"policy_name": "p", "action_shape": [4, 2], "image_size": 8, "max_cameras": 1, "joint_dim": 7,
-             "gripper_dim": 1}
+GOOD_META = {
+    "policy_name": "p",
+    "action_shape": [4, 2],
+    "image_size": 8,
+    "max_cameras": 1,
+    "joint_dim": 7,
+    "gripper_dim": 1,
+}
 
 
 def _pack(obj) -> bytes:
@@ -158,6 +174,7 @@ def _pack(obj) -> bytes:
 
 def _session(*replies, meta=GOOD_META):
     """A WebSocket session: ``meta`` (a frame, or an object to pack) on connect, then one reply per request."""
+
     def script(ws) -> None:
         ws.send(meta if isinstance(meta, (bytes, str)) else _pack(meta))
         for reply in replies:
@@ -167,6 +184,7 @@ def _session(*replies, meta=GOOD_META):
             else:
                 ws.send(reply if isinstance(reply, (bytes, str)) else _pack(reply))
         ws.recv()  # hold the connection until the probe leaves
+
     return script
 
 
@@ -181,8 +199,9 @@ RAW = {
     "HTTP 200 instead of an upgrade": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
     "HTTP 500 with a multi-line body": b"HTTP/1.1 500 Oops\r\nContent-Length: 36\r\n\r\nTraceback:\n  File x\n    raise Boom\nBoo",
     "half an upgrade answer": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n",
-    "an upgrade without the accept key": (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
-                                          b"Connection: Upgrade\r\n\r\n"),
+    "an upgrade without the accept key": (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    ),
     "never answers the upgrade": None,
 }
 SESSIONS = {
@@ -190,7 +209,7 @@ SESSIONS = {
     "metadata as a text frame": _session(meta="hello\nworld"),
     "metadata a list": _session(meta=[1, 2]),
     "metadata without action_shape": _session(meta={"policy_name": "p"}),
-    "metadata with absurd sizes": _session(meta={**GOOD_META, "joint_dim": 10 ** 12}),
+    "metadata with absurd sizes": _session(meta={**GOOD_META, "joint_dim": 10**12}),
     "closes after the metadata": _session(_close_1011),
     "reply not msgpack": _session(b"\x93\x01"),
     "reply a multi-line text frame": _session("invalid_observation: bad\nTraceback (most recent call last):\n  x"),
@@ -217,21 +236,32 @@ def test_probe_prints_one_line_and_exits_1_whatever_the_server_does(case: str) -
 
 # --- the checks themselves ----------------------------------------------------------------------
 
-META = {"policy_name": "p", "action_shape": [16, 8], "action_horizon": 16, "action_dim": 8, "image_size": 32,
-        "max_cameras": 2, "joint_dim": 7, "gripper_dim": 1}
+META = {
+    "policy_name": "p",
+    "action_shape": [16, 8],
+    "action_horizon": 16,
+    "action_dim": 8,
+    "image_size": 32,
+    "max_cameras": 2,
+    "joint_dim": 7,
+    "gripper_dim": 1,
+}
 
 
-@pytest.mark.parametrize(("change", "words"), [
-    ({"action_shape": None}, "'action_shape' must be"),
-    ({"action_shape": [16]}, "'action_shape' must be"),
-    ({"action_shape": [16, 0]}, "'action_shape' must be"),
-    ({"action_shape": [True, 8]}, "'action_shape' must be"),
-    ({"action_horizon": 10}, "'action_horizon' is 10"),
-    ({"image_size": 0}, "'image_size' must be an integer in 1..4096"),
-    ({"image_size": 5000}, "'image_size' must be an integer in 1..4096"),
-    ({"max_cameras": "2"}, "'max_cameras' must be"),
-    ({"joint_dim": 1.5}, "'joint_dim' must be"),
-])
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"action_shape": None}, "'action_shape' must be"),
+        ({"action_shape": [16]}, "'action_shape' must be"),
+        ({"action_shape": [16, 0]}, "'action_shape' must be"),
+        ({"action_shape": [True, 8]}, "'action_shape' must be"),
+        ({"action_horizon": 10}, "'action_horizon' is 10"),
+        ({"image_size": 0}, "'image_size' must be an integer in 1..4096"),
+        ({"image_size": 5000}, "'image_size' must be an integer in 1..4096"),
+        ({"max_cameras": "2"}, "'max_cameras' must be"),
+        ({"joint_dim": 1.5}, "'joint_dim' must be"),
+    ],
+)
 def test_metadata_checks_name_the_key(change: dict, words: str) -> None:
     meta = {**META, **change}
     with pytest.raises(probe.ProbeFailed, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
@@ -245,8 +275,11 @@ def test_canned_observation_passes_the_servers_own_validation() -> None:
     from policy_operator.runtime.policy.observation import parse_observation
 
     # the probe spells the keys itself (the observation module is behind torch's import); they must be the server's
-    assert (probe.IMAGE_KEY, probe.JOINT_KEY, probe.GRIPPER_KEY) == \
-        (observation.IMAGE_KEY, observation.JOINT_KEY, observation.GRIPPER_KEY)
+    assert (probe.IMAGE_KEY, probe.JOINT_KEY, probe.GRIPPER_KEY) == (
+        observation.IMAGE_KEY,
+        observation.JOINT_KEY,
+        observation.GRIPPER_KEY,
+    )
     assert probe.MAX_IMAGE_SIDE == observation.MAX_IMAGE_SIDE
 
     expect = probe.check_metadata(META)
@@ -258,15 +291,18 @@ def test_canned_observation_passes_the_servers_own_validation() -> None:
     assert all(np.array_equal(obs[k], again[k]) if isinstance(obs[k], np.ndarray) else obs[k] == again[k] for k in obs)
 
 
-@pytest.mark.parametrize(("reply", "words"), [
-    ("invalid_observation: missing key", "answered with an error: invalid_observation"),
-    ({"type": "error", "error": {"kind": "unavailable", "message": "draining"}}, "error: unavailable: draining"),
-    ({"server_timing": {}}, "no 'actions'"),
-    ({"actions": [[0.0] * 8] * 16}, "must be a float array, got list"),
-    ({"actions": np.zeros((16, 8), dtype=np.int32)}, "must be a float array, got <i4"),
-    ({"actions": np.zeros((8, 16), dtype=np.float32)}, "shape (8, 16)"),
-    ({"actions": np.full((16, 8), np.inf, dtype=np.float32)}, "128 non-finite value(s), first at (0, 0): inf"),
-])
+@pytest.mark.parametrize(
+    ("reply", "words"),
+    [
+        ("invalid_observation: missing key", "answered with an error: invalid_observation"),
+        ({"type": "error", "error": {"kind": "unavailable", "message": "draining"}}, "error: unavailable: draining"),
+        ({"server_timing": {}}, "no 'actions'"),
+        ({"actions": [[0.0] * 8] * 16}, "must be a float array, got list"),
+        ({"actions": np.zeros((16, 8), dtype=np.int32)}, "must be a float array, got <i4"),
+        ({"actions": np.zeros((8, 16), dtype=np.float32)}, "shape (8, 16)"),
+        ({"actions": np.full((16, 8), np.inf, dtype=np.float32)}, "128 non-finite value(s), first at (0, 0): inf"),
+    ],
+)
 def test_reply_checks(reply, words: str) -> None:
     with pytest.raises(probe.ProbeFailed) as exc:
         probe.check_reply(reply, probe.check_metadata(META))

@@ -41,8 +41,15 @@ def load(path: Path | str) -> ReferencePolicy:
     return ReferencePolicy.load(str(path), device=CPU)
 
 
-def actions(policy: ReferencePolicy, obs: dict[str, Any], seed: int = 0, *, guidance: float = 3.0,
-            mode: str = "sequential", steps: int = STEPS) -> np.ndarray:
+def actions(
+    policy: ReferencePolicy,
+    obs: dict[str, Any],
+    seed: int = 0,
+    *,
+    guidance: float = 3.0,
+    mode: str = "sequential",
+    steps: int = STEPS,
+) -> np.ndarray:
     x = sample_actions(policy, policy.prepare(obs), [seed], steps=steps, guidance=guidance, mode=mode)  # type: ignore[arg-type]
     return policy.postprocess(x)
 
@@ -98,8 +105,7 @@ def test_branches_have_the_same_cost(policy: ReferencePolicy, obs: dict[str, Any
     assert cond.shape == uncond.shape == (1, policy.cfg.context_tokens, policy.cfg.width)
 
 
-def test_guidance_one_is_plain_euler_on_the_conditional_branch(tiny_checkpoint: Path,
-                                                               obs: dict[str, Any]) -> None:
+def test_guidance_one_is_plain_euler_on_the_conditional_branch(tiny_checkpoint: Path, obs: dict[str, Any]) -> None:
     policy = load(tiny_checkpoint)
     guided = actions(policy, obs, 5, guidance=3.0)
     plain = actions(policy, obs, 5, guidance=1.0)
@@ -155,8 +161,9 @@ def test_every_input_changes_the_actions(policy: ReferencePolicy, obs: dict[str,
     assert np.array_equal(base, actions(policy, dict(obs, unknown_key="ignored", session_id="s")))
 
 
-def test_prepared_tensors_shared_between_requests_are_never_written(policy: ReferencePolicy,
-                                                                   obs: dict[str, Any]) -> None:
+def test_prepared_tensors_shared_between_requests_are_never_written(
+    policy: ReferencePolicy, obs: dict[str, Any]
+) -> None:
     """``present`` and the prompt's tokens are cached and shared by every request with that camera count and
     prompt: a batch, the sampler or a second prompt must leave the first request's copies as they were."""
     first = policy.prepare(obs)
@@ -183,16 +190,24 @@ def test_native_and_resized_images_both_work(policy: ReferencePolicy, obs: dict[
     # a larger frame is resized on the device: bilinear, rounded to bytes, as if the robot had sent it resized
     rng = np.random.default_rng(5)
     large = rng.integers(0, 256, size=(3 * s, 2 * s, 3), dtype=np.uint8)
-    resized = F.interpolate(torch.from_numpy(large).permute(2, 0, 1)[None].float(), size=(s, s), mode="bilinear",
-                            align_corners=False).round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0)
+    resized = (
+        F.interpolate(
+            torch.from_numpy(large).permute(2, 0, 1)[None].float(), size=(s, s), mode="bilinear", align_corners=False
+        )
+        .round()
+        .clamp(0, 255)
+        .to(torch.uint8)[0]
+        .permute(1, 2, 0)
+    )
     as_large, as_resized = (dict(obs, **{"observation/image": img}) for img in (large, resized.numpy()))
     assert policy.prepare(as_large).tensors[camera_key(0)].shape == (1, 3 * s, 2 * s, 3)
     assert np.array_equal(actions(policy, as_large), actions(policy, as_resized))
 
 
 # --- checkpoints ------------------------------------------------------------------------------
-def test_checkpoint_round_trip(tmp_path: Path, tiny_checkpoint: Path, policy: ReferencePolicy,
-                               obs: dict[str, Any]) -> None:
+def test_checkpoint_round_trip(
+    tmp_path: Path, tiny_checkpoint: Path, policy: ReferencePolicy, obs: dict[str, Any]
+) -> None:
     again = init_checkpoint(tmp_path / "again", "tiny", seed=0)
     assert sorted(p.name for p in again.iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE, MANIFEST_FILE])
     assert len(verify_checkpoint(again, hashes=True)) == 2
@@ -208,17 +223,21 @@ def test_action_normalisation_from_the_config(tmp_path: Path, policy: ReferenceP
     mean, std = [float(i) for i in range(8)], [2.0] * 8
     scaled = load(init_checkpoint(tmp_path / "norm", "tiny", seed=0, action_mean=mean, action_std=std))
     raw = actions(policy, obs, 4)
-    np.testing.assert_allclose(actions(scaled, obs, 4), raw * np.float32(2) + np.asarray(mean, np.float32),
-                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose(
+        actions(scaled, obs, 4), raw * np.float32(2) + np.asarray(mean, np.float32), rtol=0, atol=1e-6
+    )
 
 
 def test_load_policy_class_resolves_the_default_and_refuses_others() -> None:
     from policy_operator.serve_flags import DEFAULT_POLICY
 
     assert load_policy_class(DEFAULT_POLICY) is ReferencePolicy
-    for path, words in [("no-colon", "pkg.module:Class"), ("nosuch.module:X", "cannot import"),
-                        ("policy_operator.runtime.policy.reference:Nope", "cannot import"),
-                        ("policy_operator.runtime.policy.reference:PolicyConfig", "not a subclass")]:
+    for path, words in [
+        ("no-colon", "pkg.module:Class"),
+        ("nosuch.module:X", "cannot import"),
+        ("policy_operator.runtime.policy.reference:Nope", "cannot import"),
+        ("policy_operator.runtime.policy.reference:PolicyConfig", "not a subclass"),
+    ]:
         with pytest.raises(ValueError, match=words):
             load_policy_class(path)
 
@@ -236,32 +255,52 @@ def _edit_config(path: Path, **changes: Any) -> None:
     (path / CONFIG_FILE).write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize(("changes", "words"), [
-    ({"width": 32, "heads": 4}, "does not match"),
-    ({"depth": 3}, "does not match"),
-    ({"horizon": 8}, "does not match"),
-    ({"max_cameras": 1}, "does not match"),
-    ({"flavour": "vanilla"}, "unknown fields"),
-    ({"width": 65}, "not divisible by heads"),
-    ({"heads": 0}, "config.json"),
-    ({"patch_size": 0}, "config.json"),
-    ({"action_mean": [0.0, 1.0]}, "action_mean has 2 entries"),
-], ids=["width", "depth", "horizon", "cameras", "unknown-field", "heads-divisor", "zero-heads", "zero-patch",
-        "action-mean"])
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"width": 32, "heads": 4}, "does not match"),
+        ({"depth": 3}, "does not match"),
+        ({"horizon": 8}, "does not match"),
+        ({"max_cameras": 1}, "does not match"),
+        ({"flavour": "vanilla"}, "unknown fields"),
+        ({"width": 65}, "not divisible by heads"),
+        ({"heads": 0}, "config.json"),
+        ({"patch_size": 0}, "config.json"),
+        ({"action_mean": [0.0, 1.0]}, "action_mean has 2 entries"),
+    ],
+    ids=[
+        "width",
+        "depth",
+        "horizon",
+        "cameras",
+        "unknown-field",
+        "heads-divisor",
+        "zero-heads",
+        "zero-patch",
+        "action-mean",
+    ],
+)
 def test_config_and_weights_mismatch_is_a_checkpoint_error(broken: Path, changes: dict[str, Any], words: str) -> None:
     _edit_config(broken, **changes)
     with pytest.raises(CheckpointError, match=words):
         load(broken)
 
 
-@pytest.mark.parametrize(("damage", "words"), [
-    (lambda p: (p / CONFIG_FILE).unlink(), "config.json is missing"),
-    (lambda p: (p / WEIGHTS_FILE).unlink(), "model.safetensors is missing"),
-    (lambda p: (p / CONFIG_FILE).write_text("{not json"), "config.json"),
-    (lambda p: (p / CONFIG_FILE).write_text("[1, 2]"), "unknown fields"),
-    (lambda p: (p / WEIGHTS_FILE).write_bytes((p / WEIGHTS_FILE).read_bytes()[:5000]), "not a readable safetensors"),
-    (lambda p: (p / WEIGHTS_FILE).write_bytes(b""), "not a readable safetensors"),
-], ids=["no-config", "no-weights", "config-not-json", "config-not-a-map", "weights-truncated", "weights-empty"])
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        (lambda p: (p / CONFIG_FILE).unlink(), "config.json is missing"),
+        (lambda p: (p / WEIGHTS_FILE).unlink(), "model.safetensors is missing"),
+        (lambda p: (p / CONFIG_FILE).write_text("{not json"), "config.json"),
+        (lambda p: (p / CONFIG_FILE).write_text("[1, 2]"), "unknown fields"),
+        (
+            lambda p: (p / WEIGHTS_FILE).write_bytes((p / WEIGHTS_FILE).read_bytes()[:5000]),
+            "not a readable safetensors",
+        ),
+        (lambda p: (p / WEIGHTS_FILE).write_bytes(b""), "not a readable safetensors"),
+    ],
+    ids=["no-config", "no-weights", "config-not-json", "config-not-a-map", "weights-truncated", "weights-empty"],
+)
 def test_broken_checkpoint_is_a_checkpoint_error(broken: Path, damage: Any, words: str) -> None:
     damage(broken)
     with pytest.raises(CheckpointError, match=words):

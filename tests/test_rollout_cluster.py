@@ -37,9 +37,13 @@ from tests.support.servers import VENV_BIN
 if TYPE_CHECKING:
     from tests.support.control_plane import ControlPlane
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(600),
-              # a session outlives any one with-block here: it is dropped and reopened across pods
-              pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.cluster,
+    pytest.mark.timeout(600),
+    # a session outlives any one with-block here: it is dropped and reopened across pods
+    pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning"),
+]
 
 REPO = Path(__file__).resolve().parents[1]
 NS = "rollout-it"
@@ -115,12 +119,18 @@ class Client:
 
 
 @pytest.fixture(scope="module")
-def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, str]]:
+def cluster(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LocalCluster, str]]:
     import subprocess
 
     work = tmp_path_factory.mktemp("rollout-it")
-    subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "ckpt")],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "ckpt")],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     source = CheckpointServer(work / "src").start()
     lc = LocalCluster(control_plane, work / "cluster", NS, backoff_s=1.0, resync_s=0.5)
     lc.operator.probe_timeout_s = 0.5
@@ -157,10 +167,12 @@ class StatusWatch:
 
 def _operator_events(lc: LocalCluster, name: str, uid: str, since: str) -> list[dict[str, Any]]:
     """The Events the operator posted about the PolicyServer from ``since`` (RFC 3339) on, one per occurrence."""
-    return [e for e in lc.api.events(NS, involved_name=name)
-            if e["involvedObject"].get("uid") == uid
-            and (e.get("lastTimestamp") or e.get("eventTime") or "") >= since
-            for _ in range(int(e.get("count") or 1))]
+    return [
+        e
+        for e in lc.api.events(NS, involved_name=name)
+        if e["involvedObject"].get("uid") == uid and (e.get("lastTimestamp") or e.get("eventTime") or "") >= since
+        for _ in range(int(e.get("count") or 1))
+    ]
 
 
 def _now_rfc3339() -> str:
@@ -184,11 +196,20 @@ def test_a_session_held_across_a_rollout_loses_no_request(cluster: tuple[LocalCl
         lc.operator.settle(passes=3)  # what follows the first Ready (the cleanup Job) is not the rollout's
         since = _now_rfc3339()
         watch.thread.start()
-        lc.kubectl("patch", C.SHORT_NAME, name, "--type=merge", "-p", json.dumps({"spec": {"runtime": {"steps": steps}}}))
-        done = lc.wait_status(name, lambda s: s.get("observedGeneration") == generation + 1
-                              and s.get("phase") == C.PHASE_READY and len(s.get("pods") or []) == 1
-                              and all(p.get("revision") != old_revision for p in s.get("pods") or []),
-                              "rolled and Ready", WAIT_S)
+        lc.kubectl(
+            "patch", C.SHORT_NAME, name, "--type=merge", "-p", json.dumps({"spec": {"runtime": {"steps": steps}}})
+        )
+        done = lc.wait_status(
+            name,
+            lambda s: (
+                s.get("observedGeneration") == generation + 1
+                and s.get("phase") == C.PHASE_READY
+                and len(s.get("pods") or []) == 1
+                and all(p.get("revision") != old_revision for p in s.get("pods") or [])
+            ),
+            "rolled and Ready",
+            WAIT_S,
+        )
         sts = lc.get("apps/v1", "statefulsets", name) or {}
         assert sts["spec"]["replicas"] == 1 and C.ANNOTATION_SURGE not in sts["metadata"].get("annotations", {})
         before = robot.ok
@@ -203,13 +224,18 @@ def test_a_session_held_across_a_rollout_loses_no_request(cluster: tuple[LocalCl
     assert robot.reconnects == 1 and robot.ok > 6, (robot.reconnects, robot.steps_seen)
     assert len(done["pods"]) == 1
     world_size = int(done["ranksReady"].split("/")[1])  # one pod's ranks
-    above = [s for s in watch.samples if s != ("None", "None")
-             and not (_fraction(s[0]) <= (1, 1) and _fraction(s[1])[0] <= _fraction(s[1])[1] == world_size)]
+    above = [
+        s
+        for s in watch.samples
+        if s != ("None", "None")
+        and not (_fraction(s[0]) <= (1, 1) and _fraction(s[1])[0] <= _fraction(s[1])[1] == world_size)
+    ]
     assert watch.samples and not above, f"READY/RANKS above the desired count: {sorted(set(above))}"
     events = _operator_events(lc, name, uid, since)
     reasons = " ".join(e["reason"] for e in events)
     assert "SurgeComplete" in reasons and "surge:" in next(  # the new pod was Ready first
-        e["message"] for e in events if e["reason"] == "Updated"), reasons
+        e["message"] for e in events if e["reason"] == "Updated"
+    ), reasons
     # Updated, SurgeComplete, the phase there and back, Progressing there and back; Available's own transitions
     # (a starting pod is not RanksUnknown) are test_status_cluster's
     rollout = [e for e in events if not (e.get("message") or "").startswith(f"{C.COND_AVAILABLE}=")]
@@ -228,9 +254,13 @@ def _steps(lc: LocalCluster, name: str) -> int:
 def _server_pods(lc: LocalCluster, name: str) -> dict[str, tuple[str, int]]:
     """name -> (uid, restarts of the server container) of every server pod."""
     pods = lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
-    return {p["metadata"]["name"]: (p["metadata"]["uid"], sum(int(cs.get("restartCount") or 0) for cs in
-                                                             (p.get("status") or {}).get("containerStatuses") or []))
-            for p in pods}
+    return {
+        p["metadata"]["name"]: (
+            p["metadata"]["uid"],
+            sum(int(cs.get("restartCount") or 0) for cs in (p.get("status") or {}).get("containerStatuses") or []),
+        )
+        for p in pods
+    }
 
 
 def test_kubectl_set_env_is_removed_without_restarting_a_pod(cluster: tuple[LocalCluster, str]) -> None:
@@ -261,10 +291,19 @@ def test_a_service_port_edited_by_hand_is_put_back(cluster: tuple[LocalCluster, 
     lc, name = cluster
     lc.wait_status(name, lambda s: s.get("phase") == C.PHASE_READY, "Ready", WAIT_S)
     port = (lc.get("v1", "services", name) or {})["spec"]["ports"][0]["port"]
-    lc.kubectl("patch", "service", name, "--type=json",
-               "-p", json.dumps([{"op": "replace", "path": "/spec/ports/0/port", "value": 9999}]))
-    wait_for(lambda: [p["port"] for p in (lc.get("v1", "services", name) or {})["spec"]["ports"]] == [port], 60,
-             what=f"Service port {port} put back")
+    lc.kubectl(
+        "patch",
+        "service",
+        name,
+        "--type=json",
+        "-p",
+        json.dumps([{"op": "replace", "path": "/spec/ports/0/port", "value": 9999}]),
+    )
+    wait_for(
+        lambda: [p["port"] for p in (lc.get("v1", "services", name) or {})["spec"]["ports"]] == [port],
+        60,
+        what=f"Service port {port} put back",
+    )
     lc.api.wait_event(NS, name, "Warning", "Repaired", message="9999/TCP")
     lc.operator.settle(passes=3)
     status = lc.status(name)

@@ -88,4 +88,3 @@ def test_release_without_acquire_is_an_error() -> None:
     r = Router(2)
     with pytest.raises(RuntimeError):
         r.release(1)
-

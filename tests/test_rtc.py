@@ -65,18 +65,27 @@ BAD_ENTRIES = [
     ("both forms", {"prev_actions": chunk(), "executed": 2, "inference_delay": 1}, "exactly one of"),
     ("neither form", {"inference_delay": 1}, "exactly one of"),
     ("a wrong action dim", {"prev_actions": np.zeros((10, 7), np.float32), "inference_delay": 1}, "shape (h, 8)"),
-    ("more rows than the horizon", {"prev_actions": np.zeros((17, 8), np.float32), "inference_delay": 1},
-     "1 <= h <= 16"),
+    (
+        "more rows than the horizon",
+        {"prev_actions": np.zeros((17, 8), np.float32), "inference_delay": 1},
+        "1 <= h <= 16",
+    ),
     ("one dimension", {"prev_actions": np.zeros(8, np.float32), "inference_delay": 0}, "shape (h, 8)"),
     ("no rows", {"prev_actions": np.zeros((0, 8), np.float32), "inference_delay": 0}, "1 <= h <= 16"),
     ("a string array", {"prev_actions": np.array([["a"] * 8]), "inference_delay": 0}, "float array"),
     ("NaN", {"prev_actions": np.where(chunk() > 1, np.nan, chunk()), "inference_delay": 1}, "NaN or inf"),
     ("inf", {"prev_actions": np.where(chunk() > 1, np.inf, chunk()), "inference_delay": 1}, "NaN or inf"),
     ("beyond float32", {"prev_actions": np.full((4, 8), 1e300), "inference_delay": 1}, "NaN or inf"),
-    ("a horizon below the delay", {"prev_actions": chunk(), "inference_delay": 3, "execution_horizon": 2},
-     "execution_horizon must be in 3..10"),
-    ("a horizon beyond the actions", {"prev_actions": chunk(), "inference_delay": 3, "execution_horizon": 11},
-     "execution_horizon must be in 3..10"),
+    (
+        "a horizon below the delay",
+        {"prev_actions": chunk(), "inference_delay": 3, "execution_horizon": 2},
+        "execution_horizon must be in 3..10",
+    ),
+    (
+        "a horizon beyond the actions",
+        {"prev_actions": chunk(), "inference_delay": 3, "execution_horizon": 11},
+        "execution_horizon must be in 3..10",
+    ),
 ]
 
 
@@ -107,8 +116,10 @@ def test_support_follows_the_flag_and_the_policy() -> None:
     assert on.metadata() == {"mode": "guided", "max_inference_delay": 15, "forms": ["prev_actions", "executed"]}
     assert RtcSupport.of("inpaint", 40, 16, None).max_delay == 15
     assert RtcSupport.of("inpaint", 4, 16, None).max_delay == 4
-    for support, words in ((RtcSupport.of("off", None, 16, None), "--rtc off"),
-                           (RtcSupport.of("guided", None, 16, "policy x cannot map"), "policy x cannot map")):
+    for support, words in (
+        (RtcSupport.of("off", None, 16, None), "--rtc off"),
+        (RtcSupport.of("guided", None, 16, "policy x cannot map"), "policy x cannot map"),
+    ):
         assert support.metadata()["mode"] == "off"
         with pytest.raises(RequestError, match=words) as info:
             support.check()
@@ -132,14 +143,28 @@ def policy(checkpoint: Path) -> ReferencePolicy:
     return ReferencePolicy.load(str(checkpoint), device=torch.device("cpu"), dtype=torch.float32)
 
 
-def run(policy: ReferencePolicy, seeds: list[int], rtc: list[RtcConstraint | None] | None = None,
-        rtc_mode: str = "off", cfg_mode: str = "sequential", variants: list[int] | None = None,
-        steps: int = STEPS) -> torch.Tensor:
+def run(
+    policy: ReferencePolicy,
+    seeds: list[int],
+    rtc: list[RtcConstraint | None] | None = None,
+    rtc_mode: str = "off",
+    cfg_mode: str = "sequential",
+    variants: list[int] | None = None,
+    steps: int = STEPS,
+) -> torch.Tensor:
     """Final x of a batch: one request per seed, observation ``variants[i]`` (default: all the same)."""
     obs = [example_observation(PolicyConfig(), v, image_hw=(32, 32)) for v in (variants or [0] * len(seeds))]
     sample = collate([policy.prepare(o) for o in obs])
-    return sample_actions(policy, sample, seeds, steps=steps, guidance=3.0, mode=cfg_mode,  # type: ignore[arg-type]
-                          rtc_mode=rtc_mode, rtc=rtc)  # type: ignore[arg-type]
+    return sample_actions(
+        policy,
+        sample,
+        seeds,
+        steps=steps,
+        guidance=3.0,
+        mode=cfg_mode,  # type: ignore[arg-type]
+        rtc_mode=rtc_mode,
+        rtc=rtc,
+    )  # type: ignore[arg-type]
 
 
 def tails(policy: ReferencePolicy, seeds: list[int]) -> list[np.ndarray]:
@@ -181,8 +206,10 @@ def test_rtc_lowers_the_discontinuity_at_the_switch_over_50_seeds(policy: Refere
     for mode in ("off", rtc_mode):
         x = run(policy, seeds, constraints if mode != "off" else None, mode, steps=10)
         new = [policy.postprocess(row[None]) for row in x]
-        stats[mode] = (np.mean([boundary_jump(o[DELAY], n[DELAY]) for o, n in zip(old, new, strict=True)]),
-                       np.mean([np.abs(n[DELAY:len(o)] - o[DELAY:]).mean() for o, n in zip(old, new, strict=True)]))
+        stats[mode] = (
+            np.mean([boundary_jump(o[DELAY], n[DELAY]) for o, n in zip(old, new, strict=True)]),
+            np.mean([np.abs(n[DELAY : len(o)] - o[DELAY:]).mean() for o, n in zip(old, new, strict=True)]),
+        )
     (switch_off, gap_off), (switch_rtc, gap_rtc) = stats["off"], stats[rtc_mode]
     assert switch_rtc < 0.2 * switch_off, stats
     assert gap_rtc < 0.6 * gap_off, stats
@@ -190,12 +217,16 @@ def test_rtc_lowers_the_discontinuity_at_the_switch_over_50_seeds(policy: Refere
 
 @pytest.mark.parametrize("cfg_mode", ["sequential", "batched"])
 @pytest.mark.parametrize("rtc_mode", ["inpaint", "guided"])
-def test_a_batch_mixing_rtc_and_plain_rows_gives_each_row_its_own(policy: ReferencePolicy, cfg_mode: str,
-                                                                   rtc_mode: str) -> None:
+def test_a_batch_mixing_rtc_and_plain_rows_gives_each_row_its_own(
+    policy: ReferencePolicy, cfg_mode: str, rtc_mode: str
+) -> None:
     seeds, variants = [5, 6, 7], [0, 1, 2]
     old = tails(policy, seeds)
-    mixed = [RtcConstraint(policy.actions_to_model(old[0]), DELAY, len(old[0])), None,
-             RtcConstraint(policy.actions_to_model(old[2][:5]), 2, 4)]
+    mixed = [
+        RtcConstraint(policy.actions_to_model(old[0]), DELAY, len(old[0])),
+        None,
+        RtcConstraint(policy.actions_to_model(old[2][:5]), 2, 4),
+    ]
     x = run(policy, seeds, mixed, rtc_mode, cfg_mode, variants)
     plain = run(policy, seeds, None, "off", cfg_mode, variants)
     assert torch.equal(x[1], plain[1])  # a row without rtc: bitwise what the same batch computes without RTC
@@ -313,11 +344,13 @@ def test_a_server_answers_both_forms_and_fails_only_bad_entries(guided_server: P
         assert np.array_equal(full[:4], tail[:4]) and not np.array_equal(full[4], tail[4])
         short = np.asarray(ask(ws, meta, 3, {"executed": 5, "inference_delay": 3, "execution_horizon": 6})["actions"])
         assert np.array_equal(short[:3], full[5:8])  # the short form refers to the chunk received last
-        for entry, kind in (({"prev_actions": tail[:, :3], "inference_delay": 1}, "invalid_rtc"),
-                            ({"prev_actions": tail, "inference_delay": 16}, "invalid_rtc"),
-                            ({"prev_actions": tail, "inference_delay": 6}, "invalid_rtc"),  # over --rtc-max-delay
-                            ({"prev_actions": np.full_like(tail, np.nan), "inference_delay": 1}, "invalid_rtc"),
-                            ({"executed": 99, "inference_delay": 1}, "invalid_rtc")):
+        for entry, kind in (
+            ({"prev_actions": tail[:, :3], "inference_delay": 1}, "invalid_rtc"),
+            ({"prev_actions": tail, "inference_delay": 16}, "invalid_rtc"),
+            ({"prev_actions": tail, "inference_delay": 6}, "invalid_rtc"),  # over --rtc-max-delay
+            ({"prev_actions": np.full_like(tail, np.nan), "inference_delay": 1}, "invalid_rtc"),
+            ({"executed": 99, "inference_delay": 1}, "invalid_rtc"),
+        ):
             reply = ask(ws, meta, 4, entry)
             assert reply.get("type") == "error" and reply["error"]["kind"] == kind, reply
         again = np.asarray(ask(ws, meta, 3, {"executed": 5, "inference_delay": 3})["actions"])
@@ -331,8 +364,11 @@ def test_cfgp2_computes_what_cfgp1_computes_under_rtc(checkpoint: Path, guided_s
     def chunks(server: PolicyServerProcess) -> list[np.ndarray]:
         with session(server) as (ws, meta):
             first = np.asarray(ask(ws, meta, 7)["actions"])
-            return [first, np.asarray(ask(ws, meta, 8, {"prev_actions": first[5:], "inference_delay": 2})["actions"]),
-                    np.asarray(ask(ws, meta, 9, {"executed": 4, "inference_delay": 3})["actions"])]
+            return [
+                first,
+                np.asarray(ask(ws, meta, 8, {"prev_actions": first[5:], "inference_delay": 2})["actions"]),
+                np.asarray(ask(ws, meta, 9, {"executed": 4, "inference_delay": 3})["actions"]),
+            ]
 
     with serve_policy(checkpoint, "--cfgp", "2", "--rtc", "guided", "--rtc-max-delay", "5", *SERVE) as parallel:
         two = chunks(parallel)

@@ -128,10 +128,14 @@ def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
 
 
 # --- NaN actions ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("key,value", [
-    (JOINT_KEY, np.full(7, 3e38, np.float32)),
-    (GRIPPER_KEY, np.full(1, -1e30, np.float32)),
-], ids=["joints-3e38", "gripper-minus-1e30"])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        (JOINT_KEY, np.full(7, 3e38, np.float32)),
+        (GRIPPER_KEY, np.full(1, -1e30, np.float32)),
+    ],
+    ids=["joints-3e38", "gripper-minus-1e30"],
+)
 def test_finite_but_huge_state_is_refused_not_answered_with_nan(server, key: str, value: np.ndarray) -> None:
     with connection(server) as ws:
         reply = ask(ws, observation(**{key: value}))
@@ -176,8 +180,9 @@ def test_long_session_ids_are_refused_and_short_ones_stick(server) -> None:
 def serve_cli(checkpoint: Path, *args: str, timeout: float = 45) -> subprocess.CompletedProcess[str]:
     """``policyserver serve`` expected to refuse before it starts anything: a hang fails the test."""
     argv = [str(VENV_BIN / "policyserver"), "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1", *args]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -187,27 +192,31 @@ def serve_cli(checkpoint: Path, *args: str, timeout: float = 45) -> subprocess.C
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
-@pytest.mark.parametrize("args,flag", [
-    (["--heartbeat-s", "0"], "--heartbeat-s"),
-    (["--heartbeat-s", "-1"], "--heartbeat-s"),
-    (["--heartbeat-s", "nan"], "--heartbeat-s"),
-    (["--port", "70000"], "--port"),
-    (["--port", "-1"], "--port"),
-    (["--pg-timeout-s", "0"], "--pg-timeout-s"),
-    (["--drain-grace-s", "-1"], "--drain-grace-s"),
-    (["--max-message-bytes", "0"], "--max-message-bytes"),
-    (["--threads", "0"], "--threads"),
-    (["--max-batch", "0"], "--max-batch"),
-    (["--batch-window-ms", "-1"], "--batch-window-ms"),
-    (["--gil-switch-ms", "0"], "--gil-switch-ms"),
-    (["--gil-switch-ms", "inf"], "--gil-switch-ms"),
-    (["--max-connections", "0"], "--max-connections"),
-    (["--max-buffered-bytes", "1000"], "--max-buffered-bytes"),
-    (["--frame-read-timeout-s", "0"], "--frame-read-timeout-s"),
-    (["--latency-budget-ms", "0"], "--latency-budget-ms"),
-    (["--latency-budget-ms", "nan"], "--latency-budget-ms"),
-    (["--cfgp", "2", "--heartbeat-s", "0"], "--heartbeat-s"),
-], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["--heartbeat-s", "0"], "--heartbeat-s"),
+        (["--heartbeat-s", "-1"], "--heartbeat-s"),
+        (["--heartbeat-s", "nan"], "--heartbeat-s"),
+        (["--port", "70000"], "--port"),
+        (["--port", "-1"], "--port"),
+        (["--pg-timeout-s", "0"], "--pg-timeout-s"),
+        (["--drain-grace-s", "-1"], "--drain-grace-s"),
+        (["--max-message-bytes", "0"], "--max-message-bytes"),
+        (["--threads", "0"], "--threads"),
+        (["--max-batch", "0"], "--max-batch"),
+        (["--batch-window-ms", "-1"], "--batch-window-ms"),
+        (["--gil-switch-ms", "0"], "--gil-switch-ms"),
+        (["--gil-switch-ms", "inf"], "--gil-switch-ms"),
+        (["--max-connections", "0"], "--max-connections"),
+        (["--max-buffered-bytes", "1000"], "--max-buffered-bytes"),
+        (["--frame-read-timeout-s", "0"], "--frame-read-timeout-s"),
+        (["--latency-budget-ms", "0"], "--latency-budget-ms"),
+        (["--latency-budget-ms", "nan"], "--latency-budget-ms"),
+        (["--cfgp", "2", "--heartbeat-s", "0"], "--heartbeat-s"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
 def test_bad_serve_flags_are_one_line_and_exit_2(tiny_checkpoint, args: list[str], flag: str) -> None:
     res = serve_cli(tiny_checkpoint, *args)
     assert res.returncode == ServeExit.LAYOUT, res.stderr[-3000:]
@@ -232,6 +241,7 @@ def test_a_port_in_use_is_refused_before_any_rank_starts(tiny_checkpoint, layout
 def test_readyz_shows_states_and_reasons_but_no_pids_or_paths(tiny_checkpoint) -> None:
     bodies: list[str] = []
     with serve_policy(tiny_checkpoint, *FAST, wait="listening") as s:
+
         def ready() -> bool:
             r = s.readyz()
             bodies.append(r.text)
@@ -328,7 +338,9 @@ def test_cfg_peer_frozen_past_the_pg_timeout_fails_the_replica_instead_of_servin
                 statuses.append(s.readyz().status)
         reply = box.get("reply", {})
         kind = error_kind(reply)
-        assert "actions" not in reply and (kind in ("replica_failed", "replica_unavailable") or reply.get("closed")), box
+        assert "actions" not in reply and (kind in ("replica_failed", "replica_unavailable") or reply.get("closed")), (
+            box
+        )
 
         def gone() -> bool:
             try:

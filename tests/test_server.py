@@ -132,8 +132,9 @@ def test_server_computes_what_the_policy_computes(server: PolicyServerProcess, t
 
 
 # --- determinism --------------------------------------------------------------------------------
-def test_seed_determinism_across_requests_and_processes(server: PolicyServerProcess,
-                                                        dict_server: PolicyServerProcess) -> None:
+def test_seed_determinism_across_requests_and_processes(
+    server: PolicyServerProcess, dict_server: PolicyServerProcess
+) -> None:
     obs = observation(4, seed=123)
     with openpi_client(server) as client:
         a = client.infer(obs)["actions"]
@@ -180,31 +181,71 @@ BAD_INPUTS: list[tuple[str, Any, str, str]] = [
     ("not-msgpack", b"\xc1 this is not msgpack", "bad_frame", "not valid msgpack"),
     ("text-frame", "observation please", "bad_frame", "text frame"),
     ("not-a-dict", msgpack_numpy.packb([1, 2, 3]), "bad_frame", "must be a map"),
-    ("object-dtype", _raw_obs(**{"observation/joint_position": _array_map(dtype="|O", data=b"\x00" * 56)}),
-     "bad_frame", "unsupported dtype"),
-    ("buffer-length", _raw_obs(**{"observation/joint_position": _array_map(data=b"\x00" * 27)}),
-     "bad_frame", "needs 28 bytes, got 27"),
-    ("scalar-overflow", _raw_obs(seed={b"__npgeneric__": True, b"data": 2**64 - 1, b"dtype": "<i8"}),
-     "bad_frame", "not valid msgpack"),
+    (
+        "object-dtype",
+        _raw_obs(**{"observation/joint_position": _array_map(dtype="|O", data=b"\x00" * 56)}),
+        "bad_frame",
+        "unsupported dtype",
+    ),
+    (
+        "buffer-length",
+        _raw_obs(**{"observation/joint_position": _array_map(data=b"\x00" * 27)}),
+        "bad_frame",
+        "needs 28 bytes, got 27",
+    ),
+    (
+        "scalar-overflow",
+        _raw_obs(seed={b"__npgeneric__": True, b"data": 2**64 - 1, b"dtype": "<i8"}),
+        "bad_frame",
+        "not valid msgpack",
+    ),
     ("nested-1000-maps", _with_raw_entry("nested", NESTED_MAPS), "bad_frame", "maps and lists"),
     ("300-keys", _raw_obs(**{f"extra_{i}": i for i in range(300)}), "bad_frame", "exceeds max_map_len"),
-    ("missing-key", {k: v for k, v in observation().items() if k != "observation/joint_position"},
-     "invalid_observation", "missing key 'observation/joint_position'"),
-    ("wrong-dtype", observation(**{"observation/image": np.zeros((224, 224, 3), np.float32)}),
-     "invalid_observation", "'observation/image' must be uint8"),
-    ("wrong-shape", observation(**{"observation/joint_position": np.zeros(6, np.float32)}),
-     "invalid_observation", "'observation/joint_position' must have shape (7,)"),
-    ("nan-joints", observation(**{"observation/joint_position": NAN_JOINTS}),
-     "invalid_observation", "'observation/joint_position' contains NaN or inf"),
-    ("inf-joints", observation(**{"observation/joint_position": np.full(7, np.inf, np.float32)}),
-     "invalid_observation", "'observation/joint_position' contains NaN or inf"),
-    ("ragged-joints", observation(**{"observation/joint_position": [0.0, [1.0, 2.0]]}),
-     "invalid_observation", "'observation/joint_position' must be a flat list"),
+    (
+        "missing-key",
+        {k: v for k, v in observation().items() if k != "observation/joint_position"},
+        "invalid_observation",
+        "missing key 'observation/joint_position'",
+    ),
+    (
+        "wrong-dtype",
+        observation(**{"observation/image": np.zeros((224, 224, 3), np.float32)}),
+        "invalid_observation",
+        "'observation/image' must be uint8",
+    ),
+    (
+        "wrong-shape",
+        observation(**{"observation/joint_position": np.zeros(6, np.float32)}),
+        "invalid_observation",
+        "'observation/joint_position' must have shape (7,)",
+    ),
+    (
+        "nan-joints",
+        observation(**{"observation/joint_position": NAN_JOINTS}),
+        "invalid_observation",
+        "'observation/joint_position' contains NaN or inf",
+    ),
+    (
+        "inf-joints",
+        observation(**{"observation/joint_position": np.full(7, np.inf, np.float32)}),
+        "invalid_observation",
+        "'observation/joint_position' contains NaN or inf",
+    ),
+    (
+        "ragged-joints",
+        observation(**{"observation/joint_position": [0.0, [1.0, 2.0]]}),
+        "invalid_observation",
+        "'observation/joint_position' must be a flat list",
+    ),
     ("seed-type", observation(seed="7"), "invalid_observation", "'seed' must be an integer, got str"),
     ("seed-float", observation(seed=7.0), "invalid_observation", "'seed' must be an integer, got float"),
     ("prompt-type", observation(prompt=42), "invalid_observation", "'prompt' must be a string, got int"),
-    ("unicode-key", observation(**{"observation/wrist_image_" + "é" * 80: np.zeros((2, 2), np.uint8)}),
-     "invalid_observation", "must have shape (H, W, 3)"),
+    (
+        "unicode-key",
+        observation(**{"observation/wrist_image_" + "é" * 80: np.zeros((2, 2), np.uint8)}),
+        "invalid_observation",
+        "must have shape (H, W, 3)",
+    ),
 ]
 BAD_IDS = [case[0] for case in BAD_INPUTS]
 
@@ -234,8 +275,9 @@ def test_bad_input_text_mode(server: PolicyServerProcess, payload: Any, kind: st
 
 
 @pytest.mark.parametrize(("payload", "kind", "words"), [c[1:] for c in BAD_INPUTS], ids=BAD_IDS)
-def test_bad_input_dict_mode_keeps_the_connection(dict_server: PolicyServerProcess, payload: Any, kind: str,
-                                                  words: str) -> None:
+def test_bad_input_dict_mode_keeps_the_connection(
+    dict_server: PolicyServerProcess, payload: Any, kind: str, words: str
+) -> None:
     good = observation(5, seed=9)
     if isinstance(payload, dict):
         with openpi_client(dict_server) as client:
@@ -350,15 +392,21 @@ def test_probes_answer_while_an_inference_runs(held_server: PolicyServerProcess,
     thread = threading.Thread(target=request, daemon=True)
     thread.start()
     try:
-        s.wait_until(lambda: s.metric("policy_requests_in_flight") == 1 or "error" in box, timeout=60,
-                     what="the request to be in flight")
+        s.wait_until(
+            lambda: s.metric("policy_requests_in_flight") == 1 or "error" in box,
+            timeout=60,
+            what="the request to be in flight",
+        )
         assert "error" not in box, box.get("error")
         assert s.get(HEALTHZ_PATH, timeout=5).status == 200
         ready = s.get(READYZ_PATH, timeout=5)
         assert ready.status == 200 and ready.json()["in_flight"] == 1
         # warm -> serving is published with the next heartbeat (1 s), not at once (heartbeat.py)
-        s.wait_until(lambda: s.get(READYZ_PATH, timeout=5).json()["ranks"][0]["state"] == "serving", timeout=10,
-                     what="the rank to publish serving")
+        s.wait_until(
+            lambda: s.get(READYZ_PATH, timeout=5).json()["ranks"][0]["state"] == "serving",
+            timeout=10,
+            what="the rank to publish serving",
+        )
         assert s.metric("policy_requests_in_flight") == 1
         assert (s.metric("policy_connections") or 0) >= 1
         assert thread.is_alive() and "actions" not in box, "the request is held until the gate file exists"
@@ -369,7 +417,9 @@ def test_probes_answer_while_an_inference_runs(held_server: PolicyServerProcess,
     assert box["actions"].shape == ACTION_SHAPE
     after = s.metrics()
     assert after[("policy_requests_in_flight", ())] == 0
-    assert after[("policy_request_latency_seconds_count", ())] == before[("policy_request_latency_seconds_count", ())] + 1
+    assert (
+        after[("policy_request_latency_seconds_count", ())] == before[("policy_request_latency_seconds_count", ())] + 1
+    )
 
 
 def test_one_replica_serves_requests_one_at_a_time(held_server: PolicyServerProcess, tmp_path: Path) -> None:
@@ -426,8 +476,7 @@ def test_readyz_is_503_until_the_model_is_loaded_and_warm(tmp_path: Path, tiny_c
     shutil.copytree(tiny_checkpoint, tmp_path / "site" / "ckpt")
     with GatedCheckpointServer(tmp_path / "site") as site:
         source = site.url_for("ckpt/")
-        with serve_policy(source, "--steps", str(STEPS), "--cache-dir", str(tmp_path / "cache"),
-                          wait="listening") as s:
+        with serve_policy(source, "--steps", str(STEPS), "--cache-dir", str(tmp_path / "cache"), wait="listening") as s:
             s.wait_until(site.waiting.is_set, timeout=60, what="the checkpoint download to start")
             for _ in range(3):  # the download cannot finish while the gate is shut: no race here
                 r = s.readyz()
@@ -459,24 +508,36 @@ def auth_server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory)
         yield s
 
 
-@pytest.mark.parametrize("headers", [
-    None,
-    {"Authorization": "Bearer wrong-token"},
-    {"Authorization": "Api-Key wrong-token"},
-    {"Authorization": f"Basic {TOKEN}"},
-    {"Authorization": TOKEN},
-    {"Authorization": f"Bearer {TOKEN}x"},
-], ids=["none", "wrong-bearer", "wrong-api-key", "basic-scheme", "no-scheme", "token-prefix"])
-def test_auth_refuses_with_401_before_the_upgrade(auth_server: PolicyServerProcess,
-                                                  headers: dict[str, str] | None) -> None:
+@pytest.mark.parametrize(
+    "headers",
+    [
+        None,
+        {"Authorization": "Bearer wrong-token"},
+        {"Authorization": "Api-Key wrong-token"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": TOKEN},
+        {"Authorization": f"Bearer {TOKEN}x"},
+    ],
+    ids=["none", "wrong-bearer", "wrong-api-key", "basic-scheme", "no-scheme", "token-prefix"],
+)
+def test_auth_refuses_with_401_before_the_upgrade(
+    auth_server: PolicyServerProcess, headers: dict[str, str] | None
+) -> None:
     before = counter(auth_server, "policy_request_errors_total", kind="unauthorized")
     with pytest.raises(websockets.InvalidStatus) as refused:
         connect(auth_server.url, additional_headers=headers, open_timeout=10).close()
     assert refused.value.response.status_code == 401
     # the same request as plain HTTP: 401 with a JSON reason, never the upgrade
-    reply = auth_server.get("/", headers={**(headers or {}), "Connection": "Upgrade", "Upgrade": "websocket",
-                                          "Sec-WebSocket-Version": "13",
-                                          "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})
+    reply = auth_server.get(
+        "/",
+        headers={
+            **(headers or {}),
+            "Connection": "Upgrade",
+            "Upgrade": "websocket",
+            "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+        },
+    )
     assert reply.status == 401 and "token" in reply.json()["error"]
     assert counter(auth_server, "policy_request_errors_total", kind="unauthorized") == before + 2
 
@@ -509,8 +570,13 @@ def test_auth_bundled_client_with_token_file(auth_server: PolicyServerProcess) -
     from tests.support.servers import VENV_BIN, subprocess_env
 
     cmd = [str(VENV_BIN / "policyserver"), "client", "--url", auth_server.url, "--n", "2", "--json"]
-    ok = subprocess.run([*cmd, "--token-file", str(auth_server.token_file)],  # type: ignore[attr-defined]
-                        capture_output=True, text=True, timeout=120, env=subprocess_env())
+    ok = subprocess.run(
+        [*cmd, "--token-file", str(auth_server.token_file)],  # type: ignore[attr-defined]
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+    )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["requests"] == 2
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=subprocess_env())

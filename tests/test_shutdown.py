@@ -39,8 +39,16 @@ COMMON = ["--threads", "1", "--steps", "2", "--heartbeat-s", "0.5"]
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_a_drain_that_outlasts_its_grace_fails_the_request_and_exits_0(tiny_checkpoint, tmp_path, layout) -> None:
     never = tmp_path / "never-created"  # the held request would compute for HOLD_LIMIT_S (two minutes)
-    args = [*layout, *COMMON, "--policy", "held_policy:HeldPolicy", "--drain-grace-s", str(GRACE_S),
-            "--error-format", "dict"]
+    args = [
+        *layout,
+        *COMMON,
+        "--policy",
+        "held_policy:HeldPolicy",
+        "--drain-grace-s",
+        str(GRACE_S),
+        "--error-format",
+        "dict",
+    ]
     with serve_policy(tiny_checkpoint, *args) as server:
         with connect(server.url, compression=None, max_size=None, open_timeout=30) as ws:
             obs = robolab_observation(wire.unpackb(ws.recv(timeout=30)), 3, fixed_seed=5)
@@ -74,8 +82,9 @@ def test_sigterm_while_the_ranks_load_exits_0_at_once(tiny_checkpoint, tmp_path)
 
         def both_loading() -> bool:
             ranks = server.readyz().json()["ranks"]
-            return len(ranks) == 2 and all(r["state"] == "loading" and r["detail"] == "loading the policy"
-                                           for r in ranks)
+            return len(ranks) == 2 and all(
+                r["state"] == "loading" and r["detail"] == "loading the policy" for r in ranks
+            )
 
         server.wait_until(both_loading, timeout=90, what="both ranks loading the policy")
         signalled = time.monotonic()
@@ -96,8 +105,9 @@ def test_sigterm_as_the_ranks_start_exits_0(tiny_checkpoint) -> None:
     report a failure (exit 1).
     """
     with serve_policy(tiny_checkpoint, "--cfgp", "2", *COMMON, wait="started") as server:
-        server.wait_until(lambda: len(set(server.rank_pids().values()) - {server.pid}) == 2, timeout=60,
-                          what="both ranks started")
+        server.wait_until(
+            lambda: len(set(server.rank_pids().values()) - {server.pid}) == 2, timeout=60, what="both ranks started"
+        )
         signalled = time.monotonic()
         server.send_signal(signal.SIGTERM)
         code = server.wait_exit(timeout=60)

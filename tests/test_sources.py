@@ -24,11 +24,22 @@ def test_relative_names_inside_the_checkpoint_pass_unchanged(name: str) -> None:
     assert check_relpath(name) == name
 
 
-@pytest.mark.parametrize(("name", "why"), [
-    ("", "empty file name"), ("/etc/passwd", "absolute"), ("../x", "'..'"), ("a/../../x", "'..'"), ("..", "'..'"),
-    ("a\\b", "backslash"), ("..\\x", "backslash"), ("a//b", "empty or '.'"), ("a/", "empty or '.'"),
-    ("./a", "empty or '.'"), ("a/./b", "empty or '.'"),
-])
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("", "empty file name"),
+        ("/etc/passwd", "absolute"),
+        ("../x", "'..'"),
+        ("a/../../x", "'..'"),
+        ("..", "'..'"),
+        ("a\\b", "backslash"),
+        ("..\\x", "backslash"),
+        ("a//b", "empty or '.'"),
+        ("a/", "empty or '.'"),
+        ("./a", "empty or '.'"),
+        ("a/./b", "empty or '.'"),
+    ],
+)
 def test_names_that_leave_or_alias_the_checkpoint_are_refused(name: str, why: str) -> None:
     with pytest.raises(InvalidSource, match=why) as info:
         check_relpath(name)
@@ -36,8 +47,15 @@ def test_names_that_leave_or_alias_the_checkpoint_are_refused(name: str, why: st
 
 
 def test_sources_the_operator_accepts() -> None:
-    for source in ("hf://org/repo", "hf://org/repo@v1", "https://h/ckpt/", "http://h/f.bin", "s3://b/p/",
-                   "file:///data/ckpt", "/data/ckpt"):
+    for source in (
+        "hf://org/repo",
+        "hf://org/repo@v1",
+        "https://h/ckpt/",
+        "http://h/f.bin",
+        "s3://b/p/",
+        "file:///data/ckpt",
+        "/data/ckpt",
+    ):
         check_source(source)
     for source in ("gs://b/p", "hf://", "relative/path", "", "HF://org/repo"):
         with pytest.raises(InvalidSource, match="no supported scheme"):
@@ -49,8 +67,12 @@ def test_inline_and_separate_revisions_are_one_checkpoint() -> None:
     assert split_revision("hf://org/repo@v2", None) == ("hf://org/repo", "v2")
     assert split_revision("hf://org/repo@v2", "v2") == ("hf://org/repo", "v2")
     assert split_revision("https://user@host/ckpt/", None) == ("https://user@host/ckpt/", None)  # only hf:// has @rev
-    assert request_key("hf://org/repo@v2") == request_key("hf://org/repo", "v2") == checkpoint_key("hf://org/repo", "v2")
-    assert len({checkpoint_key("hf://org/repo"), checkpoint_key("hf://org/repo", "v2"), checkpoint_key("hf://org/x")}) == 3
+    assert (
+        request_key("hf://org/repo@v2") == request_key("hf://org/repo", "v2") == checkpoint_key("hf://org/repo", "v2")
+    )
+    assert (
+        len({checkpoint_key("hf://org/repo"), checkpoint_key("hf://org/repo", "v2"), checkpoint_key("hf://org/x")}) == 3
+    )
     assert all(len(k) == 16 and int(k, 16) >= 0 for k in (request_key("/data"), request_key("hf://a/b@c")))
     with pytest.raises(InvalidSource, match="empty revision"):
         request_key("hf://org/repo@")
@@ -80,14 +102,40 @@ def test_to_argv_reproduces_the_options() -> None:
 def test_managed_flags_are_serve_flags_the_operator_writes() -> None:
     fields = set(serve_flags.ServeOptions.__dataclass_fields__)
     assert set(serve_flags.MANAGED) <= fields
-    argv = serve_flags.managed_argv(checkpoint="/models/k", policy="m.p:P", port=8000, cfgp=2, dp=1, guidance=2.5, steps=8,
-                                    max_batch=4, batch_window_ms=0.5, device="cuda", auth_token_file=None,
-                                    drain_grace_s=20, latency_budget_ms=40.0, max_connections=64, rtc="guided",
-                                    rtc_max_delay=4)
+    argv = serve_flags.managed_argv(
+        checkpoint="/models/k",
+        policy="m.p:P",
+        port=8000,
+        cfgp=2,
+        dp=1,
+        guidance=2.5,
+        steps=8,
+        max_batch=4,
+        batch_window_ms=0.5,
+        device="cuda",
+        auth_token_file=None,
+        drain_grace_s=20,
+        latency_budget_ms=40.0,
+        max_connections=64,
+        rtc="guided",
+        rtc_max_delay=4,
+    )
     opts = parse_serve(argv)
     assert (opts.rtc, opts.rtc_max_delay) == ("guided", 4)
     assert opts.policy == "m.p:P"
-    assert (opts.checkpoint, opts.port, opts.cfgp, opts.dp, opts.guidance, opts.steps, opts.max_batch,
-            opts.batch_window_ms, opts.device, opts.auth_token_file, opts.drain_grace_s, opts.latency_budget_ms,
-            opts.max_connections) == ("/models/k", 8000, 2, 1, 2.5, 8, 4, 0.5, "cuda", None, 20.0, 40.0, 64)
+    assert (
+        opts.checkpoint,
+        opts.port,
+        opts.cfgp,
+        opts.dp,
+        opts.guidance,
+        opts.steps,
+        opts.max_batch,
+        opts.batch_window_ms,
+        opts.device,
+        opts.auth_token_file,
+        opts.drain_grace_s,
+        opts.latency_budget_ms,
+        opts.max_connections,
+    ) == ("/models/k", 8000, 2, 1, 2.5, 8, 4, 0.5, "cuda", None, 20.0, 40.0, 64)
     assert [a for a in argv if a.startswith("--")] == [f for f in serve_flags.MANAGED_FLAGS if f != "--auth-token-file"]

@@ -79,24 +79,34 @@ INVALID = [
     (base(checkpoint={"source": "hf://org/p@v1", "revision": "v2"}), "spec.checkpoint.revision"),
     (base(checkpoint={"source": "hf://org/p", "revision": ""}), "spec.checkpoint.revision"),
     (base(checkpoint={"source": "hf://org/p", "revision": "r" * 257}), "spec.checkpoint.revision"),
-    (base(checkpoint={"source": "hf://org/p", "sha256": {"model.safetensors": "abc"}}),
-     "spec.checkpoint.sha256.model.safetensors"),
+    (
+        base(checkpoint={"source": "hf://org/p", "sha256": {"model.safetensors": "abc"}}),
+        "spec.checkpoint.sha256.model.safetensors",
+    ),
     (base(checkpoint={"source": "hf://org/p", "sha256": {"../x": HEX}}), "spec.checkpoint.sha256"),
-    (base(checkpoint={"source": "hf://org/p", "sha256": {f"f{i}": HEX for i in range(257)}}),
-     "spec.checkpoint.sha256"),
-    (base(checkpoint={"source": "hf://org/p", "secretRef": {"name": "Bad_Name"}}),
-     "spec.checkpoint.secretRef.name"),
-    (base(checkpoint={"source": "hf://org/p", "secretRef": {"name": "t", "key": "a/b"}}),
-     "spec.checkpoint.secretRef.key"),
+    (base(checkpoint={"source": "hf://org/p", "sha256": {f"f{i}": HEX for i in range(257)}}), "spec.checkpoint.sha256"),
+    (base(checkpoint={"source": "hf://org/p", "secretRef": {"name": "Bad_Name"}}), "spec.checkpoint.secretRef.name"),
+    (
+        base(checkpoint={"source": "hf://org/p", "secretRef": {"name": "t", "key": "a/b"}}),
+        "spec.checkpoint.secretRef.key",
+    ),
     (base(checkpoint={"source": "hf://org/p", "secretRef": {"key": "t"}}), "spec.checkpoint.secretRef.name"),
-    (base(checkpoint={"source": "hf://org/p", "fetchJob": {"backoffLimit": -1}}),
-     "spec.checkpoint.fetchJob.backoffLimit"),
-    (base(checkpoint={"source": "hf://org/p", "fetchJob": {"backoffLimit": 21}}),
-     "spec.checkpoint.fetchJob.backoffLimit"),
-    (base(checkpoint={"source": "hf://org/p", "fetchJob": {"resources": {"limits": {"memory": "4 GB"}}}}),
-     "spec.checkpoint.fetchJob.resources.limits.memory"),
-    (base(checkpoint={"source": "hf://org/p", "fetchJob": {"env": [{"value": "x"}]}}),
-     "spec.checkpoint.fetchJob.env[0].name"),
+    (
+        base(checkpoint={"source": "hf://org/p", "fetchJob": {"backoffLimit": -1}}),
+        "spec.checkpoint.fetchJob.backoffLimit",
+    ),
+    (
+        base(checkpoint={"source": "hf://org/p", "fetchJob": {"backoffLimit": 21}}),
+        "spec.checkpoint.fetchJob.backoffLimit",
+    ),
+    (
+        base(checkpoint={"source": "hf://org/p", "fetchJob": {"resources": {"limits": {"memory": "4 GB"}}}}),
+        "spec.checkpoint.fetchJob.resources.limits.memory",
+    ),
+    (
+        base(checkpoint={"source": "hf://org/p", "fetchJob": {"env": [{"value": "x"}]}}),
+        "spec.checkpoint.fetchJob.env[0].name",
+    ),
     (base(resources={"limits": {C.GPU_RESOURCE: 4}}), "spec.resources.limits"),
     (base(resources={"requests": {C.GPU_RESOURCE: "1"}}), "spec.resources.requests"),
     (base(resources={"requests": {"cpu": "-1"}}), "spec.resources.requests.cpu"),
@@ -125,8 +135,10 @@ INVALID = [
     (base(runtime={"steps": 0}), "spec.runtime.steps"),
     (base(runtime={"guidance": -0.5}), "spec.runtime.guidance"),
     (base(runtime={"device": "tpu"}), "spec.runtime.device"),
-    (base(runtime={"env": [{"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}),
-     "spec.runtime.env[0].valueFrom"),
+    (
+        base(runtime={"env": [{"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}),
+        "spec.runtime.env[0].valueFrom",
+    ),
     (base(runtime={"env": [{"name": "1=A", "value": "1"}]}), "spec.runtime.env[0].name"),
     (base(replicas=-1), "spec.replicas"),
     (base(replicas="3"), "spec.replicas"),  # strict JSON types, as the apiserver's schema
@@ -173,10 +185,14 @@ def test_name_must_keep_every_child_name_valid(name: str) -> None:
 
 
 def test_batching_bounds_are_refused_with_the_bound_in_the_message() -> None:
-    assert str(refused(base(runtime={"batching": {"maxBatch": 300}}))) == \
-        f"spec.runtime.batching.maxBatch: Input should be less than or equal to {serve_flags.MAX_MAX_BATCH} (got 300)"
-    assert str(refused(base(runtime={"batching": {"windowMs": -1}}))) == \
-        "spec.runtime.batching.windowMs: Input should be greater than or equal to 0 (got -1)"
+    assert (
+        str(refused(base(runtime={"batching": {"maxBatch": 300}})))
+        == f"spec.runtime.batching.maxBatch: Input should be less than or equal to {serve_flags.MAX_MAX_BATCH} (got 300)"
+    )
+    assert (
+        str(refused(base(runtime={"batching": {"windowMs": -1}})))
+        == "spec.runtime.batching.windowMs: Input should be greater than or equal to 0 (got -1)"
+    )
     assert "unknown field" in str(refused(base(runtime={"maxBatch": 4})))  # it lives under runtime.batching
 
 
@@ -193,13 +209,17 @@ def test_an_unparseable_spec_is_a_spec_error_not_a_crash() -> None:
 
 # --- what is accepted, and what the operator derives from it ---------------------------------------
 
+
 def test_defaults_fill_an_empty_section() -> None:
     spec = parse(base())
     assert spec.to_api() == {
         "image": "registry.example/policy:1",
         "imagePullSecrets": [],
-        "checkpoint": {"source": "hf://org/policy", "sha256": {},
-                       "fetchJob": {"backoffLimit": 3, "ttlSecondsAfterFinished": 3600, "env": []}},
+        "checkpoint": {
+            "source": "hf://org/policy",
+            "sha256": {},
+            "fetchJob": {"backoffLimit": 3, "ttlSecondsAfterFinished": 3600, "env": []},
+        },
         "policy": {"type": "reference"},
         "parallelism": {"cfgp": 1, "dp": 1},
         "replicas": 1,
@@ -213,14 +233,18 @@ def test_defaults_fill_an_empty_section() -> None:
         "volumes": [],
         "volumeMounts": [],
         "maxGpusPerPod": 8,
-        "storage": {"mode": "shared", "size": "20Gi", "accessModes": [], "keepCheckpoints": 1,
-                    "retainOnDelete": False},
+        "storage": {"mode": "shared", "size": "20Gi", "accessModes": [], "keepCheckpoints": 1, "retainOnDelete": False},
         "service": {"type": "ClusterIP", "port": C.DEFAULT_PORT, "annotations": {}},
-        "runtime": {"batching": {"maxBatch": serve_flags.DEFAULT_MAX_BATCH,
-                                 "windowMs": serve_flags.DEFAULT_BATCH_WINDOW_MS},
-                    "rtc": {"mode": "off"},
-                    "extraArgs": [], "env": [], "drainGraceSeconds": 20, "startupTimeoutSeconds": 600,
-                    "device": "cuda", "maxConnections": serve_flags.DEFAULT_MAX_CONNECTIONS},
+        "runtime": {
+            "batching": {"maxBatch": serve_flags.DEFAULT_MAX_BATCH, "windowMs": serve_flags.DEFAULT_BATCH_WINDOW_MS},
+            "rtc": {"mode": "off"},
+            "extraArgs": [],
+            "env": [],
+            "drainGraceSeconds": 20,
+            "startupTimeoutSeconds": 600,
+            "device": "cuda",
+            "maxConnections": serve_flags.DEFAULT_MAX_CONNECTIONS,
+        },
         "auth": {},
     }
     assert PolicyServerSpec.model_validate(spec.to_api()) == PolicyServerSpec.model_validate(base())
@@ -231,40 +255,57 @@ def test_null_means_unset_as_the_apiserver_prunes_it() -> None:
 
 
 def test_derived_values() -> None:
-    spec = parse(base(parallelism={"cfgp": 2, "dp": 3}, replicas=2,
-                      checkpoint={"source": "hf://org/p@v2", "sha256": {"a/model.safetensors": HEX.upper()}},
-                      resources={"requests": {"cpu": 4, "memory": "16Gi"}}))
+    spec = parse(
+        base(
+            parallelism={"cfgp": 2, "dp": 3},
+            replicas=2,
+            checkpoint={"source": "hf://org/p@v2", "sha256": {"a/model.safetensors": HEX.upper()}},
+            resources={"requests": {"cpu": 4, "memory": "16Gi"}},
+        )
+    )
     assert (spec.name, spec.namespace) == ("ps", "robots")
     assert spec.layout == ParallelLayout(cfgp=2, dp=3) and spec.gpus_per_pod == 6
-    assert spec.checkpoint.key == request_key("hf://org/p", "v2") == parse(
-        base(checkpoint={"source": "hf://org/p", "revision": "v2"})).checkpoint.key
+    assert (
+        spec.checkpoint.key
+        == request_key("hf://org/p", "v2")
+        == parse(base(checkpoint={"source": "hf://org/p", "revision": "v2"})).checkpoint.key
+    )
     assert spec.checkpoint.path == f"{C.CACHE_MOUNT_PATH}/{spec.checkpoint.key}" and spec.checkpoint.is_hf
     assert spec.checkpoint.sha256 == {"a/model.safetensors": HEX}  # lower-cased, as the fetcher compares
     assert spec.resources.requests == {"cpu": "4", "memory": "16Gi"}  # quantities as the strings the API returns
     assert spec.access_modes == ("ReadWriteMany",)
     assert parse(base()).access_modes == ("ReadWriteOnce",)
-    assert parse(base(storage={"mode": "perPod", "accessModes": ["ReadWriteOncePod"]},
-                      replicas=3)).access_modes == ("ReadWriteOncePod",)
+    assert parse(base(storage={"mode": "perPod", "accessModes": ["ReadWriteOncePod"]}, replicas=3)).access_modes == (
+        "ReadWriteOncePod",
+    )
     assert parse(base(runtime={"device": "cpu"}, parallelism={"dp": 2})).gpus_per_pod == 0
 
 
-@pytest.mark.parametrize("spec", [
-    base(parallelism={"cfgp": 2, "dp": 8}, runtime={"guidance": 1.5}, maxGpusPerPod=16),
-    base(parallelism={"cfgp": 1, "dp": 16}, runtime={"guidance": 1.0}, maxGpusPerPod=16),
-    base(checkpoint={"source": "/srv/checkpoints/pi0"}, replicas=0),
-    base(checkpoint={"source": "file:///srv/ckpt"}, storage={"existingClaim": "shared-models"}),
-    base(checkpoint={"source": "s3://bucket/prefix/"}, runtime={"extraArgs": ["--heartbeat-s", "5"]}),
-    base(checkpoint={"source": "http://10.0.0.1/ckpt/", "secretRef": {"name": "tok", "key": "api.key"}}),
-    base(runtime={"extraArgs": ["--ports=1", "--dtype=bfloat16", "--cache-dir", "/tmp/c", "--policys", "m:C"]}),
-    base(resources={"requests": {"cpu": "500m", "memory": "1.5Gi", "ephemeral-storage": "1e9"}}),
-    base(tolerations=[{"key": C.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
-         affinity={"nodeAffinity": {}}, nodeSelector={"gpu": "h100"}),
-], ids=range(9))
+@pytest.mark.parametrize(
+    "spec",
+    [
+        base(parallelism={"cfgp": 2, "dp": 8}, runtime={"guidance": 1.5}, maxGpusPerPod=16),
+        base(parallelism={"cfgp": 1, "dp": 16}, runtime={"guidance": 1.0}, maxGpusPerPod=16),
+        base(checkpoint={"source": "/srv/checkpoints/pi0"}, replicas=0),
+        base(checkpoint={"source": "file:///srv/ckpt"}, storage={"existingClaim": "shared-models"}),
+        base(checkpoint={"source": "s3://bucket/prefix/"}, runtime={"extraArgs": ["--heartbeat-s", "5"]}),
+        base(checkpoint={"source": "http://10.0.0.1/ckpt/", "secretRef": {"name": "tok", "key": "api.key"}}),
+        base(runtime={"extraArgs": ["--ports=1", "--dtype=bfloat16", "--cache-dir", "/tmp/c", "--policys", "m:C"]}),
+        base(resources={"requests": {"cpu": "500m", "memory": "1.5Gi", "ephemeral-storage": "1e9"}}),
+        base(
+            tolerations=[{"key": C.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+            affinity={"nodeAffinity": {}},
+            nodeSelector={"gpu": "h100"},
+        ),
+    ],
+    ids=range(9),
+)
 def test_valid_variants_are_accepted(spec: dict[str, Any]) -> None:
     assert parse(copy.deepcopy(spec)).to_api()["image"] == spec["image"]
 
 
 # --- the CEL rules say what the runtime's own definitions say -----------------------------------------
+
 
 def _worker_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
@@ -293,8 +334,25 @@ def test_argparse_would_let_an_abbreviation_override_a_managed_flag() -> None:
     assert args.guidance == 1.0
 
 
-RELPATHS = ["model.safetensors", "a/b.json", "..a", "a..b/c", ".hidden", "", "/abs", "../x", "a/../b", "a/..",
-            "a//b", "a/", "./a", "a/./b", ".", "a\\b", "..\\x"]
+RELPATHS = [
+    "model.safetensors",
+    "a/b.json",
+    "..a",
+    "a..b/c",
+    ".hidden",
+    "",
+    "/abs",
+    "../x",
+    "a/../b",
+    "a/..",
+    "a//b",
+    "a/",
+    "./a",
+    "a/./b",
+    ".",
+    "a\\b",
+    "..\\x",
+]
 
 
 @pytest.mark.parametrize("name", RELPATHS)
@@ -307,8 +365,21 @@ def test_sha256_file_rule_is_the_fetchers_path_check(name: str) -> None:
     assert rule(S.CheckpointSpec, "self.all(f").holds({name: HEX}) == safe
 
 
-SOURCES = ["hf://org/repo", "hf://org/repo@v1", "https://h/ckpt/", "http://h/f.safetensors", "s3://b/p/",
-           "file:///srv/c", "/srv/c", "ftp://h/c", "relative", "hf://", "s3:/b", "HF://org/repo", "//h/c"]
+SOURCES = [
+    "hf://org/repo",
+    "hf://org/repo@v1",
+    "https://h/ckpt/",
+    "http://h/f.safetensors",
+    "s3://b/p/",
+    "file:///srv/c",
+    "/srv/c",
+    "ftp://h/c",
+    "relative",
+    "hf://",
+    "s3:/b",
+    "HF://org/repo",
+    "//h/c",
+]
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -330,17 +401,24 @@ def test_guidance_rule_is_the_layouts_check(cfgp: int, guidance: float) -> None:
     except LayoutError:
         runs = False
     verdict = rule(PolicyServerSpec, "self.runtime.guidance != 1.0").holds(
-        {"parallelism": {"cfgp": cfgp, "dp": 1}, "runtime": {"guidance": guidance}})
+        {"parallelism": {"cfgp": cfgp, "dp": 1}, "runtime": {"guidance": guidance}}
+    )
     assert verdict == runs
 
 
 def test_the_runtime_defaults_are_the_specs() -> None:
     runtime = parse(base()).runtime
     args = _worker_parser().parse_args(["--checkpoint", "/m"])
-    assert (runtime.guidance, runtime.steps, float(runtime.drain_grace_seconds)) == \
-        (args.guidance, args.steps, args.drain_grace_s)
+    assert (runtime.guidance, runtime.steps, float(runtime.drain_grace_seconds)) == (
+        args.guidance,
+        args.steps,
+        args.drain_grace_s,
+    )
     assert (runtime.batching.max_batch, runtime.batching.window_ms) == (args.max_batch, args.batch_window_ms)
-    assert (runtime.batching.latency_budget_ms, runtime.max_connections) == (args.latency_budget_ms, args.max_connections)
+    assert (runtime.batching.latency_budget_ms, runtime.max_connections) == (
+        args.latency_budget_ms,
+        args.max_connections,
+    )
     assert (runtime.rtc.mode, runtime.rtc.max_inference_delay) == (args.rtc, args.rtc_max_delay)
     assert parse(base()).policy.flag == args.policy
 
@@ -357,8 +435,11 @@ def test_policy_guidance_rules_are_the_runtimes_checks(policy: str, cfgp: int, g
         runs = True
     except LayoutError:
         runs = False
-    doc = {"policy": {"type": policy}, "parallelism": {"cfgp": cfgp, "dp": 1},
-           "runtime": {} if guidance is None else {"guidance": guidance}}
+    doc = {
+        "policy": {"type": policy},
+        "parallelism": {"cfgp": cfgp, "dp": 1},
+        "runtime": {} if guidance is None else {"guidance": guidance},
+    }
     rules = [r for r in PolicyServerSpec.cel_rules if "self.runtime.guidance" in r.rule or "self.policy" in r.rule]
     assert len(rules) == 3
     assert all(r.holds(doc) for r in rules) == runs
@@ -378,14 +459,27 @@ def test_policy_type_is_the_pods_policy_flag() -> None:
     assert spec.guidance is None  # an import's own: only a pod can tell whether it has an unconditional branch
 
 
-@pytest.mark.parametrize(("max_batch", "window_ms"), [
-    (0, 2.0), (1, 2.0), (serve_flags.MAX_MAX_BATCH, 2.0), (serve_flags.MAX_MAX_BATCH + 1, 2.0),
-    (8, -0.001), (8, 0.0), (8, 0.5), (8, float(S.MAX_BATCH_WINDOW_MS)), (8, S.MAX_BATCH_WINDOW_MS + 0.001),
-])
+@pytest.mark.parametrize(
+    ("max_batch", "window_ms"),
+    [
+        (0, 2.0),
+        (1, 2.0),
+        (serve_flags.MAX_MAX_BATCH, 2.0),
+        (serve_flags.MAX_MAX_BATCH + 1, 2.0),
+        (8, -0.001),
+        (8, 0.0),
+        (8, 0.5),
+        (8, float(S.MAX_BATCH_WINDOW_MS)),
+        (8, S.MAX_BATCH_WINDOW_MS + 0.001),
+    ],
+)
 def test_batching_bounds_are_the_runtimes_check(max_batch: int, window_ms: float) -> None:
     """spec.runtime.batching accepts exactly the --max-batch / --batch-window-ms values serve_flags.check_values does."""
-    opts = serve_flags.ServeOptions.from_args(_worker_parser().parse_args(
-        ["--checkpoint", "/m", "--max-batch", str(max_batch), "--batch-window-ms", str(window_ms)]))
+    opts = serve_flags.ServeOptions.from_args(
+        _worker_parser().parse_args(
+            ["--checkpoint", "/m", "--max-batch", str(max_batch), "--batch-window-ms", str(window_ms)]
+        )
+    )
     try:
         serve_flags.check_values(opts)
         runs = True
@@ -406,6 +500,7 @@ def test_an_integer_window_is_a_number() -> None:
 
 
 # --- spec.volumes: an allow-list of sources ---------------------------------------------------------
+
 
 def test_the_volume_source_lists_cover_kubernetes_volume_exactly() -> None:
     from policy_operator.operator.crd import kubernetes_definitions

@@ -55,8 +55,9 @@ class Env:
     def apply(self, doc: dict[str, Any]) -> None:
         self.lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
 
-    def wait(self, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,
-             timeout: float = WAIT_S) -> dict[str, Any]:
+    def wait(
+        self, name: str, predicate: Callable[[dict[str, Any]], Any], what: str, timeout: float = WAIT_S
+    ) -> dict[str, Any]:
         return self.lc.wait_status(name, predicate, what, timeout)
 
     def delete(self, name: str) -> None:
@@ -72,8 +73,12 @@ def env(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
     import subprocess
 
     work = tmp_path_factory.mktemp("status-it")
-    subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "ckpt")],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "ckpt")],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     source = CheckpointServer(work / "src").start()
     lc = LocalCluster(control_plane, work / "cluster", NS, backoff_s=1.0, resync_s=RESYNC_S, gpus=2)
     lc.operator.probe_timeout_s = 0.5
@@ -104,22 +109,41 @@ def test_a_rollout_watched_throughout_never_reads_ready_while_an_old_pod_serves(
         while not stop.is_set():
             status = env.lc.status(name)
             pods = env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
-            seen.append({"status": status,
-                         "revisions": {(p["metadata"].get("labels") or {}).get(C.LABEL_CONTROLLER_REVISION_HASH)
-                                       for p in pods}})
+            seen.append(
+                {
+                    "status": status,
+                    "revisions": {
+                        (p["metadata"].get("labels") or {}).get(C.LABEL_CONTROLLER_REVISION_HASH) for p in pods
+                    },
+                }
+            )
             stop.wait(0.05)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        env.lc.kubectl("patch", C.SHORT_NAME, name, "--type=merge", "-p", json.dumps({"spec": {"runtime": {"steps": 3}}}))
-        done = env.wait(name, lambda s: s.get("observedGeneration") == 2 and s.get("phase") == C.PHASE_READY
-                        and all(p.get("revision") != old_revision for p in s.get("pods") or []), "rolled and Ready")
+        env.lc.kubectl(
+            "patch", C.SHORT_NAME, name, "--type=merge", "-p", json.dumps({"spec": {"runtime": {"steps": 3}}})
+        )
+        done = env.wait(
+            name,
+            lambda s: (
+                s.get("observedGeneration") == 2
+                and s.get("phase") == C.PHASE_READY
+                and all(p.get("revision") != old_revision for p in s.get("pods") or [])
+            ),
+            "rolled and Ready",
+        )
 
         def claims_ready_now() -> list[dict[str, Any]]:
-            return [s for s in list(seen) if s["status"].get("observedGeneration") == 2
-                    and (s["status"].get("phase") == C.PHASE_READY
-                         or cond(s["status"], C.COND_READY).get("status") == "True")]
+            return [
+                s
+                for s in list(seen)
+                if s["status"].get("observedGeneration") == 2
+                and (
+                    s["status"].get("phase") == C.PHASE_READY or cond(s["status"], C.COND_READY).get("status") == "True"
+                )
+            ]
 
         # the watcher samples on its own clock: it must see the end the wait saw before it is stopped
         wait_for(claims_ready_now, 30, what="the watcher to see the end of the rollout")
@@ -131,13 +155,21 @@ def test_a_rollout_watched_throughout_never_reads_ready_while_an_old_pod_serves(
     assert claims_ready, "the watcher never saw the end of the rollout"
     for s in claims_ready:
         assert old_revision not in {p.get("revision") for p in s["status"].get("pods") or []}, s["status"]
-    rolling = [s["status"] for s in seen if s["status"].get("observedGeneration") == 2
-               and cond(s["status"], C.COND_PROGRESSING).get("reason") == "RollingOut"]
+    rolling = [
+        s["status"]
+        for s in seen
+        if s["status"].get("observedGeneration") == 2
+        and cond(s["status"], C.COND_PROGRESSING).get("reason") == "RollingOut"
+    ]
     assert rolling, "the rollout was never reported as RollingOut"
     assert all(cond(s, C.COND_READY)["status"] == "False" for s in rolling)
     # the new pod refuses connections while it starts: that is a pod starting, not /readyz cut off from the operator
-    unknown = [s["status"] for s in seen if cond(s["status"], C.COND_AVAILABLE).get("reason") == "RanksUnknown"
-               or any(p.get("ranksKnown") is False for p in s["status"].get("pods") or [])]
+    unknown = [
+        s["status"]
+        for s in seen
+        if cond(s["status"], C.COND_AVAILABLE).get("reason") == "RanksUnknown"
+        or any(p.get("ranksKnown") is False for p in s["status"].get("pods") or [])
+    ]
     assert not unknown, unknown[0]
     assert "RanksUnknown" not in {e.get("reason") for e in env.lc.api.events(NS, involved_name=name)}
     env.delete(name)
@@ -149,9 +181,12 @@ def test_a_crashing_template_reaches_the_progress_deadline_with_the_ranks_error(
     doc["spec"]["runtime"]["extraArgs"] = ["--dtype", "bogus"]
     env.apply(doc)
     # the deadline may pass while the pod still imports torch; once the rank has died its error is the detail
-    status = env.wait(name, lambda s: s.get("phase") == C.PHASE_FAILED
-                      and "bogus" in cond(s, C.COND_PROGRESSING).get("message", ""),
-                      "phase Failed after the deadline, with the rank's error", timeout=150)
+    status = env.wait(
+        name,
+        lambda s: s.get("phase") == C.PHASE_FAILED and "bogus" in cond(s, C.COND_PROGRESSING).get("message", ""),
+        "phase Failed after the deadline, with the rank's error",
+        timeout=150,
+    )
     progressing = cond(status, C.COND_PROGRESSING)
     assert (progressing["status"], progressing["reason"]) == ("False", "ProgressDeadlineExceeded"), progressing
     assert "bogus" in progressing["message"] and "server exited" in progressing["message"], progressing["message"]
@@ -162,18 +197,26 @@ def test_a_crashing_template_reaches_the_progress_deadline_with_the_ranks_error(
 
 
 def test_a_gpu_quota_refusal_is_in_status_as_failed_create(env: Env) -> None:
-    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-gpus", "namespace": NS},
-             "spec": {"hard": {f"requests.{C.GPU_RESOURCE}": "0"}}}
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-gpus", "namespace": NS},
+        "spec": {"hard": {f"requests.{C.GPU_RESOURCE}": "0"}},
+    }
     env.lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(quota))
-    wait_for(lambda: ((env.lc.get("v1", "resourcequotas", "no-gpus") or {}).get("status") or {}).get("hard"), 60,
-             what="the quota controller's status of the ResourceQuota")
+    wait_for(
+        lambda: ((env.lc.get("v1", "resourcequotas", "no-gpus") or {}).get("status") or {}).get("hard"),
+        60,
+        what="the quota controller's status of the ResourceQuota",
+    )
     name = "quota"
     doc = env.doc(name)
     doc["spec"]["runtime"]["device"] = "cuda"  # one nvidia.com/gpu per pod: more than the quota's 0
     try:
         env.apply(doc)
-        status = env.wait(name, lambda s: cond(s, C.COND_AVAILABLE).get("reason") == "FailedCreate",
-                          "Available=False FailedCreate")
+        status = env.wait(
+            name, lambda s: cond(s, C.COND_AVAILABLE).get("reason") == "FailedCreate", "Available=False FailedCreate"
+        )
         available = cond(status, C.COND_AVAILABLE)
         assert available["status"] == "False" and "exceeded quota" in available["message"], available
         assert C.GPU_RESOURCE in available["message"]
@@ -182,10 +225,14 @@ def test_a_gpu_quota_refusal_is_in_status_as_failed_create(env: Env) -> None:
         env.lc.api.wait_event(NS, name, "Warning", "FailedCreate")
 
         env.lc.kubectl("delete", "resourcequota", "no-gpus")  # lifted: the pod is created, the refusal leaves status
-        status = env.wait(name, lambda s: cond(s, C.COND_AVAILABLE).get("reason") not in ("FailedCreate", None)
-                          and env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},"
-                                                        f"{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}"),
-                          "the refusal gone once the pod exists")
+        status = env.wait(
+            name,
+            lambda s: (
+                cond(s, C.COND_AVAILABLE).get("reason") not in ("FailedCreate", None)
+                and env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+            ),
+            "the refusal gone once the pod exists",
+        )
         assert "exceeded quota" not in json.dumps(status["conditions"])
     finally:
         env.lc.kubectl("delete", "resourcequota", "no-gpus", "--ignore-not-found")
@@ -204,31 +251,48 @@ def test_a_fetch_pod_that_cannot_start_says_why_then_stalls_at_the_deadline(env:
     for doc in (secret, nobody, noclass):
         env.apply(doc)
 
-    status = env.wait("nosecret", lambda s: cond(s, C.COND_CHECKPOINT_READY).get("reason") == "FetchPodNotStarting"
-                      and "no-such-secret" in cond(s, C.COND_CHECKPOINT_READY)["message"],
-                      "CheckpointReady=False FetchPodNotStarting naming the Secret")
+    status = env.wait(
+        "nosecret",
+        lambda s: (
+            cond(s, C.COND_CHECKPOINT_READY).get("reason") == "FetchPodNotStarting"
+            and "no-such-secret" in cond(s, C.COND_CHECKPOINT_READY)["message"]
+        ),
+        "CheckpointReady=False FetchPodNotStarting naming the Secret",
+    )
     assert 'secret "no-such-secret" not found' in cond(status, C.COND_CHECKPOINT_READY)["message"]
     assert status["phase"] == C.PHASE_PENDING and status["checkpoint"]["phase"] == "Pending"
     assert (cond(status, C.COND_PROGRESSING)["status"], cond(status, C.COND_PROGRESSING)["reason"]) == (
-        "True", "FetchPodNotStarting")
+        "True",
+        "FetchPodNotStarting",
+    )
     env.lc.api.wait_event(NS, "nosecret", "Warning", "FetchPodNotStarting")
-    status = env.wait("noclass", lambda s: cond(s, C.COND_CHECKPOINT_READY).get("reason") == "Unschedulable",
-                      "CheckpointReady=False Unschedulable (the claim is not bound)")
+    status = env.wait(
+        "noclass",
+        lambda s: cond(s, C.COND_CHECKPOINT_READY).get("reason") == "Unschedulable",
+        "CheckpointReady=False Unschedulable (the claim is not bound)",
+    )
     assert "PersistentVolumeClaim" in cond(status, C.COND_CHECKPOINT_READY)["message"], status
     early = env.lc.status("noscheduler")
     assert "no-such-scheduler" in cond(early, C.COND_CHECKPOINT_READY).get("message", ""), early
 
     # nothing changes for spec.progressDeadlineSeconds: only a change fixes it (kstatus Stalled), said once
     for name, words in (("nosecret", "no-such-secret"), ("noscheduler", "no scheduler has taken it")):
-        status = env.wait(name, lambda s: cond(s, C.COND_STALLED).get("status") == "True",
-                          f"{name} Stalled past the deadline", timeout=deadline + 60)
+        status = env.wait(
+            name,
+            lambda s: cond(s, C.COND_STALLED).get("status") == "True",
+            f"{name} Stalled past the deadline",
+            timeout=deadline + 60,
+        )
         progressing = cond(status, C.COND_PROGRESSING)
         assert (progressing["status"], progressing["reason"]) == ("False", "ProgressDeadlineExceeded"), progressing
         assert words in progressing["message"] and status["phase"] == C.PHASE_FAILED, status
         env.lc.api.wait_event(NS, name, "Warning", "ProgressDeadlineExceeded")
     env.lc.operator.settle()
-    warnings = [(e.get("reason"), e.get("message")) for e in env.lc.api.events(NS, involved_name="nosecret")
-                if e.get("type") == "Warning"]
+    warnings = [
+        (e.get("reason"), e.get("message"))
+        for e in env.lc.api.events(NS, involved_name="nosecret")
+        if e.get("type") == "Warning"
+    ]
     reasons = [r for r, _ in warnings]
     assert {"FetchPodNotStarting", "ProgressDeadlineExceeded"} <= set(reasons), warnings
     assert len(reasons) == len(set(reasons)), f"a Warning per change, not per pass: {warnings}"
@@ -240,8 +304,12 @@ def test_an_apply_the_apiserver_always_refuses_is_stalled_with_its_message_not_r
     """Server-side apply answers 500 "duplicate entries" for a list-map key given twice: the same body gets the
     same answer, so it is ApplyFailed (Stalled) with the API's message, not a silent retry every 5 s."""
     name = "dupspread"
-    spread = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
-              "labelSelector": {"matchLabels": {C.LABEL_INSTANCE: name}}}
+    spread = {
+        "maxSkew": 1,
+        "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": {C.LABEL_INSTANCE: name}},
+    }
     env.apply(env.doc(name, topologySpreadConstraints=[spread, {**spread, "maxSkew": 2}]))
     status = env.wait(name, lambda s: cond(s, C.COND_STALLED).get("status") == "True", "Stalled")
     progressing = cond(status, C.COND_PROGRESSING)
@@ -258,16 +326,23 @@ def metric_samples(env: Env, name: str) -> list[tuple[dict[str, str], float]]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = env.lc.kubectl("get", "--raw", "/metrics").stdout
-    return [(dict(sample.labels), sample.value) for family in text_string_to_metric_families(text)
-            for sample in family.samples if sample.name == name]
+    return [
+        (dict(sample.labels), sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    ]
 
 
 def operator_requests(env: Env) -> float:
     """Requests the apiserver dispatched for ServiceAccounts outside kube-system: API Priority and Fairness' flow
     schema ``service-accounts``.  Only the operator runs as one here (the node and the tests are the admin, the
     controllers kube-system ServiceAccounts), so this is the operator's count, watches included."""
-    return sum(v for labels, v in metric_samples(env, "apiserver_flowcontrol_dispatched_requests_total")
-               if labels.get("flow_schema") == "service-accounts")
+    return sum(
+        v
+        for labels, v in metric_samples(env, "apiserver_flowcontrol_dispatched_requests_total")
+        if labels.get("flow_schema") == "service-accounts"
+    )
 
 
 def forbidden(env: Env) -> float:
@@ -279,18 +354,31 @@ def operator_as_service_account(env: Env, work: Path) -> OperatorProcess:
     from policy_operator.operator import rbac
 
     account = "policy-operator"
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": account},
-            "rules": rbac.policy_rules(all_namespaces=False)}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": account},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
-               "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": NS}]}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": account},
+        "rules": rbac.policy_rules(all_namespaces=False),
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": account},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": NS}],
+    }
     env.lc.kubectl("create", "serviceaccount", account)
     for obj in (role, binding):
         env.lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
     token = env.lc.kubectl("create", "token", account, "--duration=1h").stdout.strip()
     kubeconfig = env.lc.control_plane.kubeconfig_for_token(token, work / "operator-sa.kubeconfig")
-    return OperatorProcess({**env.lc.control_plane.env, "KUBECONFIG": str(kubeconfig)}, NS,
-                           work / "operator-sa.log", resync_s=RESYNC_S, probe_timeout_s=0.5)
+    return OperatorProcess(
+        {**env.lc.control_plane.env, "KUBECONFIG": str(kubeconfig)},
+        NS,
+        work / "operator-sa.log",
+        resync_s=RESYNC_S,
+        probe_timeout_s=0.5,
+    )
 
 
 def test_a_policyserver_at_rest_costs_no_api_request(env: Env, tmp_path: Path) -> None:

@@ -32,8 +32,12 @@ def at(seconds: int) -> str:
 
 
 def spec(**overrides: Any):
-    body: dict[str, Any] = {"image": "img:1", "checkpoint": {"source": "hf://org/p"}, "runtime": {"device": "cpu"},
-                            "storage": {"accessModes": ["ReadWriteMany"]}}  # valid for any replicas
+    body: dict[str, Any] = {
+        "image": "img:1",
+        "checkpoint": {"source": "hf://org/p"},
+        "runtime": {"device": "cpu"},
+        "storage": {"accessModes": ["ReadWriteMany"]},
+    }  # valid for any replicas
     body.update(overrides)
     return parse_spec(body, name="ps", namespace="ns")
 
@@ -41,21 +45,53 @@ def spec(**overrides: Any):
 CK_READY = CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, "done", "ps-fetch-k")
 
 
-def workload(*, desired: int = 2, rolling: bool = False, revision: str | None = "r2", failed_create: str = "",
-             template: str = "h2") -> WorkloadState:
-    return WorkloadState(exists=True, desired=desired, current=desired, rolling=rolling, serving_key="k",
-                         template_hash=template, update_revision=revision, updated=0, failed_create=failed_create)
+def workload(
+    *,
+    desired: int = 2,
+    rolling: bool = False,
+    revision: str | None = "r2",
+    failed_create: str = "",
+    template: str = "h2",
+) -> WorkloadState:
+    return WorkloadState(
+        exists=True,
+        desired=desired,
+        current=desired,
+        rolling=rolling,
+        serving_key="k",
+        template_hash=template,
+        update_revision=revision,
+        updated=0,
+        failed_create=failed_create,
+    )
 
 
 def pod(name: str, *, ready: bool, revision: str | None = "r2", world: int = 1, **extra: Any) -> rank_probe.PodHealth:
-    return rank_probe.PodHealth(name, "10.0.0.1", extra.pop("phase", "Running"), world, world if ready else 0, ready,
-                                revision=revision, **extra)
+    return rank_probe.PodHealth(
+        name, "10.0.0.1", extra.pop("phase", "Running"), world, world if ready else 0, ready, revision=revision, **extra
+    )
 
 
-def build(s, wl: WorkloadState, pods: list[rank_probe.PodHealth], *, previous: dict[str, Any] | None = None,
-          now: str = T0, checkpoint: CheckpointState = CK_READY, generation: int = 1) -> st.StatusUpdate:
-    update = st.build_status(s, checkpoint=checkpoint, workload=wl, pods=pods, service_exists=True,
-                             previous=previous, generation=generation, now=now)
+def build(
+    s,
+    wl: WorkloadState,
+    pods: list[rank_probe.PodHealth],
+    *,
+    previous: dict[str, Any] | None = None,
+    now: str = T0,
+    checkpoint: CheckpointState = CK_READY,
+    generation: int = 1,
+) -> st.StatusUpdate:
+    update = st.build_status(
+        s,
+        checkpoint=checkpoint,
+        workload=wl,
+        pods=pods,
+        service_exists=True,
+        previous=previous,
+        generation=generation,
+        now=now,
+    )
     PolicyServerStatus.model_validate(update.status)  # what the CRD's schema would admit
     return update
 
@@ -70,20 +106,43 @@ def reasons(update: st.StatusUpdate) -> dict[str, tuple[str, str]]:
 
 # --- rollouts ------------------------------------------------------------------------------------
 
-def sts(*, generation: int = 3, observed: int = 3, replicas: int = 2, updated: int = 2, current: str = "r2",
-        update: str = "r2", uid: str = "sts-uid") -> dict[str, Any]:
-    return {"metadata": {"generation": generation, "uid": uid, "labels": {C.LABEL_CHECKPOINT_KEY: "k"},
-                         "annotations": {C.ANNOTATION_TEMPLATE_HASH: "h2"}},
-            "spec": {"replicas": replicas},
-            "status": {"observedGeneration": observed, "replicas": replicas, "updatedReplicas": updated,
-                       "currentRevision": current, "updateRevision": update}}
+
+def sts(
+    *,
+    generation: int = 3,
+    observed: int = 3,
+    replicas: int = 2,
+    updated: int = 2,
+    current: str = "r2",
+    update: str = "r2",
+    uid: str = "sts-uid",
+) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "generation": generation,
+            "uid": uid,
+            "labels": {C.LABEL_CHECKPOINT_KEY: "k"},
+            "annotations": {C.ANNOTATION_TEMPLATE_HASH: "h2"},
+        },
+        "spec": {"replicas": replicas},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": replicas,
+            "updatedReplicas": updated,
+            "currentRevision": current,
+            "updateRevision": update,
+        },
+    }
 
 
-@pytest.mark.parametrize("statefulset", [
-    sts(observed=2),  # the controller has not even seen the new template
-    sts(updated=0, current="r1"),  # it has, and replaces pods
-    sts(updated=1, current="r1"),  # half way
-])
+@pytest.mark.parametrize(
+    "statefulset",
+    [
+        sts(observed=2),  # the controller has not even seen the new template
+        sts(updated=0, current="r1"),  # it has, and replaces pods
+        sts(updated=1, current="r1"),  # half way
+    ],
+)
 def test_old_pods_ready_mid_rollout_are_available_never_ready(statefulset: dict[str, Any]) -> None:
     wl = child_status.workload_state(statefulset, 2)
     assert wl.rolling and wl.update_revision == "r2"
@@ -108,8 +167,9 @@ def test_status_counts_that_lag_the_pods_still_need_every_pod_on_the_new_revisio
 
 
 def test_rolled_and_ready_is_ready_stable() -> None:
-    update = build(spec(replicas=2), child_status.workload_state(sts(), 2),
-                   [pod("ps-0", ready=True), pod("ps-1", ready=True)])
+    update = build(
+        spec(replicas=2), child_status.workload_state(sts(), 2), [pod("ps-0", ready=True), pod("ps-1", ready=True)]
+    )
     assert update.status["phase"] == C.PHASE_READY
     assert reasons(update)[C.COND_PROGRESSING] == ("False", "Stable")
     assert reasons(update)[C.COND_READY] == ("True", "ReplicasReady")
@@ -132,9 +192,13 @@ def test_ready_is_first_and_every_condition_meets_metav1_condition() -> None:
 def test_the_schema_refuses_what_metav1_condition_refuses() -> None:
     good = {"type": "Ready", "status": "True", "reason": "ReplicasReady", "message": "", "lastTransitionTime": T0}
     PolicyServerStatus.model_validate({"conditions": [good]})
-    for bad in ({**good, "reason": "has space"}, {**good, "reason": ""}, {**good, "status": "Maybe"},
-                {k: v for k, v in good.items() if k != "lastTransitionTime"},
-                {k: v for k, v in good.items() if k != "message"}):
+    for bad in (
+        {**good, "reason": "has space"},
+        {**good, "reason": ""},
+        {**good, "status": "Maybe"},
+        {k: v for k, v in good.items() if k != "lastTransitionTime"},
+        {k: v for k, v in good.items() if k != "message"},
+    ):
         with pytest.raises(ValueError):
             PolicyServerStatus.model_validate({"conditions": [bad]})
 
@@ -146,35 +210,50 @@ def test_invalid_spec_says_ready_false() -> None:
     assert by_type[C.COND_RECONCILING][0] == "False"
 
 
-@pytest.mark.parametrize(("phase", "available", "progressing", "expected"), [
-    (C.PHASE_READY, ("True", Reason.REPLICAS_READY), ("False", Reason.STABLE), ("True", "ReplicasReady")),
-    (C.PHASE_STARTING, ("True", Reason.PARTIALLY_READY), ("True", Reason.ROLLING_OUT), ("False", "RollingOut")),
-    (C.PHASE_FAILED, ("False", Reason.NO_REPLICAS_READY), ("False", Reason.PROGRESS_DEADLINE_EXCEEDED),
-     ("False", "ProgressDeadlineExceeded")),
-    (C.PHASE_PENDING, ("False", Reason.SCALED_TO_ZERO), ("False", Reason.STABLE), ("False", "ScaledToZero")),
-    (C.PHASE_DEGRADED, ("True", Reason.PARTIALLY_READY), ("False", Reason.REPLICAS_UNAVAILABLE),
-     ("False", "ReplicasUnavailable")),
-    # an apply the API server refused while the pods are fine: not Ready, and says why
-    (C.PHASE_READY, ("True", Reason.REPLICAS_READY), ("False", Reason.APPLY_FAILED), ("False", "ApplyFailed")),
-])
-def test_ready_condition_table(phase: str, available: tuple[str, Reason], progressing: tuple[str, Reason],
-                               expected: tuple[str, str]) -> None:
+@pytest.mark.parametrize(
+    ("phase", "available", "progressing", "expected"),
+    [
+        (C.PHASE_READY, ("True", Reason.REPLICAS_READY), ("False", Reason.STABLE), ("True", "ReplicasReady")),
+        (C.PHASE_STARTING, ("True", Reason.PARTIALLY_READY), ("True", Reason.ROLLING_OUT), ("False", "RollingOut")),
+        (
+            C.PHASE_FAILED,
+            ("False", Reason.NO_REPLICAS_READY),
+            ("False", Reason.PROGRESS_DEADLINE_EXCEEDED),
+            ("False", "ProgressDeadlineExceeded"),
+        ),
+        (C.PHASE_PENDING, ("False", Reason.SCALED_TO_ZERO), ("False", Reason.STABLE), ("False", "ScaledToZero")),
+        (
+            C.PHASE_DEGRADED,
+            ("True", Reason.PARTIALLY_READY),
+            ("False", Reason.REPLICAS_UNAVAILABLE),
+            ("False", "ReplicasUnavailable"),
+        ),
+        # an apply the API server refused while the pods are fine: not Ready, and says why
+        (C.PHASE_READY, ("True", Reason.REPLICAS_READY), ("False", Reason.APPLY_FAILED), ("False", "ApplyFailed")),
+    ],
+)
+def test_ready_condition_table(
+    phase: str, available: tuple[str, Reason], progressing: tuple[str, Reason], expected: tuple[str, str]
+) -> None:
     a = st.Condition(C.COND_AVAILABLE, available[0], available[1], "a")
     p = st.Condition(C.COND_PROGRESSING, progressing[0], progressing[1], "p")
     ready = st.ready_condition(phase, available=a, progressing=p, desired=2)
     assert (ready.status, str(ready.reason)) == expected
 
 
-@pytest.mark.parametrize(("ready", "scaled_to_zero", "reconciling", "stalled"), [
-    (("True", Reason.REPLICAS_READY), False, "False", "False"),
-    (("False", Reason.DOWNLOADING), False, "True", "False"),
-    (("False", Reason.FAILED_CREATE), False, "True", "False"),  # a quota may be lifted: still in progress
-    (("False", Reason.REPLICAS_UNAVAILABLE), False, "True", "False"),  # the kubelet restarts the pod
-    (("False", Reason.PROGRESS_DEADLINE_EXCEEDED), False, "False", "True"),
-    (("False", Reason.FAILED), False, "False", "True"),
-    (("False", Reason.NAME_CONFLICT), False, "False", "True"),
-    (("False", Reason.SCALED_TO_ZERO), True, "False", "False"),  # nothing to do: kstatus Current
-])
+@pytest.mark.parametrize(
+    ("ready", "scaled_to_zero", "reconciling", "stalled"),
+    [
+        (("True", Reason.REPLICAS_READY), False, "False", "False"),
+        (("False", Reason.DOWNLOADING), False, "True", "False"),
+        (("False", Reason.FAILED_CREATE), False, "True", "False"),  # a quota may be lifted: still in progress
+        (("False", Reason.REPLICAS_UNAVAILABLE), False, "True", "False"),  # the kubelet restarts the pod
+        (("False", Reason.PROGRESS_DEADLINE_EXCEEDED), False, "False", "True"),
+        (("False", Reason.FAILED), False, "False", "True"),
+        (("False", Reason.NAME_CONFLICT), False, "False", "True"),
+        (("False", Reason.SCALED_TO_ZERO), True, "False", "False"),  # nothing to do: kstatus Current
+    ],
+)
 def test_kstatus_conditions(ready: tuple[str, Reason], scaled_to_zero: bool, reconciling: str, stalled: str) -> None:
     got = st.kstatus_conditions(st.Condition(C.COND_READY, ready[0], ready[1], "m"), scaled_to_zero=scaled_to_zero)
     assert [(c.type, c.status) for c in got] == [(C.COND_RECONCILING, reconciling), (C.COND_STALLED, stalled)]
@@ -189,8 +268,10 @@ def test_scaled_to_zero_is_current_for_kstatus() -> None:
 
 # --- the progress deadline ------------------------------------------------------------------------
 
-CRASH = ("server exited 1 (Error): [rank0]: Traceback (most recent call last):\n"
-         "[rank0]:   File \"serve.py\", line 3\n[rank0]: ValueError: --dtype bogus")
+CRASH = (
+    "server exited 1 (Error): [rank0]: Traceback (most recent call last):\n"
+    '[rank0]:   File "serve.py", line 3\n[rank0]: ValueError: --dtype bogus'
+)
 
 
 def test_a_rollout_without_progress_hits_the_deadline_with_the_termination_message() -> None:
@@ -215,8 +296,9 @@ def test_a_rollout_without_progress_hits_the_deadline_with_the_termination_messa
     again = build(s, wl, crashing, previous=after.status, now=at(120))
     assert again.status["phase"] == C.PHASE_FAILED and again.status["lastProgressTime"] == T0
     # ... until the rollout moves: a new spec restarts the clock
-    fixed = build(s, workload(desired=1, rolling=True, template="h3"), crashing, previous=again.status,
-                  now=at(130), generation=2)
+    fixed = build(
+        s, workload(desired=1, rolling=True, template="h3"), crashing, previous=again.status, now=at(130), generation=2
+    )
     assert fixed.status["phase"] == C.PHASE_STARTING and fixed.status["lastProgressTime"] == at(130)
 
 
@@ -268,9 +350,17 @@ Root Cause (first observed failure):
 
 
 def test_the_ranks_error_is_found_under_torchruns_report() -> None:
-    p = {"status": {"containerStatuses": [{"name": "server", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                                           "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
-                                                                        "message": TORCHRUN_LOG}}}]}}
+    p = {
+        "status": {
+            "containerStatuses": [
+                {
+                    "name": "server",
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": TORCHRUN_LOG}},
+                }
+            ]
+        }
+    }
     tail = rank_probe.termination_tail(p)
     head, _, lines = tail.partition(": ")
     assert head == "server exited 1 (Error), rank 0 exit code 3"
@@ -280,9 +370,19 @@ def test_the_ranks_error_is_found_under_torchruns_report() -> None:
 
 def test_a_message_without_the_error_points_at_the_log_and_the_log_explains() -> None:
     noise = "\n".join(["2026-12-02 rank0 INFO websockets.server: HTTP response sent (503 Service Unavailable)"] * 20)
-    p = {"metadata": {"name": "ps-0"}, "status": {"phase": "Running", "containerStatuses": [
-        {"name": "server", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-         "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": noise}}}]}}
+    p = {
+        "metadata": {"name": "ps-0"},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "name": "server",
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": noise}},
+                }
+            ],
+        },
+    }
     text, ref = rank_probe.termination(p)
     assert ref == ("server", True) and text.startswith("server exited 1 (Error): ")
     health = rank_probe.pod_health(p, 8000, 1)
@@ -296,13 +396,31 @@ def test_a_message_without_the_error_points_at_the_log_and_the_log_explains() ->
 
 def test_termination_tail_keeps_the_last_lines() -> None:
     log = "\n".join(f"line {i}" for i in range(20)) + "\n"
-    p = {"status": {"containerStatuses": [{"name": "server", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                                           "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
-                                                                        "message": log}}}]}}
+    p = {
+        "status": {
+            "containerStatuses": [
+                {
+                    "name": "server",
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": log}},
+                }
+            ]
+        }
+    }
     tail = rank_probe.termination_tail(p)  # no error-looking line and no torchrun report: the last lines
     assert tail.startswith("server exited 1 (Error): line 15\n") and tail.endswith("line 19")
-    assert rank_probe.termination_tail({"status": {"containerStatuses": [
-        {"name": "server", "lastState": {"terminated": {"exitCode": 0, "message": "bye"}}}]}}) == ""
+    assert (
+        rank_probe.termination_tail(
+            {
+                "status": {
+                    "containerStatuses": [
+                        {"name": "server", "lastState": {"terminated": {"exitCode": 0, "message": "bye"}}}
+                    ]
+                }
+            }
+        )
+        == ""
+    )
 
 
 def test_the_server_container_falls_back_to_its_log_for_the_termination_message() -> None:
@@ -313,8 +431,10 @@ def test_the_server_container_falls_back_to_its_log_for_the_termination_message(
 
 # --- refused and unschedulable pods ---------------------------------------------------------------
 
-QUOTA = ('create Pod ps-0 in StatefulSet ps failed error: pods "ps-0" is forbidden: exceeded quota: gpus, '
-         'requested: requests.nvidia.com/gpu=1, used: requests.nvidia.com/gpu=0, limited: requests.nvidia.com/gpu=0')
+QUOTA = (
+    'create Pod ps-0 in StatefulSet ps failed error: pods "ps-0" is forbidden: exceeded quota: gpus, '
+    "requested: requests.nvidia.com/gpu=1, used: requests.nvidia.com/gpu=0, limited: requests.nvidia.com/gpu=0"
+)
 
 
 def event(message: str, when: str, uid: str = "sts-uid", reason: str = "FailedCreate") -> dict[str, Any]:
@@ -335,8 +455,13 @@ def test_failed_create_reads_the_newest_event_of_this_object_still_in_force() ->
     # a pod of before the refusal does not lift it (quota for one pod, two asked for)
     assert child_status.failed_create(owner, [event(QUOTA, at(5))], [k8s_pod("ps-0", at(2))]) == QUOTA
     # events.k8s.io series and eventTime (MicroTime) count as well
-    series = {"reason": "FailedCreate", "message": "s", "eventTime": "2026-01-01T00:00:01.500000Z",
-              "series": {"lastObservedTime": "2026-01-01T00:00:09.250000Z"}, "involvedObject": {"uid": "sts-uid"}}
+    series = {
+        "reason": "FailedCreate",
+        "message": "s",
+        "eventTime": "2026-01-01T00:00:01.500000Z",
+        "series": {"lastObservedTime": "2026-01-01T00:00:09.250000Z"},
+        "involvedObject": {"uid": "sts-uid"},
+    }
     assert child_status.failed_create(owner, [event(QUOTA, at(5)), series], [k8s_pod("ps-0", at(8))]) == "s"
 
 
@@ -361,15 +486,25 @@ def test_a_statefulset_short_of_pods_reports_the_refusal() -> None:
 def test_a_fetch_job_without_pods_reports_the_refusal() -> None:
     s = spec()
     job = {"metadata": {"name": "ps-fetch-k", "uid": "job-uid"}, "status": {}}
-    denied = ('Error creating: pods "ps-fetch-k-x" is forbidden: violates PodSecurity "restricted:latest": '
-              'runAsNonRoot != true')
+    denied = (
+        'Error creating: pods "ps-fetch-k-x" is forbidden: violates PodSecurity "restricted:latest": '
+        "runAsNonRoot != true"
+    )
     state = child_status.checkpoint_state(s, job, [], None, None, [event(denied, at(3), uid="job-uid")])
     assert (state.phase, state.reason) == (CheckpointPhase.PENDING, Reason.FAILED_CREATE)
     assert "PodSecurity" in state.message
     waiting = child_status.checkpoint_state(s, job, [], None, None, [])
     assert waiting.reason == Reason.JOB_PENDING
-    update = st.build_status(s, checkpoint=state, workload=WorkloadState(exists=False, desired=1, rolling=True),
-                             pods=[], service_exists=False, previous=None, generation=1, now=T0)
+    update = st.build_status(
+        s,
+        checkpoint=state,
+        workload=WorkloadState(exists=False, desired=1, rolling=True),
+        pods=[],
+        service_exists=False,
+        previous=None,
+        generation=1,
+        now=T0,
+    )
     assert update.status["phase"] == C.PHASE_PENDING
     assert reasons(update)[C.COND_CHECKPOINT_READY] == ("False", "FailedCreate")
     assert reasons(update)[C.COND_PROGRESSING] == ("True", "FailedCreate")
@@ -379,9 +514,13 @@ def test_a_fetch_job_without_pods_reports_the_refusal() -> None:
 
 def test_an_unschedulable_pod_is_pending_and_says_why() -> None:
     why = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
-    k8s = {"metadata": {"name": "ps-0", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: "r2"}},
-           "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
-                                                          "reason": "Unschedulable", "message": why}]}}
+    k8s = {
+        "metadata": {"name": "ps-0", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: "r2"}},
+        "status": {
+            "phase": "Pending",
+            "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why}],
+        },
+    }
     health = rank_probe.pod_health(k8s, 8000, 1)
     assert health.unschedulable == why and health.revision == "r2"
     update = build(spec(replicas=1), workload(desired=1, rolling=True), [health], previous={"phase": "Downloading"})
@@ -393,11 +532,17 @@ def test_an_unschedulable_pod_is_pending_and_says_why() -> None:
 
 # --- /readyz unreachable: the kubelet's view -------------------------------------------------------
 
+
 def kubelet_pod(ready: bool, port: int) -> dict[str, Any]:
-    return {"metadata": {"name": "ps-0", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: "r2"}},
-            "spec": {"containers": [{"ports": [{"name": C.PORT_NAME, "containerPort": port}]}]},
-            "status": {"phase": "Running", "podIP": "127.0.0.1",
-                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    return {
+        "metadata": {"name": "ps-0", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: "r2"}},
+        "spec": {"containers": [{"ports": [{"name": C.PORT_NAME, "containerPort": port}]}]},
+        "status": {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
 
 
 def test_unreachable_readyz_falls_back_to_the_kubelet_and_says_ranks_unknown() -> None:
@@ -408,12 +553,18 @@ def test_unreachable_readyz_falls_back_to_the_kubelet_and_says_ranks_unknown() -
     down = rank_probe.pod_health(kubelet_pod(False, port), port, 2, timeout=1)
     assert not down.ready and down.ranks_text == "0/2"  # both views agree it does not serve
 
-    up = build(spec(replicas=1, parallelism={"cfgp": 2}, runtime={"device": "cpu", "guidance": 3.0}),
-               workload(desired=1), [ready])
+    up = build(
+        spec(replicas=1, parallelism={"cfgp": 2}, runtime={"device": "cpu", "guidance": 3.0}),
+        workload(desired=1),
+        [ready],
+    )
     assert up.status["phase"] == C.PHASE_READY and up.status["ranksReady"] == "2/2"
     assert reasons(up)[C.COND_AVAILABLE] == ("True", "RanksUnknown")
-    starting = build(spec(replicas=1, parallelism={"cfgp": 2}, runtime={"device": "cpu", "guidance": 3.0}),
-                     workload(desired=1, rolling=True), [down])
+    starting = build(
+        spec(replicas=1, parallelism={"cfgp": 2}, runtime={"device": "cpu", "guidance": 3.0}),
+        workload(desired=1, rolling=True),
+        [down],
+    )
     assert starting.status["ranksReady"] == "0/2"
     assert reasons(starting)[C.COND_AVAILABLE] == ("False", "NoReplicasReady")
 
@@ -428,9 +579,13 @@ def test_a_starting_pod_that_refuses_connections_is_starting_not_ranks_unknown()
     serving = pod("ps-0", ready=True, revision="r1")
     s = spec(replicas=1, parallelism={"cfgp": 2}, runtime={"device": "cpu", "guidance": 3.0})
     before = build(s, workload(desired=1), [dataclasses.replace(serving, world_size=2, ranks_ready=2)])
-    rolling = build(s, workload(desired=1, rolling=True),
-                    [dataclasses.replace(serving, world_size=2, ranks_ready=2),
-                     dataclasses.replace(starting, name="ps-1")], previous=before.status, now=at(5))
+    rolling = build(
+        s,
+        workload(desired=1, rolling=True),
+        [dataclasses.replace(serving, world_size=2, ranks_ready=2), dataclasses.replace(starting, name="ps-1")],
+        previous=before.status,
+        now=at(5),
+    )
     assert reasons(rolling)[C.COND_AVAILABLE] == ("True", "ReplicasReady")
     assert "ranks unknown" not in cond(rolling, C.COND_AVAILABLE)["message"]
     assert not [e for e in rolling.events if e.reason == "RanksUnknown"]
@@ -457,27 +612,51 @@ def test_a_server_that_lost_its_pods_stays_replicas_unavailable_until_one_is_bac
 
 # --- a fetch pod that does not start ---------------------------------------------------------------
 
-def fetch_pod(*, created: str = T0, conditions: list[dict[str, Any]] | None = None,
-              waiting: dict[str, Any] | None = None, scheduler: str | None = None) -> dict[str, Any]:
+
+def fetch_pod(
+    *,
+    created: str = T0,
+    conditions: list[dict[str, Any]] | None = None,
+    waiting: dict[str, Any] | None = None,
+    scheduler: str | None = None,
+) -> dict[str, Any]:
     spec_: dict[str, Any] = {"schedulerName": scheduler} if scheduler else {}
     status: dict[str, Any] = {"phase": "Pending", "conditions": conditions or []}
     if waiting is not None:
         status["containerStatuses"] = [{"name": manifests.FETCH_CONTAINER, "state": {"waiting": waiting}}]
-    return {"metadata": {"name": "ps-fetch-k-abc", "uid": "pod-uid", "creationTimestamp": created},
-            "spec": spec_, "status": status}
+    return {
+        "metadata": {"name": "ps-fetch-k-abc", "uid": "pod-uid", "creationTimestamp": created},
+        "spec": spec_,
+        "status": status,
+    }
 
 
 ACTIVE_JOB = {"metadata": {"name": "ps-fetch-k", "uid": "job-uid"}, "status": {"active": 1}}
 
 
 def fetch_state(s, pod_: dict[str, Any], *, now: int = 5, events: list[dict[str, Any]] | None = None):
-    return child_status.checkpoint_state(s, ACTIVE_JOB, [pod_], None, None, events or [],
-                                         now=datetime.datetime.fromisoformat(at(now).replace("Z", "+00:00")))
+    return child_status.checkpoint_state(
+        s,
+        ACTIVE_JOB,
+        [pod_],
+        None,
+        None,
+        events or [],
+        now=datetime.datetime.fromisoformat(at(now).replace("Z", "+00:00")),
+    )
 
 
 def fetch_status(s, state: CheckpointState, previous: dict[str, Any] | None = None) -> st.StatusUpdate:
-    update = st.build_status(s, checkpoint=state, workload=WorkloadState(exists=False, desired=1, rolling=True),
-                             pods=[], service_exists=False, previous=previous, generation=1, now=at(5))
+    update = st.build_status(
+        s,
+        checkpoint=state,
+        workload=WorkloadState(exists=False, desired=1, rolling=True),
+        pods=[],
+        service_exists=False,
+        previous=previous,
+        generation=1,
+        now=at(5),
+    )
     PolicyServerStatus.model_validate(update.status)
     return update
 
@@ -486,8 +665,10 @@ def test_an_unschedulable_fetch_pod_is_pending_with_the_schedulers_message_not_d
     """The Job counts a Pending pod as active: that is not a download (it read "Downloading (attempt 1/4)")."""
     why = "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."
     s = spec()
-    state = fetch_state(s, fetch_pod(conditions=[{"type": "PodScheduled", "status": "False",
-                                                   "reason": "Unschedulable", "message": why}]))
+    state = fetch_state(
+        s,
+        fetch_pod(conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why}]),
+    )
     assert (state.phase, state.reason) == (CheckpointPhase.PENDING, Reason.UNSCHEDULABLE)
     assert why in state.message
     update = fetch_status(s, state)
@@ -502,17 +683,25 @@ def test_an_unschedulable_fetch_pod_is_pending_with_the_schedulers_message_not_d
 
 def test_a_fetch_pod_the_kubelet_cannot_start_says_the_kubelets_message() -> None:
     s = spec()
-    config = fetch_pod(conditions=[{"type": "PodScheduled", "status": "True"}],
-                       waiting={"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'})
+    config = fetch_pod(
+        conditions=[{"type": "PodScheduled", "status": "True"}],
+        waiting={"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'},
+    )
     state = fetch_state(s, config)
     assert (state.phase, state.reason) == (CheckpointPhase.PENDING, Reason.FETCH_POD_NOT_STARTING)
     assert 'secret "hf" not found' in state.message
     # a volume that cannot be mounted: the real kubelet says ContainerCreating, and why only in a pod Event
-    creating = fetch_pod(conditions=[{"type": "PodScheduled", "status": "True"}],
-                         waiting={"reason": "ContainerCreating"})
+    creating = fetch_pod(
+        conditions=[{"type": "PodScheduled", "status": "True"}], waiting={"reason": "ContainerCreating"}
+    )
     assert fetch_state(s, creating).reason == Reason.JOB_PENDING
-    mount = {"type": "Warning", "reason": "FailedMount", "lastTimestamp": at(3), "involvedObject": {"uid": "pod-uid"},
-             "message": 'MountVolume.SetUp failed for volume "checkpoint-token" : secret "hf" not found'}
+    mount = {
+        "type": "Warning",
+        "reason": "FailedMount",
+        "lastTimestamp": at(3),
+        "involvedObject": {"uid": "pod-uid"},
+        "message": 'MountVolume.SetUp failed for volume "checkpoint-token" : secret "hf" not found',
+    }
     state = fetch_state(s, creating, events=[mount])
     assert state.reason == Reason.FETCH_POD_NOT_STARTING and "FailedMount" in state.message
     update = fetch_status(s, state)
@@ -546,6 +735,7 @@ def test_a_fetch_pod_that_runs_is_downloading() -> None:
 
 # --- the checkpoint is on the claim it was fetched into ----------------------------------------------
 
+
 def claim_obj(uid: str, created: str) -> dict[str, Any]:
     return {"metadata": {"name": "ps-cache", "uid": uid, "creationTimestamp": created}}
 
@@ -554,8 +744,10 @@ def test_a_fetch_job_older_than_the_claim_does_not_vouch_for_the_checkpoint() ->
     """A claim deleted and made again is empty: the Job that filled the old one must not keep CheckpointReady True
     (the pods crash-looped on "checkpoint not fetched")."""
     s = spec()
-    done = {"metadata": {"name": "ps-fetch-k", "creationTimestamp": at(10)},
-            "status": {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}}
+    done = {
+        "metadata": {"name": "ps-fetch-k", "creationTimestamp": at(10)},
+        "status": {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]},
+    }
     same = child_status.checkpoint_state(s, done, [], None, claim=claim_obj("c1", at(10)))
     assert (same.phase, same.claim_uid, same.stale_job) == (CheckpointPhase.READY, "c1", False)
     recreated = child_status.checkpoint_state(s, done, [], None, claim=claim_obj("c2", at(60)))
@@ -566,16 +758,29 @@ def test_a_fetch_job_older_than_the_claim_does_not_vouch_for_the_checkpoint() ->
     assert kept.phase == CheckpointPhase.READY and kept.claim_uid == "c1"
     again = child_status.checkpoint_state(s, None, [], recorded, claim=claim_obj("c2", at(60)))
     assert again.phase == CheckpointPhase.PENDING and not again.stale_job and "ps-cache is new" in again.message
-    update = st.build_status(s, checkpoint=kept, workload=WorkloadState(exists=False, desired=1, rolling=True),
-                             pods=[], service_exists=False, previous=None, generation=1, now=T0)
+    update = st.build_status(
+        s,
+        checkpoint=kept,
+        workload=WorkloadState(exists=False, desired=1, rolling=True),
+        pods=[],
+        service_exists=False,
+        previous=None,
+        generation=1,
+        now=T0,
+    )
     assert update.status["checkpoint"]["claimUid"] == "c1"
     PolicyServerStatus.model_validate(update.status)
 
 
 def test_the_schedulers_old_warning_does_not_explain_a_pod_it_has_placed() -> None:
     placed = fetch_pod(conditions=[{"type": "PodScheduled", "status": "True"}], waiting={"reason": "ContainerCreating"})
-    old = {"type": "Warning", "reason": "FailedScheduling", "lastTimestamp": at(1), "involvedObject": {"uid": "pod-uid"},
-           "message": "0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims."}
+    old = {
+        "type": "Warning",
+        "reason": "FailedScheduling",
+        "lastTimestamp": at(1),
+        "involvedObject": {"uid": "pod-uid"},
+        "message": "0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims.",
+    }
     assert child_status.start_problem(placed, [old]) is None
     waiting = fetch_pod(waiting={"reason": "ContainerCreating"})
     assert child_status.start_problem(waiting, [old]) is not None  # not placed yet: the scheduler's word stands

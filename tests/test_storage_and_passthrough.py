@@ -42,19 +42,28 @@ def valid(obj: dict[str, Any]) -> dict[str, Any]:
 
 # --- perPod -------------------------------------------------------------------------------------
 
+
 def test_per_pod_mode_gives_each_pod_its_claim_and_its_own_fetch() -> None:
-    s = spec(replicas=3, storage={"mode": "perPod", "size": "7Gi", "keepCheckpoints": 2},
-             checkpoint={"source": "hf://org/p", "secretRef": {"name": "hf"}})
+    s = spec(
+        replicas=3,
+        storage={"mode": "perPod", "size": "7Gi", "keepCheckpoints": 2},
+        checkpoint={"source": "hf://org/p", "secretRef": {"name": "hf"}},
+    )
     sts = valid(M.build_statefulset(s))
     [template] = sts["spec"]["volumeClaimTemplates"]
     assert template["metadata"]["name"] == M.VOL_CACHE
     assert template["spec"]["accessModes"] == ["ReadWriteOnce"] and template["spec"]["resources"]["requests"] == {
-        "storage": "7Gi"}
+        "storage": "7Gi"
+    }
     pod = sts["spec"]["template"]["spec"]
     assert M.VOL_CACHE not in {v["name"] for v in pod["volumes"]}  # the template provides it
     fetch, prune_c, verify = pod["initContainers"]
     assert fetch["command"] == M.fetch_command(s) and prune_c["command"][-4:] == [
-        "--keep", s.checkpoint.key, "--keep-last", "2"]
+        "--keep",
+        s.checkpoint.key,
+        "--keep-last",
+        "2",
+    ]
     assert verify["name"] == M.VERIFY_CONTAINER
     assert "podAffinity" not in pod.get("affinity", {})  # a claim per pod needs no co-location
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
@@ -67,27 +76,42 @@ def test_per_pod_mode_gives_each_pod_its_claim_and_its_own_fetch() -> None:
 
 def test_switching_the_mode_is_reported_and_leaves_the_pods_alone() -> None:
     shared = spec()
-    sts = {**M.build_statefulset(shared), "metadata": {**M.build_statefulset(shared)["metadata"],
-                                                        "ownerReferences": [{"uid": "uid-1", "controller": True}]}}
+    sts = {
+        **M.build_statefulset(shared),
+        "metadata": {
+            **M.build_statefulset(shared)["metadata"],
+            "ownerReferences": [{"uid": "uid-1", "controller": True}],
+        },
+    }
     per_pod = spec(storage={"mode": "perPod"})
-    result = pl.plan(per_pod, OWNER, pl.Observed(statefulset=sts), child_status.checkpoint_state(per_pod, None, [], None))
+    result = pl.plan(
+        per_pod, OWNER, pl.Observed(statefulset=sts), child_status.checkpoint_state(per_pod, None, [], None)
+    )
     assert result.storage is not None and (result.storage.status, result.storage.reason) == ("False", "ImmutableChange")
     assert not [w for w in result.writes if w.kind == "StatefulSet"]
 
 
 # --- the shared claim ---------------------------------------------------------------------------
 
+
 def _claim(size: str, modes: list[str], klass: str = "fast") -> dict[str, Any]:
-    return {"metadata": {"name": "ps-cache", "labels": M.labels("ps", C.COMPONENT_CACHE),
-                         "ownerReferences": [{"uid": "uid-1", "controller": True}]},
-            "spec": {"accessModes": modes, "storageClassName": klass, "resources": {"requests": {"storage": size}}}}
+    return {
+        "metadata": {
+            "name": "ps-cache",
+            "labels": M.labels("ps", C.COMPONENT_CACHE),
+            "ownerReferences": [{"uid": "uid-1", "controller": True}],
+        },
+        "spec": {"accessModes": modes, "storageClassName": klass, "resources": {"requests": {"storage": size}}},
+    }
 
 
-@pytest.mark.parametrize(("allow", "verb", "reason"), [(True, pl.Verb.PATCH, "Expanding"),
-                                                        (None, pl.Verb.PATCH, "Expanding"),
-                                                        (False, None, "ExpansionNotAllowed")])
-def test_size_increase_grows_the_claim_when_the_class_allows(allow: bool | None, verb: pl.Verb | None,
-                                                              reason: str) -> None:
+@pytest.mark.parametrize(
+    ("allow", "verb", "reason"),
+    [(True, pl.Verb.PATCH, "Expanding"), (None, pl.Verb.PATCH, "Expanding"), (False, None, "ExpansionNotAllowed")],
+)
+def test_size_increase_grows_the_claim_when_the_class_allows(
+    allow: bool | None, verb: pl.Verb | None, reason: str
+) -> None:
     s = spec(storage={"size": "30Gi"})
     klass = None if allow is None else {"metadata": {"name": "fast"}, "allowVolumeExpansion": allow}
     result = pl.plan(s, OWNER, pl.Observed(pvc=_claim("20Gi", ["ReadWriteOnce"]), storage_class=klass), READY)
@@ -99,9 +123,14 @@ def test_size_increase_grows_the_claim_when_the_class_allows(allow: bool | None,
     assert result.storage is not None and result.storage.reason == reason
 
 
-@pytest.mark.parametrize(("storage", "what"), [({"size": "10Gi"}, "never shrinks"),
-                                               ({"accessModes": ["ReadWriteMany"]}, "access modes"),
-                                               ({"storageClassName": "slow"}, "StorageClass")])
+@pytest.mark.parametrize(
+    ("storage", "what"),
+    [
+        ({"size": "10Gi"}, "never shrinks"),
+        ({"accessModes": ["ReadWriteMany"]}, "access modes"),
+        ({"storageClassName": "slow"}, "StorageClass"),
+    ],
+)
 def test_immutable_changes_get_a_false_condition(storage: dict[str, Any], what: str) -> None:
     result = pl.plan(spec(storage=storage), OWNER, pl.Observed(pvc=_claim("20Gi", ["ReadWriteOnce"])), READY)
     assert result.storage is not None
@@ -115,8 +144,10 @@ def test_rwo_cache_pods_are_kept_on_one_node() -> None:
     for pod in (job["spec"]["template"], sts["spec"]["template"]):
         assert pod["metadata"]["labels"][C.LABEL_CACHE_CLAIM] == "ps-cache"
         [term] = pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-        assert term == {"labelSelector": {"matchLabels": {C.LABEL_CACHE_CLAIM: "ps-cache"}},
-                        "topologyKey": M.HOSTNAME_TOPOLOGY}
+        assert term == {
+            "labelSelector": {"matchLabels": {C.LABEL_CACHE_CLAIM: "ps-cache"}},
+            "topologyKey": M.HOSTNAME_TOPOLOGY,
+        }
     rwx = valid(M.build_statefulset(s, cache_modes=("ReadWriteMany",)))
     assert "affinity" not in rwx["spec"]["template"]["spec"]
 
@@ -131,11 +162,18 @@ def test_admission_refuses_rwo_sharing_and_rwop_in_shared_mode() -> None:
 
 # --- cleanup ------------------------------------------------------------------------------------
 
+
 def _rolled(s: Any, *, done: bool) -> dict[str, Any]:
     sts = M.build_statefulset(s)
     sts["metadata"].update(generation=2, ownerReferences=[{"uid": "uid-1", "controller": True}])
-    sts["status"] = {"observedGeneration": 2, "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1,
-                     "currentRevision": "r1" if done else "r0", "updateRevision": "r1"}
+    sts["status"] = {
+        "observedGeneration": 2,
+        "replicas": 1,
+        "readyReplicas": 1,
+        "updatedReplicas": 1,
+        "currentRevision": "r1" if done else "r0",
+        "updateRevision": "r1",
+    }
     return sts
 
 
@@ -152,17 +190,28 @@ def test_cleanup_job_only_after_every_pod_serves_the_new_checkpoint() -> None:
     assert container["command"] == M.prune_command(s, s.checkpoint.key)
     # never on a claim the operator does not own
     mine_only = spec(storage={"existingClaim": "models"})
-    assert not [w for w in pl.plan(mine_only, OWNER, pl.Observed(pvc=pvc, job=job,
-                                                                  statefulset=_rolled(mine_only, done=True)),
-                                   READY).writes if w.kind == "Job"]
+    assert not [
+        w
+        for w in pl.plan(
+            mine_only, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(mine_only, done=True)), READY
+        ).writes
+        if w.kind == "Job"
+    ]
 
 
 def _job(component: str, key: str, *, finished: str | None, owner_uid: str = "uid-1") -> dict[str, Any]:
     name = M.Names("ps").gc_job(key) if component == C.COMPONENT_CACHE_GC else M.Names("ps").job(key)
     job: dict[str, Any] = {
-        "metadata": {"name": name, "labels": {**M.labels("ps", component), C.LABEL_CHECKPOINT_KEY: key},
-                     "ownerReferences": [{"uid": owner_uid, "controller": True}]},
-        "status": {"conditions": [{"type": finished, "status": "True"}] if finished else [], "active": 0 if finished else 1}}
+        "metadata": {
+            "name": name,
+            "labels": {**M.labels("ps", component), C.LABEL_CHECKPOINT_KEY: key},
+            "ownerReferences": [{"uid": owner_uid, "controller": True}],
+        },
+        "status": {
+            "conditions": [{"type": finished, "status": "True"}] if finished else [],
+            "active": 0 if finished else 1,
+        },
+    }
     return job
 
 
@@ -177,15 +226,16 @@ def test_finished_fetch_jobs_of_other_checkpoints_go_before_the_cleanup_job() ->
     observed = pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job, old])
     first = pl.plan(s, OWNER, observed, READY)
     assert [(w.verb, w.kind, w.name) for w in first.writes if w.kind == "Job"] == [
-        (pl.Verb.DELETE, "Job", M.Names("ps").job("old-key"))]
+        (pl.Verb.DELETE, "Job", M.Names("ps").job("old-key"))
+    ]
     # an old download still running: nothing deleted, no cleanup until it ends
     running = _job(C.COMPONENT_FETCH, "old-key", finished=None)
-    waiting = pl.plan(s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True),
-                                            cache_jobs=[job, running]), READY)
+    waiting = pl.plan(
+        s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job, running]), READY
+    )
     assert not [w for w in waiting.writes if w.kind == "Job"]
     # once gone: the cleanup Job
-    then = pl.plan(s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job]),
-                   READY)
+    then = pl.plan(s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job]), READY)
     assert [(w.verb, w.name) for w in then.writes if w.kind == "Job"] == [(pl.Verb.CREATE, M.Names("ps").gc_job(key))]
 
 
@@ -197,7 +247,9 @@ def test_nothing_is_fetched_or_rolled_to_while_a_cleanup_of_another_checkpoint_r
     sts = _rolled(serving, done=True)
     pvc = _claim("20Gi", ["ReadWriteOnce"])
     cleanup = _job(C.COMPONENT_CACHE_GC, serving.checkpoint.key, finished=None)
-    pending = child_status.CheckpointState(child_status.CheckpointPhase.PENDING, child_status.Reason.JOB_PENDING, "", "j")
+    pending = child_status.CheckpointState(
+        child_status.CheckpointPhase.PENDING, child_status.Reason.JOB_PENDING, "", "j"
+    )
     held = pl.plan(s, OWNER, pl.Observed(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), pending)
     assert not [w for w in held.writes if w.kind == "Job"]
     assert held.serving is not None and held.serving.key == serving.checkpoint.key
@@ -208,21 +260,27 @@ def test_nothing_is_fetched_or_rolled_to_while_a_cleanup_of_another_checkpoint_r
     cleanup = _job(C.COMPONENT_CACHE_GC, serving.checkpoint.key, finished="Complete")
     after = pl.plan(s, OWNER, pl.Observed(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), pending)
     assert [(w.verb, w.name) for w in after.writes if w.kind == "Job"] == [
-        (pl.Verb.CREATE, M.Names("ps").job(s.checkpoint.key))]
+        (pl.Verb.CREATE, M.Names("ps").job(s.checkpoint.key))
+    ]
 
 
 def _fetched(dest: Path, key: str, age_s: float) -> None:
     directory = dest / key
     directory.mkdir(parents=True)
     (directory / "model.safetensors").write_bytes(b"x")
-    write_marker(directory, make_marker(key=key, source="s", revision=None, resolved_revision=None,
-                                        files={"model.safetensors": {"size": 1}}))
+    write_marker(
+        directory,
+        make_marker(
+            key=key, source="s", revision=None, resolved_revision=None, files={"model.safetensors": {"size": 1}}
+        ),
+    )
     then = time.time() - age_s
     os.utime(directory / C.COMPLETE_MARKER, (then, then))
 
 
-@pytest.mark.parametrize(("keep_last", "left"), [(1, {"new", "newer", ".fetch", "stray"}),
-                                                 (2, {"mid", "new", "newer", ".fetch", "stray"})])
+@pytest.mark.parametrize(
+    ("keep_last", "left"), [(1, {"new", "newer", ".fetch", "stray"}), (2, {"mid", "new", "newer", ".fetch", "stray"})]
+)
 def test_prune_keeps_the_served_the_newer_and_the_unknown(tmp_path: Path, keep_last: int, left: set[str]) -> None:
     for key, age in (("old", 300), ("mid", 200), ("new", 100), ("newer", 10)):
         _fetched(tmp_path, key, age)
@@ -236,24 +294,36 @@ def test_prune_keeps_the_served_the_newer_and_the_unknown(tmp_path: Path, keep_l
 
 # --- PDB and pass-through -----------------------------------------------------------------------
 
+
 def test_pdb_exists_while_replicas_exceed_one() -> None:
     two = pl.plan(spec(replicas=2, storage={"accessModes": ["ReadWriteMany"]}), OWNER, pl.Observed(), READY)
     [pdb] = [w for w in two.writes if w.kind == "PodDisruptionBudget"]
     assert pdb.verb is pl.Verb.APPLY and valid(pdb.body)["spec"]["maxUnavailable"] == 1
-    existing = {**pdb.body, "metadata": {**pdb.body["metadata"], "ownerReferences": [{"uid": "uid-1",
-                                                                                     "controller": True}]}}
+    existing = {
+        **pdb.body,
+        "metadata": {**pdb.body["metadata"], "ownerReferences": [{"uid": "uid-1", "controller": True}]},
+    }
     one = pl.plan(spec(replicas=1), OWNER, pl.Observed(pdb=existing), READY)
     assert [(w.verb, w.kind) for w in one.writes if w.kind == "PodDisruptionBudget"] == [
-        (pl.Verb.DELETE, "PodDisruptionBudget")]
+        (pl.Verb.DELETE, "PodDisruptionBudget")
+    ]
 
 
 def test_pass_through_reaches_the_pods() -> None:
-    s = spec(podLabels={"kueue.x-k8s.io/queue-name": "robots"}, podAnnotations={"a": "b"}, runtimeClassName="nvidia",
-             schedulerName="volcano",
-             topologySpreadConstraints=[{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}],
-             volumes=[{"name": "extra", "emptyDir": {}}], volumeMounts=[{"name": "extra", "mountPath": "/extra"}])
+    s = spec(
+        podLabels={"kueue.x-k8s.io/queue-name": "robots"},
+        podAnnotations={"a": "b"},
+        runtimeClassName="nvidia",
+        schedulerName="volcano",
+        topologySpreadConstraints=[{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}],
+        volumes=[{"name": "extra", "emptyDir": {}}],
+        volumeMounts=[{"name": "extra", "mountPath": "/extra"}],
+    )
     pod = valid(M.build_statefulset(s))["spec"]["template"]
-    assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "robots" and pod["metadata"]["annotations"]["a"] == "b"
+    assert (
+        pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "robots"
+        and pod["metadata"]["annotations"]["a"] == "b"
+    )
     assert (pod["spec"]["runtimeClassName"], pod["spec"]["schedulerName"]) == ("nvidia", "volcano")
     assert pod["spec"]["topologySpreadConstraints"][0]["topologyKey"] == "zone"
     assert {"name": "extra", "emptyDir": {}} in pod["spec"]["volumes"]
@@ -263,11 +333,18 @@ def test_pass_through_reaches_the_pods() -> None:
     assert job["spec"]["schedulerName"] == "volcano" and "runtimeClassName" not in job["spec"]
 
 
-@pytest.mark.parametrize(("extra", "match"), [({"podLabels": {C.LABEL_INSTANCE: "x"}}, "podLabels"),
-                                              ({"volumes": [{"name": "tmp", "emptyDir": {}}]}, "the operator adds"),
-                                              ({"volumes": [{"name": "v", "emptyDir": {}}],
-                                                "volumeMounts": [{"name": "v", "mountPath": "/models/x"}]}, "overlaps"),
-                                              ({"parallelism": {"dp": 9}}, "maxGpusPerPod")])
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"podLabels": {C.LABEL_INSTANCE: "x"}}, "podLabels"),
+        ({"volumes": [{"name": "tmp", "emptyDir": {}}]}, "the operator adds"),
+        (
+            {"volumes": [{"name": "v", "emptyDir": {}}], "volumeMounts": [{"name": "v", "mountPath": "/models/x"}]},
+            "overlaps",
+        ),
+        ({"parallelism": {"dp": 9}}, "maxGpusPerPod"),
+    ],
+)
 def test_pass_through_that_would_break_the_pod_is_refused(extra: dict[str, Any], match: str) -> None:
     with pytest.raises(SpecError, match=match):
         spec(**extra)
@@ -285,22 +362,43 @@ def test_default_requests_count_shm_and_leave_limits_to_kubernetes() -> None:
 def test_a_terminating_claim_is_a_storage_problem_and_completed_job_pods_are_deleted() -> None:
     s = spec(replicas=1)
     owner = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps", "namespace": "ns", "uid": "u1"}}
-    claim = {"metadata": {"name": "ps-cache", "labels": M.labels("ps", C.COMPONENT_CACHE),
-                          "deletionTimestamp": "2026-01-01T00:00:00Z"},
-             "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "20Gi"}}}}
+    claim = {
+        "metadata": {
+            "name": "ps-cache",
+            "labels": M.labels("ps", C.COMPONENT_CACHE),
+            "deletionTimestamp": "2026-01-01T00:00:00Z",
+        },
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "20Gi"}}},
+    }
     ours = M.labels("ps", C.COMPONENT_FETCH)
-    job = {"metadata": {"name": "ps-fetch-k", "labels": ours},
-           "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
-    failed = {"metadata": {"name": "ps-fetch-x", "labels": ours},
-              "status": {"conditions": [{"type": "Failed", "status": "True"}]}}
+    job = {
+        "metadata": {"name": "ps-fetch-k", "labels": ours},
+        "status": {"conditions": [{"type": "Complete", "status": "True"}]},
+    }
+    failed = {
+        "metadata": {"name": "ps-fetch-x", "labels": ours},
+        "status": {"conditions": [{"type": "Failed", "status": "True"}]},
+    }
 
     def job_pod(name: str, job_name: str) -> dict[str, Any]:
         return {"metadata": {"name": name, "labels": ours, "ownerReferences": [{"kind": "Job", "name": job_name}]}}
 
-    observed = pl.Observed(pvc=claim, job=job, cache_jobs=[job, failed],
-                           job_pods_all=[job_pod("ps-fetch-k-1", "ps-fetch-k"), job_pod("ps-fetch-x-1", "ps-fetch-x")])
-    result = pl.plan(s, owner, observed, child_status.CheckpointState(child_status.CheckpointPhase.READY, Reason.DOWNLOADED, "", "ps-fetch-k"))
-    assert result.storage is not None and (result.storage.status, result.storage.reason) == ("False", "ClaimTerminating")
+    observed = pl.Observed(
+        pvc=claim,
+        job=job,
+        cache_jobs=[job, failed],
+        job_pods_all=[job_pod("ps-fetch-k-1", "ps-fetch-k"), job_pod("ps-fetch-x-1", "ps-fetch-x")],
+    )
+    result = pl.plan(
+        s,
+        owner,
+        observed,
+        child_status.CheckpointState(child_status.CheckpointPhase.READY, Reason.DOWNLOADED, "", "ps-fetch-k"),
+    )
+    assert result.storage is not None and (result.storage.status, result.storage.reason) == (
+        "False",
+        "ClaimTerminating",
+    )
     assert "ps-cache is being deleted" in result.storage.message
     deletes = [(w.kind, w.name) for w in result.writes if w.verb is pl.Verb.DELETE]
     assert ("Pod", "ps-fetch-k-1") in deletes and ("Pod", "ps-fetch-x-1") not in deletes  # a failure's message stays

@@ -60,15 +60,19 @@ class Env:
         doc["spec"].update(spec)
         return doc
 
-    def apply(self, doc: dict[str, Any], *, check: bool = True, dry_run: bool = False) -> subprocess.CompletedProcess[str]:
-        return self.lc.kubectl("apply", "-f", "-", *(["--dry-run=server"] if dry_run else []),
-                               input=yaml.safe_dump(doc), check=check)
+    def apply(
+        self, doc: dict[str, Any], *, check: bool = True, dry_run: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        return self.lc.kubectl(
+            "apply", "-f", "-", *(["--dry-run=server"] if dry_run else []), input=yaml.safe_dump(doc), check=check
+        )
 
     def patch(self, name: str, spec: dict[str, Any]) -> None:
         self.lc.kubectl("patch", C.SHORT_NAME, name, "--type=merge", "-p", json.dumps({"spec": spec}))
 
-    def wait(self, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,
-             timeout: float = WAIT_S) -> dict[str, Any]:
+    def wait(
+        self, name: str, predicate: Callable[[dict[str, Any]], Any], what: str, timeout: float = WAIT_S
+    ) -> dict[str, Any]:
         return self.lc.wait_status(name, predicate, what, timeout)
 
     def claim(self, name: str) -> dict[str, Any]:
@@ -99,15 +103,26 @@ def storage(claim: dict[str, Any], where: str) -> str | None:
 def env(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     work = tmp_path_factory.mktemp("storage-it")
     for seed, path in enumerate(SOURCES):
-        subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / path),
-                        "--seed", str(seed)], check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / path), "--seed", str(seed)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     source = CheckpointServer(work / "src").start()
-    lc = LocalCluster(control_plane, work / "cluster", NS, backoff_s=1.0, resync_s=0.5, gpus=2,
-                      storage_classes=[FIXED_CLASS])
+    lc = LocalCluster(
+        control_plane, work / "cluster", NS, backoff_s=1.0, resync_s=0.5, gpus=2, storage_classes=[FIXED_CLASS]
+    )
     lc.operator.probe_timeout_s = 0.5
-    expandable = {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": EXPANDABLE_CLASS},
-                  "provisioner": STORAGE_PROVISIONER, "reclaimPolicy": "Delete", "volumeBindingMode": "Immediate",
-                  "allowVolumeExpansion": True}
+    expandable = {
+        "apiVersion": "storage.k8s.io/v1",
+        "kind": "StorageClass",
+        "metadata": {"name": EXPANDABLE_CLASS},
+        "provisioner": STORAGE_PROVISIONER,
+        "reclaimPolicy": "Delete",
+        "volumeBindingMode": "Immediate",
+        "allowVolumeExpansion": True,
+    }
     try:
         lc.start()
         control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(expandable))
@@ -142,8 +157,12 @@ def test_per_pod_storage_gives_each_pod_its_own_claim_and_download(env: Env) -> 
     env.apply(env.doc(name, "pp", replicas=2, storage={"mode": "perPod"}))
     status = env.wait(name, lambda s: s.get("phase") == C.PHASE_READY and s.get("ready") == "2/2", "2/2 Ready")
     claims = {f"{VOL_CACHE}-{name}-{i}" for i in range(2)}
-    mounted = {v["persistentVolumeClaim"]["claimName"] for p in env.pods(name) for v in p["spec"]["volumes"]
-               if v.get("persistentVolumeClaim")}
+    mounted = {
+        v["persistentVolumeClaim"]["claimName"]
+        for p in env.pods(name)
+        for v in p["spec"]["volumes"]
+        if v.get("persistentVolumeClaim")
+    }
     assert mounted == claims  # each pod its own claim, made by the StatefulSet controller
     for claim in claims:
         assert env.claim(claim)["status"]["phase"] == "Bound"
@@ -166,8 +185,16 @@ def test_a_pod_disruption_budget_exists_at_two_replicas_and_not_at_one(env: Env)
         return env.lc.get("policy/v1", "poddisruptionbudgets", pdb_name)
 
     # the real disruption controller counts the pods the selector picks: both, one of them may go
-    pdb = wait_for(lambda: (b := budget()) and (b.get("status") or {}).get("expectedPods") == 2
-                   and b["status"].get("disruptionsAllowed") == 1 and b, 60, what="the PDB's status of 2 pods")
+    pdb = wait_for(
+        lambda: (
+            (b := budget())
+            and (b.get("status") or {}).get("expectedPods") == 2
+            and b["status"].get("disruptionsAllowed") == 1
+            and b
+        ),
+        60,
+        what="the PDB's status of 2 pods",
+    )
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
 
@@ -186,21 +213,33 @@ def test_a_larger_size_grows_an_expandable_claim_and_is_refused_on_a_fixed_one(e
     for name, klass in (("grow", EXPANDABLE_CLASS), ("fixed", FIXED_CLASS)):
         env.apply(env.doc(name, "g", replicas=0, storage={"storageClassName": klass, "size": "1Gi"}))
     for name in ("grow", "fixed"):
-        wait_for(lambda n=name: env.claim(f"{n}-cache").get("status", {}).get("phase") == "Bound", WAIT_S,
-                 what=f"{name}-cache bound")
+        wait_for(
+            lambda n=name: env.claim(f"{n}-cache").get("status", {}).get("phase") == "Bound",
+            WAIT_S,
+            what=f"{name}-cache bound",
+        )
         env.patch(name, {"storage": {"size": "2Gi"}})
 
-    claim = wait_for(lambda: (c := env.claim("grow-cache")) and storage(c, "spec") == "2Gi"
-                     and storage(c, "status") == "2Gi" and c, WAIT_S, what="grow-cache expanded to 2Gi")
+    claim = wait_for(
+        lambda: (c := env.claim("grow-cache")) and storage(c, "spec") == "2Gi" and storage(c, "status") == "2Gi" and c,
+        WAIT_S,
+        what="grow-cache expanded to 2Gi",
+    )
     pv = env.lc.api.get("v1", "persistentvolumes", claim["spec"]["volumeName"])
     assert pv["spec"]["capacity"]["storage"] == "2Gi"  # the resizer grew the volume, then the claim's status
-    status = env.wait("grow", lambda s: cond(s, C.COND_STORAGE_READY).get("reason") == "AsSpecified",
-                      "StorageReady AsSpecified after the growth")
+    status = env.wait(
+        "grow",
+        lambda s: cond(s, C.COND_STORAGE_READY).get("reason") == "AsSpecified",
+        "StorageReady AsSpecified after the growth",
+    )
     assert cond(status, C.COND_STORAGE_READY)["status"] == "True"
     env.lc.api.wait_event(NS, "grow", "Normal", "Expanding")
 
-    status = env.wait("fixed", lambda s: cond(s, C.COND_STORAGE_READY).get("reason") == "ExpansionNotAllowed",
-                      "StorageReady ExpansionNotAllowed")
+    status = env.wait(
+        "fixed",
+        lambda s: cond(s, C.COND_STORAGE_READY).get("reason") == "ExpansionNotAllowed",
+        "StorageReady ExpansionNotAllowed",
+    )
     message = cond(status, C.COND_STORAGE_READY)["message"]
     assert cond(status, C.COND_STORAGE_READY)["status"] == "False" and FIXED_CLASS in message, message
     env.lc.operator.settle()
@@ -215,8 +254,11 @@ def test_the_old_checkpoint_leaves_the_cache_after_the_switch_and_not_before(env
     name = "gc"
     key_a, key_b = checkpoint_key(env.source.url_for("a/")), checkpoint_key(env.source.url_for("b/"))
     env.apply(env.doc(name, "a"))
-    env.wait(name, lambda s: s.get("phase") == C.PHASE_READY and s.get("checkpoint", {}).get("servingKey") == key_a,
-             "Ready on checkpoint a")
+    env.wait(
+        name,
+        lambda s: s.get("phase") == C.PHASE_READY and s.get("checkpoint", {}).get("servingKey") == key_a,
+        "Ready on checkpoint a",
+    )
     cache = env.lc.node.storage.path(NS, f"{name}-cache")
     assert (cache / key_a / C.COMPLETE_MARKER).is_file()
 
@@ -234,8 +276,15 @@ def test_the_old_checkpoint_leaves_the_cache_after_the_switch_and_not_before(env
     watcher.start()
     try:
         env.patch(name, {"checkpoint": {"source": env.source.url_for("b/")}})
-        env.wait(name, lambda s: s.get("phase") == C.PHASE_READY and s.get("observedGeneration") == 2
-                 and s.get("checkpoint", {}).get("servingKey") == key_b, "Ready on checkpoint b")
+        env.wait(
+            name,
+            lambda s: (
+                s.get("phase") == C.PHASE_READY
+                and s.get("observedGeneration") == 2
+                and s.get("checkpoint", {}).get("servingKey") == key_b
+            ),
+            "Ready on checkpoint b",
+        )
         wait_for(lambda: not (cache / key_a).exists(), WAIT_S, what=f"{key_a} removed from the cache")
     finally:
         stop.set()
@@ -245,8 +294,15 @@ def test_the_old_checkpoint_leaves_the_cache_after_the_switch_and_not_before(env
     for a_present, keys, gc_job in samples:
         if not a_present:  # removed only by the cleanup Job, once no pod of checkpoint a existed any more
             assert key_a not in keys and gc_job, (keys, gc_job)
-    job = wait_for(lambda: (j := env.lc.get("batch/v1", "jobs", Names(name).gc_job(key_b)))
-                   and (j.get("status") or {}).get("succeeded") and j, WAIT_S, what="the cleanup Job succeeded")
+    job = wait_for(
+        lambda: (
+            (j := env.lc.get("batch/v1", "jobs", Names(name).gc_job(key_b)))
+            and (j.get("status") or {}).get("succeeded")
+            and j
+        ),
+        WAIT_S,
+        what="the cleanup Job succeeded",
+    )
     assert job["metadata"]["labels"][C.LABEL_CHECKPOINT_KEY] == key_b
     # the fetch Job of a no longer vouches for a directory the cleanup removed (its TTL is an hour): a switch
     # back to a fetches again instead of rolling onto a checkpoint that is gone
@@ -257,8 +313,15 @@ def test_the_old_checkpoint_leaves_the_cache_after_the_switch_and_not_before(env
     # back to a: nothing vouches for it any more, so it is fetched again (a second download) before the roll
     assert env.source.count(f"/a/{C.WEIGHTS_FILE}") == 1
     env.patch(name, {"checkpoint": {"source": env.source.url_for("a/")}})
-    env.wait(name, lambda s: s.get("phase") == C.PHASE_READY and s.get("observedGeneration") == 3
-             and s.get("checkpoint", {}).get("servingKey") == key_a, "Ready on checkpoint a again")
+    env.wait(
+        name,
+        lambda s: (
+            s.get("phase") == C.PHASE_READY
+            and s.get("observedGeneration") == 3
+            and s.get("checkpoint", {}).get("servingKey") == key_a
+        ),
+        "Ready on checkpoint a again",
+    )
     assert env.source.count(f"/a/{C.WEIGHTS_FILE}") == 2
     assert (cache / key_a / C.COMPLETE_MARKER).is_file()
     env.delete(name)
@@ -280,16 +343,24 @@ def test_a_deleted_cache_claim_is_reported_and_the_checkpoint_fetched_again_into
     assert env.lc.get("batch/v1", "jobs", Names(name).job(status["checkpoint"]["key"])) is not None
 
     env.lc.kubectl("delete", "pvc", claim, "--wait=false")
-    status = env.wait(name, lambda s: cond(s, C.COND_STORAGE_READY).get("reason") == "ClaimTerminating",
-                      "StorageReady=False ClaimTerminating")
-    assert cond(status, C.COND_STORAGE_READY)["status"] == "False" and claim in cond(status, C.COND_STORAGE_READY)[
-        "message"]
+    status = env.wait(
+        name,
+        lambda s: cond(s, C.COND_STORAGE_READY).get("reason") == "ClaimTerminating",
+        "StorageReady=False ClaimTerminating",
+    )
+    assert (
+        cond(status, C.COND_STORAGE_READY)["status"] == "False"
+        and claim in cond(status, C.COND_STORAGE_READY)["message"]
+    )
     env.lc.api.wait_event(NS, name, "Warning", "ClaimTerminating")
     env.lc.kubectl("delete", "pod", f"{name}-0", "--wait=false")  # the claim's last user: now it goes
 
-    status = env.wait(name, lambda s: s.get("phase") == C.PHASE_READY
-                      and s.get("checkpoint", {}).get("claimUid") not in (None, old_uid), "Ready on a new claim",
-                      timeout=WAIT_S + 60)
+    status = env.wait(
+        name,
+        lambda s: s.get("phase") == C.PHASE_READY and s.get("checkpoint", {}).get("claimUid") not in (None, old_uid),
+        "Ready on a new claim",
+        timeout=WAIT_S + 60,
+    )
     new_claim = env.claim(claim)
     assert new_claim["metadata"]["uid"] == status["checkpoint"]["claimUid"] != old_uid
     assert env.source.count(f"/r/{C.WEIGHTS_FILE}") == 2  # fetched again, into the new claim

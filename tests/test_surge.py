@@ -28,30 +28,54 @@ OLD, NEW = "hash-old", "hash-new"
 SURGE = f"{NEW}/{ro.SURGE}"
 
 
-def sts(template_hash: str, replicas: int, *, start: int = 0, surge: str | None = None, update: str = "rev-2",
-        generation: int = 3, observed: int = 3) -> dict[str, Any]:
+def sts(
+    template_hash: str,
+    replicas: int,
+    *,
+    start: int = 0,
+    surge: str | None = None,
+    update: str = "rev-2",
+    generation: int = 3,
+    observed: int = 3,
+) -> dict[str, Any]:
     annotations = {C.ANNOTATION_TEMPLATE_HASH: template_hash}
     if surge is not None:
         annotations[C.ANNOTATION_SURGE] = surge
-    return {"metadata": {"name": "ps", "generation": generation, "annotations": annotations},
-            "spec": {"replicas": replicas, "ordinals": {"start": start}},
-            "status": {"replicas": replicas, "updateRevision": update, "observedGeneration": observed}}
+    return {
+        "metadata": {"name": "ps", "generation": generation, "annotations": annotations},
+        "spec": {"replicas": replicas, "ordinals": {"start": start}},
+        "status": {"replicas": replicas, "updateRevision": update, "observedGeneration": observed},
+    }
 
 
-def pod(ordinal: int, *, ready: bool = True, revision: str = "rev-2", unschedulable: str | None = None,
-        deleting: bool = False) -> dict[str, Any]:
+def pod(
+    ordinal: int,
+    *,
+    ready: bool = True,
+    revision: str = "rev-2",
+    unschedulable: str | None = None,
+    deleting: bool = False,
+) -> dict[str, Any]:
     conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
     if unschedulable is not None:
-        conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                           "message": unschedulable})
+        conditions.append(
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": unschedulable}
+        )
     meta: dict[str, Any] = {"name": f"ps-{ordinal}", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: revision}}
     if deleting:
         meta["deletionTimestamp"] = "2025-01-01T00:00:00Z"
     return {"metadata": meta, "status": {"conditions": conditions}}
 
 
-def step(replicas: int, observed: dict[str, Any] | None, pods: list[dict[str, Any]], *, want: str = NEW,
-         per_pod: bool = False, drifted: bool = False) -> ro.Rollout:
+def step(
+    replicas: int,
+    observed: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    *,
+    want: str = NEW,
+    per_pod: bool = False,
+    drifted: bool = False,
+) -> ro.Rollout:
     return ro.plan_rollout(replicas, observed, want, pods, retire_by_ordinal=not per_pod, drifted=drifted)
 
 
@@ -79,8 +103,11 @@ def test_nothing_serving_replaces_every_old_pod_in_place() -> None:
     assert step(2, sts(NEW, 2), broken) == ro.Rollout(2, 0, delete=("ps-0", "ps-1"))
 
 
-@pytest.mark.parametrize("extra", [None, pod(1, ready=False), pod(1, ready=True, deleting=True)],
-                         ids=["not created yet", "starting", "being deleted"])
+@pytest.mark.parametrize(
+    "extra",
+    [None, pod(1, ready=False), pod(1, ready=True, deleting=True)],
+    ids=["not created yet", "starting", "being deleted"],
+)
 def test_the_surge_waits_for_the_extra_pod(extra: dict[str, Any] | None) -> None:
     pods = [pod(0, revision="rev-1")] + ([extra] if extra else [])
     assert step(1, sts(NEW, 2, surge=SURGE), pods) == ro.Rollout(2, 0, SURGE)  # the same answer every pass
@@ -155,33 +182,59 @@ def test_a_stale_or_foreign_annotation_is_no_surge() -> None:
 
 # --- drift: managedFields and the replacement patch -----------------------------------------------
 
+
 def _managed(manager: str, fields: dict[str, Any], operation: str = "Update") -> dict[str, Any]:
     return {"manager": manager, "operation": operation, "fieldsType": "FieldsV1", "fieldsV1": fields}
 
 
 def test_foreign_managers_are_those_owning_fields_under_the_path() -> None:
-    env = {"f:spec": {"f:template": {"f:spec": {"f:containers": {'k:{"name":"server"}': {"f:env": {
-        'k:{"name":"DRIFT_ADDED"}': {".": {}, "f:name": {}, "f:value": {}}}}}}}}}
-    obj = {"metadata": {"managedFields": [
-        _managed(C.FIELD_MANAGER, {"f:spec": {"f:template": {"f:metadata": {}}}}, "Apply"),
-        _managed(C.FIELD_MANAGER, {"f:spec": {"f:template": {"f:spec": {}}}}),  # the operator's own repair patch
-        _managed("kube-controller-manager", {"f:status": {"f:replicas": {}}}),
-        _managed("kubectl-set", env)]}}
+    env = {
+        "f:spec": {
+            "f:template": {
+                "f:spec": {
+                    "f:containers": {
+                        'k:{"name":"server"}': {
+                            "f:env": {'k:{"name":"DRIFT_ADDED"}': {".": {}, "f:name": {}, "f:value": {}}}
+                        }
+                    }
+                }
+            }
+        }
+    }
+    obj = {
+        "metadata": {
+            "managedFields": [
+                _managed(C.FIELD_MANAGER, {"f:spec": {"f:template": {"f:metadata": {}}}}, "Apply"),
+                _managed(
+                    C.FIELD_MANAGER, {"f:spec": {"f:template": {"f:spec": {}}}}
+                ),  # the operator's own repair patch
+                _managed("kube-controller-manager", {"f:status": {"f:replicas": {}}}),
+                _managed("kubectl-set", env),
+            ]
+        }
+    }
     assert pl.foreign_managers(obj, "spec", "template") == ["kubectl-set"]
     assert pl.foreign_managers(obj, "spec", "ports") == []
 
 
 def test_the_replacement_patch_removes_every_key_desired_lacks() -> None:
-    live = {"metadata": {"labels": {"a": "1", "added": "x"}},
-            "spec": {"containers": [{"name": "server", "env": [{"name": "DRIFT_ADDED", "value": "1"}]}],
-                     "dnsPolicy": "ClusterFirst", "nodeSelector": {"hacked": "yes"}}}
+    live = {
+        "metadata": {"labels": {"a": "1", "added": "x"}},
+        "spec": {
+            "containers": [{"name": "server", "env": [{"name": "DRIFT_ADDED", "value": "1"}]}],
+            "dnsPolicy": "ClusterFirst",
+            "nodeSelector": {"hacked": "yes"},
+        },
+    }
     desired = {"metadata": {"labels": {"a": "1"}}, "spec": {"containers": [{"name": "server", "env": []}]}}
     assert pl.replacement_patch(live, desired) == {
         "metadata": {"labels": {"added": None, "a": "1"}},
-        "spec": {"dnsPolicy": None, "nodeSelector": None, "containers": [{"name": "server", "env": []}]}}
+        "spec": {"dnsPolicy": None, "nodeSelector": None, "containers": [{"name": "server", "env": []}]},
+    }
 
 
 # --- through plan() ---------------------------------------------------------------------------------
+
 
 def _spec(**overrides: Any):
     body: dict[str, Any] = {"image": "img:1", "checkpoint": {"source": "hf://org/p"}, "replicas": 1}
@@ -197,13 +250,16 @@ def test_plan_surges_a_one_replica_rollout_through_the_statefulset_it_applies() 
     """Through plan(): a steps change at replicas 1 on a serving StatefulSet, pass after pass."""
     before, after = _spec(), _spec(runtime={"steps": 4})
     [create] = _sts_writes(pl.plan(before, OWNER, pl.Observed(), READY))
-    assert create.body["spec"]["updateStrategy"] == {"type": "OnDelete"} and create.body["spec"]["ordinals"] == {"start": 0}
+    assert create.body["spec"]["updateStrategy"] == {"type": "OnDelete"} and create.body["spec"]["ordinals"] == {
+        "start": 0
+    }
     running = create.body
     running["status"] = {"replicas": 1, "updateRevision": "rev-1", "observedGeneration": 1}
     running["metadata"]["generation"] = 1
     # pass 1: the change is seen, one extra pod with the new template (OnDelete: ps-0 is left alone)
-    [start] = _sts_writes(pl.plan(after, OWNER, pl.Observed(statefulset=running, pods=[pod(0, revision="rev-1")]),
-                                  READY))
+    [start] = _sts_writes(
+        pl.plan(after, OWNER, pl.Observed(statefulset=running, pods=[pod(0, revision="rev-1")]), READY)
+    )
     assert start.verb is pl.Verb.APPLY and start.body["spec"]["replicas"] == 2
     assert start.body["spec"]["updateStrategy"] == {"type": "OnDelete"}
     new_hash = start.body["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH]
@@ -226,11 +282,14 @@ def test_plan_repairs_a_drifted_template_with_a_patch_before_the_apply_and_repla
     [create] = _sts_writes(pl.plan(spec, OWNER, pl.Observed(), READY))
     live = create.body
     live["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "DRIFT_ADDED", "value": "1"})
-    live["metadata"].update(generation=2, managedFields=[_managed("kubectl-set", {"f:spec": {"f:template": {
-        "f:spec": {"f:containers": {}}}}})])
+    live["metadata"].update(
+        generation=2,
+        managedFields=[_managed("kubectl-set", {"f:spec": {"f:template": {"f:spec": {"f:containers": {}}}}})],
+    )
     live["status"] = {"replicas": 2, "updateRevision": "rev-drift", "observedGeneration": 2}
-    result = pl.plan(spec, OWNER, pl.Observed(statefulset=live, pods=[pod(0, revision="rev-1"), pod(1, revision="rev-1")]),
-                     READY)
+    result = pl.plan(
+        spec, OWNER, pl.Observed(statefulset=live, pods=[pod(0, revision="rev-1"), pod(1, revision="rev-1")]), READY
+    )
     repair, apply = _sts_writes(result)
     assert (repair.verb, apply.verb) == (pl.Verb.PATCH, pl.Verb.APPLY)
     env = repair.body["spec"]["template"]["spec"]["containers"][0]["env"]
@@ -249,14 +308,21 @@ def test_plan_puts_back_a_service_port_edited_into_another_key() -> None:
     first = pl.plan(spec, OWNER, pl.Observed(), READY)
     svc = _service(first, "ps").body
     svc["spec"]["ports"][0]["port"] = 9999
-    svc["metadata"]["managedFields"] = [_managed("kubectl-patch", {"f:spec": {"f:ports": {
-        'k:{"port":9999,"protocol":"TCP"}': {".": {}, "f:port": {}}}}})]
+    svc["metadata"]["managedFields"] = [
+        _managed(
+            "kubectl-patch", {"f:spec": {"f:ports": {'k:{"port":9999,"protocol":"TCP"}': {".": {}, "f:port": {}}}}}
+        )
+    ]
     result = pl.plan(spec, OWNER, pl.Observed(service=svc), READY)
     [repair] = [w for w in result.writes if w.kind == "Service" and w.verb is pl.Verb.PATCH]
-    assert repair.body == {"spec": {"ports": [{"name": C.PORT_NAME, "port": C.DEFAULT_PORT, "targetPort": C.PORT_NAME,
-                                               "protocol": "TCP"}]}}
+    assert repair.body == {
+        "spec": {"ports": [{"name": C.PORT_NAME, "port": C.DEFAULT_PORT, "targetPort": C.PORT_NAME, "protocol": "TCP"}]}
+    }
     assert repair.event is not None and repair.event.reason == "Repaired" and "9999/TCP" in repair.event.message
     # a port the operator itself moved (a spec change) is server-side apply's, not a repair
     svc["metadata"]["managedFields"] = [_managed(C.FIELD_MANAGER, {"f:spec": {"f:ports": {}}}, "Apply")]
-    assert not [w for w in pl.plan(spec, OWNER, pl.Observed(service=svc), READY).writes
-                if w.kind == "Service" and w.verb is pl.Verb.PATCH]
+    assert not [
+        w
+        for w in pl.plan(spec, OWNER, pl.Observed(service=svc), READY).writes
+        if w.kind == "Service" and w.verb is pl.Verb.PATCH
+    ]

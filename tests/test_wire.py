@@ -99,13 +99,17 @@ def test_str_keyed_array_maps_from_other_writers_are_read() -> None:
 
 
 # --- refused dtypes --------------------------------------------------------------------------
-@pytest.mark.parametrize("value", [
-    np.array([object()], dtype=object),
-    np.zeros(2, dtype="V4"),
-    np.zeros(2, dtype=[("a", "<f4")]),
-    np.array([1 + 2j], dtype=np.complex64),
-    np.complex128(1j),
-], ids=["object", "void", "structured", "complex-array", "complex-scalar"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.array([object()], dtype=object),
+        np.zeros(2, dtype="V4"),
+        np.zeros(2, dtype=[("a", "<f4")]),
+        np.array([1 + 2j], dtype=np.complex64),
+        np.complex128(1j),
+    ],
+    ids=["object", "void", "structured", "complex-array", "complex-scalar"],
+)
 def test_pack_refuses_object_void_complex(value: object) -> None:
     with pytest.raises(WireError, match="unsupported dtype"):
         wire.packb({"v": value})
@@ -145,22 +149,39 @@ def _array_map(**fields: object) -> bytes:
 _DROP = object()
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"data": b"\x00" * 20}, r"needs 24 bytes, got 20"),
-    ({"data": b"\x00" * 28}, r"needs 24 bytes, got 28"),
-    ({"shape": [3, 3]}, r"needs 36 bytes, got 24"),
-    ({"shape": [2, -3]}, r"bad array shape"),
-    ({"shape": "2x3"}, r"bad array shape"),
-    ({"shape": [2.0, 3]}, r"bad array shape"),
-    ({"shape": [1] * 9}, r"bad array shape"),
-    ({"data": "text, not bytes"}, r"data must be bytes"),
-    ({"dtype": "no-such-dtype"}, r"bad dtype"),
-    ({"dtype": 42}, r"bad dtype"),
-    ({"data": _DROP}, r"without 'data'"),
-    ({"shape": _DROP}, r"without 'shape'"),
-    ({"dtype": _DROP}, r"without 'dtype'"),
-], ids=["short", "long", "shape-bigger", "negative-dim", "shape-str", "shape-float", "too-many-dims", "data-str",
-        "dtype-unknown", "dtype-int", "no-data", "no-shape", "no-dtype"])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"data": b"\x00" * 20}, r"needs 24 bytes, got 20"),
+        ({"data": b"\x00" * 28}, r"needs 24 bytes, got 28"),
+        ({"shape": [3, 3]}, r"needs 36 bytes, got 24"),
+        ({"shape": [2, -3]}, r"bad array shape"),
+        ({"shape": "2x3"}, r"bad array shape"),
+        ({"shape": [2.0, 3]}, r"bad array shape"),
+        ({"shape": [1] * 9}, r"bad array shape"),
+        ({"data": "text, not bytes"}, r"data must be bytes"),
+        ({"dtype": "no-such-dtype"}, r"bad dtype"),
+        ({"dtype": 42}, r"bad dtype"),
+        ({"data": _DROP}, r"without 'data'"),
+        ({"shape": _DROP}, r"without 'shape'"),
+        ({"dtype": _DROP}, r"without 'dtype'"),
+    ],
+    ids=[
+        "short",
+        "long",
+        "shape-bigger",
+        "negative-dim",
+        "shape-str",
+        "shape-float",
+        "too-many-dims",
+        "data-str",
+        "dtype-unknown",
+        "dtype-int",
+        "no-data",
+        "no-shape",
+        "no-dtype",
+    ],
+)
 def test_malformed_array_is_a_wire_error(fields: dict[str, object], message: str) -> None:
     with pytest.raises(WireError, match=message):
         wire.unpackb(_array_map(**fields))
@@ -172,12 +193,16 @@ def test_well_formed_array_map_decodes() -> None:
     assert out.shape == (2, 3) and out.dtype == np.float32 and not out.any()
 
 
-@pytest.mark.parametrize("scalar", [
-    {b"__npgeneric__": True, b"data": 2**64 - 1, b"dtype": "<i8"},  # does not fit int64
-    {b"__npgeneric__": True, b"data": "abc", b"dtype": "<f4"},
-    {b"__npgeneric__": True, b"data": {"a": 1}, b"dtype": "<f4"},
-    {b"__npgeneric__": True, b"data": 1, b"dtype": "<M8"},
-], ids=["int-overflow", "str-as-float", "map-as-float", "datetime-without-unit"])
+@pytest.mark.parametrize(
+    "scalar",
+    [
+        {b"__npgeneric__": True, b"data": 2**64 - 1, b"dtype": "<i8"},  # does not fit int64
+        {b"__npgeneric__": True, b"data": "abc", b"dtype": "<f4"},
+        {b"__npgeneric__": True, b"data": {"a": 1}, b"dtype": "<f4"},
+        {b"__npgeneric__": True, b"data": 1, b"dtype": "<M8"},
+    ],
+    ids=["int-overflow", "str-as-float", "map-as-float", "datetime-without-unit"],
+)
 def test_malformed_scalar_is_a_wire_error(scalar: dict[bytes, object]) -> None:
     with pytest.raises(WireError):
         wire.unpackb(msgpack.packb({"v": scalar}))
@@ -190,8 +215,11 @@ def test_huge_declared_shape_is_a_wire_error() -> None:
 
 
 # --- malformed frames -----------------------------------------------------------------------
-@pytest.mark.parametrize("frame", [b"", b"\xc1", b"\x92\x01", b"\x81\xa1a", b"\x01\x02", b"GET / HTTP/1.1\r\n\r\n"],
-                         ids=["empty", "reserved-byte", "truncated-array", "truncated-map", "extra-data", "http"])
+@pytest.mark.parametrize(
+    "frame",
+    [b"", b"\xc1", b"\x92\x01", b"\x81\xa1a", b"\x01\x02", b"GET / HTTP/1.1\r\n\r\n"],
+    ids=["empty", "reserved-byte", "truncated-array", "truncated-map", "extra-data", "http"],
+)
 def test_non_msgpack_bytes_are_a_wire_error(frame: bytes) -> None:
     with pytest.raises(WireError, match="not valid msgpack"):
         wire.decode_observation(frame)
@@ -202,8 +230,9 @@ def test_text_frame_is_a_wire_error() -> None:
         wire.decode_observation(wire.packb({"prompt": "x"}).decode("latin-1"))
 
 
-@pytest.mark.parametrize("value", [[1, 2], 3, "prompt", None, np.zeros(3, np.float32)],
-                         ids=["list", "int", "str", "nil", "array"])
+@pytest.mark.parametrize(
+    "value", [[1, 2], 3, "prompt", None, np.zeros(3, np.float32)], ids=["list", "int", "str", "nil", "array"]
+)
 def test_non_map_frame_is_a_wire_error(value: object) -> None:
     with pytest.raises(WireError, match="observation must be a map"):
         wire.decode_observation(wire.packb(value))
@@ -237,17 +266,25 @@ def test_deeply_nested_maps_are_a_wire_error(depth: int) -> None:
 
 def test_observations_nested_a_few_deep_still_decode() -> None:
     """ALOHA-style ``{"images": {camera: array}}`` and lists of small arrays stay valid."""
-    obs = {"images": {f"cam_{i}": np.zeros((4, 4, 3), np.uint8) for i in range(4)}, "state": [0.0] * 14,
-           "history": [[np.zeros(8, np.float32) for _ in range(4)]], "prompt": "p"}
+    obs = {
+        "images": {f"cam_{i}": np.zeros((4, 4, 3), np.uint8) for i in range(4)},
+        "state": [0.0] * 14,
+        "history": [[np.zeros(8, np.float32) for _ in range(4)]],
+        "prompt": "p",
+    }
     _assert_same(wire.decode_observation(wire.packb(obs)), obs)
 
 
-@pytest.mark.parametrize("payload, words", [
-    ({f"observation/image_{i}": np.zeros((1, 1, 3), np.uint8) for i in range(3000)}, "exceeds max_map_len"),
-    ({"prompt": "p", **{f"k{i}": i for i in range(wire.MAX_MAP_LEN + 1)}}, "exceeds max_map_len"),
-    ({"cameras": [{"x": 1} for _ in range(wire.MAX_CONTAINERS + 1)]}, "more than 512 maps and lists"),
-    ({"state": list(range(wire.MAX_ARRAY_LEN + 1))}, "exceeds max_array_len"),
-], ids=["3000-camera-maps", "257-keys", "513-maps", "4097-item-list"])
+@pytest.mark.parametrize(
+    "payload, words",
+    [
+        ({f"observation/image_{i}": np.zeros((1, 1, 3), np.uint8) for i in range(3000)}, "exceeds max_map_len"),
+        ({"prompt": "p", **{f"k{i}": i for i in range(wire.MAX_MAP_LEN + 1)}}, "exceeds max_map_len"),
+        ({"cameras": [{"x": 1} for _ in range(wire.MAX_CONTAINERS + 1)]}, "more than 512 maps and lists"),
+        ({"state": list(range(wire.MAX_ARRAY_LEN + 1))}, "exceeds max_array_len"),
+    ],
+    ids=["3000-camera-maps", "257-keys", "513-maps", "4097-item-list"],
+)
 def test_structurally_absurd_frames_are_refused_while_decoding(payload: dict[str, object], words: str) -> None:
     with pytest.raises(WireError, match=words):
         wire.decode_observation(wire.packb(payload))
@@ -268,8 +305,14 @@ def test_ext_types_are_a_wire_error() -> None:
 def test_random_and_mutated_frames_only_ever_raise_wire_error() -> None:
     """Whatever arrives, decoding either succeeds or raises WireError: nothing else reaches the handler."""
     rng = random.Random(1234)
-    valid = wire.packb({"observation/image": np.zeros((4, 4, 3), np.uint8), "prompt": "p",
-                        "observation/joint_position": np.arange(7, dtype=np.float32), "seed": np.int64(3)})
+    valid = wire.packb(
+        {
+            "observation/image": np.zeros((4, 4, 3), np.uint8),
+            "prompt": "p",
+            "observation/joint_position": np.arange(7, dtype=np.float32),
+            "seed": np.int64(3),
+        }
+    )
     frames = [bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 64))) for _ in range(300)]
     for _ in range(700):
         mutated = bytearray(valid)
@@ -287,7 +330,12 @@ def test_random_and_mutated_frames_only_ever_raise_wire_error() -> None:
 
 
 def test_error_dict_shape() -> None:
-    assert wire.error_dict(ErrorKind.BAD_FRAME, "why") == {"type": "error", "error": {"kind": "bad_frame", "message": "why"}}
+    assert wire.error_dict(ErrorKind.BAD_FRAME, "why") == {
+        "type": "error",
+        "error": {"kind": "bad_frame", "message": "why"},
+    }
     for kind in ErrorKind:
-        assert openpi.unpackb(wire.packb(wire.error_dict(kind, "m"))) == {"type": "error",
-                                                                          "error": {"kind": kind.value, "message": "m"}}
+        assert openpi.unpackb(wire.packb(wire.error_dict(kind, "m"))) == {
+            "type": "error",
+            "error": {"kind": kind.value, "message": "m"},
+        }

@@ -18,30 +18,54 @@ from policy_operator.runtime.checkpoint.format import CheckpointError, verify_ch
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
-    p = sub.add_parser("init", help="write a reference-policy (or LeRobot) checkpoint with seeded random weights",
-                       description="Write a reference-policy checkpoint with seeded random weights; with --lerobot, "
-                                   "a LeRobot pretrained directory of that family, written without any hub.")
+    p = sub.add_parser(
+        "init",
+        help="write a reference-policy (or LeRobot) checkpoint with seeded random weights",
+        description="Write a reference-policy checkpoint with seeded random weights; with --lerobot, "
+        "a LeRobot pretrained directory of that family, written without any hub.",
+    )
     p.add_argument("directory")
-    p.add_argument("--size", choices=["tiny", "small", "base"], default="tiny",
-                   help="tiny | small | base; a LeRobot family has tiny and base (its published size)")
-    p.add_argument("--lerobot", metavar="FAMILY", choices=["smolvla", "pi0", "pi05", "diffusion"], default=None,
-                   help="smolvla | pi0 | pi05 | diffusion (serve it with --policy lerobot)")
+    p.add_argument(
+        "--size",
+        choices=["tiny", "small", "base"],
+        default="tiny",
+        help="tiny | small | base; a LeRobot family has tiny and base (its published size)",
+    )
+    p.add_argument(
+        "--lerobot",
+        metavar="FAMILY",
+        choices=["smolvla", "pi0", "pi05", "diffusion"],
+        default=None,
+        help="smolvla | pi0 | pi05 | diffusion (serve it with --policy lerobot)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(_action=_init)
-    p = sub.add_parser("verify", help="check a checkpoint against its manifest (and completion marker)",
-                       description="Check a checkpoint directory against its manifest.")
+    p = sub.add_parser(
+        "verify",
+        help="check a checkpoint against its manifest (and completion marker)",
+        description="Check a checkpoint directory against its manifest.",
+    )
     p.add_argument("directory")
-    p.add_argument("--require-marker", action="store_true",
-                   help="also require the completion marker written by 'policyserver fetch' (it lists every file "
-                        "the fetch verified, so a checkpoint without manifest.json, such as a LeRobot one, passes)")
-    p.add_argument("--references", action="store_true",
-                   help="also require every hub repository the checkpoint names to be fetched next to it and "
-                        "resolvable offline (policyserver fetch --references)")
+    p.add_argument(
+        "--require-marker",
+        action="store_true",
+        help="also require the completion marker written by 'policyserver fetch' (it lists every file "
+        "the fetch verified, so a checkpoint without manifest.json, such as a LeRobot one, passes)",
+    )
+    p.add_argument(
+        "--references",
+        action="store_true",
+        help="also require every hub repository the checkpoint names to be fetched next to it and "
+        "resolvable offline (policyserver fetch --references)",
+    )
     p.add_argument("--hashes", action="store_true", help="re-hash every file (default: sizes only)")
     p.set_defaults(_action=_verify)
-    p = sub.add_parser("prune", help="remove old checkpoint directories from a cache volume",
-                       description="Remove checkpoints older than the kept ones (what the operator runs after a "
-                                   "switch); see policy_operator/runtime/checkpoint/prune.py.")
+    p = sub.add_parser(
+        "prune",
+        help="remove old checkpoint directories from a cache volume",
+        description="Remove checkpoints older than the kept ones (what the operator runs after a "
+        "switch); see policy_operator/runtime/checkpoint/prune.py.",
+    )
     from policy_operator.runtime.checkpoint import prune
 
     prune.add_arguments(p)

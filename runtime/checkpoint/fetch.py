@@ -67,8 +67,17 @@ from policy_operator.sources import HF_SCHEME, InvalidSource, checkpoint_key, sp
 from policy_operator.tokens import read_token_file
 
 __all__ = [
-    "COMPLETE_MARKER", "FetchError", "UsageError", "SourceError", "VerificationError", "DiskFullError",
-    "fetch", "read_marker", "check_complete", "add_arguments", "main",
+    "COMPLETE_MARKER",
+    "FetchError",
+    "UsageError",
+    "SourceError",
+    "VerificationError",
+    "DiskFullError",
+    "fetch",
+    "read_marker",
+    "check_complete",
+    "add_arguments",
+    "main",
 ]
 
 WORK_DIR = ".fetch"  # DEST/.fetch/<key>/ (staging) and DEST/.fetch/<key>.lock, on the same volume as DEST/<key>
@@ -114,15 +123,31 @@ def fetch(
     try:
         if not (math.isfinite(stall_timeout_s) and stall_timeout_s > 0):
             raise UsageError(f"--stall-timeout-s must be > 0, got {stall_timeout_s}")
-        return _fetch(str(source), Path(dest), revision, dict(sha256 or {}), token, verify, _Log(progress, on_progress),
-                      Patience(stall_timeout_s=stall_timeout_s))
+        return _fetch(
+            str(source),
+            Path(dest),
+            revision,
+            dict(sha256 or {}),
+            token,
+            verify,
+            _Log(progress, on_progress),
+            Patience(stall_timeout_s=stall_timeout_s),
+        )
     except FetchError as exc:
         exc.args = (scrub(str(exc), [token] if token else []),)
         raise
 
 
-def _fetch(source: str, dest: Path, revision: str | None, overrides: dict[str, str], token: str | None,
-           verify: bool, log: _Log, patience: Patience) -> Path:
+def _fetch(
+    source: str,
+    dest: Path,
+    revision: str | None,
+    overrides: dict[str, str],
+    token: str | None,
+    verify: bool,
+    log: _Log,
+    patience: Patience,
+) -> Path:
     try:
         base, rev = split_revision(source, revision)
     except InvalidSource as exc:
@@ -150,8 +175,9 @@ def _fetch(source: str, dest: Path, revision: str | None, overrides: dict[str, s
             _download(src, shown, rev, key, overrides, work / key, final, log)
     except OSError as exc:
         if is_disk_full(exc):
-            raise DiskFullError(f"{dest}: no space left on device ({exc.strerror}); "
-                                f"partial files stay in {work / key} for the next run") from None
+            raise DiskFullError(
+                f"{dest}: no space left on device ({exc.strerror}); partial files stay in {work / key} for the next run"
+            ) from None
         raise
     return final
 
@@ -246,8 +272,9 @@ def _links_under(root: Path) -> list[Path]:
     return found
 
 
-def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dict[str, str], staging: Path,
-              final: Path, log: _Log) -> None:
+def _download(
+    src: Source, shown: str, rev: str | None, key: str, overrides: dict[str, str], staging: Path, final: Path, log: _Log
+) -> None:
     for path in (final, staging):
         why = _not_a_real_dir(path)
         if why:  # e.g. a file left by hand where the checkpoint directory belongs: every rerun would fail on it
@@ -266,8 +293,10 @@ def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dic
     for path in planted:  # a write through one would land outside DEST
         path.unlink()
     if planted:
-        log(f"removed {len(planted)} symlinks, hard links or special files from {staging}: "
-            f"{', '.join(str(p.relative_to(staging)) for p in planted[:5])}")
+        log(
+            f"removed {len(planted)} symlinks, hard links or special files from {staging}: "
+            f"{', '.join(str(p.relative_to(staging)) for p in planted[:5])}"
+        )
 
     files = src.list_files()
     names = {f.name for f in files}
@@ -275,11 +304,15 @@ def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dic
         raise SourceError(f"{shown}: the listing names a file twice")
     unknown = sorted(set(overrides) - names)
     if unknown:
-        raise UsageError(f"--sha256 names {', '.join(unknown)}, which {shown} does not have "
-                         f"(it has: {', '.join(sorted(names)[:10])})")
+        raise UsageError(
+            f"--sha256 names {', '.join(unknown)}, which {shown} does not have "
+            f"(it has: {', '.join(sorted(names)[:10])})"
+        )
     for f in files:
         if not _expectations(f, overrides) and not f.git_sha1:
-            log(f"warning: nothing vouches for {f.name}'s content (no manifest, no --sha256); recording its sha256 as found")
+            log(
+                f"warning: nothing vouches for {f.name}'s content (no manifest, no --sha256); recording its sha256 as found"
+            )
 
     digests, needed = _reuse_staged(staging, files, overrides, log)
     partial = sum(_part_size(staging / f.name) for f in needed)
@@ -289,8 +322,9 @@ def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dic
 
     if needed:
         log(f"{shown}: {len(needed)} of {len(files)} files to download ({human_bytes(total - present)}) into {staging}")
-    with Progress(total or None, label="fetch", initial=present, enabled=log.enabled,
-                  on_update=log.on_progress) as progress:
+    with Progress(
+        total or None, label="fetch", initial=present, enabled=log.enabled, on_update=log.on_progress
+    ) as progress:
         if needed:
             digests.update(src.download(staging, needed, progress))
     records = _verify_staged(staging, files, digests, overrides, shown)
@@ -300,8 +334,10 @@ def _download(src: Source, shown: str, rev: str | None, key: str, overrides: dic
     if planted:  # appeared while we held the lock: someone else writes here
         raise FetchError(f"refusing to publish {staging}: {planted[0]} is a symlink, a hard link or a special file")
     _fsync_tree(staging, records)
-    write_marker(staging, make_marker(key=key, source=shown, revision=rev, resolved_revision=src.resolved_revision,
-                                      files=records))
+    write_marker(
+        staging,
+        make_marker(key=key, source=shown, revision=rev, resolved_revision=src.resolved_revision, files=records),
+    )
     os.rename(staging, final)
     fsync_path(final.parent)
     log(progress.summary(len(files), final))
@@ -330,8 +366,9 @@ def _part_size(path: Path) -> int:
         return 0
 
 
-def _reuse_staged(staging: Path, files: list[RemoteFile], overrides: dict[str, str],
-                  log: _Log) -> tuple[dict[str, str], list[RemoteFile]]:
+def _reuse_staged(
+    staging: Path, files: list[RemoteFile], overrides: dict[str, str], log: _Log
+) -> tuple[dict[str, str], list[RemoteFile]]:
     """Keep staged files that provably match the source; everything else is (re)fetched."""
     digests: dict[str, str] = {}
     needed = []
@@ -361,8 +398,9 @@ def _check_space(staging: Path, need: int) -> None:
         raise DiskFullError(f"{staging.parent.parent}: {human_bytes(need)} more needed, {human_bytes(free)} free")
 
 
-def _verify_staged(staging: Path, files: list[RemoteFile], digests: dict[str, str], overrides: dict[str, str],
-                   shown: str) -> dict[str, dict[str, object]]:
+def _verify_staged(
+    staging: Path, files: list[RemoteFile], digests: dict[str, str], overrides: dict[str, str], shown: str
+) -> dict[str, dict[str, object]]:
     records: dict[str, dict[str, object]] = {}
     missing, bad = [], []
     for f in files:
@@ -376,8 +414,11 @@ def _verify_staged(staging: Path, files: list[RemoteFile], digests: dict[str, st
             path.unlink()
             continue
         digest = digests.get(f.name) or sha256_file(path)
-        wrong = [f"{f.name}: sha256 {digest} (downloaded) != {want} (expected, from {origin})"
-                 for want, origin in _expectations(f, overrides) if digest != want]
+        wrong = [
+            f"{f.name}: sha256 {digest} (downloaded) != {want} (expected, from {origin})"
+            for want, origin in _expectations(f, overrides)
+            if digest != want
+        ]
         if not wrong and f.git_sha1 and (blob := git_blob_sha1(path)) != f.git_sha1:
             wrong.append(f"{f.name}: git blob sha1 {blob} (downloaded) != {f.git_sha1} (expected, from {f.origin})")
         if wrong:
@@ -388,8 +429,9 @@ def _verify_staged(staging: Path, files: list[RemoteFile], digests: dict[str, st
     if bad:
         raise VerificationError("verification failed, bad files deleted: " + "; ".join(bad))
     if missing:
-        raise SourceError(f"{shown}: download ended without {', '.join(missing[:5])}"
-                          f"{' and more' if len(missing) > 5 else ''}")
+        raise SourceError(
+            f"{shown}: download ended without {', '.join(missing[:5])}{' and more' if len(missing) > 5 else ''}"
+        )
     return records
 
 
@@ -447,25 +489,46 @@ def _read_token(path: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", metavar="SOURCE",
-                        help="hf://ORG/REPO[@REV], http(s)://HOST/DIR/ (a directory with manifest.json) or "
-                             "http(s)://HOST/FILE, s3://BUCKET/PREFIX/ (needs boto3), file:///PATH or a local path")
+    parser.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="hf://ORG/REPO[@REV], http(s)://HOST/DIR/ (a directory with manifest.json) or "
+        "http(s)://HOST/FILE, s3://BUCKET/PREFIX/ (needs boto3), file:///PATH or a local path",
+    )
     parser.add_argument("dest", metavar="DEST", help="the shared volume; the checkpoint lands in DEST/<key>/")
     parser.add_argument("--revision", default=None, help="branch, tag or commit (hf://); part of the key for all")
-    parser.add_argument("--sha256", action="append", default=[], metavar="FILE=HASH",
-                        help="expected sha256 of FILE, checked on top of the source's own hashes (repeatable)")
-    parser.add_argument("--token-file", default=None, metavar="F",
-                        help=f"bearer token for the source (default for hf://: ${ENV_HF_TOKEN})")
-    parser.add_argument("--verify", action="store_true",
-                        help="re-hash an already complete directory instead of checking sizes only")
+    parser.add_argument(
+        "--sha256",
+        action="append",
+        default=[],
+        metavar="FILE=HASH",
+        help="expected sha256 of FILE, checked on top of the source's own hashes (repeatable)",
+    )
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        metavar="F",
+        help=f"bearer token for the source (default for hf://: ${ENV_HF_TOKEN})",
+    )
+    parser.add_argument(
+        "--verify", action="store_true", help="re-hash an already complete directory instead of checking sizes only"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress or info lines, only errors")
-    parser.add_argument("--references", action="store_true",
-                        help="also fetch every hub repository the checkpoint's JSON files name (a LeRobot "
-                             "checkpoint's VLM and tokenizer) into DEST, and make DEST/.hub resolve them offline "
-                             "(HF_HUB_CACHE=DEST/.hub, HF_HUB_OFFLINE=1)")
-    parser.add_argument("--stall-timeout-s", type=float, default=STALL_TIMEOUT_S, metavar="S",
-                        help="an HTTP body that delivers nothing (or under 1 KiB/s) for S seconds is dropped and "
-                             "resumed from the bytes received (default %(default)s)")
+    parser.add_argument(
+        "--references",
+        action="store_true",
+        help="also fetch every hub repository the checkpoint's JSON files name (a LeRobot "
+        "checkpoint's VLM and tokenizer) into DEST, and make DEST/.hub resolve them offline "
+        "(HF_HUB_CACHE=DEST/.hub, HF_HUB_OFFLINE=1)",
+    )
+    parser.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=STALL_TIMEOUT_S,
+        metavar="S",
+        help="an HTTP body that delivers nothing (or under 1 KiB/s) for S seconds is dropped and "
+        "resumed from the bytes received (default %(default)s)",
+    )
     parser.epilog = f"Prints the checkpoint directory as the last line of stdout. Exit codes: {describe(FetchExit)}."
 
 
@@ -475,14 +538,25 @@ def main(args: argparse.Namespace) -> int:
         token = _read_token(args.token_file) if args.token_file else None
         if token:
             secrets.append(token)
-        path = fetch(args.source, args.dest, revision=args.revision, sha256=_parse_sha256(args.sha256),
-                     token=token, verify=args.verify, progress=not args.quiet,
-                     stall_timeout_s=args.stall_timeout_s)
+        path = fetch(
+            args.source,
+            args.dest,
+            revision=args.revision,
+            sha256=_parse_sha256(args.sha256),
+            token=token,
+            verify=args.verify,
+            progress=not args.quiet,
+            stall_timeout_s=args.stall_timeout_s,
+        )
         if args.references:  # the hub's own token (HF_TOKEN), never the checkpoint source's
-            fetch_references(path, Path(args.dest), log=_Log(not args.quiet),
-                             fetch_one=lambda source: fetch(source, args.dest, verify=args.verify,
-                                                            progress=not args.quiet,
-                                                            stall_timeout_s=args.stall_timeout_s))
+            fetch_references(
+                path,
+                Path(args.dest),
+                log=_Log(not args.quiet),
+                fetch_one=lambda source: fetch(
+                    source, args.dest, verify=args.verify, progress=not args.quiet, stall_timeout_s=args.stall_timeout_s
+                ),
+            )
     except FetchError as exc:
         print(f"policyserver fetch: error: {scrub(str(exc), secrets)}", file=sys.stderr)
         return exc.exit_code
@@ -490,8 +564,9 @@ def main(args: argparse.Namespace) -> int:
         print("policyserver fetch: interrupted; the next run resumes", file=sys.stderr)
         return FetchExit.INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - one readable line, never a traceback with secrets
-        print(f"policyserver fetch: unexpected error: {scrub(f'{type(exc).__name__}: {exc}', secrets)}",
-              file=sys.stderr)
+        print(
+            f"policyserver fetch: unexpected error: {scrub(f'{type(exc).__name__}: {exc}', secrets)}", file=sys.stderr
+        )
         return FetchExit.ERROR
     print(path)
     return FetchExit.OK

@@ -103,4 +103,3 @@ def verify_checkpoint(directory: str | os.PathLike[str], *, hashes: bool = True)
             if digest != entry.sha256:
                 raise CheckpointError(f"{entry.name}: sha256 {digest} != {entry.sha256} from {MANIFEST_FILE}")
     return entries
-

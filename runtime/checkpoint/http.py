@@ -102,7 +102,11 @@ class _TokenRedirects(urllib.request.HTTPRedirectHandler):
 
 
 def open_url(
-    url: str, *, token: str | None = None, headers: dict[str, str] | None = None, method: str = "GET",
+    url: str,
+    *,
+    token: str | None = None,
+    headers: dict[str, str] | None = None,
+    method: str = "GET",
     timeout: float = TIMEOUT_S,
 ) -> http.client.HTTPResponse:
     """Open ``url``; every failure becomes a SourceError naming the (redacted) URL."""
@@ -123,7 +127,9 @@ def open_url(
             raise SourceError(f"{shown}: HTTP {exc.code} {exc.reason} ({hint})") from None
         if exc.code == 404:
             raise SourceError(f"{shown}: HTTP 404 not found") from None
-        raise SourceError(f"{shown}: HTTP {exc.code} {exc.reason}", retryable=exc.code >= 500 or exc.code == 429) from None
+        raise SourceError(
+            f"{shown}: HTTP {exc.code} {exc.reason}", retryable=exc.code >= 500 or exc.code == 429
+        ) from None
     except urllib.error.URLError as exc:
         raise SourceError(f"cannot reach {shown}: {exc.reason}", retryable=True) from None
     except (OSError, http.client.HTTPException) as exc:
@@ -225,8 +231,9 @@ class _HashingWriter:
             raise self._error
 
 
-def _fill(resp: http.client.HTTPResponse, buf: bytearray,
-          max_wait_s: float = 0.5) -> tuple[int, OSError | http.client.HTTPException | None]:
+def _fill(
+    resp: http.client.HTTPResponse, buf: bytearray, max_wait_s: float = 0.5
+) -> tuple[int, OSError | http.client.HTTPException | None]:
     """Read into ``buf`` until it is full, the body ends, the connection fails, or ``max_wait_s`` passed.
 
     Returns the bytes read *and* the error that ended the read, if any: the
@@ -243,7 +250,7 @@ def _fill(resp: http.client.HTTPResponse, buf: bytearray,
             data = resp.read1(len(buf) - filled)
             if not data:
                 break
-            view[filled:filled + len(data)] = data
+            view[filled : filled + len(data)] = data
             filled += len(data)
             if time.monotonic() > deadline:
                 break
@@ -288,7 +295,12 @@ def _validator(resp: http.client.HTTPResponse) -> str | None:
 
 
 def download_file(
-    url: str, target: Path, *, size: int | None, token: str | None, progress: Progress,
+    url: str,
+    target: Path,
+    *,
+    size: int | None,
+    token: str | None,
+    progress: Progress,
     patience: Patience = DEFAULT_PATIENCE,
 ) -> str:
     """Download ``url`` to ``target`` (resuming ``target.part``); returns the sha256 hex digest.
@@ -360,8 +372,10 @@ def download_file(
             elif resp.status == 206:
                 match = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
                 if not match or int(match.group(1)) != offset:
-                    raise SourceError(f"{shown}: server answered Range {offset}- with "
-                                      f"Content-Range {resp.headers.get('Content-Range')!r}")
+                    raise SourceError(
+                        f"{shown}: server answered Range {offset}- with "
+                        f"Content-Range {resp.headers.get('Content-Range')!r}"
+                    )
             validator = _validator(resp)
             with create_new(meta) as m:
                 m.write(json.dumps({"url": shown, "validator": validator}).encode())
@@ -372,7 +386,9 @@ def download_file(
             dropped: BaseException | None = None
             opened = create_new(part) if offset == 0 else open_own(part)
             if opened is None:
-                raise FetchError(f"{part} was replaced while downloading (a link planted?); the next run starts it afresh")
+                raise FetchError(
+                    f"{part} was replaced while downloading (a link planted?); the next run starts it afresh"
+                )
             with opened as f:
                 sink = _HashingWriter(f, hasher)
                 speed = _SpeedWindow(patience)
@@ -402,8 +418,10 @@ def download_file(
             else:
                 without_progress += 1
             ignored = " (the server ignores Range: every attempt starts at byte 0)" if restarted else ""
-            why = f"connection {'stalled' if isinstance(dropped, (_Stalled, TimeoutError)) else 'dropped'} " \
-                  f"at byte {offset} of {end}{ignored}"
+            why = (
+                f"connection {'stalled' if isinstance(dropped, (_Stalled, TimeoutError)) else 'dropped'} "
+                f"at byte {offset} of {end}{ignored}"
+            )
             if without_progress >= patience.attempts_without_progress:
                 raise SourceError(f"{shown}: no progress in {without_progress} attempts: {why}")
             time.sleep(patience.backoff_s(without_progress))

@@ -53,8 +53,9 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def make_marker(*, key: str, source: str, revision: str | None, resolved_revision: str | None,
-                files: dict[str, dict[str, object]]) -> dict:
+def make_marker(
+    *, key: str, source: str, revision: str | None, resolved_revision: str | None, files: dict[str, dict[str, object]]
+) -> dict:
     return {
         "format": MARKER_FORMAT,
         "key": key,

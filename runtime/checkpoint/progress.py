@@ -95,8 +95,14 @@ class Progress:
             from tqdm import tqdm
 
             self._bar = tqdm(
-                total=self.total, initial=self.initial, unit="B", unit_scale=True, unit_divisor=1024,
-                desc=self.label, file=self.stream, dynamic_ncols=True,
+                total=self.total,
+                initial=self.initial,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=self.label,
+                file=self.stream,
+                dynamic_ncols=True,
             )
         self._thread = threading.Thread(target=self._run, name="fetch-progress", daemon=True)
         self._thread.start()

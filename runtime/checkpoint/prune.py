@@ -51,16 +51,23 @@ def _finished(directory: Path) -> float | None:
 
 def prunable(dest: Path, keep: set[str], keep_last: int) -> list[Path]:
     """The directories ``prune`` would remove, oldest first (pure reads)."""
-    complete = {p.name: t for p in dest.iterdir() if p.is_dir() and p.name != WORK_DIR
-                and (t := _finished(p)) is not None}
+    complete = {
+        p.name: t for p in dest.iterdir() if p.is_dir() and p.name != WORK_DIR and (t := _finished(p)) is not None
+    }
     kept_times = [complete[k] for k in keep if k in complete]
     if not kept_times:  # the serving checkpoint is not here: nothing is known to be old
         return []
     newest_kept = max(kept_times)
     named = {name: referenced_keys(dest / name) for name in complete}
     dependencies = set().union(*named.values()) - keep
-    older = sorted(((t, name) for name, t in complete.items()
-                    if name not in keep and name not in dependencies and t <= newest_kept), reverse=True)
+    older = sorted(
+        (
+            (t, name)
+            for name, t in complete.items()
+            if name not in keep and name not in dependencies and t <= newest_kept
+        ),
+        reverse=True,
+    )
     spare = max(0, keep_last - len(kept_times))
     removed = {name for _, name in older[spare:]}
     needed = set().union(*(named[name] for name in complete if name not in removed and name not in dependencies))
@@ -96,10 +103,21 @@ def prune(dest: Path, keep: set[str], keep_last: int, log: Callable[[str], None]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dest", metavar="DEST", help="the cache volume (checkpoints in DEST/<key>/)")
-    parser.add_argument("--keep", action="append", default=[], metavar="KEY", required=True,
-                        help="a checkpoint key that stays (repeatable): the one the pods serve")
-    parser.add_argument("--keep-last", type=int, default=1, metavar="N",
-                        help="keep the N newest complete checkpoints, the --keep ones counted (default 1)")
+    parser.add_argument(
+        "--keep",
+        action="append",
+        default=[],
+        metavar="KEY",
+        required=True,
+        help="a checkpoint key that stays (repeatable): the one the pods serve",
+    )
+    parser.add_argument(
+        "--keep-last",
+        type=int,
+        default=1,
+        metavar="N",
+        help="keep the N newest complete checkpoints, the --keep ones counted (default 1)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -90,9 +90,11 @@ def find_references(checkpoint: Path) -> list[Reference]:
             if (checkpoint / value).exists() and not value.startswith("/"):
                 continue  # a directory inside the checkpoint itself
             if not _REPO_ID.match(value):
-                raise UsageError(f"{path.name}: {key} names {value!r}, which is not a hub repository (ORG/REPO) "
-                                 f"and not inside the checkpoint: the server cannot load it offline; save the "
-                                 f"checkpoint with {key} set to a repository the fetch can download")
+                raise UsageError(
+                    f"{path.name}: {key} names {value!r}, which is not a hub repository (ORG/REPO) "
+                    f"and not inside the checkpoint: the server cannot load it offline; save the "
+                    f"checkpoint with {key} set to a repository the fetch can download"
+                )
             found.setdefault(value, Reference(value, path.name, key))
     return list(found.values())
 
@@ -140,8 +142,9 @@ def link_into_view(dest: Path, repo_id: str, key: str) -> Path:
     return snapshot
 
 
-def fetch_references(checkpoint: Path, dest: Path, *, fetch_one: Callable[[str], Path],
-                     log: Callable[[str], None] = lambda _: None) -> list[Reference]:
+def fetch_references(
+    checkpoint: Path, dest: Path, *, fetch_one: Callable[[str], Path], log: Callable[[str], None] = lambda _: None
+) -> list[Reference]:
     """Fetch every repository ``checkpoint`` names into ``dest`` (``fetch_one(source)``) and link it into the view.
 
     A failure names the file and key that asked for the repository, with the

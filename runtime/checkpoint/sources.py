@@ -88,7 +88,9 @@ class HttpDirSource(Source):
         self._manifest = data
         origin = f"{self.shown}{MANIFEST_FILE}"
         files = [RemoteFile(safe_relpath(e.name), e.size, e.sha256, origin=origin) for e in entries]
-        files.append(RemoteFile(MANIFEST_FILE, len(data), hashlib.sha256(data).hexdigest(), origin="the manifest as read"))
+        files.append(
+            RemoteFile(MANIFEST_FILE, len(data), hashlib.sha256(data).hexdigest(), origin="the manifest as read")
+        )
         return files
 
     def download(self, staging: Path, needed: list[RemoteFile], progress: Progress) -> dict[str, str]:
@@ -101,8 +103,9 @@ class HttpDirSource(Source):
                 progress.advance(len(self._manifest))
                 digests[f.name] = hashlib.sha256(self._manifest).hexdigest()
                 continue
-            digests[f.name] = download_file(self._url(f.name), target, size=f.size, token=self.token, progress=progress,
-                                            patience=self.patience)
+            digests[f.name] = download_file(
+                self._url(f.name), target, size=f.size, token=self.token, progress=progress, patience=self.patience
+            )
         return digests
 
 
@@ -122,9 +125,12 @@ class HttpFileSource(Source):
         return [RemoteFile(self.name, head_size(self.url, token=self.token), origin=self.shown)]
 
     def download(self, staging: Path, needed: list[RemoteFile], progress: Progress) -> dict[str, str]:
-        return {f.name: download_file(self.url, staging / f.name, size=f.size, token=self.token, progress=progress,
-                                      patience=self.patience)
-                for f in needed}
+        return {
+            f.name: download_file(
+                self.url, staging / f.name, size=f.size, token=self.token, progress=progress, patience=self.patience
+            )
+            for f in needed
+        }
 
 
 def http_source(url: str, token: str | None) -> Source:
@@ -289,16 +295,25 @@ class HfSource(Source):
             commit = info.sha
             if not commit:
                 raise SourceError(f"{self.shown}: the hub did not say which commit {self.revision or 'main'} is")
-            tree = [f for f in api.list_repo_tree(self.repo_id, repo_type=self.repo_type, revision=commit, recursive=True)
-                    if isinstance(f, RepoFile)]
+            tree = [
+                f
+                for f in api.list_repo_tree(self.repo_id, repo_type=self.repo_type, revision=commit, recursive=True)
+                if isinstance(f, RepoFile)
+            ]
         self.resolved_revision = commit
         origin = f"{self.shown}@{commit[:12]} (hub tree)"
         files = []
         for f in tree:
             lfs = f.lfs
-            files.append(RemoteFile(safe_relpath(f.path), int(f.size),
-                                    sha256=(lfs.sha256.lower() if lfs is not None else None),
-                                    git_sha1=(None if lfs is not None else f.blob_id), origin=origin))
+            files.append(
+                RemoteFile(
+                    safe_relpath(f.path),
+                    int(f.size),
+                    sha256=(lfs.sha256.lower() if lfs is not None else None),
+                    git_sha1=(None if lfs is not None else f.blob_id),
+                    origin=origin,
+                )
+            )
         return files
 
     def download(self, staging: Path, needed: list[RemoteFile], progress: Progress) -> dict[str, str]:
@@ -325,9 +340,15 @@ class HfSource(Source):
         progress.poll = on_disk
         with _hub_errors(self.shown):
             snapshot_download(
-                self.repo_id, repo_type=self.repo_type, revision=self.resolved_revision,
-                local_dir=staging, cache_dir=staging / ".cache" / "hub", token=self.token or None,
-                endpoint=self.endpoint, allow_patterns=[glob.escape(f.name) for f in needed], max_workers=4,
+                self.repo_id,
+                repo_type=self.repo_type,
+                revision=self.resolved_revision,
+                local_dir=staging,
+                cache_dir=staging / ".cache" / "hub",
+                token=self.token or None,
+                endpoint=self.endpoint,
+                allow_patterns=[glob.escape(f.name) for f in needed],
+                max_workers=4,
             )
         progress.poll = None
         progress.done = max(progress.done, on_disk())
@@ -359,8 +380,12 @@ class _hub_errors:
 def _is_hub_error(exc: BaseException) -> bool:
     from huggingface_hub import errors
 
-    hub_errors: tuple[type[BaseException], ...] = (errors.HfHubHTTPError, errors.LocalEntryNotFoundError,
-                                                   errors.OfflineModeIsEnabled, errors.FileMetadataError)
+    hub_errors: tuple[type[BaseException], ...] = (
+        errors.HfHubHTTPError,
+        errors.LocalEntryNotFoundError,
+        errors.OfflineModeIsEnabled,
+        errors.FileMetadataError,
+    )
     if isinstance(exc, hub_errors):
         return True
     module = type(exc).__module__ or ""
@@ -368,7 +393,7 @@ def _is_hub_error(exc: BaseException) -> bool:
 
 
 def hf_source(source: str, revision: str | None, token: str | None) -> HfSource:
-    path = source[len(HF_SCHEME):].strip("/")
+    path = source[len(HF_SCHEME) :].strip("/")
     parts = path.split("/")
     repo_type = "model"
     if len(parts) == 3 and parts[0] in _HF_REPO_TYPES:
@@ -378,8 +403,7 @@ def hf_source(source: str, revision: str | None, token: str | None) -> HfSource:
     return HfSource("/".join(parts), repo_type, revision, token)
 
 
-def make_source(source: str, revision: str | None, token: str | None,
-                patience: Patience = DEFAULT_PATIENCE) -> Source:
+def make_source(source: str, revision: str | None, token: str | None, patience: Patience = DEFAULT_PATIENCE) -> Source:
     """The Source for a (revision-split) source string; unknown schemes are a usage error."""
     src = _make_source(source, revision, token)
     src.patience = patience
@@ -396,5 +420,7 @@ def _make_source(source: str, revision: str | None, token: str | None) -> Source
         return S3Source(source)
     if scheme == "file" or (scheme == "" and source):
         return local_source(source)
-    raise UsageError(f"{redact_url(source)}: unsupported source scheme {scheme + '://' if scheme else '(empty)'}; "
-                     f"supported: {', '.join(s + '://' for s in SCHEMES)}, a local path")
+    raise UsageError(
+        f"{redact_url(source)}: unsupported source scheme {scheme + '://' if scheme else '(empty)'}; "
+        f"supported: {', '.join(s + '://' for s in SCHEMES)}, a local path"
+    )

@@ -171,9 +171,17 @@ class Replica:
         sample = self.policy.collate([r.sample for r in requests])
         mode: CfgMode = "parallel" if self._cfg is not None else s.cfg_mode
         assert s.guidance is not None, "for_policy resolved it"
-        x = sample_actions(self.policy, sample, [r.seed for r in requests], guidance=s.guidance, mode=mode,
-                           cfg_group=self._cfg, integrator=self.integrator, rtc_mode=s.rtc,
-                           rtc=[r.rtc for r in requests] if any(r.rtc is not None for r in requests) else None)
+        x = sample_actions(
+            self.policy,
+            sample,
+            [r.seed for r in requests],
+            guidance=s.guidance,
+            mode=mode,
+            cfg_group=self._cfg,
+            integrator=self.integrator,
+            rtc_mode=s.rtc,
+            rtc=[r.rtc for r in requests] if any(r.rtc is not None for r in requests) else None,
+        )
         return x[: len(batch.requests)]
 
     # --- driver side (cfg index 0) ---------------------------------------------------------
@@ -216,8 +224,9 @@ class Replica:
         bad = int(np.size(actions) - np.count_nonzero(np.isfinite(actions)))
         if not bad:
             return Reply(request_id, infer_ms, actions)
-        error = NonFiniteActions(f"the policy produced {bad} NaN or inf values in its {np.shape(actions)} actions; "
-                                 "none were sent")
+        error = NonFiniteActions(
+            f"the policy produced {bad} NaN or inf values in its {np.shape(actions)} actions; none were sent"
+        )
         log.warning("request %s on replica %d: %s", request_id, self.groups.dp_index, error)
         return Reply(request_id, infer_ms, error_kind=error.kind, error=f"{type(error).__name__}: {error}")
 
@@ -225,8 +234,12 @@ class Replica:
         """Take this rank's replica out of service for good: ``failed`` in /readyz, loops end, the rank exits."""
         if self.broken is None:
             self.broken = reason
-            log.error("rank %d: replica %d is out of service, its communicator is never used again: %s",
-                      self.groups.rank, self.groups.dp_index, reason)
+            log.error(
+                "rank %d: replica %d is out of service, its communicator is never used again: %s",
+                self.groups.rank,
+                self.groups.dp_index,
+                reason,
+            )
         self.heartbeat.set_state(RankState.FAILED, reason)
 
     def stop_peer(self) -> None:
@@ -299,10 +312,18 @@ class Lane:
     the replica is free, so it can still grow.
     """
 
-    def __init__(self, index: int, executor: ThreadPoolExecutor, call: Callable[[Batch], list[Reply]],
-                 stop: Callable[[], None], *, max_batch: int = 1, window_s: float = 0.0,
-                 arriving: Callable[[], int] = lambda: 0,
-                 on_batch: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        executor: ThreadPoolExecutor,
+        call: Callable[[Batch], list[Reply]],
+        stop: Callable[[], None],
+        *,
+        max_batch: int = 1,
+        window_s: float = 0.0,
+        arriving: Callable[[], int] = lambda: 0,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.index = index
@@ -454,8 +475,9 @@ def local_lane(replica: Replica, executor: ThreadPoolExecutor, **batching: Any) 
     return Lane(0, executor, replica.answer, replica.stop_peer, **batching)
 
 
-def remote_lane(index: int, driver: int, group: dist.ProcessGroup, executor: ThreadPoolExecutor,
-                **batching: Any) -> Lane:
+def remote_lane(
+    index: int, driver: int, group: dist.ProcessGroup, executor: ThreadPoolExecutor, **batching: Any
+) -> Lane:
     """Replica ``index`` >= 1: hand the batch to its driver over their dispatch group, wait for the Replies."""
 
     def call(batch: Batch) -> list[Reply]:

@@ -59,8 +59,9 @@ def data_backend(device: torch.device, requested: str = "auto") -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(layout: ParallelLayout, device: torch.device, pg_timeout: timedelta,
-                     backend: str = "auto") -> Groups:
+def init_distributed(
+    layout: ParallelLayout, device: torch.device, pg_timeout: timedelta, backend: str = "auto"
+) -> Groups:
     """Join the torchrun job and build every group; single-process serving skips it."""
     if layout.world_size == 1:
         return Groups(layout, 0)

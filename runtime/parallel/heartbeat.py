@@ -142,14 +142,27 @@ class Board:
         """The ``/readyz`` row of ``rank`` given its last beat (None: ``missing`` says why there is none)."""
         dp_index, cfg_index = self.layout.coords(rank)
         if beat is None:
-            return RankReadiness(rank=rank, dp_index=dp_index, cfg_index=cfg_index, state=RankState.UNKNOWN,
-                                 age_s=None, ready=False, detail=missing)
+            return RankReadiness(
+                rank=rank,
+                dp_index=dp_index,
+                cfg_index=cfg_index,
+                state=RankState.UNKNOWN,
+                age_s=None,
+                ready=False,
+                detail=missing,
+            )
         age = max(0.0, now - float(beat["ts"]))
         published = RankState(beat["state"])
         fresh = age <= self.stale_after
-        return RankReadiness(rank=rank, dp_index=dp_index, cfg_index=cfg_index,
-                             state=published if fresh else RankState.STALE, age_s=round(age, 3),
-                             ready=fresh and published.takes_requests, detail=beat.get("detail", ""))
+        return RankReadiness(
+            rank=rank,
+            dp_index=dp_index,
+            cfg_index=cfg_index,
+            state=published if fresh else RankState.STALE,
+            age_s=round(age, 3),
+            ready=fresh and published.takes_requests,
+            detail=beat.get("detail", ""),
+        )
 
     def read(self, rank: int, now: float | None = None) -> RankReadiness:
         """This rank's row of ``/readyz``, read from the store now (blocks while the store does)."""
@@ -213,5 +226,6 @@ class BoardWatcher:
         now = time.time()
         with self._lock:
             beats, error = dict(self._beats), self._error
-        return [self._rows.row(r, beats.get(r), now, error or "no heartbeat yet")
-                for r in range(self.layout.world_size)]
+        return [
+            self._rows.row(r, beats.get(r), now, error or "no heartbeat yet") for r in range(self.layout.world_size)
+        ]

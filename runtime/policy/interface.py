@@ -279,8 +279,14 @@ def load_policy_class(policy: str) -> type[Policy]:
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     try:
         return table[name]
     except KeyError:

@@ -63,8 +63,9 @@ def _float_vector(obs: Mapping[str, Any], key: str, size: int, limit: float | No
         if not np.isfinite(arr).all():
             raise InvalidObservation(f"{key!r} contains NaN or inf")
         # finite but far outside any robot's range: the model would answer with NaN actions
-        raise InvalidObservation(f"{key!r} has a value of magnitude {float(np.abs(arr).max()):.3g}; "
-                                 f"this policy takes at most {limit:g}")
+        raise InvalidObservation(
+            f"{key!r} has a value of magnitude {float(np.abs(arr).max()):.3g}; this policy takes at most {limit:g}"
+        )
     return arr
 
 
@@ -81,8 +82,9 @@ def _image(key: str, value: Any) -> np.ndarray:
     return value
 
 
-def parse_observation(obs: Mapping[str, Any], *, joint_dim: int, gripper_dim: int, max_cameras: int,
-                      max_abs_state: float | None = None) -> Observation:
+def parse_observation(
+    obs: Mapping[str, Any], *, joint_dim: int, gripper_dim: int, max_cameras: int, max_abs_state: float | None = None
+) -> Observation:
     """The observation's parts, checked; ``max_abs_state`` bounds every joint and gripper value."""
     if not isinstance(obs, Mapping):
         raise InvalidObservation(f"observation must be a dict, got {type(obs).__name__}")

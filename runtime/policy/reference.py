@@ -86,8 +86,9 @@ SIZES: dict[str, PolicyConfig] = {
     "tiny": PolicyConfig(),
     "small": PolicyConfig(horizon=32, width=256, depth=4, heads=8, image_size=64, patch_size=8, prompt_tokens=32),
     # The GPU benchmark size: 229 context tokens, ~400M parameters.
-    "base": PolicyConfig(horizon=32, width=1024, depth=16, heads=16, image_size=224, patch_size=16, max_cameras=1,
-                         prompt_tokens=32),
+    "base": PolicyConfig(
+        horizon=32, width=1024, depth=16, heads=16, image_size=224, patch_size=16, max_cameras=1, prompt_tokens=32
+    ),
 }
 
 
@@ -110,8 +111,9 @@ class _Block(nn.Module):
         self.kv_cross = nn.Linear(width, 2 * width)
         self.proj_cross = nn.Linear(width, width)
         self.norm3 = nn.LayerNorm(width, elementwise_affine=False)
-        self.mlp = nn.Sequential(nn.Linear(width, mlp_ratio * width), nn.GELU(approximate="tanh"),
-                                 nn.Linear(mlp_ratio * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, mlp_ratio * width), nn.GELU(approximate="tanh"), nn.Linear(mlp_ratio * width, width)
+        )
         self.ada = nn.Linear(width, 9 * width)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +128,9 @@ class _Block(nn.Module):
         s1, b1, g1, s2, b2, g2, s3, b3, g3 = self.ada(temb)[:, None].chunk(9, dim=-1)
         h = self.norm1(x) * (1 + s1) + b1
         q, k, v = self.qkv(h).chunk(3, dim=-1)
-        x = x + g1 * self.proj(self._merge(F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v))))
+        x = x + g1 * self.proj(
+            self._merge(F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v)))
+        )
         h = self.norm2(x) * (1 + s2) + b2
         k, v = self.kv_cross(ctx).chunk(2, dim=-1)
         att = F.scaled_dot_product_attention(self._heads(self.q_cross(h)), self._heads(k), self._heads(v))
@@ -157,12 +161,16 @@ class FlowTransformer(nn.Module):
         self.out_norm = nn.LayerNorm(w, elementwise_affine=False)
         self.action_out = nn.Linear(w, cfg.action_dim)
 
-    def encode(self, images: torch.Tensor, present: torch.Tensor, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def encode(
+        self, images: torch.Tensor, present: torch.Tensor, state: torch.Tensor, tokens: torch.Tensor
+    ) -> torch.Tensor:
         """images [B, C, 3, S, S] float in [-1, 1]; present [B, C] bool; state [B, D]; tokens [B, P] long."""
         b, c = images.shape[:2]
         patches = self.patch(images.flatten(0, 1)).flatten(2).transpose(1, 2).view(b, c, -1, self.cfg.width)
         patches = torch.where(present[:, :, None, None], patches, self.empty_camera) + self.camera_pos
-        ctx = torch.cat([patches.flatten(1, 2), self.state(state)[:, None], self.prompt(tokens) + self.prompt_pos], dim=1)
+        ctx = torch.cat(
+            [patches.flatten(1, 2), self.state(state)[:, None], self.prompt(tokens) + self.prompt_pos], dim=1
+        )
         return self.ctx_norm(ctx)
 
     def velocity(self, ctx: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -252,26 +260,36 @@ class ReferencePolicy(Policy):
 
     def metadata(self) -> dict[str, Any]:
         meta = super().metadata()
-        meta.update({
-            "image_size": self.cfg.image_size,
-            "max_cameras": self.cfg.max_cameras,
-            "joint_dim": self.cfg.joint_dim,
-            "gripper_dim": self.cfg.gripper_dim,
-            "context_tokens": self.cfg.context_tokens,
-        })
+        meta.update(
+            {
+                "image_size": self.cfg.image_size,
+                "max_cameras": self.cfg.max_cameras,
+                "joint_dim": self.cfg.joint_dim,
+                "gripper_dim": self.cfg.gripper_dim,
+                "context_tokens": self.cfg.context_tokens,
+            }
+        )
         return meta
 
     # --- serving split ----------------------------------------------------------
     def prepare(self, obs: Mapping[str, Any]) -> Sample:
         cfg = self.cfg
-        parsed = parse_observation(obs, joint_dim=cfg.joint_dim, gripper_dim=cfg.gripper_dim, max_cameras=cfg.max_cameras,
-                                   max_abs_state=cfg.max_abs_state)
+        parsed = parse_observation(
+            obs,
+            joint_dim=cfg.joint_dim,
+            gripper_dim=cfg.gripper_dim,
+            max_cameras=cfg.max_cameras,
+            max_abs_state=cfg.max_abs_state,
+        )
         # Few calls, as this runs on the event loop between a robot's frame and its batch: each numpy or
         # torch call costs a few microseconds there, and several times that on a cold cache after an idle
         # wait.  ``present`` and the tokens are shared read-only tensors.
         n = len(parsed.cameras)
-        tensors = {"present": self._present[n], "state": torch.from_numpy(parsed.state[None]),
-                   "tokens": _tokenize(parsed.prompt, cfg.prompt_tokens)}
+        tensors = {
+            "present": self._present[n],
+            "state": torch.from_numpy(parsed.state[None]),
+            "tokens": _tokenize(parsed.prompt, cfg.prompt_tokens),
+        }
         # Each camera as it came, uint8 HWC: one contiguous copy here (the frame's arrays are read-only), and the
         # layout change, resize and scaling run on the device in condition(). A strided HWC -> CHW copy of a
         # 224x224 frame alone cost the CPU ~0.4 ms per request.
@@ -353,5 +371,13 @@ def init_checkpoint(directory: str | Path, size: str = "tiny", seed: int = 0, **
     return root
 
 
-__all__ = ["FlowTransformer", "InvalidObservation", "PolicyConfig", "ReferencePolicy", "SIZES", "camera_key",
-           "example_observation", "init_checkpoint"]
+__all__ = [
+    "FlowTransformer",
+    "InvalidObservation",
+    "PolicyConfig",
+    "ReferencePolicy",
+    "SIZES",
+    "camera_key",
+    "example_observation",
+    "init_checkpoint",
+]

@@ -95,8 +95,14 @@ class RtcBatch:
     noise: torch.Tensor | None = None  # [B, H, A], x at t=1: the sampler sets it before the first step
 
     @classmethod
-    def build(cls, constraints: Sequence[RtcConstraint | None], shape: tuple[int, int], mode: RtcMode,
-              device: torch.device, dtype: torch.dtype) -> RtcBatch | None:
+    def build(
+        cls,
+        constraints: Sequence[RtcConstraint | None],
+        shape: tuple[int, int],
+        mode: RtcMode,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> RtcBatch | None:
         """The batch of ``constraints`` (one per row, None for a plain row); None when no row has one."""
         if mode == "off" or all(c is None for c in constraints):
             return None
@@ -161,8 +167,10 @@ def detached(tree: Any) -> Any:
 def vjp(out: torch.Tensor, x: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
     """``(d out / d x)^T vector``; a policy whose ``denoise_step`` turns autograd off gets a clear error."""
     if not out.requires_grad:
-        raise RuntimeError("--rtc guided needs gradients through denoise_step, and this policy's denoise_step "
-                           "computes without autograd (e.g. under torch.inference_mode); use --rtc inpaint")
+        raise RuntimeError(
+            "--rtc guided needs gradients through denoise_step, and this policy's denoise_step "
+            "computes without autograd (e.g. under torch.inference_mode); use --rtc inpaint"
+        )
     (grad,) = torch.autograd.grad(out, x, vector)
     return grad
 
@@ -173,8 +181,7 @@ def vjp(out: torch.Tensor, x: torch.Tensor, vector: torch.Tensor) -> torch.Tenso
 Step = tuple[torch.Tensor, Sequence[tuple[torch.Tensor, float]]]
 
 
-def guided_velocity(rtc: RtcBatch, forward: Callable[[torch.Tensor], Step], x: torch.Tensor, t: float
-                    ) -> torch.Tensor:
+def guided_velocity(rtc: RtcBatch, forward: Callable[[torch.Tensor], Step], x: torch.Tensor, t: float) -> torch.Tensor:
     """The corrected output of one step: ``forward(x)`` (the combined, CFG-guided output) with RTC's correction.
 
     ``guided``: ``J^T e = e - t (d out/d x)^T e`` by autograd through ``forward``, part by part;
@@ -195,8 +202,12 @@ def guided_velocity(rtc: RtcBatch, forward: Callable[[torch.Tensor], Step], x: t
         return rtc.correct(out, e - t * total, t)
 
 
-def integrate(rtc: RtcBatch, x: torch.Tensor, integrator: Any, forward: Callable[[torch.Tensor, int], Step],
-              ) -> torch.Tensor:
+def integrate(
+    rtc: RtcBatch,
+    x: torch.Tensor,
+    integrator: Any,
+    forward: Callable[[torch.Tensor, int], Step],
+) -> torch.Tensor:
     """The sampler's loop with RTC: each step's output corrected, then the frozen prefix inpainted.
 
     ``forward(x, i)`` is step ``i``'s combined output as the sampler computes it without RTC, with its
@@ -214,8 +225,16 @@ def _at_step(forward: Callable[[torch.Tensor, int], Step], z: torch.Tensor, *, i
     return forward(z, i)
 
 
-def sample_rtc(policy: Policy, sample: Sample, x: torch.Tensor, integrator: Integrator, plan: Sequence[bool],
-               guidance: float, mode: str, rtc: RtcBatch) -> torch.Tensor:
+def sample_rtc(
+    policy: Policy,
+    sample: Sample,
+    x: torch.Tensor,
+    integrator: Integrator,
+    plan: Sequence[bool],
+    guidance: float,
+    mode: str,
+    rtc: RtcBatch,
+) -> torch.Tensor:
     """``sample_actions`` of a batch with at least one constrained row, on one rank (cfgp=1, any cfg mode).
 
     The same model calls as without RTC, step by step; only the output is corrected and the prefix inpainted.
@@ -225,8 +244,11 @@ def sample_rtc(policy: Policy, sample: Sample, x: torch.Tensor, integrator: Inte
     ctx_u = policy.condition(sample, Branch.UNCOND) if any(plan) else None
     if rtc.guided:  # contexts made in inference mode cannot be saved for backward
         ctx_c, ctx_u = detached(ctx_c), detached(ctx_u)
-    ctx_cu = (context_map(lambda c, u: torch.cat([c, u.expand_as(c)]), ctx_c, ctx_u)
-              if mode == "batched" and ctx_u is not None else None)
+    ctx_cu = (
+        context_map(lambda c, u: torch.cat([c, u.expand_as(c)]), ctx_c, ctx_u)
+        if mode == "batched" and ctx_u is not None
+        else None
+    )
 
     def forward(z: torch.Tensor, i: int) -> Step:
         t = integrator.time(i, rows, z.device)

@@ -188,8 +188,16 @@ def sample_actions(
         return x
 
 
-def _parallel(policy: Policy, sample: Sample, x: torch.Tensor, integ: Integrator, plan: Sequence[bool],
-              guidance: float, cfg_group: CfgGroup, rtc: RtcBatch | None = None) -> torch.Tensor:
+def _parallel(
+    policy: Policy,
+    sample: Sample,
+    x: torch.Tensor,
+    integ: Integrator,
+    plan: Sequence[bool],
+    guidance: float,
+    cfg_group: CfgGroup,
+    rtc: RtcBatch | None = None,
+) -> torch.Tensor:
     """cfgp=2: this rank's branch, one all_gather per guided step.
 
     Both ranks know ``plan``, so they agree on which steps have a collective:
@@ -245,8 +253,9 @@ def _parallel(policy: Policy, sample: Sample, x: torch.Tensor, integ: Integrator
         failed = torch.maximum(gathered[0][-1], gathered[1][-1])
         out = u + guidance * (c - u)
         if rtc is not None:
-            out, failed = _rtc_parallel(rtc, out, x, x_g, v, branch, guidance, float(integ.timesteps[i]), failed,
-                                        cfg_group, i, n)
+            out, failed = _rtc_parallel(
+                rtc, out, x, x_g, v, branch, guidance, float(integ.timesteps[i]), failed, cfg_group, i, n
+            )
         x = integ.step(x, out, i)
         if rtc is not None:
             x = rtc.inpaint(x, time_after(integ.timesteps, i))
@@ -255,8 +264,9 @@ def _parallel(policy: Policy, sample: Sample, x: torch.Tensor, integ: Integrator
     return x
 
 
-def _rtc_alone(rtc: RtcBatch, policy: Policy, ctx: Context, x: torch.Tensor, t: torch.Tensor, time: float
-               ) -> torch.Tensor:
+def _rtc_alone(
+    rtc: RtcBatch, policy: Policy, ctx: Context, x: torch.Tensor, t: torch.Tensor, time: float
+) -> torch.Tensor:
     """An unguided step's corrected output under cfgp=2, on the conditional rank alone."""
 
     def forward(z: torch.Tensor) -> Step:
@@ -266,9 +276,20 @@ def _rtc_alone(rtc: RtcBatch, policy: Policy, ctx: Context, x: torch.Tensor, t: 
     return guided_velocity(rtc, forward, x, time)
 
 
-def _rtc_parallel(rtc: RtcBatch, out: torch.Tensor, x: torch.Tensor, x_g: torch.Tensor | None, v: torch.Tensor,
-                  branch: Branch, guidance: float, time: float, failed: torch.Tensor, cfg_group: CfgGroup, i: int,
-                  n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rtc_parallel(
+    rtc: RtcBatch,
+    out: torch.Tensor,
+    x: torch.Tensor,
+    x_g: torch.Tensor | None,
+    v: torch.Tensor,
+    branch: Branch,
+    guidance: float,
+    time: float,
+    failed: torch.Tensor,
+    cfg_group: CfgGroup,
+    i: int,
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A guided step's RTC correction under cfgp=2: both ranks see the same constraint and the same ``out``.
 
     ``guided``: each rank takes the VJP of its own branch with its coefficient in ``out`` (``g`` for the
@@ -298,8 +319,10 @@ def _all_gather(payload: torch.Tensor, cfg_group: CfgGroup, device: torch.device
     try:
         dist.all_gather(gathered, payload, group=cfg_group.group)
     except Exception as exc:  # noqa: BLE001 - gloo: timeout or closed pair; the group is unusable now
-        raise ReplicaFailed(f"cfg collective failed at step {i + 1} of {n}: "
-                            f"{str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}") from exc
+        raise ReplicaFailed(
+            f"cfg collective failed at step {i + 1} of {n}: "
+            f"{str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}"
+        ) from exc
     return [g.to(device, non_blocking=True) for g in gathered]
 
 

@@ -70,9 +70,17 @@ ROUTING_SNAPSHOT_S = 0.05
 class Ingress:
     """What the server needs: metadata, readiness, ``infer``, drain."""
 
-    def __init__(self, layout: ParallelLayout, settings: SamplerSettings, board: Board | BoardWatcher, *,
-                 request_timeout_s: float, poll_s: float = 0.25, recent_sessions: Callable[[], int] = lambda: 0,
-                 on_replica_failed: Callable[[int, str], None] = lambda index, reason: None) -> None:
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        settings: SamplerSettings,
+        board: Board | BoardWatcher,
+        *,
+        request_timeout_s: float,
+        poll_s: float = 0.25,
+        recent_sessions: Callable[[], int] = lambda: 0,
+        on_replica_failed: Callable[[int, str], None] = lambda index, reason: None,
+    ) -> None:
         """``recent_sessions``: the server's count of sessions that may send soon (the batch window waits for
         them); ``on_replica_failed``: the worker takes the pod down."""
         self.layout = layout
@@ -121,15 +129,17 @@ class Ingress:
         assert self.policy is not None
         meta = dict(self.policy.metadata())
         settings = self.settings.for_policy(self.policy, self.layout.cfgp)  # the policy's own where flags are unset
-        meta.update({
-            "server": "policy-operator",
-            "server_version": __version__,
-            "layout": self.layout.as_dict(),
-            "steps": settings.steps,
-            "guidance": settings.guidance,
-            "action_shape": list(self.policy.action_shape),
-            "rtc": self.rtc.support.metadata(),
-        })
+        meta.update(
+            {
+                "server": "policy-operator",
+                "server_version": __version__,
+                "layout": self.layout.as_dict(),
+                "steps": settings.steps,
+                "guidance": settings.guidance,
+                "action_shape": list(self.policy.action_shape),
+                "rtc": self.rtc.support.metadata(),
+            }
+        )
         return meta
 
     def _ranks(self, fresh: bool = False) -> list[RankReadiness]:
@@ -183,8 +193,9 @@ class Ingress:
             self._on_replica_failed(index, reason)
 
     # --- the request path --------------------------------------------------------------
-    def _decode_and_prepare(self, message: bytes | str, rtc_session: RtcSession | None = None
-                            ) -> tuple[Sample, int | None, str | None, float, float, RtcPrepared | None]:
+    def _decode_and_prepare(
+        self, message: bytes | str, rtc_session: RtcSession | None = None
+    ) -> tuple[Sample, int | None, str | None, float, float, RtcPrepared | None]:
         """The frame's prepared sample, its seed and session, the milliseconds decode and prepare took, and its
         checked ``rtc`` entry (None without one)."""
         assert self.policy is not None
@@ -209,11 +220,15 @@ class Ingress:
                 sample, seed, session, decode_ms, prepare_ms, rtc = self._decode_and_prepare(message, rtc_session)
             else:
                 sample, seed, session, decode_ms, prepare_ms, rtc = await asyncio.get_running_loop().run_in_executor(
-                    self._prepare_pool, self._decode_and_prepare, message, rtc_session)
+                    self._prepare_pool, self._decode_and_prepare, message, rtc_session
+                )
             sample = self.history.extend(session, sample)  # on the loop: sessions' histories change on one thread
-            request = InferenceRequest(f"{self._id_prefix}-{next(self._ids)}", sample,
-                                       self._seeds.getrandbits(63) if seed is None else seed,
-                                       rtc.constraint if rtc is not None else None)
+            request = InferenceRequest(
+                f"{self._id_prefix}-{next(self._ids)}",
+                sample,
+                self._seeds.getrandbits(63) if seed is None else seed,
+                rtc.constraint if rtc is not None else None,
+            )
             problems = self.replica_problems()
             if all(problems):
                 raise NotReady("no replica can take a request: " + "; ".join(p for p in problems if p))
@@ -257,8 +272,10 @@ class Ingress:
                 continue
             since = time.monotonic() if since is None else since
             if time.monotonic() - since >= self.request_timeout_s:
-                raise ReplicaUnavailable(f"{problem} for {self.request_timeout_s:g}s (--pg-timeout-s) while it held "
-                                         "this request; it gets no new requests until it is ready again")
+                raise ReplicaUnavailable(
+                    f"{problem} for {self.request_timeout_s:g}s (--pg-timeout-s) while it held "
+                    "this request; it gets no new requests until it is ready again"
+                )
 
     def give_up(self, error: RequestError) -> int:
         """Fail every routed request still waiting for its replica with ``error``; how many there were.

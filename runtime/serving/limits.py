@@ -33,8 +33,9 @@ MAX_QUEUED_FRAMES = 4  # openpi is request/reply: a client has one frame in flig
 class ReadBudget:
     """Unfinished-frame bytes per connection and in total, and since when each connection's frame is unfinished."""
 
-    def __init__(self, max_bytes: int, frame_timeout_s: float,
-                 on_close: Callable[[str], None] = lambda reason: None) -> None:
+    def __init__(
+        self, max_bytes: int, frame_timeout_s: float, on_close: Callable[[str], None] = lambda reason: None
+    ) -> None:
         self.max_bytes = max_bytes
         self.frame_timeout_s = frame_timeout_s
         self.total = 0
@@ -50,8 +51,10 @@ class ReadBudget:
         if before == 0 or buffered < before:  # a new frame began (the last one finished): its clock starts now
             since = time.monotonic()
         if self.total + buffered > self.max_bytes:
-            log.warning("closing a connection: its unfinished frame would take buffered bytes past %d "
-                        "(--max-buffered-bytes)", self.max_bytes)
+            log.warning(
+                "closing a connection: its unfinished frame would take buffered bytes past %d (--max-buffered-bytes)",
+                self.max_bytes,
+            )
             self._close(conn, MESSAGE_TOO_BIG, "server buffer full; retry", "buffer_full")
             return
         self._held[conn] = (buffered, since)
@@ -66,8 +69,9 @@ class ReadBudget:
         limit = time.monotonic() - self.frame_timeout_s
         late = [conn for conn, (_, since) in self._held.items() if since < limit]
         for conn in late:
-            log.warning("closing a connection: a frame unfinished after %gs (--frame-read-timeout-s)",
-                        self.frame_timeout_s)
+            log.warning(
+                "closing a connection: a frame unfinished after %gs (--frame-read-timeout-s)", self.frame_timeout_s
+            )
             self.forget(conn)
             self._close(conn, POLICY_VIOLATION, "frame not received in time", "frame_timeout")
         return len(late)

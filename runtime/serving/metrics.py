@@ -23,55 +23,98 @@ class ServerMetrics:
     def __init__(self, layout: ParallelLayout, max_connections: int = 0) -> None:
         self.registry = CollectorRegistry()
         self._replicas: list[tuple[Counter, Histogram, Histogram]] = []  # per replica: its labelled series
-        self.latency = Histogram("policy_request_latency_seconds", "Receive-to-reply time of a successful request",
-                                 buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.infer = Histogram("policy_infer_seconds", "Time a replica spent computing one request",
-                               ["replica"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.queue = Histogram("policy_queue_seconds", "Time a request waited for its replica (queue and batch window)",
-                               buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.batch_size = Histogram("policy_batch_size", "Requests per batch a replica ran (one sampler call)",
-                                    ["replica"], buckets=BATCH_SIZE_BUCKETS, registry=self.registry)
+        self.latency = Histogram(
+            "policy_request_latency_seconds",
+            "Receive-to-reply time of a successful request",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.infer = Histogram(
+            "policy_infer_seconds",
+            "Time a replica spent computing one request",
+            ["replica"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue = Histogram(
+            "policy_queue_seconds",
+            "Time a request waited for its replica (queue and batch window)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            "policy_batch_size",
+            "Requests per batch a replica ran (one sampler call)",
+            ["replica"],
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=self.registry,
+        )
         self.errors = Counter("policy_request_errors", "Failed requests by kind", ["kind"], registry=self.registry)
-        self.requests = Counter("policy_requests", "Requests answered with actions", ["replica"], registry=self.registry)
-        self.in_flight = Gauge("policy_requests_in_flight", "Requests received and not yet answered",
-                               registry=self.registry)
+        self.requests = Counter(
+            "policy_requests", "Requests answered with actions", ["replica"], registry=self.registry
+        )
+        self.in_flight = Gauge(
+            "policy_requests_in_flight", "Requests received and not yet answered", registry=self.registry
+        )
         self.connections = Gauge("policy_connections", "Open WebSocket connections", registry=self.registry)
-        self.max_connections = Gauge("policy_max_connections",
-                                     "WebSocket connections this server accepts at once (--max-connections)",
-                                     registry=self.registry)
+        self.max_connections = Gauge(
+            "policy_max_connections",
+            "WebSocket connections this server accepts at once (--max-connections)",
+            registry=self.registry,
+        )
         self.connections_closed = Counter(
             "policy_connections_closed",
             "Connections refused or closed by a bound: max_connections (HTTP 503 before the upgrade), buffer_full "
             "(1009: unfinished frames past --max-buffered-bytes), frame_timeout (1008: a frame unfinished past "
-            "--frame-read-timeout-s)", ["reason"], registry=self.registry)
-        self.buffered_bytes = Gauge("policy_buffered_bytes",
-                                    "Bytes of unfinished WebSocket frames held across all connections",
-                                    registry=self.registry)
-        self.bucket_seconds = Gauge("policy_batch_bucket_seconds",
-                                    "Measured time of one batch of each padded size (bucket) at warm-up: what "
-                                    "--latency-budget-ms compares against", ["replica", "bucket"],
-                                    registry=self.registry)
+            "--frame-read-timeout-s)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.buffered_bytes = Gauge(
+            "policy_buffered_bytes",
+            "Bytes of unfinished WebSocket frames held across all connections",
+            registry=self.registry,
+        )
+        self.bucket_seconds = Gauge(
+            "policy_batch_bucket_seconds",
+            "Measured time of one batch of each padded size (bucket) at warm-up: what "
+            "--latency-budget-ms compares against",
+            ["replica", "bucket"],
+            registry=self.registry,
+        )
         self.ranks_ready = Gauge("policy_ranks_ready", "Ranks alive and warm", registry=self.registry)
         self.world_size = Gauge("policy_world_size", "Ranks this pod runs (cfgp x dp)", registry=self.registry)
-        self.dp_replicas = Gauge("policy_dp_replicas",
-                                 "Data-parallel replicas in this pod (dp): requests it computes at once",
-                                 registry=self.registry)
+        self.dp_replicas = Gauge(
+            "policy_dp_replicas",
+            "Data-parallel replicas in this pod (dp): requests it computes at once",
+            registry=self.registry,
+        )
         # what the client sees on top of policy_request_latency_seconds: the WebSocket keepalive's round trip
         # on the robots' own connections, sampled with every request
-        self.network_rtt = Histogram("policy_network_rtt_seconds",
-                                     "Round trip of the WebSocket keepalive ping of the connection a request came on",
-                                     buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.load_seconds = Gauge("policy_load_seconds",
-                                  "Seconds rank 0 spent loading the policy onto its device (download excluded)",
-                                  registry=self.registry)
-        self.warmup_seconds = Gauge("policy_warmup_seconds", "Seconds the warm-up request of replica 0 took",
-                                    registry=self.registry)
-        self.download_done = Gauge("policy_checkpoint_downloaded_bytes",
-                                   "Bytes of the checkpoint this server is downloading itself (serve --checkpoint URL)",
-                                   registry=self.registry)
-        self.download_size = Gauge("policy_checkpoint_size_bytes",
-                                   "Size of the checkpoint this server is downloading itself; 0 when unknown",
-                                   registry=self.registry)
+        self.network_rtt = Histogram(
+            "policy_network_rtt_seconds",
+            "Round trip of the WebSocket keepalive ping of the connection a request came on",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.load_seconds = Gauge(
+            "policy_load_seconds",
+            "Seconds rank 0 spent loading the policy onto its device (download excluded)",
+            registry=self.registry,
+        )
+        self.warmup_seconds = Gauge(
+            "policy_warmup_seconds", "Seconds the warm-up request of replica 0 took", registry=self.registry
+        )
+        self.download_done = Gauge(
+            "policy_checkpoint_downloaded_bytes",
+            "Bytes of the checkpoint this server is downloading itself (serve --checkpoint URL)",
+            registry=self.registry,
+        )
+        self.download_size = Gauge(
+            "policy_checkpoint_size_bytes",
+            "Size of the checkpoint this server is downloading itself; 0 when unknown",
+            registry=self.registry,
+        )
         self.max_connections.set(max_connections)
         for reason in ("max_connections", "buffer_full", "frame_timeout"):
             self.connections_closed.labels(reason)
@@ -79,8 +122,10 @@ class ServerMetrics:
         self.dp_replicas.set(layout.dp)
         # every replica's series exists from the first scrape: rate() and the dashboard read 0, not "no data",
         # before a replica's first batch; kept, so a request does not look its labels up again
-        self._replicas = [(self.requests.labels(k), self.infer.labels(k), self.batch_size.labels(k))
-                          for k in map(str, range(layout.dp))]
+        self._replicas = [
+            (self.requests.labels(k), self.infer.labels(k), self.batch_size.labels(k))
+            for k in map(str, range(layout.dp))
+        ]
 
     def observe_request(self, replica: int, infer_s: float, queue_s: float) -> None:
         """A request answered with actions: on the event loop, once per request."""

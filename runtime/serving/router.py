@@ -46,8 +46,9 @@ class Router:
         index = self._sessions.get(key) if key is not None else None
         if index is None or index not in allowed:
             low = min(self.in_flight[i] for i in allowed)
-            index = next(i % n for i in range(self._next, self._next + n)
-                         if i % n in allowed and self.in_flight[i % n] == low)
+            index = next(
+                i % n for i in range(self._next, self._next + n) if i % n in allowed and self.in_flight[i % n] == low
+            )
             self._next = (index + 1) % n
         if key is not None:
             self._sessions[key] = index
@@ -68,4 +69,3 @@ class Router:
 
     def total_in_flight(self) -> int:
         return sum(self.in_flight)
-

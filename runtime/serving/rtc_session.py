@@ -86,8 +86,10 @@ def _prev_actions(value: Any, action_shape: tuple[int, int]) -> np.ndarray:
     if value.dtype.kind not in "fiu" or value.dtype == np.bool_:
         raise InvalidRtc(f"rtc.{PREV_ACTIONS} must be a float array, got dtype {value.dtype.str}")
     if value.ndim != 2 or value.shape[1] != action_dim or not 1 <= value.shape[0] <= horizon:
-        raise InvalidRtc(f"rtc.{PREV_ACTIONS} must have shape (h, {action_dim}) with 1 <= h <= {horizon} (the "
-                         f"action horizon), got {value.shape}")
+        raise InvalidRtc(
+            f"rtc.{PREV_ACTIONS} must have shape (h, {action_dim}) with 1 <= h <= {horizon} (the "
+            f"action horizon), got {value.shape}"
+        )
     with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf, refused below
         actions = value.astype(np.float32)
     if not np.isfinite(actions).all():
@@ -98,8 +100,10 @@ def _prev_actions(value: Any, action_shape: tuple[int, int]) -> np.ndarray:
 def parse_rtc(entry: Any, session: RtcSession | None, *, action_shape: tuple[int, int], max_delay: int) -> RtcRequest:
     """The request's constraint in the returned action space; raises an ``InvalidRtc`` kind on any problem."""
     if not isinstance(entry, Mapping):
-        raise InvalidRtc(f"{RTC_KEY!r} must be a map with {PREV_ACTIONS!r} or {EXECUTED!r}, "
-                         f"{DELAY!r} and optionally {HORIZON!r}, got {type(entry).__name__}")
+        raise InvalidRtc(
+            f"{RTC_KEY!r} must be a map with {PREV_ACTIONS!r} or {EXECUTED!r}, "
+            f"{DELAY!r} and optionally {HORIZON!r}, got {type(entry).__name__}"
+        )
     unknown = sorted(str(k) for k in entry if k not in FIELDS)
     if unknown:
         raise InvalidRtc(f"unknown rtc field(s) {', '.join(unknown)}; the fields are {', '.join(FIELDS)}")
@@ -108,8 +112,9 @@ def parse_rtc(entry: Any, session: RtcSession | None, *, action_shape: tuple[int
     if delay is None:
         raise InvalidRtc(f"rtc.{DELAY} is required (control steps the robot executes while the server computes)")
     if not 0 <= delay < horizon_len:
-        raise InvalidRtc(f"rtc.{DELAY} must be in 0..{horizon_len - 1} (below the action horizon {horizon_len}), "
-                         f"got {delay}")
+        raise InvalidRtc(
+            f"rtc.{DELAY} must be in 0..{horizon_len - 1} (below the action horizon {horizon_len}), got {delay}"
+        )
     if delay > max_delay:
         raise InvalidRtc(f"rtc.{DELAY} {delay} exceeds this server's maximum, {max_delay} (--rtc-max-delay)")
     executed = _integer(entry, EXECUTED)
@@ -118,23 +123,29 @@ def parse_rtc(entry: Any, session: RtcSession | None, *, action_shape: tuple[int
     if executed is not None:
         last = session.last if session is not None else None
         if last is None:
-            raise RtcNoPreviousChunk(f"rtc.{EXECUTED} refers to the last chunk this connection received, and it "
-                                     f"received none yet; send {PREV_ACTIONS!r} instead")
+            raise RtcNoPreviousChunk(
+                f"rtc.{EXECUTED} refers to the last chunk this connection received, and it "
+                f"received none yet; send {PREV_ACTIONS!r} instead"
+            )
         if not 0 <= executed < len(last):
-            raise InvalidRtc(f"rtc.{EXECUTED} must be in 0..{len(last) - 1} (the last chunk has {len(last)} "
-                             f"actions), got {executed}")
+            raise InvalidRtc(
+                f"rtc.{EXECUTED} must be in 0..{len(last) - 1} (the last chunk has {len(last)} actions), got {executed}"
+            )
         prev = last[executed:]
     else:
         prev = _prev_actions(entry[PREV_ACTIONS], action_shape)
     h = prev.shape[0]
     if delay > h:
-        raise InvalidRtc(f"rtc.{DELAY} {delay} exceeds the {h} previous actions given: the robot runs out of "
-                         f"actions before the new chunk starts")
+        raise InvalidRtc(
+            f"rtc.{DELAY} {delay} exceeds the {h} previous actions given: the robot runs out of "
+            f"actions before the new chunk starts"
+        )
     horizon = _integer(entry, HORIZON)
     horizon = h if horizon is None else horizon
     if not delay <= horizon <= h:
-        raise InvalidRtc(f"rtc.{HORIZON} must be in {delay}..{h} (from the delay to the previous actions given), "
-                         f"got {horizon}")
+        raise InvalidRtc(
+            f"rtc.{HORIZON} must be in {delay}..{h} (from the delay to the previous actions given), got {horizon}"
+        )
     return RtcRequest(prev, delay, horizon)
 
 
@@ -158,16 +169,20 @@ class RtcSupport:
     def check(self) -> None:
         """Refuse a request with an ``rtc`` entry when RTC is off."""
         if self.mode == "off":
-            raise RtcUnsupported(self.reason or "real-time chunking is off on this server (--rtc off); send the "
-                                                "observation without 'rtc'")
+            raise RtcUnsupported(
+                self.reason
+                or "real-time chunking is off on this server (--rtc off); send the observation without 'rtc'"
+            )
 
     def metadata(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {"mode": self.mode, "max_inference_delay": self.max_delay,
-                                "forms": [PREV_ACTIONS, EXECUTED] if self.mode != "off" else []}
+        meta: dict[str, Any] = {
+            "mode": self.mode,
+            "max_inference_delay": self.max_delay,
+            "forms": [PREV_ACTIONS, EXECUTED] if self.mode != "off" else [],
+        }
         if self.reason:
             meta["reason"] = self.reason
         return meta
-
 
 
 @dataclass(frozen=True)
@@ -193,8 +208,7 @@ class RtcIngress:
     def of(cls, policy: Policy, mode: str, max_delay: int | None) -> RtcIngress:
         return cls(RtcSupport.of(mode, max_delay, policy.action_shape[0], rtc_unsupported(policy)), policy)
 
-    def parse(self, obs: Mapping[str, Any], session: RtcSession | None, action_shape: tuple[int, int]
-              ) -> RtcPrepared:
+    def parse(self, obs: Mapping[str, Any], session: RtcSession | None, action_shape: tuple[int, int]) -> RtcPrepared:
         """The observation's ``rtc`` entry, checked against the session's memory and mapped to the model's space."""
         self.support.check()
         assert self.policy is not None, "check() refuses before a policy is attached"

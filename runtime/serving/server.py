@@ -114,8 +114,9 @@ class Sessions:
         however long the batch computes), or a request or delivered reply within ``RECENT_SESSION_S``.  A
         session whose reply is still being written (its client is not reading) does not count."""
         since = time.monotonic() - RECENT_SESSION_S
-        return sum(1 for ws, t in self.last_active.items()
-                   if ws not in self.sending and (t >= since or ws not in self.idle))
+        return sum(
+            1 for ws, t in self.last_active.items() if ws not in self.sending and (t >= since or ws not in self.idle)
+        )
 
 
 def _json(status: int, payload: dict[str, Any]) -> Response:
@@ -127,9 +128,16 @@ def reply_frame(reply: Reply, prev_total_ms: float | None, total_ms: float) -> d
     itself adds is ``total_ms - infer_ms``."""
     return {
         "actions": reply.actions,
-        "server_timing": {"infer_ms": reply.infer_ms, "queue_ms": reply.queue_ms, "decode_ms": reply.decode_ms,
-                          "prepare_ms": reply.prepare_ms, "replica": reply.replica, "batch_size": reply.batch_size,
-                          "prev_total_ms": prev_total_ms, "total_ms": total_ms},
+        "server_timing": {
+            "infer_ms": reply.infer_ms,
+            "queue_ms": reply.queue_ms,
+            "decode_ms": reply.decode_ms,
+            "prepare_ms": reply.prepare_ms,
+            "replica": reply.replica,
+            "batch_size": reply.batch_size,
+            "prev_total_ms": prev_total_ms,
+            "total_ms": total_ms,
+        },
     }
 
 
@@ -141,8 +149,11 @@ class PolicyWebSocketServer:
         self.config = config
         self.metrics = metrics
         self.sessions = sessions
-        self.budget = ReadBudget(config.max_buffered_bytes, config.frame_read_timeout_s,
-                                 on_close=lambda reason: metrics.connections_closed.labels(reason).inc())
+        self.budget = ReadBudget(
+            config.max_buffered_bytes,
+            config.frame_read_timeout_s,
+            on_close=lambda reason: metrics.connections_closed.labels(reason).inc(),
+        )
         self._server: Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -172,13 +183,20 @@ class PolicyWebSocketServer:
             self.metrics.errors.labels(ErrorKind.UNAUTHORIZED.value).inc()
             return _json(401, {"error": "missing or invalid token (Authorization: Bearer <token> or Api-Key <token>)"})
         if not self.ingress.accepting:
-            return _json(503, {"error": "server is shutting down" if self.ingress.draining else "server is not ready yet"})
+            return _json(
+                503, {"error": "server is shutting down" if self.ingress.draining else "server is not ready yet"}
+            )
         if request.headers.get("Upgrade", "").lower() != "websocket":
             return _json(404, {"error": f"no such path {path}; WebSocket clients connect to /"})
         if len(self.sessions.open) >= self.config.max_connections:
             self.metrics.connections_closed.labels("max_connections").inc()
-            return _json(503, {"error": f"server has {self.config.max_connections} connections open "
-                                        "(--max-connections); retry later or elsewhere"})
+            return _json(
+                503,
+                {
+                    "error": f"server has {self.config.max_connections} connections open "
+                    "(--max-connections); retry later or elsewhere"
+                },
+            )
         return None
 
     # --- the WebSocket session ---------------------------------------------------------
@@ -259,7 +277,9 @@ class PolicyWebSocketServer:
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         self._server = await serve(
-            self.handler, self.config.host, self.config.port,
+            self.handler,
+            self.config.host,
+            self.config.port,
             process_request=self.process_request,
             max_size=self.config.max_message_bytes,
             max_queue=MAX_QUEUED_FRAMES,
@@ -312,5 +332,3 @@ class PolicyWebSocketServer:
         if self._server is not None:
             self._server.close(close_connections=True)
             await self._server.wait_closed()
-
-

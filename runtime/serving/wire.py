@@ -47,7 +47,12 @@ def _pack_default(obj: Any) -> Any:
     if isinstance(obj, (np.ndarray, np.generic)):
         _check_dtype(obj.dtype)
     if isinstance(obj, np.ndarray):
-        return {b"__ndarray__": True, b"data": np.ascontiguousarray(obj).tobytes(), b"dtype": obj.dtype.str, b"shape": obj.shape}
+        return {
+            b"__ndarray__": True,
+            b"data": np.ascontiguousarray(obj).tobytes(),
+            b"dtype": obj.dtype.str,
+            b"shape": obj.shape,
+        }
     if isinstance(obj, np.generic):
         return {b"__npgeneric__": True, b"data": obj.item(), b"dtype": obj.dtype.str}
     raise TypeError(f"cannot serialize {type(obj).__name__}")
@@ -76,15 +81,19 @@ def _unpack_hook(obj: dict) -> Any:
         dtype = _wire_dtype(obj, "array")
         shape = _get(obj, "shape")
         data = _get(obj, "data")
-        if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM or not all(
-            isinstance(d, int) and d >= 0 for d in shape
+        if (
+            not isinstance(shape, (list, tuple))
+            or len(shape) > MAX_NDIM
+            or not all(isinstance(d, int) and d >= 0 for d in shape)
         ):
             raise WireError(f"bad array shape {shape!r}")
         if not isinstance(data, (bytes, bytearray)):
             raise WireError("array data must be bytes")
         expected = math.prod(shape) * dtype.itemsize
         if len(data) != expected:
-            raise WireError(f"array of shape {tuple(shape)} and dtype {dtype.str} needs {expected} bytes, got {len(data)}")
+            raise WireError(
+                f"array of shape {tuple(shape)} and dtype {dtype.str} needs {expected} bytes, got {len(data)}"
+            )
         return np.ndarray(buffer=data, dtype=dtype, shape=tuple(shape))
     if b"__npgeneric__" in obj or "__npgeneric__" in obj:
         return _wire_dtype(obj, "scalar").type(_get(obj, "data"))
@@ -134,13 +143,28 @@ def unpackb(data: bytes | str) -> Any:
         raise WireError("expected a binary msgpack frame, got a text frame")
     budget = _Budget()
     try:
-        obj = msgpack.unpackb(data, object_hook=budget.map, list_hook=budget.list, strict_map_key=False,
-                              max_map_len=MAX_MAP_LEN, max_array_len=MAX_ARRAY_LEN, max_str_len=MAX_STR_LEN,
-                              max_bin_len=len(data), max_ext_len=0)
+        obj = msgpack.unpackb(
+            data,
+            object_hook=budget.map,
+            list_hook=budget.list,
+            strict_map_key=False,
+            max_map_len=MAX_MAP_LEN,
+            max_array_len=MAX_ARRAY_LEN,
+            max_str_len=MAX_STR_LEN,
+            max_bin_len=len(data),
+            max_ext_len=0,
+        )
     except WireError:
         raise
-    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.ExtraData, msgpack.FormatError,
-            msgpack.StackError) as exc:
+    except (
+        ValueError,
+        TypeError,
+        OverflowError,
+        RecursionError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+    ) as exc:
         # OverflowError: a scalar whose value does not fit its dtype ({"__npgeneric__", "dtype": "<i8", "data": 2**64-1})
         raise WireError(f"frame is not valid msgpack: {str(exc)[:200]}") from None
     if isinstance(obj, (dict, list)):

@@ -85,6 +85,7 @@ class BadWsServer:
                 script(ws)
             except Exception:  # noqa: BLE001 - the client went away; nothing to report
                 pass
+
         return handle
 
     def __enter__(self) -> BadWsServer:

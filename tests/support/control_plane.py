@@ -110,10 +110,17 @@ def build_command(output: Path) -> list[str]:
     """
     version = kubernetes_version()
     major, minor, _ = version[1:].split(".")
-    stamps = [f"-X k8s.io/{package}.{key}={value}"
-              for package in ("client-go/pkg/version", "component-base/version")
-              for key, value in (("gitVersion", version), ("gitMajor", major), ("gitMinor", minor),
-                                 ("gitCommit", ""), ("gitTreeState", "archive"))]
+    stamps = [
+        f"-X k8s.io/{package}.{key}={value}"
+        for package in ("client-go/pkg/version", "component-base/version")
+        for key, value in (
+            ("gitVersion", version),
+            ("gitMajor", major),
+            ("gitMinor", minor),
+            ("gitCommit", ""),
+            ("gitTreeState", "archive"),
+        )
+    ]
     return ["go", "build", "-trimpath", "-buildvcs=false", f"-ldflags=-s -w {' '.join(stamps)}", "-o", str(output), "."]
 
 
@@ -150,24 +157,40 @@ def _build(log: Any) -> None:
     # the official tarball's place: a non-interactive shell (CI) may not have it on PATH
     go = shutil.which("go") or shutil.which("go", path="/usr/local/go/bin")
     if go is None:
-        raise ControlPlaneError("`go` is not on PATH: the control plane is built from tests/cluster/ "
-                                "(Go >= the `go` line of tests/cluster/go.mod)")
+        raise ControlPlaneError(
+            "`go` is not on PATH: the control plane is built from tests/cluster/ "
+            "(Go >= the `go` line of tests/cluster/go.mod)"
+        )
     want = source_hash()
     tmp = BIN_DIR / "kube-multicall.partial"
     cmd = build_command(tmp)
-    print(f"building the control plane {kubernetes_version()} from {MODULE_DIR.relative_to(REPO)}/ "
-          f"into {BINARY.relative_to(REPO)}\n  (CGO_ENABLED=0 {' '.join(cmd[:3])} ...: 10-20 min on 2 cores "
-          "with cold Go caches, a minute or two warm)", file=log, flush=True)
+    print(
+        f"building the control plane {kubernetes_version()} from {MODULE_DIR.relative_to(REPO)}/ "
+        f"into {BINARY.relative_to(REPO)}\n  (CGO_ENABLED=0 {' '.join(cmd[:3])} ...: 10-20 min on 2 cores "
+        "with cold Go caches, a minute or two warm)",
+        file=log,
+        flush=True,
+    )
     started = time.monotonic()
-    result = subprocess.run([go, *cmd[1:]], cwd=MODULE_DIR, env={**os.environ, "CGO_ENABLED": "0"},
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [go, *cmd[1:]],
+        cwd=MODULE_DIR,
+        env={**os.environ, "CGO_ENABLED": "0"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if result.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise ControlPlaneError(f"go build failed ({result.returncode}):\n{_tail(result.stdout + result.stderr, 60)}")
     os.replace(tmp, BINARY)
     STAMP.write_text(want + "\n")
-    print(f"built {BINARY.relative_to(REPO)} in {time.monotonic() - started:.0f} s "
-          f"({BINARY.stat().st_size / 2**20:.0f} MiB)", file=log, flush=True)
+    print(
+        f"built {BINARY.relative_to(REPO)} in {time.monotonic() - started:.0f} s "
+        f"({BINARY.stat().st_size / 2**20:.0f} MiB)",
+        file=log,
+        flush=True,
+    )
 
 
 def _link(path: Path) -> None:
@@ -185,7 +208,7 @@ def _start_time(pid: int) -> int | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = raw[raw.rindex(")") + 2:].split()
+    fields = raw[raw.rindex(")") + 2 :].split()
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
@@ -328,15 +351,29 @@ class ControlPlane:
 
     def record(self) -> dict[str, Any]:
         """What ``cluster-down`` needs to stop this control plane from another process."""
-        return {"workdir": str(self.workdir), "url": self.url, "kubeconfig": str(self.kubeconfig),
-                "ports": self.ports, "components": [c.record() for c in self.components]}
+        return {
+            "workdir": str(self.workdir),
+            "url": self.url,
+            "kubeconfig": str(self.kubeconfig),
+            "ports": self.ports,
+            "components": [c.record() for c in self.components],
+        }
 
     # -- clients --
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
         """Run this release's kubectl as the admin; ``check`` raises :class:`KubectlError` with its output."""
-        result = subprocess.run([str(self.kubectl_bin), *args], input=input, capture_output=True, text=True,
-                                env=self.env, cwd=REPO, timeout=timeout, check=False)
+        result = subprocess.run(
+            [str(self.kubectl_bin), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+            timeout=timeout,
+            check=False,
+        )
         if check and result.returncode != 0:
             raise KubectlError(result.returncode, result.args, result.stdout, result.stderr)
         return result
@@ -392,8 +429,9 @@ class ControlPlane:
             path.mkdir(parents=True, exist_ok=True)
         pki = self.workdir / "pki"
         # The key that signs (apiserver) and verifies (controller-manager) service-account tokens.
-        subprocess.run(["openssl", "genrsa", "-out", str(pki / "sa.key"), "2048"],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            ["openssl", "genrsa", "-out", str(pki / "sa.key"), "2048"], check=True, capture_output=True, timeout=60
+        )
         (pki / "tokens.csv").write_text(f'{self.admin_token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
         for path in (pki / "sa.key", pki / "tokens.csv"):
             path.chmod(0o600)
@@ -403,8 +441,14 @@ class ControlPlane:
     def _spawn(self, binary: Path, name: str, args: list[str]) -> Component:
         log = self.logs / f"{name}.log"
         with open(log, "ab") as out:
-            proc = subprocess.Popen([str(binary), name, *args], stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True)
+            proc = subprocess.Popen(
+                [str(binary), name, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                start_new_session=True,
+            )
         start_time = _start_time(proc.pid)
         component = Component(name, proc.pid, start_time if start_time is not None else -1, log, proc)
         self.components.append(component)
@@ -420,78 +464,113 @@ class ControlPlane:
         last: BaseException | None = None
         while time.monotonic() < deadline:
             if not component.alive():
-                raise ControlPlaneError(f"{component.name} exited while starting ({what}); {component.log}:\n"
-                                        f"{component.log_tail()}")
+                raise ControlPlaneError(
+                    f"{component.name} exited while starting ({what}); {component.log}:\n{component.log_tail()}"
+                )
             try:
                 if probe():
                     return
             except Exception as exc:  # noqa: BLE001 - refused/503 until the component is up
                 last = exc
             time.sleep(0.25)
-        raise ControlPlaneError(f"timed out after {timeout:.0f} s waiting for {what} (last error: {last!r}); "
-                                f"{component.log}:\n{component.log_tail()}")
+        raise ControlPlaneError(
+            f"timed out after {timeout:.0f} s waiting for {what} (last error: {last!r}); "
+            f"{component.log}:\n{component.log_tail()}"
+        )
 
     def _start_etcd(self, binary: Path) -> None:
         client = f"http://{HOST}:{self.ports['etcd_client']}"
         peer = f"http://{HOST}:{self.ports['etcd_peer']}"
-        etcd = self._spawn(binary, "etcd", [
-            "--name=etcd", f"--data-dir={self.workdir / 'etcd'}",
-            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=etcd={peer}", "--initial-cluster-state=new",
-            "--unsafe-no-fsync",  # test data: durability across a power cut is not needed, speed is
-            "--log-level=warn",
-        ])
-        self._wait(etcd, lambda: _http_json(f"{client}/health").get("health") == "true", ETCD_START_S,
-                   "etcd /health")
+        etcd = self._spawn(
+            binary,
+            "etcd",
+            [
+                "--name=etcd",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=etcd={peer}",
+                "--initial-cluster-state=new",
+                "--unsafe-no-fsync",  # test data: durability across a power cut is not needed, speed is
+                "--log-level=warn",
+            ],
+        )
+        self._wait(etcd, lambda: _http_json(f"{client}/health").get("health") == "true", ETCD_START_S, "etcd /health")
 
     def _start_apiserver(self, binary: Path) -> None:
         pki, port = self.workdir / "pki", self.ports["apiserver"]
-        apiserver = self._spawn(binary, "kube-apiserver", [
-            f"--etcd-servers=http://{HOST}:{self.ports['etcd_client']}",
-            f"--bind-address={HOST}", f"--advertise-address={HOST}", f"--secure-port={port}",
-            # No --tls-cert-file: the apiserver writes a self-signed serving
-            # certificate for the advertise address (127.0.0.1) into --cert-dir.
-            f"--cert-dir={self.workdir / 'apiserver-certs'}",
-            f"--token-auth-file={pki / 'tokens.csv'}",
-            "--authorization-mode=Node,RBAC",
-            f"--service-account-issuer=https://{HOST}:{port}",
-            f"--service-account-key-file={pki / 'sa.key'}",
-            f"--service-account-signing-key-file={pki / 'sa.key'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--allow-privileged=true",
-            # The `kubernetes` Service's endpoints would be 127.0.0.1, which
-            # endpoint validation refuses (loopback): nothing in-cluster needs them.
-            "--endpoint-reconciler-type=none",
-            "--profiling=false",
-        ])
+        apiserver = self._spawn(
+            binary,
+            "kube-apiserver",
+            [
+                f"--etcd-servers=http://{HOST}:{self.ports['etcd_client']}",
+                f"--bind-address={HOST}",
+                f"--advertise-address={HOST}",
+                f"--secure-port={port}",
+                # No --tls-cert-file: the apiserver writes a self-signed serving
+                # certificate for the advertise address (127.0.0.1) into --cert-dir.
+                f"--cert-dir={self.workdir / 'apiserver-certs'}",
+                f"--token-auth-file={pki / 'tokens.csv'}",
+                "--authorization-mode=Node,RBAC",
+                f"--service-account-issuer=https://{HOST}:{port}",
+                f"--service-account-key-file={pki / 'sa.key'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--allow-privileged=true",
+                # The `kubernetes` Service's endpoints would be 127.0.0.1, which
+                # endpoint validation refuses (loopback): nothing in-cluster needs them.
+                "--endpoint-reconciler-type=none",
+                "--profiling=false",
+            ],
+        )
         self._wait(apiserver, lambda: self._get("/readyz") == "ok", APISERVER_START_S, "kube-apiserver /readyz")
 
     def _start_controller_manager(self, binary: Path) -> None:
         port = self.ports["controller_manager"]
-        manager = self._spawn(binary, "kube-controller-manager", [
-            f"--kubeconfig={self.kubeconfig}",
-            f"--bind-address={HOST}", f"--secure-port={port}",
-            "--leader-elect=false", "--controllers=*",
-            "--use-service-account-credentials",  # each controller acts as its own ServiceAccount, RBAC enforced
-            f"--service-account-private-key-file={self.workdir / 'pki' / 'sa.key'}",
-            f"--root-ca-file={self.ca_cert}",  # published as kube-root-ca.crt in every namespace
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--profiling=false",
-        ])
-        self._wait(manager, lambda: _https_text(f"https://{HOST}:{port}/healthz") == "ok", COMPONENT_START_S,
-                   "kube-controller-manager /healthz")
+        manager = self._spawn(
+            binary,
+            "kube-controller-manager",
+            [
+                f"--kubeconfig={self.kubeconfig}",
+                f"--bind-address={HOST}",
+                f"--secure-port={port}",
+                "--leader-elect=false",
+                "--controllers=*",
+                "--use-service-account-credentials",  # each controller acts as its own ServiceAccount, RBAC enforced
+                f"--service-account-private-key-file={self.workdir / 'pki' / 'sa.key'}",
+                f"--root-ca-file={self.ca_cert}",  # published as kube-root-ca.crt in every namespace
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--profiling=false",
+            ],
+        )
+        self._wait(
+            manager,
+            lambda: _https_text(f"https://{HOST}:{port}/healthz") == "ok",
+            COMPONENT_START_S,
+            "kube-controller-manager /healthz",
+        )
 
     def _start_scheduler(self, binary: Path) -> None:
         port = self.ports["scheduler"]
-        scheduler = self._spawn(binary, "kube-scheduler", [
-            f"--kubeconfig={self.kubeconfig}",
-            f"--bind-address={HOST}", f"--secure-port={port}",
-            "--leader-elect=false",
-            "--profiling=false",
-        ])
-        self._wait(scheduler, lambda: _https_text(f"https://{HOST}:{port}/readyz") == "ok", COMPONENT_START_S,
-                   "kube-scheduler /readyz")
+        scheduler = self._spawn(
+            binary,
+            "kube-scheduler",
+            [
+                f"--kubeconfig={self.kubeconfig}",
+                f"--bind-address={HOST}",
+                f"--secure-port={port}",
+                "--leader-elect=false",
+                "--profiling=false",
+            ],
+        )
+        self._wait(
+            scheduler,
+            lambda: _https_text(f"https://{HOST}:{port}/readyz") == "ok",
+            COMPONENT_START_S,
+            "kube-scheduler /readyz",
+        )
 
     def _extract_ca(self) -> None:
         """Write the CA of the apiserver's generated bundle (the blocks after its serving certificate) to ca.crt.
@@ -499,18 +578,24 @@ class ControlPlane:
         The controller manager refuses a root CA file whose first certificate
         is not a CA (its ClusterTrustBundle publisher checks the CA bit).
         """
-        blocks = re.findall(r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----\n?",
-                            self.serving_cert.read_text(), re.S)
+        blocks = re.findall(
+            r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----\n?", self.serving_cert.read_text(), re.S
+        )
         if len(blocks) < 2:
-            raise ControlPlaneError(f"{self.serving_cert}: expected a serving certificate and its CA, "
-                                    f"found {len(blocks)} certificate(s)")
+            raise ControlPlaneError(
+                f"{self.serving_cert}: expected a serving certificate and its CA, found {len(blocks)} certificate(s)"
+            )
         self.ca_cert.write_text("".join(blocks[1:]))
 
     def _wait_default_service_account(self, namespace: str) -> None:
         manager = next(c for c in self.components if c.name == "kube-controller-manager")
         path = f"/api/v1/namespaces/{namespace}/serviceaccounts/default"
-        self._wait(manager, lambda: self._get(path) is not None, SERVICE_ACCOUNT_S,
-                   f"ServiceAccount {namespace}/default (made by the controller manager)")
+        self._wait(
+            manager,
+            lambda: self._get(path) is not None,
+            SERVICE_ACCOUNT_S,
+            f"ServiceAccount {namespace}/default (made by the controller manager)",
+        )
 
     def _get(self, path: str) -> str | None:
         """GET ``path`` from the apiserver as the admin, TLS verified against its own certificate; None on 404."""
@@ -526,10 +611,18 @@ class ControlPlane:
 
     def _write_kubeconfig(self, path: Path, token: str, user: str = ADMIN_USER) -> None:
         config = {
-            "apiVersion": "v1", "kind": "Config", "preferences": {},
-            "clusters": [{"name": CLUSTER_NAME, "cluster": {
-                "server": self.url,
-                "certificate-authority-data": base64.b64encode(self.ca_cert.read_bytes()).decode()}}],
+            "apiVersion": "v1",
+            "kind": "Config",
+            "preferences": {},
+            "clusters": [
+                {
+                    "name": CLUSTER_NAME,
+                    "cluster": {
+                        "server": self.url,
+                        "certificate-authority-data": base64.b64encode(self.ca_cert.read_bytes()).decode(),
+                    },
+                }
+            ],
             "users": [{"name": user, "user": {"token": token}}],
             "contexts": [{"name": CLUSTER_NAME, "context": {"cluster": CLUSTER_NAME, "user": user}}],
             "current-context": CLUSTER_NAME,
@@ -567,8 +660,9 @@ def _recorded() -> list[Component]:
 def cluster_up() -> int:
     running = [c for c in _recorded() if c.alive()]
     if running:
-        print(f"a control plane is already running ({', '.join(c.name for c in running)}); "
-              "`make cluster-down` stops it")
+        print(
+            f"a control plane is already running ({', '.join(c.name for c in running)}); `make cluster-down` stops it"
+        )
     else:
         cluster_down(quiet=True)  # whatever is left of a crashed one
         CLI_WORKDIR.mkdir(parents=True, exist_ok=True)
@@ -578,8 +672,7 @@ def cluster_up() -> int:
         CLI_KUBECONFIG.unlink(missing_ok=True)
         CLI_KUBECONFIG.symlink_to(cp.kubeconfig.relative_to(CACHE_DIR))
         print(f"control plane up at {cp.url} (logs: {cp.logs.relative_to(REPO)}/)")
-    print(f"  export KUBECONFIG={CLI_KUBECONFIG}\n  {KUBECTL.relative_to(REPO)} get namespaces\n"
-          "  make cluster-down")
+    print(f"  export KUBECONFIG={CLI_KUBECONFIG}\n  {KUBECTL.relative_to(REPO)} get namespaces\n  make cluster-down")
     return 0
 
 
@@ -599,8 +692,9 @@ def cluster_down(*, quiet: bool = False) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.support.control_plane", description=__doc__.split("\n")[0])
-    parser.add_argument("command", choices=("build", "up", "down"),
-                        help="build the binary if stale | start the control plane | stop it")
+    parser.add_argument(
+        "command", choices=("build", "up", "down"), help="build the binary if stale | start the control plane | stop it"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "build":

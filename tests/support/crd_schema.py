@@ -56,8 +56,12 @@ def to_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     if schema.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
         out.setdefault("anyOf", [{"type": "integer"}, {"type": "string"}])
-    closed = (out.get("type") == "object" and "properties" in out and "additionalProperties" not in schema
-              and not schema.get("x-kubernetes-preserve-unknown-fields"))
+    closed = (
+        out.get("type") == "object"
+        and "properties" in out
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    )
     if closed:
         out["additionalProperties"] = False
     return out
@@ -146,8 +150,10 @@ def validate(crd: dict[str, Any], obj: dict[str, Any], version: str | None = Non
     metadata = json_schema.get("properties", {}).get("metadata")
     if metadata:  # the schema may constrain metadata.name; the rest of ObjectMeta is the apiserver's
         metadata.pop("additionalProperties", None)
-    errors = [f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
-              for e in jsonschema.Draft7Validator(json_schema).iter_errors(defaulted)]
+    errors = [
+        f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+        for e in jsonschema.Draft7Validator(json_schema).iter_errors(defaulted)
+    ]
     if errors:  # like kube-apiserver, CEL only runs on schema-valid objects
         return errors
     for path, rule, value in iter_rules(schema, defaulted):

@@ -72,9 +72,11 @@ def _actions(cluster: LocalCluster, name: str, n: int) -> None:
     client = WebsocketClientPolicy(host=host, port=port)
     try:
         meta = client.get_server_metadata()
-        _say(f"openpi-client -> ws://{host}:{port} (Service {NS}/{name} port {C.PORT_NAME}, the node's proxy): "
-             f"layout {meta['layout']}, action shape {meta['action_shape']}, {meta['steps']} steps, "
-             f"guidance {meta['guidance']}")
+        _say(
+            f"openpi-client -> ws://{host}:{port} (Service {NS}/{name} port {C.PORT_NAME}, the node's proxy): "
+            f"layout {meta['layout']}, action shape {meta['action_shape']}, {meta['steps']} steps, "
+            f"guidance {meta['guidance']}"
+        )
         for i in range(n):
             t = time.perf_counter()
             actions = client.infer(robolab_observation(meta, seed=i))["actions"]
@@ -86,8 +88,12 @@ def _actions(cluster: LocalCluster, name: str, n: int) -> None:
 
 def run(workdir: Path, n: int, timeout: float, size: str) -> int:
     ckpt_root = workdir / "sources"
-    subprocess.run([str(VENV_BIN / "policyserver"), "checkpoint", "init", str(ckpt_root / "ckpt"), "--size", size],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [str(VENV_BIN / "policyserver"), "checkpoint", "init", str(ckpt_root / "ckpt"), "--size", size],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     weights = (ckpt_root / "ckpt" / C.WEIGHTS_FILE).stat().st_size
     server = CheckpointServer(ckpt_root, token=TOKEN).start()
     control_plane = ControlPlane(workdir / "control-plane")
@@ -100,42 +106,60 @@ def run(workdir: Path, n: int, timeout: float, size: str) -> int:
         t = time.time()
         cluster = LocalCluster(control_plane, workdir / "cluster", NS)  # needs the control plane's kubeconfig
         cluster.start()
-        _say(f"  CRD, namespace {NS}, local node and operator in {time.time() - t:.1f}s; "
-             f"operator log {cluster.operator.log}, pods under {cluster.node.root}")
+        _say(
+            f"  CRD, namespace {NS}, local node and operator in {time.time() - t:.1f}s; "
+            f"operator log {cluster.operator.log}, pods under {cluster.node.root}"
+        )
         doc = yaml.safe_load(EXAMPLE.read_text())
         secret = doc["spec"]["checkpoint"]["secretRef"]["name"]
-        cluster.api.create("v1", "secrets", {"metadata": {"name": secret}, "data": {
-            C.SECRET_TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()}}, NS)
+        cluster.api.create(
+            "v1",
+            "secrets",
+            {"metadata": {"name": secret}, "data": {C.SECRET_TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()}},
+            NS,
+        )
         port = free_port_on(cluster.node.ips(8))
         doc = for_local_node(doc, source=server.url_for("ckpt/"), port=port)
         name = doc["metadata"]["name"]
-        _say(f"\n$ kubectl apply -f {EXAMPLE.relative_to(REPO)}   (source {doc['spec']['checkpoint']['source']}, "
-             f"device cpu, 2 steps, port {port})")
+        _say(
+            f"\n$ kubectl apply -f {EXAMPLE.relative_to(REPO)}   (source {doc['spec']['checkpoint']['source']}, "
+            f"device cpu, 2 steps, port {port})"
+        )
         t0 = time.time()
         _say("  " + cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc)).stdout.strip())
         available_at = _watch_until_available(cluster, name, t0, timeout)
         _say(f"\n$ kubectl wait --for=condition=Available policyserver/{name}")
-        _say("  " + cluster.kubectl("wait", "--for=condition=Available", f"policyserver/{name}",
-                                    "--timeout=30s").stdout.strip())
+        _say(
+            "  "
+            + cluster.kubectl(
+                "wait", "--for=condition=Available", f"policyserver/{name}", "--timeout=30s"
+            ).stdout.strip()
+        )
         _say("\n$ kubectl get ps")
         _say(cluster.kubectl("get", C.SHORT_NAME).stdout.rstrip())
         _say("\n$ kubectl get pods")
         _say(cluster.kubectl("get", "pods").stdout.rstrip())
-        _say(f"\nkubectl apply -> Available, by phase ({size} checkpoint, {weights / 2**20:.1f} MiB of weights, "
-             f"downloaded {server.count('/ckpt/' + C.WEIGHTS_FILE)} time(s)):")
+        _say(
+            f"\nkubectl apply -> Available, by phase ({size} checkpoint, {weights / 2**20:.1f} MiB of weights, "
+            f"downloaded {server.count('/ckpt/' + C.WEIGHTS_FILE)} time(s)):"
+        )
         _say(format_timings(phase_timings(cluster, name, t0, available_at)))
         _say("")
         _actions(cluster, name, n)
         procs = cluster.node.processes()
         ranks = [p for p in procs if "policy_operator.runtime.worker" in p.argv and "RANK" in p.env]
-        _say(f"\n$ kubectl delete ps {name}   (running: torchrun + {len(ranks)} ranks, "
-             f"{len(procs)} processes in all)")
+        _say(f"\n$ kubectl delete ps {name}   (running: torchrun + {len(ranks)} ranks, {len(procs)} processes in all)")
         t = time.time()
         _say("  " + cluster.kubectl("delete", C.SHORT_NAME, name, "--timeout=120s", timeout=150).stdout.strip())
-        wait_for(lambda: not cluster.node.processes() and not cluster.list("v1", "pods"), 120,
-                 what="every pod and process gone")
-        _say(f"  every pod deleted and every process ended after {time.time() - t:.1f}s "
-             f"(preStop sleep 5s, then SIGTERM: torchrun drains and exits)")
+        wait_for(
+            lambda: not cluster.node.processes() and not cluster.list("v1", "pods"),
+            120,
+            what="every pod and process gone",
+        )
+        _say(
+            f"  every pod deleted and every process ended after {time.time() - t:.1f}s "
+            f"(preStop sleep 5s, then SIGTERM: torchrun drains and exits)"
+        )
         return 0
     finally:
         try:
@@ -153,8 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.support.demo_cluster", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=3, help="actions to request (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for Available")
-    parser.add_argument("--size", choices=["tiny", "small", "base"], default="tiny",
-                        help="reference checkpoint size (default %(default)s)")
+    parser.add_argument(
+        "--size",
+        choices=["tiny", "small", "base"],
+        default="tiny",
+        help="reference checkpoint size (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="demo-cluster-"))
     try:

@@ -32,9 +32,18 @@ Fault = Literal["close", "reset", "stall"]
 
 
 class FaultyCheckpointServer(CheckpointServer):
-    def __init__(self, root: str | os.PathLike[str], *, fault: Fault, cut: float | int, ignore_range: bool = False,
-                 faults: int | None = None, min_size: int = 64 << 10, stall_s: float = 60.0,
-                 **kwargs: object) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fault: Fault,
+        cut: float | int,
+        ignore_range: bool = False,
+        faults: int | None = None,
+        min_size: int = 64 << 10,
+        stall_s: float = 60.0,
+        **kwargs: object,
+    ) -> None:
         super().__init__(root, **kwargs)
         self.fault = fault
         self.cut = cut
@@ -53,8 +62,15 @@ class FaultyCheckpointServer(CheckpointServer):
         self._current.size = file.stat().st_size if file.is_file() else 0
         super().handle(handler, path, head)
 
-    def send_file(self, handler: BaseHTTPRequestHandler, file: Path, *, head: bool, log_path: str,
-                  headers: dict[str, str] | None = None) -> None:
+    def send_file(
+        self,
+        handler: BaseHTTPRequestHandler,
+        file: Path,
+        *,
+        head: bool,
+        log_path: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         extra = dict(headers or {})
         if self.ignore_range:
             extra["Accept-Ranges"] = "none"

@@ -24,7 +24,7 @@ class FaultyPolicy(ReferencePolicy):
         sample = super().prepare(obs)
         prompt = obs.get("prompt", "")
         if isinstance(prompt, str) and prompt.startswith(PREFIX):
-            sample.meta["explode"] = prompt[len(PREFIX):]
+            sample.meta["explode"] = prompt[len(PREFIX) :]
         return sample
 
     def condition(self, sample: Sample, branch: Branch) -> torch.Tensor:

@@ -49,8 +49,9 @@ class RequestRecord(NamedTuple):
 class LoopbackHTTPServer:
     """Base: lifecycle, request log, auth, throttled Range file serving; subclasses route."""
 
-    def __init__(self, *, token: str | None = None, throttle_bps: int | None = None, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+    def __init__(
+        self, *, token: str | None = None, throttle_bps: int | None = None, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
         self.token = token
         self.throttle_bps = throttle_bps  # may be changed while running
         self.requests: list[RequestRecord] = []
@@ -80,8 +81,9 @@ class LoopbackHTTPServer:
         self._stopping.clear()
         self._httpd = ThreadingHTTPServer((self._host, self._port), Handler)
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name=f"{type(self).__name__}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, name=f"{type(self).__name__}", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -112,8 +114,9 @@ class LoopbackHTTPServer:
     # --- log ------------------------------------------------------------------------
     def count(self, path: str | None = None, method: str | None = "GET") -> int:
         with self._lock:
-            return sum(1 for r in self.requests
-                       if (path is None or r.path == path) and (method is None or r.method == method))
+            return sum(
+                1 for r in self.requests if (path is None or r.path == path) and (method is None or r.method == method)
+            )
 
     def reset_log(self) -> None:
         with self._lock:
@@ -121,7 +124,9 @@ class LoopbackHTTPServer:
             self.bytes_sent.clear()
 
     def _record(self, handler: BaseHTTPRequestHandler, path: str, head: bool) -> None:
-        headers = {_canonical(k): ("<redacted>" if k.lower() in SECRET_HEADERS else v) for k, v in handler.headers.items()}
+        headers = {
+            _canonical(k): ("<redacted>" if k.lower() in SECRET_HEADERS else v) for k, v in handler.headers.items()
+        }
         with self._lock:
             self.requests.append(RequestRecord("HEAD" if head else "GET", path, headers, handler.headers.get("Range")))
 
@@ -140,8 +145,15 @@ class LoopbackHTTPServer:
     def authorized(self, handler: BaseHTTPRequestHandler) -> bool:
         return self.token is None or handler.headers.get("Authorization") == f"Bearer {self.token}"
 
-    def send_status(self, handler: BaseHTTPRequestHandler, status: int, body: bytes = b"", *, head: bool = False,
-                    headers: dict[str, str] | None = None) -> None:
+    def send_status(
+        self,
+        handler: BaseHTTPRequestHandler,
+        status: int,
+        body: bytes = b"",
+        *,
+        head: bool = False,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         handler.send_response(status)
         for name, value in (headers or {}).items():
             handler.send_header(name, value)
@@ -152,8 +164,15 @@ class LoopbackHTTPServer:
         if body and not head:
             handler.wfile.write(body)
 
-    def send_file(self, handler: BaseHTTPRequestHandler, file: Path, *, head: bool, log_path: str,
-                  headers: dict[str, str] | None = None) -> None:
+    def send_file(
+        self,
+        handler: BaseHTTPRequestHandler,
+        file: Path,
+        *,
+        head: bool,
+        log_path: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         """Serve ``file`` honouring Range / If-Range; counts body bytes under ``log_path``."""
         st = file.stat()
         size = st.st_size
@@ -172,8 +191,12 @@ class LoopbackHTTPServer:
                 else:
                     start, end = max(size - int(last), 0), size - 1
                 if start >= size or start > end:
-                    self.send_status(handler, HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, head=head,
-                                     headers={"Content-Range": f"bytes */{size}"})
+                    self.send_status(
+                        handler,
+                        HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE,
+                        head=head,
+                        headers={"Content-Range": f"bytes */{size}"},
+                    )
                     return
                 status = HTTPStatus.PARTIAL_CONTENT
         length = end - start + 1 if size else 0
@@ -227,8 +250,13 @@ class CheckpointServer(LoopbackHTTPServer):
 
     def handle(self, handler: BaseHTTPRequestHandler, path: str, head: bool) -> None:
         if not self.authorized(handler):
-            self.send_status(handler, HTTPStatus.UNAUTHORIZED, b"token required\n", head=head,
-                             headers={"WWW-Authenticate": 'Bearer realm="checkpoints"'})
+            self.send_status(
+                handler,
+                HTTPStatus.UNAUTHORIZED,
+                b"token required\n",
+                head=head,
+                headers={"WWW-Authenticate": 'Bearer realm="checkpoints"'},
+            )
             return
         file = (self.root / path.lstrip("/")).resolve()
         if self.root not in file.parents or not file.is_file():

@@ -85,8 +85,14 @@ class HubStub(LoopbackHTTPServer):
     def endpoint(self) -> str:
         return self.url.rstrip("/")
 
-    def add_repo(self, repo_id: str, directory: str | os.PathLike[str], *, revision: str = "main",
-                 lfs_suffixes: tuple[str, ...] = LFS_SUFFIXES) -> str:
+    def add_repo(
+        self,
+        repo_id: str,
+        directory: str | os.PathLike[str],
+        *,
+        revision: str = "main",
+        lfs_suffixes: tuple[str, ...] = LFS_SUFFIXES,
+    ) -> str:
         root = Path(directory)
         files: dict[str, HubFile] = {}
         for p in sorted(x for x in root.rglob("*") if x.is_file()):
@@ -112,8 +118,9 @@ class HubStub(LoopbackHTTPServer):
             self._json(handler, {"standardEnvVars": [], "harnesses": {}}, head)
             return
         if not self.authorized(handler):
-            self._error(handler, HTTPStatus.UNAUTHORIZED, "RepoNotFound", "Invalid credentials in Authorization header",
-                        head)
+            self._error(
+                handler, HTTPStatus.UNAUTHORIZED, "RepoNotFound", "Invalid credentials in Authorization header", head
+            )
             return
         if segments[:2] == ["api", "models"] and len(segments) >= 4:
             repo_id = "/".join(segments[2:4])
@@ -132,8 +139,15 @@ class HubStub(LoopbackHTTPServer):
             return
         self._error(handler, HTTPStatus.NOT_FOUND, None, "no such route", head)
 
-    def _error(self, handler: BaseHTTPRequestHandler, status: int, code: str | None, message: str, head: bool,
-               commit: str | None = None) -> None:
+    def _error(
+        self,
+        handler: BaseHTTPRequestHandler,
+        status: int,
+        code: str | None,
+        message: str,
+        head: bool,
+        commit: str | None = None,
+    ) -> None:
         headers = {"X-Error-Message": message}
         if code:
             headers["X-Error-Code"] = code
@@ -152,7 +166,9 @@ class HubStub(LoopbackHTTPServer):
             return None
         return commit
 
-    def _json(self, handler: BaseHTTPRequestHandler, doc: object, head: bool, headers: dict[str, str] | None = None) -> None:
+    def _json(
+        self, handler: BaseHTTPRequestHandler, doc: object, head: bool, headers: dict[str, str] | None = None
+    ) -> None:
         body = json.dumps(doc).encode()
         handler.send_response(HTTPStatus.OK)
         handler.send_header("Content-Type", "application/json; charset=utf-8")
@@ -168,15 +184,36 @@ class HubStub(LoopbackHTTPServer):
         if commit is None:
             return
         files = self.commits[repo_id][commit]
-        self._json(handler, {
-            "_id": commit[:24], "id": repo_id, "modelId": repo_id, "author": repo_id.split("/")[0], "sha": commit,
-            "private": self.token is not None, "gated": False, "disabled": False, "tags": [], "downloads": 0,
-            "likes": 0, "lastModified": "2026-01-01T00:00:00.000Z", "createdAt": "2026-01-01T00:00:00.000Z",
-            "siblings": [{"rfilename": p} for p in files],
-        }, head)
+        self._json(
+            handler,
+            {
+                "_id": commit[:24],
+                "id": repo_id,
+                "modelId": repo_id,
+                "author": repo_id.split("/")[0],
+                "sha": commit,
+                "private": self.token is not None,
+                "gated": False,
+                "disabled": False,
+                "tags": [],
+                "downloads": 0,
+                "likes": 0,
+                "lastModified": "2026-01-01T00:00:00.000Z",
+                "createdAt": "2026-01-01T00:00:00.000Z",
+                "siblings": [{"rfilename": p} for p in files],
+            },
+            head,
+        )
 
-    def _tree(self, handler: BaseHTTPRequestHandler, repo_id: str, revision: str, subpath: str,
-              query: dict[str, list[str]], head: bool) -> None:
+    def _tree(
+        self,
+        handler: BaseHTTPRequestHandler,
+        repo_id: str,
+        revision: str,
+        subpath: str,
+        query: dict[str, list[str]],
+        head: bool,
+    ) -> None:
         commit = self._commit(handler, repo_id, revision, head)
         if commit is None:
             return
@@ -186,12 +223,19 @@ class HubStub(LoopbackHTTPServer):
         for path, f in self.commits[repo_id][commit].items():
             if not path.startswith(prefix):
                 continue
-            rest = path[len(prefix):].split("/")
+            rest = path[len(prefix) :].split("/")
             for depth in range(1, len(rest)):  # the folders on the way
                 if recursive or depth == 1:
                     folder = prefix + "/".join(rest[:depth])
-                    entries.setdefault(folder, {"type": "directory", "path": folder, "size": 0,
-                                                "oid": hashlib.sha1(folder.encode()).hexdigest()})
+                    entries.setdefault(
+                        folder,
+                        {
+                            "type": "directory",
+                            "path": folder,
+                            "size": 0,
+                            "oid": hashlib.sha1(folder.encode()).hexdigest(),
+                        },
+                    )
             if recursive or len(rest) == 1:
                 entries[path] = f.tree_entry()
         if subpath and not entries:
@@ -199,7 +243,7 @@ class HubStub(LoopbackHTTPServer):
             return
         listing = sorted(entries.values(), key=lambda e: e["path"])
         cursor = int(query.get("cursor", ["0"])[0])
-        page = listing[cursor:cursor + self.page_size]
+        page = listing[cursor : cursor + self.page_size]
         headers = {}
         if cursor + self.page_size < len(listing):
             nxt = f"{self.endpoint}{raw_path(handler)}?recursive={str(recursive).lower()}&cursor={cursor + self.page_size}"
@@ -225,16 +269,26 @@ class HubStub(LoopbackHTTPServer):
             handler.send_header("Content-Length", "0")
             handler.end_headers()
             return
-        self.send_file(handler, f.file, head=head, log_path=f"/{repo_id}/resolve/{revision}/{path}",
-                       headers={"X-Repo-Commit": commit, "ETag": f'"{f.git_sha1}"'})
+        self.send_file(
+            handler,
+            f.file,
+            head=head,
+            log_path=f"/{repo_id}/resolve/{revision}/{path}",
+            headers={"X-Repo-Commit": commit, "ETag": f'"{f.git_sha1}"'},
+        )
 
     def _cdn(self, handler: BaseHTTPRequestHandler, sha256: str, head: bool) -> None:
         f = self._blobs.get(sha256)
         if f is None:
             self.send_status(handler, HTTPStatus.NOT_FOUND, b"no such blob\n", head=head)
             return
-        self.send_file(handler, f.file, head=head, log_path=f"/lfs-cdn/{sha256}",
-                       headers={"Content-Disposition": f'inline; filename="{quote(Path(f.path).name)}"'})
+        self.send_file(
+            handler,
+            f.file,
+            head=head,
+            log_path=f"/lfs-cdn/{sha256}",
+            headers={"Content-Disposition": f'inline; filename="{quote(Path(f.path).name)}"'},
+        )
 
 
 def raw_path(handler: BaseHTTPRequestHandler) -> str:

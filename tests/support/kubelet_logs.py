@@ -66,9 +66,29 @@ class ContainerLogServer:
 
     def start(self) -> ContainerLogServer:
         cert, key = Path(self._certs.name, "tls.crt"), Path(self._certs.name, "tls.key")
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                        "-subj", f"/CN={self.node.name}", "-addext", f"subjectAltName=IP:{self.node.host_ip}",
-                        "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                f"/CN={self.node.name}",
+                "-addext",
+                f"subjectAltName=IP:{self.node.host_ip}",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(cert, key)
         server = self
@@ -86,8 +106,11 @@ class ContainerLogServer:
                 if text is None:
                     self.send_error(404, "no such container log")
                     return
-                body = tail(text, int(query["tailLines"]) if "tailLines" in query else None,
-                            int(query["limitBytes"]) if "limitBytes" in query else None)
+                body = tail(
+                    text,
+                    int(query["tailLines"]) if "tailLines" in query else None,
+                    int(query["limitBytes"]) if "limitBytes" in query else None,
+                )
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
@@ -105,10 +128,16 @@ class ContainerLogServer:
         # (a JSON merge patch replaces the list; a strategic one would merge it by type and keep the Hostname).
         from tests.support.local_node_api import MERGE
 
-        self.node.api.patch_status("v1", "nodes", self.node.name, {
-            "addresses": [{"type": "InternalIP", "address": self.node.host_ip}],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.port}},
-        }, content_type=MERGE)
+        self.node.api.patch_status(
+            "v1",
+            "nodes",
+            self.node.name,
+            {
+                "addresses": [{"type": "InternalIP", "address": self.node.host_ip}],
+                "daemonEndpoints": {"kubeletEndpoint": {"Port": self.port}},
+            },
+            content_type=MERGE,
+        )
         return self
 
     @property

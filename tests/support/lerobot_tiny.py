@@ -61,9 +61,11 @@ def reduced_paligemma() -> Iterator[None]:
 
     saved = []
     for module in (modeling_pi0, modeling_pi05):
-        for name, make in (("get_gemma_config", lambda m, o: _small_gemma(m)),
-                           ("PaliGemmaForConditionalGenerationWithPiGemma", lambda m, o: _small_paligemma(o)),
-                           ("PiGemmaForCausalLM", lambda m, o: _small_expert(o))):
+        for name, make in (
+            ("get_gemma_config", lambda m, o: _small_gemma(m)),
+            ("PaliGemmaForConditionalGenerationWithPiGemma", lambda m, o: _small_paligemma(o)),
+            ("PiGemmaForCausalLM", lambda m, o: _small_expert(o)),
+        ):
             original = getattr(module, name)
             saved.append((module, name, original))
             setattr(module, name, make(module, original))
@@ -82,8 +84,10 @@ def configure_small_pi(config: Any) -> None:
     config.chunk_size = config.n_action_steps = 8
     config.num_inference_steps = 4
     config.image_resolution = (56, 56)
-    config.input_features = {"observation.state": PolicyFeature(FeatureType.STATE, (6,)),
-                             "observation.images.top": PolicyFeature(FeatureType.VISUAL, (3, 48, 64))}
+    config.input_features = {
+        "observation.state": PolicyFeature(FeatureType.STATE, (6,)),
+        "observation.images.top": PolicyFeature(FeatureType.VISUAL, (3, 48, 64)),
+    }
     config.output_features = {"action": PolicyFeature(FeatureType.ACTION, (6,))}
 
 

@@ -126,8 +126,13 @@ class LocalNode:
         self.api = Api(kubeconfig)
         self.namespaces = list(namespaces) if namespaces is not None else None  # None: the proxy serves every one
         self.name = name
-        self.capacity = {"cpu": cpu, "memory": memory, "pods": str(max_pods), "ephemeral-storage": "1Ti",
-                         GPU_RESOURCE: str(gpus)}
+        self.capacity = {
+            "cpu": cpu,
+            "memory": memory,
+            "pods": str(max_pods),
+            "ephemeral-storage": "1Ti",
+            GPU_RESOURCE: str(gpus),
+        }
         self.node_id = uuid.uuid4().hex[:12]
         self._own_root = root is None
         # short: TMPDIR lives under it, and unix socket paths must stay under 108 bytes
@@ -136,8 +141,12 @@ class LocalNode:
         self.backoff_s, self.backoff_cap_s = backoff_s, backoff_cap_s
         self.resync_s = resync_s
         # what an image would provide: its PATH (the venv's scripts: policyserver, torchrun) and ENV lines
-        self.base_env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-                         "PYTHONUNBUFFERED": "1", **(image_env or {})}
+        self.base_env = {
+            "PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin",
+            "LANG": "C.UTF-8",
+            "PYTHONUNBUFFERED": "1",
+            **(image_env or {}),
+        }
         self.errors: list[BaseException] = []
         self.events: list[NodeEvent] = []
         # pods get 127.A.B.2, .3, ... in a /24 of their own, so two nodes (two test runs) rarely meet
@@ -169,8 +178,9 @@ class LocalNode:
         self._renew_lease()
         self.proxy.start()
         for gv, plural in WATCHED:
-            self._threads.append(threading.Thread(target=self._watch, args=(gv, plural), daemon=True,
-                                                  name=f"watch:{plural}"))
+            self._threads.append(
+                threading.Thread(target=self._watch, args=(gv, plural), daemon=True, name=f"watch:{plural}")
+            )
         self._threads.append(threading.Thread(target=self._heartbeat, name="local-node-lease", daemon=True))
         self._threads.append(threading.Thread(target=self._loop, name="local-node", daemon=True))
         for t in self._threads:
@@ -242,8 +252,9 @@ class LocalNode:
         runners = [r for r in self.pods(namespace) if r.name == name]
         return max(runners, key=lambda r: r.start_time) if runners else None
 
-    def processes(self, namespace: str | None = None, pod: str | None = None,
-                  container: str | None = None) -> list[ProcInfo]:
+    def processes(
+        self, namespace: str | None = None, pod: str | None = None, container: str | None = None
+    ) -> list[ProcInfo]:
         """Live processes of the node, of one pod's current run, or of one of its containers."""
         if pod is None:
             procs = tagged_processes(f"{self.node_id}/")
@@ -257,7 +268,7 @@ class LocalNode:
             return []
         procs = tagged_processes(runner.tag)
         if container is not None:
-            procs = [p for p in procs if p.tag[len(runner.tag):].split("#", 1)[0] == container]
+            procs = [p for p in procs if p.tag[len(runner.tag) :].split("#", 1)[0] == container]
         return procs
 
     def logs(self, namespace: str, pod: str, container: str, *, run: int = -1, timestamps: bool = False) -> str:
@@ -274,8 +285,9 @@ class LocalNode:
             return text
         return "\n".join(line.split(" ", 1)[1] if " " in line else "" for line in text.splitlines())
 
-    def service_address(self, namespace: str, service: str, port: int | str | None = None,
-                        timeout: float = 30.0) -> tuple[str, int]:
+    def service_address(
+        self, namespace: str, service: str, port: int | str | None = None, timeout: float = 30.0
+    ) -> tuple[str, int]:
         """(host, port) of a Service port on this machine, waiting (bounded) for the proxy to open it."""
         deadline = time.monotonic() + timeout
         while True:
@@ -283,13 +295,22 @@ class LocalNode:
             if found is not None:
                 return found
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the node's proxy serves no port {port!r} of Service {namespace}/{service} "
-                                   f"after {timeout:.0f}s (namespaces served: {self.namespaces or 'all'})")
+                raise TimeoutError(
+                    f"the node's proxy serves no port {port!r} of Service {namespace}/{service} "
+                    f"after {timeout:.0f}s (namespaces served: {self.namespaces or 'all'})"
+                )
             self._dirty.set()
             time.sleep(0.1)
 
-    def service_url(self, namespace: str, service: str, port: int | str | None = None, *,
-                    scheme: str = "http", timeout: float = 30.0) -> str:
+    def service_url(
+        self,
+        namespace: str,
+        service: str,
+        port: int | str | None = None,
+        *,
+        scheme: str = "http",
+        timeout: float = 30.0,
+    ) -> str:
         """``scheme://127.0.0.1:PORT`` reaching the Service port (by name or number) through the node's proxy."""
         host, host_port = self.service_address(namespace, service, port, timeout)
         return f"{scheme}://{host}:{host_port}"
@@ -299,8 +320,11 @@ class LocalNode:
         out = []
         for r in self.pods(namespace):
             out.append(f"--- pod {r.namespace}/{r.name} ({r.ip}) phase={r.phase}")
-            out += [f"  {e.t - r.start_time:7.2f}s {e.container or '-'}: {e.what}" for e in self.events
-                    if e.namespace == r.namespace and e.pod == r.name and e.t >= r.start_time]
+            out += [
+                f"  {e.t - r.start_time:7.2f}s {e.container or '-'}: {e.what}"
+                for e in self.events
+                if e.namespace == r.namespace and e.pod == r.name and e.t >= r.start_time
+            ]
             for c in r.containers:
                 tail = self.logs(r.namespace, r.name, c.name).splitlines()[-15:]
                 out += [f"  [{c.name}] {line}" for line in tail]
@@ -336,31 +360,58 @@ class LocalNode:
         version = self.api.dynamic.version.get("kubernetes", {}).get("gitVersion", "v0.0.0")
 
         def condition(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
-            return {"type": kind, "status": "True" if ok else "False", "reason": reason, "message": message,
-                    "lastHeartbeatTime": now, "lastTransitionTime": now}
+            return {
+                "type": kind,
+                "status": "True" if ok else "False",
+                "reason": reason,
+                "message": message,
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
 
         arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
         return {
-            "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": self.name, "labels": {
-                LABEL_HOSTNAME: self.name, "kubernetes.io/os": "linux", "kubernetes.io/arch": arch,
-                "beta.kubernetes.io/os": "linux", "beta.kubernetes.io/arch": arch}},
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": self.name,
+                "labels": {
+                    LABEL_HOSTNAME: self.name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": arch,
+                    "beta.kubernetes.io/os": "linux",
+                    "beta.kubernetes.io/arch": arch,
+                },
+            },
             "spec": {},
             "status": {
                 "capacity": dict(self.capacity),
                 "allocatable": dict(self.capacity),
                 "conditions": [
-                    condition("MemoryPressure", False, "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
+                    condition(
+                        "MemoryPressure", False, "KubeletHasSufficientMemory", "kubelet has sufficient memory available"
+                    ),
                     condition("DiskPressure", False, "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
                     condition("PIDPressure", False, "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
                     condition("Ready", True, "KubeletReady", "kubelet is posting ready status (local node)"),
                 ],
-                "addresses": [{"type": "InternalIP", "address": self.host_ip}, {"type": "Hostname", "address": self.name}],
+                "addresses": [
+                    {"type": "InternalIP", "address": self.host_ip},
+                    {"type": "Hostname", "address": self.name},
+                ],
                 "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},  # no kubelet API: kubectl logs/exec do not work
-                "nodeInfo": {"machineID": self.node_id, "systemUUID": self.node_id, "bootID": self.node_id,
-                             "kernelVersion": platform.release(), "osImage": "local node (pods are host processes)",
-                             "containerRuntimeVersion": "local-node://0", "kubeletVersion": version,
-                             "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": arch},
+                "nodeInfo": {
+                    "machineID": self.node_id,
+                    "systemUUID": self.node_id,
+                    "bootID": self.node_id,
+                    "kernelVersion": platform.release(),
+                    "osImage": "local node (pods are host processes)",
+                    "containerRuntimeVersion": "local-node://0",
+                    "kubeletVersion": version,
+                    "kubeProxyVersion": "",
+                    "operatingSystem": "linux",
+                    "architecture": arch,
+                },
             },
         }
 
@@ -382,9 +433,17 @@ class LocalNode:
             if exc.status != 404:
                 raise
             node = self.api.get("v1", "nodes", self.name)
-            owner = [{"apiVersion": "v1", "kind": "Node", "name": self.name, "uid": node["metadata"]["uid"]}] if node else []
-            self.api.create("coordination.k8s.io/v1", "leases",
-                            {"metadata": {"name": self.name, "ownerReferences": owner}, "spec": spec}, LEASE_NAMESPACE)
+            owner = (
+                [{"apiVersion": "v1", "kind": "Node", "name": self.name, "uid": node["metadata"]["uid"]}]
+                if node
+                else []
+            )
+            self.api.create(
+                "coordination.k8s.io/v1",
+                "leases",
+                {"metadata": {"name": self.name, "ownerReferences": owner}, "spec": spec},
+                LEASE_NAMESPACE,
+            )
 
     def _heartbeat(self) -> None:
         while not self._stopping.wait(LEASE_RENEW_S):
@@ -428,8 +487,11 @@ class LocalNode:
         pods = self.api.list("v1", "pods")
         self.storage.sync(self.api.list("v1", "persistentvolumeclaims"), self.api.list("v1", "persistentvolumes"))
         self._sync_pods([p for p in pods if (p.get("spec") or {}).get("nodeName") == self.name])
-        services = [s for s in self.api.list("v1", "services")
-                    if self.namespaces is None or s["metadata"]["namespace"] in self.namespaces]
+        services = [
+            s
+            for s in self.api.list("v1", "services")
+            if self.namespaces is None or s["metadata"]["namespace"] in self.namespaces
+        ]
         self.proxy.update(service_endpoints(services, pods))
 
     def _sync_pods(self, pods: list[dict[str, Any]]) -> None:
@@ -468,14 +530,18 @@ class LocalNode:
 
 # --- Service endpoints ------------------------------------------------------------------------------
 
+
 def _matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
 def _ready(pod: Mapping[str, Any]) -> bool:
     status = pod.get("status") or {}
-    return (not (pod.get("metadata") or {}).get("deletionTimestamp") and bool(status.get("podIP"))
-            and any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []))
+    return (
+        not (pod.get("metadata") or {}).get("deletionTimestamp")
+        and bool(status.get("podIP"))
+        and any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    )
 
 
 def _target_port(pod: Mapping[str, Any], target: int | str) -> int | None:
@@ -488,8 +554,9 @@ def _target_port(pod: Mapping[str, Any], target: int | str) -> int | None:
     return None
 
 
-def service_endpoints(services: list[dict[str, Any]],
-                      pods: list[dict[str, Any]]) -> dict[ServicePort, list[tuple[str, int]]]:
+def service_endpoints(
+    services: list[dict[str, Any]], pods: list[dict[str, Any]]
+) -> dict[ServicePort, list[tuple[str, int]]]:
     """Every TCP port of every selector Service with a ClusterIP -> its ready endpoints (pod IP, target port).
 
     This is what the endpoint-slice controller writes and kube-proxy reads, computed here from the pods
@@ -504,15 +571,21 @@ def service_endpoints(services: list[dict[str, Any]],
         selector = spec.get("selector") or {}
         if not selector or spec.get("clusterIP") in (None, "", "None") or spec.get("type") == "ExternalName":
             continue  # headless, selector-less and ExternalName Services get no proxy, as with kube-proxy
-        members = [p for p in pods if p["metadata"]["namespace"] == meta["namespace"]
-                   and _matches(selector, p["metadata"].get("labels") or {}) and _ready(p)]
+        members = [
+            p
+            for p in pods
+            if p["metadata"]["namespace"] == meta["namespace"]
+            and _matches(selector, p["metadata"].get("labels") or {})
+            and _ready(p)
+        ]
         for port in spec.get("ports") or []:
             if port.get("protocol", "TCP") != "TCP":
                 continue
             key = ServicePort(meta["namespace"], meta["name"], port.get("name") or "", int(port["port"]))
             target = port.get("targetPort", port["port"])
-            wanted[key] = sorted({(p["status"]["podIP"], t) for p in members
-                                  if (t := _target_port(p, target)) is not None})
+            wanted[key] = sorted(
+                {(p["status"]["podIP"], t) for p in members if (t := _target_port(p, target)) is not None}
+            )
     return wanted
 
 

@@ -54,15 +54,26 @@ class Api:
 
     def get(self, group_version: str, plural: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         try:
-            return self.resource(group_version, plural).get(name=name, namespace=namespace,
-                                                            _request_timeout=TIMEOUT).to_dict()
+            return (
+                self.resource(group_version, plural)
+                .get(name=name, namespace=namespace, _request_timeout=TIMEOUT)
+                .to_dict()
+            )
         except NotFoundError:
             return None
 
-    def list(self, group_version: str, plural: str, namespace: str | None = None, *,
-             label_selector: str | None = None, field_selector: str | None = None) -> list[dict[str, Any]]:
-        found = self.resource(group_version, plural).get(namespace=namespace, label_selector=label_selector,
-                                                         field_selector=field_selector, _request_timeout=TIMEOUT)
+    def list(
+        self,
+        group_version: str,
+        plural: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> list[dict[str, Any]]:
+        found = self.resource(group_version, plural).get(
+            namespace=namespace, label_selector=label_selector, field_selector=field_selector, _request_timeout=TIMEOUT
+        )
         return list(found.to_dict().get("items") or [])
 
     def events(self, namespace: str, *, involved_name: str | None = None) -> list[dict[str, Any]]:
@@ -71,45 +82,88 @@ class Api:
         items = self.list("v1", "events", namespace, field_selector=selector)
         return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
 
-    def wait_event(self, namespace: str, involved_name: str, type_: str, reason: str, *,
-                   message: str = "", timeout: float = 30.0) -> dict[str, Any]:
+    def wait_event(
+        self, namespace: str, involved_name: str, type_: str, reason: str, *, message: str = "", timeout: float = 30.0
+    ) -> dict[str, Any]:
         """The first Event of ``type_``/``reason`` (its message containing ``message``) about ``involved_name``.
 
         kopf posts Events from its own queue, after the status patch of the
         same pass: a test that saw the status must still wait for the Event.
         """
+
         def found() -> dict[str, Any] | None:
-            return next((e for e in self.events(namespace, involved_name=involved_name)
-                         if e.get("type") == type_ and e.get("reason") == reason
-                         and message in (e.get("message") or "")), None)
+            return next(
+                (
+                    e
+                    for e in self.events(namespace, involved_name=involved_name)
+                    if e.get("type") == type_ and e.get("reason") == reason and message in (e.get("message") or "")
+                ),
+                None,
+            )
 
         return wait_for(found, timeout, what=f"a {type_} {reason} Event about {involved_name}")
 
-    def watch(self, group_version: str, plural: str, namespace: str | None = None, *,
-              field_selector: str | None = None, label_selector: str | None = None,
-              timeout_s: int = 30) -> Iterator[tuple[str, dict[str, Any]]]:
+    def watch(
+        self,
+        group_version: str,
+        plural: str,
+        namespace: str | None = None,
+        *,
+        field_selector: str | None = None,
+        label_selector: str | None = None,
+        timeout_s: int = 30,
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
         """(type, object) until the server ends the watch after ``timeout_s`` (the caller loops)."""
-        for event in self.dynamic.watch(self.resource(group_version, plural), namespace=namespace,
-                                        field_selector=field_selector, label_selector=label_selector,
-                                        timeout=timeout_s, watcher=kubernetes.watch.Watch()):
+        for event in self.dynamic.watch(
+            self.resource(group_version, plural),
+            namespace=namespace,
+            field_selector=field_selector,
+            label_selector=label_selector,
+            timeout=timeout_s,
+            watcher=kubernetes.watch.Watch(),
+        ):
             yield event["type"], event["raw_object"]
 
     # --- writes --------------------------------------------------------------------------------
 
-    def create(self, group_version: str, plural: str, body: Mapping[str, Any],
-               namespace: str | None = None) -> dict[str, Any]:
-        return self.resource(group_version, plural).create(body=dict(body), namespace=namespace,
-                                                           _request_timeout=TIMEOUT).to_dict()
+    def create(
+        self, group_version: str, plural: str, body: Mapping[str, Any], namespace: str | None = None
+    ) -> dict[str, Any]:
+        return (
+            self.resource(group_version, plural)
+            .create(body=dict(body), namespace=namespace, _request_timeout=TIMEOUT)
+            .to_dict()
+        )
 
-    def patch(self, group_version: str, plural: str, name: str, patch: Mapping[str, Any],
-              namespace: str | None = None, *, content_type: str = MERGE) -> dict[str, Any]:
-        return self.resource(group_version, plural).patch(body=dict(patch), name=name, namespace=namespace,
-                                                          content_type=content_type,
-                                                          _request_timeout=TIMEOUT).to_dict()
+    def patch(
+        self,
+        group_version: str,
+        plural: str,
+        name: str,
+        patch: Mapping[str, Any],
+        namespace: str | None = None,
+        *,
+        content_type: str = MERGE,
+    ) -> dict[str, Any]:
+        return (
+            self.resource(group_version, plural)
+            .patch(
+                body=dict(patch), name=name, namespace=namespace, content_type=content_type, _request_timeout=TIMEOUT
+            )
+            .to_dict()
+        )
 
-    def patch_status(self, group_version: str, plural: str, name: str, status: Mapping[str, Any],
-                     namespace: str | None = None, *, content_type: str = STRATEGIC,
-                     uid: str | None = None) -> dict[str, Any]:
+    def patch_status(
+        self,
+        group_version: str,
+        plural: str,
+        name: str,
+        status: Mapping[str, Any],
+        namespace: str | None = None,
+        *,
+        content_type: str = STRATEGIC,
+        uid: str | None = None,
+    ) -> dict[str, Any]:
         """Through the status subresource; strategic merge keeps conditions others wrote (merged by type).
 
         ``uid`` in the patch is a precondition, as the kubelet sends it: the status of a pod never lands
@@ -119,11 +173,19 @@ class Api:
         if uid is not None:
             body["metadata"] = {"uid": uid}
         resource = self.resource(group_version, plural).subresources["status"]
-        return resource.patch(body=body, name=name, namespace=namespace, content_type=content_type,
-                              _request_timeout=TIMEOUT).to_dict()
+        return resource.patch(
+            body=body, name=name, namespace=namespace, content_type=content_type, _request_timeout=TIMEOUT
+        ).to_dict()
 
-    def token(self, namespace: str, service_account: str, *, audiences: list[str], expiration_s: int,
-              pod: tuple[str, str] | None = None) -> str:
+    def token(
+        self,
+        namespace: str,
+        service_account: str,
+        *,
+        audiences: list[str],
+        expiration_s: int,
+        pod: tuple[str, str] | None = None,
+    ) -> str:
         """A ServiceAccount token from the TokenRequest API, bound to a pod (name, uid) as the kubelet asks for."""
         spec: dict[str, Any] = {"audiences": audiences, "expirationSeconds": expiration_s}
         if pod is not None:
@@ -133,8 +195,16 @@ class Api:
         answer = resource.create(body=body, name=service_account, namespace=namespace, _request_timeout=TIMEOUT)
         return str(answer.to_dict()["status"]["token"])
 
-    def delete(self, group_version: str, plural: str, name: str, namespace: str | None = None, *,
-               grace_period: int | None = None, uid: str | None = None) -> bool:
+    def delete(
+        self,
+        group_version: str,
+        plural: str,
+        name: str,
+        namespace: str | None = None,
+        *,
+        grace_period: int | None = None,
+        uid: str | None = None,
+    ) -> bool:
         """False when it was already gone; ``uid`` is a precondition (the kubelet's, so a new pod of the same
         name is never deleted by mistake)."""
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
@@ -143,8 +213,9 @@ class Api:
         if uid is not None:
             body["preconditions"] = {"uid": uid}
         try:
-            self.resource(group_version, plural).delete(name=name, namespace=namespace, body=body,
-                                                        _request_timeout=TIMEOUT)
+            self.resource(group_version, plural).delete(
+                name=name, namespace=namespace, body=body, _request_timeout=TIMEOUT
+            )
         except NotFoundError:
             return False
         return True

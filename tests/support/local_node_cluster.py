@@ -64,9 +64,17 @@ NAMESPACE_GONE_S = 180.0
 class OperatorProcess:
     """``policyserver operator --namespace NS`` with a liveness endpoint; restartable and killable."""
 
-    def __init__(self, env: dict[str, str], namespace: str, log: Path, *, resync_s: float = 1.0,
-                 probe_timeout_s: float = 1.0, peering: Iterable[str] = ("--standalone",),
-                 log_format: str = "plain") -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        namespace: str,
+        log: Path,
+        *,
+        resync_s: float = 1.0,
+        probe_timeout_s: float = 1.0,
+        peering: Iterable[str] = ("--standalone",),
+        log_format: str = "plain",
+    ) -> None:
         self.env, self.namespace, self.log = env, namespace, log
         self.resync_s, self.probe_timeout_s = resync_s, probe_timeout_s
         self.peering, self.log_format = list(peering), log_format
@@ -78,11 +86,27 @@ class OperatorProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [str(VENV_BIN / "policyserver"), "operator", "--namespace", self.namespace, *self.peering,
-                 "--resync-seconds", str(self.resync_s), "--probe-timeout", str(self.probe_timeout_s),
-                 "--liveness", self.liveness, "--log-format", self.log_format],
-                env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+                [
+                    str(VENV_BIN / "policyserver"),
+                    "operator",
+                    "--namespace",
+                    self.namespace,
+                    *self.peering,
+                    "--resync-seconds",
+                    str(self.resync_s),
+                    "--probe-timeout",
+                    str(self.probe_timeout_s),
+                    "--liveness",
+                    self.liveness,
+                    "--log-format",
+                    self.log_format,
+                ],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         wait_for(self.probe, OPERATOR_START_S, what=f"operator liveness (log: {self.log})")
         return self
 
@@ -124,14 +148,17 @@ def install_crd(control_plane: ControlPlane) -> None:
 
     def established() -> bool:
         crd = json.loads(control_plane.kubectl("get", f"crd/{CRD_NAME}", "-o", "json").stdout)
-        return any(c.get("type") == "Established" and c.get("status") == "True"
-                   for c in (crd.get("status") or {}).get("conditions") or [])
+        return any(
+            c.get("type") == "Established" and c.get("status") == "True"
+            for c in (crd.get("status") or {}).get("conditions") or []
+        )
 
     wait_for(established, 60, interval=0.2, what=f"CRD {CRD_NAME} Established")
 
 
-def delete_namespace(api: Api, namespace: str, timeout: float = NAMESPACE_GONE_S, *,
-                     orphaned_finalizers: Iterable[tuple[str, str]] = ()) -> None:
+def delete_namespace(
+    api: Api, namespace: str, timeout: float = NAMESPACE_GONE_S, *, orphaned_finalizers: Iterable[tuple[str, str]] = ()
+) -> None:
     """Delete a namespace and wait (bounded) until the namespace controller has emptied and removed it.
 
     The namespace controller re-checks a namespace whose pods are still terminating only after their grace
@@ -157,17 +184,31 @@ def delete_namespace(api: Api, namespace: str, timeout: float = NAMESPACE_GONE_S
 class LocalCluster:
     """CRD, namespace, local node and operator on a running control plane; stopped in reverse order."""
 
-    def __init__(self, control_plane: ControlPlane, workdir: str | Path, namespace: str, *,
-                 backoff_s: float = 10.0, resync_s: float = 1.0, gpus: int = 8,
-                 storage_classes: Iterable[str] = (), operator: bool = True) -> None:
+    def __init__(
+        self,
+        control_plane: ControlPlane,
+        workdir: str | Path,
+        namespace: str,
+        *,
+        backoff_s: float = 10.0,
+        resync_s: float = 1.0,
+        gpus: int = 8,
+        storage_classes: Iterable[str] = (),
+        operator: bool = True,
+    ) -> None:
         self.control_plane = control_plane
         self.workdir = Path(workdir)
         self.namespace = namespace
         self.api = Api(control_plane.kubeconfig)
-        self.node = LocalNode(control_plane.kubeconfig, namespaces=[namespace], backoff_s=backoff_s, gpus=gpus,
-                              name=f"node-{namespace}", storage_classes=list(storage_classes))
-        self.operator = OperatorProcess(control_plane.env, namespace, self.workdir / "operator.log",
-                                        resync_s=resync_s)
+        self.node = LocalNode(
+            control_plane.kubeconfig,
+            namespaces=[namespace],
+            backoff_s=backoff_s,
+            gpus=gpus,
+            name=f"node-{namespace}",
+            storage_classes=list(storage_classes),
+        )
+        self.operator = OperatorProcess(control_plane.env, namespace, self.workdir / "operator.log", resync_s=resync_s)
         self.run_operator = operator
         self._started: list[str] = []
 
@@ -200,8 +241,9 @@ class LocalCluster:
         if "namespace" in self._started:
             operator_alive = self.operator.proc is not None and self.operator.proc.poll() is None
             try:
-                delete_namespace(self.api, self.namespace,
-                                 orphaned_finalizers=() if operator_alive else [(C.API_VERSION, C.PLURAL)])
+                delete_namespace(
+                    self.api, self.namespace, orphaned_finalizers=() if operator_alive else [(C.API_VERSION, C.PLURAL)]
+                )
             except Exception as exc:  # noqa: BLE001 - stop the rest, then report
                 errors.append(exc)
         self.operator.stop()
@@ -212,11 +254,15 @@ class LocalCluster:
         if errors:
             raise errors[0]
 
-    def kubectl(self, *args: str, input: str | None = None, timeout: float = 120.0,
-                check: bool = True) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, input: str | None = None, timeout: float = 120.0, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         """kubectl as the admin, in this cluster's namespace unless ``args`` name another."""
-        ns = [] if any(a in ("-n", "--namespace", "-A") or a.startswith("--namespace=") for a in args) \
+        ns = (
+            []
+            if any(a in ("-n", "--namespace", "-A") or a.startswith("--namespace=") for a in args)
             else ["-n", self.namespace]
+        )
         return self.control_plane.kubectl(*ns, *args, input=input, timeout=timeout, check=check)
 
     def get(self, group_version: str, plural: str, name: str) -> dict[str, Any] | None:
@@ -228,8 +274,9 @@ class LocalCluster:
     def status(self, name: str) -> dict[str, Any]:
         return (self.get(C.API_VERSION, C.PLURAL, name) or {}).get("status") or {}
 
-    def wait_status(self, name: str, predicate: Callable[[dict[str, Any]], Any], what: str,
-                    timeout: float) -> dict[str, Any]:
+    def wait_status(
+        self, name: str, predicate: Callable[[dict[str, Any]], Any], what: str, timeout: float
+    ) -> dict[str, Any]:
         """Poll the PolicyServer's status until ``predicate`` holds; a timeout fails with the last status and
         :meth:`describe`, which is what a reader of a failed cluster test needs first."""
         last: dict[str, Any] = {}
@@ -251,16 +298,23 @@ class LocalCluster:
         pods = []
         for pod in self.list("v1", "pods"):
             status = pod.get("status") or {}
-            conds = " ".join(f"{c['type']}={c['status']}" + (f"({c.get('message')})" if c.get("message") else "")
-                             for c in status.get("conditions") or [])
-            pods.append(f"  {pod['metadata']['name']} on {pod['spec'].get('nodeName') or '-'}: "
-                        f"{status.get('phase')} {conds}")
-        return (f"--- operator log (tail)\n{self.operator.log_tail()}\n--- pods in the API\n" + "\n".join(pods)
-                + f"\n{self.node.describe(self.namespace)}")
+            conds = " ".join(
+                f"{c['type']}={c['status']}" + (f"({c.get('message')})" if c.get("message") else "")
+                for c in status.get("conditions") or []
+            )
+            pods.append(
+                f"  {pod['metadata']['name']} on {pod['spec'].get('nodeName') or '-'}: {status.get('phase')} {conds}"
+            )
+        return (
+            f"--- operator log (tail)\n{self.operator.log_tail()}\n--- pods in the API\n"
+            + "\n".join(pods)
+            + f"\n{self.node.describe(self.namespace)}"
+        )
 
 
-def for_local_node(doc: dict[str, Any], *, source: str, port: int, steps: int = 2,
-                   extra_args: Iterable[str] = ()) -> dict[str, Any]:
+def for_local_node(
+    doc: dict[str, Any], *, source: str, port: int, steps: int = 2, extra_args: Iterable[str] = ()
+) -> dict[str, Any]:
     """A PolicyServer sample made runnable here: ``source`` (a loopback URL), ``device: cpu``, ``steps``, ``port``.
 
     Everything else (layout, replicas, guidance, secrets, storage, resource requests, tolerations) stays as the
@@ -301,11 +355,13 @@ def free_port_on(hosts: Iterable[str]) -> int:
 _LINE = re.compile(r"^(\S+Z) (.*)$")
 # lines of the server container's log that end a phase: torchrun imported torch and spawns the ranks; every
 # rank imported torch and joined the gloo job; rank 0 bound the port; checkpoint loaded and warmed up; ready
-LOG_MARKS = (("torchrun spawning ranks", re.compile(r"torch/distributed/run\.py")),
-             ("rank 0 joined gloo group", re.compile(r"rank 0/\d+ joined")),
-             ("rank 0 listening", re.compile(r"policyserver: listening on")),
-             ("replica 0 loaded + warmed up", re.compile(r"replica 0 warmed up")),
-             ("policyserver: ready", re.compile(r"policyserver: ready")))
+LOG_MARKS = (
+    ("torchrun spawning ranks", re.compile(r"torch/distributed/run\.py")),
+    ("rank 0 joined gloo group", re.compile(r"rank 0/\d+ joined")),
+    ("rank 0 listening", re.compile(r"policyserver: listening on")),
+    ("replica 0 loaded + warmed up", re.compile(r"replica 0 warmed up")),
+    ("policyserver: ready", re.compile(r"policyserver: ready")),
+)
 
 
 @dataclass(frozen=True)
@@ -320,8 +376,10 @@ class Phase:
 
 
 def _first(events: list[NodeEvent], pod_prefix: str, container: str | None, what: str) -> float | None:
-    return next((e.t for e in events if e.pod.startswith(pod_prefix) and e.container == container
-                 and e.what.startswith(what)), None)
+    return next(
+        (e.t for e in events if e.pod.startswith(pod_prefix) and e.container == container and e.what.startswith(what)),
+        None,
+    )
 
 
 def _log_marks(text: str) -> dict[str, float]:
@@ -348,13 +406,15 @@ def phase_timings(cluster: LocalCluster, name: str, applied_at: float, available
     events = [e for e in node.events if e.namespace == ns]
     fetch_pod = f"{Names(name).policyserver}-fetch-"
     server_pod = f"{Names(name).statefulset}-0"
-    points = [("kubectl apply", applied_at),
-              ("fetch pod on the node", _first(events, fetch_pod, None, "admitted")),
-              ("fetch started", _first(events, fetch_pod, FETCH_CONTAINER, "started")),
-              ("fetch done", _first(events, fetch_pod, FETCH_CONTAINER, "exited 0")),
-              ("server pod on the node", _first(events, server_pod, None, "admitted")),
-              ("verify done", _first(events, server_pod, VERIFY_CONTAINER, "exited 0")),
-              ("torchrun started", _first(events, server_pod, SERVER_CONTAINER, "started"))]
+    points = [
+        ("kubectl apply", applied_at),
+        ("fetch pod on the node", _first(events, fetch_pod, None, "admitted")),
+        ("fetch started", _first(events, fetch_pod, FETCH_CONTAINER, "started")),
+        ("fetch done", _first(events, fetch_pod, FETCH_CONTAINER, "exited 0")),
+        ("server pod on the node", _first(events, server_pod, None, "admitted")),
+        ("verify done", _first(events, server_pod, VERIFY_CONTAINER, "exited 0")),
+        ("torchrun started", _first(events, server_pod, SERVER_CONTAINER, "started")),
+    ]
     marks = _log_marks(node.logs(ns, server_pod, SERVER_CONTAINER, run=0, timestamps=True))
     points += [(k, marks.get(k)) for k, _ in LOG_MARKS]
     points.append(("Available", available_at))

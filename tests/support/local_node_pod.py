@@ -263,9 +263,13 @@ class PodRunner:
     def _back_off(self, run: ContainerRun, terminated: dict[str, Any]) -> None:
         delay = self.node.backoff(run.runs)
         run.last_state = terminated
-        run.state = {"waiting": {"reason": "CrashLoopBackOff",
-                                 "message": f"back-off {delay:g}s restarting failed container={run.name} "
-                                            f"pod={self.name}_{self.namespace}({self.uid})"}}
+        run.state = {
+            "waiting": {
+                "reason": "CrashLoopBackOff",
+                "message": f"back-off {delay:g}s restarting failed container={run.name} "
+                f"pod={self.name}_{self.namespace}({self.uid})",
+            }
+        }
         run.next_start = time.time() + delay
         self.node.record(self, run.name, f"back-off {delay:g}s")
 
@@ -284,8 +288,9 @@ class PodRunner:
             return
         Path(cwd).mkdir(parents=True, exist_ok=True)
         run.runs += 1
-        run.proc = ContainerProcess(argv, env, cwd, self.log_dir / run.name / f"{run.runs - 1}.log",
-                                    f"{self.tag}{run.name}#{run.runs - 1}/").start()
+        run.proc = ContainerProcess(
+            argv, env, cwd, self.log_dir / run.name / f"{run.runs - 1}.log", f"{self.tag}{run.name}#{run.runs - 1}/"
+        ).start()
         run.state = {"running": {"startedAt": rfc3339(run.proc.started_at)}}
         run.kill_reason = ""
         self._paths_of[run.name] = paths
@@ -298,8 +303,14 @@ class PodRunner:
             self._container_started(run)
 
     def _probe(self, run: ContainerRun, kind: str) -> probes.ProbeWorker:
-        return probes.ProbeWorker(kind, run.spec[probes.PROBE_FIELDS[kind]], ip=self.ip, container=run.spec,
-                                  exec_fn=lambda cmd, timeout: self._exec(run, cmd, timeout), on_change=self.wake).start()
+        return probes.ProbeWorker(
+            kind,
+            run.spec[probes.PROBE_FIELDS[kind]],
+            ip=self.ip,
+            container=run.spec,
+            exec_fn=lambda cmd, timeout: self._exec(run, cmd, timeout),
+            on_change=self.wake,
+        ).start()
 
     def _container_started(self, run: ContainerRun) -> None:
         run.started = True
@@ -333,8 +344,12 @@ class PodRunner:
         run.ready = False
         grace = float(self.spec.get("terminationGracePeriodSeconds", DEFAULT_GRACE_S))
         self.node.record(self, run.name, f"killing: {reason}")
-        run.killer = threading.Thread(target=self._stop_container, args=(run, time.time() + grace, True), daemon=True,
-                                      name=f"kill:{self.name}/{run.name}")
+        run.killer = threading.Thread(
+            target=self._stop_container,
+            args=(run, time.time() + grace, True),
+            daemon=True,
+            name=f"kill:{self.name}/{run.name}",
+        )
         run.killer.start()
 
     def _stop_container(self, run: ContainerRun, deadline: float, hooks: bool) -> None:
@@ -343,9 +358,13 @@ class PodRunner:
             return
         pre_stop = ((run.spec.get("lifecycle") or {}).get("preStop")) if hooks and not run.init else None
         if pre_stop:
-            ok, message = probes.run_handler(pre_stop, ip=self.ip, container=run.spec,
-                                             timeout=max(0.0, deadline - time.time()),
-                                             exec_fn=lambda cmd, timeout: self._exec(run, cmd, timeout))
+            ok, message = probes.run_handler(
+                pre_stop,
+                ip=self.ip,
+                container=run.spec,
+                timeout=max(0.0, deadline - time.time()),
+                exec_fn=lambda cmd, timeout: self._exec(run, cmd, timeout),
+            )
             self.node.record(self, run.name, f"preStop: {message}")
         proc.stop(max(0.0, deadline - time.time()))
 
@@ -356,8 +375,9 @@ class PodRunner:
             return 1
         paths = self._paths_of.get(run.name, PathMap())
         argv = [paths.host(expand(str(a), base.env)) for a in command]
-        probe = ContainerProcess(argv, base.env, base.cwd, self.log_dir / run.name / "exec.log",
-                                 f"{base.tag}exec{time.monotonic_ns()}/").start()
+        probe = ContainerProcess(
+            argv, base.env, base.cwd, self.log_dir / run.name / "exec.log", f"{base.tag}exec{time.monotonic_ns()}/"
+        ).start()
         if probe.proc is None:
             return 1
         try:
@@ -377,9 +397,13 @@ class PodRunner:
             reason = "Completed"
         else:
             reason = "Error"
-        term: dict[str, Any] = {"exitCode": code, "reason": reason, "startedAt": rfc3339(proc.started_at),
-                                "finishedAt": rfc3339(proc.finished_at or time.time()),
-                                "containerID": f"local://{proc.pid or 0}"}
+        term: dict[str, Any] = {
+            "exitCode": code,
+            "reason": reason,
+            "startedAt": rfc3339(proc.started_at),
+            "finishedAt": rfc3339(proc.finished_at or time.time()),
+            "containerID": f"local://{proc.pid or 0}",
+        }
         if code >= 128 and proc.start_error is None:
             term["signal"] = code - 128
         message = proc.start_error or ""
@@ -450,15 +474,19 @@ class PodRunner:
                 if item["key"] not in data:
                     if src.get("optional"):
                         continue
-                    raise VolumeError(f'MountVolume.SetUp failed for volume "{volume}": '
-                                      f'couldn\'t find key {item["key"]} in {kind} {self.namespace}/{ref}')
+                    raise VolumeError(
+                        f'MountVolume.SetUp failed for volume "{volume}": '
+                        f"couldn't find key {item['key']} in {kind} {self.namespace}/{ref}"
+                    )
                 files[item["path"]] = (data[item["key"]], item.get("mode"))
             return files
         if "downwardAPI" in source:
             files = {}
             for item in source["downwardAPI"].get("items") or []:
                 if "fieldRef" not in item:
-                    raise VolumeError(f"volume {volume!r}: downwardAPI {sorted(item)} is not supported by the local node")
+                    raise VolumeError(
+                        f"volume {volume!r}: downwardAPI {sorted(item)} is not supported by the local node"
+                    )
                 try:
                     files[item["path"]] = (self._field(item["fieldRef"]["fieldPath"]).encode(), item.get("mode"))
                 except ContainerConfigError as exc:
@@ -466,15 +494,17 @@ class PodRunner:
             return files
         if "serviceAccountToken" in source:
             src = source["serviceAccountToken"]
-            token = self.node.api.token(self.namespace, self.spec.get("serviceAccountName") or "default",
-                                        audiences=[src["audience"]] if src.get("audience") else [],
-                                        expiration_s=int(src.get("expirationSeconds") or 3607),
-                                        pod=(self.name, self.uid))
+            token = self.node.api.token(
+                self.namespace,
+                self.spec.get("serviceAccountName") or "default",
+                audiences=[src["audience"]] if src.get("audience") else [],
+                expiration_s=int(src.get("expirationSeconds") or 3607),
+                pod=(self.name, self.uid),
+            )
             return {src["path"]: (token.encode(), None)}
         raise VolumeError(f"volume {volume!r}: projected source {sorted(source)} is not supported by the local node")
 
-    def _write_files(self, volume: str, files: Mapping[str, tuple[bytes, int | None]],
-                     src: Mapping[str, Any]) -> Path:
+    def _write_files(self, volume: str, files: Mapping[str, tuple[bytes, int | None]], src: Mapping[str, Any]) -> Path:
         path = self.dir / "volumes" / volume
         path.mkdir(parents=True, exist_ok=True)
         default_mode = int(src.get("defaultMode", 0o644))
@@ -490,8 +520,9 @@ class PodRunner:
         mounts: dict[str, str] = {}
         for m in run.spec.get("volumeMounts") or []:
             if m["name"] not in self.volumes:
-                raise ContainerConfigError(f"container {run.name!r} mounts volume {m['name']!r}, which the pod "
-                                           f"does not define")
+                raise ContainerConfigError(
+                    f"container {run.name!r} mounts volume {m['name']!r}, which the pod does not define"
+                )
             host = self.volumes[m["name"]] / (m.get("subPath") or "")
             mounts[m["mountPath"]] = str(host).rstrip("/")
         return PathMap.of(mounts)
@@ -499,16 +530,24 @@ class PodRunner:
     def _field(self, path: str) -> str:
         meta = self.pod.get("metadata") or {}
         simple = {
-            "metadata.name": self.name, "metadata.namespace": self.namespace, "metadata.uid": self.uid,
-            "spec.nodeName": self.node.name, "spec.serviceAccountName": self.spec.get("serviceAccountName", "default"),
-            "status.podIP": self.ip, "status.podIPs": self.ip, "status.hostIP": self.node.host_ip,
+            "metadata.name": self.name,
+            "metadata.namespace": self.namespace,
+            "metadata.uid": self.uid,
+            "spec.nodeName": self.node.name,
+            "spec.serviceAccountName": self.spec.get("serviceAccountName", "default"),
+            "status.podIP": self.ip,
+            "status.podIPs": self.ip,
+            "status.hostIP": self.node.host_ip,
             "status.hostIPs": self.node.host_ip,
         }
         if path in simple:
             return str(simple[path])
-        for prefix, source in (("metadata.labels", meta.get("labels")), ("metadata.annotations", meta.get("annotations"))):
+        for prefix, source in (
+            ("metadata.labels", meta.get("labels")),
+            ("metadata.annotations", meta.get("annotations")),
+        ):
             if path.startswith(f"{prefix}['") and path.endswith("']"):
-                return str((source or {}).get(path[len(prefix) + 2:-2], ""))
+                return str((source or {}).get(path[len(prefix) + 2 : -2], ""))
         raise ContainerConfigError(f"fieldRef {path!r} is not supported")
 
     def _key(self, kind: str, ref: Mapping[str, Any]) -> str | None:
@@ -520,7 +559,9 @@ class PodRunner:
         if ref.get("key") not in data:
             if ref.get("optional"):
                 return None
-            raise ContainerConfigError(f"couldn't find key {ref.get('key')} in {kind} {self.namespace}/{ref.get('name')}")
+            raise ContainerConfigError(
+                f"couldn't find key {ref.get('key')} in {kind} {self.namespace}/{ref.get('name')}"
+            )
         return data[str(ref["key"])].decode("utf-8", "replace")
 
     def _env(self, run: ContainerRun, paths: PathMap) -> dict[str, str]:
@@ -531,7 +572,9 @@ class PodRunner:
         if tmp != "/tmp":
             env["TMPDIR"] = tmp  # the container's /tmp is an emptyDir
         for src in run.spec.get("envFrom") or []:
-            kind, ref = ("Secret", src["secretRef"]) if "secretRef" in src else ("ConfigMap", src.get("configMapRef") or {})
+            kind, ref = (
+                ("Secret", src["secretRef"]) if "secretRef" in src else ("ConfigMap", src.get("configMapRef") or {})
+            )
             data = self._source(kind, str(ref.get("name")))
             if data is None and not ref.get("optional"):
                 raise ContainerConfigError(f'{kind.lower()} "{ref.get("name")}" not found')
@@ -548,7 +591,9 @@ class PodRunner:
                 elif "configMapKeyRef" in source:
                     value = self._key("ConfigMap", source["configMapKeyRef"])
                 else:
-                    raise ContainerConfigError(f"env {name}: valueFrom {sorted(source)} is not supported by the local node")
+                    raise ContainerConfigError(
+                        f"env {name}: valueFrom {sorted(source)} is not supported by the local node"
+                    )
                 if value is None:
                     continue
             else:
@@ -564,8 +609,11 @@ class PodRunner:
         for run in self.containers:
             run.stop_probes()
             run.ready = False
-        threads = [threading.Thread(target=self._stop_container, args=(run, deadline, not self._offline), daemon=True)
-                   for run in self.containers if run.proc is not None and run.proc.poll() is None]
+        threads = [
+            threading.Thread(target=self._stop_container, args=(run, deadline, not self._offline), daemon=True)
+            for run in self.containers
+            if run.proc is not None and run.proc.poll() is None
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -575,9 +623,17 @@ class PodRunner:
             if run.proc is not None and run.proc.finished_at is not None and "terminated" not in run.state:
                 run.state = self._terminated_state(run, run.proc.poll() or 0)
             elif run.proc is None and not run.done:
-                run.state = {"terminated": {"exitCode": 0, "reason": "ContainerStatusUnknown",
-                                            "message": "The container could not be located when the pod was deleted"}} \
-                    if run.runs else run.state
+                run.state = (
+                    {
+                        "terminated": {
+                            "exitCode": 0,
+                            "reason": "ContainerStatusUnknown",
+                            "message": "The container could not be located when the pod was deleted",
+                        }
+                    }
+                    if run.runs
+                    else run.state
+                )
             run.done = True
         if self.phase not in ("Succeeded", "Failed"):
             failed = any((r.state.get("terminated") or {}).get("exitCode", 0) != 0 for r in self.mains)
@@ -598,9 +654,15 @@ class PodRunner:
     # --- status ----------------------------------------------------------------------------------
 
     def _container_status(self, run: ContainerRun) -> dict[str, Any]:
-        status: dict[str, Any] = {"name": run.name, "image": run.spec.get("image", ""), "imageID": "",
-                                  "ready": run.ready, "restartCount": run.restart_count, "state": run.state,
-                                  "lastState": run.last_state}
+        status: dict[str, Any] = {
+            "name": run.name,
+            "image": run.spec.get("image", ""),
+            "imageID": "",
+            "ready": run.ready,
+            "restartCount": run.restart_count,
+            "state": run.state,
+            "lastState": run.last_state,
+        }
         if run.proc is not None:
             status["containerID"] = f"local://{run.proc.pid or 0}"
         if not run.init:
@@ -621,7 +683,9 @@ class PodRunner:
 
     def status(self) -> dict[str, Any]:
         terminal = self.phase in ("Succeeded", "Failed")
-        pending_inits = [r.name for r in self.inits if not (r.done and (r.state.get("terminated") or {}).get("exitCode") == 0)]
+        pending_inits = [
+            r.name for r in self.inits if not (r.done and (r.state.get("terminated") or {}).get("exitCode") == 0)
+        ]
         unready = [r.name for r in self.mains if not r.ready]
         ready = not unready and not terminal and self._delete_grace is None
         unready_reason = "PodCompleted" if terminal else "ContainersNotReady"
@@ -635,8 +699,12 @@ class PodRunner:
             "startTime": rfc3339(self.start_time),
             "conditions": [
                 self._cond("PodReadyToStartContainers", self.volumes is not None and not terminal),
-                self._cond("Initialized", not pending_inits,
-                           "ContainersNotInitialized", f"containers with incomplete status: [{' '.join(pending_inits)}]"),
+                self._cond(
+                    "Initialized",
+                    not pending_inits,
+                    "ContainersNotInitialized",
+                    f"containers with incomplete status: [{' '.join(pending_inits)}]",
+                ),
                 self._cond("Ready", ready, unready_reason, unready_message),
                 self._cond("ContainersReady", ready, unready_reason, unready_message),
             ],
@@ -656,8 +724,7 @@ class PodRunner:
             self.node.api.patch_status("v1", "pods", self.name, status, self.namespace, uid=self.uid)
         except kubernetes.client.ApiException as exc:
             if exc.status not in (404, 409):  # a pod gone from the API (or replaced) has no status to write
-                log.warning("pod %s/%s: status write failed: %s %s", self.namespace, self.name, exc.reason,
-                            exc.body)
+                log.warning("pod %s/%s: status write failed: %s %s", self.namespace, self.name, exc.reason, exc.body)
             return
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             log.warning("pod %s/%s: status write failed: %s", self.namespace, self.name, exc)

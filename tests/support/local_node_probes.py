@@ -72,8 +72,15 @@ def tcp_socket(spec: Mapping[str, Any], ip: str, container: Mapping[str, Any], t
         return False, f"dial tcp {host}:{port}: {exc.strerror or exc}"
 
 
-def run_handler(handler: Mapping[str, Any], *, ip: str, container: Mapping[str, Any], timeout: float,
-                exec_fn: ExecFn, stop: threading.Event | None = None) -> tuple[bool, str]:
+def run_handler(
+    handler: Mapping[str, Any],
+    *,
+    ip: str,
+    container: Mapping[str, Any],
+    timeout: float,
+    exec_fn: ExecFn,
+    stop: threading.Event | None = None,
+) -> tuple[bool, str]:
     """One probe or lifecycle handler (exec, httpGet, tcpSocket, sleep): (success, message)."""
     try:
         if "exec" in handler:
@@ -100,8 +107,16 @@ def run_handler(handler: Mapping[str, Any], *, ip: str, container: Mapping[str, 
 class ProbeWorker:
     """Runs one probe periodically; ``result`` is the kubelet's verdict (None: not decided yet)."""
 
-    def __init__(self, kind: str, probe: Mapping[str, Any], *, ip: str, container: Mapping[str, Any],
-                 exec_fn: ExecFn, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        kind: str,
+        probe: Mapping[str, Any],
+        *,
+        ip: str,
+        container: Mapping[str, Any],
+        exec_fn: ExecFn,
+        on_change: Callable[[], None],
+    ) -> None:
         self.kind = kind
         self.probe = probe
         self.ip, self.container, self.exec_fn, self.on_change = ip, container, exec_fn, on_change
@@ -129,8 +144,14 @@ class ProbeWorker:
             return
         while not self._stop.is_set():
             started = time.monotonic()
-            ok, message = run_handler(self.probe, ip=self.ip, container=self.container, timeout=self.timeout,
-                                      exec_fn=self.exec_fn, stop=self._stop)
+            ok, message = run_handler(
+                self.probe,
+                ip=self.ip,
+                container=self.container,
+                timeout=self.timeout,
+                exec_fn=self.exec_fn,
+                stop=self._stop,
+            )
             if self._stop.is_set():
                 return
             self.runs += 1

@@ -48,6 +48,7 @@ class ContainerConfigError(ValueError):
 
 # --- paths --------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class PathMap:
     """Container mount paths -> host directories; the longest mount path wins, as with nested mounts."""
@@ -74,14 +75,14 @@ class PathMap:
     def _path(self, value: str) -> str | None:
         for container, host in self.mounts:
             if value == container or value.startswith(container.rstrip("/") + "/"):
-                return host + value[len(container.rstrip("/")):]
+                return host + value[len(container.rstrip("/")) :]
         return None
 
     def container(self, value: str) -> str:
         """The inverse, for messages: a host path shown as the container sees it."""
         for container, host in sorted(self.mounts, key=lambda m: len(m[1]), reverse=True):
             if value == host or value.startswith(host + "/"):
-                return container.rstrip("/") + value[len(host):]
+                return container.rstrip("/") + value[len(host) :]
         return value
 
 
@@ -93,8 +94,10 @@ def _norm(path: str) -> str:
 
 # --- environment --------------------------------------------------------------------------
 
+
 def expand(value: str, env: Mapping[str, str]) -> str:
     """Kubernetes' ``$(VAR)`` expansion: defined names are replaced, ``$$`` escapes, the rest stays."""
+
     def sub(m: re.Match[str]) -> str:
         if m.group(0) == "$$":
             return "$"
@@ -108,12 +111,15 @@ def argv_of(container: Mapping[str, object], env: Mapping[str, str], paths: Path
     command = list(container.get("command") or [])  # type: ignore[arg-type]
     args = list(container.get("args") or [])  # type: ignore[arg-type]
     if not command:
-        raise ContainerConfigError(f"container {container.get('name')!r} has no command: the local node runs no "
-                                   f"images, so it cannot use image {container.get('image')!r}'s entrypoint")
+        raise ContainerConfigError(
+            f"container {container.get('name')!r} has no command: the local node runs no "
+            f"images, so it cannot use image {container.get('image')!r}'s entrypoint"
+        )
     return [paths.host(expand(str(a), env)) for a in command + args]
 
 
 # --- processes ----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ProcInfo:
@@ -160,7 +166,9 @@ def tagged_processes(prefix: str) -> list[ProcInfo]:
         if not tag.startswith(prefix) or stat is None:
             continue
         try:
-            argv = tuple(a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a)
+            argv = tuple(
+                a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a
+            )
         except OSError:
             continue
         if not argv:  # a zombie: exited, waiting for its parent to reap it
@@ -190,8 +198,7 @@ def kill_tagged(prefix: str, timeout: float = 10.0) -> list[ProcInfo]:
 
 def rfc3339(t: float) -> str:
     """A Kubernetes timestamp (seconds), as the kubelet writes container states."""
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).replace(microsecond=0).isoformat().replace(
-        "+00:00", "Z")
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def parse_time(value: str | None) -> float | None:
@@ -227,8 +234,15 @@ class ContainerProcess:
         try:
             if exe is None:
                 raise FileNotFoundError(f'exec: "{self.argv[0]}": executable file not found in $PATH')
-            self.proc = subprocess.Popen([exe, *self.argv[1:]], env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [exe, *self.argv[1:]],
+                env=self.env,
+                cwd=self.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         except OSError as exc:
             self.start_error = f"failed to start container process: {exc.strerror or exc}"
             self.finished_at = time.time()

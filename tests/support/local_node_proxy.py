@@ -76,16 +76,27 @@ class ServiceProxy:
     def address(self, namespace: str, service: str, port: int | str | None = None) -> tuple[str, int] | None:
         """(host, port) of a Service port, by its name or number (None: the only port); None if not served."""
         with self._lock:
-            found = [(k, lst) for k, lst in self._listeners.items() if k.namespace == namespace and k.service == service
-                     and (port is None or k.name == str(port) or str(k.port) == str(port))]
+            found = [
+                (k, lst)
+                for k, lst in self._listeners.items()
+                if k.namespace == namespace
+                and k.service == service
+                and (port is None or k.name == str(port) or str(k.port) == str(port))
+            ]
         if not found or (port is None and len(found) > 1):
             return None
         return self.host, found[0][1].host_port
 
     def backends(self, namespace: str, service: str) -> list[tuple[str, int]]:
         with self._lock:
-            return sorted({b for k, lst in self._listeners.items() if (k.namespace, k.service) == (namespace, service)
-                           for b in lst.backends})
+            return sorted(
+                {
+                    b
+                    for k, lst in self._listeners.items()
+                    if (k.namespace, k.service) == (namespace, service)
+                    for b in lst.backends
+                }
+            )
 
     def update(self, wanted: Mapping[ServicePort, Sequence[tuple[str, int]]]) -> None:
         """Open listeners for new Service ports, close those of ports gone, set every port's ready endpoints."""
@@ -137,8 +148,9 @@ class ServiceProxy:
             listener.connections.discard(task)
             writer.close()
 
-    async def _forward(self, backends: list[tuple[str, int]], reader: asyncio.StreamReader,
-                       writer: asyncio.StreamWriter) -> None:
+    async def _forward(
+        self, backends: list[tuple[str, int]], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         random.shuffle(backends)
         for host, port in backends:
             try:

@@ -66,15 +66,21 @@ class VolumeError(RuntimeError):
 
 
 def storage_class(name: str = STORAGE_CLASS, *, default: bool = True) -> dict[str, Any]:
-    return {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
-            "metadata": {"name": name, "annotations": {ANN_DEFAULT_CLASS: str(default).lower()}},
-            "provisioner": STORAGE_PROVISIONER, "reclaimPolicy": "Delete", "volumeBindingMode": "Immediate"}
+    return {
+        "apiVersion": "storage.k8s.io/v1",
+        "kind": "StorageClass",
+        "metadata": {"name": name, "annotations": {ANN_DEFAULT_CLASS: str(default).lower()}},
+        "provisioner": STORAGE_PROVISIONER,
+        "reclaimPolicy": "Delete",
+        "volumeBindingMode": "Immediate",
+    }
 
 
 def volume_for(claim: dict[str, Any], node: str, path: Path) -> dict[str, Any]:
     meta, spec = claim["metadata"], claim.get("spec") or {}
     return {
-        "apiVersion": "v1", "kind": "PersistentVolume",
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
         "metadata": {"name": f"pvc-{meta['uid']}", "annotations": {ANN_PROVISIONED_BY: STORAGE_PROVISIONER}},
         "spec": {
             "capacity": {"storage": ((spec.get("resources") or {}).get("requests") or {}).get("storage", "1Gi")},
@@ -82,11 +88,21 @@ def volume_for(claim: dict[str, Any], node: str, path: Path) -> dict[str, Any]:
             "volumeMode": spec.get("volumeMode") or "Filesystem",
             "persistentVolumeReclaimPolicy": "Delete",
             "storageClassName": spec.get("storageClassName") or STORAGE_CLASS,
-            "claimRef": {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "namespace": meta["namespace"],
-                         "name": meta["name"], "uid": meta["uid"]},
+            "claimRef": {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "namespace": meta["namespace"],
+                "name": meta["name"],
+                "uid": meta["uid"],
+            },
             "local": {"path": str(path)},
-            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                {"key": LABEL_HOSTNAME, "operator": "In", "values": [node]}]}]}},
+            "nodeAffinity": {
+                "required": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": LABEL_HOSTNAME, "operator": "In", "values": [node]}]}
+                    ]
+                }
+            },
         },
     }
 
@@ -108,10 +124,13 @@ class Provisioner:
         existing = {v["metadata"]["name"] for v in volumes}
         for claim in claims:
             meta, spec = claim["metadata"], claim.get("spec") or {}
-            if ((meta.get("annotations") or {}).get(ANN_STORAGE_PROVISIONER) != STORAGE_PROVISIONER
-                    or spec.get("volumeName") or meta.get("deletionTimestamp")
-                    or (claim.get("status") or {}).get("phase") != "Pending"
-                    or f"pvc-{meta['uid']}" in existing):
+            if (
+                (meta.get("annotations") or {}).get(ANN_STORAGE_PROVISIONER) != STORAGE_PROVISIONER
+                or spec.get("volumeName")
+                or meta.get("deletionTimestamp")
+                or (claim.get("status") or {}).get("phase") != "Pending"
+                or f"pvc-{meta['uid']}" in existing
+            ):
                 continue
             path = self.root / "pv" / f"pvc-{meta['uid']}"
             path.mkdir(parents=True, exist_ok=True)
@@ -123,9 +142,12 @@ class Provisioner:
             self._resize(claim, by_name.get((claim.get("spec") or {}).get("volumeName") or ""))
         for volume in volumes:
             meta, spec = volume["metadata"], volume.get("spec") or {}
-            if ((meta.get("annotations") or {}).get(ANN_PROVISIONED_BY) != STORAGE_PROVISIONER
-                    or spec.get("persistentVolumeReclaimPolicy") != "Delete" or meta.get("deletionTimestamp")
-                    or (volume.get("status") or {}).get("phase") not in ("Released", "Failed")):
+            if (
+                (meta.get("annotations") or {}).get(ANN_PROVISIONED_BY) != STORAGE_PROVISIONER
+                or spec.get("persistentVolumeReclaimPolicy") != "Delete"
+                or meta.get("deletionTimestamp")
+                or (volume.get("status") or {}).get("phase") not in ("Released", "Failed")
+            ):
                 continue
             self._delete(volume)
 
@@ -133,8 +155,11 @@ class Provisioner:
         """Grow our volume, then the claim's status, to what the bound claim now requests."""
         from kubernetes.utils import parse_quantity
 
-        if volume is None or ((volume["metadata"].get("annotations") or {}).get(ANN_PROVISIONED_BY)
-                              != STORAGE_PROVISIONER) or (claim.get("status") or {}).get("phase") != "Bound":
+        if (
+            volume is None
+            or ((volume["metadata"].get("annotations") or {}).get(ANN_PROVISIONED_BY) != STORAGE_PROVISIONER)
+            or (claim.get("status") or {}).get("phase") != "Bound"
+        ):
             return
         want = ((claim["spec"].get("resources") or {}).get("requests") or {}).get("storage")
         has = ((volume.get("spec") or {}).get("capacity") or {}).get("storage")
@@ -144,14 +169,22 @@ class Provisioner:
         meta = claim["metadata"]
         with contextlib.suppress(kubernetes.client.ApiException):  # 409/404: the next pass retries
             if parse_quantity(want) > parse_quantity(has):
-                self.api.patch("v1", "persistentvolumes", volume["metadata"]["name"],
-                               {"spec": {"capacity": {"storage": want}}})
-                log.info("resized %s to %s for %s/%s", volume["metadata"]["name"], want, meta["namespace"],
-                         meta["name"])
+                self.api.patch(
+                    "v1", "persistentvolumes", volume["metadata"]["name"], {"spec": {"capacity": {"storage": want}}}
+                )
+                log.info(
+                    "resized %s to %s for %s/%s", volume["metadata"]["name"], want, meta["namespace"], meta["name"]
+                )
                 has = want
             if shown is None or parse_quantity(shown) < parse_quantity(has):
-                self.api.patch_status("v1", "persistentvolumeclaims", meta["name"],
-                                      {"capacity": {"storage": has}}, meta["namespace"], uid=meta["uid"])
+                self.api.patch_status(
+                    "v1",
+                    "persistentvolumeclaims",
+                    meta["name"],
+                    {"capacity": {"storage": has}},
+                    meta["namespace"],
+                    uid=meta["uid"],
+                )
 
     def _delete(self, volume: dict[str, Any]) -> None:
         path = Path(((volume.get("spec") or {}).get("local") or {}).get("path") or "")
@@ -172,10 +205,12 @@ class Provisioner:
         spec = (volume or {}).get("spec") or {}
         source = spec.get("local") or spec.get("hostPath")
         if source is None:
-            raise VolumeError(f"volume {volume_name!r} is neither a local nor a hostPath volume: the local node "
-                              f"cannot mount it")
+            raise VolumeError(
+                f"volume {volume_name!r} is neither a local nor a hostPath volume: the local node cannot mount it"
+            )
         path = Path(source["path"])
         if not path.is_dir():
-            raise VolumeError(f'MountVolume.NewMounter initialization failed for volume "{volume_name}": '
-                              f'path "{path}" does not exist')
+            raise VolumeError(
+                f'MountVolume.NewMounter initialization failed for volume "{volume_name}": path "{path}" does not exist'
+            )
         return path

@@ -25,4 +25,6 @@ def wait_for[T](predicate: Callable[[], T], timeout: float, interval: float = 0.
         except Exception as exc:  # noqa: BLE001 - the predicate may fail until the thing is up
             last_exc = exc
         time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else ""))
+    raise TimeoutError(
+        f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else "")
+    )

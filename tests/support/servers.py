@@ -94,8 +94,9 @@ class HttpReply:
         return self.body.decode("utf-8", "replace")
 
 
-def http_get(host: str, port: int, path: str, headers: Mapping[str, str] | None = None,
-             timeout: float = 10.0) -> HttpReply:
+def http_get(
+    host: str, port: int, path: str, headers: Mapping[str, str] | None = None, timeout: float = 10.0
+) -> HttpReply:
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request("GET", path, headers=dict(headers or {}))
@@ -123,7 +124,7 @@ def proc_stat(pid: int) -> tuple[int, int] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = raw[raw.rindex(")") + 2:].split()
+    fields = raw[raw.rindex(")") + 2 :].split()
     return int(fields[1]), int(fields[19])
 
 
@@ -186,8 +187,14 @@ class PolicyServerProcess:
 
     host = "127.0.0.1"
 
-    def __init__(self, checkpoint: str | os.PathLike[str], *args: str, env: Mapping[str, str] | None = None,
-                 cwd: str | os.PathLike[str] | None = None, command: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike[str],
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        command: list[str] | None = None,
+    ) -> None:
         self.args = [str(a) for a in args]
         base = command or [str(VENV_BIN / "policyserver"), "serve"]
         self.argv = [*base, "--checkpoint", str(checkpoint), "--host", self.host, *self.args]
@@ -209,8 +216,15 @@ class PolicyServerProcess:
         self._log_dir = tempfile.mkdtemp(prefix="policyserver-")
         self._log_path = Path(self._log_dir, "server.log")
         with open(self._log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env, cwd=self.cwd, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
         try:
             if wait in ("listening", "ready"):
                 self.wait_listening(timeout)
@@ -397,8 +411,13 @@ class PolicyServerProcess:
 
 
 @contextlib.contextmanager
-def serve_policy(checkpoint: str | os.PathLike[str], *args: str, wait: WaitFor = "ready",
-                 timeout: float = START_TIMEOUT_S, env: Mapping[str, str] | None = None) -> Iterator[PolicyServerProcess]:
+def serve_policy(
+    checkpoint: str | os.PathLike[str],
+    *args: str,
+    wait: WaitFor = "ready",
+    timeout: float = START_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[PolicyServerProcess]:
     server = PolicyServerProcess(checkpoint, *args, env=env)
     server.start(wait=wait, timeout=timeout)
     try:
@@ -412,8 +431,9 @@ _CHECKPOINTS: dict[tuple[str, str, int, str], Path] = {}
 _CHECKPOINT_LOCK = threading.Lock()
 
 
-def session_checkpoint(tmp_path_factory: pytest.TempPathFactory, size: str = "tiny", seed: int = 0,
-                       **overrides: Any) -> Path:
+def session_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, size: str = "tiny", seed: int = 0, **overrides: Any
+) -> Path:
     """A reference-policy checkpoint made once per session per (size, seed, overrides); treat it as read-only."""
     from policy_operator.runtime.policy.reference import init_checkpoint
 

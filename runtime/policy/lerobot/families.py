@@ -158,16 +158,22 @@ class SmolVLA(_Flow):
         batch = policy._prepare_batch(batch)
         images, img_masks = policy.prepare_images(batch)
         state = policy.prepare_state(batch)
-        prefix_embs, pad_masks, att_masks = model.embed_prefix(images, img_masks, batch[TOKENS_KEY],
-                                                               batch[TOKEN_MASK_KEY], state=state)
+        prefix_embs, pad_masks, att_masks = model.embed_prefix(
+            images, img_masks, batch[TOKENS_KEY], batch[TOKEN_MASK_KEY], state=state
+        )
         _, cache = model.vlm_with_expert.forward(
-            attention_mask=make_att_2d_masks(pad_masks, att_masks), position_ids=torch.cumsum(pad_masks, dim=1) - 1,
-            past_key_values=None, inputs_embeds=[prefix_embs, None], use_cache=True)
+            attention_mask=make_att_2d_masks(pad_masks, att_masks),
+            position_ids=torch.cumsum(pad_masks, dim=1) - 1,
+            past_key_values=None,
+            inputs_embeds=[prefix_embs, None],
+            use_cache=True,
+        )
         return {"kv": kv_tree(cache), "pad": pad_masks}
 
     def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.policy.model.denoise_step(prefix_pad_masks=context["pad"], past_key_values=kv_cache(context["kv"]),
-                                              x_t=x, timestep=t)
+        return self.policy.model.denoise_step(
+            prefix_pad_masks=context["pad"], past_key_values=kv_cache(context["kv"]), x_t=x, timestep=t
+        )
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         actions = super().finish(x)
@@ -179,8 +185,9 @@ class SmolVLA(_Flow):
 class Pi0(_Flow):
     """pi0: images and prompt in the prefix, the state in the action expert's suffix."""
 
-    def _prefix(self, images: list[torch.Tensor], img_masks: list[torch.Tensor], tokens: torch.Tensor,
-                masks: torch.Tensor) -> dict[str, Any]:
+    def _prefix(
+        self, images: list[torch.Tensor], img_masks: list[torch.Tensor], tokens: torch.Tensor, masks: torch.Tensor
+    ) -> dict[str, Any]:
         from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
 
         model = self.policy.model
@@ -188,8 +195,11 @@ class Pi0(_Flow):
         model.paligemma_with_expert.paligemma.model.language_model.config._attn_implementation = "eager"
         _, cache = model.paligemma_with_expert.forward(
             attention_mask=prepare_attention_masks_4d(make_att_2d_masks(pad_masks, att_masks)),
-            position_ids=torch.cumsum(pad_masks, dim=1) - 1, past_key_values=None, inputs_embeds=[prefix_embs, None],
-            use_cache=True)
+            position_ids=torch.cumsum(pad_masks, dim=1) - 1,
+            past_key_values=None,
+            inputs_embeds=[prefix_embs, None],
+            use_cache=True,
+        )
         return {"kv": kv_tree(cache), "pad": pad_masks}
 
     def condition(self, batch: dict[str, torch.Tensor]) -> Context:
@@ -199,8 +209,13 @@ class Pi0(_Flow):
         return context
 
     def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.policy.model.denoise_step(state=context["state"], prefix_pad_masks=context["pad"],
-                                              past_key_values=kv_cache(context["kv"]), x_t=x, timestep=t)
+        return self.policy.model.denoise_step(
+            state=context["state"],
+            prefix_pad_masks=context["pad"],
+            past_key_values=kv_cache(context["kv"]),
+            x_t=x,
+            timestep=t,
+        )
 
 
 class Pi05(Pi0):
@@ -211,8 +226,9 @@ class Pi05(Pi0):
         return self._prefix(images, img_masks, batch[TOKENS_KEY], batch[TOKEN_MASK_KEY])
 
     def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.policy.model.denoise_step(prefix_pad_masks=context["pad"], past_key_values=kv_cache(context["kv"]),
-                                              x_t=x, timestep=t)
+        return self.policy.model.denoise_step(
+            prefix_pad_masks=context["pad"], past_key_values=kv_cache(context["kv"]), x_t=x, timestep=t
+        )
 
 
 class Diffusion(Family):
@@ -242,8 +258,10 @@ class Diffusion(Family):
 
     def condition(self, batch: dict[str, torch.Tensor]) -> Context:
         # [B, n_obs_steps, ...]: a history of one arrives without its step dimension
-        batch = {k: v[:, None] if self.history == 1 and k.startswith("observation.") and k != TOKENS_KEY else v
-                 for k, v in batch.items()}
+        batch = {
+            k: v[:, None] if self.history == 1 and k.startswith("observation.") and k != TOKENS_KEY else v
+            for k, v in batch.items()
+        }
         if self.config.image_features:  # [B, n_obs_steps, cameras, C, H, W], as predict_action_chunk stacks them
             batch[IMAGES_KEY] = torch.stack([batch[key] for key in self.config.image_features], dim=-4)
         return self.policy.diffusion._prepare_global_conditioning(batch)

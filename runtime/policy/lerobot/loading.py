@@ -79,8 +79,10 @@ def _tokenizer_overrides(root: Path) -> dict[str, Any]:
     try:
         steps = json.loads((root / PREPROCESSOR_JSON).read_text()).get("steps", [])
     except FileNotFoundError:
-        raise CheckpointError(f"{root} has no saved preprocessor ({PREPROCESSOR_JSON}); save it with "
-                              "preprocessor.save_pretrained(dir) next to the policy") from None
+        raise CheckpointError(
+            f"{root} has no saved preprocessor ({PREPROCESSOR_JSON}); save it with "
+            "preprocessor.save_pretrained(dir) next to the policy"
+        ) from None
     for step in steps:
         name = step.get("config", {}).get("tokenizer_name")
         if step.get("registry_name") == TOKENIZER_STEP and isinstance(name, str):
@@ -113,6 +115,8 @@ def load_pretrained(checkpoint: str | os.PathLike[str], device: torch.device) ->
         raise CheckpointError(f"{root}: {str(exc).splitlines()[0]}") from exc
     policy.to(device).eval().requires_grad_(False)
     preprocessor, postprocessor = make_pre_post_processors(
-        config, pretrained_path=str(root),
-        preprocessor_overrides={DEVICE_STEP: {"device": "cpu"}, **_tokenizer_overrides(root)})
+        config,
+        pretrained_path=str(root),
+        preprocessor_overrides={DEVICE_STEP: {"device": "cpu"}, **_tokenizer_overrides(root)},
+    )
     return Loaded(root, config, policy, preprocessor, postprocessor)

@@ -37,8 +37,9 @@ class LeRobotPolicy(Policy):
         self._device = device
         self.dtype = dtype
         if dtype != torch.float32:
-            cast = getattr(getattr(loaded.policy.model, "paligemma_with_expert", None),
-                           "to_bfloat16_for_selected_params", None)
+            cast = getattr(
+                getattr(loaded.policy.model, "paligemma_with_expert", None), "to_bfloat16_for_selected_params", None
+            )
             if cast is not None and dtype == torch.bfloat16:  # pi0/pi0.5: the vision path stays float32
                 cast("bfloat16")
             else:
@@ -67,8 +68,14 @@ class LeRobotPolicy(Policy):
 
     def metadata(self) -> dict[str, Any]:
         meta = super().metadata()
-        meta.update({"lerobot_type": self.loaded.type, "observation_keys": self.spec.describe(),
-                     "chunk_shape": list(self.action_shape), "n_obs_steps": self.history})
+        meta.update(
+            {
+                "lerobot_type": self.loaded.type,
+                "observation_keys": self.spec.describe(),
+                "chunk_shape": list(self.action_shape),
+                "n_obs_steps": self.history,
+            }
+        )
         return meta
 
     def example_observation(self, seed: int = 0) -> dict[str, Any]:
@@ -86,7 +93,9 @@ class LeRobotPolicy(Policy):
         if branch is Branch.UNCOND:
             raise ValueError(f"{self.name} has no unconditional branch")
         pin = self.pin_memory and self._device.type == "cuda"
-        batch = {k: (v.pin_memory() if pin else v).to(self._device, non_blocking=True) for k, v in sample.tensors.items()}
+        batch = {
+            k: (v.pin_memory() if pin else v).to(self._device, non_blocking=True) for k, v in sample.tensors.items()
+        }
         with torch.inference_mode():
             return self.family.condition(batch)
 
@@ -111,5 +120,6 @@ class LeRobotPolicy(Policy):
         # One graph per batch bucket (the replica pads batches to them); the cache is rebuilt inside the graph
         # around the context's tensors.  A CUDA graph's output buffer is reused by its next replay: copy it out.
         compiled: Callable[[Context, torch.Tensor, torch.Tensor], torch.Tensor] = torch.compile(
-            self.family.denoise, mode=mode, dynamic=False)
+            self.family.denoise, mode=mode, dynamic=False
+        )
         self._denoise = (lambda c, x, t: compiled(c, x, t).clone()) if mode == "reduce-overhead" else compiled

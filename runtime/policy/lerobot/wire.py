@@ -45,8 +45,9 @@ class ObservationSpec:
     """The observation a LeRobot config expects, from its ``input_features``."""
 
     def __init__(self, input_features: Mapping[str, Any], *, needs_task: bool) -> None:
-        self.features = tuple(Feature(key, str(f.type.name), tuple(int(d) for d in f.shape))
-                              for key, f in sorted(input_features.items()))
+        self.features = tuple(
+            Feature(key, str(f.type.name), tuple(int(d) for d in f.shape)) for key, f in sorted(input_features.items())
+        )
         self.needs_task = needs_task
         self.keys = frozenset(f.key for f in self.features) | ({TASK_KEY} if needs_task else set())
 
@@ -102,8 +103,10 @@ class ObservationSpec:
 def _vector(f: Feature, value: Any) -> torch.Tensor:
     arr = np.asarray(value) if isinstance(value, (list, tuple, float, int, np.generic)) else value
     if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "fiu":
-        raise InvalidObservation(f"{f.key!r} must be a float array of shape {list(f.shape)}, got {type(value).__name__}"
-                                 f"{'' if not isinstance(arr, np.ndarray) else ' of dtype ' + arr.dtype.str}")
+        raise InvalidObservation(
+            f"{f.key!r} must be a float array of shape {list(f.shape)}, got {type(value).__name__}"
+            f"{'' if not isinstance(arr, np.ndarray) else ' of dtype ' + arr.dtype.str}"
+        )
     if arr.shape != f.shape:
         raise InvalidObservation(f"{f.key!r} must have shape {list(f.shape)}, got {list(arr.shape)}")
     arr = arr.astype(np.float32)

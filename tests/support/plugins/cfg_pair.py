@@ -20,15 +20,25 @@ from policy_operator.runtime.policy.sampler import CfgGroup, sample_actions
 
 def main(rank: int, port: int, checkpoint: str, steps: int, out: str, policies: list[str]) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                           timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         finals = []
         for path in policies:
             policy = load_policy_class(path).load(checkpoint, device=torch.device("cpu"), dtype=torch.float32)
             sample = policy.prepare(policy.example_observation(0))
-            finals.append(sample_actions(policy, sample, [7], steps=steps, guidance=3.0, mode="parallel",
-                                         cfg_group=CfgGroup(dist.group.WORLD, rank)))
+            finals.append(
+                sample_actions(
+                    policy,
+                    sample,
+                    [7],
+                    steps=steps,
+                    guidance=3.0,
+                    mode="parallel",
+                    cfg_group=CfgGroup(dist.group.WORLD, rank),
+                )
+            )
         if rank == 0:
             torch.save(finals, out)
     finally:

@@ -33,7 +33,7 @@ class HeldPolicy(ReferencePolicy):
         sample = super().prepare(obs)
         prompt = obs.get("prompt")
         if isinstance(prompt, str) and prompt.startswith(HOLD_PREFIX):
-            sample.meta["hold"] = prompt[len(HOLD_PREFIX):]
+            sample.meta["hold"] = prompt[len(HOLD_PREFIX) :]
         return sample
 
     def condition(self, sample: Sample, branch: Branch) -> torch.Tensor:
