@@ -46,10 +46,9 @@ test-fast: install  ## the unit tier (neither slow nor cluster), a few minutes
 # `make lint` (a prerequisite of `make test`): ruff over the tree, the formatter's check over FORMATTED; mypy and
 # import-linter (the layers contracts in pyproject.toml) over the package as it is imported (policy_operator.runtime
 # is runtime/, policy_operator.operator is operator/), laid out as links in .cache/typecheck.
-# FORMATTED: the paths `ruff format` keeps; the rest of the tree is not formatted yet (`make format FORMATTED=.`
-# formats it all in one commit, then FORMATTED becomes `.`).
 TYPECHECK := .cache/typecheck
-FORMATTED ?= tools tests/support/chart.py tests/test_architecture_doc.py tests/test_version.py
+# FORMATTED: the paths `ruff format` keeps (the whole tree).
+FORMATTED ?= .
 lint: install  ## ruff (check; format --check over FORMATTED), mypy, import-linter
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check $(FORMATTED)
