@@ -401,7 +401,16 @@ def checkpoint_state(
             f"the Job controller cannot create the fetch pod of {job_name}: {refused}"[:MAX_MESSAGE],
             job_name,
         )
-    waiting = next((m for m in (container_message(p) for p in job_pods) if m), "")
+    return waiting_for_fetch_pod(job_name, next((m for m in (container_message(p) for p in job_pods) if m), ""))
+
+
+def waiting_for_fetch_pod(job_name: str, waiting: str = "") -> CheckpointState:
+    """A fetch Job whose pod has not started (``waiting``: the kubelet's words, when it has any).
+
+    It is also the state of a fetch Job the apply step has just created: the
+    Job controller has not made its pod yet, so the pass says so without
+    reading the Job again.
+    """
     return CheckpointState(
         CheckpointPhase.PENDING,
         Reason.JOB_PENDING,

@@ -150,8 +150,9 @@ def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
     sts = kube.get("StatefulSet", ns, names.statefulset)
     # the rollout (rollout.py) decides from every server pod's revision, readiness and schedulability
     pods = kube.list("Pod", ns, manifests.selector_labels(spec.name)) if sts else []
+    pvc = kube.get("PersistentVolumeClaim", ns, manifests.claim_name(spec))
     return Observed(
-        pvc=kube.get("PersistentVolumeClaim", ns, manifests.claim_name(spec)),
+        pvc=pvc,
         job=job,
         job_pods=job_pods,
         fetch_log=fetch_log(kube, ns, job, job_pods),
@@ -165,7 +166,7 @@ def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
             if ((p.get("metadata") or {}).get("labels") or {}).get(LABEL_COMPONENT)
             in (COMPONENT_FETCH, COMPONENT_CACHE_GC)
         ],
-        **storage_and_disruption(kube, spec),
+        **storage_and_disruption(kube, spec, pvc),
     )
 
 
@@ -174,15 +175,18 @@ def _instance_labels(name: str) -> dict[str, str]:
     return {k: v for k, v in manifests.selector_labels(name).items() if k != LABEL_COMPONENT}
 
 
-def storage_and_disruption(kube: Kube, spec: PolicyServerSpec) -> dict[str, Any]:
-    """perPod cache claims, the cache's StorageClass, the PodDisruptionBudget and the cleanup Job."""
+def storage_and_disruption(kube: Kube, spec: PolicyServerSpec, pvc: dict[str, Any] | None) -> dict[str, Any]:
+    """perPod cache claims, the cache's StorageClass, the PodDisruptionBudget and the cleanup Job.
+
+    ``pvc`` is the shared cache claim as ``children`` read it (the claim named by ``manifests.claim_name``).
+    """
     ns, names = spec.namespace, Names(spec.name)
     claims = (
         kube.list("PersistentVolumeClaim", ns, manifests.selector_labels(spec.name, COMPONENT_CACHE))
         if spec.storage.per_pod
         else []
     )
-    shared = None if spec.storage.per_pod else kube.get("PersistentVolumeClaim", ns, manifests.claim_name(spec))
+    shared = None if spec.storage.per_pod else pvc
     mine = (
         claims if spec.storage.per_pod else [c for c in [shared] if c is not None and not spec.storage.existing_claim]
     )

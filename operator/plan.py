@@ -37,7 +37,6 @@ from policy_operator.constants import (
     COMPONENT_CACHE_GC,
     COMPONENT_FETCH,
     COND_PROGRESSING,
-    COND_STORAGE_READY,
     FIELD_MANAGER,
     LABEL_CHECKPOINT_KEY,
     LABEL_COMPONENT,
@@ -47,7 +46,7 @@ from policy_operator.constants import (
 )
 from policy_operator.operator import manifests
 from policy_operator.operator.child_status import CheckpointPhase, CheckpointState
-from policy_operator.operator.conditions import FALSE, TRUE, Condition, Event, Reason
+from policy_operator.operator.conditions import FALSE, Condition, Event, Reason
 from policy_operator.operator.manifests import Names, ServingCheckpoint
 from policy_operator.operator.observe import Observed
 from policy_operator.operator.rollout import plan_rollout, start_ordinal
@@ -70,13 +69,24 @@ class Write:
     event: Event | None = None  # posted once the write succeeded; None: nothing a human needs to hear
 
 
+@dataclass(frozen=True)
+class StorageCheck:
+    """The cache claims against spec.storage, as planning found them: what is wrong, and what grows.
+
+    ``status.storage_condition`` turns it into StorageReady, next to the other conditions.
+    """
+
+    problems: tuple[tuple[Reason, str], ...] = ()  # (reason, message), the first one's reason wins
+    growing: tuple[str, ...] = ()  # claims patched to a larger size by this pass
+
+
 @dataclass
 class Plan:
     writes: list[Write] = field(default_factory=list)
     serving: ServingCheckpoint | None = None
     problem: Condition | None = None
     warnings: list[Event] = field(default_factory=list)
-    storage: Condition | None = None  # StorageReady
+    storage: StorageCheck | None = None  # what status.py says as StorageReady
 
     @property
     def changes(self) -> list[Write]:
@@ -213,7 +223,7 @@ def _plan_storage(
     storage_class: Mapping[str, Any] | None,
     sts: Mapping[str, Any] | None,
 ) -> list[Write]:
-    """StorageReady, and the writes that grow claims (run last: a refused growth must not stop the rest).
+    """What StorageReady says, and the writes that grow claims (run last: a refused growth must not stop the rest).
 
     A claim's access modes and class cannot change after it is made: an
     explicit spec that differs gets a Warning and a False condition instead of
@@ -221,7 +231,9 @@ def _plan_storage(
     when their StorageClass allows expansion; a smaller one never shrinks a
     claim.  An existingClaim is the user's: only read.
     """
-    storage, problems, grows = spec.storage, [], []
+    storage = spec.storage
+    problems: list[tuple[Reason, str]] = []
+    grows: list[Write] = []
     if sts is not None:
         has_templates = bool((sts.get("spec") or {}).get("volumeClaimTemplates"))
         if has_templates != storage.per_pod:
@@ -317,22 +329,7 @@ def _plan_storage(
                         f"ReadWriteMany storage or storage.mode perPod",
                     )
                 )
-    if problems:
-        reason, _ = problems[0]
-        plan.storage = Condition(COND_STORAGE_READY, FALSE, reason, "; ".join(m for _, m in problems))
-    elif grows:
-        plan.storage = Condition(
-            COND_STORAGE_READY, TRUE, Reason.EXPANDING, f"growing {', '.join(w.name for w in grows)} to {storage.size}"
-        )
-    else:
-        what = (
-            f"one claim per pod ({manifests.VOL_CACHE}-{spec.name}-N), {storage.size}"
-            if storage.per_pod
-            else f"claim {manifests.claim_name(spec)}"
-        )
-        plan.storage = Condition(
-            COND_STORAGE_READY, TRUE, Reason.STORAGE_AS_SPECIFIED, f"{what} as spec.storage says (mode {storage.mode})"
-        )
+    plan.storage = StorageCheck(tuple(problems), tuple(w.name for w in grows))
     return grows
 
 

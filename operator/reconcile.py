@@ -17,7 +17,7 @@ from typing import Any
 from policy_operator.operator import child_status, observe
 from policy_operator.operator import status as st
 from policy_operator.operator.apply import apply
-from policy_operator.operator.conditions import Event, condition_events, merge_conditions
+from policy_operator.operator.conditions import Event
 from policy_operator.operator.kube import Kube
 from policy_operator.operator.manifests import Names
 from policy_operator.operator.plan import plan
@@ -76,9 +76,8 @@ def reconcile(
     # what the writes changed, then the pods
     names = Names(spec.name)
     sts = applied.results.get(f"StatefulSet/{names.statefulset}", observed.statefulset)
-    new_job = applied.results.get(f"Job/{checkpoint.job_name}")
-    if observed.job is None and new_job is not None:
-        checkpoint = child_status.checkpoint_state(spec, new_job, [], previous.get("checkpoint"), claim=observed.pvc)
+    if observed.job is None and f"Job/{checkpoint.job_name}" in applied.results:
+        checkpoint = child_status.waiting_for_fetch_pod(checkpoint.job_name)  # created by this pass: no pod yet
     pods, healths = observe.ranks(kube, spec, sts, probe_timeout=probe_timeout)
 
     # status
@@ -96,12 +95,8 @@ def reconcile(
         generation=generation,
         now=st.now_rfc3339(),
         problem=applied.problem,
+        storage=planned.storage,
     )
-    if planned.storage is not None:  # StorageReady: the cache claims against spec.storage (plan._plan_storage)
-        update.status["conditions"] = merge_conditions(
-            update.status["conditions"], [planned.storage], generation=generation, now=st.now_rfc3339()
-        )
-        update.events.extend(condition_events(previous.get("conditions"), [planned.storage]))
     st.write_status(kube, namespace, name, previous, update.status, full=True)
     for event in update.events:
         post_event(owner, event)

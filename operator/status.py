@@ -30,6 +30,7 @@ from policy_operator.constants import (
     COND_READY,
     COND_RECONCILING,
     COND_STALLED,
+    COND_STORAGE_READY,
     COND_VALID,
     PHASE_DEGRADED,
     PHASE_DOWNLOADING,
@@ -53,7 +54,8 @@ from policy_operator.operator.conditions import (
     phase_event,
 )
 from policy_operator.operator.kube import Kube, NotFound, Rejected
-from policy_operator.operator.manifests import endpoint, selector_string
+from policy_operator.operator.manifests import VOL_CACHE, claim_name, endpoint, selector_string
+from policy_operator.operator.plan import StorageCheck
 from policy_operator.operator.rank_probe import PodHealth
 from policy_operator.operator.spec import PolicyServerSpec
 
@@ -262,6 +264,26 @@ def ready_condition(phase: str, *, available: Condition, progressing: Condition,
     return Condition(COND_READY, FALSE, progressing.reason, progressing.message)
 
 
+def storage_condition(spec: PolicyServerSpec, check: StorageCheck) -> Condition:
+    """StorageReady: the cache claims are as spec.storage says, are growing to its size, or why they cannot be."""
+    storage = spec.storage
+    if check.problems:
+        reason, _ = check.problems[0]
+        return Condition(COND_STORAGE_READY, FALSE, reason, "; ".join(m for _, m in check.problems))
+    if check.growing:
+        return Condition(
+            COND_STORAGE_READY, TRUE, Reason.EXPANDING, f"growing {', '.join(check.growing)} to {storage.size}"
+        )
+    what = (
+        f"one claim per pod ({VOL_CACHE}-{spec.name}-N), {storage.size}"
+        if storage.per_pod
+        else f"claim {claim_name(spec)}"
+    )
+    return Condition(
+        COND_STORAGE_READY, TRUE, Reason.STORAGE_AS_SPECIFIED, f"{what} as spec.storage says (mode {storage.mode})"
+    )
+
+
 def kstatus_conditions(ready: Condition, *, scaled_to_zero: bool = False) -> list[Condition]:
     """Reconciling and Stalled, the two conditions kstatus (Flux's health checks, kpt, cli-utils) reads.
 
@@ -314,11 +336,13 @@ def build_status(
     generation: int,
     now: str,
     problem: Condition | None = None,
+    storage: StorageCheck | None = None,
 ) -> StatusUpdate:
     """The full status of a valid PolicyServer, and the Events for what changed since ``previous``.
 
     ``problem`` is a Progressing=False condition from the apply step (a name
     conflict or an object the API server rejected); it wins over the phase's own.
+    ``storage`` is what planning found of the cache claims (StorageReady); None leaves StorageReady as it was.
     """
     previous = previous or {}
     ready_pods = sum(1 for p in pods if p.ready)
@@ -386,6 +410,7 @@ def build_status(
         progressing,
     ]
     ready = ready_condition(phase, available=available, progressing=progressing, desired=workload.desired)
+    storage_ready = [storage_condition(spec, storage)] if storage is not None else []
     ck = spec.checkpoint
     checkpoint_status: dict[str, Any] = {
         "key": ck.key,
@@ -424,6 +449,7 @@ def build_status(
                     ready, scaled_to_zero=(workload.desired == 0 and progressing.reason == Reason.STABLE)
                 ),
                 *conditions,
+                *storage_ready,
             ],
             generation=generation,
             now=now,
@@ -442,7 +468,11 @@ def build_status(
     else:
         summary = available.message
     # Ready, Reconciling and Stalled summarise the others: their changes are told by the others' Events and the phase's
-    events = condition_events(prev_conditions, conditions) + phase_event(previous.get("phase"), phase, summary)
+    events = (
+        condition_events(prev_conditions, conditions)
+        + phase_event(previous.get("phase"), phase, summary)
+        + condition_events(prev_conditions, storage_ready)
+    )
     return StatusUpdate(status, events)
 
 

@@ -215,6 +215,18 @@ def test_checkpoint_states_of_a_job() -> None:
     assert state(s, job(conditions=[{"type": "Complete", "status": "True"}]), [], None).phase == "Ready"
 
 
+def test_a_fetch_job_created_by_the_pass_reads_as_waiting_for_its_pod() -> None:
+    """reconcile does not read a Job it has just created: its state is the one a Job with no pod yet has."""
+    s = spec()
+    name = manifests.Names("ps").job(s.checkpoint.key)
+    just_created = {"metadata": {"name": name, "creationTimestamp": NOW}, "status": {}}
+    claim = {"metadata": {"name": "ps-cache", "uid": "c1", "creationTimestamp": "2020-01-01T00:00:00Z"}}
+    expected = child_status.waiting_for_fetch_pod(name)
+    assert child_status.checkpoint_state(s, just_created, [], None, claim=claim) == expected
+    assert child_status.checkpoint_state(s, just_created, [], {"key": "old", "phase": "Ready"}) == expected
+    assert (expected.phase, expected.reason) == ("Pending", "JobPending")
+
+
 @pytest.mark.parametrize(
     ("code", "reason"),
     [(2, "InvalidSource"), (3, "SourceUnreachable"), (4, "VerificationFailed"), (5, "DiskFull"), (1, "FetchFailed")],
@@ -467,7 +479,8 @@ def test_scaling_patches_replicas_not_the_template() -> None:
     assert patch.body["spec"]["template"] == observed.statefulset["spec"]["template"]
     assert pdb.kind == "PodDisruptionBudget"
     # the RWO cache of a 1-replica PolicyServer cannot be shared by 3 pods on different nodes
-    assert plan.storage is not None and plan.storage.reason == "CacheNotShared"
+    assert plan.storage is not None
+    assert status_step.storage_condition(spec(replicas=3), plan.storage).reason == "CacheNotShared"
 
 
 def test_plan_refuses_objects_it_does_not_own() -> None:

@@ -20,8 +20,9 @@ from policy_operator import constants as C
 from policy_operator.operator import child_status
 from policy_operator.operator import manifests as M
 from policy_operator.operator import plan as pl
-from policy_operator.operator.conditions import Reason
-from policy_operator.operator.spec import SpecError, parse_spec
+from policy_operator.operator import status as st
+from policy_operator.operator.conditions import Condition, Reason
+from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
 from policy_operator.runtime.checkpoint.marker import make_marker, write_marker
 from policy_operator.runtime.checkpoint.prune import prune
 
@@ -33,6 +34,12 @@ READY = child_status.CheckpointState(child_status.CheckpointPhase.READY, child_s
 def spec(**overrides: Any):  # type: ignore[no-untyped-def]
     body: dict[str, Any] = {"image": "img:1", "checkpoint": {"source": "hf://org/p"}, **overrides}
     return parse_spec(body, name="ps", namespace="ns")
+
+
+def storage_ready(s: PolicyServerSpec, result: pl.Plan) -> Condition:
+    """StorageReady as the status step says it, from what the plan found of the cache claims."""
+    assert result.storage is not None
+    return st.storage_condition(s, result.storage)
 
 
 def valid(obj: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +94,8 @@ def test_switching_the_mode_is_reported_and_leaves_the_pods_alone() -> None:
     result = pl.plan(
         per_pod, OWNER, pl.Observed(statefulset=sts), child_status.checkpoint_state(per_pod, None, [], None)
     )
-    assert result.storage is not None and (result.storage.status, result.storage.reason) == ("False", "ImmutableChange")
+    ready = storage_ready(per_pod, result)
+    assert (ready.status, ready.reason) == ("False", "ImmutableChange")
     assert not [w for w in result.writes if w.kind == "StatefulSet"]
 
 
@@ -120,7 +128,7 @@ def test_size_increase_grows_the_claim_when_the_class_allows(
     if verb:
         assert grows[0].body == {"spec": {"resources": {"requests": {"storage": "30Gi"}}}}
         assert result.writes[-1] is grows[0]  # last: a refused growth stops nothing else
-    assert result.storage is not None and result.storage.reason == reason
+    assert storage_ready(s, result).reason == reason
 
 
 @pytest.mark.parametrize(
@@ -132,10 +140,10 @@ def test_size_increase_grows_the_claim_when_the_class_allows(
     ],
 )
 def test_immutable_changes_get_a_false_condition(storage: dict[str, Any], what: str) -> None:
-    result = pl.plan(spec(storage=storage), OWNER, pl.Observed(pvc=_claim("20Gi", ["ReadWriteOnce"])), READY)
-    assert result.storage is not None
-    assert (result.storage.status, result.storage.reason) == ("False", "ImmutableChange")
-    assert what in result.storage.message
+    s = spec(storage=storage)
+    ready = storage_ready(s, pl.plan(s, OWNER, pl.Observed(pvc=_claim("20Gi", ["ReadWriteOnce"])), READY))
+    assert (ready.status, ready.reason) == ("False", "ImmutableChange")
+    assert what in ready.message
 
 
 def test_rwo_cache_pods_are_kept_on_one_node() -> None:
@@ -395,10 +403,8 @@ def test_a_terminating_claim_is_a_storage_problem_and_completed_job_pods_are_del
         observed,
         child_status.CheckpointState(child_status.CheckpointPhase.READY, Reason.DOWNLOADED, "", "ps-fetch-k"),
     )
-    assert result.storage is not None and (result.storage.status, result.storage.reason) == (
-        "False",
-        "ClaimTerminating",
-    )
-    assert "ps-cache is being deleted" in result.storage.message
+    ready = storage_ready(s, result)
+    assert (ready.status, ready.reason) == ("False", "ClaimTerminating")
+    assert "ps-cache is being deleted" in ready.message
     deletes = [(w.kind, w.name) for w in result.writes if w.verb is pl.Verb.DELETE]
     assert ("Pod", "ps-fetch-k-1") in deletes and ("Pod", "ps-fetch-x-1") not in deletes  # a failure's message stays
