@@ -7,6 +7,6 @@ from the server is exported here, so a plugin imports from one place::
 """
 
 from policy_operator.runtime.errors import InvalidObservation
-from policy_operator.runtime.policy.interface import Branch, Policy, Sample, collate
+from policy_operator.runtime.policy.interface import Branch, Policy, Preprocessor, Sample, collate
 
-__all__ = ["Branch", "InvalidObservation", "Policy", "Sample", "collate"]
+__all__ = ["Branch", "InvalidObservation", "Policy", "Preprocessor", "Sample", "collate"]

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -158,6 +158,15 @@ def collate(samples: Sequence[Sample]) -> Sample:
     return Sample(tensors, {ROWS_KEY: [row for s in samples for row in s.rows()]})
 
 
+class Preprocessor(Protocol):
+    """A policy's ``prepare`` without its model: picklable, so the front-end process (``--frontend process``)
+    validates and preprocesses each observation there and the model process only receives tensors."""
+
+    def prepare(self, obs: Mapping[str, Any]) -> Sample:
+        """What ``Policy.prepare`` returns for ``obs``, bit for bit; raise InvalidObservation on bad input."""
+        ...
+
+
 class Policy(ABC):
     """A flow-matching (or diffusion) action policy split for CFG-parallel serving."""
 
@@ -191,6 +200,12 @@ class Policy(ABC):
     @abstractmethod
     def prepare(self, obs: Mapping[str, Any]) -> Sample:
         """Validate and preprocess one observation; raise InvalidObservation on bad input."""
+
+    def preprocessor(self) -> Preprocessor | None:
+        """Optional: ``prepare`` as a picklable object that needs no weights (``Preprocessor``).  Without one (the
+        default), a split server (``--frontend process``) decodes in its front-end and prepares in the model
+        process, as the inline server does."""
+        return None
 
     def collate(self, samples: Sequence[Sample]) -> Sample:
         """The batch ``condition`` gets; override when samples of one key still need padding to stack."""

@@ -197,6 +197,47 @@ def _tokenize(prompt: str, length: int) -> torch.Tensor:
     return torch.from_numpy(ids)
 
 
+class ReferencePreprocessor:
+    """The reference policy's ``prepare``, without its weights: the same object serves in the model process and,
+    pickled, in the front-end process (``--frontend process``)."""
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.cfg = cfg
+        # the camera mask for each number of cameras, [1, max_cameras] bool, shared read-only
+        self._present = [torch.arange(cfg.max_cameras)[None] < n for n in range(cfg.max_cameras + 1)]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"cfg": self.cfg}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["cfg"])  # type: ignore[misc]
+
+    def prepare(self, obs: Mapping[str, Any]) -> Sample:
+        cfg = self.cfg
+        parsed = parse_observation(
+            obs,
+            joint_dim=cfg.joint_dim,
+            gripper_dim=cfg.gripper_dim,
+            max_cameras=cfg.max_cameras,
+            max_abs_state=cfg.max_abs_state,
+        )
+        # Few calls, as this runs on the event loop between a robot's frame and its batch: each numpy or
+        # torch call costs a few microseconds there, and several times that on a cold cache after an idle
+        # wait.  ``present`` and the tokens are shared read-only tensors.
+        n = len(parsed.cameras)
+        tensors = {
+            "present": self._present[n],
+            "state": torch.from_numpy(parsed.state[None]),
+            "tokens": _tokenize(parsed.prompt, cfg.prompt_tokens),
+        }
+        # Each camera as it came, uint8 HWC: one contiguous copy here (the frame's arrays are read-only), and the
+        # layout change, resize and scaling run on the device in condition(). A strided HWC -> CHW copy of a
+        # 224x224 frame alone cost the CPU ~0.4 ms per request.
+        for i, img in enumerate(parsed.cameras):
+            tensors[camera_key(i)] = torch.from_numpy(img[None].copy())
+        return Sample(tensors=tensors, meta={"cameras": n})
+
+
 class ReferencePolicy(Policy):
     name = "reference-flow-policy"
     #: copy request tensors to the GPU from page-locked memory (PyTorch caches the pinned blocks)
@@ -212,8 +253,7 @@ class ReferencePolicy(Policy):
         std = cfg.action_std or [1.0] * cfg.action_dim
         self._mean = torch.tensor(mean, dtype=torch.float32)
         self._std = torch.tensor(std, dtype=torch.float32)
-        # prepare's camera mask for each number of cameras, [1, max_cameras] bool, shared read-only
-        self._present = [torch.arange(cfg.max_cameras)[None] < n for n in range(cfg.max_cameras + 1)]
+        self._preprocessor = ReferencePreprocessor(cfg)
 
     @classmethod
     def load(cls, checkpoint: str, *, device: torch.device, dtype: torch.dtype = torch.float32) -> ReferencePolicy:
@@ -273,29 +313,10 @@ class ReferencePolicy(Policy):
 
     # --- serving split ----------------------------------------------------------
     def prepare(self, obs: Mapping[str, Any]) -> Sample:
-        cfg = self.cfg
-        parsed = parse_observation(
-            obs,
-            joint_dim=cfg.joint_dim,
-            gripper_dim=cfg.gripper_dim,
-            max_cameras=cfg.max_cameras,
-            max_abs_state=cfg.max_abs_state,
-        )
-        # Few calls, as this runs on the event loop between a robot's frame and its batch: each numpy or
-        # torch call costs a few microseconds there, and several times that on a cold cache after an idle
-        # wait.  ``present`` and the tokens are shared read-only tensors.
-        n = len(parsed.cameras)
-        tensors = {
-            "present": self._present[n],
-            "state": torch.from_numpy(parsed.state[None]),
-            "tokens": _tokenize(parsed.prompt, cfg.prompt_tokens),
-        }
-        # Each camera as it came, uint8 HWC: one contiguous copy here (the frame's arrays are read-only), and the
-        # layout change, resize and scaling run on the device in condition(). A strided HWC -> CHW copy of a
-        # 224x224 frame alone cost the CPU ~0.4 ms per request.
-        for i, img in enumerate(parsed.cameras):
-            tensors[camera_key(i)] = torch.from_numpy(img[None].copy())
-        return Sample(tensors=tensors, meta={"cameras": n})
+        return self._preprocessor.prepare(obs)
+
+    def preprocessor(self) -> ReferencePreprocessor:
+        return self._preprocessor
 
     def pixels(self, tensors: Mapping[str, torch.Tensor], batch_size: int) -> torch.Tensor:
         """[B, max_cameras, 3, S, S] in [-1, 1] from the cameras of ``tensors`` (on this policy's device)."""

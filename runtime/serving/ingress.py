@@ -46,6 +46,7 @@ from policy_operator.runtime.parallel.dispatch import InferenceRequest, Lane, Re
 from policy_operator.runtime.parallel.heartbeat import Board, BoardWatcher
 from policy_operator.runtime.policy.interface import Policy, Sample
 from policy_operator.runtime.policy.observation import parse_seed, parse_session
+from policy_operator.runtime.policy.rtc import RtcConstraint
 from policy_operator.runtime.policy.sampler import SamplerSettings
 from policy_operator.runtime.serving import wire
 from policy_operator.runtime.serving.history import SessionHistory
@@ -222,24 +223,53 @@ class Ingress:
                 sample, seed, session, decode_ms, prepare_ms, rtc = await asyncio.get_running_loop().run_in_executor(
                     self._prepare_pool, self._decode_and_prepare, message, rtc_session
                 )
-            sample = self.history.extend(session, sample)  # on the loop: sessions' histories change on one thread
-            request = InferenceRequest(
-                f"{self._id_prefix}-{next(self._ids)}",
-                sample,
-                self._seeds.getrandbits(63) if seed is None else seed,
-                rtc.constraint if rtc is not None else None,
-            )
-            problems = self.replica_problems()
-            if all(problems):
-                raise NotReady("no replica can take a request: " + "; ".join(p for p in problems if p))
-            index = self.router.acquire(session, usable=[p is None for p in problems])
-            # The replica stays counted in flight until its lane is really free, even when this request
-            # gave up on it: a lane blocked on a frozen replica must not be handed more work.
-            task = self.lanes[index].submit(request)  # queued before `preparing` drops
+            task, index = self._route(sample, seed, session, rtc.constraint if rtc is not None else None)
         finally:
             self.preparing -= 1
-            for lane in self.lanes:  # a lane waiting for this request may stop waiting (or take it)
-                lane.kick()
+            self.kick()
+        reply = await self._answer(task, index)
+        actions = reply.unwrap()
+        if rtc is not None:
+            actions = rtc.request.frozen(actions)
+        if rtc_session is not None:
+            rtc_session.received(actions)
+        return replace(reply, actions=actions, decode_ms=decode_ms, prepare_ms=prepare_ms)
+
+    async def submit(
+        self, sample: Sample, seed: int | None, session: str | None, rtc: RtcConstraint | None = None
+    ) -> Reply:
+        """A request prepared elsewhere (the front-end process): routed, batched and answered as ``infer``'s.
+
+        The reply holds the replica's outcome as it is (an error too: the caller unwraps it)."""
+        try:
+            task, index = self._route(sample, seed, session, rtc)
+        finally:
+            self.kick()
+        return await self._answer(task, index)
+
+    def kick(self) -> None:
+        """A request was queued, or one a lane's window may be waiting for went elsewhere: every lane looks."""
+        for lane in self.lanes:
+            lane.kick()
+
+    def _route(
+        self, sample: Sample, seed: int | None, session: str | None, rtc: RtcConstraint | None
+    ) -> tuple[asyncio.Future[Reply], int]:
+        """Queue the request at the lane of the replica the router picks; (the lane's future, the replica)."""
+        sample = self.history.extend(session, sample)  # on the loop: sessions' histories change on one thread
+        request = InferenceRequest(
+            f"{self._id_prefix}-{next(self._ids)}",
+            sample,
+            self._seeds.getrandbits(63) if seed is None else seed,
+            rtc,
+        )
+        problems = self.replica_problems()
+        if all(problems):
+            raise NotReady("no replica can take a request: " + "; ".join(p for p in problems if p))
+        index = self.router.acquire(session, usable=[p is None for p in problems])
+        # The replica stays counted in flight until its lane is really free, even when this request
+        # gave up on it: a lane blocked on a frozen replica must not be handed more work.
+        task = self.lanes[index].submit(request)  # queued before `preparing` drops
 
         def lane_free(done: asyncio.Future[Reply]) -> None:
             self.router.release(index)
@@ -249,15 +279,14 @@ class Ingress:
 
         task.add_done_callback(lane_free)
         self._waiting.add(task)
+        return task, index
+
+    async def _answer(self, task: asyncio.Future[Reply], index: int) -> Reply:
+        """The lane's reply (``replica`` set), bounded by the replica's readiness; a failed replica noted."""
         reply = await self._bounded(index, task)
         if reply.error_kind is ErrorKind.REPLICA_FAILED:
             self._replica_failed(index, reply.error)
-        actions = reply.unwrap()
-        if rtc is not None:
-            actions = rtc.request.frozen(actions)
-        if rtc_session is not None:
-            rtc_session.received(actions)
-        return replace(reply, actions=actions, replica=index, decode_ms=decode_ms, prepare_ms=prepare_ms)
+        return replace(reply, replica=index)
 
     async def _bounded(self, index: int, task: asyncio.Future[Reply]) -> Reply:
         """The lane's answer, or ReplicaUnavailable once the replica has not been ready for the request timeout."""

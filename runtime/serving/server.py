@@ -33,7 +33,7 @@ from policy_operator.constants import DEFAULT_PORT, HEALTHZ_PATH, METRICS_PATH, 
 from policy_operator.runtime.errors import ErrorKind, NotReady, RequestError
 from policy_operator.runtime.parallel.dispatch import Reply
 from policy_operator.runtime.serving import wire
-from policy_operator.runtime.serving.ingress import Ingress
+from policy_operator.runtime.serving.backend import Backend
 from policy_operator.runtime.serving.limits import MAX_QUEUED_FRAMES, ReadBudget, bounded_connection
 from policy_operator.runtime.serving.metrics import ServerMetrics
 from policy_operator.runtime.serving.rtc_session import RtcSession
@@ -144,7 +144,8 @@ def reply_frame(reply: Reply, prev_total_ms: float | None, total_ms: float) -> d
 class PolicyWebSocketServer:
     """One port: probes and metrics as plain HTTP, robots as WebSocket sessions; requests go to the ingress."""
 
-    def __init__(self, ingress: Ingress, config: ServerConfig, metrics: ServerMetrics, sessions: Sessions) -> None:
+    def __init__(self, ingress: Backend, config: ServerConfig, metrics: ServerMetrics, sessions: Sessions) -> None:
+        """``ingress``: the model side, in this process (``Ingress``) or behind a pipe (``EngineProxy``)."""
         self.ingress = ingress
         self.config = config
         self.metrics = metrics
