@@ -240,8 +240,10 @@ class ReferencePreprocessor:
 
 class ReferencePolicy(Policy):
     name = "reference-flow-policy"
-    #: copy request tensors to the GPU from page-locked memory (PyTorch caches the pinned blocks)
-    pin_memory = True
+    #: False: pinning a request's tensors allocated page-locked memory per request, 7-9 ms of host time on the
+    #: H200 (bench/gpu_split.py, bench/results/h200-lone-robot.md) against ~0.1 ms for copying its ~150 KB
+    #: from pageable memory; a bench (bench/gpu.py) may still turn it on
+    pin_memory = False
 
     def __init__(self, cfg: PolicyConfig, model: FlowTransformer, device: torch.device, dtype: torch.dtype) -> None:
         self.cfg = cfg

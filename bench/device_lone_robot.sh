@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 24 target 3 (one robot at every max-batch): where a lone robot's time goes, this build against the build
+# of the last round that served one client in ~16 ms (4353282), with the same client, in one device call.
+#   git archive 4353282 | tar -x -C .old     # .old is ignored by git; carried with the call
+#   run(command="bash bench/device_lone_robot.sh", carry=[".whl", ".old"])
+set -u
+REPO=$(pwd)
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+start=$(date +%s)
+left() { echo $(( ${BUDGET_S:-580} - ($(date +%s) - start) )); }
+install() {  # install() SITE SRC: the wheels and the project at SRC, no dependencies, into SITE
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$1" "$REPO"/.whl/*.whl \
+        >"$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
+    python3 -m pip install -q --no-deps --no-build-isolation --target "$1" "$2" >>"$OUT/install.log" 2>&1 \
+        || { tail -5 "$OUT/install.log"; exit 1; }
+}
+install /tmp/site-new "$REPO"
+[ -d "$REPO/.old" ] && install /tmp/site-old "$REPO/.old"
+export PYTHONUNBUFFERED=1
+cd /tmp
+PYTHONPATH=/tmp/site-new python3 -m policy_operator.cli checkpoint init /tmp/base --size base >/dev/null
+echo "installed, checkpoint after $(( $(date +%s) - start )) s"
+COMMON=(--device cuda --size base --steps 10 --dtype bfloat16 --compile reduce-overhead --checkpoint /tmp/base)
+# stage NAME SITE SRC SECONDS_TO_LEAVE_OVER ARGS...: bench/runtime.py of SRC on SITE's install
+stage() {
+    local name=$1 site=$2 src=$3 spare=$4
+    shift 4
+    PYTHONPATH=$site timeout $(( $(left) - spare )) python3 "$src/bench/runtime.py" "${COMMON[@]}" \
+        --out "$OUT/$name.md" "$@" >"$OUT/$name.log" 2>&1
+    echo "$name rc=$? after $(( $(date +%s) - start )) s"
+    grep '^|' "$OUT/$name.md" 2>/dev/null || tail -6 "$OUT/$name.log"
+}
+if [ "${1:-}" = split ]; then
+    # the same build in fresh processes: condition / denoise / postprocess split, with and without marking steps
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv
+    for i in 1 2 3; do
+        for flags in "" --no-pin "--profile --sizes 1"; do
+            echo "process $i ${flags:-plain}"
+            PYTHONPATH=/tmp/site-new timeout 120 python3 "$REPO/bench/gpu_split.py" --checkpoint /tmp/base --sizes 1,8 \
+                $flags 2>>"$OUT/split.err"
+        done
+    done
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv
+    echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
+stage batching-new /tmp/site-new "$REPO" 330 --tables batching --n 25 --max-batch 1,8 --batch-clients 1,8 \
+    --batch-window-ms 2 --no-asyncio-column
+[ -d "$REPO/.old" ] && stage batching-old /tmp/site-old "$REPO/.old" 200 --tables batching --n 25 --max-batch 1,8 \
+    --batch-clients 1,8 --batch-window-ms 2 --no-asyncio-column
+stage robots-new /tmp/site-new "$REPO" 5 --tables robots --robot-max-batch 1,8 --robots 1,8 --robot-n 40 \
+    --batch-window-ms 2
+echo "done after $(( $(date +%s) - start )) s"
