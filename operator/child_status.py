@@ -280,7 +280,7 @@ def checkpoint_state(
     job: Mapping[str, Any] | None,
     job_pods: Sequence[Mapping[str, Any]],
     recorded: Mapping[str, Any] | None,
-    fetch_log: str | None = None,
+    fetch_progress: str | None = None,
     job_events: Sequence[Mapping[str, Any]] = (),
     *,
     now: datetime.datetime | None = None,
@@ -291,8 +291,8 @@ def checkpoint_state(
     ``recorded`` is the last ``status.checkpoint``: a download that finished
     stays Ready after its Job was garbage-collected (ttlSecondsAfterFinished),
     so the cache is not fetched again; pods still verify it before serving.
-    ``fetch_log`` is the end of the running fetch pod's log: its last progress
-    line becomes the state's progress.  ``job_events`` are the Events of the
+    ``fetch_progress`` is the running fetch container's newest progress line
+    (its ``/progress`` endpoint): it becomes the state's progress.  ``job_events`` are the Events of the
     Job and of its waiting pod: a ``FailedCreate`` one while the Job has no
     pod says why (quota, PodSecurity, a missing PriorityClass), a Warning on
     the pod why it does not start (``FailedMount``).  The Job counts a pod
@@ -375,7 +375,7 @@ def checkpoint_state(
         ):  # a retry about to start: the last failure says more
             return not_started
     if (status.get("active") or 0) >= 1:
-        progress = last_progress(fetch_log) if fetch_log else None
+        progress = last_progress(fetch_progress) if fetch_progress else None
         message = (
             f"downloading {ck.source}"
             + (f": {progress.text}" if progress else "")

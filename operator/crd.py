@@ -4,7 +4,8 @@
 ``crds/policyservers.yaml`` (the chart's ``crds/`` links to it), the
 sections of ``docs/crd.md`` between ``<!-- BEGIN GENERATED: x -->`` and
 ``<!-- END GENERATED: x -->``, and the chart's RBAC rules from
-``operator/rbac.py`` (``rbac.render_chart_helpers``); ``--check`` only reports
+``operator/rbac.py`` (``rbac.render_chart_helpers``) and its admission policy
+from ``operator/admission.py``; ``--check`` only reports
 what is stale.  The
 schema is ``resource.PolicyServer`` as ``kube_model.kube_schema`` renders it,
 so a field, default, bound or CEL rule is written once, in ``spec.py``, and
@@ -29,7 +30,7 @@ from typing import Any, Final
 import yaml
 
 from policy_operator import constants as C
-from policy_operator.operator import rbac
+from policy_operator.operator import admission, rbac
 from policy_operator.operator.kube_model import (
     CEL_VALIDATIONS,
     INT_OR_STRING,
@@ -470,7 +471,7 @@ def stale_files() -> dict[Path, str]:
     wanted = {
         CRD_PATH: render_crd(),
         DOC_PATH: render_doc(DOC_PATH.read_text()),
-        rbac.CHART_HELPERS: rbac.render_chart_helpers(rbac.CHART_HELPERS.read_text()),
+        rbac.CHART_HELPERS: admission.render_chart_helpers(rbac.render_chart_helpers(rbac.CHART_HELPERS.read_text())),
     }
     return {path: text for path, text in wanted.items() if not path.exists() or path.read_text() != text}
 

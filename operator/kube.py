@@ -243,31 +243,6 @@ class Kube:
             self.informer.forget(kind, namespace, name, answer)
         return answer
 
-    def pod_log(
-        self, namespace: str, name: str, container: str, *, tail_lines: int, limit_bytes: int, previous: bool = False
-    ) -> str:
-        """The end of one container's log (``pods/log``): the one channel a pod without API access reports through."""
-        what = f"read the log of Pod {namespace}/{name}"
-        try:
-            return str(
-                kubernetes.client.CoreV1Api(self.api_client).read_namespaced_pod_log(
-                    name,
-                    namespace,
-                    container=container,
-                    tail_lines=tail_lines,
-                    limit_bytes=limit_bytes,
-                    previous=previous,
-                    _request_timeout=REQUEST_TIMEOUT,
-                )
-            )
-        except kubernetes.client.ApiException as exc:
-            status = int(exc.status or 0)
-            detail = str(exc.body or "")[:300]
-            kind = NotFound if status == 404 else TransientError if is_transient(status, detail) else Rejected
-            raise kind(f"{what}: {status} {exc.reason}" + (f": {detail}" if detail else ""), status) from exc
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise TransientError(f"{what}: {exc}") from exc
-
     def list(
         self, kind: str, namespace: str, selector: Mapping[str, str], fields: Mapping[str, str] | None = None
     ) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from policy_operator.builtin_policies import LEROBOT
 from policy_operator.constants import (
     ANNOTATION_CHECKPOINT_REVISION,
     ANNOTATION_CHECKPOINT_SOURCE,
+    ANNOTATION_SECRETS,
     ANNOTATION_TEMPLATE_HASH,
     APP_NAME,
     AUTH_TOKEN_DIR,
@@ -35,6 +36,8 @@ from policy_operator.constants import (
     ENV_HF_HUB_CACHE,
     ENV_HF_HUB_OFFLINE,
     ENV_HF_TOKEN,
+    FETCH_PROGRESS_PORT,
+    FETCH_PROGRESS_PORT_NAME,
     GPU_RESOURCE,
     HEALTHZ_PATH,
     HUB_VIEW_DIR,
@@ -366,6 +369,9 @@ def build_fetch_job(spec: PolicyServerSpec, cache_modes: Sequence[str] | None = 
     ck = spec.checkpoint
     job_labels = {**labels(spec.name, COMPONENT_FETCH), LABEL_CHECKPOINT_KEY: ck.key}
     container, secret_volumes = _fetch_container(spec)
+    # the operator reads the download's progress here (operator/observe.py), never from the pod's log
+    container["command"] = [*container["command"], "--progress-port", str(FETCH_PROGRESS_PORT)]
+    container["ports"] = [{"name": FETCH_PROGRESS_PORT_NAME, "containerPort": FETCH_PROGRESS_PORT, "protocol": "TCP"}]
     pod_spec = _job_pod_spec(spec, [container], _cache_volumes(spec, read_only=False) + secret_volumes)
     pod_labels = dict(job_labels)
     _colocate(pod_spec, pod_labels, spec, spec.access_modes if cache_modes is None else cache_modes)
@@ -390,7 +396,7 @@ def build_fetch_job(spec: PolicyServerSpec, cache_modes: Sequence[str] | None = 
     }
     if ck.fetch_job.active_deadline_seconds is not None:
         job_spec["activeDeadlineSeconds"] = ck.fetch_job.active_deadline_seconds
-    annotations = {ANNOTATION_CHECKPOINT_SOURCE: ck.source}
+    annotations = {ANNOTATION_CHECKPOINT_SOURCE: ck.source, **secrets_annotation(pod_spec)}
     if ck.revision is not None:
         annotations[ANNOTATION_CHECKPOINT_REVISION] = ck.revision
     return {
@@ -404,6 +410,33 @@ def build_fetch_job(spec: PolicyServerSpec, cache_modes: Sequence[str] | None = 
         },
         "spec": job_spec,
     }
+
+
+def secret_names(pod_spec: Mapping[str, Any]) -> list[str]:
+    """The Secrets a pod spec names: secret volumes, projected secret sources, env secretKeyRef and envFrom."""
+    names: set[str] = set()
+    for volume in pod_spec.get("volumes") or []:
+        if "secret" in volume:
+            names.add(volume["secret"]["secretName"])
+        for source in (volume.get("projected") or {}).get("sources") or []:
+            if "secret" in source:
+                names.add(source["secret"]["name"])
+    for container in [*(pod_spec.get("containers") or []), *(pod_spec.get("initContainers") or [])]:
+        for env in container.get("env") or []:
+            ref = (env.get("valueFrom") or {}).get("secretKeyRef")
+            if ref:
+                names.add(ref["name"])
+        for source in container.get("envFrom") or []:
+            if "secretRef" in source:
+                names.add(source["secretRef"]["name"])
+    return sorted(names)
+
+
+def secrets_annotation(pod_spec: Mapping[str, Any]) -> dict[str, str]:
+    """``ANNOTATION_SECRETS`` of a workload: every Secret its template names, as the chart's admission policy
+    (operator/admission.py) requires of the operator's ServiceAccount; none when it names none."""
+    names = secret_names(pod_spec)
+    return {ANNOTATION_SECRETS: ",".join(names)} if names else {}
 
 
 def prune_command(spec: PolicyServerSpec, keep_key: str) -> list[str]:
@@ -684,7 +717,10 @@ def build_statefulset(
             "name": names.statefulset,
             "namespace": spec.namespace,
             "labels": {**labels(spec.name, COMPONENT_SERVER), LABEL_CHECKPOINT_KEY: serving.key},
-            "annotations": {ANNOTATION_TEMPLATE_HASH: template["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH]},
+            "annotations": {
+                ANNOTATION_TEMPLATE_HASH: template["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH],
+                **secrets_annotation(template["spec"]),
+            },
         },
         "spec": {
             "replicas": spec.replicas,

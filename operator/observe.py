@@ -9,6 +9,7 @@ the previous one created.  Reads only; deciding is ``plan.py``/``status.py``.
 from __future__ import annotations
 
 import logging
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +19,11 @@ from policy_operator.constants import (
     COMPONENT_CACHE,
     COMPONENT_CACHE_GC,
     COMPONENT_FETCH,
+    FETCH_PROGRESS_PORT,
+    FETCH_PROGRESS_PORT_NAME,
     LABEL_CHECKPOINT_KEY,
     LABEL_COMPONENT,
+    PROGRESS_PATH,
 )
 from policy_operator.operator import child_status, manifests, rank_probe
 from policy_operator.operator.kube import Kube, KubeError
@@ -28,6 +32,8 @@ from policy_operator.operator.rank_probe import PodHealth
 from policy_operator.operator.spec import PolicyServerSpec
 
 log = logging.getLogger(__name__)
+
+PROGRESS_TIMEOUT_S = 1.0  # one small answer from a process busy downloading; a pass never waits longer for it
 
 
 @dataclass
@@ -41,7 +47,7 @@ class Observed:
     service: dict[str, Any] | None = None
     headless_service: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
-    fetch_log: str | None = None  # the end of the running fetch pod's log, for its progress line
+    fetch_progress: str | None = None  # the running fetch container's newest progress line (its /progress)
     cache_claims: list[dict[str, Any]] = field(default_factory=list)  # perPod: the StatefulSet's claims
     storage_class: dict[str, Any] | None = None  # the cache claims' StorageClass, when readable
     pdb: dict[str, Any] | None = None
@@ -50,7 +56,7 @@ class Observed:
     job_pods_all: list[dict[str, Any]] = field(default_factory=list)  # pods of every fetch and cleanup Job
 
 
-def running_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> str | None:
+def running_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The newest fetch pod whose fetch container is running: the attempt whose progress counts."""
     running = [
         p
@@ -61,29 +67,40 @@ def running_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> str | None:
         )
     ]
     running.sort(key=lambda p: (p.get("metadata") or {}).get("creationTimestamp") or "")
-    return (running[-1].get("metadata") or {}).get("name") if running else None
+    return running[-1] if running else None
 
 
-def fetch_log(
-    kube: Kube, namespace: str, job: Mapping[str, Any] | None, job_pods: Sequence[Mapping[str, Any]]
+def progress_port(pod: Mapping[str, Any]) -> int:
+    """The fetch container's ``progress`` port (the Job's template names it), else the fixed default."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == FETCH_PROGRESS_PORT_NAME and port.get("containerPort"):
+                return int(port["containerPort"])
+    return FETCH_PROGRESS_PORT
+
+
+def fetch_progress(
+    job: Mapping[str, Any] | None, job_pods: Sequence[Mapping[str, Any]], timeout: float = PROGRESS_TIMEOUT_S
 ) -> str | None:
-    """The end of the running fetch container's log, or None.
+    """The running fetch container's newest progress line, from its ``/progress`` endpoint, or None.
 
-    Progress is a convenience: a log the kubelet cannot serve (a node being
-    drained, a network policy in the way) leaves the status without it and
-    never fails the pass.
+    Read over the pod network as the server pods' ``/readyz`` is, so the
+    operator needs no ``pods/log``.  Progress is a convenience: a pod that
+    does not answer (starting, a NetworkPolicy in the way, an image older
+    than the endpoint) leaves the status without it and never fails the pass.
     """
     if job is None or not ((job.get("status") or {}).get("active") or 0):
         return None
     pod = running_fetch_pod(job_pods)
-    if pod is None:
+    ip = ((pod or {}).get("status") or {}).get("podIP")
+    if pod is None or not ip:
         return None
+    url = f"http://{ip}:{progress_port(pod)}{PROGRESS_PATH}"
     try:
-        return kube.pod_log(
-            namespace, pod, FETCH_CONTAINER, tail_lines=progress_line.TAIL_LINES, limit_bytes=progress_line.LIMIT_BYTES
-        )
-    except KubeError as exc:
-        log.debug("no download progress from %s/%s: %s", namespace, pod, exc)
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http to a pod IP
+            return response.read(progress_line.MAX_BYTES).decode("utf-8", "replace") if response.status == 200 else None
+    except (OSError, ValueError) as exc:
+        log.debug("no download progress from %s: %s", url, exc)
         return None
 
 
@@ -155,7 +172,7 @@ def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
         pvc=pvc,
         job=job,
         job_pods=job_pods,
-        fetch_log=fetch_log(kube, ns, job, job_pods),
+        fetch_progress=fetch_progress(job, job_pods),
         statefulset=sts,
         pods=pods,
         service=kube.get("Service", ns, names.service),
@@ -236,34 +253,6 @@ def readable_storage_class(kube: Kube, name: str) -> dict[str, Any] | None:
         return None
 
 
-FAILURE_LOG_LINES = 200  # enough to reach past a rank's shutdown logging and torchrun's report
-FAILURE_LOG_BYTES = 64 * 1024
-
-
-def failure_log(kube: Kube, namespace: str, health: PodHealth) -> PodHealth:
-    """A failed container's own log, when its termination message (2 KiB at most) lost the error line.
-
-    Read only for a pod whose container failed without an error in its
-    message, so a crash loop costs one small read per pass, nothing else does.
-    """
-    if health.log_ref is None:
-        return health
-    container, previous = health.log_ref
-    try:
-        log_text = kube.pod_log(
-            namespace,
-            health.name,
-            container,
-            tail_lines=FAILURE_LOG_LINES,
-            limit_bytes=FAILURE_LOG_BYTES,
-            previous=previous,
-        )
-    except KubeError as exc:
-        log.debug("no log of %s/%s %s: %s", namespace, health.name, container, exc)
-        return health
-    return rank_probe.explain(health, log_text)
-
-
 def ranks(
     kube: Kube, spec: PolicyServerSpec, statefulset: Mapping[str, Any] | None, *, probe_timeout: float
 ) -> tuple[list[dict[str, Any]], list[PodHealth]]:
@@ -272,4 +261,4 @@ def ranks(
         return [], []
     pods = kube.list("Pod", spec.namespace, manifests.selector_labels(spec.name))
     healths = rank_probe.poll_pods(pods, spec.service.port, spec.layout.world_size, timeout=probe_timeout)
-    return pods, [failure_log(kube, spec.namespace, h) for h in healths]
+    return pods, healths

@@ -70,8 +70,6 @@ class PodHealth:
     revision: str | None = None  # the pod's controller-revision-hash: which StatefulSet template it runs
     unschedulable: str = ""  # the scheduler's PodScheduled=False Unschedulable message
     termination: str = ""  # last lines of the newest failed container's termination message
-    # (container, previous run?) whose log may explain ``termination`` better: its message held no error line
-    log_ref: tuple[str, bool] | None = None
 
     @property
     def ranks_text(self) -> str:
@@ -193,41 +191,29 @@ def _failure_text(head: str, message: str, lines: int) -> tuple[str, bool]:
     return (f"{head}: {tail}" if tail else head)[:MAX_TERMINATION_TAIL], explained
 
 
-def termination(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> tuple[str, tuple[str, bool] | None]:
-    """What the newest non-zero termination of any container of the pod says, in a few lines, and where its log is
-    when that message shows no error line (``(container, previous run?)``).
+def termination(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> str:
+    """What the newest non-zero termination of any container of the pod says, in a few lines.
 
     With ``terminationMessagePolicy: FallbackToLogsOnError`` the kubelet puts
     the end of the log there (at most 80 lines, 2 KiB) when the container
     wrote no message: for the server, the failing rank's error, then whatever
-    it logged while shutting down, then torchrun's report.  A rank that logs
-    on the way down can push its error out of those 2 KiB; then the log
-    itself (``explain``) has it.
+    it logged while shutting down, then torchrun's report.  The operator reads
+    no pod's log (it holds no ``pods/log`` grant), so this message is all it
+    reports; ``kubectl logs --previous`` has the rest.
     """
     status = pod.get("status") or {}
     for group in ("initContainerStatuses", "containerStatuses"):
         for cs in status.get(group) or []:
             state = cs.get("state") or {}
-            for term, previous in (
-                (state.get("terminated"), False),
-                ((cs.get("lastState") or {}).get("terminated"), True),
-            ):
+            for term in (state.get("terminated"), (cs.get("lastState") or {}).get("terminated")):
                 if term and term.get("exitCode", 0) != 0:
                     head = f"{cs.get('name')} exited {term.get('exitCode')} ({term.get('reason') or 'Error'})"
-                    text, explained = _failure_text(head, term.get("message") or "", lines)
-                    return text, None if explained else (str(cs.get("name")), previous)
-    return "", None
+                    return _failure_text(head, term.get("message") or "", lines)[0]
+    return ""
 
 
 def termination_tail(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> str:
-    return termination(pod, lines)[0]
-
-
-def explain(health: PodHealth, log: str, lines: int = TERMINATION_TAIL_LINES) -> PodHealth:
-    """``health`` with its termination text taken from the container's log, when that log holds an error line."""
-    head = health.termination.split(": ", 1)[0]
-    text, explained = _failure_text(head, log, lines)
-    return dataclasses.replace(health, termination=text, log_ref=None) if explained else health
+    return termination(pod, lines)
 
 
 def container_message(pod: Mapping[str, Any]) -> str:
@@ -265,7 +251,7 @@ def pod_port(pod: Mapping[str, Any], default: int) -> int:
 def pod_health(pod: Mapping[str, Any], port: int, world_size: int, timeout: float = PROBE_TIMEOUT_S) -> PodHealth:
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     name, phase, ip = meta.get("name", "?"), status.get("phase", "Pending"), status.get("podIP")
-    ended, log_ref = termination(pod)
+    ended = termination(pod)
     facts = PodHealth(
         name,
         ip,
@@ -274,7 +260,6 @@ def pod_health(pod: Mapping[str, Any], port: int, world_size: int, timeout: floa
         revision=(meta.get("labels") or {}).get(LABEL_CONTROLLER_REVISION_HASH),
         unschedulable=unschedulable_message(pod),
         termination=ended,
-        log_ref=log_ref,
     )
     if meta.get("deletionTimestamp"):
         return dataclasses.replace(facts, phase="Terminating", message="terminating")

@@ -3,7 +3,10 @@
 Each rule says why it exists.  ``rules(all_namespaces=False)`` fits a
 namespaced Role (kopf's namespace/CRD scanning is disabled in that mode);
 ``all_namespaces=True`` adds the cluster-scoped reads kopf then performs.
-The operator never reads Secrets: it only names them in pod specs.
+The operator never reads Secrets (it only names them in pod specs) nor any
+pod's log (``pods/log``): with the right to create Jobs, reading logs would
+read any Secret.  What it may create is narrowed further by the chart's
+admission policy (``admission.py``).
 
 The chart's rules (``charts/policy-operator/templates/_helpers.tpl``, between
 the ``BEGIN GENERATED: rbac`` markers) are rendered from ``RULES`` by
@@ -78,15 +81,10 @@ RULES: tuple[Rule, ...] = (
         "",
         "pods",
         ("get", "list", "watch", "patch", "delete"),
-        "find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness; "
+        "find server pods to poll /readyz and the running fetch pod to poll /progress, read fetch pods' termination "
+        "messages, annotate rank readiness; "
         "replace a server pod in a rollout (the StatefulSet's updateStrategy is OnDelete); delete the pods of "
         "completed fetch and cleanup Jobs (they would keep a deleted cache claim alive)",
-    ),
-    Rule(
-        "",
-        "pods/log",
-        ("get",),
-        "read the last progress line of the running fetch pod's log (status.checkpoint.progress)",
     ),
     Rule(
         "",

@@ -62,7 +62,7 @@ def reconcile(
         observed.job,
         observed.job_pods,
         previous.get("checkpoint"),
-        observed.fetch_log,
+        observed.fetch_progress,
         observe.job_events(kube, namespace, observed.job, observed.job_pods),
         now=datetime.datetime.now(datetime.UTC),
         claim=observed.pvc,

@@ -48,6 +48,10 @@ ANNOTATION_SURGE: Final = f"{GROUP}/surge"
 # written again (operator/kube.py)
 ANNOTATION_APPLIED_HASH: Final = f"{GROUP}/applied-hash"
 
+# on the fetch Job and the StatefulSet: the Secrets their pod template names, comma-separated; the chart's
+# admission policy refuses a template of the operator's ServiceAccount that names any other (operator/admission.py)
+ANNOTATION_SECRETS: Final = f"{GROUP}/secrets"
+
 # --- Conditions and phases -----------------------------------------------------
 COND_VALID: Final = "Valid"
 COND_CHECKPOINT_READY: Final = "CheckpointReady"
@@ -89,6 +93,14 @@ CONFIG_FILE: Final = "config.json"
 WEIGHTS_FILE: Final = "model.safetensors"
 MANIFEST_FILE: Final = "manifest.json"
 HUB_VIEW_DIR: Final = ".hub"  # <cache>/.hub: the Hugging Face cache layout over the fetched repositories
+
+# the fetch Job's container serves its newest progress line here (runtime/checkpoint/progress_server.py); the operator
+# reads it as it reads the server pods' /readyz, so neither needs the pods' logs (pods/log)
+FETCH_PROGRESS_PORT: Final = 8001
+FETCH_PROGRESS_PORT_NAME: Final = "progress"
+PROGRESS_PATH: Final = "/progress"
+# the one program every container of the operator's Jobs and StatefulSets runs (its admission policy checks it)
+ENTRYPOINT: Final = "policyserver"
 
 HEALTHZ_PATH: Final = "/healthz"
 READYZ_PATH: Final = "/readyz"

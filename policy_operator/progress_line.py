@@ -1,17 +1,17 @@
-"""Download progress as one log line: printed by ``policyserver fetch``, read back by the operator.
+"""Download progress as one line: printed by ``policyserver fetch``, read back by the operator.
 
-The fetch Job already logs its progress every few seconds for people running
+The fetch Job logs its progress every few seconds for people running
 ``kubectl logs``.  The operator needs the same numbers for
 ``status.checkpoint.progress`` (and the PROGRESS column of ``kubectl get
-ps``), and the pod's log is the one channel that exists anyway: the fetch pod
-has no API access (no token is mounted) and nothing else leaves it while it
-runs.  So every progress line ends in a fixed machine-readable tail::
+ps``); the fetch pod has no API access (no token is mounted), so its container
+serves the newest line at ``GET /progress`` (``runtime/checkpoint/progress_server.py``)
+and the operator reads it there, never the pod's log (no ``pods/log`` grant).
+Every line ends in a fixed machine-readable tail::
 
     fetch: 1.2 GiB / 3.4 GiB (35.0%) 12.3 MB/s [progress 1288490188/3650722201 12300000]
 
-and the operator reads the last such line of the running fetch pod's log
-(``pods/log`` with ``tailLines``).  Both sides use this module, so the format
-is written once.  torch-free: the operator image imports it.
+Both sides use this module, so the format is written once.  torch-free: the
+operator image imports it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _TAIL = re.compile(r"\[progress (\d+)/(\d+|\?) (\d+)\]\s*$")
-TAIL_LINES = 20  # the operator reads this many lines from the end of the log; progress is printed every few seconds
-LIMIT_BYTES = 16384  # and at most this many bytes, whatever a line's length
+MAX_BYTES = 4096  # the most the operator reads of one /progress answer: one line
 
 
 def human_bytes(n: float) -> str:

@@ -1,22 +1,30 @@
-"""Download progress from the fetch Job's log to ``status.checkpoint.progress`` and ``kubectl get ps``.
+"""Download progress from the fetch container's ``/progress`` endpoint to ``status.checkpoint.progress`` and
+``kubectl get ps``.
 
 One line format (``policy_operator/progress_line.py``) on both sides: the
-fetch's real progress reporter writes it, the operator reads the last one of
-the running fetch pod's log.  Here: the format round trip, the reporter's own
-output parsed back, the operator's pure steps (which pod, what state, what
-status, what merge patch), the status schema the apiserver prunes by, the
-printer column and the RBAC rule for ``pods/log``.
+fetch's real progress reporter writes it, its container serves the newest one
+over HTTP (``runtime/checkpoint/progress_server.py``) and the operator reads
+it there, never from the pod's log (it holds no ``pods/log``).  Here: the
+format round trip, the reporter's own output parsed back, the real ``policyserver
+fetch`` serving its progress while it downloads, the operator's read of it,
+its pure steps (which pod, what state, what status, what merge patch), the
+status schema the apiserver prunes by, the printer column, and on the real
+control plane the status while a download runs, with no container log to read.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
 import yaml
 
+from policy_operator import constants as C
 from policy_operator import progress_line
 from policy_operator.operator import child_status, crd, manifests, observe, rbac
 from policy_operator.operator import status as status_step
@@ -24,6 +32,7 @@ from policy_operator.operator.child_status import CheckpointPhase
 from policy_operator.operator.resource import PolicyServerStatus
 from policy_operator.operator.spec import parse_spec
 from policy_operator.progress_line import FetchProgress
+from tests.support.net import free_port, wait_for
 
 NOW = "2025-01-01T00:00:00Z"
 
@@ -113,14 +122,102 @@ def fetch_pod(name: str, state: str, created: str) -> dict[str, Any]:
     }
 
 
-def test_the_running_attempt_is_the_pod_whose_log_is_read() -> None:
+def test_the_running_attempt_is_the_pod_whose_progress_is_read() -> None:
     pods = [
         fetch_pod("old", "terminated", "2025-01-01T00:00:00Z"),
         fetch_pod("new", "running", "2025-01-01T00:01:00Z"),
         fetch_pod("next", "waiting", "2025-01-01T00:02:00Z"),
     ]
-    assert observe.running_fetch_pod(pods) == "new"
+    running = observe.running_fetch_pod(pods)
+    assert running is not None and running["metadata"]["name"] == "new"
     assert observe.running_fetch_pod(pods[:1]) is None
+
+
+def test_the_fetch_job_serves_its_progress_on_the_port_the_operator_reads() -> None:
+    job = manifests.build_fetch_job(spec())
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"][-2:] == ["--progress-port", str(C.FETCH_PROGRESS_PORT)]
+    assert container["ports"] == [
+        {"name": C.FETCH_PROGRESS_PORT_NAME, "containerPort": C.FETCH_PROGRESS_PORT, "protocol": "TCP"}
+    ]
+    assert observe.progress_port(job["spec"]["template"]) == C.FETCH_PROGRESS_PORT
+    assert observe.progress_port({}) == C.FETCH_PROGRESS_PORT
+
+
+def running_pod_at(port: int) -> dict[str, Any]:
+    pod = fetch_pod("p", "running", "2025-01-01T00:00:00Z")
+    pod["status"]["podIP"] = "127.0.0.1"
+    pod["spec"] = {
+        "containers": [
+            {"name": manifests.FETCH_CONTAINER, "ports": [{"name": C.FETCH_PROGRESS_PORT_NAME, "containerPort": port}]}
+        ]
+    }
+    return pod
+
+
+def test_the_operator_reads_the_newest_line_from_the_progress_endpoint() -> None:
+    from policy_operator.runtime.checkpoint.progress_server import ProgressServer
+
+    with ProgressServer(0, host="127.0.0.1") as server:
+        assert server.bound_port is not None
+        pod = running_pod_at(server.bound_port)
+        assert observe.fetch_progress(active_job(), [pod]) is None  # 204: nothing downloaded yet
+        server.update(FetchProgress(10, 100, 1.0))
+        server.update(FetchProgress(50, 100, 2e6))
+        line = observe.fetch_progress(active_job(), [pod])
+        assert line is not None and progress_line.last_progress(line) == FetchProgress(50, 100, 2e6)
+        assert observe.fetch_progress({"status": {"succeeded": 1}}, [pod]) is None  # a Job that is done: not asked
+        with pytest.raises(urllib.error.HTTPError) as other:
+            urllib.request.urlopen(f"http://127.0.0.1:{server.bound_port}/other", timeout=5)  # noqa: S310
+        assert other.value.code == 404
+    # the pod gone or not listening: no progress, and the pass goes on
+    assert observe.fetch_progress(active_job(), [running_pod_at(free_port())]) is None
+
+
+@pytest.mark.timeout(120)
+def test_policyserver_fetch_serves_its_progress_while_it_downloads(tmp_path) -> None:
+    """The real CLI, throttled: /progress answers with growing byte counts before the download is done."""
+    import subprocess
+
+    from tests.support.http_checkpoint_server import CheckpointServer
+    from tests.support.servers import VENV_BIN
+
+    subprocess.run(
+        [str(VENV_BIN / "policyserver"), "checkpoint", "init", str(tmp_path / "src" / "ckpt")],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    size = sum(p.stat().st_size for p in (tmp_path / "src" / "ckpt").rglob("*") if p.is_file())
+    port = free_port()
+    with CheckpointServer(tmp_path / "src", throttle_bps=max(size // 8, 1)) as source:
+        proc = subprocess.Popen(
+            [str(VENV_BIN / "policyserver"), "fetch", source.url_for("ckpt/"), str(tmp_path / "dest")]
+            + ["--progress-port", str(port)],
+            env={**os.environ, C.ENV_HOST: "127.0.0.1"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            pod = running_pod_at(port)
+            seen: list[FetchProgress] = []
+
+            def two_readings() -> bool:
+                line = observe.fetch_progress(active_job(), [pod])
+                progress = progress_line.last_progress(line or "")
+                if progress is not None and (not seen or progress.done != seen[-1].done):
+                    seen.append(progress)
+                return len(seen) >= 2
+
+            wait_for(two_readings, 60, interval=0.2, what="two progress readings from /progress")
+            assert proc.poll() is None, "the download ended before its progress was read twice"
+            assert all(p.total == size and 0 <= p.done <= size for p in seen), seen
+            assert seen[0].done < seen[-1].done
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
 
 
 def active_job() -> dict[str, Any]:
@@ -132,7 +229,7 @@ def test_a_downloading_state_carries_the_progress_and_says_it() -> None:
     state = child_status.checkpoint_state(spec(), active_job(), [], None, log)
     assert state.phase == CheckpointPhase.DOWNLOADING and state.progress == FetchProgress(50, 100, 2e6)
     assert state.message == "downloading hf://org/p: 50 B / 100 B (50.0%) 2.0 MB/s (attempt 2/4)"
-    # no log (pods/log refused, kubelet away) or no progress line yet: the state as before, without progress
+    # no answer from /progress (starting, unreachable) or no progress line yet: the state as before, without it
     for log in (None, "fetch: resolving hf://org/p\n"):
         state = child_status.checkpoint_state(spec(), active_job(), [], None, log)
         assert state.progress is None and state.message == "downloading hf://org/p (attempt 2/4)"
@@ -152,7 +249,7 @@ def build(checkpoint: child_status.CheckpointState, previous: dict[str, Any] | N
         previous=previous,
         generation=1,
         now=NOW,
-    ).status
+    ).document
 
 
 def test_status_has_the_progress_while_downloading_and_the_schema_keeps_it() -> None:
@@ -193,9 +290,10 @@ def test_printer_column_reads_the_progress_text() -> None:
     assert crd.schema_at(version["schema"]["openAPIV3Schema"], columns["Progress"]["jsonPath"])["type"] == "string"
 
 
-def test_rbac_grants_reading_pod_logs_and_nothing_more() -> None:
-    (rule,) = [r for r in rbac.RULES if r.resource == "pods/log"]
-    assert rule.verbs == ("get",) and rule.api_group == "" and not rule.cluster_scoped
+def test_rbac_grants_no_pod_logs() -> None:
+    """Reading logs and creating Jobs together read any Secret of the namespace: progress comes over HTTP."""
+    assert not [r for r in rbac.RULES if r.resource.startswith("pods/")]
+    assert not rbac.allows(rbac.policy_rules(all_namespaces=True), "", "pods/log", "get")
 
 
 # --- on a real control plane ---------------------------------------------------------------------------
@@ -205,12 +303,11 @@ def test_rbac_grants_reading_pod_logs_and_nothing_more() -> None:
 @pytest.mark.cluster
 @pytest.mark.timeout(600)
 def test_kubectl_get_ps_shows_a_running_downloads_progress(control_plane, tmp_path) -> None:
-    """A throttled download by the real fetch Job: its log -> the kubelet endpoint -> pods/log -> the status."""
+    """A throttled download by the real fetch Job: its /progress -> the operator -> the status.  The local node
+    serves no container log here (no kubelet log endpoint), so nothing but /progress can carry the numbers."""
     import subprocess
 
-    from policy_operator import constants as C
     from tests.support.http_checkpoint_server import CheckpointServer
-    from tests.support.kubelet_logs import ContainerLogServer
     from tests.support.local_node_cluster import LocalCluster, for_local_node
     from tests.support.net import wait_for
     from tests.support.servers import VENV_BIN
@@ -227,7 +324,6 @@ def test_kubectl_get_ps_shows_a_running_downloads_progress(control_plane, tmp_pa
     with (
         CheckpointServer(tmp_path / "src", throttle_bps=max(size // 12, 1)) as source,
         LocalCluster(control_plane, tmp_path / "cluster", namespace, backoff_s=1.0, resync_s=0.5, gpus=1) as lc,
-        ContainerLogServer(lc.node) as kubelet,
     ):
         doc = for_local_node(
             yaml.safe_load((crd.REPO / "examples" / "policyserver-minimal.yaml").read_text()),
@@ -258,13 +354,6 @@ def test_kubectl_get_ps_shows_a_running_downloads_progress(control_plane, tmp_pa
         assert [p["bytesDone"] for p in seen] == sorted(p["bytesDone"] for p in seen)
         message = lc.status(name)["checkpoint"]["message"]
         assert message.startswith(f"downloading {source.url_for('ckpt/')}")
-        # the operator asked the kubelet for the end of the fetch container's log, bounded
-        assert any(
-            f"/{manifests.FETCH_CONTAINER}?" in r
-            and f"tailLines={progress_line.TAIL_LINES}" in r
-            and f"limitBytes={progress_line.LIMIT_BYTES}" in r
-            for r in kubelet.requests
-        ), kubelet.requests
 
         wait_for(
             lambda: (lc.status(name).get("checkpoint") or {}).get("phase") == "Ready",

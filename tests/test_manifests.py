@@ -211,9 +211,14 @@ def test_fetch_job_runs_the_fetch_cli_contract() -> None:
         f"model.safetensors={'b' * 64}",
         "--token-file",
         f"{C.CHECKPOINT_TOKEN_DIR}/token",
+        "--progress-port",
+        str(C.FETCH_PROGRESS_PORT),
     ]
     args = _fetch_parser().parse_args(container["command"][2:])
     assert (args.source, args.dest, args.revision) == ("hf://org/policy", C.CACHE_MOUNT_PATH, "v2")
+    assert args.progress_port == C.FETCH_PROGRESS_PORT
+    # the Secrets the template names, declared for the chart's admission policy
+    assert job["metadata"]["annotations"][C.ANNOTATION_SECRETS] == "hf-token"
     env = {e["name"]: e for e in container["env"]}
     assert env[C.ENV_HF_TOKEN]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
     secret = next(v for v in pod["volumes"] if "secret" in v)["secret"]
@@ -239,7 +244,7 @@ def test_token_for_other_schemes_is_a_file_only() -> None:
     job = M.build_fetch_job(spec_of(base(checkpoint={"source": "https://h/c/", "secretRef": {"name": "t"}})))
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert C.ENV_HF_TOKEN not in {e["name"] for e in container["env"]}
-    assert container["command"][-2:] == ["--token-file", f"{C.CHECKPOINT_TOKEN_DIR}/token"]
+    assert container["command"][-4:-2] == ["--token-file", f"{C.CHECKPOINT_TOKEN_DIR}/token"]
     no_secret = M.build_fetch_job(spec_of(base()))["spec"]["template"]["spec"]["containers"][0]
     assert "--token-file" not in no_secret["command"]
 

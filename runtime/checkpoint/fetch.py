@@ -43,7 +43,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from policy_operator.constants import COMPLETE_MARKER, ENV_HF_TOKEN, MANIFEST_FILE
+from policy_operator.constants import (
+    COMPLETE_MARKER,
+    ENV_HF_TOKEN,
+    FETCH_PROGRESS_PORT,
+    MANIFEST_FILE,
+    PROGRESS_PATH,
+)
 from policy_operator.exit_codes import FetchExit, describe
 from policy_operator.progress_line import FetchProgress
 from policy_operator.runtime.checkpoint.errors import (
@@ -60,6 +66,7 @@ from policy_operator.runtime.checkpoint.format import CheckpointError, parse_man
 from policy_operator.runtime.checkpoint.http import STALL_TIMEOUT_S, Patience
 from policy_operator.runtime.checkpoint.marker import check_complete, fsync_path, make_marker, read_marker, write_marker
 from policy_operator.runtime.checkpoint.progress import Progress, human_bytes
+from policy_operator.runtime.checkpoint.progress_server import ProgressServer
 from policy_operator.runtime.checkpoint.references import fetch_references
 from policy_operator.runtime.checkpoint.sources import HfSource, RemoteFile, Source, make_source
 from policy_operator.runtime.checkpoint.staging import has_other_names
@@ -529,10 +536,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an HTTP body that delivers nothing (or under 1 KiB/s) for S seconds is dropped and "
         "resumed from the bytes received (default %(default)s)",
     )
+    parser.add_argument(
+        "--progress-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help=f"also answer GET {PROGRESS_PATH} on PORT with the newest progress line (the operator's fetch Job "
+        f"passes {FETCH_PROGRESS_PORT}; its status reads it there, not from the pod's log)",
+    )
     parser.epilog = f"Prints the checkpoint directory as the last line of stdout. Exit codes: {describe(FetchExit)}."
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.progress_port is None:
+        return _main(args, None)
+    with ProgressServer(args.progress_port) as server:
+        return _main(args, server.update)
+
+
+def _main(args: argparse.Namespace, on_progress: Callable[[FetchProgress], None] | None) -> int:
     secrets = [s for s in (os.environ.get(ENV_HF_TOKEN),) if s]
     try:
         token = _read_token(args.token_file) if args.token_file else None
@@ -547,6 +569,7 @@ def main(args: argparse.Namespace) -> int:
             verify=args.verify,
             progress=not args.quiet,
             stall_timeout_s=args.stall_timeout_s,
+            on_progress=on_progress,
         )
         if args.references:  # the hub's own token (HF_TOKEN), never the checkpoint source's
             fetch_references(
@@ -554,7 +577,12 @@ def main(args: argparse.Namespace) -> int:
                 Path(args.dest),
                 log=_Log(not args.quiet),
                 fetch_one=lambda source: fetch(
-                    source, args.dest, verify=args.verify, progress=not args.quiet, stall_timeout_s=args.stall_timeout_s
+                    source,
+                    args.dest,
+                    verify=args.verify,
+                    progress=not args.quiet,
+                    stall_timeout_s=args.stall_timeout_s,
+                    on_progress=on_progress,
                 ),
             )
     except FetchError as exc:

@@ -4,9 +4,10 @@ A Job's log is not a TTY, so a carriage-return bar would be one endless line
 there: off a TTY we print a plain line every few seconds from a ticker thread
 (so the log moves even while one socket read blocks); on a TTY we hand the
 same numbers to tqdm.  Each plain line ends in the machine-readable tail of
-``policy_operator/progress_line.py``, which the operator reads back from the
-fetch pod's log into ``status.checkpoint.progress``; ``on_update`` hands the
-same numbers to a server downloading its own checkpoint, for its metrics.
+``policy_operator/progress_line.py``; ``on_update`` hands the same numbers to
+the fetch Job's progress endpoint (``progress_server.py``, which the operator
+reads into ``status.checkpoint.progress``) and to a server downloading its own
+checkpoint, for its metrics.
 """
 
 from __future__ import annotations

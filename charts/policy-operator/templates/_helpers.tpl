@@ -112,14 +112,10 @@ The operator's API access: "namespaced" is what a Role in each watched namespace
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
-# find server pods to poll /readyz, read fetch pods' termination messages, annotate rank readiness; replace a server pod in a rollout (the StatefulSet's updateStrategy is OnDelete); delete the pods of completed fetch and cleanup Jobs (they would keep a deleted cache claim alive)
+# find server pods to poll /readyz and the running fetch pod to poll /progress, read fetch pods' termination messages, annotate rank readiness; replace a server pod in a rollout (the StatefulSet's updateStrategy is OnDelete); delete the pods of completed fetch and cleanup Jobs (they would keep a deleted cache claim alive)
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, patch, delete]
-# read the last progress line of the running fetch pod's log (status.checkpoint.progress)
-- apiGroups: [""]
-  resources: [pods/log]
-  verbs: [get]
 # post Events on every transition (kopf.event); list the Job's and StatefulSet's FailedCreate Events (a pod refused by a ResourceQuota, PodSecurity or a missing PriorityClass) to say so in status
 - apiGroups: [""]
   resources: [events]
@@ -148,3 +144,76 @@ The operator's API access: "namespaced" is what a Role in each watched namespace
   verbs: [get]
 {{- end }}
 {{/* END GENERATED: rbac */}}
+
+{{/*
+The spec of the admission policy that keeps the operator's ServiceAccount to the workloads the operator makes
+(admission-policy.yaml adds the matchCondition on that ServiceAccount).
+*/}}
+{{/* BEGIN GENERATED: admission (make crd, from policy_operator/operator/admission.py: edit that, not this) */}}
+{{- define "policy-operator.admission.spec" -}}
+matchConstraints:
+  resourceRules:
+  - apiGroups:
+    - batch
+    apiVersions:
+    - v1
+    resources:
+    - jobs
+    operations:
+    - CREATE
+    - UPDATE
+  - apiGroups:
+    - apps
+    apiVersions:
+    - v1
+    resources:
+    - statefulsets
+    operations:
+    - CREATE
+    - UPDATE
+  - apiGroups:
+    - ''
+    apiVersions:
+    - v1
+    resources:
+    - pods
+    operations:
+    - CREATE
+    - UPDATE
+variables:
+- name: isPod
+  expression: object.kind == 'Pod'
+- name: template
+  expression: 'variables.isPod ? object : object.spec.template'
+- name: podSpec
+  expression: variables.template.spec
+- name: containers
+  expression: 'variables.podSpec.containers + (has(variables.podSpec.initContainers) ? variables.podSpec.initContainers : [])'
+- name: volumes
+  expression: 'has(variables.podSpec.volumes) ? variables.podSpec.volumes : []'
+- name: declaredSecrets
+  expression: 'has(object.metadata.annotations) && "policyoperator.io/secrets" in object.metadata.annotations ? object.metadata.annotations["policyoperator.io/secrets"].split('','') : []'
+validations:
+- expression: variables.isPod || (has(object.metadata.labels) && "app.kubernetes.io/managed-by" in object.metadata.labels && object.metadata.labels["app.kubernetes.io/managed-by"] == "policy-operator" && "policyoperator.io/policyserver" in object.metadata.labels)
+  message: the operator's ServiceAccount creates only Jobs and StatefulSets labelled app.kubernetes.io/managed-by=policy-operator and policyoperator.io/policyserver
+  reason: Forbidden
+- expression: variables.isPod || (has(object.metadata.ownerReferences) && object.metadata.ownerReferences.exists_one(r, r.apiVersion.startsWith("policyoperator.io/") && r.kind == "PolicyServer" && has(r.controller) && r.controller && r.name == object.metadata.labels["policyoperator.io/policyserver"]))
+  message: the operator's ServiceAccount creates only Jobs and StatefulSets controlled by the PolicyServer their policyoperator.io/policyserver label names
+  reason: Forbidden
+- expression: '!variables.isPod || (request.operation == ''UPDATE'' && object.spec == oldObject.spec)'
+  message: the operator's ServiceAccount never creates a pod and never changes a pod's spec (it only annotates them)
+  reason: Forbidden
+- expression: variables.isPod || variables.containers.all(c, has(c.command) && size(c.command) >= 2 && c.command[0] == "policyserver" && c.command[1] in ["fetch", "checkpoint", "serve"] && (!has(c.args) || size(c.args) == 0))
+  message: every container of the operator's workloads runs `policyserver fetch|checkpoint|serve` (command, no args)
+  reason: Forbidden
+- expression: variables.isPod || variables.volumes.all(v, !has(v.awsElasticBlockStore) && !has(v.azureDisk) && !has(v.azureFile) && !has(v.cephfs) && !has(v.cinder) && !has(v.fc) && !has(v.flexVolume) && !has(v.flocker) && !has(v.gcePersistentDisk) && !has(v.gitRepo) && !has(v.glusterfs) && !has(v.hostPath) && !has(v.image) && !has(v.iscsi) && !has(v.nfs) && !has(v.photonPersistentDisk) && !has(v.portworxVolume) && !has(v.quobyte) && !has(v.rbd) && !has(v.scaleIO) && !has(v.storageos) && !has(v.vsphereVolume))
+  message: the operator's workloads mount no hostPath and no other volume that reaches the node or storage by address
+  reason: Forbidden
+- expression: variables.isPod || (has(variables.podSpec.automountServiceAccountToken) && !variables.podSpec.automountServiceAccountToken)
+  message: 'the operator''s workloads mount no ServiceAccount token (automountServiceAccountToken: false)'
+  reason: Forbidden
+- expression: variables.isPod || variables.volumes.all(v, !has(v.secret) || v.secret.secretName in variables.declaredSecrets) && variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || v.projected.sources.all(s, !has(s.secret) || s.secret.name in variables.declaredSecrets)) && variables.containers.all(c, (!has(c.env) || c.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef) || e.valueFrom.secretKeyRef.name in variables.declaredSecrets)) && (!has(c.envFrom) || c.envFrom.all(f, !has(f.secretRef) || f.secretRef.name in variables.declaredSecrets)))
+  message: every Secret the pod template names must be listed in the workload's policyoperator.io/secrets annotation (the Secrets its PolicyServer's spec names)
+  reason: Forbidden
+{{- end }}
+{{/* END GENERATED: admission */}}

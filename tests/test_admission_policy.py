@@ -1,0 +1,261 @@
+"""The chart's admission policy and RBAC on the real control plane: the operator's ServiceAccount cannot read a
+Secret through a Job it creates, and the operator's own children are still admitted.
+
+The chart is installed with the Helm SDK into its own namespace (its operator Deployment can never be
+scheduled); the operator runs as a local process with the token of the chart's ServiceAccount, next to a
+local node, and serves a PolicyServer whose fetch Job and StatefulSet both name Secrets.  As that
+ServiceAccount: a Job that mounts a Secret of the namespace is refused by the policy, however close to the
+operator's own it is made; a server pod's spec cannot be changed (a new image would run with its Secrets);
+no pod's log can be read.  The same requests as the admin are admitted: the policy matches the
+ServiceAccount only.  The rules themselves are generated from operator/admission.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import helm_python
+import kubernetes.config
+import pytest
+import yaml
+from kubernetes.client import ApiClient, ApiException, BatchV1Api, CoreV1Api
+
+from policy_operator import constants as C
+from policy_operator.operator import admission
+from tests.support.http_checkpoint_server import CheckpointServer
+from tests.support.local_node_cluster import LocalCluster, OperatorProcess, for_local_node, free_port_on
+from tests.support.net import wait_for
+from tests.support.servers import VENV_BIN
+
+if TYPE_CHECKING:
+    from tests.support.control_plane import ControlPlane
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "policy-operator"
+NS, RELEASE, NAME = "admission-it", "vap", "guarded"
+POLICY = f"{RELEASE}-policy-operator.{NS}"
+SECRETS = {"fetch-token": "t0k3n", "extra-config": "not a secret to the pods", "not-for-the-operator": "s3cr3t"}
+POLICY_SYNC_S = 20.0  # the apiserver compiles a new policy within a second or two
+
+
+@dataclass
+class Env:
+    lc: LocalCluster
+    operator: OperatorProcess
+    client: ApiClient  # the chart's ServiceAccount
+    service_account: str
+    owner: dict[str, Any]  # the PolicyServer, Ready
+
+    @property
+    def username(self) -> str:
+        return f"system:serviceaccount:{NS}:{self.service_account}"
+
+
+@pytest.fixture(scope="module")
+def env(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    import subprocess
+
+    work = tmp_path_factory.mktemp("admission-it")
+    subprocess.run(
+        [str(VENV_BIN / "policyserver"), "checkpoint", "init", str(work / "src" / "ckpt")],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    source = CheckpointServer(work / "src").start()
+    lc = LocalCluster(control_plane, work / "cluster", NS, backoff_s=1.0, resync_s=0.5, gpus=1, operator=False)
+    helm_python.disable_logging()
+    config = helm_python.Config(kubeconfig_path=control_plane.kubeconfig, namespace=NS)
+    operator: OperatorProcess | None = None
+    client: ApiClient | None = None
+    try:
+        lc.start()
+        values = {"watchNamespaces": [NS], "nodeSelector": {"policyoperator.io/test": "no-such-node"}}
+        release = config.install(helm_python.Chart.load(CHART), RELEASE, values, namespace=NS, timeout=120)
+        assert release["status"] == "deployed", {k: v for k, v in release.items() if k != "manifest"}
+        manifest = [d for d in yaml.safe_load_all(release["manifest"]) if d]
+        (sa,) = [d["metadata"]["name"] for d in manifest if d["kind"] == "ServiceAccount"]
+        for name, value in SECRETS.items():
+            lc.kubectl("create", "secret", "generic", name, f"--from-literal={C.SECRET_TOKEN_KEY}={value}")
+        token = lc.kubectl("create", "token", sa, "--duration=1h").stdout.strip()
+        kubeconfig = control_plane.kubeconfig_for_token(token, work / "operator-sa.kubeconfig")
+        client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+        operator = OperatorProcess(
+            {**control_plane.env, "KUBECONFIG": str(kubeconfig)}, NS, work / "operator-sa.log", resync_s=0.5
+        ).start()
+        doc = for_local_node(
+            yaml.safe_load((REPO / "examples" / "policyserver-minimal.yaml").read_text()),
+            source=source.url_for("ckpt/"),
+            port=free_port_on(["127.0.0.1", *lc.node.ips(16)]),
+        )
+        doc["metadata"].update(name=NAME, namespace=NS)
+        spec = doc["spec"]
+        spec["checkpoint"]["secretRef"] = {"name": "fetch-token"}  # the fetch Job mounts it
+        spec["volumes"] = [{"name": "extra", "secret": {"secretName": "extra-config"}}]  # the server pods do
+        spec["volumeMounts"] = [{"name": "extra", "mountPath": "/etc/extra", "readOnly": True}]
+        lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+        lc.wait_status(NAME, lambda s: s.get("phase") == C.PHASE_READY, "Ready, reconciled as the ServiceAccount", 240)
+        owner = lc.get(C.API_VERSION, C.PLURAL, NAME)
+        assert owner is not None
+        yield Env(lc, operator, client, sa, owner)
+        lc.kubectl("delete", C.SHORT_NAME, NAME, "--timeout=120s", timeout=150)
+    finally:
+        if operator is not None:
+            operator.stop()
+        if client is not None:
+            client.close()
+        config.uninstall(RELEASE, timeout=60, ignore_not_found=True)
+        lc.stop()
+        source.stop()
+    lc.node.raise_errors()
+
+
+def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {
+        "apiVersion": C.API_VERSION,
+        "kind": C.KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def reader_job(name: str, secret: str = "not-for-the-operator") -> dict[str, Any]:
+    """A Job that prints a Secret to its log: what a stolen token of the ServiceAccount would create."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [
+                        {
+                            "name": "read",
+                            "image": "busybox",
+                            "command": ["sh", "-c", "cat /s/token"],
+                            "volumeMounts": [{"name": "s", "mountPath": "/s"}],
+                        }
+                    ],
+                    "volumes": [{"name": "s", "secret": {"secretName": secret}}],
+                }
+            },
+        },
+    }
+
+
+def dressed_as_the_operators(job: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+    """``job`` with the operator's labels, a controller reference to a real PolicyServer, the ``policyserver``
+    entrypoint and no token: everything the policy checks but the Secret."""
+    job = copy.deepcopy(job)
+    labels = {C.LABEL_MANAGED_BY: C.MANAGED_BY, C.LABEL_POLICYSERVER: owner["metadata"]["name"]}
+    job["metadata"].update(labels=labels, ownerReferences=[owner_reference(owner)])
+    pod = job["spec"]["template"]
+    pod["metadata"] = {"labels": labels}
+    pod["spec"]["automountServiceAccountToken"] = False
+    pod["spec"]["containers"][0]["command"] = [C.ENTRYPOINT, "fetch", "file:///s/token", "/tmp"]
+    return job
+
+
+def create_job(client: ApiClient, job: dict[str, Any]) -> ApiException | None:
+    """A dry-run create (admission runs in full, nothing is stored): the refusal, or None when admitted."""
+    try:
+        BatchV1Api(client).create_namespaced_job(NS, job, dry_run="All")
+    except ApiException as exc:
+        return exc
+    return None
+
+
+def refused(client: ApiClient, job: dict[str, Any], message: str) -> ApiException:
+    """The policy's refusal of ``job`` (waits the short while a freshly installed policy takes to apply)."""
+
+    def attempt() -> ApiException | None:
+        exc = create_job(client, job)
+        return exc if exc is not None and exc.status in (403, 422) else None
+
+    exc = wait_for(attempt, POLICY_SYNC_S, interval=0.5, what=f"{job['metadata']['name']} refused by admission")
+    body = json.loads(exc.body)
+    assert exc.status == 403 and body["reason"] == "Forbidden", body
+    assert f"ValidatingAdmissionPolicy '{POLICY}'" in body["message"] and "denied request" in body["message"], body
+    assert message in body["message"], body
+    return exc
+
+
+def message_of(fragment: str) -> str:
+    (validation,) = [v for v in admission.VALIDATIONS if fragment in v.message]
+    return validation.message
+
+
+def test_a_job_that_mounts_a_secret_is_refused_to_the_service_account(env: Env) -> None:
+    refused(env.client, reader_job("reader"), message_of("labelled"))
+
+
+def test_a_job_dressed_as_the_operators_still_may_not_name_an_undeclared_secret(env: Env) -> None:
+    job = dressed_as_the_operators(reader_job("dressed"), env.owner)
+    refused(env.client, job, message_of("every Secret"))
+    # and the other ways out: a shell, a host mount, the pod's token
+    shell = copy.deepcopy(job)
+    shell["metadata"]["annotations"] = {C.ANNOTATION_SECRETS: "not-for-the-operator"}
+    shell["spec"]["template"]["spec"]["containers"][0]["command"] = ["sh", "-c", "cat /s/token"]
+    refused(env.client, shell, message_of("runs `"))
+    host = copy.deepcopy(job)
+    host["spec"]["template"]["spec"]["volumes"] = [{"name": "s", "hostPath": {"path": "/etc"}}]
+    refused(env.client, host, message_of("hostPath"))
+    token = copy.deepcopy(job)
+    token["spec"]["template"]["spec"]["volumes"] = [{"name": "s", "emptyDir": {}}]
+    token["spec"]["template"]["spec"]["automountServiceAccountToken"] = True
+    refused(env.client, token, message_of("ServiceAccount token"))
+    stranger = copy.deepcopy(token)
+    stranger["spec"]["template"]["spec"]["automountServiceAccountToken"] = False
+    stranger["metadata"]["ownerReferences"][0]["kind"] = "Deployment"
+    refused(env.client, stranger, message_of("controlled by"))
+
+
+def test_the_same_job_is_admitted_for_the_admin(env: Env) -> None:
+    """The policy matches the operator's ServiceAccount only: RBAC decides for everyone else."""
+    assert create_job(env.lc.control_plane.api_client, reader_job("admin-reader")) is None
+
+
+def test_the_operators_own_children_were_admitted_and_declare_their_secrets(env: Env) -> None:
+    (job,) = env.lc.list("batch/v1", "jobs", f"{C.LABEL_INSTANCE}={NAME},{C.LABEL_COMPONENT}={C.COMPONENT_FETCH}")
+    assert job["metadata"]["annotations"][C.ANNOTATION_SECRETS] == "fetch-token"
+    assert (job.get("status") or {}).get("succeeded") == 1
+    sts = env.lc.get("apps/v1", "statefulsets", NAME)
+    assert sts is not None and sts["metadata"]["annotations"][C.ANNOTATION_SECRETS] == "extra-config"
+    assert env.lc.status(NAME)["phase"] == C.PHASE_READY
+    log = env.operator.log.read_text(errors="replace")
+    assert "denied request" not in log and POLICY not in log, env.operator.log
+    # and the policy really guards this ServiceAccount: its binding names the policy, its condition the account
+    policy = env.lc.api.get("admissionregistration.k8s.io/v1", "validatingadmissionpolicies", POLICY)
+    assert policy is not None and env.username in policy["spec"]["matchConditions"][0]["expression"]
+
+
+def test_the_service_account_may_annotate_a_server_pod_but_not_change_it(env: Env) -> None:
+    (pod,) = env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={NAME},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+    core, name = CoreV1Api(env.client), pod["metadata"]["name"]
+    core.patch_namespaced_pod(name, NS, {"metadata": {"annotations": {"policyoperator.io/test": "1"}}}, dry_run="All")
+    image = {"spec": {"containers": [{"name": "server", "image": "busybox"}]}}
+    with pytest.raises(ApiException) as denied:
+        core.patch_namespaced_pod(name, NS, image, dry_run="All")
+    assert denied.value.status == 403 and message_of("pod's spec") in denied.value.body, denied.value.body
+
+
+def test_the_service_account_cannot_read_pod_logs(env: Env) -> None:
+    as_sa = f"--as={env.username}"
+    answer = env.lc.kubectl("auth", "can-i", "get", "pods", "--subresource=log", as_sa, check=False)
+    assert answer.stdout.strip() == "no", (answer.stdout, answer.stderr)
+    (pod,) = env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={NAME},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+    with pytest.raises(ApiException) as denied:
+        CoreV1Api(env.client).read_namespaced_pod_log(pod["metadata"]["name"], NS, container="server")
+    assert denied.value.status == 403 and "pods/log" in denied.value.body, denied.value.body
