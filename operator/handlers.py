@@ -172,8 +172,7 @@ def register(
             stats.passes += 1
             stats.last_pass = time.time()
         if outcome is not None:
-            phase = outcome.status.get("phase")
-            logger.debug(f"reconciled: phase={phase} ready={outcome.status.get('ready')}")
+            logger.debug(f"reconciled: phase={outcome.status.phase} ready={outcome.status.ready}")
         return outcome
 
     @kopf.on.login(registry=registry)

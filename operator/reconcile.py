@@ -22,12 +22,13 @@ from policy_operator.operator.kube import Kube
 from policy_operator.operator.manifests import Names
 from policy_operator.operator.plan import plan
 from policy_operator.operator.rank_probe import PROBE_TIMEOUT_S
+from policy_operator.operator.resource import PolicyServerStatus
 from policy_operator.operator.spec import SpecError, parse_spec
 
 
 @dataclass
 class Outcome:
-    status: dict[str, Any]
+    status: PolicyServerStatus
     events: list[Event]
     spec_error: SpecError | None = None
 

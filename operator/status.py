@@ -57,28 +57,10 @@ from policy_operator.operator.kube import Kube, NotFound, Rejected
 from policy_operator.operator.manifests import VOL_CACHE, claim_name, endpoint, selector_string
 from policy_operator.operator.plan import StorageCheck
 from policy_operator.operator.rank_probe import PodHealth
+from policy_operator.operator.resource import CheckpointStatus, PolicyServerStatus
 from policy_operator.operator.spec import PolicyServerSpec
 
 _NOT_YET = (CheckpointPhase.PENDING, CheckpointPhase.DOWNLOADING)
-# Every status key the operator writes; a full write drops those it no longer sets.
-STATUS_KEYS = (
-    "observedGeneration",
-    "phase",
-    "replicas",
-    "readyReplicas",
-    "updatedReplicas",
-    "updatedReadyReplicas",
-    "ready",
-    "ranksReady",
-    "layout",
-    "selector",
-    "endpoint",
-    "templateHash",
-    "lastProgressTime",
-    "checkpoint",
-    "pods",
-    "conditions",
-)
 
 
 def now_rfc3339() -> str:
@@ -303,8 +285,13 @@ def kstatus_conditions(ready: Condition, *, scaled_to_zero: bool = False) -> lis
 
 @dataclass(frozen=True)
 class StatusUpdate:
-    status: dict[str, Any]
+    status: PolicyServerStatus  # only the fields this pass decides are set
     events: list[Event]
+
+    @property
+    def document(self) -> dict[str, Any]:
+        """The status as the API stores it (``status_document``)."""
+        return status_document(self.status)
 
 
 def invalid_status(error: Exception, *, previous: Mapping[str, Any] | None, generation: int, now: str) -> StatusUpdate:
@@ -312,13 +299,13 @@ def invalid_status(error: Exception, *, previous: Mapping[str, Any] | None, gene
     previous = previous or {}
     cond = Condition(COND_VALID, FALSE, Reason.INVALID_SPEC, str(error))
     ready = Condition(COND_READY, FALSE, Reason.INVALID_SPEC, str(error))
-    status = {
-        "observedGeneration": generation,
-        "phase": PHASE_FAILED,
-        "conditions": merge_conditions(
+    status = PolicyServerStatus(
+        observed_generation=generation,
+        phase=PHASE_FAILED,
+        conditions=merge_conditions(
             previous.get("conditions"), [ready, *kstatus_conditions(ready), cond], generation=generation, now=now
         ),
-    }
+    )
     events = condition_events(previous.get("conditions"), [cond]) + phase_event(
         previous.get("phase"), PHASE_FAILED, str(error)
     )
@@ -412,36 +399,36 @@ def build_status(
     ready = ready_condition(phase, available=available, progressing=progressing, desired=workload.desired)
     storage_ready = [storage_condition(spec, storage)] if storage is not None else []
     ck = spec.checkpoint
-    checkpoint_status: dict[str, Any] = {
-        "key": ck.key,
-        "source": ck.source,
-        "path": ck.path,
-        "jobName": checkpoint.job_name,
-        "phase": str(checkpoint.phase),
-        "message": checkpoint.message,
-    }
-    if ck.revision is not None:
-        checkpoint_status["revision"] = ck.revision
-    if checkpoint.progress is not None and checkpoint.phase == CheckpointPhase.DOWNLOADING:
-        checkpoint_status["progress"] = checkpoint.progress.as_status()
-    if workload.serving_key:
-        checkpoint_status["servingKey"] = workload.serving_key
-    if checkpoint.claim_uid and checkpoint.phase == CheckpointPhase.READY:
-        checkpoint_status["claimUid"] = checkpoint.claim_uid
-    status: dict[str, Any] = {
-        "observedGeneration": generation,
-        "phase": phase,
-        "replicas": workload.current if workload.exists else 0,
-        "readyReplicas": ready_pods,
-        "updatedReplicas": len(updated),
-        "updatedReadyReplicas": updated_ready,
-        "ready": f"{min(ready_pods, workload.desired)}/{workload.desired}",
-        "ranksReady": ranks,
-        "layout": spec.layout.label,
-        "selector": selector_string(spec.name),
-        "checkpoint": checkpoint_status,
-        "pods": [p.as_status() for p in pods],
-        "conditions": merge_conditions(
+    downloading = checkpoint.progress is not None and checkpoint.phase == CheckpointPhase.DOWNLOADING
+    checkpoint_status = CheckpointStatus(
+        key=ck.key,
+        source=ck.source,
+        revision=ck.revision,
+        path=ck.path,
+        job_name=checkpoint.job_name,
+        phase=checkpoint.phase,
+        message=checkpoint.message,
+        progress=checkpoint.progress.as_status() if downloading and checkpoint.progress is not None else None,
+        serving_key=workload.serving_key or None,
+        claim_uid=checkpoint.claim_uid if checkpoint.claim_uid and checkpoint.phase == CheckpointPhase.READY else None,
+    )
+    status = PolicyServerStatus(
+        observed_generation=generation,
+        phase=phase,
+        replicas=workload.current if workload.exists else 0,
+        ready_replicas=ready_pods,
+        updated_replicas=len(updated),
+        updated_ready_replicas=updated_ready,
+        ready=f"{min(ready_pods, workload.desired)}/{workload.desired}",
+        ranks_ready=ranks,
+        layout=spec.layout.label,
+        selector=selector_string(spec.name),
+        endpoint=endpoint(spec) if service_exists else None,
+        template_hash=workload.template_hash or None,
+        last_progress_time=progress_since,
+        checkpoint=checkpoint_status,
+        pods=[p.as_status() for p in pods],
+        conditions=merge_conditions(
             prev_conditions,
             [
                 ready,
@@ -454,13 +441,7 @@ def build_status(
             generation=generation,
             now=now,
         ),
-    }
-    if service_exists:
-        status["endpoint"] = endpoint(spec)
-    if workload.template_hash:
-        status["templateHash"] = workload.template_hash
-    if progress_since is not None:
-        status["lastProgressTime"] = progress_since
+    )
     if deadline is not None:
         summary = deadline
     elif phase in (PHASE_PENDING, PHASE_DOWNLOADING, PHASE_FAILED) and block is None:
@@ -478,6 +459,15 @@ def build_status(
 
 # --- writing ----------------------------------------------------------------------------------
 
+# Every status key the schema declares; a full write drops those this pass no longer sets.
+STATUS_FIELDS = tuple(f.alias or name for name, f in PolicyServerStatus.model_fields.items())
+
+
+def status_document(status: PolicyServerStatus) -> dict[str, Any]:
+    """The status as the API stores it: camelCase, and only the fields the pass set (a partial status, such as
+    ``invalid_status``'s, leaves the others as they are)."""
+    return status.model_dump(mode="json", by_alias=True, exclude_none=True, exclude_unset=True)
+
 
 def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any], *, full: bool) -> dict[str, Any] | None:
     """A merge patch from ``previous`` to ``new`` status (None when nothing changed); ``full`` drops stale keys."""
@@ -492,14 +482,15 @@ def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any], *, full: b
             value = {**value, **{k: None for k in old if k not in value}}
         patch[key] = value
     if full:
-        patch.update({k: None for k in STATUS_KEYS if k in previous and k not in new})
+        patch.update({k: None for k in STATUS_FIELDS if k in previous and k not in new})
     return patch or None
 
 
 def write_status(
-    kube: Kube, namespace: str, name: str, previous: Mapping[str, Any], status: Mapping[str, Any], *, full: bool
+    kube: Kube, namespace: str, name: str, previous: Mapping[str, Any], status: PolicyServerStatus, *, full: bool
 ) -> None:
-    patch = status_patch(previous, status, full=full)
+    """Merge-patch the status subresource from ``previous`` (as read) to ``status``, serialized here, once."""
+    patch = status_patch(previous, status_document(status), full=full)
     if patch is not None:
         kube.merge_patch("PolicyServer", namespace, name, {"status": patch}, subresource="status")
 

@@ -282,10 +282,10 @@ def test_status_written_by_the_operator_fits_the_model_and_the_crd(crd: dict[str
         generation=3,
         now="2025-01-01T00:00:00Z",
     )
-    PolicyServerStatus.model_validate(update.status)
-    assert crd_schema.validate(crd, {**obj, "status": update.status}) == []
+    PolicyServerStatus.model_validate(update.document)
+    assert crd_schema.validate(crd, {**obj, "status": update.document}) == []
     with pytest.raises(ValueError, match="handlerResult"):
-        PolicyServerStatus.model_validate({**update.status, "handlerResult": {}})
+        PolicyServerStatus.model_validate({**update.document, "handlerResult": {}})
 
 
 # --- the real apiserver ------------------------------------------------------------------------------

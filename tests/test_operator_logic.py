@@ -20,6 +20,7 @@ from policy_operator.operator import plan as pl
 from policy_operator.operator import status as status_step
 from policy_operator.operator.conditions import Reason
 from policy_operator.operator.kube import KINDS
+from policy_operator.operator.resource import PolicyServerStatus
 from policy_operator.operator.spec import parse_spec
 from tests.support.net import free_port
 
@@ -123,7 +124,7 @@ def test_build_status_counts_pods_and_ranks() -> None:
         generation=4,
         now=NOW,
     )
-    st = update.status
+    st = update.document
     assert (st["ready"], st["readyReplicas"], st["ranksReady"], st["replicas"]) == ("1/2", 1, "3/4", 2)
     assert st["endpoint"] == "ws://ps.ns.svc:8000" and st["observedGeneration"] == 4
     assert st["selector"] == manifests.selector_string("ps") and st["layout"] == "cfgp=2,dp=1"
@@ -150,22 +151,29 @@ def test_losing_every_ready_pod_is_a_warning() -> None:
         workload=workload(desired=1),
         pods=[_pod("a", False, 0, 1)],
         service_exists=True,
-        previous=ready.status,
+        previous=ready.document,
         generation=1,
         now=LATER,
     )
-    assert lost.status["phase"] == C.PHASE_DEGRADED
+    assert lost.document["phase"] == C.PHASE_DEGRADED
     kinds = {(e.type, e.reason) for e in lost.events}
     assert ("Warning", "ReplicasUnavailable") in kinds and ("Warning", C.PHASE_DEGRADED) in kinds
 
 
 def test_invalid_status_keeps_what_runs() -> None:
-    previous = {"phase": "Ready", "conditions": [{"type": "Available", "status": "True", "reason": "ReplicasReady"}]}
+    available = {
+        "type": "Available",
+        "status": "True",
+        "reason": "ReplicasReady",
+        "message": "1/1",
+        "lastTransitionTime": NOW,
+    }
+    previous = {"phase": "Ready", "conditions": [available]}  # as stored: the CRD requires message and the time
     update = status_step.invalid_status(ValueError("spec.x: bad"), previous=previous, generation=5, now=NOW)
-    assert update.status["phase"] == C.PHASE_FAILED
-    types = {c["type"]: c for c in update.status["conditions"]}
+    assert update.document["phase"] == C.PHASE_FAILED
+    types = {c["type"]: c for c in update.document["conditions"]}
     assert types["Valid"]["status"] == "False" and types["Available"]["status"] == "True"
-    assert set(update.status) == {"observedGeneration", "phase", "conditions"}
+    assert set(update.document) == {"observedGeneration", "phase", "conditions"}
 
 
 # --- child_status: the fetch Job -------------------------------------------------------------------------
@@ -530,6 +538,18 @@ def test_status_patch_is_minimal_and_drops_stale_keys() -> None:
     patch = status_step.status_patch(previous, {"phase": "Degraded", "ready": "1/1"}, full=True)
     assert patch == {"phase": "Degraded", "endpoint": None}  # keys it does not own (kopfState) stay
     assert status_step.status_patch(previous, {"phase": "Failed"}, full=False) == {"phase": "Failed"}
+
+
+def test_the_status_keys_a_full_write_may_drop_are_the_schemas() -> None:
+    """build_status returns the CRD's own status model; its fields are the keys a full write owns."""
+    assert set(status_step.STATUS_FIELDS) == {
+        *("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "updatedReadyReplicas"),
+        *("ready", "ranksReady", "layout", "selector", "endpoint", "templateHash", "lastProgressTime"),
+        *("checkpoint", "pods", "conditions"),
+    }
+    update = status_step.invalid_status(ValueError("bad"), previous=None, generation=1, now=NOW)
+    assert isinstance(update.status, PolicyServerStatus) and update.status.pods == []
+    assert "pods" not in update.document  # a partial status leaves what it did not set alone
 
 
 # --- RBAC and CLI ------------------------------------------------------------------------------------

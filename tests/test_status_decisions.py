@@ -92,16 +92,16 @@ def build(
         generation=generation,
         now=now,
     )
-    PolicyServerStatus.model_validate(update.status)  # what the CRD's schema would admit
+    PolicyServerStatus.model_validate(update.document)  # what the CRD's schema would admit
     return update
 
 
 def cond(update: st.StatusUpdate, kind: str) -> dict[str, Any]:
-    return next(c for c in update.status["conditions"] if c["type"] == kind)
+    return next(c for c in update.document["conditions"] if c["type"] == kind)
 
 
 def reasons(update: st.StatusUpdate) -> dict[str, tuple[str, str]]:
-    return {c["type"]: (c["status"], c["reason"]) for c in update.status["conditions"]}
+    return {c["type"]: (c["status"], c["reason"]) for c in update.document["conditions"]}
 
 
 # --- rollouts ------------------------------------------------------------------------------------
@@ -148,13 +148,13 @@ def test_old_pods_ready_mid_rollout_are_available_never_ready(statefulset: dict[
     assert wl.rolling and wl.update_revision == "r2"
     old = [pod("ps-0", ready=True, revision="r1"), pod("ps-1", ready=True, revision="r1")]
     update = build(spec(replicas=2), wl, old, previous={"phase": C.PHASE_READY})
-    assert update.status["phase"] == C.PHASE_STARTING
+    assert update.document["phase"] == C.PHASE_STARTING
     assert reasons(update)[C.COND_AVAILABLE] == ("True", "ReplicasReady")
     assert reasons(update)[C.COND_PROGRESSING] == ("True", "RollingOut")
     assert reasons(update)[C.COND_READY] == ("False", "RollingOut")
     assert reasons(update)[C.COND_RECONCILING] == ("True", "RollingOut")  # kstatus: InProgress
     assert reasons(update)[C.COND_STALLED][0] == "False"
-    assert (update.status["readyReplicas"], update.status["updatedReadyReplicas"]) == (2, 0)
+    assert (update.document["readyReplicas"], update.document["updatedReadyReplicas"]) == (2, 0)
     assert "0 of them on the current spec" in cond(update, C.COND_AVAILABLE)["message"]
 
 
@@ -163,25 +163,25 @@ def test_status_counts_that_lag_the_pods_still_need_every_pod_on_the_new_revisio
     wl = child_status.workload_state(sts(), 2)
     assert not wl.rolling
     update = build(spec(replicas=2), wl, [pod("ps-0", ready=True), pod("ps-1", ready=True, revision="r1")])
-    assert update.status["phase"] == C.PHASE_STARTING and reasons(update)[C.COND_READY][0] == "False"
+    assert update.document["phase"] == C.PHASE_STARTING and reasons(update)[C.COND_READY][0] == "False"
 
 
 def test_rolled_and_ready_is_ready_stable() -> None:
     update = build(
         spec(replicas=2), child_status.workload_state(sts(), 2), [pod("ps-0", ready=True), pod("ps-1", ready=True)]
     )
-    assert update.status["phase"] == C.PHASE_READY
+    assert update.document["phase"] == C.PHASE_READY
     assert reasons(update)[C.COND_PROGRESSING] == ("False", "Stable")
     assert reasons(update)[C.COND_READY] == ("True", "ReplicasReady")
     assert reasons(update)[C.COND_RECONCILING][0] == reasons(update)[C.COND_STALLED][0] == "False"  # kstatus: Current
-    assert "lastProgressTime" not in update.status
+    assert "lastProgressTime" not in update.document
     # Ready is a summary: it gets no Event of its own (the phase and the other conditions already tell)
     assert all(not e.message.startswith(f"{C.COND_READY}=") for e in update.events)
 
 
 def test_ready_is_first_and_every_condition_meets_metav1_condition() -> None:
     update = build(spec(replicas=2), workload(rolling=True), [pod("ps-0", ready=False)])
-    conditions = update.status["conditions"]
+    conditions = update.document["conditions"]
     assert [c["type"] for c in conditions][:3] == [C.COND_READY, C.COND_RECONCILING, C.COND_STALLED]
     for c in conditions:
         assert set(c) >= {"type", "status", "reason", "message", "lastTransitionTime"}
@@ -205,7 +205,7 @@ def test_the_schema_refuses_what_metav1_condition_refuses() -> None:
 
 def test_invalid_spec_says_ready_false() -> None:
     update = st.invalid_status(ValueError("spec.x: bad"), previous=None, generation=2, now=T0)
-    by_type = {c["type"]: (c["status"], c["reason"]) for c in update.status["conditions"]}
+    by_type = {c["type"]: (c["status"], c["reason"]) for c in update.document["conditions"]}
     assert by_type[C.COND_READY] == ("False", "InvalidSpec") and by_type[C.COND_STALLED] == ("True", "InvalidSpec")
     assert by_type[C.COND_RECONCILING][0] == "False"
 
@@ -261,7 +261,7 @@ def test_kstatus_conditions(ready: tuple[str, Reason], scaled_to_zero: bool, rec
 
 def test_scaled_to_zero_is_current_for_kstatus() -> None:
     update = build(spec(replicas=0), workload(desired=0), [])
-    assert update.status["phase"] == C.PHASE_PENDING
+    assert update.document["phase"] == C.PHASE_PENDING
     assert reasons(update)[C.COND_READY] == ("False", "ScaledToZero")
     assert reasons(update)[C.COND_RECONCILING][0] == reasons(update)[C.COND_STALLED][0] == "False"
 
@@ -279,11 +279,11 @@ def test_a_rollout_without_progress_hits_the_deadline_with_the_termination_messa
     wl = workload(desired=1, rolling=True)
     crashing = [pod("ps-0", ready=False, termination=CRASH, message="server: CrashLoopBackOff")]
     first = build(s, wl, crashing, previous={"phase": C.PHASE_DOWNLOADING})
-    assert first.status["phase"] == C.PHASE_STARTING and first.status["lastProgressTime"] == T0
-    before = build(s, wl, crashing, previous=first.status, now=at(60))
-    assert before.status["phase"] == C.PHASE_STARTING and before.status["lastProgressTime"] == T0
-    after = build(s, wl, crashing, previous=before.status, now=at(61))
-    assert after.status["phase"] == C.PHASE_FAILED
+    assert first.document["phase"] == C.PHASE_STARTING and first.document["lastProgressTime"] == T0
+    before = build(s, wl, crashing, previous=first.document, now=at(60))
+    assert before.document["phase"] == C.PHASE_STARTING and before.document["lastProgressTime"] == T0
+    after = build(s, wl, crashing, previous=before.document, now=at(61))
+    assert after.document["phase"] == C.PHASE_FAILED
     progressing = cond(after, C.COND_PROGRESSING)
     assert (progressing["status"], progressing["reason"]) == ("False", "ProgressDeadlineExceeded")
     assert "ValueError: --dtype bogus" in progressing["message"] and "pod ps-0" in progressing["message"]
@@ -293,23 +293,28 @@ def test_a_rollout_without_progress_hits_the_deadline_with_the_termination_messa
     kinds = {(e.type, e.reason) for e in after.events}
     assert ("Warning", "ProgressDeadlineExceeded") in kinds and ("Warning", C.PHASE_FAILED) in kinds
     # it stays failed (the clock is not restarted by being failed) ...
-    again = build(s, wl, crashing, previous=after.status, now=at(120))
-    assert again.status["phase"] == C.PHASE_FAILED and again.status["lastProgressTime"] == T0
+    again = build(s, wl, crashing, previous=after.document, now=at(120))
+    assert again.document["phase"] == C.PHASE_FAILED and again.document["lastProgressTime"] == T0
     # ... until the rollout moves: a new spec restarts the clock
     fixed = build(
-        s, workload(desired=1, rolling=True, template="h3"), crashing, previous=again.status, now=at(130), generation=2
+        s,
+        workload(desired=1, rolling=True, template="h3"),
+        crashing,
+        previous=again.document,
+        now=at(130),
+        generation=2,
     )
-    assert fixed.status["phase"] == C.PHASE_STARTING and fixed.status["lastProgressTime"] == at(130)
+    assert fixed.document["phase"] == C.PHASE_STARTING and fixed.document["lastProgressTime"] == at(130)
 
 
 def test_each_pod_that_becomes_ready_restarts_the_clock() -> None:
     s = spec(replicas=2, progressDeadlineSeconds=60)
     wl = workload(rolling=True)
     one = build(s, wl, [pod("ps-0", ready=False)], previous={"phase": C.PHASE_DOWNLOADING})
-    two = build(s, wl, [pod("ps-0", ready=True), pod("ps-1", ready=False)], previous=one.status, now=at(50))
-    assert two.status["lastProgressTime"] == at(50)
-    late = build(s, wl, [pod("ps-0", ready=True), pod("ps-1", ready=False)], previous=two.status, now=at(100))
-    assert late.status["phase"] == C.PHASE_STARTING
+    two = build(s, wl, [pod("ps-0", ready=True), pod("ps-1", ready=False)], previous=one.document, now=at(50))
+    assert two.document["lastProgressTime"] == at(50)
+    late = build(s, wl, [pod("ps-0", ready=True), pod("ps-1", ready=False)], previous=two.document, now=at(100))
+    assert late.document["phase"] == C.PHASE_STARTING
 
 
 def test_deadline_while_old_pods_serve_is_degraded_not_failed() -> None:
@@ -317,8 +322,8 @@ def test_deadline_while_old_pods_serve_is_degraded_not_failed() -> None:
     wl = workload(desired=1, rolling=True)
     pods = [pod("ps-0", ready=True, revision="r1"), pod("ps-1", ready=False, termination=CRASH)]
     first = build(s, wl, pods, previous={"phase": C.PHASE_READY})
-    late = build(s, wl, pods, previous=first.status, now=at(11))
-    assert late.status["phase"] == C.PHASE_DEGRADED
+    late = build(s, wl, pods, previous=first.document, now=at(11))
+    assert late.document["phase"] == C.PHASE_DEGRADED
     assert reasons(late)[C.COND_AVAILABLE][0] == "True"
     assert reasons(late)[C.COND_PROGRESSING] == ("False", "ProgressDeadlineExceeded")
 
@@ -467,15 +472,15 @@ def test_a_statefulset_short_of_pods_reports_the_refusal() -> None:
     assert complete.failed_create == ""  # no pod is missing: an old Event says nothing
 
     update = build(spec(replicas=1), refused, [], previous={"phase": C.PHASE_DOWNLOADING})
-    assert update.status["phase"] == C.PHASE_PENDING
+    assert update.document["phase"] == C.PHASE_PENDING
     assert reasons(update)[C.COND_AVAILABLE] == ("False", "FailedCreate")
     assert reasons(update)[C.COND_PROGRESSING] == ("True", "FailedCreate")
     assert reasons(update)[C.COND_READY] == ("False", "FailedCreate")
     assert "exceeded quota" in cond(update, C.COND_AVAILABLE)["message"]
     assert ("Warning", "FailedCreate") in {(e.type, e.reason) for e in update.events}
     # refused for longer than the deadline: failed, and the refusal is the reason given
-    late = build(spec(replicas=1, progressDeadlineSeconds=30), refused, [], previous=update.status, now=at(31))
-    assert late.status["phase"] == C.PHASE_FAILED and "exceeded quota" in cond(late, C.COND_PROGRESSING)["message"]
+    late = build(spec(replicas=1, progressDeadlineSeconds=30), refused, [], previous=update.document, now=at(31))
+    assert late.document["phase"] == C.PHASE_FAILED and "exceeded quota" in cond(late, C.COND_PROGRESSING)["message"]
 
 
 def test_a_fetch_job_without_pods_reports_the_refusal() -> None:
@@ -500,7 +505,7 @@ def test_a_fetch_job_without_pods_reports_the_refusal() -> None:
         generation=1,
         now=T0,
     )
-    assert update.status["phase"] == C.PHASE_PENDING
+    assert update.document["phase"] == C.PHASE_PENDING
     assert reasons(update)[C.COND_CHECKPOINT_READY] == ("False", "FailedCreate")
     assert reasons(update)[C.COND_PROGRESSING] == ("True", "FailedCreate")
     assert reasons(update)[C.COND_READY] == ("False", "FailedCreate")
@@ -519,7 +524,7 @@ def test_an_unschedulable_pod_is_pending_and_says_why() -> None:
     health = rank_probe.pod_health(k8s, 8000, 1)
     assert health.unschedulable == why and health.revision == "r2"
     update = build(spec(replicas=1), workload(desired=1, rolling=True), [health], previous={"phase": "Downloading"})
-    assert update.status["phase"] == C.PHASE_PENDING
+    assert update.document["phase"] == C.PHASE_PENDING
     assert reasons(update)[C.COND_AVAILABLE] == ("False", "Unschedulable")
     assert why in cond(update, C.COND_AVAILABLE)["message"]
     assert ("Warning", "Unschedulable") in {(e.type, e.reason) for e in update.events}
@@ -553,14 +558,14 @@ def test_unreachable_readyz_falls_back_to_the_kubelet_and_says_ranks_unknown() -
         workload(desired=1),
         [ready],
     )
-    assert up.status["phase"] == C.PHASE_READY and up.status["ranksReady"] == "2/2"
+    assert up.document["phase"] == C.PHASE_READY and up.document["ranksReady"] == "2/2"
     assert reasons(up)[C.COND_AVAILABLE] == ("True", "RanksUnknown")
     starting = build(
         spec(replicas=1, parallelism={"cfgp": 2}, runtime={"device": "cpu", "guidance": 3.0}),
         workload(desired=1, rolling=True),
         [down],
     )
-    assert starting.status["ranksReady"] == "0/2"
+    assert starting.document["ranksReady"] == "0/2"
     assert reasons(starting)[C.COND_AVAILABLE] == ("False", "NoReplicasReady")
 
 
@@ -578,7 +583,7 @@ def test_a_starting_pod_that_refuses_connections_is_starting_not_ranks_unknown()
         s,
         workload(desired=1, rolling=True),
         [dataclasses.replace(serving, world_size=2, ranks_ready=2), dataclasses.replace(starting, name="ps-1")],
-        previous=before.status,
+        previous=before.document,
         now=at(5),
     )
     assert reasons(rolling)[C.COND_AVAILABLE] == ("True", "ReplicasReady")
@@ -594,12 +599,12 @@ def test_a_server_that_lost_its_pods_stays_replicas_unavailable_until_one_is_bac
     serving = build(s, workload(desired=1), [pod("ps-0", ready=True)])
     assert reasons(serving)[C.COND_AVAILABLE] == ("True", "ReplicasReady")
     down = [pod("ps-0", ready=False)]
-    first = build(s, workload(desired=1), down, previous=serving.status, now=at(5))
-    second = build(s, workload(desired=1), down, previous=first.status, now=at(10))
+    first = build(s, workload(desired=1), down, previous=serving.document, now=at(5))
+    second = build(s, workload(desired=1), down, previous=first.document, now=at(10))
     for update in (first, second):
-        assert update.status["phase"] == C.PHASE_DEGRADED
+        assert update.document["phase"] == C.PHASE_DEGRADED
         assert reasons(update)[C.COND_AVAILABLE] == ("False", "ReplicasUnavailable")
-    back = build(s, workload(desired=1), [pod("ps-0", ready=True)], previous=second.status, now=at(15))
+    back = build(s, workload(desired=1), [pod("ps-0", ready=True)], previous=second.document, now=at(15))
     assert reasons(back)[C.COND_AVAILABLE] == ("True", "ReplicasReady")
     never = build(s, workload(desired=1, rolling=True), down, previous=None)
     assert reasons(never)[C.COND_AVAILABLE] == ("False", "NoReplicasReady")
@@ -652,7 +657,7 @@ def fetch_status(s, state: CheckpointState, previous: dict[str, Any] | None = No
         generation=1,
         now=at(5),
     )
-    PolicyServerStatus.model_validate(update.status)
+    PolicyServerStatus.model_validate(update.document)
     return update
 
 
@@ -667,12 +672,12 @@ def test_an_unschedulable_fetch_pod_is_pending_with_the_schedulers_message_not_d
     assert (state.phase, state.reason) == (CheckpointPhase.PENDING, Reason.UNSCHEDULABLE)
     assert why in state.message
     update = fetch_status(s, state)
-    assert update.status["phase"] == C.PHASE_PENDING and update.status["checkpoint"]["phase"] == "Pending"
+    assert update.document["phase"] == C.PHASE_PENDING and update.document["checkpoint"]["phase"] == "Pending"
     assert reasons(update)[C.COND_CHECKPOINT_READY] == ("False", "Unschedulable")
     assert reasons(update)[C.COND_PROGRESSING] == ("True", "Unschedulable")
     assert reasons(update)[C.COND_READY] == ("False", "Unschedulable") and why in cond(update, C.COND_READY)["message"]
     assert [(e.type, e.reason) for e in update.events if e.type == "Warning"] == [("Warning", "Unschedulable")]
-    again = fetch_status(s, state, previous=update.status)
+    again = fetch_status(s, state, previous=update.document)
     assert not [e for e in again.events if e.type == "Warning"]  # once, not every pass
 
 
@@ -700,7 +705,7 @@ def test_a_fetch_pod_the_kubelet_cannot_start_says_the_kubelets_message() -> Non
     state = fetch_state(s, creating, events=[mount])
     assert state.reason == Reason.FETCH_POD_NOT_STARTING and "FailedMount" in state.message
     update = fetch_status(s, state)
-    assert update.status["phase"] == C.PHASE_PENDING
+    assert update.document["phase"] == C.PHASE_PENDING
     assert reasons(update)[C.COND_PROGRESSING] == ("True", "FetchPodNotStarting")
     assert ("Warning", "FetchPodNotStarting") in {(e.type, e.reason) for e in update.events}
 
@@ -714,7 +719,7 @@ def test_a_fetch_pod_no_scheduler_takes_is_stalled_past_the_progress_deadline() 
     assert (late.phase, late.reason) == (CheckpointPhase.FAILED, Reason.PROGRESS_DEADLINE_EXCEEDED)
     assert "no scheduler has taken it (schedulerName gang-scheduler)" in late.message
     update = fetch_status(s, late)
-    assert update.status["phase"] == C.PHASE_FAILED
+    assert update.document["phase"] == C.PHASE_FAILED
     assert reasons(update)[C.COND_PROGRESSING] == ("False", "ProgressDeadlineExceeded")
     assert reasons(update)[C.COND_STALLED] == ("True", "ProgressDeadlineExceeded")
 
@@ -763,8 +768,8 @@ def test_a_fetch_job_older_than_the_claim_does_not_vouch_for_the_checkpoint() ->
         generation=1,
         now=T0,
     )
-    assert update.status["checkpoint"]["claimUid"] == "c1"
-    PolicyServerStatus.model_validate(update.status)
+    assert update.document["checkpoint"]["claimUid"] == "c1"
+    PolicyServerStatus.model_validate(update.document)
 
 
 def test_the_schedulers_old_warning_does_not_explain_a_pod_it_has_placed() -> None:
