@@ -4,8 +4,8 @@ admission and the local node's kubelet decide; the operator's status must say wh
 One operator and one local node for the module (short resync, tiny checkpoint, 2 CPU steps).  What is
 pinned down: a rollout watched throughout never reads Ready while a pod of the old template serves, nor
 RanksUnknown while the new pod starts; a template that crashes (``--dtype bogus``) reaches
-ProgressDeadlineExceeded with the rank's own error; a ResourceQuota on ``requests.nvidia.com/gpu`` shows up as
-FailedCreate instead of an endless Starting; a fetch pod that cannot start says why and stalls at the
+ProgressDeadlineExceeded with the rank's own error (from its termination message: the operator reads no
+log); a ResourceQuota on ``requests.nvidia.com/gpu`` shows up as FailedCreate instead of an endless Starting; a fetch pod that cannot start says why and stalls at the
 deadline; an apply the apiserver always refuses is Stalled, not retried; and a PolicyServer at rest costs the
 operator (as its own ServiceAccount) no API request.
 The decisions themselves are unit-tested in tests/test_status_decisions.py.
@@ -25,7 +25,6 @@ import yaml
 
 from policy_operator import constants as C
 from tests.support.http_checkpoint_server import CheckpointServer
-from tests.support.kubelet_logs import ContainerLogServer
 from tests.support.local_node_cluster import LocalCluster, OperatorProcess, for_local_node, free_port_on
 from tests.support.net import wait_for
 from tests.support.servers import VENV_BIN
@@ -82,13 +81,10 @@ def env(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
     source = CheckpointServer(work / "src").start()
     lc = LocalCluster(control_plane, work / "cluster", NS, backoff_s=1.0, resync_s=RESYNC_S, gpus=2)
     lc.operator.probe_timeout_s = 0.5
-    logs = ContainerLogServer(lc.node)  # pods/log: where a crashed rank's error is when its message lost it
     try:
         lc.start()
-        logs.start()
         yield Env(lc, source, free_port_on(["127.0.0.1", *lc.node.ips(16)]))
     finally:
-        logs.stop()
         lc.stop()
         source.stop()
     lc.node.raise_errors()
