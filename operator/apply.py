@@ -15,7 +15,8 @@ from typing import Any
 from policy_operator.constants import COND_PROGRESSING
 from policy_operator.operator.conditions import FALSE, Condition, Event, Reason
 from policy_operator.operator.kube import Kube, Rejected
-from policy_operator.operator.plan import Plan, Verb
+from policy_operator.operator.plan import Plan
+from policy_operator.operator.writes import Verb
 
 
 @dataclass

@@ -419,6 +419,32 @@ def waiting_for_fetch_pod(job_name: str, waiting: str = "") -> CheckpointState:
     )
 
 
+def spec_replicas(sts: Mapping[str, Any]) -> int:
+    """The StatefulSet's spec.replicas (the apiserver defaults it to 1)."""
+    replicas = (sts.get("spec") or {}).get("replicas")
+    return 1 if replicas is None else int(replicas)
+
+
+def statefulset_rolled(sts: Mapping[str, Any]) -> bool:
+    """The StatefulSet controller has seen the latest spec and every pod it counts runs the update revision.
+
+    That is: observedGeneration is current, as many pods exist as spec.replicas
+    asks and all of them are updated, and the current revision *is* the update
+    revision (once the controller reports one).  Ready pods before that may be
+    old pods.  ``workload_state`` (Ready) and ``rollout.fully_rolled`` (the cache
+    cleanup) both start from this one check.
+    """
+    meta, status = sts.get("metadata") or {}, sts.get("status") or {}
+    replicas = spec_replicas(sts)
+    update = status.get("updateRevision")
+    return (
+        int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 1)
+        and int(status.get("replicas") or 0) == replicas
+        and int(status.get("updatedReplicas") or 0) == replicas
+        and (not update or status.get("currentRevision") == update)
+    )
+
+
 @dataclass(frozen=True)
 class WorkloadState:
     exists: bool
@@ -448,16 +474,10 @@ def workload_state(
     """
     if sts is None:
         return WorkloadState(exists=False, desired=desired, rolling=desired > 0)
-    meta, spec, status = sts.get("metadata") or {}, sts.get("spec") or {}, sts.get("status") or {}
-    replicas = spec.get("replicas", 1)
+    meta, status = sts.get("metadata") or {}, sts.get("status") or {}
+    replicas = spec_replicas(sts)
     current = status.get("replicas") or 0
-    rolling = (
-        (status.get("observedGeneration") or 0) < (meta.get("generation") or 1)
-        or current != replicas
-        or (status.get("updatedReplicas") or 0) < replicas
-        or (bool(status.get("updateRevision")) and status.get("currentRevision") != status.get("updateRevision"))
-        or replicas != desired
-    )
+    rolling = not statefulset_rolled(sts) or replicas != desired
     live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
     refused = failed_create(sts, events, pods) if len(live) < replicas else ""
     return WorkloadState(

@@ -8,15 +8,13 @@ first; the StatefulSet and Services only once a checkpoint is ready to serve.
 
 The StatefulSet and the Services are *server-side applied* on every pass, not
 only when they differ: an apply that changes nothing is a no-op on the API
-server, and one that does change something is a hand edit being put back.
-What apply cannot take back (fields another manager added: an env entry of
-``kubectl set env``, a Service port edited into another key) is found in
-managedFields and replaced whole by a merge patch first, with a ``Repaired``
-Warning.  Which pods to replace for a new template is ``rollout.py``'s.
-The claim and the Jobs are created once: a claim's spec is immutable after
-binding except its size, which grows when the StorageClass allows expansion
-(``_plan_storage``), and a Job's template always is.  The PodDisruptionBudget
-is applied like the Services while replicas > 1 and deleted below that.
+server, and one that does change something is a hand edit being put back;
+what apply cannot take back is ``drift.py``'s.  Which pods to replace for a
+new template is ``rollout.py``'s; the cache claims and StorageReady are
+``storage_plan.py``'s.  The claim and the Jobs are created once (a Job's
+template is immutable).  The PodDisruptionBudget is applied like the Services
+while replicas > 1 and deleted below that.  Once every pod serves the new
+checkpoint, a cleanup Job prunes the old ones from the shared cache.
 """
 
 from __future__ import annotations
@@ -24,10 +22,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
-
-import kopf
 
 from policy_operator.constants import (
     ANNOTATION_CHECKPOINT_REVISION,
@@ -36,48 +31,20 @@ from policy_operator.constants import (
     ANNOTATION_TEMPLATE_HASH,
     COMPONENT_CACHE_GC,
     COMPONENT_FETCH,
-    COND_PROGRESSING,
-    FIELD_MANAGER,
     LABEL_CHECKPOINT_KEY,
     LABEL_COMPONENT,
-    LABEL_INSTANCE,
-    LABEL_MANAGED_BY,
-    MANAGED_BY,
 )
 from policy_operator.operator import manifests
 from policy_operator.operator.child_status import CheckpointPhase, CheckpointState
-from policy_operator.operator.conditions import FALSE, Condition, Event, Reason
+from policy_operator.operator.conditions import Condition, Event, Reason
+from policy_operator.operator.drift import service_repair, template_repair
 from policy_operator.operator.manifests import Names, ServingCheckpoint
 from policy_operator.operator.observe import Observed
-from policy_operator.operator.rollout import plan_rollout, start_ordinal
+from policy_operator.operator.ownership import adopted, conflict, controlled_by, labelled_ours
+from policy_operator.operator.rollout import fully_rolled, plan_rollout, start_ordinal
 from policy_operator.operator.spec import PolicyServerSpec
-
-
-class Verb(StrEnum):
-    APPLY = "apply"  # server-side apply, every pass
-    CREATE = "create"  # only when missing
-    PATCH = "patch"  # a merge patch of a few fields
-    DELETE = "delete"  # an owned child the spec no longer asks for
-
-
-@dataclass(frozen=True)
-class Write:
-    verb: Verb
-    kind: str
-    name: str
-    body: dict[str, Any]
-    event: Event | None = None  # posted once the write succeeded; None: nothing a human needs to hear
-
-
-@dataclass(frozen=True)
-class StorageCheck:
-    """The cache claims against spec.storage, as planning found them: what is wrong, and what grows.
-
-    ``status.storage_condition`` turns it into StorageReady, next to the other conditions.
-    """
-
-    problems: tuple[tuple[Reason, str], ...] = ()  # (reason, message), the first one's reason wins
-    growing: tuple[str, ...] = ()  # claims patched to a larger size by this pass
+from policy_operator.operator.storage_plan import StorageCheck, cache_modes, check_storage, plan_claim
+from policy_operator.operator.writes import Verb, Write
 
 
 @dataclass
@@ -89,44 +56,8 @@ class Plan:
     storage: StorageCheck | None = None  # what status.py says as StorageReady
 
     @property
-    def changes(self) -> list[Write]:
-        """The writes that change something (those with an Event); the rest re-assert what exists."""
-        return [w for w in self.writes if w.event is not None]
-
-    @property
     def blocked(self) -> bool:
         return self.problem is not None and self.problem.reason == Reason.NAME_CONFLICT
-
-
-# --- ownership --------------------------------------------------------------------------------
-
-
-def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
-    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
-    return any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
-
-
-def labelled_ours(obj: Mapping[str, Any], name: str) -> bool:
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    return labels.get(LABEL_MANAGED_BY) == MANAGED_BY and labels.get(LABEL_INSTANCE) == name
-
-
-def _conflict(kind: str, name: str, why: str) -> Condition:
-    return Condition(
-        COND_PROGRESSING, FALSE, Reason.NAME_CONFLICT, f"{kind} {name} exists but {why}; rename or delete it"
-    )
-
-
-def _adopted(obj: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
-    obj = copy.deepcopy(obj)
-    kopf.adopt(obj, owner=owner)  # type: ignore[arg-type]
-    return obj
-
-
-def _owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
-    obj: dict[str, Any] = {"metadata": {}}
-    kopf.append_owner_reference(obj, owner=owner)  # type: ignore[arg-type]
-    return obj["metadata"]["ownerReferences"][0]
 
 
 # --- the parts ------------------------------------------------------------------------------
@@ -151,193 +82,6 @@ def serving_checkpoint(
     )
 
 
-def _plan_pvc(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], pvc: Mapping[str, Any] | None) -> None:
-    names, uid = Names(spec.name), owner["metadata"]["uid"]
-    if spec.storage.per_pod:
-        return  # the StatefulSet controller makes one claim per pod from the volumeClaimTemplate
-    if spec.storage.existing_claim:
-        if pvc is None:
-            plan.problem = Condition(
-                COND_PROGRESSING,
-                FALSE,
-                Reason.CLAIM_NOT_FOUND,
-                f"storage.existingClaim {spec.storage.existing_claim} does not exist",
-            )
-        return
-    want_owned = not spec.storage.retain_on_delete
-    if pvc is None:
-        body = manifests.build_pvc(spec)
-        body = _adopted(body, owner) if want_owned else body
-        plan.writes.append(
-            Write(
-                Verb.CREATE,
-                "PersistentVolumeClaim",
-                names.pvc,
-                body,
-                Event("Normal", "Created", f"created PersistentVolumeClaim {names.pvc}"),
-            )
-        )
-        return
-    if not labelled_ours(pvc, spec.name):
-        plan.problem = _conflict("PersistentVolumeClaim", names.pvc, "was not created for this PolicyServer")
-        return
-    # retainOnDelete decides whether garbage collection may take the cache with the PolicyServer
-    refs = list((pvc.get("metadata") or {}).get("ownerReferences") or [])
-    others = [r for r in refs if r.get("uid") != uid]
-    wanted = others + ([_owner_reference(owner)] if want_owned else [])
-    if len(wanted) != len(refs) or (want_owned and not controlled_by(pvc, uid)):
-        verb = "owned by" if want_owned else "released from"
-        plan.writes.append(
-            Write(
-                Verb.PATCH,
-                "PersistentVolumeClaim",
-                names.pvc,
-                {"metadata": {"ownerReferences": wanted or None}},
-                Event(
-                    "Normal",
-                    "Updated",
-                    f"PersistentVolumeClaim {names.pvc} {verb} the "
-                    f"PolicyServer (retainOnDelete={spec.storage.retain_on_delete})",
-                ),
-            )
-        )
-
-
-def _bytes(quantity: Any) -> Any:
-    from kubernetes.utils import parse_quantity
-
-    return parse_quantity(quantity) if quantity is not None else None
-
-
-def _expandable(storage_class: Mapping[str, Any] | None) -> bool | None:
-    """The StorageClass's allowVolumeExpansion; None when it could not be read (the apiserver then decides)."""
-    if storage_class is None:
-        return None
-    return bool(storage_class.get("allowVolumeExpansion"))
-
-
-def _plan_storage(
-    plan: Plan,
-    spec: PolicyServerSpec,
-    claims: Sequence[Mapping[str, Any]],
-    storage_class: Mapping[str, Any] | None,
-    sts: Mapping[str, Any] | None,
-) -> list[Write]:
-    """What StorageReady says, and the writes that grow claims (run last: a refused growth must not stop the rest).
-
-    A claim's access modes and class cannot change after it is made: an
-    explicit spec that differs gets a Warning and a False condition instead of
-    silence.  A larger storage.size grows every cache claim the operator made
-    when their StorageClass allows expansion; a smaller one never shrinks a
-    claim.  An existingClaim is the user's: only read.
-    """
-    storage = spec.storage
-    problems: list[tuple[Reason, str]] = []
-    grows: list[Write] = []
-    if sts is not None:
-        has_templates = bool((sts.get("spec") or {}).get("volumeClaimTemplates"))
-        if has_templates != storage.per_pod:
-            was = "perPod" if has_templates else "shared"
-            problems.append(
-                (
-                    Reason.IMMUTABLE_CHANGE,
-                    f"storage.mode {storage.mode} cannot replace {was} on an existing PolicyServer (a "
-                    f"StatefulSet's volumeClaimTemplates are immutable); the pods are left as they are: set "
-                    f"it back to {was}, or delete and recreate the PolicyServer",
-                )
-            )
-    for claim in claims:
-        meta = claim.get("metadata") or {}
-        if meta.get("deletionTimestamp"):
-            problems.append(
-                (
-                    Reason.CLAIM_TERMINATING,
-                    f"PersistentVolumeClaim {meta.get('name')} is being deleted: it goes once no pod uses it "
-                    f"(kubernetes.io/pvc-protection), then a new, empty claim is made and the checkpoint is "
-                    f"fetched again",
-                )
-            )
-    if not storage.existing_claim:
-        want = _bytes(storage.size)
-        for claim in claims:
-            name = str((claim.get("metadata") or {}).get("name"))
-            claim_spec = claim.get("spec") or {}
-            modes = sorted(claim_spec.get("accessModes") or [])
-            if storage.access_modes and modes != sorted(storage.access_modes):
-                problems.append(
-                    (
-                        Reason.IMMUTABLE_CHANGE,
-                        f"PersistentVolumeClaim {name} has access modes {modes}, the spec asks for "
-                        f"{sorted(storage.access_modes)}: access modes cannot change after creation; "
-                        f"delete the claim (the checkpoint downloads again) or restore the spec",
-                    )
-                )
-            if storage.storage_class_name and claim_spec.get("storageClassName") != storage.storage_class_name:
-                problems.append(
-                    (
-                        Reason.IMMUTABLE_CHANGE,
-                        f"PersistentVolumeClaim {name} has StorageClass {claim_spec.get('storageClassName')}, "
-                        f"the spec asks for {storage.storage_class_name}: a claim's class cannot change; "
-                        f"delete the claim (the checkpoint downloads again) or restore the spec",
-                    )
-                )
-            have = _bytes(((claim_spec.get("resources") or {}).get("requests") or {}).get("storage"))
-            if have is None or want == have:
-                continue
-            if want < have:
-                problems.append(
-                    (
-                        Reason.IMMUTABLE_CHANGE,
-                        f"PersistentVolumeClaim {name} requests {claim_spec['resources']['requests']['storage']}"
-                        f"; storage.size {storage.size} is smaller and a claim never shrinks",
-                    )
-                )
-            elif _expandable(storage_class) is False:
-                problems.append(
-                    (
-                        Reason.EXPANSION_NOT_ALLOWED,
-                        f"PersistentVolumeClaim {name} stays at {claim_spec['resources']['requests']['storage']}"
-                        f": StorageClass {(storage_class or {}).get('metadata', {}).get('name')} does not "
-                        f"allow volume expansion (allowVolumeExpansion is not true)",
-                    )
-                )
-            else:
-                grows.append(
-                    Write(
-                        Verb.PATCH,
-                        "PersistentVolumeClaim",
-                        name,
-                        manifests.grown_claim_patch(storage.size),
-                        Event(
-                            "Normal",
-                            "Expanding",
-                            f"PersistentVolumeClaim {name}: "
-                            f"{claim_spec['resources']['requests']['storage']} -> {storage.size}",
-                        ),
-                    )
-                )
-        shared_claim = claims[0] if claims and not storage.per_pod else None
-        if shared_claim is not None and spec.replicas > 1:
-            modes = (shared_claim.get("spec") or {}).get("accessModes") or []
-            if not manifests.cache_is_shared(modes):
-                problems.append(
-                    (
-                        Reason.CACHE_NOT_SHARED,
-                        f"{spec.replicas} replicas share the ReadWriteOnce cache "
-                        f"{(shared_claim.get('metadata') or {}).get('name')}: a pod affinity keeps them all "
-                        f"on one node (they fit only if one node has room for all of them); use "
-                        f"ReadWriteMany storage or storage.mode perPod",
-                    )
-                )
-    plan.storage = StorageCheck(tuple(problems), tuple(w.name for w in grows))
-    return grows
-
-
-def _cache_modes(spec: PolicyServerSpec, pvc: Mapping[str, Any] | None) -> tuple[str, ...]:
-    """The shared cache claim's access modes as they are (a claim keeps those it was made with), else the spec's."""
-    return tuple(((pvc or {}).get("spec") or {}).get("accessModes") or spec.access_modes)
-
-
 def _plan_job(
     plan: Plan,
     spec: PolicyServerSpec,
@@ -351,7 +95,7 @@ def _plan_job(
     if spec.storage.per_pod:
         return  # every pod fetches into its own claim (an init container)
     if job is not None and not labelled_ours(job, spec.name):
-        plan.problem = _conflict("Job", job_name, "was not created for this PolicyServer")
+        plan.problem = conflict("Job", job_name, "was not created for this PolicyServer")
     elif job is not None and checkpoint.stale_job:  # it filled a claim that is gone: the next pass fetches again
         plan.writes.append(
             Write(
@@ -372,71 +116,10 @@ def _plan_job(
                 Verb.CREATE,
                 "Job",
                 job_name,
-                _adopted(manifests.build_fetch_job(spec, _cache_modes(spec, pvc)), owner),
+                adopted(manifests.build_fetch_job(spec, cache_modes(spec, pvc)), owner),
                 Event("Normal", "Created", f"created fetch Job {job_name} for {spec.checkpoint.source}"),
             )
         )
-
-
-# --- drift: fields of the operator's children that another manager wrote -----------------------------
-
-
-def foreign_managers(obj: Mapping[str, Any], *path: str) -> list[str]:
-    """Field managers other than the operator that own fields under ``path`` (``"spec", "template"``).
-
-    Server-side apply takes back the fields the operator sets, but leaves
-    those it never set and another manager added (``kubectl set env`` adds an
-    env entry owned by ``kubectl-set``).  Those are found in managedFields.
-    """
-    found = []
-    for entry in (obj.get("metadata") or {}).get("managedFields") or []:
-        if entry.get("manager") == FIELD_MANAGER:
-            continue
-        node: Any = entry.get("fieldsV1") or {}
-        for part in path:
-            node = node.get(f"f:{part}") if isinstance(node, dict) else None
-        if node:
-            found.append(str(entry.get("manager")))
-    return sorted(set(found))
-
-
-def replacement_patch(live: Any, desired: Any) -> Any:
-    """A merge patch that turns ``live`` into ``desired``: every map key only ``live`` has set to null.
-
-    Lists are replaced whole by a merge patch; a key the API server had
-    defaulted comes back with its default, so the result is ``desired`` as
-    the API server stores it, whoever wrote the rest.
-    """
-    if not isinstance(live, dict) or not isinstance(desired, dict):
-        return copy.deepcopy(desired)
-    out: dict[str, Any] = {key: None for key in live if key not in desired}
-    for key, value in desired.items():
-        out[key] = replacement_patch(live.get(key), value)
-    return out
-
-
-def _repair_template(plan: Plan, name: str, sts: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
-    """Put the pod template back whole when another manager wrote into it (a PATCH before the apply)."""
-    managers = foreign_managers(sts, "spec", "template")
-    if not managers:
-        return False
-    live = ((sts.get("spec") or {}).get("template")) or {}
-    plan.writes.append(
-        Write(
-            Verb.PATCH,
-            "StatefulSet",
-            name,
-            {"spec": {"template": replacement_patch(live, desired["spec"]["template"])}},
-            Event(
-                "Warning",
-                "Repaired",
-                f"StatefulSet {name}: the pod template had fields written by "
-                f"{', '.join(managers)}; put back as the PolicyServer says "
-                f"(no pod was replaced for them)",
-            ),
-        )
-    )
-    return True
 
 
 def _plan_statefulset(
@@ -449,7 +132,7 @@ def _plan_statefulset(
 ) -> None:
     names, uid = Names(spec.name), owner["metadata"]["uid"]
     assert plan.serving is not None
-    desired = _adopted(manifests.build_statefulset(spec, plan.serving, _cache_modes(spec, pvc)), owner)
+    desired = adopted(manifests.build_statefulset(spec, plan.serving, cache_modes(spec, pvc)), owner)
     want_hash = desired["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH]
     if sts is None:
         plan.writes.append(
@@ -469,7 +152,7 @@ def _plan_statefulset(
         )
         return
     if not controlled_by(sts, uid):
-        plan.problem = _conflict("StatefulSet", names.statefulset, "is not controlled by this PolicyServer")
+        plan.problem = conflict("StatefulSet", names.statefulset, "is not controlled by this PolicyServer")
         return
     templates = (sts.get("spec") or {}).get("volumeClaimTemplates")
     if bool(templates) != spec.storage.per_pod:
@@ -478,7 +161,10 @@ def _plan_statefulset(
         # volumeClaimTemplates are immutable: keep them (a larger size grows the existing claims instead)
         desired["spec"]["volumeClaimTemplates"] = copy.deepcopy(templates)
     meta, current_spec = sts.get("metadata") or {}, sts.get("spec") or {}
-    drifted = _repair_template(plan, names.statefulset, sts, desired)
+    repair = template_repair(names.statefulset, sts, desired)
+    if repair is not None:
+        plan.writes.append(repair)
+    drifted = repair is not None
     rollout = plan_rollout(
         spec.replicas, sts, want_hash, pods, retire_by_ordinal=not spec.storage.per_pod, drifted=drifted
     )
@@ -509,45 +195,19 @@ def _plan_statefulset(
         plan.warnings.append(rollout.event)  # posted after the writes, like every warning of the plan
 
 
-def _service_repair(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The merge patch removing ports and selector keys another manager added to a Service; None: none.
-
-    Service ports are a list map keyed by (port, protocol): a port edited by
-    hand is another key, owned by its editor, which server-side apply keeps
-    next to the operator's, and two ports named ``ws`` are refused (422
-    ``Duplicate value``) on every later apply.  A merge patch replaces the list
-    whole (a port kept keeps its nodePort).
-    """
-    if not foreign_managers(existing, "spec", "ports") and not foreign_managers(existing, "spec", "selector"):
-        return None  # a spec change: server-side apply moves the operator's own port
-    have, want = existing.get("spec") or {}, desired["spec"]
-    patch: dict[str, Any] = {}
-    keys = {(p.get("port"), p.get("protocol", "TCP")): p for p in have.get("ports") or []}
-    if set(keys) != {(p["port"], p.get("protocol", "TCP")) for p in want["ports"]}:
-        patch["ports"] = [
-            {**p, **({"nodePort": keys[key]["nodePort"]} if key in keys and "nodePort" in keys[key] else {})}
-            for p in want["ports"]
-            for key in [(p["port"], p.get("protocol", "TCP"))]
-        ]
-    extra = set(have.get("selector") or {}) - set(want["selector"])
-    if extra:
-        patch["selector"] = {**dict.fromkeys(sorted(extra)), **want["selector"]}
-    return {"spec": patch} if patch else None
-
-
 def _plan_service(
     plan: Plan, owner: Mapping[str, Any], existing: Mapping[str, Any] | None, desired: dict[str, Any]
 ) -> None:
     name = desired["metadata"]["name"]
-    desired = _adopted(desired, owner)
+    desired = adopted(desired, owner)
     if existing is None:
         plan.writes.append(
             Write(Verb.APPLY, "Service", name, desired, Event("Normal", "Created", f"created Service {name}"))
         )
     elif not controlled_by(existing, owner["metadata"]["uid"]):
-        plan.problem = _conflict("Service", name, "is not controlled by this PolicyServer")
+        plan.problem = conflict("Service", name, "is not controlled by this PolicyServer")
     else:
-        repair = _service_repair(existing, desired)
+        repair = service_repair(existing, desired)
         if repair is not None:
             have = [
                 f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in (existing.get("spec") or {}).get("ports") or []
@@ -582,7 +242,7 @@ def _plan_pdb(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], exis
     """A PodDisruptionBudget while replicas > 1 (applied every pass, like the Services); deleted below that."""
     name, uid = Names(spec.name).pdb, owner["metadata"]["uid"]
     if existing is not None and not controlled_by(existing, uid):
-        plan.problem = _conflict("PodDisruptionBudget", name, "is not controlled by this PolicyServer")
+        plan.problem = conflict("PodDisruptionBudget", name, "is not controlled by this PolicyServer")
     elif spec.replicas > 1:
         event = (
             Event(
@@ -594,7 +254,7 @@ def _plan_pdb(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], exis
             else None
         )
         plan.writes.append(
-            Write(Verb.APPLY, "PodDisruptionBudget", name, _adopted(manifests.build_pdb(spec), owner), event)
+            Write(Verb.APPLY, "PodDisruptionBudget", name, adopted(manifests.build_pdb(spec), owner), event)
         )
     elif existing is not None:
         plan.writes.append(
@@ -606,28 +266,6 @@ def _plan_pdb(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], exis
                 Event("Normal", "Deleted", f"deleted PodDisruptionBudget {name}: {spec.replicas} replica(s)"),
             )
         )
-
-
-def fully_rolled(sts: Mapping[str, Any] | None, key: str) -> bool:
-    """Every pod of the StatefulSet runs its current template, which serves ``key``, and is ready.
-
-    Until then an old pod may still read an old checkpoint directory, so
-    nothing may be removed from the cache.
-    """
-    if sts is None:
-        return False
-    meta, spec, status = sts.get("metadata") or {}, sts.get("spec") or {}, sts.get("status") or {}
-    template_labels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
-    replicas = int(spec.get("replicas") or 0)
-    return (
-        template_labels.get(LABEL_CHECKPOINT_KEY) == key
-        and int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 1)
-        and bool(status.get("updateRevision"))
-        and status.get("currentRevision") == status.get("updateRevision")
-        and int(status.get("replicas") or 0) == replicas
-        and int(status.get("updatedReplicas") or 0) == replicas
-        and int(status.get("readyReplicas") or 0) == replicas
-    )
 
 
 def _job_finished(job: Mapping[str, Any]) -> bool:
@@ -705,7 +343,7 @@ def _plan_gc(
     if others:
         return
     name = Names(spec.name).gc_job(key)
-    body = _adopted(manifests.build_gc_job(spec, key, _cache_modes(spec, observed.pvc)), owner)
+    body = adopted(manifests.build_gc_job(spec, key, cache_modes(spec, observed.pvc)), owner)
     plan.writes.append(
         Write(
             Verb.CREATE,
@@ -727,8 +365,9 @@ def plan(spec: PolicyServerSpec, owner: Mapping[str, Any], observed: Observed, c
     cleanup Job; claim growth last (a refused expansion stops nothing else)."""
     result = Plan()
     claims = observed.cache_claims if spec.storage.per_pod else [c for c in [observed.pvc] if c is not None]
-    grows = _plan_storage(result, spec, claims, observed.storage_class, observed.statefulset)
-    _plan_pvc(result, spec, owner, observed.pvc)
+    result.storage, grows = check_storage(spec, claims, observed.storage_class, observed.statefulset)
+    claim_write, result.problem = plan_claim(spec, owner, observed.pvc)
+    result.writes += [claim_write] if claim_write is not None else []
     if result.blocked:
         return result
     cleanup = None if spec.storage.per_pod else cleanup_running(spec, observed)

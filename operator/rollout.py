@@ -28,7 +28,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from policy_operator.constants import ANNOTATION_SURGE, ANNOTATION_TEMPLATE_HASH, LABEL_CONTROLLER_REVISION_HASH
+from policy_operator.constants import (
+    ANNOTATION_SURGE,
+    ANNOTATION_TEMPLATE_HASH,
+    LABEL_CHECKPOINT_KEY,
+    LABEL_CONTROLLER_REVISION_HASH,
+)
+from policy_operator.operator.child_status import spec_replicas, statefulset_rolled
 from policy_operator.operator.conditions import Event
 
 SURGE: Final = "surge"
@@ -85,6 +91,24 @@ def unschedulable(pod: Mapping[str, Any] | None) -> str | None:
     if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         return str(scheduled.get("message") or "Unschedulable")
     return None
+
+
+def fully_rolled(sts: Mapping[str, Any] | None, key: str) -> bool:
+    """Every pod of the StatefulSet runs its current template, which serves ``key``, and is ready.
+
+    Until then an old pod may still read an old checkpoint directory, so
+    nothing may be removed from the cache.
+    """
+    if sts is None:
+        return False
+    template_labels = (((sts.get("spec") or {}).get("template") or {}).get("metadata") or {}).get("labels") or {}
+    status = sts.get("status") or {}
+    return (
+        template_labels.get(LABEL_CHECKPOINT_KEY) == key
+        and statefulset_rolled(sts)
+        and bool(status.get("updateRevision"))
+        and int(status.get("readyReplicas") or 0) == spec_replicas(sts)
+    )
 
 
 def _pod_name(pod: Mapping[str, Any]) -> str:

@@ -421,14 +421,19 @@ def test_pod_port_follows_the_pods_own_spec() -> None:
 # --- the plan -----------------------------------------------------------------------------------------
 
 
+def changes(plan: pl.Plan) -> list[pl.Write]:
+    """The writes that change something (those with an Event); the rest re-assert what exists."""
+    return [w for w in plan.writes if w.event is not None]
+
+
 def created(plan: pl.Plan) -> list[str]:
-    return [f"{w.kind}/{w.name}" for w in plan.changes if w.event.reason == "Created"]
+    return [f"{w.kind}/{w.name}" for w in changes(plan) if w.event.reason == "Created"]
 
 
 def as_observed(plan: pl.Plan, observed: pl.Observed | None = None) -> pl.Observed:
     """Feed the plan's created objects back as if the API server had stored them."""
     observed = observed or pl.Observed()
-    for action in plan.changes:
+    for action in changes(plan):
         if action.event.reason != "Created":
             continue
         attr = {"PersistentVolumeClaim": "pvc", "Job": "job", "StatefulSet": "statefulset"}.get(action.kind)
@@ -445,14 +450,14 @@ def test_plan_order_and_idempotence() -> None:
     assert created(first) == ["PersistentVolumeClaim/ps-cache", f"Job/ps-fetch-{s.checkpoint.key}"]
     assert first.serving is None
     observed = as_observed(first)
-    assert pl.plan(s, OWNER, observed, pending).changes == []  # nothing twice
+    assert changes(pl.plan(s, OWNER, observed, pending)) == []  # nothing twice
     ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
     second = pl.plan(s, OWNER, observed, ready)
     assert created(second) == ["StatefulSet/ps", "Service/ps-pods", "Service/ps"]
     for action in second.writes:
         assert action.body["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     again = pl.plan(s, OWNER, as_observed(second, observed), ready)
-    assert again.changes == []
+    assert changes(again) == []
     # every pass still server-side applies what it owns, so a hand edit is put back
     assert [(w.verb, w.kind) for w in again.writes] == [
         (pl.Verb.APPLY, "StatefulSet"),
@@ -469,11 +474,11 @@ def test_plan_keeps_the_old_checkpoint_serving_while_the_new_one_downloads() -> 
     observed.job = None  # the new key's Job does not exist yet
     plan = pl.plan(new, OWNER, observed, downloading)
     assert created(plan) == [f"Job/ps-fetch-{new.checkpoint.key}"]
-    assert plan.serving.key == old.checkpoint.key and plan.changes[1:] == []
+    assert plan.serving.key == old.checkpoint.key and changes(plan)[1:] == []
     [kept] = [w for w in plan.writes if w.kind == "StatefulSet"]
     assert kept.body["spec"]["template"] == observed.statefulset["spec"]["template"]
     rolled = pl.plan(new, OWNER, observed, ready)
-    [patch] = [a for a in rolled.changes if a.kind == "StatefulSet"]
+    [patch] = [a for a in changes(rolled) if a.kind == "StatefulSet"]
     assert patch.body["spec"]["template"] != observed.statefulset["spec"]["template"]
     assert f"{old.checkpoint.key} -> {new.checkpoint.key}" in patch.event.message
 
@@ -482,7 +487,7 @@ def test_scaling_patches_replicas_not_the_template() -> None:
     ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
     observed = as_observed(pl.plan(spec(replicas=1), OWNER, pl.Observed(), ready))
     plan = pl.plan(spec(replicas=3), OWNER, observed, ready)
-    patch, pdb = plan.changes
+    patch, pdb = changes(plan)
     assert patch.body["spec"]["replicas"] == 3 and "scaling 1 -> 3 pods" in patch.event.message
     assert patch.body["spec"]["template"] == observed.statefulset["spec"]["template"]
     assert pdb.kind == "PodDisruptionBudget"

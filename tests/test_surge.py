@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from policy_operator import constants as C
-from policy_operator.operator import child_status
+from policy_operator.operator import child_status, drift
 from policy_operator.operator import plan as pl
 from policy_operator.operator import rollout as ro
 from policy_operator.operator.spec import parse_spec
@@ -213,8 +213,8 @@ def test_foreign_managers_are_those_owning_fields_under_the_path() -> None:
             ]
         }
     }
-    assert pl.foreign_managers(obj, "spec", "template") == ["kubectl-set"]
-    assert pl.foreign_managers(obj, "spec", "ports") == []
+    assert drift.foreign_managers(obj, "spec", "template") == ["kubectl-set"]
+    assert drift.foreign_managers(obj, "spec", "ports") == []
 
 
 def test_the_replacement_patch_removes_every_key_desired_lacks() -> None:
@@ -227,7 +227,7 @@ def test_the_replacement_patch_removes_every_key_desired_lacks() -> None:
         },
     }
     desired = {"metadata": {"labels": {"a": "1"}}, "spec": {"containers": [{"name": "server", "env": []}]}}
-    assert pl.replacement_patch(live, desired) == {
+    assert drift.replacement_patch(live, desired) == {
         "metadata": {"labels": {"added": None, "a": "1"}},
         "spec": {"dnsPolicy": None, "nodeSelector": None, "containers": [{"name": "server", "env": []}]},
     }

@@ -1,0 +1,219 @@
+"""The cache claims of a PolicyServer against ``spec.storage``: the shared claim, and what StorageReady says.
+
+The shared claim is created once and never re-applied: its spec is immutable
+after binding except its size.  So a spec that asks for other access modes
+or another class gets a False StorageReady saying so instead of silence, a
+larger ``storage.size`` grows every claim the operator made (perPod claims
+too) when their StorageClass allows expansion, and a smaller one never
+shrinks a claim.  An ``existingClaim`` is the user's: only read.  Pure, like
+``plan.py``, which calls it; ``status.storage_condition`` words StorageReady.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from policy_operator.constants import COND_PROGRESSING
+from policy_operator.operator import manifests
+from policy_operator.operator.conditions import FALSE, Condition, Event, Reason
+from policy_operator.operator.manifests import Names
+from policy_operator.operator.ownership import adopted, conflict, controlled_by, labelled_ours, owner_reference
+from policy_operator.operator.spec import PolicyServerSpec
+from policy_operator.operator.writes import Verb, Write
+
+
+@dataclass(frozen=True)
+class StorageCheck:
+    """The cache claims against spec.storage, as planning found them: what is wrong, and what grows.
+
+    ``status.storage_condition`` turns it into StorageReady, next to the other conditions.
+    """
+
+    problems: tuple[tuple[Reason, str], ...] = ()  # (reason, message), the first one's reason wins
+    growing: tuple[str, ...] = ()  # claims patched to a larger size by this pass
+
+
+def plan_claim(
+    spec: PolicyServerSpec, owner: Mapping[str, Any], pvc: Mapping[str, Any] | None
+) -> tuple[Write | None, Condition | None]:
+    """The shared cache claim: made when missing, its owner reference set as retainOnDelete says; or why it cannot be
+    (an existingClaim that does not exist, a claim of that name that is not this PolicyServer's)."""
+    names, uid = Names(spec.name), owner["metadata"]["uid"]
+    if spec.storage.per_pod:
+        return None, None  # the StatefulSet controller makes one claim per pod from the volumeClaimTemplate
+    if spec.storage.existing_claim:
+        if pvc is None:
+            return None, Condition(
+                COND_PROGRESSING,
+                FALSE,
+                Reason.CLAIM_NOT_FOUND,
+                f"storage.existingClaim {spec.storage.existing_claim} does not exist",
+            )
+        return None, None
+    want_owned = not spec.storage.retain_on_delete
+    if pvc is None:
+        body = manifests.build_pvc(spec)
+        body = adopted(body, owner) if want_owned else body
+        return Write(
+            Verb.CREATE,
+            "PersistentVolumeClaim",
+            names.pvc,
+            body,
+            Event("Normal", "Created", f"created PersistentVolumeClaim {names.pvc}"),
+        ), None
+    if not labelled_ours(pvc, spec.name):
+        return None, conflict("PersistentVolumeClaim", names.pvc, "was not created for this PolicyServer")
+    # retainOnDelete decides whether garbage collection may take the cache with the PolicyServer
+    refs = list((pvc.get("metadata") or {}).get("ownerReferences") or [])
+    others = [r for r in refs if r.get("uid") != uid]
+    wanted = others + ([owner_reference(owner)] if want_owned else [])
+    if len(wanted) != len(refs) or (want_owned and not controlled_by(pvc, uid)):
+        verb = "owned by" if want_owned else "released from"
+        return Write(
+            Verb.PATCH,
+            "PersistentVolumeClaim",
+            names.pvc,
+            {"metadata": {"ownerReferences": wanted or None}},
+            Event(
+                "Normal",
+                "Updated",
+                f"PersistentVolumeClaim {names.pvc} {verb} the "
+                f"PolicyServer (retainOnDelete={spec.storage.retain_on_delete})",
+            ),
+        ), None
+    return None, None
+
+
+def _bytes(quantity: Any) -> Any:
+    from kubernetes.utils import parse_quantity
+
+    return parse_quantity(quantity) if quantity is not None else None
+
+
+def _expandable(storage_class: Mapping[str, Any] | None) -> bool | None:
+    """The StorageClass's allowVolumeExpansion; None when it could not be read (the apiserver then decides)."""
+    if storage_class is None:
+        return None
+    return bool(storage_class.get("allowVolumeExpansion"))
+
+
+def check_storage(
+    spec: PolicyServerSpec,
+    claims: Sequence[Mapping[str, Any]],
+    storage_class: Mapping[str, Any] | None,
+    sts: Mapping[str, Any] | None,
+) -> tuple[StorageCheck, list[Write]]:
+    """What StorageReady says, and the writes that grow claims (run last: a refused growth must not stop the rest).
+
+    A claim's access modes and class cannot change after it is made: an
+    explicit spec that differs gets a Warning and a False condition instead of
+    silence.  A larger storage.size grows every cache claim the operator made
+    when their StorageClass allows expansion; a smaller one never shrinks a
+    claim.  An existingClaim is the user's: only read.
+    """
+    storage = spec.storage
+    problems: list[tuple[Reason, str]] = []
+    grows: list[Write] = []
+    if sts is not None:
+        has_templates = bool((sts.get("spec") or {}).get("volumeClaimTemplates"))
+        if has_templates != storage.per_pod:
+            was = "perPod" if has_templates else "shared"
+            problems.append(
+                (
+                    Reason.IMMUTABLE_CHANGE,
+                    f"storage.mode {storage.mode} cannot replace {was} on an existing PolicyServer (a "
+                    f"StatefulSet's volumeClaimTemplates are immutable); the pods are left as they are: set "
+                    f"it back to {was}, or delete and recreate the PolicyServer",
+                )
+            )
+    for claim in claims:
+        meta = claim.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            problems.append(
+                (
+                    Reason.CLAIM_TERMINATING,
+                    f"PersistentVolumeClaim {meta.get('name')} is being deleted: it goes once no pod uses it "
+                    f"(kubernetes.io/pvc-protection), then a new, empty claim is made and the checkpoint is "
+                    f"fetched again",
+                )
+            )
+    if not storage.existing_claim:
+        want = _bytes(storage.size)
+        for claim in claims:
+            name = str((claim.get("metadata") or {}).get("name"))
+            claim_spec = claim.get("spec") or {}
+            modes = sorted(claim_spec.get("accessModes") or [])
+            if storage.access_modes and modes != sorted(storage.access_modes):
+                problems.append(
+                    (
+                        Reason.IMMUTABLE_CHANGE,
+                        f"PersistentVolumeClaim {name} has access modes {modes}, the spec asks for "
+                        f"{sorted(storage.access_modes)}: access modes cannot change after creation; "
+                        f"delete the claim (the checkpoint downloads again) or restore the spec",
+                    )
+                )
+            if storage.storage_class_name and claim_spec.get("storageClassName") != storage.storage_class_name:
+                problems.append(
+                    (
+                        Reason.IMMUTABLE_CHANGE,
+                        f"PersistentVolumeClaim {name} has StorageClass {claim_spec.get('storageClassName')}, "
+                        f"the spec asks for {storage.storage_class_name}: a claim's class cannot change; "
+                        f"delete the claim (the checkpoint downloads again) or restore the spec",
+                    )
+                )
+            have = _bytes(((claim_spec.get("resources") or {}).get("requests") or {}).get("storage"))
+            if have is None or want == have:
+                continue
+            if want < have:
+                problems.append(
+                    (
+                        Reason.IMMUTABLE_CHANGE,
+                        f"PersistentVolumeClaim {name} requests {claim_spec['resources']['requests']['storage']}"
+                        f"; storage.size {storage.size} is smaller and a claim never shrinks",
+                    )
+                )
+            elif _expandable(storage_class) is False:
+                problems.append(
+                    (
+                        Reason.EXPANSION_NOT_ALLOWED,
+                        f"PersistentVolumeClaim {name} stays at {claim_spec['resources']['requests']['storage']}"
+                        f": StorageClass {(storage_class or {}).get('metadata', {}).get('name')} does not "
+                        f"allow volume expansion (allowVolumeExpansion is not true)",
+                    )
+                )
+            else:
+                grows.append(
+                    Write(
+                        Verb.PATCH,
+                        "PersistentVolumeClaim",
+                        name,
+                        manifests.grown_claim_patch(storage.size),
+                        Event(
+                            "Normal",
+                            "Expanding",
+                            f"PersistentVolumeClaim {name}: "
+                            f"{claim_spec['resources']['requests']['storage']} -> {storage.size}",
+                        ),
+                    )
+                )
+        shared_claim = claims[0] if claims and not storage.per_pod else None
+        if shared_claim is not None and spec.replicas > 1:
+            modes = (shared_claim.get("spec") or {}).get("accessModes") or []
+            if not manifests.cache_is_shared(modes):
+                problems.append(
+                    (
+                        Reason.CACHE_NOT_SHARED,
+                        f"{spec.replicas} replicas share the ReadWriteOnce cache "
+                        f"{(shared_claim.get('metadata') or {}).get('name')}: a pod affinity keeps them all "
+                        f"on one node (they fit only if one node has room for all of them); use "
+                        f"ReadWriteMany storage or storage.mode perPod",
+                    )
+                )
+    return StorageCheck(tuple(problems), tuple(w.name for w in grows)), grows
+
+
+def cache_modes(spec: PolicyServerSpec, pvc: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The shared cache claim's access modes as they are (a claim keeps those it was made with), else the spec's."""
+    return tuple(((pvc or {}).get("spec") or {}).get("accessModes") or spec.access_modes)

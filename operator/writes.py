@@ -1,0 +1,29 @@
+"""What a plan asks of the apply step: the writes, in order, each with the Event worth posting once it succeeded.
+
+The planning modules (``plan.py``, ``storage_plan.py``, ``drift.py``) decide and ``apply.py`` only carries
+out, so the vocabulary between them is a module of its own that every one of them can import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from policy_operator.operator.conditions import Event
+
+
+class Verb(StrEnum):
+    APPLY = "apply"  # server-side apply, every pass
+    CREATE = "create"  # only when missing
+    PATCH = "patch"  # a merge patch of a few fields
+    DELETE = "delete"  # an owned child the spec no longer asks for
+
+
+@dataclass(frozen=True)
+class Write:
+    verb: Verb
+    kind: str
+    name: str
+    body: dict[str, Any]
+    event: Event | None = None  # posted once the write succeeded; None: nothing a human needs to hear
