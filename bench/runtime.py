@@ -9,6 +9,7 @@ a WebSocket round trip.
     python bench/runtime.py --device cuda --size base --dtype bfloat16   # on the GPU
     python bench/runtime.py --tables batching --max-batch 1,8,16 --batch-clients 1,4,8,16,32
     python bench/runtime.py --tables robots        # issue 24's table: robots x max-batch, and in-process batches
+    python bench/runtime.py --tables robots --frontend inline,process   # the same, both front-ends side by side
 
 The batching table starts one server per ``--max-batch`` value and drives each
 with 1, 4, 8, ... closed-loop clients (every client sends its next request when
@@ -66,6 +67,7 @@ class Server:
         cfg_mode: str,
         max_batch: int = 1,
         event_loop: str = "auto",
+        frontend: str = "inline",
     ) -> None:
         self.port = _free_port()
         cmd = [
@@ -101,6 +103,8 @@ class Server:
             str(args.batch_window_ms),
             "--event-loop",
             event_loop,
+            "--frontend",
+            frontend,
         ]
         if args.device == "cpu":
             cmd += ["--threads", "1"]
@@ -242,6 +246,11 @@ def main() -> int:
     p.add_argument("--robots", default="1,4,8,16,32", help="robot counts of the robots table")
     p.add_argument("--robot-n", type=int, default=40, help="measured requests per robot in the robots table")
     p.add_argument("--robot-warmup", type=int, default=5, help="warm-up requests per robot before each row")
+    p.add_argument(
+        "--frontend",
+        default="inline",
+        help="comma-separated --frontend modes of the robots table's servers (inline,process: side by side)",
+    )
     p.add_argument("--out", default=None, help="markdown file (default bench/results/runtime-<device>.md)")
     args = p.parse_args()
     tables = set(args.tables.split(","))
@@ -275,7 +284,7 @@ def main() -> int:
         f"{' --max-batch ' + args.max_batch + ' --batch-clients ' + args.batch_clients if 'batching' in tables else ''}"
         f"{f' --batch-window-ms {args.batch_window_ms:g}' if 'batching' in tables else ''}"
         f"{' --serve-args ' + shlex.quote(args.serve_args) if args.serve_args else ''}"
-        f"{f' --robot-max-batch {args.robot_max_batch} --robots {args.robots} --robot-n {args.robot_n} --robot-warmup {args.robot_warmup}' if 'robots' in tables else ''}`",
+        f"{f' --robot-max-batch {args.robot_max_batch} --robots {args.robots} --robot-n {args.robot_n} --robot-warmup {args.robot_warmup} --frontend {args.frontend}' if 'robots' in tables else ''}`",
         "",
     ]
     publish(lines, args.out or REPO / "bench" / "results" / f"runtime-{args.device}.md")
@@ -406,21 +415,24 @@ def in_process_batches(
 
 
 def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[str]:
-    """Issue 24's table: robots x max-batch, closed loop, one process per robot; in-process batches beside it."""
+    """Issue 24's table: robots x max-batch (x --frontend mode), closed loop, one process per robot; in-process
+    batches beside it."""
     from policy_operator.runtime.client import run_client
 
     sizes = [int(x) for x in args.robot_max_batch.split(",")]
+    frontends = args.frontend.split(",")
+    columns = [(size, fe) for size in sizes for fe in frontends]
     robots = [int(x) for x in args.robots.split(",")]
-    results: dict[tuple[int, int], dict[str, float]] = {}
-    for size in sizes:
-        server = Server(checkpoint, args, 1, 1, mode, max_batch=size)
+    results: dict[tuple[int, str, int], dict[str, float]] = {}
+    for size, fe in columns:
+        server = Server(checkpoint, args, 1, 1, mode, max_batch=size, frontend=fe)
         try:
             for r in robots:
                 run_client(server.url, args.robot_warmup, r, timeout=600)  # every robot warm, together
                 s = run_client(server.url, args.robot_n, r, timeout=600)
                 if s["errors"]:
                     raise RuntimeError(f"benchmark requests failed: {s['errors'][:3]}")
-                m = results[(size, r)] = {
+                m = results[(size, fe, r)] = {
                     "p50": s["latency_ms"]["p50"],
                     "p99": s["latency_ms"]["p99"],
                     "rps": s["requests_per_s"],
@@ -429,7 +441,7 @@ def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[
                     "server": percentile([r["total_ms"] - r["infer_ms"] for r in s["records"]]),
                 }
                 print(
-                    f"max-batch {size:>3} robots {r:>3}: p50 {m['p50']:8.2f} ms  p99 {m['p99']:8.2f} ms  "
+                    f"max-batch {size:>3} {fe:>7} robots {r:>3}: p50 {m['p50']:8.2f} ms  p99 {m['p99']:8.2f} ms  "
                     f"{m['rps']:8.1f} req/s  batch {m['batch']:5.2f}",
                     flush=True,
                 )
@@ -437,52 +449,57 @@ def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[
             server.close()
     batch_sizes = sorted({1, *sizes, *(r for r in robots if r <= max(sizes))})
     inproc, inproc_table = in_process_batches(checkpoint, args, batch_sizes)
+    label = (lambda s, fe: f"max-batch {s}") if len(frontends) == 1 else (lambda s, fe: f"max-batch {s}, {fe}")
     lines = [
-        f"## Robots x max-batch (1 rank, {mode} CFG, --batch-window-ms {args.batch_window_ms:g})",
+        f"## Robots x max-batch (1 rank, {mode} CFG, --batch-window-ms {args.batch_window_ms:g}, "
+        f"--frontend {args.frontend})",
         "",
         f"One process per robot, closed loop, {args.robot_warmup} warm-up requests per robot (all robots at once), "
         f"then {args.robot_n} per robot. Cells: p50 ms / req/s (mean batch).",
         "",
-        "| robots | " + " | ".join(f"max-batch {s}" for s in sizes) + " |",
-        "|---:|" + "---:|" * len(sizes),
+        "| robots | " + " | ".join(label(s, fe) for s, fe in columns) + " |",
+        "|---:|" + "---:|" * len(columns),
     ]
     for r in robots:
         lines.append(
             f"| {r} | "
             + " | ".join(
-                f"{results[(s, r)]['p50']:.2f} / {results[(s, r)]['rps']:.0f} ({results[(s, r)]['batch']:.1f})"
-                for s in sizes
+                f"{results[(s, fe, r)]['p50']:.2f} / {results[(s, fe, r)]['rps']:.0f} "
+                f"({results[(s, fe, r)]['batch']:.1f})"
+                for s, fe in columns
             )
             + " |"
         )
     lines += ["", "In-process, the same checkpoint and flags, no server (bench/batching.py):", "", *inproc_table, ""]
     targets = []
-    if 8 in sizes and 8 in robots:
-        for r in (16, 32):
-            if r in robots:
-                ratio = results[(8, r)]["rps"] / results[(8, 8)]["rps"]
-                targets.append(f"| max-batch 8: req/s at {r} robots / at 8 robots | {ratio:.2f} | >= 0.95 |")
-    top = max(sizes)
-    if top in robots and top in inproc:
-        rate = top / (inproc[top] / 1e3)
-        m = results[(top, top)]
-        targets.append(
-            f"| max-batch {top}, {top} robots: req/s / in-process batch-{top} rate ({rate:.0f}) | "
-            f"{m['rps'] / rate:.2f} | >= 0.85 |"
-        )
-        targets.append(
-            f"| max-batch {top}, {top} robots: p50 / in-process batch-{top} time ({inproc[top]:.2f} ms) | "
-            f"{m['p50'] / inproc[top]:.2f} | <= 1.25 |"
-        )
-    if 1 in robots and 1 in inproc:
-        for s in sizes:
-            m = results[(s, 1)]
-            # where a lone robot's time goes: the replica's compute (infer_ms) or the server around it
+    for fe in frontends:
+        tag = f" ({fe})" if len(frontends) > 1 else ""
+        if 8 in sizes and 8 in robots:
+            for r in (16, 32):
+                if r in robots:
+                    ratio = results[(8, fe, r)]["rps"] / results[(8, fe, 8)]["rps"]
+                    targets.append(f"| max-batch 8{tag}: req/s at {r} robots / at 8 robots | {ratio:.2f} | >= 0.95 |")
+        top = max(sizes)
+        if top in robots and top in inproc:
+            rate = top / (inproc[top] / 1e3)
+            m = results[(top, fe, top)]
             targets.append(
-                f"| 1 robot, max-batch {s}: p50 - in-process batch-1 time ({inproc[1]:.2f} ms); "
-                f"server infer_ms p50 {m['infer']:.2f}, server outside infer {m['server']:.2f} | "
-                f"{m['p50'] - inproc[1]:+.2f} ms | <= +1 ms |"
+                f"| max-batch {top}{tag}, {top} robots: req/s / in-process batch-{top} rate ({rate:.0f}) | "
+                f"{m['rps'] / rate:.2f} | >= 0.85 |"
             )
+            targets.append(
+                f"| max-batch {top}{tag}, {top} robots: p50 / in-process batch-{top} time ({inproc[top]:.2f} ms) | "
+                f"{m['p50'] / inproc[top]:.2f} | <= 1.25 |"
+            )
+        if 1 in robots and 1 in inproc:
+            for s in sizes:
+                m = results[(s, fe, 1)]
+                # where a lone robot's time goes: the replica's compute (infer_ms) or the server around it
+                targets.append(
+                    f"| 1 robot, max-batch {s}{tag}: p50 - in-process batch-1 time ({inproc[1]:.2f} ms); "
+                    f"server infer_ms p50 {m['infer']:.2f}, server outside infer {m['server']:.2f} | "
+                    f"{m['p50'] - inproc[1]:+.2f} ms | <= +1 ms |"
+                )
     lines += ["| target (issue 24), same run | measured | target |", "|---|---:|---:|", *targets, ""]
     return lines
 

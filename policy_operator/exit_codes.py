@@ -46,6 +46,7 @@ class ServeExit(_ExitCode):
     LOAD = 3, "the checkpoint or policy did not load"  # the pod restarts, with the reason in its log
     WATCHDOG = 4, "a rank gave up on rank 0 or on its launcher"
     REPLICA_FAILED = 5, "a collective of a replica failed or timed out; its communicator is never reused"
+    FRONTEND = 6, "the front-end process (--frontend process) exited while rank 0 served"
 
 
 class CheckpointExit(_ExitCode):

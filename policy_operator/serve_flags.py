@@ -39,6 +39,8 @@ MIN_LATENCY_BUDGET_MS: Final = 0.001
 MAX_LATENCY_BUDGET_MS: Final = 60_000.0
 DEFAULT_GIL_SWITCH_MS: Final = 5.0  # Python's own sys.getswitchinterval()
 MAX_GIL_SWITCH_MS: Final = 100.0
+FRONTENDS: Final = ("inline", "process")  # --frontend; runtime/serving/frontend.py is the second
+DEFAULT_FRONTEND: Final = "inline"
 RTC_MODES: Final = ("off", "inpaint", "guided")  # --rtc; runtime/policy/rtc.py implements them
 MAX_RTC_DELAY: Final = 1000  # control steps; far beyond any action horizon served
 DEFAULT_POLICY: Final = REFERENCE
@@ -67,6 +69,7 @@ class ServeOptions:
     batch_window_ms: float
     latency_budget_ms: float | None
     event_loop: str
+    frontend: str
     gil_switch_ms: float
     max_message_bytes: int
     max_connections: int
@@ -229,6 +232,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "asyncio", "uvloop"],
         default="auto",
         help="rank 0's event loop; auto = uvloop when installed (default %(default)s)",
+    )
+    g.add_argument(
+        "--frontend",
+        choices=FRONTENDS,
+        default=DEFAULT_FRONTEND,
+        help="where WebSocket I/O, msgpack decoding and prepare run: inline = in the model process (rank 0), "
+        "process = in a child process that hands prepared tensors to the model process through shared "
+        "memory (default %(default)s)",
     )
     g.add_argument(
         "--gil-switch-ms",

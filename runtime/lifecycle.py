@@ -41,6 +41,7 @@ from policy_operator.exit_codes import ServeExit
 from policy_operator.runtime.errors import DrainTimeout
 
 if TYPE_CHECKING:
+    from policy_operator.runtime.serving.backend import Backend
     from policy_operator.runtime.serving.ingress import Ingress
     from policy_operator.runtime.serving.server import PolicyWebSocketServer
 
@@ -145,20 +146,16 @@ class Lifecycle:
         return code
 
 
-async def drain_and_stop(
-    server: PolicyWebSocketServer, ingress: Ingress, *, grace_s: float, heartbeat_s: float, kv: KV
+async def drain_sessions(
+    server: PolicyWebSocketServer, backend: Backend, *, grace_s: float, heartbeat_s: float
 ) -> bool:
-    """Rank 0 after SIGTERM (or a failed replica): drain, and at the deadline fail what still runs and stop every
-    rank together.  True when every request was answered within ``grace_s``.
-
-    Drained, ``Shutdown`` goes down every lane and each loop ends.  Not drained, a lane is still inside its
-    batch, which may outlast the pod: its requests fail with ``drain_timeout`` (sessions closed with 1001 right
-    after, as draining sessions are), no ``Shutdown`` waits behind the batch, and ``STOP_KEY`` tells every rank
-    to exit 0 now, before rank 0 itself leaves mid-collective.
-    """
+    """The server's part of a drain: sessions drained up to ``grace_s``, then what still runs failed with
+    ``drain_timeout``; ``/readyz`` answers 503 one more heartbeat period and the port closes.  True when every
+    request was answered in time.  Rank 0 runs it (``--frontend inline``), or the front-end process when rank 0
+    tells it to (``--frontend process``)."""
     drained = await server.drain(grace_s)  # idle sessions closed 1001 at once, busy ones after their reply
     if not drained:
-        failed = ingress.give_up(
+        failed = backend.give_up(
             DrainTimeout(
                 f"the server is shutting down and this request was still running when its {grace_s:g}s grace period "
                 "(--drain-grace-s) ended; retry it on another server"
@@ -172,9 +169,29 @@ async def drain_and_stop(
     # so probes and load balancers observe the drain instead of a refused connection.
     await asyncio.sleep(min(heartbeat_s, grace_s))
     await server.stop()
+    return drained
+
+
+async def stop_ranks(ingress: Ingress, *, drained: bool, kv: KV) -> None:
+    """After the sessions' drain: drained, ``Shutdown`` down every lane; either way ``STOP_KEY`` for every rank."""
     if drained:
         await asyncio.get_running_loop().run_in_executor(None, ingress.stop_lanes)
     announce_stop(kv)
     if not drained:
         await asyncio.sleep(2 * STOP_POLL_S)  # the others leave first: none sees rank 0 vanish mid-collective
+
+
+async def drain_and_stop(
+    server: PolicyWebSocketServer, ingress: Ingress, *, grace_s: float, heartbeat_s: float, kv: KV
+) -> bool:
+    """Rank 0 after SIGTERM (or a failed replica): drain, and at the deadline fail what still runs and stop every
+    rank together.  True when every request was answered within ``grace_s``.
+
+    Drained, ``Shutdown`` goes down every lane and each loop ends.  Not drained, a lane is still inside its
+    batch, which may outlast the pod: its requests fail with ``drain_timeout`` (sessions closed with 1001 right
+    after, as draining sessions are), no ``Shutdown`` waits behind the batch, and ``STOP_KEY`` tells every rank
+    to exit 0 now, before rank 0 itself leaves mid-collective.
+    """
+    drained = await drain_sessions(server, ingress, grace_s=grace_s, heartbeat_s=heartbeat_s)
+    await stop_ranks(ingress, drained=drained, kv=kv)
     return drained

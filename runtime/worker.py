@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # torch: imported once the layout is known to be valid
     from policy_operator.runtime.parallel.dispatch import Lane, Replica
     from policy_operator.runtime.serving.ingress import Ingress
     from policy_operator.runtime.serving.metrics import ServerMetrics
-    from policy_operator.runtime.serving.server import PolicyWebSocketServer
+    from policy_operator.runtime.serving.server import PolicyWebSocketServer, ServerConfig
 
 log = logging.getLogger("policy_operator.runtime.worker")
 
@@ -303,26 +303,28 @@ def budget_max_batch(bucket_ms: dict[int, float], budget_ms: float | None, max_b
     return max(fitting, default=1)
 
 
-def build_front(rt: Runtime, on_replica_failed: Callable[[int, str], None]) -> tuple[Ingress, PolicyWebSocketServer]:
-    """Rank 0's WebSocket server and ingress, wired in their constructors (metrics and sessions shared)."""
+def build_ingress(
+    rt: Runtime, on_replica_failed: Callable[[int, str], None], recent_sessions: Callable[[], int]
+) -> Ingress:
+    """Rank 0's router, lanes' home and readiness; ``recent_sessions``: the server's count (the batch window)."""
     from policy_operator.runtime.serving.ingress import Ingress
-    from policy_operator.runtime.serving.metrics import ServerMetrics
-    from policy_operator.runtime.serving.server import PolicyWebSocketServer, ServerConfig, Sessions
-    from policy_operator.serve_flags import read_token
 
-    opts = rt.opts
-    metrics = ServerMetrics(rt.layout, opts.max_connections)
-    sessions = Sessions()
-    ingress = Ingress(
+    return Ingress(
         rt.layout,
         rt.settings,
         rt.ingress_board(),
-        request_timeout_s=opts.pg_timeout_s,
-        poll_s=min(0.25, opts.heartbeat_s / 2),
-        recent_sessions=sessions.recent,
+        request_timeout_s=rt.opts.pg_timeout_s,
+        poll_s=min(0.25, rt.opts.heartbeat_s / 2),
+        recent_sessions=recent_sessions,
         on_replica_failed=on_replica_failed,
     )
-    config = ServerConfig(
+
+
+def server_config(opts: serve_flags.ServeOptions) -> ServerConfig:
+    from policy_operator.runtime.serving.server import ServerConfig
+    from policy_operator.serve_flags import read_token
+
+    return ServerConfig(
         opts.host,
         opts.port,
         opts.max_message_bytes,
@@ -332,11 +334,26 @@ def build_front(rt: Runtime, on_replica_failed: Callable[[int, str], None]) -> t
         opts.max_buffered_bytes,
         opts.frame_read_timeout_s,
     )
-    return ingress, PolicyWebSocketServer(ingress, config, metrics, sessions)
+
+
+def build_front(rt: Runtime, on_replica_failed: Callable[[int, str], None]) -> tuple[Ingress, PolicyWebSocketServer]:
+    """Rank 0's WebSocket server and ingress, wired in their constructors (metrics and sessions shared)."""
+    from policy_operator.runtime.serving.metrics import ServerMetrics
+    from policy_operator.runtime.serving.server import PolicyWebSocketServer, Sessions
+
+    metrics = ServerMetrics(rt.layout, rt.opts.max_connections)
+    sessions = Sessions()
+    ingress = build_ingress(rt, on_replica_failed, sessions.recent)
+    return ingress, PolicyWebSocketServer(ingress, server_config(rt.opts), metrics, sessions)
 
 
 def build_lanes(
-    rt: Runtime, replica: Replica, model_pool: ThreadPoolExecutor, ingress: Ingress, metrics: ServerMetrics
+    rt: Runtime,
+    replica: Replica,
+    model_pool: ThreadPoolExecutor,
+    ingress: Ingress,
+    on_batch: Callable[[int, int], None],
+    on_buckets: Callable[[dict[int, float]], None],
 ) -> list[Lane]:
     """One lane per replica, batching up to --max-batch or what --latency-budget-ms allows (replica 0's
     measured batch times stand for every replica: one pod, one GPU model)."""
@@ -351,19 +368,26 @@ def build_lanes(
             opts.latency_budget_ms,
             max_batch,
         )
-        for k in range(rt.layout.dp):
-            metrics.observe_buckets(k, {size: ms / 1e3 for size, ms in rt.bucket_ms.items()})
+        on_buckets({size: ms / 1e3 for size, ms in rt.bucket_ms.items()})
     batching: dict[str, Any] = {
         "max_batch": max_batch,
         "window_s": opts.batch_window_ms / 1e3,
         "arriving": ingress.expected,
-        "on_batch": metrics.observe_batch,
+        "on_batch": on_batch,
     }
     lanes = [local_lane(replica, model_pool, **batching)]
     for k in range(1, rt.layout.dp):
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"replica{k}")
         lanes.append(remote_lane(k, rt.layout.driver_rank(k), rt.groups.dispatch[k], executor, **batching))
     return lanes
+
+
+def metrics_buckets(metrics: ServerMetrics, dp: int) -> Callable[[dict[int, float]], None]:
+    def observe(seconds: dict[int, float]) -> None:
+        for k in range(dp):
+            metrics.observe_buckets(k, seconds)
+
+    return observe
 
 
 # --- global rank 0 ------------------------------------------------------------------------
@@ -408,7 +432,15 @@ async def _serve_rank0(rt: Runtime, lifecycle: Lifecycle) -> int:
         await asyncio.sleep(opts.heartbeat_s)  # /readyz answers with the reason for a period, then the pod restarts
         await server.stop()
         return ServeExit.LOAD
-    ingress.attach(replica.policy, build_lanes(rt, replica, model_pool, ingress, server.metrics))
+    lanes = build_lanes(
+        rt,
+        replica,
+        model_pool,
+        ingress,
+        server.metrics.observe_batch,
+        metrics_buckets(server.metrics, rt.layout.dp),
+    )
+    ingress.attach(replica.policy, lanes)
     server.metrics.load_seconds.set(rt.load_s)
     server.metrics.warmup_seconds.set(rt.warmup_s)
     print("policyserver: ready", flush=True)
@@ -423,6 +455,109 @@ async def _serve_rank0(rt: Runtime, lifecycle: Lifecycle) -> int:
     drained = await drain_and_stop(
         server, ingress, grace_s=opts.drain_grace_s, heartbeat_s=opts.heartbeat_s, kv=rt.kv_factory()
     )
+    rt.heartbeat.stop()
+    log.info("rank 0 exiting %d (%s)", code, "drained" if drained else "grace period over")
+    return code
+
+
+async def _serve_rank0_process(rt: Runtime, lifecycle: Lifecycle) -> int:
+    """Rank 0 under ``--frontend process``: the model process; the port is served by its front-end child
+    (``serving/frontend.py``), which it starts first and which drains when rank 0 is told to stop."""
+    from policy_operator.runtime.lifecycle import exit_now, stop_ranks
+    from policy_operator.runtime.serving import ipc
+    from policy_operator.runtime.serving.engine_link import EngineLink
+
+    opts = rt.opts
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()  # SIGTERM once loaded (Lifecycle.serving), or a failed replica
+    code = ServeExit.OK
+
+    def replica_failed(index: int, reason: str) -> None:
+        nonlocal code
+        if lifecycle.stopping.is_set():
+            log.info("replica %d ended during the shutdown: %s", index, reason)
+            return
+        code = ServeExit.REPLICA_FAILED
+        rt.heartbeat.set_state(RankState.FAILED, public_reason(f"replica {index}: {reason}", opts))
+        link.push()
+        stop.set()
+
+    def frontend_gone() -> None:
+        if lifecycle.stopping.is_set():
+            return  # it drained and left, or the shutdown took it
+        log.error("the front-end process exited (%s); rank 0 exits %d", link.proc.poll(), ServeExit.FRONTEND)
+        rt.heartbeat.set_state(RankState.FAILED, "the front-end process exited")
+        exit_now(ServeExit.FRONTEND)
+
+    slots, slot_bytes = ipc.ring_geometry(opts.max_message_bytes, opts.max_buffered_bytes)
+    link = EngineLink.spawn(
+        ipc.FrontendConfig(
+            server_config(opts),
+            rt.layout,
+            opts.heartbeat_s,
+            opts.pg_timeout_s,
+            slots,
+            slot_bytes,
+            opts.event_loop,
+            opts.gil_switch_ms,
+            opts.log_level,
+        )
+    )
+    ingress = build_ingress(rt, replica_failed, lambda: link.recent)
+    link.start(ingress, frontend_gone)
+
+    model_pool = ThreadPoolExecutor(1, thread_name_prefix="model")
+    load = loop.run_in_executor(model_pool, rt.load, link.observe_download)
+    try:
+        port = await link.listening()
+    except (TimeoutError, ConnectionError) as exc:
+        log.error("the front-end process did not start: %s", exc or "no answer")
+        exit_now(ServeExit.FRONTEND)
+    print(f"policyserver: listening on ws://{opts.host}:{port} ({rt.layout.label}, front-end process)", flush=True)
+
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if not load.done():  # SIGTERM while loading: nothing to drain
+        log.info("stopped while loading")
+        os._exit(ServeExit.OK)
+    try:
+        replica = load.result()
+    except Exception as exc:  # noqa: BLE001 - a broken checkpoint must restart the pod, with a reason
+        error = f"{type(exc).__name__}: {exc}"
+        rt.heartbeat.set_state(RankState.FAILED, public_reason(str(exc), opts))
+        ingress.load_error = public_reason(error, opts)
+        link.push()
+        log.error("loading the policy failed: %s", error)
+        print(f"policyserver: error: {error}", file=sys.stderr, flush=True)
+        await asyncio.sleep(opts.heartbeat_s)  # /readyz answers with the reason for a period, then the pod restarts
+        lifecycle.stopping.set()  # the front-end's exit that follows is expected
+        return ServeExit.LOAD
+    lanes = build_lanes(
+        rt,
+        replica,
+        model_pool,
+        ingress,
+        link.observe_batch,
+        lambda seconds: link.send(ipc.Gauges(buckets=seconds)),
+    )
+    ingress.attach(replica.policy, lanes)
+    link.send(ipc.Gauges(load_s=rt.load_s, warmup_s=rt.warmup_s))
+    link.attach(replica.policy, ingress.rtc.support)
+    print("policyserver: ready", flush=True)
+    lifecycle.serving(lambda: loop.call_soon_threadsafe(stop.set))
+
+    await stopper
+    if code == ServeExit.OK:
+        log.info("SIGTERM: draining up to %.1fs", opts.drain_grace_s)
+        rt.heartbeat.set_state(RankState.STOPPING)
+    else:
+        lifecycle.stopping.set()  # the front-end's exit after its drain is expected
+        log.error("a replica failed: draining the others up to %.1fs, then exiting %d", opts.drain_grace_s, code)
+    ingress.draining = True
+    link.push()
+    drained = await link.drain(opts.drain_grace_s)
+    link.close()
+    await stop_ranks(ingress, drained=drained, kv=rt.kv_factory())
     rt.heartbeat.stop()
     log.info("rank 0 exiting %d (%s)", code, "drained" if drained else "grace period over")
     return code
@@ -513,7 +648,8 @@ def run(opts: serve_flags.ServeOptions) -> int:
     rt = Runtime(opts, layout)
     if rt.rank == 0:
         with asyncio.Runner(loop_factory=event_loop_factory(opts.event_loop)) as runner:
-            code = runner.run(_serve_rank0(rt, lifecycle))
+            serve = _serve_rank0_process if opts.frontend == "process" else _serve_rank0
+            code = runner.run(serve(rt, lifecycle))
     else:
         code = _serve_other(rt, lifecycle)
     sys.stdout.flush()

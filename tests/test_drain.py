@@ -54,9 +54,10 @@ def _close_code(ws: ClientConnection, timeout: float = 20.0) -> int | None:
     return closed.value.rcvd.code if closed.value.rcvd is not None else None
 
 
-def test_sigterm_drains_sessions_and_exits_0(tiny_checkpoint, tmp_path) -> None:
+@pytest.mark.parametrize("frontend", ["inline", "process"])
+def test_sigterm_drains_sessions_and_exits_0(tiny_checkpoint, tmp_path, frontend) -> None:
     gate = tmp_path / "gate"
-    with serve_policy(tiny_checkpoint, *ARGS) as server:
+    with serve_policy(tiny_checkpoint, *ARGS, "--frontend", frontend) as server:
         assert len(server.rank_pids()) == 2
         with _session(server.url) as idle, _session(server.url) as busy:
             _drain_both(server, idle, busy, gate)
@@ -101,10 +102,11 @@ def test_sigterm_while_idle_exits_0_at_once(tiny_checkpoint) -> None:
         assert "rank 0 exiting 0 (drained)" in server.log_text()
 
 
-def test_a_session_whose_last_request_failed_is_closed_at_once(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("frontend", ["inline", "process"])
+def test_a_session_whose_last_request_failed_is_closed_at_once(tiny_checkpoint, frontend) -> None:
     """``--error-format dict`` keeps a session open after a bad request: it is between requests like any other, so
     the drain closes it at once and does not wait the grace period for an answer that is not coming."""
-    with serve_policy(tiny_checkpoint, *ARGS, "--error-format", "dict") as server:
+    with serve_policy(tiny_checkpoint, *ARGS, "--error-format", "dict", "--frontend", frontend) as server:
         with _session(server.url) as ws:
             ws.recv(timeout=30)
             ws.send(wire.packb({"prompt": "no images, no state"}))

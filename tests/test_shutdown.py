@@ -32,7 +32,13 @@ GRACE_S = 3.0
 # grace + this: /readyz's last heartbeat period and the ranks' stop (about 1.5 s), then torchrun's own exit, which
 # takes 3-6 s after its last worker on a busy 2-core machine (interpreter teardown), and serve's poll
 EXIT_SLACK_S = 12.0
-LAYOUTS = {"1x1": [], "cfgp2": ["--cfgp", "2"], "dp2": ["--dp", "2"]}
+LAYOUTS = {
+    "1x1": [],
+    "cfgp2": ["--cfgp", "2"],
+    "dp2": ["--dp", "2"],
+    "1x1-frontend-process": ["--frontend", "process"],
+    "dp2-frontend-process": ["--dp", "2", "--frontend", "process"],
+}
 COMMON = ["--threads", "1", "--steps", "2", "--heartbeat-s", "0.5"]
 
 

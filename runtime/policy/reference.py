@@ -317,8 +317,9 @@ class ReferencePolicy(Policy):
     def prepare(self, obs: Mapping[str, Any]) -> Sample:
         return self._preprocessor.prepare(obs)
 
-    def preprocessor(self) -> ReferencePreprocessor:
-        return self._preprocessor
+    def preprocessor(self) -> ReferencePreprocessor | None:
+        """None for a subclass that overrides ``prepare``: its own runs in the model process, never this one."""
+        return self._preprocessor if type(self).prepare is ReferencePolicy.prepare else None
 
     def pixels(self, tensors: Mapping[str, torch.Tensor], batch_size: int) -> torch.Tensor:
         """[B, max_cameras, 3, S, S] in [-1, 1] from the cameras of ``tensors`` (on this policy's device)."""

@@ -1,0 +1,261 @@
+"""What crosses between the front-end process and the model process (``--frontend process``), and how.
+
+Two channels, each for what it is good at:
+
+* **Control messages** (requests' ids, seeds, sessions, tensor specs; replies; readiness snapshots; drain
+  commands) are small dataclasses, pickled over one Unix socket pair (``Channel``: length-prefixed frames,
+  read on each side's event loop when the socket is readable).
+* **Tensor bytes** never go through pickle: the front-end writes each prepared sample (or, for a policy
+  without a ``Preprocessor``, the raw frame) into a slot of a ring of shared memory (``SlotRing``, one
+  ``memfd`` both processes map) and sends the slot and the tensors' specs; the model process copies them out
+  at once (``torch.frombuffer`` + ``clone``) and hands the slot back (``Freed``), so a slot is held for
+  microseconds, not for the request's life, and a few slots serve any number of sessions.
+
+A slot is ``--max-message-bytes`` (any frame the server admits fits raw); a prepared sample larger than a slot
+is refused with ``bad_frame``, never written past its slot.  The ring has at most ``MAX_SLOTS`` slots and at
+most ``--max-buffered-bytes`` in all; memory-backed pages cost only once written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+from policy_operator.layout import ParallelLayout
+from policy_operator.readyz import Readiness
+from policy_operator.runtime.errors import ErrorKind, WireError
+from policy_operator.runtime.parallel.dispatch import Reply
+from policy_operator.runtime.policy.interface import Preprocessor, Sample
+from policy_operator.runtime.serving.rtc_session import RtcSupport
+
+log = logging.getLogger(__name__)
+
+MAX_SLOTS = 8  # slots are held only until the model process copied them out: a few cover many sessions
+ALIGN = 64  # each tensor starts on a cache line
+
+
+# --- messages, front-end -> model process ----------------------------------------------------------
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # torch dtype name without "torch."
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Request:
+    """One decoded (and, with a ``Preprocessor``, prepared) request whose bytes are in ``slot``."""
+
+    id: int
+    slot: int
+    tensors: tuple[TensorSpec, ...] | None  # a prepared sample; None: the raw frame, ``raw_bytes`` long
+    raw_bytes: int
+    meta: dict[str, Any]
+    seed: int | None
+    session: str | None
+    rtc: tuple[np.ndarray, int, int] | None  # checked entry: (prev_actions in the returned space, delay, horizon)
+    recent: int  # the front-end's recently active sessions (the lanes' batch window waits for them)
+
+
+@dataclass(frozen=True)
+class Listening:
+    port: int
+
+
+@dataclass(frozen=True)
+class Drained:
+    drained: bool  # every request answered within the grace period
+
+
+# --- messages, model process -> front-end ----------------------------------------------------------
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Everything the front-end needs to start serving the port (sent first)."""
+
+    server: Any  # serving.server.ServerConfig
+    layout: ParallelLayout
+    heartbeat_s: float
+    request_timeout_s: float
+    slots: int
+    slot_bytes: int
+    event_loop: str
+    gil_switch_ms: float
+    log_level: str
+
+
+@dataclass(frozen=True)
+class Attached:
+    """The model is loaded: what sessions are told, and how the front-end prepares and checks ``rtc``."""
+
+    metadata: dict[str, Any]
+    preprocessor: Preprocessor | None
+    rtc: RtcSupport
+    action_shape: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The model process's readiness, pushed on change and several times per heartbeat period."""
+
+    readiness: Readiness
+    accepting: bool
+
+
+@dataclass(frozen=True)
+class Answer:
+    id: int
+    reply: Reply  # actions, or the replica's error (the front-end unwraps it)
+
+
+@dataclass(frozen=True)
+class Failure:
+    id: int
+    kind: ErrorKind
+    message: str
+    not_ready: bool  # NotReady: the session is closed with 1001
+
+
+@dataclass(frozen=True)
+class Freed:
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchRan:
+    replica: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """Engine-side gauges of ``/metrics`` (each None when unchanged)."""
+
+    load_s: float | None = None
+    warmup_s: float | None = None
+    buckets: dict[int, float] | None = None  # batch size -> measured seconds, every replica
+    download: tuple[int, int] | None = None  # bytes done, total (0: unknown)
+
+
+@dataclass(frozen=True)
+class Drain:
+    grace_s: float
+    heartbeat_s: float
+
+
+# --- the socket --------------------------------------------------------------------------------------
+class Channel:
+    """Pickled messages over one end of a socket pair; sends from one thread (the event loop) only."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._conn = Connection(sock.detach())
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._conn.fileno()
+
+    def send(self, message: object) -> None:
+        self._conn.send(message)
+
+    def recv(self) -> Any:
+        return self._conn.recv()
+
+    def listen(
+        self, loop: asyncio.AbstractEventLoop, on_message: Callable[[Any], None], on_closed: Callable[[], None]
+    ) -> None:
+        """Call ``on_message`` for every message, on ``loop``, and ``on_closed`` once when the other end is gone."""
+
+        def readable() -> None:
+            try:
+                while self._conn.poll():
+                    on_message(self._conn.recv())
+            except (EOFError, OSError):
+                if not self._closed:
+                    self._closed = True
+                    loop.remove_reader(self.fileno())
+                    on_closed()
+
+        loop.add_reader(self.fileno(), readable)
+
+
+# --- the shared memory ---------------------------------------------------------------------------------
+def ring_geometry(max_message_bytes: int, max_buffered_bytes: int) -> tuple[int, int]:
+    """(slots, bytes per slot): a slot holds any admitted frame, the ring at most ``max_buffered_bytes``."""
+    slot = -(-max_message_bytes // ALIGN) * ALIGN
+    return max(1, min(MAX_SLOTS, max_buffered_bytes // slot)), slot
+
+
+def create_ring_fd(slots: int, slot_bytes: int) -> int:
+    """An anonymous shared-memory file of the ring's size (nothing to unlink: it goes with its last user)."""
+    fd = os.memfd_create("policy-frontend-ring", os.MFD_CLOEXEC)
+    os.ftruncate(fd, slots * slot_bytes)
+    return fd
+
+
+class SlotRing:
+    """The ring as one process maps it; which slots are free is the front-end's business."""
+
+    def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self._map = mmap.mmap(fd, slots * slot_bytes)
+        self._view = memoryview(self._map)
+
+    def write_sample(self, slot: int, sample: Sample) -> tuple[TensorSpec, ...]:
+        """Copy ``sample``'s tensors into ``slot``; WireError (bad_frame) when they do not fit."""
+        base = slot * self.slot_bytes
+        specs: list[TensorSpec] = []
+        offset = 0
+        flat: list[tuple[torch.Tensor, int]] = []
+        for name, tensor in sample.tensors.items():
+            t = tensor.detach().contiguous()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            nbytes = t.numel() * t.element_size()
+            specs.append(TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+            flat.append((t, offset))
+            offset = -(-(offset + nbytes) // ALIGN) * ALIGN
+        if offset > self.slot_bytes:
+            raise WireError(
+                f"the prepared observation takes {offset} bytes, more than the {self.slot_bytes} bytes "
+                "(--max-message-bytes) a request may hand to the model process"
+            )
+        for t, off in flat:
+            if t.numel():
+                raw = t.reshape(-1).view(torch.uint8).numpy()
+                self._view[base + off : base + off + raw.nbytes] = raw.data
+        return tuple(specs)
+
+    def write_raw(self, slot: int, data: bytes) -> None:
+        if len(data) > self.slot_bytes:
+            raise WireError(f"a frame of {len(data)} bytes is larger than a slot ({self.slot_bytes} bytes)")
+        base = slot * self.slot_bytes
+        self._view[base : base + len(data)] = data
+
+    def read_tensors(self, slot: int, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
+        """The slot's tensors, copied out: the slot may be reused as soon as this returns."""
+        base = slot * self.slot_bytes
+        tensors = {}
+        for spec in specs:
+            dtype = getattr(torch, spec.dtype)
+            if spec.nbytes == 0:
+                tensors[spec.name] = torch.empty(spec.shape, dtype=dtype)
+                continue
+            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=spec.nbytes, offset=base + spec.offset)
+            tensors[spec.name] = raw.view(dtype).reshape(spec.shape).clone()
+        return tensors
+
+    def read_raw(self, slot: int, nbytes: int) -> bytes:
+        base = slot * self.slot_bytes
+        return bytes(self._view[base : base + nbytes])
