@@ -34,7 +34,7 @@ def apply(kube: Kube, plan: Plan, namespace: str) -> Applied:
                 answer = kube.merge_patch(write.kind, namespace, write.name, write.body)
             elif write.verb is Verb.DELETE:
                 answer = kube.delete(write.kind, namespace, write.name) or {}
-            else:  # create-once and every-pass writes are both server-side applies of the whole object
+            else:  # APPLY and APPLY_MISSING: both a server-side apply of the whole object
                 answer = kube.apply(write.body)
         except Rejected as exc:
             applied.problem = Condition(
@@ -47,5 +47,5 @@ def apply(kube: Kube, plan: Plan, namespace: str) -> Applied:
         applied.results[f"{write.kind}/{write.name}"] = answer
         if write.event:
             applied.events.append(write.event)
-    applied.events.extend(plan.warnings)
+    applied.events.extend(plan.events)
     return applied

@@ -25,7 +25,7 @@ from policy_operator.constants import (
     LABEL_COMPONENT,
     PROGRESS_PATH,
 )
-from policy_operator.operator import child_status, manifests, rank_probe
+from policy_operator.operator import download_state, manifests, pod_problems, rank_probe
 from policy_operator.operator.kube import Kube, KubeError
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
 from policy_operator.operator.rank_probe import PodHealth
@@ -118,7 +118,7 @@ def failed_create_events(
     if not missing_pods or not uid:
         return []
     try:
-        return kube.list("Event", namespace, {}, {"involvedObject.uid": uid, "reason": child_status.FAILED_CREATE})
+        return kube.list("Event", namespace, {}, {"involvedObject.uid": uid, "reason": pod_problems.FAILED_CREATE})
     except KubeError as exc:
         log.debug("no FailedCreate events of %s/%s: %s", namespace, (owner or {}).get("metadata", {}).get("name"), exc)
         return []
@@ -133,9 +133,9 @@ def job_events(
     status = (job or {}).get("status") or {}
     waiting = not job_pods and not status.get("succeeded") and not status.get("active")
     events = failed_create_events(kube, namespace, job, missing_pods=waiting)
-    pod = child_status.waiting_fetch_pod(job_pods) if status.get("active") else None
+    pod = download_state.waiting_fetch_pod(job_pods) if status.get("active") else None
     uid = ((pod or {}).get("metadata") or {}).get("uid")
-    if pod is not None and uid and child_status.start_problem(pod) is None:
+    if pod is not None and uid and download_state.start_problem(pod) is None:
         try:
             events += kube.list("Event", namespace, {}, {"involvedObject.uid": uid, "type": "Warning"})
         except KubeError as exc:

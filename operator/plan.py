@@ -35,8 +35,8 @@ from policy_operator.constants import (
     LABEL_COMPONENT,
 )
 from policy_operator.operator import manifests
-from policy_operator.operator.child_status import CheckpointPhase, CheckpointState
 from policy_operator.operator.conditions import Condition, Event, Reason
+from policy_operator.operator.download_state import CheckpointPhase, CheckpointState
 from policy_operator.operator.drift import service_repair, template_repair
 from policy_operator.operator.manifests import Names, ServingCheckpoint
 from policy_operator.operator.observe import Observed
@@ -52,7 +52,7 @@ class Plan:
     writes: list[Write] = field(default_factory=list)
     serving: ServingCheckpoint | None = None
     problem: Condition | None = None
-    warnings: list[Event] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)  # Events no write carries, posted after the writes
     storage: StorageCheck | None = None  # what status.py says as StorageReady
 
     @property
@@ -113,7 +113,7 @@ def _plan_job(
     elif job is None and checkpoint.phase != CheckpointPhase.READY and cleanup is None:
         plan.writes.append(
             Write(
-                Verb.CREATE,
+                Verb.APPLY_MISSING,
                 "Job",
                 job_name,
                 adopted(manifests.build_fetch_job(spec, cache_modes(spec, pvc)), owner),
@@ -192,7 +192,7 @@ def _plan_statefulset(
     for pod in rollout.delete:  # OnDelete: the controller recreates each from the update revision
         plan.writes.append(Write(Verb.DELETE, "Pod", pod, {}))
     if rollout.event is not None:
-        plan.warnings.append(rollout.event)  # posted after the writes, like every warning of the plan
+        plan.events.append(rollout.event)
 
 
 def _plan_service(
@@ -346,7 +346,7 @@ def _plan_gc(
     body = adopted(manifests.build_gc_job(spec, key, cache_modes(spec, observed.pvc)), owner)
     plan.writes.append(
         Write(
-            Verb.CREATE,
+            Verb.APPLY_MISSING,
             "Job",
             name,
             body,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from policy_operator.operator import child_status, observe
+from policy_operator.operator import download_state, observe, workload_state
 from policy_operator.operator import status as st
 from policy_operator.operator.apply import apply
 from policy_operator.operator.conditions import Event
@@ -58,7 +58,7 @@ def reconcile(
 
     # observe
     observed = observe.children(kube, spec)
-    checkpoint = child_status.checkpoint_state(
+    checkpoint = download_state.checkpoint_state(
         spec,
         observed.job,
         observed.job_pods,
@@ -78,12 +78,12 @@ def reconcile(
     names = Names(spec.name)
     sts = applied.results.get(f"StatefulSet/{names.statefulset}", observed.statefulset)
     if observed.job is None and f"Job/{checkpoint.job_name}" in applied.results:
-        checkpoint = child_status.waiting_for_fetch_pod(checkpoint.job_name)  # created by this pass: no pod yet
+        checkpoint = download_state.waiting_for_fetch_pod(checkpoint.job_name)  # created by this pass: no pod yet
     pods, healths = observe.ranks(kube, spec, sts, probe_timeout=probe_timeout)
 
     # status
     st.annotate_pods(kube, namespace, pods, healths)
-    workload = child_status.workload_state(
+    workload = workload_state.workload_state(
         sts, spec.replicas, observe.statefulset_events(kube, namespace, sts, pods), pods
     )
     update = st.build_status(

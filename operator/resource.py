@@ -25,8 +25,8 @@ from policy_operator.constants import (
     PHASE_READY,
     PHASE_STARTING,
 )
-from policy_operator.operator.child_status import CheckpointPhase
 from policy_operator.operator.conditions import MAX_CONDITION_MESSAGE, MAX_REASON, REASON_PATTERN
+from policy_operator.operator.download_state import CheckpointPhase
 from policy_operator.operator.kube_model import KubeModel, list_map
 from policy_operator.operator.spec import ObjectMeta, PolicyServerSpec
 

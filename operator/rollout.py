@@ -34,8 +34,8 @@ from policy_operator.constants import (
     LABEL_CHECKPOINT_KEY,
     LABEL_CONTROLLER_REVISION_HASH,
 )
-from policy_operator.operator.child_status import spec_replicas, statefulset_rolled
 from policy_operator.operator.conditions import Event
+from policy_operator.operator.workload_state import spec_replicas, statefulset_rolled
 
 SURGE: Final = "surge"
 

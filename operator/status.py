@@ -39,7 +39,6 @@ from policy_operator.constants import (
     PHASE_READY,
     PHASE_STARTING,
 )
-from policy_operator.operator.child_status import CheckpointPhase, CheckpointState, WorkloadState
 from policy_operator.operator.conditions import (
     FALSE,
     FETCH_BLOCKED_REASONS,
@@ -53,12 +52,14 @@ from policy_operator.operator.conditions import (
     merge_conditions,
     phase_event,
 )
+from policy_operator.operator.download_state import CheckpointPhase, CheckpointState
 from policy_operator.operator.kube import Kube, NotFound, Rejected
 from policy_operator.operator.manifests import VOL_CACHE, claim_name, endpoint, selector_string
-from policy_operator.operator.plan import StorageCheck
 from policy_operator.operator.rank_probe import PodHealth
 from policy_operator.operator.resource import CheckpointStatus, PolicyServerStatus
 from policy_operator.operator.spec import PolicyServerSpec
+from policy_operator.operator.storage_plan import StorageCheck
+from policy_operator.operator.workload_state import WorkloadState
 
 _NOT_YET = (CheckpointPhase.PENDING, CheckpointPhase.DOWNLOADING)
 

@@ -57,7 +57,7 @@ def plan_claim(
         body = manifests.build_pvc(spec)
         body = adopted(body, owner) if want_owned else body
         return Write(
-            Verb.CREATE,
+            Verb.APPLY_MISSING,
             "PersistentVolumeClaim",
             names.pvc,
             body,

@@ -14,8 +14,10 @@ from policy_operator.operator.conditions import Event
 
 
 class Verb(StrEnum):
-    APPLY = "apply"  # server-side apply, every pass
-    CREATE = "create"  # only when missing
+    """How ``apply.py`` writes; the value names the write in an ``ApplyFailed`` message."""
+
+    APPLY = "apply"  # server-side apply, every pass (a hand edit is put back)
+    APPLY_MISSING = "create"  # server-side apply too, planned only while the object is missing (claims, Jobs)
     PATCH = "patch"  # a merge patch of a few fields
     DELETE = "delete"  # an owned child the spec no longer asks for
 

@@ -5,7 +5,7 @@ pod without reading its logs, so each code means one thing and is written
 here once: the commands return these members, ``policyserver fetch --help``
 lists them, the fetch Job's ``podFailurePolicy`` fails at once on
 ``FETCH_FATAL``, and the operator maps each ``FetchExit`` to the reason of its
-``CheckpointReady`` condition (``operator/child_status.py``).
+``CheckpointReady`` condition (``operator/download_state.py``).
 """
 
 from __future__ import annotations

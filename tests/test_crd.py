@@ -261,7 +261,7 @@ def test_example_is_accepted_and_the_crds_defaults_are_the_models(
 
 def test_status_written_by_the_operator_fits_the_model_and_the_crd(crd: dict[str, Any]) -> None:
     """Nothing the operator writes would be pruned: every key is declared in the closed status model."""
-    from policy_operator.operator import child_status, rank_probe, status
+    from policy_operator.operator import download_state, rank_probe, status, workload_state
 
     obj = yaml.safe_load((REPO / "examples" / "policyserver-cfgp2-dp2.yaml").read_text())
     spec = parse(obj)
@@ -272,8 +272,8 @@ def test_status_written_by_the_operator_fits_the_model_and_the_crd(crd: dict[str
     ]
     update = status.build_status(
         spec,
-        checkpoint=child_status.CheckpointState(child_status.CheckpointPhase.READY, "Downloaded", "done", "j"),
-        workload=child_status.WorkloadState(
+        checkpoint=download_state.CheckpointState(download_state.CheckpointPhase.READY, "Downloaded", "done", "j"),
+        workload=workload_state.WorkloadState(
             exists=True, desired=2, current=2, serving_key=spec.checkpoint.key, template_hash="abc"
         ),
         pods=pods,

@@ -26,9 +26,9 @@ import yaml
 
 from policy_operator import constants as C
 from policy_operator import progress_line
-from policy_operator.operator import child_status, crd, manifests, observe, rbac
+from policy_operator.operator import crd, download_state, manifests, observe, rbac, workload_state
 from policy_operator.operator import status as status_step
-from policy_operator.operator.child_status import CheckpointPhase
+from policy_operator.operator.download_state import CheckpointPhase
 from policy_operator.operator.resource import PolicyServerStatus
 from policy_operator.operator.spec import parse_spec
 from policy_operator.progress_line import FetchProgress
@@ -226,20 +226,22 @@ def active_job() -> dict[str, Any]:
 
 def test_a_downloading_state_carries_the_progress_and_says_it() -> None:
     log = FetchProgress(10, 100, 1.0).line() + "\n" + FetchProgress(50, 100, 2e6).line() + "\n"
-    state = child_status.checkpoint_state(spec(), active_job(), [], None, log)
+    state = download_state.checkpoint_state(spec(), active_job(), [], None, log)
     assert state.phase == CheckpointPhase.DOWNLOADING and state.progress == FetchProgress(50, 100, 2e6)
     assert state.message == "downloading hf://org/p: 50 B / 100 B (50.0%) 2.0 MB/s (attempt 2/4)"
     # no answer from /progress (starting, unreachable) or no progress line yet: the state as before, without it
     for log in (None, "fetch: resolving hf://org/p\n"):
-        state = child_status.checkpoint_state(spec(), active_job(), [], None, log)
+        state = download_state.checkpoint_state(spec(), active_job(), [], None, log)
         assert state.progress is None and state.message == "downloading hf://org/p (attempt 2/4)"
     # a Job that is done has no progress, whatever its pod's log still says
-    done = child_status.checkpoint_state(spec(), {"metadata": {"name": "j"}, "status": {"succeeded": 1}}, [], None, log)
+    done = download_state.checkpoint_state(
+        spec(), {"metadata": {"name": "j"}, "status": {"succeeded": 1}}, [], None, log
+    )
     assert done.phase == CheckpointPhase.READY and done.progress is None
 
 
-def build(checkpoint: child_status.CheckpointState, previous: dict[str, Any] | None = None) -> dict[str, Any]:
-    workload = child_status.WorkloadState(exists=False, desired=1, rolling=True)
+def build(checkpoint: download_state.CheckpointState, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    workload = workload_state.WorkloadState(exists=False, desired=1, rolling=True)
     return status_step.build_status(
         spec(),
         checkpoint=checkpoint,
@@ -254,7 +256,7 @@ def build(checkpoint: child_status.CheckpointState, previous: dict[str, Any] | N
 
 def test_status_has_the_progress_while_downloading_and_the_schema_keeps_it() -> None:
     log = FetchProgress(50, 100, 2e6).line()
-    status = build(child_status.checkpoint_state(spec(), active_job(), [], None, log))
+    status = build(download_state.checkpoint_state(spec(), active_job(), [], None, log))
     assert status["checkpoint"]["progress"] == FetchProgress(50, 100, 2e6).as_status()
     # closed model = the CRD's schema: a field it lacks would be pruned by the apiserver, and fails here
     parsed = PolicyServerStatus.model_validate(status)
@@ -266,9 +268,9 @@ def test_status_has_the_progress_while_downloading_and_the_schema_keeps_it() -> 
 
 
 def test_progress_leaves_the_status_once_the_download_is_done() -> None:
-    downloading = build(child_status.checkpoint_state(spec(), active_job(), [], None, FetchProgress(5, 9, 1).line()))
+    downloading = build(download_state.checkpoint_state(spec(), active_job(), [], None, FetchProgress(5, 9, 1).line()))
     ready = build(
-        child_status.checkpoint_state(spec(), {"metadata": {"name": "j"}, "status": {"succeeded": 1}}, [], None),
+        download_state.checkpoint_state(spec(), {"metadata": {"name": "j"}, "status": {"succeeded": 1}}, [], None),
         previous=downloading,
     )
     assert "progress" not in ready["checkpoint"]

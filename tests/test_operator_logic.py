@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from policy_operator import constants as C
-from policy_operator.operator import child_status, manifests, rank_probe, rbac
 from policy_operator.operator import conditions as cond
+from policy_operator.operator import download_state, manifests, rank_probe, rbac, workload_state
 from policy_operator.operator import plan as pl
 from policy_operator.operator import status as status_step
 from policy_operator.operator.conditions import Reason
@@ -71,11 +71,11 @@ def test_events_only_for_changes_warning_for_bad_reasons() -> None:
     assert cond.phase_event("Ready", "Degraded", "m")[0].type == "Warning"
 
 
-CK = {p: child_status.CheckpointState(p, "r", "m", "j") for p in ("Pending", "Downloading", "Ready", "Failed")}
+CK = {p: download_state.CheckpointState(p, "r", "m", "j") for p in ("Pending", "Downloading", "Ready", "Failed")}
 
 
 def workload(exists: bool = True, desired: int = 2, rolling: bool = False, serving: str | None = "k"):
-    return child_status.WorkloadState(
+    return workload_state.WorkloadState(
         exists=exists,
         desired=desired,
         current=desired if exists else 0,
@@ -102,7 +102,9 @@ def workload(exists: bool = True, desired: int = 2, rolling: bool = False, servi
         ("Ready", workload(desired=0), 0, C.PHASE_READY, C.PHASE_PENDING),
     ],
 )
-def test_phase_table(ck: str, wl: child_status.WorkloadState, ready: int, previous: str | None, expected: str) -> None:
+def test_phase_table(
+    ck: str, wl: workload_state.WorkloadState, ready: int, previous: str | None, expected: str
+) -> None:
     assert (
         status_step.decide_phase(checkpoint=CK[ck], workload=wl, ready_pods=ready, previous_phase=previous) == expected
     )
@@ -176,7 +178,7 @@ def test_invalid_status_keeps_what_runs() -> None:
     assert set(update.document) == {"observedGeneration", "phase", "conditions"}
 
 
-# --- child_status: the fetch Job -------------------------------------------------------------------------
+# --- download_state: the fetch Job -------------------------------------------------------------------------
 
 
 def job(**status: Any) -> dict[str, Any]:
@@ -199,7 +201,7 @@ def fetch_pod(exit_code: int, message: str, created: str = NOW) -> dict[str, Any
 
 def test_checkpoint_states_of_a_job() -> None:
     s = spec()
-    state = child_status.checkpoint_state
+    state = download_state.checkpoint_state
     assert state(s, None, [], None).phase == "Pending"
     assert state(s, None, [], {"key": s.checkpoint.key, "phase": "Ready"}).phase == "Ready"  # Job gone by TTL
     assert state(s, None, [], {"key": "other", "phase": "Ready"}).phase == "Pending"
@@ -229,9 +231,9 @@ def test_a_fetch_job_created_by_the_pass_reads_as_waiting_for_its_pod() -> None:
     name = manifests.Names("ps").job(s.checkpoint.key)
     just_created = {"metadata": {"name": name, "creationTimestamp": NOW}, "status": {}}
     claim = {"metadata": {"name": "ps-cache", "uid": "c1", "creationTimestamp": "2020-01-01T00:00:00Z"}}
-    expected = child_status.waiting_for_fetch_pod(name)
-    assert child_status.checkpoint_state(s, just_created, [], None, claim=claim) == expected
-    assert child_status.checkpoint_state(s, just_created, [], {"key": "old", "phase": "Ready"}) == expected
+    expected = download_state.waiting_for_fetch_pod(name)
+    assert download_state.checkpoint_state(s, just_created, [], None, claim=claim) == expected
+    assert download_state.checkpoint_state(s, just_created, [], {"key": "old", "phase": "Ready"}) == expected
     assert (expected.phase, expected.reason) == ("Pending", "JobPending")
 
 
@@ -255,7 +257,7 @@ def test_failed_job_reason_comes_from_the_fetch_exit_code(code: int, reason: str
         fetch_pod(1, "old", "2024-01-01T00:00:00Z"),
         fetch_pod(code, "progress 10%\npolicyserver fetch: error: the real reason\n", NOW),
     ]
-    state = child_status.checkpoint_state(spec(), failed, pods, None)
+    state = download_state.checkpoint_state(spec(), failed, pods, None)
     assert (state.phase, state.reason) == ("Failed", reason)
     assert "the real reason" in state.message
 
@@ -271,7 +273,7 @@ def test_failed_job_without_pods_uses_the_job_message() -> None:
             }
         ]
     )
-    state = child_status.checkpoint_state(spec(), failed, [], None)
+    state = download_state.checkpoint_state(spec(), failed, [], None)
     assert state.reason == "DeadlineExceeded" and "longer than specified deadline" in state.message
 
 
@@ -289,13 +291,13 @@ def sts(generation: int = 2, spec_replicas: int = 2, **status: Any) -> dict[str,
 
 def test_rollout_state_of_a_statefulset() -> None:
     done = dict(observedGeneration=2, replicas=2, updatedReplicas=2, currentRevision="r1", updateRevision="r1")
-    settled = child_status.workload_state(sts(**done), 2)
+    settled = workload_state.workload_state(sts(**done), 2)
     assert not settled.rolling and settled.serving_key == "k" and settled.template_hash == "h"
-    assert child_status.workload_state(sts(**{**done, "observedGeneration": 1}), 2).rolling
-    assert child_status.workload_state(sts(**{**done, "updateRevision": "r2"}), 2).rolling
-    assert child_status.workload_state(sts(**{**done, "updatedReplicas": 1}), 2).rolling
-    assert child_status.workload_state(sts(**done), 3).rolling  # the spec asks for more than the StatefulSet has
-    assert not child_status.workload_state(None, 2).exists
+    assert workload_state.workload_state(sts(**{**done, "observedGeneration": 1}), 2).rolling
+    assert workload_state.workload_state(sts(**{**done, "updateRevision": "r2"}), 2).rolling
+    assert workload_state.workload_state(sts(**{**done, "updatedReplicas": 1}), 2).rolling
+    assert workload_state.workload_state(sts(**done), 3).rolling  # the spec asks for more than the StatefulSet has
+    assert not workload_state.workload_state(None, 2).exists
 
 
 # --- rank_probe: /readyz ---------------------------------------------------------------------------------
@@ -445,13 +447,13 @@ def as_observed(plan: pl.Plan, observed: pl.Observed | None = None) -> pl.Observ
 
 def test_plan_order_and_idempotence() -> None:
     s = spec()
-    pending = child_status.checkpoint_state(s, None, [], None)
+    pending = download_state.checkpoint_state(s, None, [], None)
     first = pl.plan(s, OWNER, pl.Observed(), pending)
     assert created(first) == ["PersistentVolumeClaim/ps-cache", f"Job/ps-fetch-{s.checkpoint.key}"]
     assert first.serving is None
     observed = as_observed(first)
     assert changes(pl.plan(s, OWNER, observed, pending)) == []  # nothing twice
-    ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
+    ready = download_state.CheckpointState("Ready", "Downloaded", "", "j")
     second = pl.plan(s, OWNER, observed, ready)
     assert created(second) == ["StatefulSet/ps", "Service/ps-pods", "Service/ps"]
     for action in second.writes:
@@ -468,9 +470,9 @@ def test_plan_order_and_idempotence() -> None:
 
 def test_plan_keeps_the_old_checkpoint_serving_while_the_new_one_downloads() -> None:
     old, new = spec(), spec(checkpoint={"source": "hf://org/p", "revision": "v2"})
-    ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
+    ready = download_state.CheckpointState("Ready", "Downloaded", "", "j")
     observed = as_observed(pl.plan(old, OWNER, pl.Observed(), ready))
-    downloading = child_status.CheckpointState("Downloading", "Downloading", "", "j2")
+    downloading = download_state.CheckpointState("Downloading", "Downloading", "", "j2")
     observed.job = None  # the new key's Job does not exist yet
     plan = pl.plan(new, OWNER, observed, downloading)
     assert created(plan) == [f"Job/ps-fetch-{new.checkpoint.key}"]
@@ -484,7 +486,7 @@ def test_plan_keeps_the_old_checkpoint_serving_while_the_new_one_downloads() -> 
 
 
 def test_scaling_patches_replicas_not_the_template() -> None:
-    ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
+    ready = download_state.CheckpointState("Ready", "Downloaded", "", "j")
     observed = as_observed(pl.plan(spec(replicas=1), OWNER, pl.Observed(), ready))
     plan = pl.plan(spec(replicas=3), OWNER, observed, ready)
     patch, pdb = changes(plan)
@@ -497,7 +499,7 @@ def test_scaling_patches_replicas_not_the_template() -> None:
 
 
 def test_plan_refuses_objects_it_does_not_own() -> None:
-    ready = child_status.CheckpointState("Ready", "Downloaded", "", "j")
+    ready = download_state.CheckpointState("Ready", "Downloaded", "", "j")
     observed = as_observed(pl.plan(spec(), OWNER, pl.Observed(), ready))
     observed.statefulset = {
         **observed.statefulset,
@@ -506,12 +508,12 @@ def test_plan_refuses_objects_it_does_not_own() -> None:
     plan = pl.plan(spec(image="img:2"), OWNER, observed, ready)
     assert plan.problem.reason == Reason.NAME_CONFLICT and plan.writes == []
     foreign_pvc = pl.Observed(pvc={"metadata": {"name": "ps-cache", "labels": {}}})
-    plan = pl.plan(spec(), OWNER, foreign_pvc, child_status.checkpoint_state(spec(), None, [], None))
+    plan = pl.plan(spec(), OWNER, foreign_pvc, download_state.checkpoint_state(spec(), None, [], None))
     assert plan.problem.reason == Reason.NAME_CONFLICT and plan.writes == []
 
 
 def test_retain_on_delete_releases_and_adopts_the_cache() -> None:
-    pending = child_status.CheckpointState("Pending", "JobPending", "", "j")
+    pending = download_state.CheckpointState("Pending", "JobPending", "", "j")
     owned = as_observed(pl.plan(spec(), OWNER, pl.Observed(), pending))
     [release] = [
         a
@@ -527,10 +529,10 @@ def test_retain_on_delete_releases_and_adopts_the_cache() -> None:
 
 def test_existing_claim_is_never_created() -> None:
     s = spec(storage={"existingClaim": "shared"})
-    plan = pl.plan(s, OWNER, pl.Observed(), child_status.checkpoint_state(s, None, [], None))
+    plan = pl.plan(s, OWNER, pl.Observed(), download_state.checkpoint_state(s, None, [], None))
     assert created(plan) == [f"Job/ps-fetch-{s.checkpoint.key}"] and plan.problem.reason == "ClaimNotFound"
     plan = pl.plan(
-        s, OWNER, pl.Observed(pvc={"metadata": {"name": "shared"}}), child_status.checkpoint_state(s, None, [], None)
+        s, OWNER, pl.Observed(pvc={"metadata": {"name": "shared"}}), download_state.checkpoint_state(s, None, [], None)
     )
     assert plan.problem is None
 

@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 
 from policy_operator import constants as C
-from policy_operator.operator import child_status, manifests, rank_probe
+from policy_operator.operator import download_state, manifests, pod_problems, rank_probe, workload_state
 from policy_operator.operator import status as st
-from policy_operator.operator.child_status import CheckpointPhase, CheckpointState, WorkloadState
 from policy_operator.operator.conditions import REASON_PATTERN, Reason
+from policy_operator.operator.download_state import CheckpointPhase, CheckpointState
 from policy_operator.operator.resource import PolicyServerStatus
 from policy_operator.operator.spec import parse_spec
+from policy_operator.operator.workload_state import WorkloadState
 from tests.support.net import free_port
 
 T0 = "2026-01-01T00:00:00Z"
@@ -144,7 +145,7 @@ def sts(
     ],
 )
 def test_old_pods_ready_mid_rollout_are_available_never_ready(statefulset: dict[str, Any]) -> None:
-    wl = child_status.workload_state(statefulset, 2)
+    wl = workload_state.workload_state(statefulset, 2)
     assert wl.rolling and wl.update_revision == "r2"
     old = [pod("ps-0", ready=True, revision="r1"), pod("ps-1", ready=True, revision="r1")]
     update = build(spec(replicas=2), wl, old, previous={"phase": C.PHASE_READY})
@@ -160,7 +161,7 @@ def test_old_pods_ready_mid_rollout_are_available_never_ready(statefulset: dict[
 
 def test_status_counts_that_lag_the_pods_still_need_every_pod_on_the_new_revision() -> None:
     # the StatefulSet's status claims the rollout is done, but one ready pod still carries the old revision
-    wl = child_status.workload_state(sts(), 2)
+    wl = workload_state.workload_state(sts(), 2)
     assert not wl.rolling
     update = build(spec(replicas=2), wl, [pod("ps-0", ready=True), pod("ps-1", ready=True, revision="r1")])
     assert update.document["phase"] == C.PHASE_STARTING and reasons(update)[C.COND_READY][0] == "False"
@@ -168,7 +169,7 @@ def test_status_counts_that_lag_the_pods_still_need_every_pod_on_the_new_revisio
 
 def test_rolled_and_ready_is_ready_stable() -> None:
     update = build(
-        spec(replicas=2), child_status.workload_state(sts(), 2), [pod("ps-0", ready=True), pod("ps-1", ready=True)]
+        spec(replicas=2), workload_state.workload_state(sts(), 2), [pod("ps-0", ready=True), pod("ps-1", ready=True)]
     )
     assert update.document["phase"] == C.PHASE_READY
     assert reasons(update)[C.COND_PROGRESSING] == ("False", "Stable")
@@ -366,7 +367,7 @@ def test_the_ranks_error_is_found_under_torchruns_report() -> None:
             ]
         }
     }
-    tail = rank_probe.termination_tail(p)
+    tail = pod_problems.termination_tail(p)
     head, _, lines = tail.partition(": ")
     assert head == "server exited 1 (Error), rank 0 exit code 3"
     assert lines.splitlines() == [ln for ln in TORCHRUN_LOG.splitlines()[:3]]  # the rank's error lines, no more
@@ -389,7 +390,7 @@ def test_a_message_without_the_error_is_reported_as_it_is_no_log_is_read() -> No
             ],
         },
     }
-    text = rank_probe.termination(p)
+    text = pod_problems.termination(p)
     assert text.startswith("server exited 1 (Error): ") and "503 Service Unavailable" in text
     assert rank_probe.pod_health(p, 8000, 1).termination == text
 
@@ -407,10 +408,10 @@ def test_termination_tail_keeps_the_last_lines() -> None:
             ]
         }
     }
-    tail = rank_probe.termination_tail(p)  # no error-looking line and no torchrun report: the last lines
+    tail = pod_problems.termination_tail(p)  # no error-looking line and no torchrun report: the last lines
     assert tail.startswith("server exited 1 (Error): line 15\n") and tail.endswith("line 19")
     assert (
-        rank_probe.termination_tail(
+        pod_problems.termination_tail(
             {
                 "status": {
                     "containerStatuses": [
@@ -447,13 +448,13 @@ def k8s_pod(name: str, created: str) -> dict[str, Any]:
 
 def test_failed_create_reads_the_newest_event_of_this_object_still_in_force() -> None:
     owner = sts()
-    assert child_status.failed_create(owner, [event("old", at(1)), event(QUOTA, at(5))], []) == QUOTA
-    assert child_status.failed_create(owner, [event(QUOTA, at(5), uid="a-previous-sts")], []) == ""
-    assert child_status.failed_create(owner, [event(QUOTA, at(5), reason="SuccessfulCreate")], []) == ""
+    assert pod_problems.failed_create(owner, [event("old", at(1)), event(QUOTA, at(5))], []) == QUOTA
+    assert pod_problems.failed_create(owner, [event(QUOTA, at(5), uid="a-previous-sts")], []) == ""
+    assert pod_problems.failed_create(owner, [event(QUOTA, at(5), reason="SuccessfulCreate")], []) == ""
     # a pod created after the refusal: the quota was lifted
-    assert child_status.failed_create(owner, [event(QUOTA, at(5))], [k8s_pod("ps-0", at(6))]) == ""
+    assert pod_problems.failed_create(owner, [event(QUOTA, at(5))], [k8s_pod("ps-0", at(6))]) == ""
     # a pod of before the refusal does not lift it (quota for one pod, two asked for)
-    assert child_status.failed_create(owner, [event(QUOTA, at(5))], [k8s_pod("ps-0", at(2))]) == QUOTA
+    assert pod_problems.failed_create(owner, [event(QUOTA, at(5))], [k8s_pod("ps-0", at(2))]) == QUOTA
     # events.k8s.io series and eventTime (MicroTime) count as well
     series = {
         "reason": "FailedCreate",
@@ -462,13 +463,13 @@ def test_failed_create_reads_the_newest_event_of_this_object_still_in_force() ->
         "series": {"lastObservedTime": "2026-01-01T00:00:09.250000Z"},
         "involvedObject": {"uid": "sts-uid"},
     }
-    assert child_status.failed_create(owner, [event(QUOTA, at(5)), series], [k8s_pod("ps-0", at(8))]) == "s"
+    assert pod_problems.failed_create(owner, [event(QUOTA, at(5)), series], [k8s_pod("ps-0", at(8))]) == "s"
 
 
 def test_a_statefulset_short_of_pods_reports_the_refusal() -> None:
-    refused = child_status.workload_state(sts(replicas=1), 1, [event(QUOTA, at(5))], [])
+    refused = workload_state.workload_state(sts(replicas=1), 1, [event(QUOTA, at(5))], [])
     assert refused.failed_create == QUOTA
-    complete = child_status.workload_state(sts(replicas=1), 1, [event(QUOTA, at(5))], [k8s_pod("ps-0", at(1))])
+    complete = workload_state.workload_state(sts(replicas=1), 1, [event(QUOTA, at(5))], [k8s_pod("ps-0", at(1))])
     assert complete.failed_create == ""  # no pod is missing: an old Event says nothing
 
     update = build(spec(replicas=1), refused, [], previous={"phase": C.PHASE_DOWNLOADING})
@@ -490,10 +491,10 @@ def test_a_fetch_job_without_pods_reports_the_refusal() -> None:
         'Error creating: pods "ps-fetch-k-x" is forbidden: violates PodSecurity "restricted:latest": '
         "runAsNonRoot != true"
     )
-    state = child_status.checkpoint_state(s, job, [], None, None, [event(denied, at(3), uid="job-uid")])
+    state = download_state.checkpoint_state(s, job, [], None, None, [event(denied, at(3), uid="job-uid")])
     assert (state.phase, state.reason) == (CheckpointPhase.PENDING, Reason.FAILED_CREATE)
     assert "PodSecurity" in state.message
-    waiting = child_status.checkpoint_state(s, job, [], None, None, [])
+    waiting = download_state.checkpoint_state(s, job, [], None, None, [])
     assert waiting.reason == Reason.JOB_PENDING
     update = st.build_status(
         s,
@@ -635,7 +636,7 @@ ACTIVE_JOB = {"metadata": {"name": "ps-fetch-k", "uid": "job-uid"}, "status": {"
 
 
 def fetch_state(s, pod_: dict[str, Any], *, now: int = 5, events: list[dict[str, Any]] | None = None):
-    return child_status.checkpoint_state(
+    return download_state.checkpoint_state(
         s,
         ACTIVE_JOB,
         [pod_],
@@ -748,15 +749,15 @@ def test_a_fetch_job_older_than_the_claim_does_not_vouch_for_the_checkpoint() ->
         "metadata": {"name": "ps-fetch-k", "creationTimestamp": at(10)},
         "status": {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]},
     }
-    same = child_status.checkpoint_state(s, done, [], None, claim=claim_obj("c1", at(10)))
+    same = download_state.checkpoint_state(s, done, [], None, claim=claim_obj("c1", at(10)))
     assert (same.phase, same.claim_uid, same.stale_job) == (CheckpointPhase.READY, "c1", False)
-    recreated = child_status.checkpoint_state(s, done, [], None, claim=claim_obj("c2", at(60)))
+    recreated = download_state.checkpoint_state(s, done, [], None, claim=claim_obj("c2", at(60)))
     assert recreated.phase == CheckpointPhase.PENDING and recreated.stale_job and "gone" in recreated.message
     # the Job gone (its TTL): the record says which claim the checkpoint is on
     recorded = {"key": s.checkpoint.key, "phase": "Ready", "claimUid": "c1"}
-    kept = child_status.checkpoint_state(s, None, [], recorded, claim=claim_obj("c1", at(10)))
+    kept = download_state.checkpoint_state(s, None, [], recorded, claim=claim_obj("c1", at(10)))
     assert kept.phase == CheckpointPhase.READY and kept.claim_uid == "c1"
-    again = child_status.checkpoint_state(s, None, [], recorded, claim=claim_obj("c2", at(60)))
+    again = download_state.checkpoint_state(s, None, [], recorded, claim=claim_obj("c2", at(60)))
     assert again.phase == CheckpointPhase.PENDING and not again.stale_job and "ps-cache is new" in again.message
     update = st.build_status(
         s,
@@ -781,6 +782,6 @@ def test_the_schedulers_old_warning_does_not_explain_a_pod_it_has_placed() -> No
         "involvedObject": {"uid": "pod-uid"},
         "message": "0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims.",
     }
-    assert child_status.start_problem(placed, [old]) is None
+    assert download_state.start_problem(placed, [old]) is None
     waiting = fetch_pod(waiting={"reason": "ContainerCreating"})
-    assert child_status.start_problem(waiting, [old]) is not None  # not placed yet: the scheduler's word stands
+    assert download_state.start_problem(waiting, [old]) is not None  # not placed yet: the scheduler's word stands

@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 
 from policy_operator import constants as C
-from policy_operator.operator import child_status
+from policy_operator.operator import download_state
 from policy_operator.operator import manifests as M
 from policy_operator.operator import plan as pl
 from policy_operator.operator import status as st
@@ -28,7 +28,7 @@ from policy_operator.runtime.checkpoint.prune import prune
 
 K8S = "1.32.0"
 OWNER = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps", "namespace": "ns", "uid": "uid-1"}}
-READY = child_status.CheckpointState(child_status.CheckpointPhase.READY, child_status.Reason.DOWNLOADED, "", "j")
+READY = download_state.CheckpointState(download_state.CheckpointPhase.READY, download_state.Reason.DOWNLOADED, "", "j")
 
 
 def spec(**overrides: Any):  # type: ignore[no-untyped-def]
@@ -75,7 +75,7 @@ def test_per_pod_mode_gives_each_pod_its_claim_and_its_own_fetch() -> None:
     assert "podAffinity" not in pod.get("affinity", {})  # a claim per pod needs no co-location
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
     # no shared claim, no fetch Job; the checkpoint counts as ready (the pods fetch it)
-    state = child_status.checkpoint_state(s, None, [], None)
+    state = download_state.checkpoint_state(s, None, [], None)
     result = pl.plan(s, OWNER, pl.Observed(), state)
     assert [(w.kind, w.name) for w in result.writes][:1] == [("StatefulSet", "ps")]
     assert not [w for w in result.writes if w.kind in ("Job", "PersistentVolumeClaim")]
@@ -92,7 +92,7 @@ def test_switching_the_mode_is_reported_and_leaves_the_pods_alone() -> None:
     }
     per_pod = spec(storage={"mode": "perPod"})
     result = pl.plan(
-        per_pod, OWNER, pl.Observed(statefulset=sts), child_status.checkpoint_state(per_pod, None, [], None)
+        per_pod, OWNER, pl.Observed(statefulset=sts), download_state.checkpoint_state(per_pod, None, [], None)
     )
     ready = storage_ready(per_pod, result)
     assert (ready.status, ready.reason) == ("False", "ImmutableChange")
@@ -244,7 +244,9 @@ def test_finished_fetch_jobs_of_other_checkpoints_go_before_the_cleanup_job() ->
     assert not [w for w in waiting.writes if w.kind == "Job"]
     # once gone: the cleanup Job
     then = pl.plan(s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job]), READY)
-    assert [(w.verb, w.name) for w in then.writes if w.kind == "Job"] == [(pl.Verb.CREATE, M.Names("ps").gc_job(key))]
+    assert [(w.verb, w.name) for w in then.writes if w.kind == "Job"] == [
+        (pl.Verb.APPLY_MISSING, M.Names("ps").gc_job(key))
+    ]
 
 
 def test_nothing_is_fetched_or_rolled_to_while_a_cleanup_of_another_checkpoint_runs() -> None:
@@ -255,8 +257,8 @@ def test_nothing_is_fetched_or_rolled_to_while_a_cleanup_of_another_checkpoint_r
     sts = _rolled(serving, done=True)
     pvc = _claim("20Gi", ["ReadWriteOnce"])
     cleanup = _job(C.COMPONENT_CACHE_GC, serving.checkpoint.key, finished=None)
-    pending = child_status.CheckpointState(
-        child_status.CheckpointPhase.PENDING, child_status.Reason.JOB_PENDING, "", "j"
+    pending = download_state.CheckpointState(
+        download_state.CheckpointPhase.PENDING, download_state.Reason.JOB_PENDING, "", "j"
     )
     held = pl.plan(s, OWNER, pl.Observed(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), pending)
     assert not [w for w in held.writes if w.kind == "Job"]
@@ -268,7 +270,7 @@ def test_nothing_is_fetched_or_rolled_to_while_a_cleanup_of_another_checkpoint_r
     cleanup = _job(C.COMPONENT_CACHE_GC, serving.checkpoint.key, finished="Complete")
     after = pl.plan(s, OWNER, pl.Observed(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), pending)
     assert [(w.verb, w.name) for w in after.writes if w.kind == "Job"] == [
-        (pl.Verb.CREATE, M.Names("ps").job(s.checkpoint.key))
+        (pl.Verb.APPLY_MISSING, M.Names("ps").job(s.checkpoint.key))
     ]
 
 
@@ -401,7 +403,7 @@ def test_a_terminating_claim_is_a_storage_problem_and_completed_job_pods_are_del
         s,
         owner,
         observed,
-        child_status.CheckpointState(child_status.CheckpointPhase.READY, Reason.DOWNLOADED, "", "ps-fetch-k"),
+        download_state.CheckpointState(download_state.CheckpointPhase.READY, Reason.DOWNLOADED, "", "ps-fetch-k"),
     )
     ready = storage_ready(s, result)
     assert (ready.status, ready.reason) == ("False", "ClaimTerminating")

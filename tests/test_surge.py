@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 
 from policy_operator import constants as C
-from policy_operator.operator import child_status, drift
+from policy_operator.operator import download_state, drift
 from policy_operator.operator import plan as pl
 from policy_operator.operator import rollout as ro
 from policy_operator.operator.spec import parse_spec
 
 OWNER = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps", "namespace": "ns", "uid": "uid-1"}}
-READY = child_status.CheckpointState(child_status.CheckpointPhase.READY, child_status.Reason.DOWNLOADED, "", "j")
+READY = download_state.CheckpointState(download_state.CheckpointPhase.READY, download_state.Reason.DOWNLOADED, "", "j")
 OLD, NEW = "hash-old", "hash-new"
 SURGE = f"{NEW}/{ro.SURGE}"
 
@@ -274,7 +274,7 @@ def test_plan_surges_a_one_replica_rollout_through_the_statefulset_it_applies() 
     [back] = _sts_writes(done)
     assert back.body["spec"]["replicas"] == 1 and back.body["spec"]["ordinals"] == {"start": 1}
     assert C.ANNOTATION_SURGE not in back.body["metadata"]["annotations"] and back.event is None
-    assert [e.reason for e in done.warnings] == ["SurgeComplete"]
+    assert [e.reason for e in done.events] == ["SurgeComplete"]
 
 
 def test_plan_repairs_a_drifted_template_with_a_patch_before_the_apply_and_replaces_no_pod() -> None:

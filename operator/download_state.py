@@ -1,13 +1,10 @@
-"""What the children's status says: the fetch Job's download state and the StatefulSet's rollout.
+"""Where the spec's checkpoint stands on the cache: the fetch Job's download state, read from the Job and its pods.
 
-Pure functions of the objects as read from the API, so every state a Job or
-StatefulSet can be in is a unit test, not a cluster experiment.
-
-A pod the API server refuses to create (a ResourceQuota on ``nvidia.com/gpu``,
-PodSecurity admission, a PriorityClass that does not exist) never shows up as a
-pod: the only trace is the controller's ``FailedCreate`` Event on the Job or
-StatefulSet.  ``failed_create`` reads those Events, so that status says why
-there is no pod instead of waiting for one forever.
+Pure functions of the objects as read from the API, so every state a Job can
+be in is a unit test, not a cluster experiment: pending (with the reason a
+fetch pod does not start, in the scheduler's or the kubelet's words),
+downloading (with its progress line), ready, failed (with the fetch's own exit
+code and error line).  A download counts only on the claim it landed on.
 """
 
 from __future__ import annotations
@@ -18,11 +15,17 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from policy_operator.constants import ANNOTATION_TEMPLATE_HASH, LABEL_CHECKPOINT_KEY
 from policy_operator.exit_codes import FetchExit
 from policy_operator.operator.conditions import Reason
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
-from policy_operator.operator.rank_probe import container_message, unschedulable_message
+from policy_operator.operator.pod_problems import (
+    MAX_MESSAGE,
+    container_message,
+    event_time,
+    failed_create,
+    timestamp,
+    unschedulable_message,
+)
 from policy_operator.operator.spec import PolicyServerSpec
 from policy_operator.progress_line import FetchProgress, last_progress
 
@@ -46,8 +49,6 @@ EXIT_REASONS: dict[int, Reason] = {
     FetchExit.VERIFY: Reason.VERIFICATION_FAILED,
     FetchExit.DISK_FULL: Reason.DISK_FULL,
 }
-MAX_MESSAGE = 600
-FAILED_CREATE = "FailedCreate"  # the Event reason of the Job and StatefulSet controllers when a pod is refused
 
 
 @dataclass(frozen=True)
@@ -87,54 +88,6 @@ def _fetch_termination(pods: Sequence[Mapping[str, Any]]) -> tuple[int | None, s
     return None, ""
 
 
-def _time(value: Any) -> datetime.datetime | None:
-    if not value:
-        return None
-    if isinstance(value, datetime.datetime):
-        return value if value.tzinfo else value.replace(tzinfo=datetime.UTC)
-    try:
-        return datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-
-
-def event_time(event: Mapping[str, Any]) -> datetime.datetime | None:
-    """When an Event last happened: a series' last observation, else lastTimestamp, eventTime, creation."""
-    return (
-        _time((event.get("series") or {}).get("lastObservedTime"))
-        or _time(event.get("lastTimestamp"))
-        or _time(event.get("eventTime"))
-        or _time((event.get("metadata") or {}).get("creationTimestamp"))
-    )
-
-
-def failed_create(
-    owner: Mapping[str, Any] | None, events: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]
-) -> str:
-    """The message of the newest ``FailedCreate`` Event of ``owner`` (a Job or StatefulSet) still in force, or "".
-
-    An Event outlives its cause (the apiserver keeps Events for an hour): one
-    counts only when it is about this very object (its uid) and no pod of the
-    owner was created after it -- a later creation means the refusal was lifted.
-    """
-    if owner is None:
-        return ""
-    uid = (owner.get("metadata") or {}).get("uid")
-    mine = [
-        e
-        for e in events
-        if e.get("reason") == FAILED_CREATE and (not uid or (e.get("involvedObject") or {}).get("uid") in (None, uid))
-    ]
-    dated = [(t, e) for e in mine if (t := event_time(e)) is not None]
-    if not dated:
-        return ""
-    when, newest = max(dated, key=lambda te: te[0])
-    created = [t for p in pods if (t := _time((p.get("metadata") or {}).get("creationTimestamp"))) is not None]
-    if created and max(created) > when:
-        return ""
-    return str(newest.get("message") or FAILED_CREATE)[:MAX_MESSAGE]
-
-
 # the kubelet's reasons for a container it cannot start; ContainerCreating and PodInitializing only say "not yet"
 KUBELET_START_ERRORS = frozenset(
     {
@@ -160,7 +113,7 @@ def _fetch_started(pod: Mapping[str, Any]) -> bool:
 
 
 def _pod_created(pod: Mapping[str, Any]) -> datetime.datetime | None:
-    return _time((pod.get("metadata") or {}).get("creationTimestamp"))
+    return timestamp((pod.get("metadata") or {}).get("creationTimestamp"))
 
 
 def waiting_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
@@ -270,8 +223,8 @@ def ran_on_older_claim(job: Mapping[str, Any], claim: Mapping[str, Any] | None) 
     write), so a Job older than the claim can only be one whose claim was
     deleted (and made again, empty) after it.
     """
-    made = _time((job.get("metadata") or {}).get("creationTimestamp"))
-    claim_made = _time(((claim or {}).get("metadata") or {}).get("creationTimestamp"))
+    made = timestamp((job.get("metadata") or {}).get("creationTimestamp"))
+    claim_made = timestamp(((claim or {}).get("metadata") or {}).get("creationTimestamp"))
     return made is not None and claim_made is not None and made < claim_made
 
 
@@ -416,78 +369,4 @@ def waiting_for_fetch_pod(job_name: str, waiting: str = "") -> CheckpointState:
         Reason.JOB_PENDING,
         f"waiting for the fetch pod of {job_name} to start" + (f" ({waiting})" if waiting else ""),
         job_name,
-    )
-
-
-def spec_replicas(sts: Mapping[str, Any]) -> int:
-    """The StatefulSet's spec.replicas (the apiserver defaults it to 1)."""
-    replicas = (sts.get("spec") or {}).get("replicas")
-    return 1 if replicas is None else int(replicas)
-
-
-def statefulset_rolled(sts: Mapping[str, Any]) -> bool:
-    """The StatefulSet controller has seen the latest spec and every pod it counts runs the update revision.
-
-    That is: observedGeneration is current, as many pods exist as spec.replicas
-    asks and all of them are updated, and the current revision *is* the update
-    revision (once the controller reports one).  Ready pods before that may be
-    old pods.  ``workload_state`` (Ready) and ``rollout.fully_rolled`` (the cache
-    cleanup) both start from this one check.
-    """
-    meta, status = sts.get("metadata") or {}, sts.get("status") or {}
-    replicas = spec_replicas(sts)
-    update = status.get("updateRevision")
-    return (
-        int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 1)
-        and int(status.get("replicas") or 0) == replicas
-        and int(status.get("updatedReplicas") or 0) == replicas
-        and (not update or status.get("currentRevision") == update)
-    )
-
-
-@dataclass(frozen=True)
-class WorkloadState:
-    exists: bool
-    desired: int
-    current: int = 0
-    rolling: bool = False
-    serving_key: str | None = None
-    template_hash: str | None = None
-    update_revision: str | None = None  # the ControllerRevision of the StatefulSet's current template
-    updated: int = 0  # pods the StatefulSet controller counts as running the current template
-    failed_create: str = ""  # the controller's FailedCreate message while pods are missing
-
-
-def workload_state(
-    sts: Mapping[str, Any] | None,
-    desired: int,
-    events: Sequence[Mapping[str, Any]] = (),
-    pods: Sequence[Mapping[str, Any]] = (),
-) -> WorkloadState:
-    """Whether the StatefulSet is still converging on its own spec (rolling out or scaling).
-
-    "Rolled" means the controller has seen the latest spec (observedGeneration),
-    counts every replica as updated, and the current revision *is* the update
-    revision: ready pods before that may be old pods, and Ready must not be
-    claimed on their behalf.  ``events`` and ``pods`` (the StatefulSet's) say
-    whether a missing pod is one the API server refused to create.
-    """
-    if sts is None:
-        return WorkloadState(exists=False, desired=desired, rolling=desired > 0)
-    meta, status = sts.get("metadata") or {}, sts.get("status") or {}
-    replicas = spec_replicas(sts)
-    current = status.get("replicas") or 0
-    rolling = not statefulset_rolled(sts) or replicas != desired
-    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
-    refused = failed_create(sts, events, pods) if len(live) < replicas else ""
-    return WorkloadState(
-        exists=True,
-        desired=desired,
-        current=current,
-        rolling=rolling,
-        serving_key=(meta.get("labels") or {}).get(LABEL_CHECKPOINT_KEY),
-        template_hash=(meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH),
-        update_revision=status.get("updateRevision") or None,
-        updated=status.get("updatedReplicas") or 0,
-        failed_create=refused,
     )

@@ -1,0 +1,163 @@
+"""Why a pod does not run, in the words of whoever knows: the kubelet, the scheduler or a controller.
+
+The kubelet says it in a container's waiting reason and in its termination
+message (with ``FallbackToLogsOnError``, the end of the log of a container that
+wrote no message: for the server, the failing rank's error, then torchrun's
+report, which is cut off here); the scheduler in the pod's ``PodScheduled``
+condition.  A pod the API server refuses to create (a ResourceQuota on
+``nvidia.com/gpu``, PodSecurity admission, a PriorityClass that does not
+exist) never shows up as a pod: the only trace is the controller's
+``FailedCreate`` Event on the Job or StatefulSet, which ``failed_create``
+reads, so that status says why there is no pod instead of waiting for one
+forever.  Pure functions of the objects as read.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+TERMINATION_TAIL_LINES = 5  # lines of a failed container's termination message that status carries
+MAX_TERMINATION_TAIL = 1000
+MAX_MESSAGE = 600  # of a FailedCreate message, and of the checkpoint's messages in status
+FAILED_CREATE = "FailedCreate"  # the Event reason of the Job and StatefulSet controllers when a pod is refused
+
+
+def unschedulable_message(pod: Mapping[str, Any]) -> str:
+    """The scheduler's reason a pod has no node (e.g. "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")."""
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return str(cond.get("message") or cond.get("reason") or "Unschedulable")
+    return ""
+
+
+# torchrun's own report of a failed run: its agent's log line, its traceback and the ChildFailedError summary
+_TORCHRUN_REPORT = re.compile(r"torch/distributed/elastic/|ChildFailedError")
+_ROOT_CAUSE = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)")
+_ERRORISH = re.compile(r"error|exception|traceback|failed|fatal", re.IGNORECASE)
+
+
+def failure_lines(message: str, lines: int = TERMINATION_TAIL_LINES) -> tuple[list[str], str, bool]:
+    """(the rank's own last error lines, "rank R exit code C", whether any line reads as an error) from a log tail.
+
+    torchrun ends a failed run with ~30 lines of its own (its agent's log
+    line, its traceback, the ChildFailedError table); the last lines of the
+    log are therefore never the rank's error.  The report is cut off (its
+    root cause kept as "rank R exit code C"), and of what the ranks wrote the
+    lines that read as errors win over the last ones.
+    """
+    text = [ln.rstrip() for ln in message.splitlines() if ln.strip()]
+    cut = next((i for i, ln in enumerate(text) if _TORCHRUN_REPORT.search(ln)), len(text))
+    if cut < len(text) and cut > 0 and text[cut - 1].startswith("Traceback"):
+        cut -= 1
+    found: dict[str, str] = {m.group(1): m.group(2) for ln in text[cut:] if (m := _ROOT_CAUSE.match(ln))}
+    root = f"rank {found['rank']} exit code {found['exitcode']}" if {"rank", "exitcode"} <= found.keys() else ""
+    body = text[:cut]
+    errors = [ln for ln in body if _ERRORISH.search(ln)]
+    return (errors or body)[-lines:], root, bool(errors)
+
+
+def _failure_text(head: str, message: str, lines: int) -> tuple[str, bool]:
+    found, root, explained = failure_lines(message, lines)
+    head += f", {root}" if root and ", rank " not in head else ""
+    tail = "\n".join(found)
+    return (f"{head}: {tail}" if tail else head)[:MAX_TERMINATION_TAIL], explained
+
+
+def termination(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> str:
+    """What the newest non-zero termination of any container of the pod says, in a few lines.
+
+    With ``terminationMessagePolicy: FallbackToLogsOnError`` the kubelet puts
+    the end of the log there (at most 80 lines, 2 KiB) when the container
+    wrote no message: for the server, the failing rank's error, then whatever
+    it logged while shutting down, then torchrun's report.  The operator reads
+    no pod's log (it holds no ``pods/log`` grant), so this message is all it
+    reports; ``kubectl logs --previous`` has the rest.
+    """
+    status = pod.get("status") or {}
+    for group in ("initContainerStatuses", "containerStatuses"):
+        for cs in status.get(group) or []:
+            state = cs.get("state") or {}
+            for term in (state.get("terminated"), (cs.get("lastState") or {}).get("terminated")):
+                if term and term.get("exitCode", 0) != 0:
+                    head = f"{cs.get('name')} exited {term.get('exitCode')} ({term.get('reason') or 'Error'})"
+                    return _failure_text(head, term.get("message") or "", lines)[0]
+    return ""
+
+
+def termination_tail(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> str:
+    return termination(pod, lines)
+
+
+def container_message(pod: Mapping[str, Any]) -> str:
+    """Why a pod is not running, in the kubelet's words (init container first: it verifies the checkpoint)."""
+    status = pod.get("status") or {}
+    for group in ("initContainerStatuses", "containerStatuses"):
+        for cs in status.get(group) or []:
+            state = cs.get("state") or {}
+            last = (cs.get("lastState") or {}).get("terminated") or {}
+            if "waiting" in state:
+                waiting = state["waiting"] or {}
+                detail = (last.get("message") or waiting.get("message") or "").strip().splitlines()
+                reason = waiting.get("reason") or "Waiting"
+                return f"{cs.get('name')}: {reason}" + (f": {detail[-1]}" if detail else "")
+            terminated = state.get("terminated")
+            if terminated and terminated.get("exitCode", 0) != 0:
+                detail = (terminated.get("message") or "").strip().splitlines()
+                return (
+                    f"{cs.get('name')}: exited {terminated.get('exitCode')} ({terminated.get('reason', 'Error')})"
+                    + (f": {detail[-1]}" if detail else "")
+                )
+    unschedulable = unschedulable_message(pod)
+    return f"unschedulable: {unschedulable}" if unschedulable else ""
+
+
+def timestamp(value: Any) -> datetime.datetime | None:
+    """A Kubernetes timestamp (RFC 3339 text, or a datetime) as an aware datetime; None when absent or unreadable."""
+    if not value:
+        return None
+    if isinstance(value, datetime.datetime):
+        return value if value.tzinfo else value.replace(tzinfo=datetime.UTC)
+    try:
+        return datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def event_time(event: Mapping[str, Any]) -> datetime.datetime | None:
+    """When an Event last happened: a series' last observation, else lastTimestamp, eventTime, creation."""
+    return (
+        timestamp((event.get("series") or {}).get("lastObservedTime"))
+        or timestamp(event.get("lastTimestamp"))
+        or timestamp(event.get("eventTime"))
+        or timestamp((event.get("metadata") or {}).get("creationTimestamp"))
+    )
+
+
+def failed_create(
+    owner: Mapping[str, Any] | None, events: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]
+) -> str:
+    """The message of the newest ``FailedCreate`` Event of ``owner`` (a Job or StatefulSet) still in force, or "".
+
+    An Event outlives its cause (the apiserver keeps Events for an hour): one
+    counts only when it is about this very object (its uid) and no pod of the
+    owner was created after it -- a later creation means the refusal was lifted.
+    """
+    if owner is None:
+        return ""
+    uid = (owner.get("metadata") or {}).get("uid")
+    mine = [
+        e
+        for e in events
+        if e.get("reason") == FAILED_CREATE and (not uid or (e.get("involvedObject") or {}).get("uid") in (None, uid))
+    ]
+    dated = [(t, e) for e in mine if (t := event_time(e)) is not None]
+    if not dated:
+        return ""
+    when, newest = max(dated, key=lambda te: te[0])
+    created = [t for p in pods if (t := timestamp((p.get("metadata") or {}).get("creationTimestamp"))) is not None]
+    if created and max(created) > when:
+        return ""
+    return str(newest.get("message") or FAILED_CREATE)[:MAX_MESSAGE]
