@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any
 
 from policy_operator.exit_codes import FetchExit
+from policy_operator.fetch_progress import FetchProgress, last_progress
 from policy_operator.operator.conditions import Reason
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
 from policy_operator.operator.pod_problems import (
@@ -27,7 +28,6 @@ from policy_operator.operator.pod_problems import (
     unschedulable_message,
 )
 from policy_operator.operator.spec import PolicyServerSpec
-from policy_operator.progress_line import FetchProgress, last_progress
 
 
 class CheckpointPhase(str, Enum):

@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from policy_operator import progress_line
 from policy_operator.constants import (
     COMPONENT_CACHE,
     COMPONENT_CACHE_GC,
@@ -25,6 +24,7 @@ from policy_operator.constants import (
     LABEL_COMPONENT,
     PROGRESS_PATH,
 )
+from policy_operator.fetch_progress import MAX_BYTES as MAX_PROGRESS_BYTES
 from policy_operator.operator import download_state, manifests, pod_problems, rank_probe
 from policy_operator.operator.kube import Kube, KubeError
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
@@ -98,7 +98,7 @@ def fetch_progress(
     url = f"http://{ip}:{progress_port(pod)}{PROGRESS_PATH}"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http to a pod IP
-            return response.read(progress_line.MAX_BYTES).decode("utf-8", "replace") if response.status == 200 else None
+            return response.read(MAX_PROGRESS_BYTES).decode("utf-8", "replace") if response.status == 200 else None
     except (OSError, ValueError) as exc:
         log.debug("no download progress from %s: %s", url, exc)
         return None

@@ -68,7 +68,7 @@ from policy_operator.serve_flags import (
     policy_guidance,
 )
 from policy_operator.serve_flags import DEFAULT_DRAIN_GRACE_S as RUNTIME_DRAIN_GRACE_S
-from policy_operator.sources import SOURCE_PATTERN, InvalidSource, check_relpath, check_source, request_key
+from policy_operator.source_uri import SOURCE_PATTERN, InvalidSource, check_relpath, check_source, request_key
 
 # Every child name derives from metadata.name: the fetch Job is ``<name>-fetch-<16-hex key>`` and must
 # fit a 63-character label value.
@@ -207,7 +207,7 @@ MANAGED_FLAG_PATTERN: Final = f"^--({'|'.join(_prefixes(f) for f in MANAGED_FLAG
 OPERATOR_ONLY_CHECKS: Final = {
     "spec.checkpoint.source": "the key of an hf:// source is computed with the fetcher's own request_key, "
     "and the source and sha256 file names are checked with the fetcher's own "
-    "check_source/check_relpath (policy_operator/sources.py); the CRD's CEL rules "
+    "check_source/check_relpath (policy_operator/source_uri.py); the CRD's CEL rules "
     "say the same, these are the runtime's definitions",
     "spec.parallelism": "the layout is built with the runtime's own ParallelLayout (cfgp, dp, guidance), so the "
     "operator refuses exactly what a pod would refuse at start",

@@ -39,8 +39,8 @@ from urllib.parse import unquote, urlsplit
 from policy_operator import serve_flags
 from policy_operator.builtin_policies import builtin, check_unconditional
 from policy_operator.exit_codes import ServeExit
+from policy_operator.fetch_progress import FetchProgress
 from policy_operator.layout import LayoutError, ParallelLayout
-from policy_operator.progress_line import FetchProgress
 from policy_operator.readyz import RankState
 
 if TYPE_CHECKING:  # torch: imported once the layout is known to be valid

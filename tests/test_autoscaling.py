@@ -26,7 +26,7 @@ import yaml
 from policy_operator import constants as C
 from policy_operator.operator.crd import SCALE
 from policy_operator.operator.manifests import Names
-from policy_operator.sources import checkpoint_key
+from policy_operator.source_uri import checkpoint_key
 from tests.support import promql
 from tests.support.net import wait_for
 from tests.support.servers import VENV_BIN, serve_policy

@@ -39,7 +39,7 @@ import yaml
 
 from policy_operator import constants as C
 from policy_operator.operator.manifests import SERVER_CONTAINER, Names
-from policy_operator.sources import request_key
+from policy_operator.source_uri import request_key
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.local_node_cluster import LocalCluster, for_local_node, free_port_on
 from tests.support.net import wait_for

@@ -23,7 +23,7 @@ from policy_operator.runtime.checkpoint.fetch import (
     read_marker,
 )
 from policy_operator.runtime.checkpoint.format import CheckpointError, sha256_file, write_manifest
-from policy_operator.sources import request_key
+from policy_operator.source_uri import request_key
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.net import free_port, wait_for
 

@@ -18,7 +18,7 @@ import pytest
 from policy_operator.constants import COMPLETE_MARKER, MANIFEST_FILE
 from policy_operator.exit_codes import FetchExit
 from policy_operator.runtime.checkpoint.format import sha256_file, write_manifest
-from policy_operator.sources import request_key
+from policy_operator.source_uri import request_key
 from tests.support.faulty_http import FaultyCheckpointServer
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.servers import VENV_BIN

@@ -14,7 +14,7 @@ from policy_operator.constants import COMPLETE_MARKER
 from policy_operator.exit_codes import FetchExit
 from policy_operator.runtime.checkpoint.fetch import check_complete, read_marker
 from policy_operator.runtime.checkpoint.format import sha256_file, write_manifest
-from policy_operator.sources import request_key
+from policy_operator.source_uri import request_key
 from tests.support.hub_stub import HubStub
 
 MiB = 1 << 20

@@ -1,7 +1,7 @@
 """Download progress from the fetch container's ``/progress`` endpoint to ``status.checkpoint.progress`` and
 ``kubectl get ps``.
 
-One line format (``policy_operator/progress_line.py``) on both sides: the
+One line format (``policy_operator/fetch_progress.py``) on both sides: the
 fetch's real progress reporter writes it, its container serves the newest one
 over HTTP (``runtime/checkpoint/progress_server.py``) and the operator reads
 it there, never from the pod's log (it holds no ``pods/log``).  Here: the
@@ -25,13 +25,13 @@ import pytest
 import yaml
 
 from policy_operator import constants as C
-from policy_operator import progress_line
+from policy_operator import fetch_progress as fetch_progress_format
+from policy_operator.fetch_progress import FetchProgress
 from policy_operator.operator import crd, download_state, manifests, observe, rbac, workload_state
 from policy_operator.operator import status as status_step
 from policy_operator.operator.download_state import CheckpointPhase
 from policy_operator.operator.resource import PolicyServerStatus
 from policy_operator.operator.spec import parse_spec
-from policy_operator.progress_line import FetchProgress
 from tests.support.net import free_port, wait_for
 
 NOW = "2025-01-01T00:00:00Z"
@@ -55,8 +55,8 @@ def spec() -> Any:
 def test_line_round_trip(progress: FetchProgress) -> None:
     line = progress.line()
     assert line.startswith(f"fetch: {progress.text} [progress ")
-    assert progress_line.parse_line(line) == progress
-    assert progress_line.parse_line(progress.line(label="fetch hf://org/p")) == progress
+    assert fetch_progress_format.parse_line(line) == progress
+    assert fetch_progress_format.parse_line(progress.line(label="fetch hf://org/p")) == progress
 
 
 def test_text_is_what_people_read() -> None:
@@ -83,31 +83,31 @@ def test_last_progress_is_the_newest_line_and_ignores_everything_else() -> None:
             "",
         ]
     )
-    assert progress_line.last_progress(log) == FetchProgress(60, 100, 5.0)
-    assert progress_line.last_progress("fetch: resolving\n[progress x/y z]\n") is None
-    assert progress_line.last_progress("") is None
+    assert fetch_progress_format.last_progress(log) == FetchProgress(60, 100, 5.0)
+    assert fetch_progress_format.last_progress("fetch: resolving\n[progress x/y z]\n") is None
+    assert fetch_progress_format.last_progress("") is None
     # a log cut by limitBytes in the middle of the newest line: the one before it counts
     cut = log + FetchProgress(90, 100, 7.0).line()[:30]
-    assert progress_line.last_progress(cut) == FetchProgress(60, 100, 5.0)
+    assert fetch_progress_format.last_progress(cut) == FetchProgress(60, 100, 5.0)
 
 
 def test_the_fetch_reporter_writes_lines_the_operator_reads() -> None:
     """The runtime's real reporter, off a TTY as in a Job's log, parsed back by the operator's reader."""
-    from policy_operator.runtime.checkpoint.progress import Progress
+    from policy_operator.runtime.checkpoint.progress_meter import Progress
 
     out = io.StringIO()
     with Progress(total=4096, stream=out, interval=0.02, initial=1024) as progress:
         progress.advance(1024)
         deadline = time.monotonic() + 10
-        while progress_line.last_progress(out.getvalue()) is None and time.monotonic() < deadline:
+        while fetch_progress_format.last_progress(out.getvalue()) is None and time.monotonic() < deadline:
             time.sleep(0.02)
         progress.advance(2048)
         deadline = time.monotonic() + 10
         while (
-            progress_line.last_progress(out.getvalue()) or FetchProgress(0, 0, 0)
+            fetch_progress_format.last_progress(out.getvalue()) or FetchProgress(0, 0, 0)
         ).done != 4096 and time.monotonic() < deadline:
             time.sleep(0.02)
-    read = progress_line.last_progress(out.getvalue())
+    read = fetch_progress_format.last_progress(out.getvalue())
     assert read is not None and (read.done, read.total) == (4096, 4096) and read.rate > 0
     assert read.text in out.getvalue()
 
@@ -165,7 +165,7 @@ def test_the_operator_reads_the_newest_line_from_the_progress_endpoint() -> None
         server.update(FetchProgress(10, 100, 1.0))
         server.update(FetchProgress(50, 100, 2e6))
         line = observe.fetch_progress(active_job(), [pod])
-        assert line is not None and progress_line.last_progress(line) == FetchProgress(50, 100, 2e6)
+        assert line is not None and fetch_progress_format.last_progress(line) == FetchProgress(50, 100, 2e6)
         assert observe.fetch_progress({"status": {"succeeded": 1}}, [pod]) is None  # a Job that is done: not asked
         with pytest.raises(urllib.error.HTTPError) as other:
             urllib.request.urlopen(f"http://127.0.0.1:{server.bound_port}/other", timeout=5)  # noqa: S310
@@ -204,7 +204,7 @@ def test_policyserver_fetch_serves_its_progress_while_it_downloads(tmp_path) -> 
 
             def two_readings() -> bool:
                 line = observe.fetch_progress(active_job(), [pod])
-                progress = progress_line.last_progress(line or "")
+                progress = fetch_progress_format.last_progress(line or "")
                 if progress is not None and (not seen or progress.done != seen[-1].done):
                     seen.append(progress)
                 return len(seen) >= 2

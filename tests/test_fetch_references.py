@@ -21,7 +21,7 @@ from policy_operator.constants import HUB_VIEW_DIR
 from policy_operator.exit_codes import CheckpointExit, FetchExit
 from policy_operator.runtime.checkpoint.format import write_manifest
 from policy_operator.runtime.checkpoint.prune import prunable
-from policy_operator.sources import request_key
+from policy_operator.source_uri import request_key
 from tests.support.hub_stub import HubStub
 from tests.support.servers import VENV_BIN
 

@@ -286,7 +286,7 @@ def test_what_the_operator_and_the_fetch_job_share_needs_no_torch() -> None:
     assert proc.returncode == 0, proc.stderr
     for module in (
         "policy_operator.readyz",
-        "policy_operator.sources",
+        "policy_operator.source_uri",
         "policy_operator.serve_flags",
         "policy_operator.exit_codes",
         "policy_operator.runtime.checkpoint.fetch",

@@ -21,7 +21,7 @@ from policy_operator import constants as C
 from policy_operator import serve_flags
 from policy_operator.operator import manifests as M
 from policy_operator.operator.spec import PolicyServerSpec, parse_spec
-from policy_operator.sources import checkpoint_key, request_key
+from policy_operator.source_uri import checkpoint_key, request_key
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_VERSIONS = ("1.32.0", "1.37.0")

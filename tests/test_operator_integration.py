@@ -31,7 +31,7 @@ import yaml
 
 from policy_operator import constants as C
 from policy_operator.operator.manifests import Names
-from policy_operator.sources import checkpoint_key
+from policy_operator.source_uri import checkpoint_key
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.local_node_api import Api
 from tests.support.local_node_cluster import LocalCluster, OperatorProcess, for_local_node, free_port_on

@@ -8,7 +8,7 @@ import pytest
 
 from policy_operator import serve_flags
 from policy_operator.exit_codes import FETCH_FATAL, FetchExit, describe
-from policy_operator.sources import (
+from policy_operator.source_uri import (
     InvalidSource,
     check_relpath,
     check_source,

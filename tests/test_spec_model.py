@@ -3,7 +3,7 @@
 The CRD is generated from the same model (tests/test_crd.py checks the
 generated files and the apiserver-side verdicts); here the operator's side is
 checked on its own, including that the CEL rules it evaluates agree with the
-runtime's definitions they translate (sources.py, ParallelLayout, the worker's
+runtime's definitions they translate (source_uri.py, ParallelLayout, the worker's
 flags).
 """
 
@@ -21,7 +21,7 @@ from policy_operator.builtin_policies import BUILTIN_POLICIES, check_uncondition
 from policy_operator.layout import LayoutError, ParallelLayout
 from policy_operator.operator import spec as S
 from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
-from policy_operator.sources import InvalidSource, check_relpath, check_source, request_key
+from policy_operator.source_uri import InvalidSource, check_relpath, check_source, request_key
 
 HEX = "ab" * 32
 

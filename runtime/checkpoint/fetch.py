@@ -51,7 +51,7 @@ from policy_operator.constants import (
     PROGRESS_PATH,
 )
 from policy_operator.exit_codes import FetchExit, describe
-from policy_operator.progress_line import FetchProgress
+from policy_operator.fetch_progress import FetchProgress
 from policy_operator.runtime.checkpoint.errors import (
     DiskFullError,
     FetchError,
@@ -65,12 +65,12 @@ from policy_operator.runtime.checkpoint.errors import (
 from policy_operator.runtime.checkpoint.format import CheckpointError, parse_manifest, sha256_file
 from policy_operator.runtime.checkpoint.http import STALL_TIMEOUT_S, Patience
 from policy_operator.runtime.checkpoint.marker import check_complete, fsync_path, make_marker, read_marker, write_marker
-from policy_operator.runtime.checkpoint.progress import Progress, human_bytes
+from policy_operator.runtime.checkpoint.progress_meter import Progress, human_bytes
 from policy_operator.runtime.checkpoint.progress_server import ProgressServer
 from policy_operator.runtime.checkpoint.references import fetch_references
-from policy_operator.runtime.checkpoint.sources import HfSource, RemoteFile, Source, make_source
+from policy_operator.runtime.checkpoint.remotes import HfSource, RemoteFile, Source, make_source
 from policy_operator.runtime.checkpoint.staging import has_other_names
-from policy_operator.sources import HF_SCHEME, InvalidSource, checkpoint_key, split_revision
+from policy_operator.source_uri import HF_SCHEME, InvalidSource, checkpoint_key, split_revision
 from policy_operator.tokens import read_token_file
 
 __all__ = [

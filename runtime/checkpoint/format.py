@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policy_operator.constants import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
-from policy_operator.sources import InvalidSource, check_relpath
+from policy_operator.source_uri import InvalidSource, check_relpath
 
 MANIFEST_FORMAT = "policy-checkpoint/v1"
 _CHUNK = 4 << 20

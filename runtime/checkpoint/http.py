@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 from policy_operator import __version__
 from policy_operator.runtime.checkpoint.errors import FetchError, SourceError, VerificationError, redact_url
-from policy_operator.runtime.checkpoint.progress import Progress
+from policy_operator.runtime.checkpoint.progress_meter import Progress
 from policy_operator.runtime.checkpoint.staging import create_new, has_other_names, open_own
 
 USER_AGENT = f"policyserver-fetch/{__version__}"

@@ -5,7 +5,7 @@ fetch pod's log, which needs ``pods/log``; that grant lets the operator read
 the log of any pod in the namespace, and together with creating Jobs, any
 Secret.  The fetch container instead answers ``GET /progress`` on a fixed port
 (``FETCH_PROGRESS_PORT``) with the same line it logs
-(``policy_operator/progress_line.py``), and the operator reads it the way it
+(``policy_operator/fetch_progress.py``), and the operator reads it the way it
 reads the server pods' ``/readyz``.  The answer holds byte counts only; a port
 that cannot be bound costs the status its progress, never the download.
 """
@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from policy_operator.constants import ENV_HOST, PROGRESS_PATH
-from policy_operator.progress_line import FetchProgress
+from policy_operator.fetch_progress import FetchProgress
 
 
 class ProgressServer:

@@ -33,7 +33,7 @@ from typing import Any
 from policy_operator.constants import HUB_VIEW_DIR
 from policy_operator.runtime.checkpoint.errors import FetchError, UsageError
 from policy_operator.runtime.checkpoint.marker import fsync_path, read_marker
-from policy_operator.sources import HF_SCHEME, request_key
+from policy_operator.source_uri import HF_SCHEME, request_key
 
 # keys whose string value LeRobot (or transformers under it) hands to from_pretrained
 REFERENCE_KEYS = ("vlm_model_name", "tokenizer_name", "processor_name")

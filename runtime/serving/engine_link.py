@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from policy_operator.progress_line import FetchProgress
+from policy_operator.fetch_progress import FetchProgress
 from policy_operator.runtime.errors import ErrorKind, NotReady, RequestError
 from policy_operator.runtime.policy.interface import Policy, Sample
 from policy_operator.runtime.policy.rtc import RtcConstraint

@@ -4,7 +4,7 @@ A Job's log is not a TTY, so a carriage-return bar would be one endless line
 there: off a TTY we print a plain line every few seconds from a ticker thread
 (so the log moves even while one socket read blocks); on a TTY we hand the
 same numbers to tqdm.  Each plain line ends in the machine-readable tail of
-``policy_operator/progress_line.py``; ``on_update`` hands the same numbers to
+``policy_operator/fetch_progress.py``; ``on_update`` hands the same numbers to
 the fetch Job's progress endpoint (``progress_server.py``, which the operator
 reads into ``status.checkpoint.progress``) and to a server downloading its own
 checkpoint, for its metrics.
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from policy_operator.progress_line import FetchProgress, human_bytes
+from policy_operator.fetch_progress import FetchProgress, human_bytes
 
 __all__ = ["DEFAULT_INTERVAL_S", "Progress", "human_bytes"]
 

@@ -23,9 +23,9 @@ from policy_operator.constants import ENV_HF_ENDPOINT, MANIFEST_FILE
 from policy_operator.runtime.checkpoint.errors import SourceError, UsageError, redact_url
 from policy_operator.runtime.checkpoint.format import CheckpointError, parse_manifest
 from policy_operator.runtime.checkpoint.http import DEFAULT_PATIENCE, Patience, download_file, fetch_small, head_size
-from policy_operator.runtime.checkpoint.progress import Progress
+from policy_operator.runtime.checkpoint.progress_meter import Progress
 from policy_operator.runtime.checkpoint.staging import copy_new, create_new
-from policy_operator.sources import HF_SCHEME, SCHEMES, InvalidSource, check_relpath, scheme_of
+from policy_operator.source_uri import HF_SCHEME, SCHEMES, InvalidSource, check_relpath, scheme_of
 
 _HF_REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
 
