@@ -56,7 +56,8 @@ from policy_operator.operator.download_state import CheckpointPhase, CheckpointS
 from policy_operator.operator.kube import Kube, NotFound, Rejected
 from policy_operator.operator.manifests import VOL_CACHE, claim_name, endpoint, selector_string
 from policy_operator.operator.rank_probe import PodHealth
-from policy_operator.operator.resource import CheckpointStatus, PolicyServerStatus
+from policy_operator.operator.resource import CheckpointStatus, DownloadProgress, PodStatus, PolicyServerStatus
+from policy_operator.operator.resource import Condition as StatusCondition
 from policy_operator.operator.spec import PolicyServerSpec
 from policy_operator.operator.storage_plan import StorageCheck
 from policy_operator.operator.workload_state import WorkloadState
@@ -284,6 +285,11 @@ def kstatus_conditions(ready: Condition, *, scaled_to_zero: bool = False) -> lis
     ]
 
 
+def status_conditions(merged: Sequence[Mapping[str, Any]]) -> list[StatusCondition]:
+    """``merge_conditions``' API form (this pass's conditions and those it keeps) as the status model's."""
+    return [StatusCondition.model_validate(c) for c in merged]
+
+
 @dataclass(frozen=True)
 class StatusUpdate:
     status: PolicyServerStatus  # only the fields this pass decides are set
@@ -303,8 +309,10 @@ def invalid_status(error: Exception, *, previous: Mapping[str, Any] | None, gene
     status = PolicyServerStatus(
         observed_generation=generation,
         phase=PHASE_FAILED,
-        conditions=merge_conditions(
-            previous.get("conditions"), [ready, *kstatus_conditions(ready), cond], generation=generation, now=now
+        conditions=status_conditions(
+            merge_conditions(
+                previous.get("conditions"), [ready, *kstatus_conditions(ready), cond], generation=generation, now=now
+            )
         ),
     )
     events = condition_events(previous.get("conditions"), [cond]) + phase_event(
@@ -409,7 +417,9 @@ def build_status(
         job_name=checkpoint.job_name,
         phase=checkpoint.phase,
         message=checkpoint.message,
-        progress=checkpoint.progress.as_status() if downloading and checkpoint.progress is not None else None,
+        progress=DownloadProgress.model_validate(checkpoint.progress.as_status())
+        if downloading and checkpoint.progress is not None
+        else None,
         serving_key=workload.serving_key or None,
         claim_uid=checkpoint.claim_uid if checkpoint.claim_uid and checkpoint.phase == CheckpointPhase.READY else None,
     )
@@ -428,19 +438,21 @@ def build_status(
         template_hash=workload.template_hash or None,
         last_progress_time=progress_since,
         checkpoint=checkpoint_status,
-        pods=[p.as_status() for p in pods],
-        conditions=merge_conditions(
-            prev_conditions,
-            [
-                ready,
-                *kstatus_conditions(
-                    ready, scaled_to_zero=(workload.desired == 0 and progressing.reason == Reason.STABLE)
-                ),
-                *conditions,
-                *storage_ready,
-            ],
-            generation=generation,
-            now=now,
+        pods=[PodStatus.model_validate(p.as_status()) for p in pods],
+        conditions=status_conditions(
+            merge_conditions(
+                prev_conditions,
+                [
+                    ready,
+                    *kstatus_conditions(
+                        ready, scaled_to_zero=(workload.desired == 0 and progressing.reason == Reason.STABLE)
+                    ),
+                    *conditions,
+                    *storage_ready,
+                ],
+                generation=generation,
+                now=now,
+            )
         ),
     )
     if deadline is not None:
