@@ -60,6 +60,9 @@ STOP_TIMEOUT_S = 30.0
 _LISTENING = re.compile(r"listening on ws://([0-9.]+):(\d+)")
 
 WaitFor = Literal["ready", "listening", "started"]
+# ``POLICY_TEST_FRONTEND=process pytest tests/test_server.py ...`` runs a module's servers with that --frontend
+# (a server whose test names one keeps it): the whole server test set in either mode, without parametrizing it.
+FRONTEND_ENV = "POLICY_TEST_FRONTEND"
 
 
 class ServerExited(RuntimeError):
@@ -200,6 +203,9 @@ class PolicyServerProcess:
         self.argv = [*base, "--checkpoint", str(checkpoint), "--host", self.host, *self.args]
         if not any(a == "--port" or a.startswith("--port=") for a in self.args):
             self.argv += ["--port", "0"]
+        frontend = os.environ.get(FRONTEND_ENV)
+        if frontend and command is None and not any(a.startswith("--frontend") for a in self.args):
+            self.argv += ["--frontend", frontend]
         self.env = subprocess_env(env)
         self.cwd = str(cwd) if cwd is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
