@@ -241,3 +241,47 @@ def test_readiness_across_ranks_and_sigterm(tiny_checkpoint: Path) -> None:
         assert server.wait_exit(timeout=60) == 0, server.log_tail()
         assert time.monotonic() - started < 25
         assert "rank 0 exiting 0 (drained)" in server.log_text()
+
+
+# --- the shared-memory ring, in this process ---------------------------------------------------------------
+def test_the_ring_round_trips_every_dtype_and_refuses_what_does_not_fit() -> None:
+    import os
+
+    import torch
+
+    from policy_operator.runtime.errors import ErrorKind, WireError
+    from policy_operator.runtime.policy.interface import Sample
+    from policy_operator.runtime.serving import ipc
+
+    slots, slot_bytes = ipc.ring_geometry(max_message_bytes=1000, max_buffered_bytes=10_000)
+    assert (slots, slot_bytes) == (8, 1024)  # a slot holds any admitted frame; at most MAX_SLOTS
+    assert ipc.ring_geometry(1000, 1500)[0] == 1  # --max-buffered-bytes bounds the ring
+    fd = ipc.create_ring_fd(slots, slot_bytes)
+    try:
+        writer, reader = ipc.SlotRing(fd, slots, slot_bytes), ipc.SlotRing(fd, slots, slot_bytes)
+    finally:
+        os.close(fd)
+    tensors = {
+        "image": torch.arange(3 * 4 * 3, dtype=torch.uint8).reshape(1, 3, 4, 3),
+        "state": torch.randn(1, 7),
+        "tokens": torch.arange(5, dtype=torch.int64)[None],
+        "present": torch.tensor([[True, False]]),
+        "half": torch.randn(1, 3).to(torch.bfloat16),
+        "strided": torch.randn(4, 2).t()[None],  # not contiguous
+        "empty": torch.zeros(1, 0),
+    }
+    specs = writer.write_sample(5, Sample(tensors, {"cameras": 1}))
+    back = reader.read_tensors(5, specs)
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape
+        assert torch.equal(back[name], t), name
+    writer.write_sample(5, Sample({"state": torch.zeros(1, 7)}, {}))  # the slot reused: the copy stays
+    assert torch.equal(back["state"], tensors["state"])
+    writer.write_raw(0, b"frame")
+    assert reader.read_raw(0, 5) == b"frame"
+    with pytest.raises(WireError) as too_big:
+        writer.write_sample(1, Sample({"image": torch.zeros(1, 2000, dtype=torch.uint8)}, {}))
+    assert too_big.value.kind is ErrorKind.BAD_FRAME and "--max-message-bytes" in str(too_big.value)
+    with pytest.raises(WireError):
+        writer.write_raw(1, b"x" * 2000)
