@@ -180,11 +180,11 @@ class Runtime:
         self.settings = SamplerSettings(
             opts.steps,
             opts.guidance,
-            cfg_mode,
-            buckets,  # type: ignore[arg-type]
-            opts.rtc,
+            cfg_mode,  # type: ignore[arg-type]
+            buckets,
+            opts.rtc,  # type: ignore[arg-type]
             opts.rtc_max_delay,
-        )  # type: ignore[arg-type]
+        )
         self.load_s = self.warmup_s = 0.0  # set by load()
         self.compile_cache: CompileCache | None = None  # set by load() under --compile --compile-cache-dir
         self.bucket_ms: dict[int, float] = {}  # set by load() under --latency-budget-ms: replica 0's batch times
