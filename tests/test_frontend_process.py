@@ -130,7 +130,7 @@ def test_per_request_errors_keep_the_session(process: PolicyServerProcess) -> No
         second = np.asarray(wire.unpackb(ws.recv(timeout=30))["actions"])
     assert second.shape == first.shape
     assert second[:3].tobytes() == first[4:7].tobytes()  # the frozen actions, bit for bit
-    assert process.metric("policy_request_errors_total", kind="bad_frame") >= 1
+    assert (process.metric("policy_request_errors_total", kind="bad_frame") or 0.0) >= 1
 
 
 def test_text_error_format_closes_with_1011(tiny_checkpoint: Path, tmp_path: Path) -> None:
@@ -145,7 +145,8 @@ def test_text_error_format_closes_with_1011(tiny_checkpoint: Path, tmp_path: Pat
         with connect(server.url, compression=None, open_timeout=30, additional_headers=headers) as ws:
             ws.recv(timeout=30)
             ws.send(wire.packb({"prompt": "no images"}))
-            assert ws.recv(timeout=30).startswith("invalid_observation")
+            text = ws.recv(timeout=30)
+            assert isinstance(text, str) and text.startswith("invalid_observation")
             with pytest.raises(ConnectionClosed) as closed:
                 ws.recv(timeout=30)
             assert closed.value.rcvd is not None and closed.value.rcvd.code == 1011
@@ -175,12 +176,47 @@ def test_sessions_batch_and_metrics_count_them(process: PolicyServerProcess) -> 
         t.join(120)
     assert not errors, errors
     assert len(sizes) == 24 and max(sizes) > 1, sizes  # sessions share batches across the process boundary
-    assert process.metric("policy_requests_total", replica="0") - requests_before == 24
-    batches = process.metric("policy_batch_size_count", replica="0") - before
+    assert (process.metric("policy_requests_total", replica="0") or 0.0) - requests_before == 24
+    batches = (process.metric("policy_batch_size_count", replica="0") or 0.0) - before
     assert 0 < batches < 24
-    assert process.metric("policy_load_seconds") > 0
+    assert (process.metric("policy_load_seconds") or 0.0) > 0
     doc = process.readyz().json()
     assert doc["ready"] and doc["ranks_ready"] == 1 and doc["in_flight"] == 0
+
+
+def test_large_replies_and_rtc_tails_cross_both_ways_at_once(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """256 x 256 action chunks (256 kB per reply, more than a socket buffer) to several robots at once, while
+    their requests carry 256 kB ``rtc`` tails the other way: neither process ever blocks on the other."""
+    from tests.support.servers import session_checkpoint
+
+    checkpoint = session_checkpoint(tmp_path_factory, horizon=256, action_dim=256)
+    args = [*STEPS, *PROCESS, "--threads", "1", "--rtc", "inpaint", "--max-batch", "4"]
+    with serve_policy(checkpoint, *args) as server:
+        errors: list[BaseException] = []
+
+        def robot(i: int) -> None:
+            try:
+                with connect(server.url, compression=None, max_size=None, open_timeout=30) as ws:
+                    meta = wire.unpackb(ws.recv(timeout=30))
+                    assert tuple(meta["action_shape"]) == (256, 256)
+                    prev = np.zeros((256, 256), dtype=np.float32)
+                    for k in range(4):
+                        obs = observation(i, seed=k, rtc={"prev_actions": prev, "inference_delay": 2})
+                        ws.send(wire.packb(obs))
+                        reply = wire.unpackb(ws.recv(timeout=120))
+                        got = np.asarray(reply["actions"])
+                        assert got.shape == (256, 256) and got[:2].tobytes() == prev[:2].tobytes(), reply
+                        prev = got
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=robot, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        assert server.alive and server.readyz().status == 200
 
 
 def test_a_killed_model_process_takes_the_frontend_down(tiny_checkpoint: Path) -> None:

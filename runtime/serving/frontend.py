@@ -295,7 +295,9 @@ async def serve(config: ipc.FrontendConfig, channel: ipc.Channel, ring: ipc.Slot
     await server.start()
     channel.listen(loop, proxy.on_message, engine_gone)
     channel.send(ipc.Listening(server.port))
-    return await done
+    code = await done
+    channel.finish()
+    return code
 
 
 def main(argv: list[str]) -> int:

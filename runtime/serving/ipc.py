@@ -4,7 +4,7 @@ Two channels, each for what it is good at:
 
 * **Control messages** (requests' ids, seeds, sessions, tensor specs; replies; readiness snapshots; drain
   commands) are small dataclasses, pickled over one Unix socket pair (``Channel``: length-prefixed frames,
-  read on each side's event loop when the socket is readable).
+  read and written on each side's event loop without ever blocking it).
 * **Tensor bytes** never go through pickle: the front-end writes each prepared sample (or, for a policy
   without a ``Preprocessor``, the raw frame) into a slot of a ring of shared memory (``SlotRing``, one
   ``memfd`` both processes map) and sends the slot and the tensors' specs; the model process copies them out
@@ -22,10 +22,12 @@ import asyncio
 import logging
 import mmap
 import os
+import pickle
 import socket
+import struct
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -155,38 +157,124 @@ class Drain:
 
 
 # --- the socket --------------------------------------------------------------------------------------
+_HEADER = struct.Struct("!Q")  # each message: its pickled length, then the pickle
+_READ_CHUNK = 1 << 20
+
+
 class Channel:
-    """Pickled messages over one end of a socket pair; sends from one thread (the event loop) only."""
+    """Pickled messages over one end of a socket pair.
+
+    Before ``listen`` it is blocking (the configuration goes first).  After, it belongs to one event loop and
+    never blocks it: reads are buffered until a message is whole, and a send the socket cannot take now is
+    queued and written when it becomes writable -- so two processes each sending a large message (a
+    256 x 256 action chunk, a long ``rtc`` tail) while the other sends too can never wait on each other.
+    """
 
     def __init__(self, sock: socket.socket) -> None:
-        self._conn = Connection(sock.detach())
+        self._sock = sock
+        self._sock.setblocking(True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._in = bytearray()
+        self._out: deque[memoryview] = deque()
         self._closed = False
+        self._on_closed: Callable[[], None] = lambda: None
 
     def fileno(self) -> int:
-        return self._conn.fileno()
+        return self._sock.fileno()
 
     def send(self, message: object) -> None:
-        self._conn.send(message)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        frame = _HEADER.pack(len(data)) + data
+        if self._loop is None:
+            self._sock.sendall(frame)
+            return
+        if self._closed:
+            raise ConnectionError("the other process is gone")
+        self._out.append(memoryview(frame))
+        if len(self._out) == 1:
+            self._flush()
+
+    def _flush(self) -> None:
+        assert self._loop is not None
+        try:
+            while self._out:
+                sent = self._sock.send(self._out[0])
+                if sent == len(self._out[0]):
+                    self._out.popleft()
+                else:
+                    self._out[0] = self._out[0][sent:]
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._close()
+            return
+        if self._out:
+            self._loop.add_writer(self.fileno(), self._flush)
+        else:
+            self._loop.remove_writer(self.fileno())
+
+    def finish(self) -> None:
+        """Write what is still queued, blocking (the process is about to exit)."""
+        if self._closed:
+            return
+        try:
+            self._sock.setblocking(True)
+            while self._out:
+                self._sock.sendall(self._out.popleft())
+        except OSError:
+            pass
 
     def recv(self) -> Any:
-        return self._conn.recv()
+        """One message, blocking (before ``listen`` only)."""
+        header = self._recv_exactly(_HEADER.size)
+        return pickle.loads(self._recv_exactly(_HEADER.unpack(header)[0]))
+
+    def _recv_exactly(self, n: int) -> bytes:
+        chunks = bytearray()
+        while len(chunks) < n:
+            chunk = self._sock.recv(n - len(chunks))
+            if not chunk:
+                raise EOFError("the other process closed the channel")
+            chunks += chunk
+        return bytes(chunks)
 
     def listen(
         self, loop: asyncio.AbstractEventLoop, on_message: Callable[[Any], None], on_closed: Callable[[], None]
     ) -> None:
-        """Call ``on_message`` for every message, on ``loop``, and ``on_closed`` once when the other end is gone."""
+        """From now on: ``on_message`` for every message, on ``loop``; ``on_closed`` once when the other end is gone."""
+        self._loop = loop
+        self._on_closed = on_closed
+        self._sock.setblocking(False)
 
         def readable() -> None:
             try:
-                while self._conn.poll():
-                    on_message(self._conn.recv())
-            except (EOFError, OSError):
-                if not self._closed:
-                    self._closed = True
-                    loop.remove_reader(self.fileno())
-                    on_closed()
+                data = self._sock.recv(_READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._close()
+                return
+            self._in += data
+            while len(self._in) >= _HEADER.size:
+                (size,) = _HEADER.unpack_from(self._in)
+                if len(self._in) < _HEADER.size + size:
+                    break
+                message = pickle.loads(memoryview(self._in)[_HEADER.size : _HEADER.size + size])
+                del self._in[: _HEADER.size + size]
+                on_message(message)
 
         loop.add_reader(self.fileno(), readable)
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None:
+            self._loop.remove_reader(self.fileno())
+            self._loop.remove_writer(self.fileno())
+        self._on_closed()
 
 
 # --- the shared memory ---------------------------------------------------------------------------------
