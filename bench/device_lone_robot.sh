@@ -3,6 +3,8 @@
 # of the last round that served one client in ~16 ms (4353282), with the same client, in one device call.
 #   git archive 4353282 | tar -x -C .old     # .old is ignored by git; carried with the call
 #   run(command="bash bench/device_lone_robot.sh", carry=[".whl", ".old"])
+#   run(command="bash bench/device_lone_robot.sh split", carry=[".whl"])    # condition/denoise split per process
+#   run(command="bash bench/device_lone_robot.sh robots", carry=[".whl"])   # robots table, both front-ends
 set -u
 REPO=$(pwd)
 OUT=${OUT:-/tmp/out}
@@ -31,6 +33,16 @@ stage() {
     echo "$name rc=$? after $(( $(date +%s) - start )) s"
     grep '^|' "$OUT/$name.md" 2>/dev/null || tail -6 "$OUT/$name.log"
 }
+if [ "${1:-}" = robots ]; then
+    # issue 24's robots table, both front-ends side by side (compile artifacts shared through one cache
+    # directory, so the second server of a spec loads them), then one robot at max-batch 1
+    stage robots-frontends /tmp/site-new "$REPO" 130 --tables robots --robot-max-batch 8,32 --robots 1,8,16,32 \
+        --robot-n 30 --frontend inline,process --batch-window-ms 2 --serve-args "--compile-cache-dir /tmp/cc"
+    stage robots-mb1 /tmp/site-new "$REPO" 5 --tables robots --robot-max-batch 1 --robots 1 --robot-n 40 \
+        --frontend inline,process --batch-window-ms 2 --serve-args "--compile-cache-dir /tmp/cc"
+    echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
 if [ "${1:-}" = split ]; then
     # the same build in fresh processes: condition / denoise / postprocess split, with and without marking steps
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv
