@@ -33,15 +33,12 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from policy_operator.exit_codes import ServeExit
-from policy_operator.runtime.errors import DrainTimeout
 
 if TYPE_CHECKING:
-    from policy_operator.runtime.serving.backend import Backend
     from policy_operator.runtime.serving.ingress import Ingress
     from policy_operator.runtime.serving.server import PolicyWebSocketServer
 
@@ -51,7 +48,6 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STOP_KEY = "policy-operator/stop"  # in the heartbeat store: rank 0 wrote it, every rank exits 0 now
 EXIT_MARGIN_S = 5.0  # after grace + one heartbeat, a rank still running exits 0 whatever it is blocked in
 STOP_POLL_S = 0.25  # how often the other ranks look for STOP_KEY (at most)
-ERROR_SEND_S = 1.0  # after the grace period: how long the failed requests' sessions get to send their error
 
 
 class KV(Protocol):
@@ -146,32 +142,6 @@ class Lifecycle:
         return code
 
 
-async def drain_sessions(
-    server: PolicyWebSocketServer, backend: Backend, *, grace_s: float, heartbeat_s: float
-) -> bool:
-    """The server's part of a drain: sessions drained up to ``grace_s``, then what still runs failed with
-    ``drain_timeout``; ``/readyz`` answers 503 one more heartbeat period and the port closes.  True when every
-    request was answered in time.  Rank 0 runs it (``--frontend inline``), or the front-end process when rank 0
-    tells it to (``--frontend process``)."""
-    drained = await server.drain(grace_s)  # idle sessions closed 1001 at once, busy ones after their reply
-    if not drained:
-        failed = backend.give_up(
-            DrainTimeout(
-                f"the server is shutting down and this request was still running when its {grace_s:g}s grace period "
-                "(--drain-grace-s) ended; retry it on another server"
-            )
-        )
-        log.warning("grace period over: %d request(s) still running failed with %s", failed, DrainTimeout.kind.value)
-        deadline = time.monotonic() + ERROR_SEND_S
-        while server.sessions.busy() and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-    # Keep answering /readyz (503 now) for a heartbeat period before the port closes,
-    # so probes and load balancers observe the drain instead of a refused connection.
-    await asyncio.sleep(min(heartbeat_s, grace_s))
-    await server.stop()
-    return drained
-
-
 async def stop_ranks(ingress: Ingress, *, drained: bool, kv: KV) -> None:
     """After the sessions' drain: drained, ``Shutdown`` down every lane; either way ``STOP_KEY`` for every rank."""
     if drained:
@@ -192,6 +162,8 @@ async def drain_and_stop(
     after, as draining sessions are), no ``Shutdown`` waits behind the batch, and ``STOP_KEY`` tells every rank
     to exit 0 now, before rank 0 itself leaves mid-collective.
     """
+    from policy_operator.runtime.serving.server import drain_sessions  # torch: only once serving
+
     drained = await drain_sessions(server, ingress, grace_s=grace_s, heartbeat_s=heartbeat_s)
     await stop_ranks(ingress, drained=drained, kv=kv)
     return drained

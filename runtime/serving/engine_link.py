@@ -143,7 +143,7 @@ class EngineLink:
         self.gauges(ipc.Gauges(download=(progress.done, progress.total or 0)))
 
     async def drain(self, grace_s: float) -> bool:
-        """The front-end drains its sessions (``lifecycle.drain_sessions``); True when all were answered."""
+        """The front-end drains its sessions (``server.drain_sessions``); True when all were answered."""
         assert self._drained is not None
         self.send(ipc.Drain(grace_s, self.heartbeat_s))
         # its drain ends by grace + heartbeat + the error's send time; a front-end that never says is done too

@@ -39,10 +39,11 @@ from policy_operator.runtime.errors import NotReady, RequestError, RequestFailed
 from policy_operator.runtime.parallel.dispatch import Reply
 from policy_operator.runtime.policy.observation import parse_seed, parse_session
 from policy_operator.runtime.serving import ipc, wire
+from policy_operator.runtime.serving.event_loop import event_loop_factory
 from policy_operator.runtime.serving.ingress import INLINE_MAX_BYTES
 from policy_operator.runtime.serving.metrics import ServerMetrics
 from policy_operator.runtime.serving.rtc_session import RTC_KEY, RtcRequest, RtcSession, parse_rtc
-from policy_operator.runtime.serving.server import PolicyWebSocketServer, Sessions
+from policy_operator.runtime.serving.server import PolicyWebSocketServer, Sessions, drain_sessions
 
 log = logging.getLogger(__name__)
 
@@ -261,8 +262,6 @@ class EngineProxy:
 
 async def serve(config: ipc.FrontendConfig, channel: ipc.Channel, ring: ipc.SlotRing) -> int:
     """Serve the port until rank 0 says drain (exit 0) or goes away (``EXIT_ENGINE_GONE``)."""
-    from policy_operator.runtime.lifecycle import drain_sessions
-
     loop = asyncio.get_running_loop()
     metrics = ServerMetrics(config.layout, config.server.max_connections)
     sessions = Sessions()
@@ -315,8 +314,6 @@ def main(argv: list[str]) -> int:
     sys.setswitchinterval(config.gil_switch_ms / 1e3)
     ring = ipc.SlotRing(ring_fd, config.slots, config.slot_bytes)
     os.close(ring_fd)  # mapped: the descriptor is no longer needed
-    from policy_operator.runtime.worker import event_loop_factory
-
     with asyncio.Runner(loop_factory=event_loop_factory(config.event_loop)) as runner:
         code = runner.run(serve(config, channel, ring))
     sys.stdout.flush()

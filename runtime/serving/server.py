@@ -30,7 +30,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from policy_operator.constants import DEFAULT_PORT, HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
-from policy_operator.runtime.errors import ErrorKind, NotReady, RequestError
+from policy_operator.runtime.errors import DrainTimeout, ErrorKind, NotReady, RequestError
 from policy_operator.runtime.parallel.dispatch import Reply
 from policy_operator.runtime.serving import wire
 from policy_operator.runtime.serving.backend import Backend
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 ErrorFormat = Literal["text", "dict"]
 GOING_AWAY = 1001  # the close code of a draining server: clients reconnect, through the Service, to a ready pod
 DRAIN_REASON = "server is shutting down; reconnect"
+ERROR_SEND_S = 1.0  # after the grace period: how long the failed requests' sessions get to send their error
 
 
 @dataclass(frozen=True)
@@ -333,3 +334,29 @@ class PolicyWebSocketServer:
         if self._server is not None:
             self._server.close(close_connections=True)
             await self._server.wait_closed()
+
+
+async def drain_sessions(
+    server: PolicyWebSocketServer, backend: Backend, *, grace_s: float, heartbeat_s: float
+) -> bool:
+    """The server's part of a drain: sessions drained up to ``grace_s``, then what still runs failed with
+    ``drain_timeout``; ``/readyz`` answers 503 one more heartbeat period and the port closes.  True when every
+    request was answered in time.  Rank 0 runs it (``--frontend inline``), or the front-end process when rank 0
+    tells it to (``--frontend process``)."""
+    drained = await server.drain(grace_s)  # idle sessions closed 1001 at once, busy ones after their reply
+    if not drained:
+        failed = backend.give_up(
+            DrainTimeout(
+                f"the server is shutting down and this request was still running when its {grace_s:g}s grace period "
+                "(--drain-grace-s) ended; retry it on another server"
+            )
+        )
+        log.warning("grace period over: %d request(s) still running failed with %s", failed, DrainTimeout.kind.value)
+        deadline = time.monotonic() + ERROR_SEND_S
+        while server.sessions.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    # Keep answering /readyz (503 now) for a heartbeat period before the port closes,
+    # so probes and load balancers observe the drain instead of a refused connection.
+    await asyncio.sleep(min(heartbeat_s, grace_s))
+    await server.stop()
+    return drained
