@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+import numpy as np
 import torch
 
 from policy_operator.runtime.policy.interface import Branch, EulerFlow, Integrator, Policy, Sample, context_map
@@ -50,7 +51,8 @@ MAX_GUIDANCE_WEIGHT: Final = 5.0  # the paper's beta: the correction's scale is 
 class RtcConstraint:
     """One request's constraint, in the model's action space (``Policy.actions_to_model``), on the CPU.
 
-    ``target`` holds the previous chunk's unexecuted tail, ``h`` rows (h <= horizon);
+    ``target`` holds the previous chunk's unexecuted tail, ``h`` rows (h <= horizon), as wide as the model's
+    ``x`` or narrower (then the rest of each row is zeros: the padded action dimensions of LeRobot's models);
     positions [0, delay) are frozen to it, [delay, horizon) guided with decaying weights.
     """
 
@@ -103,7 +105,8 @@ class RtcBatch:
         device: torch.device,
         dtype: torch.dtype,
     ) -> RtcBatch | None:
-        """The batch of ``constraints`` (one per row, None for a plain row); None when no row has one."""
+        """The batch of ``constraints`` (one per row, None for a plain row) for an ``x`` of per-row ``shape``;
+        None when no row has one."""
         if mode == "off" or all(c is None for c in constraints):
             return None
         horizon, action_dim = shape
@@ -115,8 +118,8 @@ class RtcBatch:
         for b, c in enumerate(constraints):
             if c is None:
                 continue
-            h = c.target.shape[0]
-            target[b, :h] = c.target
+            h, width = c.target.shape
+            target[b, :h, :width] = c.target
             weights[b, :, 0] = prefix_weights(c.delay, c.horizon, horizon)
             frozen[b, : c.delay] = True
             active[b] = True
@@ -268,7 +271,11 @@ def sample_rtc(
 
 def rtc_unsupported(policy: Policy) -> str | None:
     """Why ``policy`` cannot do real-time chunking, or None when it can: it must map the returned actions back
-    to its model space, and integrate a flow from noise at t=1 (what the correction's ``x0_hat`` assumes)."""
+    to its model space, and integrate a flow from noise at t=1 (what the correction's ``x0_hat`` assumes).  A
+    policy class serving several kinds of model says for itself (``rtc_unsupported_reason``, a str or None)."""
+    own = getattr(policy, "rtc_unsupported_reason", None)
+    if own is not None:
+        return str(own)
     if type(policy).actions_to_model is Policy.actions_to_model:
         return f"policy {policy.name} cannot map actions back to its model space (no actions_to_model)"
     if not isinstance(policy.integrator(), EulerFlow):
@@ -282,4 +289,6 @@ def warmup_constraint(policy: Policy, mode: str) -> RtcConstraint | None:
     if mode == "off" or rtc_unsupported(policy) is not None:
         return None
     horizon, action_dim = policy.action_shape
-    return RtcConstraint(torch.zeros(horizon, action_dim), min(1, horizon - 1), horizon)
+    return RtcConstraint(
+        policy.actions_to_model(np.zeros((horizon, action_dim), np.float32)), min(1, horizon - 1), horizon
+    )

@@ -154,7 +154,7 @@ def sample_actions(
         raise ValueError("parallel CFG needs a cfg group and guidance != 1.0")
     with torch.inference_mode():
         x = torch.cat([policy.init_noise(seed) for seed in seeds])
-        constraints = RtcBatch.build(rtc, policy.action_shape, rtc_mode, x.device, x.dtype) if rtc else None
+        constraints = RtcBatch.build(rtc, (x.shape[1], x.shape[2]), rtc_mode, x.device, x.dtype) if rtc else None
         if mode == "parallel":
             assert cfg_group is not None
             return _parallel(policy, sample, x, integ, plan, guidance, cfg_group, constraints)

@@ -123,6 +123,14 @@ class Family(ABC):
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         """Final x -> the action chunk ``predict_action_chunk`` returns (before the postprocessor)."""
 
+    def rtc_unsupported(self) -> str | None:
+        """Why real-time chunking cannot run on this family, or None (it needs ``unfinish``)."""
+        return None
+
+    def unfinish(self, actions: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``finish``: a chunk's first h actions ``[1, h, action_dim]`` -> x's first h rows."""
+        raise NotImplementedError
+
 
 class _Flow(Family):
     @property
@@ -142,6 +150,12 @@ class _Flow(Family):
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, :, : self.action_dim]
+
+    def unfinish(self, actions: torch.Tensor) -> torch.Tensor:
+        # The padded action dimensions hold zeros in training (``prepare_action``'s pad_vector).
+        x = actions.new_zeros((*actions.shape[:-1], int(self.config.max_action_dim)))
+        x[..., : actions.shape[-1]] = actions
+        return x
 
 
 class SmolVLA(_Flow):
@@ -180,6 +194,11 @@ class SmolVLA(_Flow):
         if self.config.adapt_to_pi_aloha:
             actions = self.policy._pi_aloha_encode_actions(actions.clone())
         return actions
+
+    def unfinish(self, actions: torch.Tensor) -> torch.Tensor:
+        if self.config.adapt_to_pi_aloha:  # LeRobot's own inverse, which its training applies to the targets
+            actions = self.policy._pi_aloha_encode_actions_inv(actions.clone())
+        return super().unfinish(actions)
 
 
 class Pi0(_Flow):
@@ -272,6 +291,12 @@ class Diffusion(Family):
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         start = int(self.config.n_obs_steps) - 1
         return x[:, start : start + int(self.config.n_action_steps)]
+
+    def rtc_unsupported(self) -> str | None:
+        return (
+            f"Diffusion Policy denoises with a {self.config.noise_scheduler_type} noise scheduler, not a flow from "
+            "noise at t=1, and real-time chunking's correction is the flow's (SmolVLA, pi0 and pi0.5 do it)"
+        )
 
 
 FAMILIES: Mapping[str, type[Family]] = {"smolvla": SmolVLA, "pi0": Pi0, "pi05": Pi05, "diffusion": Diffusion}

@@ -13,6 +13,7 @@ unconditional branch (``has_unconditional`` False): guidance stays 1.0.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -50,6 +51,28 @@ class LeRobotPolicy(Policy):
         self.spec = ObservationSpec(loaded.config.input_features, needs_task=self.family.needs_task)
         self._denoise: Callable[[Context, torch.Tensor, torch.Tensor], torch.Tensor] = self.family.denoise
         self._integrator = functools.lru_cache(maxsize=8)(self.family.integrator)
+        self._normalizers, self.rtc_unsupported_reason = self._rtc_back()
+
+    def _rtc_back(self) -> tuple[list[Any], str | None]:
+        """The postprocessor's unnormalizers (private copies: the ingress maps actions back while the output rank
+        postprocesses), or why the returned actions cannot be mapped back to the model's space."""
+        reason = self.family.rtc_unsupported()
+        if reason is not None:
+            return [], f"policy {self.name}: {reason}"
+        from lerobot.processor import DeviceProcessorStep, UnnormalizerProcessorStep
+
+        normalizers = []
+        for step in self.loaded.postprocessor.steps:
+            if isinstance(step, UnnormalizerProcessorStep):
+                normalizers.append(copy.deepcopy(step))
+            elif isinstance(step, DeviceProcessorStep) or not getattr(step, "enabled", True):
+                continue
+            else:  # e.g. pi0's AbsoluteActionsProcessorStep: its map back depends on the request's state
+                return [], (
+                    f"policy {self.name}: its postprocessor step {type(step).__name__} cannot be inverted without "
+                    "the request's observation, so actions cannot be mapped back to the model's space"
+                )
+        return normalizers, None
 
     @classmethod
     def load(cls, checkpoint: str, *, device: torch.device, dtype: torch.dtype = torch.float32) -> LeRobotPolicy:
@@ -100,6 +123,8 @@ class LeRobotPolicy(Policy):
             return self.family.condition(batch)
 
     def denoise_step(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:  # guided real-time chunking takes a vector-Jacobian product through this step
+            return self._denoise(context, x, t)
         with torch.inference_mode():
             return self._denoise(context, x, t)
 
@@ -115,6 +140,15 @@ class LeRobotPolicy(Policy):
 
     def postprocess(self, x: torch.Tensor) -> np.ndarray:
         return self.postprocess_batch(x)[0]
+
+    def actions_to_model(self, actions: np.ndarray) -> torch.Tensor:
+        if self.rtc_unsupported_reason is not None:
+            raise NotImplementedError(self.rtc_unsupported_reason)
+        chunk = torch.from_numpy(np.asarray(actions, dtype=np.float32))[None]
+        with torch.no_grad():
+            for step in reversed(self._normalizers):
+                chunk = step._normalize_action(chunk, inverse=False)  # noqa: SLF001 - the step's own forward map
+            return self.family.unfinish(chunk)[0].float().clone()
 
     def compile(self, mode: str = "default") -> None:
         # One graph per batch bucket (the replica pads batches to them); the cache is rebuilt inside the graph
