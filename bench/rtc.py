@@ -11,6 +11,10 @@ and the first new one) over the batch's rows, the measure the issue's
 
     python bench/rtc.py                          # CPU, small model, fp32
     python bench/rtc.py --device cuda --size base --dtype bfloat16 --compile reduce-overhead --sizes 1,8
+    python bench/rtc.py --policy lerobot --family smolvla   # a LeRobot policy (tiny, random weights, offline)
+
+A LeRobot policy has no unconditional branch (guidance 1.0, one model call per step) and its chunk may be
+short (the tiny SmolVLA's is 8): the delay and the executed prefix shrink to fit (d <= H/4, executed <= H/3).
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ EXECUTED = 6
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", default="small", choices=["tiny", "small", "base"])
+    p.add_argument("--policy", default="reference", choices=["reference", "lerobot"])
+    p.add_argument("--family", default="smolvla", help="with --policy lerobot: smolvla, pi0 or pi05")
+    p.add_argument("--size", default=None, choices=["tiny", "small", "base"], help="default: small (lerobot: tiny)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--compile", default=None, metavar="MODE")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--guidance", type=float, default=3.0)
+    p.add_argument("--steps", type=int, default=None, help="default: 10 (lerobot: the policy's own)")
+    p.add_argument("--guidance", type=float, default=None, help="default: 3.0 (lerobot: 1.0, no unconditional)")
     p.add_argument("--sizes", default="1,4")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU (default: all)")
@@ -52,27 +58,46 @@ def main() -> int:
     import torch._dynamo
 
     from policy_operator.runtime.policy import collate
-    from policy_operator.runtime.policy.interface import parse_dtype
+    from policy_operator.runtime.policy.interface import Policy, parse_dtype
     from policy_operator.runtime.policy.reference import ReferencePolicy, example_observation, init_checkpoint
     from policy_operator.runtime.policy.rtc import RtcConstraint
     from policy_operator.runtime.policy.sampler import sample_actions
 
     sizes = [int(x) for x in args.sizes.split(",")]
-    checkpoint = (
-        Path(args.checkpoint)
-        if args.checkpoint
-        else init_checkpoint(Path(tempfile.mkdtemp(prefix="bench-rtc-")) / args.size, args.size)
-    )
+    lerobot = args.policy == "lerobot"
+    size = args.size or ("tiny" if lerobot else "small")
+    steps = args.steps if args.steps is not None or lerobot else 10
+    guidance = args.guidance if args.guidance is not None else (1.0 if lerobot else 3.0)
     if args.device == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    policy = ReferencePolicy.load(str(checkpoint), device=device, dtype=parse_dtype(args.dtype))
+    policy: Policy
+    if lerobot:
+        from policy_operator.runtime.policy.lerobot import LeRobotPolicy
+        from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint
+
+        checkpoint = Path(args.checkpoint) if args.checkpoint else Path(tempfile.mkdtemp(prefix="bench-rtc-")) / size
+        if not args.checkpoint:
+            write_tiny_checkpoint(args.family, checkpoint, size=size)
+        policy = LeRobotPolicy.load(str(checkpoint), device=device, dtype=parse_dtype(args.dtype))
+        observations = [policy.example_observation(i) for i in range(max(sizes))]
+    else:
+        checkpoint = (
+            Path(args.checkpoint)
+            if args.checkpoint
+            else init_checkpoint(Path(tempfile.mkdtemp(prefix="bench-rtc-")) / size, size)
+        )
+        reference = ReferencePolicy.load(str(checkpoint), device=device, dtype=parse_dtype(args.dtype))
+        observations = [example_observation(reference.cfg, i) for i in range(max(sizes))]
+        policy = reference
+    horizon = policy.action_shape[0]
+    delay, executed = min(DELAY, horizon // 4), min(EXECUTED, horizon // 3)
     if args.compile:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(sizes) + 8)
         policy.compile(args.compile)
-    cfg_mode = "batched" if args.device == "cuda" else "sequential"
+    cfg_mode = "batched" if args.device == "cuda" and guidance != 1.0 else "sequential"
     largest = max(sizes)
-    samples = [policy.prepare(example_observation(policy.cfg, i)) for i in range(largest)]
+    samples = [policy.prepare(obs) for obs in observations]
     seeds = [1000 + i for i in range(largest)]
 
     def sample(
@@ -82,8 +107,8 @@ def main() -> int:
             policy,
             collate(samples[:b]),
             seeds_[:b],
-            steps=args.steps,
-            guidance=args.guidance,
+            steps=steps,
+            guidance=guidance,
             mode=cfg_mode,
             rtc_mode=rtc_mode,
             rtc=rows,
@@ -94,8 +119,8 @@ def main() -> int:
         return out
 
     previous = sample(largest, [s + 7919 for s in seeds])  # the chunks the robots are executing
-    tails = [prev[EXECUTED:] for prev in previous]
-    constraints = [RtcConstraint(policy.actions_to_model(tail), DELAY, len(tail)) for tail in tails]
+    tails = [prev[executed:] for prev in previous]
+    constraints = [RtcConstraint(policy.actions_to_model(tail), delay, len(tail)) for tail in tails]
 
     def run(b: int, mode: str) -> list[np.ndarray]:
         return sample(b, seeds, mode, constraints[:b] if mode != "off" else None)
@@ -116,8 +141,8 @@ def main() -> int:
                 t0 = time.perf_counter()
                 got = run(b, mode)
                 times[mode].append((time.perf_counter() - t0) * 1e3)
-                jumps[mode] = float(np.mean([np.abs(got[i][DELAY] - tails[i][DELAY - 1]).max() for i in range(b)]))
-                gaps[mode] = float(np.mean([np.abs(got[i][DELAY] - tails[i][DELAY]).max() for i in range(b)]))
+                jumps[mode] = float(np.mean([np.abs(got[i][delay] - tails[i][delay - 1]).max() for i in range(b)]))
+                gaps[mode] = float(np.mean([np.abs(got[i][delay] - tails[i][delay]).max() for i in range(b)]))
         p50 = {m: statistics.median(times[m]) for m in MODES}
         rows.append((b, p50, jumps, gaps))
         print(
@@ -125,15 +150,17 @@ def main() -> int:
             + "  ".join(f"{m} {p50[m]:8.2f} ms (jump {jumps[m]:.3f}, vs old plan {gaps[m]:.3f})" for m in MODES),
             flush=True,
         )
+    name = f"LeRobot {args.family}" if lerobot else "reference policy"
+    cfg = f"{cfg_mode} CFG g={guidance:g}" if guidance != 1.0 else "no CFG"
     lines = [
-        f"# Real-time chunking cost, in-process ({args.device}, size={args.size}, dtype={args.dtype}, "
-        f"steps={args.steps}, {cfg_mode} CFG g={args.guidance:g}{', compile=' + args.compile if args.compile else ''})",
+        f"# Real-time chunking cost, in-process: {name} ({args.device}, size={size}, dtype={args.dtype}, "
+        f"steps={policy.integrator(steps).steps}, {cfg}{', compile=' + args.compile if args.compile else ''})",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores"
         f"{'; ' + torch.cuda.get_device_name(0) if device.type == 'cuda' else ''}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} intra-op threads. p50 of {args.reps} batches per mode, the three modes "
-        f"interleaved in every repetition (rotating which goes first), after warm-up ({warm_s:.0f} s). Every row constrained: d={DELAY}, "
-        f"the previous chunk's last {policy.action_shape[0] - EXECUTED} actions. One run.",
+        f"interleaved in every repetition (rotating which goes first), after warm-up ({warm_s:.0f} s). Every row constrained: d={delay}, "
+        f"the previous chunk's last {horizon - executed} of {horizon} actions. One run.",
         "",
         "| batch B | plain ms | inpaint ms | × plain | guided ms | × plain | jump plain / inpaint / guided "
         "| vs old plan plain / inpaint / guided |",
@@ -149,13 +176,25 @@ def main() -> int:
         "action to the first new one; vs old plan: the same from the action the old chunk had for that tick (what "
         "the switch itself adds; with random weights the policy's own steps between consecutive actions are as "
         "large as a switch, so the jump cannot fall below them).",
+        *(
+            [
+                "",
+                "A LeRobot policy: no unconditional branch, so one model call per step (the reference's CFG makes "
+                "two); a small random-weight model on a CPU that other work shares, so the ratios, not the "
+                "milliseconds, are the result.",
+            ]
+            if lerobot
+            else []
+        ),
         "",
-        f"Reproduce: `python bench/rtc.py --device {args.device} --size {args.size} --dtype {args.dtype}"
+        f"Reproduce: `python bench/rtc.py{' --policy lerobot --family ' + args.family if lerobot else ''} "
+        f"--device {args.device} --size {size} --dtype {args.dtype}{' --steps ' + str(steps) if args.steps else ''}"
         f"{' --compile ' + args.compile if args.compile else ''} --sizes {args.sizes} --reps {args.reps}"
         f"{' --threads ' + str(args.threads) if args.threads else ''}`",
         "",
     ]
-    publish(lines, args.out or REPO / "bench" / "results" / f"rtc-{args.device}.md")
+    stem = f"rtc-lerobot-{args.family}" if lerobot else "rtc"
+    publish(lines, args.out or REPO / "bench" / "results" / f"{stem}-{args.device}.md")
     return 0
 
 
