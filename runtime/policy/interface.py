@@ -256,7 +256,8 @@ class Policy(ABC):
 
     def actions_to_model(self, actions: np.ndarray) -> torch.Tensor:
         """The inverse of ``postprocess``: float32 actions ``[h, action_dim]`` as the server returned them -> the
-        model's final ``x`` for those rows, float32 on the CPU.  Optional; real-time chunking needs it (the
+        model's final ``x`` for those rows (as wide as ``x``; LeRobot's padded dimensions are zeros), float32 on
+        the CPU.  Optional; real-time chunking needs it (the
         robot sends back the actions it executes), and a policy without it reports ``rtc`` off in its metadata
         and refuses ``rtc`` requests (``rtc_unsupported``)."""
         raise NotImplementedError
