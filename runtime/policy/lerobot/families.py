@@ -11,7 +11,9 @@ Policy conditions on its global conditioning vector (observation encoders
 over the last ``n_obs_steps`` observations) and steps its own noise
 scheduler (DDIM, or DDPM).  Each family's code up to its loop mirrors the
 LeRobot 0.6 policy it wraps line for line; tests/test_lerobot_policies.py
-checks the actions against LeRobot's ``predict_action_chunk``.
+checks the actions against LeRobot's ``predict_action_chunk``.  A flow family's
+``unfinish`` inverts ``finish`` so real-time chunking can take returned
+actions back into ``x``; Diffusion Policy says why it cannot.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class Family(ABC):
         """Final x -> the action chunk ``predict_action_chunk`` returns (before the postprocessor)."""
 
     def rtc_unsupported(self) -> str | None:
-        """Why real-time chunking cannot run on this family, or None (it needs ``unfinish``)."""
+        """Why real-time chunking cannot run on this family, or None (then ``unfinish`` is implemented)."""
         return None
 
     def unfinish(self, actions: torch.Tensor) -> torch.Tensor:
