@@ -14,28 +14,9 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from policy_operator.constants import FIELD_MANAGER
 from policy_operator.operator.conditions import Event
+from policy_operator.operator.kube import foreign_managers
 from policy_operator.operator.writes import Verb, Write
-
-
-def foreign_managers(obj: Mapping[str, Any], *path: str) -> list[str]:
-    """Field managers other than the operator that own fields under ``path`` (``"spec", "template"``).
-
-    Server-side apply takes back the fields the operator sets, but leaves
-    those it never set and another manager added (``kubectl set env`` adds an
-    env entry owned by ``kubectl-set``).  Those are found in managedFields.
-    """
-    found = []
-    for entry in (obj.get("metadata") or {}).get("managedFields") or []:
-        if entry.get("manager") == FIELD_MANAGER:
-            continue
-        node: Any = entry.get("fieldsV1") or {}
-        for part in path:
-            node = node.get(f"f:{part}") if isinstance(node, dict) else None
-        if node:
-            found.append(str(entry.get("manager")))
-    return sorted(set(found))
 
 
 def replacement_patch(live: Any, desired: Any) -> Any:

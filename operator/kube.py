@@ -131,15 +131,24 @@ def with_applied_hash(body: Mapping[str, Any]) -> dict[str, Any]:
     return {**body, "metadata": meta}
 
 
-def foreign_managers(obj: Mapping[str, Any]) -> list[str]:
-    """Field managers other than the operator that own fields of the object itself (not its status or scale)."""
-    return sorted(
-        {
-            str(m.get("manager"))
-            for m in (obj.get("metadata") or {}).get("managedFields") or []
-            if m.get("manager") != FIELD_MANAGER and m.get("subresource") not in OWN_SUBRESOURCES
-        }
-    )
+def foreign_managers(obj: Mapping[str, Any], *path: str) -> list[str]:
+    """Field managers other than the operator that own fields of the object under ``path`` (``"spec", "template"``;
+    none: anywhere in the object), leaving out the status and scale subresources' writers.
+
+    Server-side apply takes back the fields the operator sets, but leaves those it never set and another manager
+    added (``kubectl set env`` adds an env entry owned by ``kubectl-set``): managedFields says who wrote them.
+    ``unchanged`` asks about the whole object, ``drift.py`` about the parts it puts back.
+    """
+    found = set()
+    for entry in (obj.get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") == FIELD_MANAGER or entry.get("subresource") in OWN_SUBRESOURCES:
+            continue
+        node: Any = entry.get("fieldsV1") or {}
+        for part in path:
+            node = node.get(f"f:{part}") if isinstance(node, dict) else None
+        if node:
+            found.add(str(entry.get("manager")))
+    return sorted(found)
 
 
 def unchanged(current: Mapping[str, Any] | None, body: Mapping[str, Any]) -> bool:

@@ -633,7 +633,13 @@ def test_an_apply_is_skipped_only_when_the_object_already_is_what_it_would_make(
     assert not unchanged(live, with_applied_hash({**body, "spec": {"ports": [{"name": "ws", "port": 9000}]}}))
     edited = {
         **live,
-        "metadata": {**live["metadata"], "managedFields": [*ours, {"manager": "kubectl-patch", "operation": "Update"}]},
+        "metadata": {
+            **live["metadata"],
+            "managedFields": [
+                *ours,
+                {"manager": "kubectl-patch", "operation": "Update", "fieldsV1": {"f:spec": {"f:ports": {}}}},
+            ],
+        },
     }
     assert foreign_managers(edited) == ["kubectl-patch"] and not unchanged(edited, stamped)
     deleting = {**live, "metadata": {**live["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}

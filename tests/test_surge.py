@@ -20,6 +20,7 @@ from policy_operator import constants as C
 from policy_operator.operator import download_state, drift
 from policy_operator.operator import plan as pl
 from policy_operator.operator import rollout as ro
+from policy_operator.operator.kube import foreign_managers
 from policy_operator.operator.spec import parse_spec
 
 OWNER = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps", "namespace": "ns", "uid": "uid-1"}}
@@ -213,8 +214,8 @@ def test_foreign_managers_are_those_owning_fields_under_the_path() -> None:
             ]
         }
     }
-    assert drift.foreign_managers(obj, "spec", "template") == ["kubectl-set"]
-    assert drift.foreign_managers(obj, "spec", "ports") == []
+    assert foreign_managers(obj, "spec", "template") == ["kubectl-set"]
+    assert foreign_managers(obj, "spec", "ports") == []
 
 
 def test_the_replacement_patch_removes_every_key_desired_lacks() -> None:
