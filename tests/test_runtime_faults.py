@@ -357,6 +357,49 @@ def test_cfg_peer_frozen_past_the_pg_timeout_fails_the_replica_instead_of_servin
 
 
 @pytest.mark.slow
+def test_a_request_handed_to_a_frozen_cfg_peer_fails_the_replica_within_the_pg_timeout(tiny_checkpoint) -> None:
+    """The peer freezes before its driver hands it a request: the hand-over is bounded by --pg-timeout-s.
+
+    Two-second heartbeats keep the frozen peer looking warm for three seconds, so the request is routed to it
+    every time; the driver must give up on the hand-over after the PG timeout and take the pod down (exit 5).
+    """
+    pg_timeout_s = 2
+    args = ["--cfgp", "2", "--steps", "2", "--pg-timeout-s", str(pg_timeout_s), "--heartbeat-s", "2"]
+    with serve_policy(tiny_checkpoint, *args, "--threads", "1", "--error-format", "dict") as s:
+        peer = s.rank_pids()[1]
+        statuses: list[int | None] = []
+        errors: list[str] = []
+
+        def readyz() -> None:
+            try:
+                r = s.readyz()
+            except OSError:
+                statuses.append(None)
+                return
+            statuses.append(r.status)
+            if r.status == 503 and r.json().get("error"):
+                errors.append(r.json()["error"])
+
+        with connection(s) as ws, frozen(peer):
+            t0 = time.monotonic()
+            ws.send(msgpack_numpy.packb(observation()))
+            reply = msgpack_numpy.unpackb(ws.recv(timeout=pg_timeout_s + 10))
+            elapsed = time.monotonic() - t0
+            wait_for(lambda: readyz() or errors, timeout=10, interval=0.1, what="/readyz with the failure")
+        assert error_kind(reply) == "replica_failed" and "actions" not in reply, reply
+        assert pg_timeout_s - 0.5 < elapsed < pg_timeout_s + 5, elapsed
+        assert "replica 0 failed" in errors[-1] and "collective" in errors[-1], errors
+
+        def gone() -> bool:
+            readyz()
+            return not s.alive
+
+        wait_for(gone, timeout=60, interval=0.1, what="the pod to exit after the failed hand-over")
+        assert s.returncode != 0 and 200 not in statuses, (s.returncode, statuses)
+        assert "rank 0 exiting 5" in s.log_text(), s.log_tail()
+
+
+@pytest.mark.slow
 def test_a_stale_replica_gets_no_work_and_the_wait_is_bounded(tiny_checkpoint) -> None:
     """cfgp=2: the idle cfg peer is frozen; a request must not wait for it to come back."""
     with serve_policy(tiny_checkpoint, "--cfgp", "2", "--steps", "2", "--pg-timeout-s", "3", *RANKS) as s:

@@ -11,8 +11,13 @@
 
 Replica 0's driver is global rank 0 itself: its lane calls ``Replica.answer``
 on rank 0's model thread instead of sending.  Replica k >= 1 is reached over
-the gloo dispatch group {0, driver_k}; inside a replica the driver broadcasts
-on the replica's gloo control group.  Messages are typed dataclasses, pickled
+the gloo dispatch group {0, driver_k}.  Inside a replica the driver wakes
+its peer with one byte on the replica's gloo control group (year-long
+timeout: an idle peer waits there), then broadcasts the message on the cfg
+group, whose timeout is ``--pg-timeout-s``: a peer frozen before it took the
+message fails the replica after that long instead of holding the driver for
+ever, and a driver that froze after the wake-up fails its peer the same way.
+Messages are typed dataclasses, pickled
 by ``torch.distributed``'s object collectives.  Every loop handles one request
 in try/except and carries on: a failed request is a ``Reply`` with an error,
 never the end of a rank -- except when a collective itself failed
@@ -135,6 +140,34 @@ def _broadcast(message: Message | None, src: int, group: dist.ProcessGroup | Non
     return box[0]  # type: ignore[return-value]
 
 
+def _collective_failed(what: str, exc: Exception) -> ReplicaFailed:
+    first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    return ReplicaFailed(f"cfg collective failed ({what}): {first}")
+
+
+def _to_peer(message: Message, groups: Groups) -> None:
+    """Driver: wake the peer on the control group, then hand it ``message`` within the PG timeout.
+
+    ``ReplicaFailed`` when the peer did not take it in time (frozen or gone): the groups are broken for good.
+    """
+    wake = dist.broadcast(torch.zeros(1, dtype=torch.uint8), groups.driver, group=groups.replica_ctrl, async_op=True)
+    try:
+        _broadcast(message, groups.driver, groups.cfg)
+    except Exception as exc:  # noqa: BLE001 - gloo: timeout or closed pair; NCCL's watchdog ends the rank itself
+        raise _collective_failed("handing a request to the peer", exc) from exc
+    assert wake is not None
+    wake.wait()  # the peer took the message, so it took the wake-up before it
+
+
+def _from_driver(groups: Groups) -> Message:
+    """Peer: wait (idle, for ever) for the driver's wake-up, then take its message within the PG timeout."""
+    dist.broadcast(torch.zeros(1, dtype=torch.uint8), groups.driver, group=groups.replica_ctrl)
+    try:
+        return _broadcast(None, groups.driver, groups.cfg)
+    except Exception as exc:  # noqa: BLE001 - the driver froze or died between the wake-up and the message
+        raise _collective_failed("taking a request from the driver", exc) from exc
+
+
 # --- the ranks of one replica --------------------------------------------------------------------
 class Replica:
     """One rank's share of its replica: owns the policy and the replica's groups."""
@@ -190,7 +223,7 @@ class Replica:
         with self._serving():
             start = time.perf_counter()
             if self._cfg is not None:
-                _broadcast(batch, self.groups.driver, self.groups.replica_ctrl)
+                _to_peer(batch, self.groups)
             actions = self.policy.postprocess_batch(self._sample(batch))
             if self._cuda:  # a plug-in's postprocess_batch may leave work queued: infer_ms is the whole batch
                 torch.cuda.synchronize(self.policy.device)
@@ -245,7 +278,7 @@ class Replica:
     def stop_peer(self) -> None:
         if self._cfg is not None and self.broken is None:  # a broken replica's groups are never used again
             try:
-                _broadcast(Shutdown(), self.groups.driver, self.groups.replica_ctrl)
+                _to_peer(Shutdown(), self.groups)
             except Exception as exc:  # noqa: BLE001 - a dead peer has nothing left to stop
                 log.warning("could not send shutdown to the cfg peer: %s", exc)
 
@@ -266,7 +299,11 @@ class Replica:
     def serve_peer(self) -> None:
         """The unconditional branch of every request its driver broadcasts, until Shutdown."""
         while True:
-            message = _broadcast(None, self.groups.driver, self.groups.replica_ctrl)
+            try:
+                message = _from_driver(self.groups)
+            except ReplicaFailed as exc:
+                self.fail(str(exc))
+                return  # the worker exits non-zero
             if isinstance(message, Shutdown):
                 log.info("rank %d: shutdown", self.groups.rank)
                 return

@@ -7,8 +7,11 @@ groups with a year-long timeout*; the per-step CFG exchange uses the default
 backend (NCCL on CUDA) with the normal timeout, and only while a request runs.
 
 * ``world_ctrl``: everyone; start-up (checkpoint path broadcast).
-* ``replica_ctrl``: the ranks of this rank's replica; driver -> peers requests.
-* ``cfg``: same ranks, default backend; the per-step all_gather (cfgp=2 only).
+* ``replica_ctrl``: the ranks of this rank's replica; the driver's one-byte
+  wake-up, on which an idle peer waits.
+* ``cfg``: same ranks, default backend (cfgp=2 only); the request the driver
+  hands its peer right after the wake-up (so a frozen peer fails the replica
+  within the PG timeout), then the per-step all_gather.
 * ``dispatch[k]``: {0, driver of replica k} for k >= 1; the ingress on rank 0
   hands replica k its requests and gets results back.
 

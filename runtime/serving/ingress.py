@@ -274,18 +274,20 @@ class Ingress:
         def lane_free(done: asyncio.Future[Reply]) -> None:
             self.router.release(index)
             self._waiting.discard(done)
-            if not done.cancelled():
-                done.exception()  # retrieved: a request that gave up must not leave "never retrieved" warnings
+            if done.cancelled() or done.exception() is not None:  # retrieved: no "never retrieved" warnings
+                return
+            # here, not in _answer: the reply may come after the request gave up (replica_unavailable)
+            if (reply := done.result()).error_kind is ErrorKind.REPLICA_FAILED:
+                self._replica_failed(index, reply.error)
 
         task.add_done_callback(lane_free)
         self._waiting.add(task)
         return task, index
 
     async def _answer(self, task: asyncio.Future[Reply], index: int) -> Reply:
-        """The lane's reply (``replica`` set), bounded by the replica's readiness; a failed replica noted."""
+        """The lane's reply (``replica`` set), bounded by the replica's readiness (a failed replica is noted by
+        ``_route``'s callback)."""
         reply = await self._bounded(index, task)
-        if reply.error_kind is ErrorKind.REPLICA_FAILED:
-            self._replica_failed(index, reply.error)
         return replace(reply, replica=index)
 
     async def _bounded(self, index: int, task: asyncio.Future[Reply]) -> Reply:
