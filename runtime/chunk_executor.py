@@ -93,6 +93,12 @@ class ChunkExecutor:
         self._switched_now = False  # this tick's action is the first of a new chunk: a boundary, not a step
         self.stats = ExecutorStats()
 
+    @property
+    def in_flight(self) -> Future[np.ndarray] | None:
+        """The next chunk's request while it is on its way, None otherwise: a caller that must not tick past
+        the reply (a test, a replay at a fixed delay) waits on it."""
+        return self._pending[0] if self._pending is not None else None
+
     def expected_delay(self, remaining: int) -> int:
         """Ticks the next reply will likely take: the largest recent delay, within what the server and the
         chunk allow (at most ``remaining - 1`` so the new chunk starts inside the old one's tail)."""

@@ -232,19 +232,12 @@ def test_a_second_control_plane_starts_and_stops_exactly_its_own_processes(
     assert control_plane.kubectl("get", "--raw", "/readyz").stdout == "ok"
 
 
-def test_a_failed_start_leaves_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_start_leaves_no_process(tmp_path: Path) -> None:
     """etcd cannot bind a port that is taken: start() raises with etcd's log, and nothing it started survives."""
-    cp = ControlPlane(tmp_path, controllers=False, scheduler=False)
-    prepare = cp._prepare
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-
-        def prepare_on_a_taken_port() -> None:
-            prepare()
-            cp.ports["etcd_client"] = taken.getsockname()[1]
-
-        monkeypatch.setattr(cp, "_prepare", prepare_on_a_taken_port)
+        cp = ControlPlane(tmp_path, controllers=False, scheduler=False, ports={"etcd_client": taken.getsockname()[1]})
         with pytest.raises(ControlPlaneError, match="etcd exited while starting") as failure:
             cp.start()
     assert "address already in use" in str(failure.value)

@@ -262,9 +262,10 @@ class GatedServer:
 def tick_until_reply(executor: ChunkExecutor, server: GatedServer, ticks: int) -> list[np.ndarray]:
     """``ticks`` actions; the pending reply is released, and awaited, only before the last."""
     actions = [executor.act({}) for _ in range(ticks - 1)]
-    assert executor._pending is not None, "a request is in flight"
+    pending = executor.in_flight
+    assert pending is not None, "a request is in flight"
     server.gate.release()
-    executor._pending[0].result(timeout=10)
+    pending.result(timeout=10)
     actions.append(executor.act({}))
     return actions
 

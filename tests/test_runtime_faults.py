@@ -255,11 +255,8 @@ def test_readyz_shows_states_and_reasons_but_no_pids_or_paths(tiny_checkpoint) -
     assert [r["state"] for r in last["ranks"]] in (["warm"], ["serving"]) and "detail" in last["ranks"][0]
 
 
-def test_readyz_load_error_keeps_the_reason_without_the_path(tmp_path: Path, tiny_checkpoint) -> None:
-    broken = tmp_path / "broken-checkpoint"
-    broken.mkdir()
-    (broken / "config.json").write_text((tiny_checkpoint / "config.json").read_text())
-    s = PolicyServerProcess(broken, *FAST)
+def load_error_in_readyz(s: PolicyServerProcess) -> str:
+    """Start a server whose checkpoint cannot load; the last ``error`` its /readyz gave before it exited."""
     seen: list[Any] = []
 
     def failed() -> bool:
@@ -276,31 +273,26 @@ def test_readyz_load_error_keeps_the_reason_without_the_path(tmp_path: Path, tin
         s.stop()
     errors = [r.json()["error"] for r in seen if r.status == 503 and r.json().get("error")]
     assert errors, [r.text for r in seen][-3:]
-    assert "model.safetensors" in errors[-1] and str(broken) not in errors[-1] and "/tmp" not in errors[-1], errors
+    return errors[-1]
+
+
+def test_readyz_load_error_keeps_the_reason_without_the_path(tmp_path: Path, tiny_checkpoint) -> None:
+    broken = tmp_path / "broken-checkpoint"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_checkpoint / "config.json").read_text())
+    error = load_error_in_readyz(PolicyServerProcess(broken, *FAST))
+    assert "model.safetensors" in error and str(broken) not in error and "/tmp" not in error, error
 
 
 def test_readyz_error_of_a_file_source_keeps_the_reason_without_the_path(tmp_path: Path) -> None:
     """``--checkpoint file:///...`` that is not there: /readyz (read by anyone) says why, not where."""
     missing = tmp_path / "nowhere" / "ckpt"
-    s = PolicyServerProcess(f"file://{missing}", *FAST, "--cache-dir", str(tmp_path / "cache"))
-    seen: list[Any] = []
-
-    def failed() -> bool:
-        r = s.readyz()
-        seen.append(r)
-        return r.status == 503 and bool(r.json().get("error"))
-
-    try:
-        s.start(wait="listening")
-        with contextlib.suppress(TimeoutError, OSError, ServerExited):
-            s.wait_until(failed, timeout=60, what="/readyz with the load error")
-    finally:
-        s.stop()
-    errors = [r.json()["error"] for r in seen if r.status == 503 and r.json().get("error")]
-    assert errors, [r.text for r in seen][-3:]
-    assert "no such file or directory" in errors[-1], errors
-    assert str(missing) not in errors[-1] and str(tmp_path) not in errors[-1] and "/tmp" not in errors[-1], errors
-    assert "<checkpoint>" in errors[-1], errors
+    error = load_error_in_readyz(
+        PolicyServerProcess(f"file://{missing}", *FAST, "--cache-dir", str(tmp_path / "cache"))
+    )
+    assert "no such file or directory" in error, error
+    assert str(missing) not in error and str(tmp_path) not in error and "/tmp" not in error, error
+    assert "<checkpoint>" in error, error
 
 
 # --- probes never wait on the store ---------------------------------------------------------------

@@ -33,6 +33,11 @@ class Router:
     def replicas(self) -> int:
         return len(self.in_flight)
 
+    def session_keys(self) -> list[bytes]:
+        """What the session table holds, least recently used first: one 16-byte digest per session, never the id
+        itself, so the table's size is bounded whatever ids clients send."""
+        return list(self._sessions)
+
     def acquire(self, session_id: str | None = None, usable: Sequence[bool] | None = None) -> int:
         """Pick a replica for one request and count it in flight until ``release``.
 
@@ -57,10 +62,6 @@ class Router:
                 self._sessions.popitem(last=False)
         self.in_flight[index] += 1
         return index
-
-    def sticky(self, session_id: str) -> int | None:
-        """The replica ``session_id`` sticks to, while the table still holds it."""
-        return self._sessions.get(_digest(session_id))
 
     def release(self, index: int) -> None:
         if self.in_flight[index] <= 0:

@@ -271,8 +271,13 @@ class ControlPlane:
     ``etcd/``, ``logs/NAME.log``, ``kubectl-cache/``.
     """
 
-    def __init__(self, workdir: Path, *, controllers: bool = True, scheduler: bool = True) -> None:
+    def __init__(
+        self, workdir: Path, *, controllers: bool = True, scheduler: bool = True, ports: dict[str, int] | None = None
+    ) -> None:
+        """``ports``: a component's port to use instead of a free one (``etcd_client``, ``etcd_peer``,
+        ``apiserver``, ``controller_manager``, ``scheduler``), e.g. a taken one to see a start fail."""
         self.workdir = Path(workdir).resolve()
+        self._fixed_ports = dict(ports or {})
         self.controllers = controllers
         self.scheduler = scheduler
         self.kubectl_bin = KUBECTL
@@ -436,7 +441,7 @@ class ControlPlane:
         for path in (pki / "sa.key", pki / "tokens.csv"):
             path.chmod(0o600)
         for name in ("etcd_client", "etcd_peer", "apiserver", "controller_manager", "scheduler"):
-            self.ports[name] = free_port(HOST)
+            self.ports[name] = self._fixed_ports.get(name) or free_port(HOST)
 
     def _spawn(self, binary: Path, name: str, args: list[str]) -> Component:
         log = self.logs / f"{name}.log"
