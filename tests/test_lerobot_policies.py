@@ -24,14 +24,18 @@ pytest.importorskip("lerobot")
 
 from openpi_client.websocket_client_policy import WebsocketClientPolicy  # noqa: E402
 
-from policy_operator.layout import LayoutError  # noqa: E402
+from policy_operator.layout import LayoutError, ParallelLayout  # noqa: E402
 from policy_operator.runtime.errors import InvalidObservation  # noqa: E402
+from policy_operator.runtime.parallel.dispatch import Batch, InferenceRequest, Replica  # noqa: E402
+from policy_operator.runtime.parallel.groups import Groups  # noqa: E402
+from policy_operator.runtime.parallel.heartbeat import Heartbeat, MemoryKV  # noqa: E402
 from policy_operator.runtime.policy.interface import collate, load_policy_class  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
+from policy_operator.runtime.policy.lerobot.relative_actions import STATE_KEY  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
 from policy_operator.runtime.serving.history import SessionHistory  # noqa: E402
-from tests.support.lerobot_tiny import reduced_paligemma, write_small_pi  # noqa: E402
+from tests.support.lerobot_tiny import configure_small_pi, reduced_paligemma, write_small_pi  # noqa: E402
 from tests.support.servers import VENV_BIN, serve_policy, subprocess_env  # noqa: E402
 
 ATOL = 1e-5
@@ -75,6 +79,21 @@ def small_pi(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     """pi0 / pi0.5 on a reduced PaliGemma (tests/support/lerobot_tiny.py): LeRobot 0.6 has no small variant."""
     root = write_small_pi(request.param, tmp_path_factory.mktemp(request.param), seed=3)
     with reduced_paligemma():
+        yield LeRobotPolicy.load(str(root), device=CPU)
+
+
+@pytest.fixture(scope="module")
+def relative_pi0(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LeRobotPolicy]:
+    """pi0 trained on actions relative to the state (``use_relative_actions``): its postprocessor adds it back."""
+
+    def configure(config: Any) -> None:
+        configure_small_pi(config)
+        config.use_relative_actions = True
+
+    with reduced_paligemma():
+        root = write_tiny_checkpoint(
+            "pi0", tmp_path_factory.mktemp("relative"), size="base", seed=3, configure=configure
+        )
         yield LeRobotPolicy.load(str(root), device=CPU)
 
 
@@ -155,6 +174,40 @@ def test_batched_rows_equal_rows_alone(request: pytest.FixtureRequest, name: str
     padded = sample_actions(policy, collate([*samples, samples[-1]]), [*seeds, seeds[-1]], guidance=1.0)[:3]
     for row, got in zip(together, policy.postprocess_batch(padded), strict=True):  # bucket padding: copies, dropped
         np.testing.assert_allclose(got, row, rtol=0, atol=ATOL)
+
+
+def test_relative_actions_get_each_requests_own_state_in_a_batch(relative_pi0: LeRobotPolicy) -> None:
+    """LeRobot adds back the last state its preprocessor saw; a replica's batch adds each row its own request's."""
+    policy = relative_pi0
+    observations = [policy.example_observation(k) for k in range(2)]
+    observations[1]["observation.state"] = observations[1]["observation.state"] + 10.0  # far apart: a mix-up shows
+    seeds = [4, 5]
+    alone = []
+    for obs, seed in zip(observations, seeds, strict=True):
+        sample = policy.prepare(obs)
+        ours = policy.postprocess_batch(sample_actions(policy, sample, [seed], guidance=1.0), sample)[0]
+        np.testing.assert_allclose(ours, lerobots_own(policy, [obs], seed), rtol=0, atol=ATOL)
+        alone.append(ours)
+    assert np.abs(alone[1] - alone[0]).min() > 1.0, "each request's state shows in its actions"
+    # both prepared before their batch runs, as the ingress does; the batch padded to a bucket of 4 rows
+    requests = tuple(
+        InferenceRequest(f"robot-{k}", policy.prepare(obs), seed)
+        for k, (obs, seed) in enumerate(zip(observations, seeds, strict=True))
+    )
+    relative_step = policy._relative.relative  # type: ignore[union-attr]  # noqa: SLF001
+    relative_step._last_state = torch.full_like(requests[0].sample.tensors[STATE_KEY], 1e3)  # noqa: SLF001
+    replica = Replica(
+        policy,
+        Groups(ParallelLayout(1, 1), 0),
+        SamplerSettings(steps=None, guidance=None, cfg_mode="sequential", buckets=(4,)),
+        Heartbeat(MemoryKV, 0, 1.0),  # never started: nothing is published
+    )
+    for order in (requests, requests[::-1]):
+        together, _ = replica.execute(Batch(order))
+        for request, row in zip(order, together, strict=True):
+            np.testing.assert_allclose(row, alone[int(request.request_id[-1])], rtol=0, atol=ATOL)
+    with pytest.raises(ValueError, match="relative to each request's state"):
+        policy.postprocess(sample_actions(policy, requests[0].sample, [4], guidance=1.0))
 
 
 # --- refusals ---------------------------------------------------------------------------------------

@@ -196,8 +196,9 @@ class Replica:
             if self.broken is None:
                 self.heartbeat.set_state(RankState.WARM)
 
-    def _sample(self, batch: Batch) -> torch.Tensor:
-        """Final x of the batch, padded to its bucket with copies of the last request (rows beyond are dropped)."""
+    def _sample(self, batch: Batch) -> tuple[torch.Tensor, Sample]:
+        """Final x of the batch and the batch it was sampled from, padded to its bucket with copies of the last
+        request (x's rows beyond are dropped; the sample keeps them)."""
         s = self.settings
         requests = list(batch.requests)
         requests += [requests[-1]] * (bucket_of(len(requests), s.buckets) - len(requests))
@@ -215,7 +216,7 @@ class Replica:
             rtc_mode=s.rtc,
             rtc=[r.rtc for r in requests] if any(r.rtc is not None for r in requests) else None,
         )
-        return x[: len(batch.requests)]
+        return x[: len(batch.requests)], sample
 
     # --- driver side (cfg index 0) ---------------------------------------------------------
     def execute(self, batch: Batch) -> tuple[list[np.ndarray], float]:
@@ -224,7 +225,8 @@ class Replica:
             start = time.perf_counter()
             if self._cfg is not None:
                 _to_peer(batch, self.groups)
-            actions = self.policy.postprocess_batch(self._sample(batch))
+            x, sample = self._sample(batch)
+            actions = self.policy.postprocess_batch(x, sample)
             if self._cuda:  # a plug-in's postprocess_batch may leave work queued: infer_ms is the whole batch
                 torch.cuda.synchronize(self.policy.device)
             return actions, (time.perf_counter() - start) * 1e3

@@ -262,8 +262,13 @@ class Policy(ABC):
         and refuses ``rtc`` requests (``rtc_unsupported``)."""
         raise NotImplementedError
 
-    def postprocess_batch(self, x: torch.Tensor) -> list[np.ndarray]:
-        """Final x of a batch -> each row's actions; one device-to-host copy, then ``postprocess`` per row."""
+    def postprocess_batch(self, x: torch.Tensor, sample: Sample | None = None) -> list[np.ndarray]:
+        """Final x of a batch -> each row's actions; one device-to-host copy, then ``postprocess`` per row.
+
+        ``sample`` is the batch ``condition`` got (its first ``len(x)`` rows are ``x``'s; a bucket may pad it
+        with more), for a policy whose actions depend on its request's prepared tensors (LeRobot's actions
+        relative to the state); the server always passes it, the default ignores it.
+        """
         host = x.cpu()
         return [self.postprocess(host[i : i + 1]) for i in range(host.shape[0])]
 

@@ -4,7 +4,9 @@
 preprocessor (normalization, tokenizer) on the CPU of rank 0, one request at a
 time, as LeRobot runs it per frame; ``condition``/``denoise_step`` are the
 family's split (families.py); ``postprocess_batch`` runs the saved
-postprocessor (unnormalization) over the batch.  With the same weights, a
+postprocessor (unnormalization) over the batch; a checkpoint trained on actions
+relative to the state gets each row's own request's state back
+(relative_actions.py), never LeRobot's cache of the last one prepared.  With the same weights, a
 request of seed ``s`` answers what LeRobot's ``predict_action_chunk(batch,
 noise=randn(noise_shape, Generator().manual_seed(s)))`` followed by the
 postprocessor answers.  None of these families was trained with an
@@ -25,6 +27,7 @@ from policy_operator.builtin_policies import BUILTIN_POLICIES, LEROBOT
 from policy_operator.runtime.policy.interface import Branch, Context, Integrator, Policy, Sample
 from policy_operator.runtime.policy.lerobot.families import Family, family_of
 from policy_operator.runtime.policy.lerobot.loading import Loaded, load_pretrained
+from policy_operator.runtime.policy.lerobot.relative_actions import STATE_KEY, RelativeActions
 from policy_operator.runtime.policy.lerobot.wire import ObservationSpec
 
 
@@ -51,6 +54,7 @@ class LeRobotPolicy(Policy):
         self.spec = ObservationSpec(loaded.config.input_features, needs_task=self.family.needs_task)
         self._denoise: Callable[[Context, torch.Tensor, torch.Tensor], torch.Tensor] = self.family.denoise
         self._integrator = functools.lru_cache(maxsize=8)(self.family.integrator)
+        self._relative = RelativeActions.of(loaded.preprocessor, loaded.postprocessor)
         self._normalizers, self.rtc_unsupported_reason = self._rtc_back()
 
     def _rtc_back(self) -> tuple[list[Any], str | None]:
@@ -108,8 +112,13 @@ class LeRobotPolicy(Policy):
     def prepare(self, obs: Mapping[str, Any]) -> Sample:
         frame = self.spec.parse(obs)
         with torch.inference_mode():
-            batch = self.loaded.preprocessor(frame)
+            if self._relative is None:
+                batch = self.loaded.preprocessor(frame)
+            else:
+                batch, state = self._relative.preprocess(self.loaded.preprocessor, frame)
         tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        if self._relative is not None:
+            tensors[STATE_KEY] = state
         return Sample(tensors)
 
     def condition(self, sample: Sample, branch: Branch) -> Context:
@@ -117,7 +126,9 @@ class LeRobotPolicy(Policy):
             raise ValueError(f"{self.name} has no unconditional branch")
         pin = self.pin_memory and self._device.type == "cuda"
         batch = {
-            k: (v.pin_memory() if pin else v).to(self._device, non_blocking=True) for k, v in sample.tensors.items()
+            k: (v.pin_memory() if pin else v).to(self._device, non_blocking=True)
+            for k, v in sample.tensors.items()
+            if k != STATE_KEY
         }
         with torch.inference_mode():
             return self.family.condition(batch)
@@ -132,9 +143,19 @@ class LeRobotPolicy(Policy):
         noise = torch.randn(self.family.noise_shape, generator=torch.Generator().manual_seed(seed))
         return noise.to(self._device, dtype=self.family.noise_dtype or self.dtype)
 
-    def postprocess_batch(self, x: torch.Tensor) -> list[np.ndarray]:
+    def postprocess_batch(self, x: torch.Tensor, sample: Sample | None = None) -> list[np.ndarray]:
         with torch.inference_mode():
-            actions = self.loaded.postprocessor(self.family.finish(x))
+            if self._relative is None:
+                actions = self.loaded.postprocessor(self.family.finish(x))
+            elif sample is None or STATE_KEY not in sample.tensors:
+                raise ValueError(
+                    f"{self.name} predicts actions relative to each request's state: postprocess_batch needs the "
+                    "batch's prepared sample"
+                )
+            else:
+                actions = self._relative.postprocess(
+                    self.loaded.postprocessor, self.family.finish(x), sample.tensors[STATE_KEY]
+                )
         host = actions.float().cpu().numpy()
         return [host[i] for i in range(host.shape[0])]
 
