@@ -80,7 +80,7 @@ class RelativeActions:
             if not isinstance(state, torch.Tensor):
                 raise InvalidObservation(f"this policy predicts actions relative to {OBS_STATE!r}, which is missing")
             seen.append(state.detach().clone())
-            return self.relative(transition)  # type: ignore[no-any-return]
+            return self.relative(transition)
 
         batch = run_pipeline(preprocessor, frame, self.relative, read_state)
         return batch, seen[0]
@@ -102,4 +102,4 @@ class RelativeActions:
             mask = self.absolute.relative_step._build_mask(action.shape[-1])  # noqa: SLF001 - the step's own mask
             return {**transition, TransitionKey.ACTION: to_absolute_actions(action, states[:rows], mask)}
 
-        return run_pipeline(postprocessor, actions, self.absolute, add_state)  # type: ignore[no-any-return]
+        return run_pipeline(postprocessor, actions, self.absolute, add_state)
