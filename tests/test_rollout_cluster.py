@@ -165,18 +165,24 @@ class StatusWatch:
             time.sleep(0.1)
 
 
-def _operator_events(lc: LocalCluster, name: str, uid: str, since: str) -> list[dict[str, Any]]:
-    """The Events the operator posted about the PolicyServer from ``since`` (RFC 3339) on, one per occurrence."""
-    return [
-        e
+def _operator_events(lc: LocalCluster, name: str, uid: str) -> dict[str, tuple[int, dict[str, Any]]]:
+    """The Events posted about the PolicyServer, by Event name: (how many times it occurred, the Event)."""
+    return {
+        e["metadata"]["name"]: (int(e.get("count") or 1), e)
         for e in lc.api.events(NS, involved_name=name)
-        if e["involvedObject"].get("uid") == uid and (e.get("lastTimestamp") or e.get("eventTime") or "") >= since
-        for _ in range(int(e.get("count") or 1))
+        if e["involvedObject"].get("uid") == uid
+    }
+
+
+def _posted_since(
+    before: dict[str, tuple[int, dict[str, Any]]], now: dict[str, tuple[int, dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """One entry per occurrence in ``now`` that ``before`` did not have: what was posted in between, oldest first."""
+    return [
+        event
+        for key, (count, event) in sorted(now.items(), key=lambda kv: kv[1][1].get("lastTimestamp") or "")
+        for _ in range(count - before.get(key, (0, {}))[0])
     ]
-
-
-def _now_rfc3339() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))
 
 
 def test_a_session_held_across_a_rollout_loses_no_request(cluster: tuple[LocalCluster, str]) -> None:
@@ -193,8 +199,11 @@ def test_a_session_held_across_a_rollout_loses_no_request(cluster: tuple[LocalCl
     robot.thread.start()
     try:
         wait_for(lambda: robot.ok >= 3 or not robot.thread.is_alive(), 60, what="the robot served")
-        lc.operator.settle(passes=3)  # what follows the first Ready (the cleanup Job) is not the rollout's
-        since = _now_rfc3339()
+        # What follows the first Ready is not the rollout's: the cleanup Job comes once the StatefulSet counts the
+        # pod ready (the kubelet's probe), seconds after the operator's own /readyz made the phase Ready
+        lc.api.wait_event(NS, name, "Normal", "Created", message="cleanup Job", timeout=WAIT_S)
+        lc.operator.settle(passes=3)
+        before = _operator_events(lc, name, uid)
         watch.thread.start()
         lc.kubectl(
             "patch", C.SHORT_NAME, name, "--type=merge", "-p", json.dumps({"spec": {"runtime": {"steps": steps}}})
@@ -212,8 +221,8 @@ def test_a_session_held_across_a_rollout_loses_no_request(cluster: tuple[LocalCl
         )
         sts = lc.get("apps/v1", "statefulsets", name) or {}
         assert sts["spec"]["replicas"] == 1 and C.ANNOTATION_SURGE not in sts["metadata"].get("annotations", {})
-        before = robot.ok
-        wait_for(lambda: robot.ok >= before + 3 or not robot.thread.is_alive(), 60, what="the robot served after")
+        served = robot.ok
+        wait_for(lambda: robot.ok >= served + 3 or not robot.thread.is_alive(), 60, what="the robot served after")
     finally:
         robot.stop.set()
         watch.stop.set()
@@ -231,7 +240,7 @@ def test_a_session_held_across_a_rollout_loses_no_request(cluster: tuple[LocalCl
         and not (_fraction(s[0]) <= (1, 1) and _fraction(s[1])[0] <= _fraction(s[1])[1] == world_size)
     ]
     assert watch.samples and not above, f"READY/RANKS above the desired count: {sorted(set(above))}"
-    events = _operator_events(lc, name, uid, since)
+    events = _posted_since(before, _operator_events(lc, name, uid))
     reasons = " ".join(e["reason"] for e in events)
     assert "SurgeComplete" in reasons and "surge:" in next(  # the new pod was Ready first
         e["message"] for e in events if e["reason"] == "Updated"
@@ -239,7 +248,7 @@ def test_a_session_held_across_a_rollout_loses_no_request(cluster: tuple[LocalCl
     # Updated, SurgeComplete, the phase there and back, Progressing there and back; Available's own transitions
     # (a starting pod is not RanksUnknown) are test_status_cluster's
     rollout = [e for e in events if not (e.get("message") or "").startswith(f"{C.COND_AVAILABLE}=")]
-    assert len(rollout) <= 6, reasons
+    assert len(rollout) <= 6, [(e.get("lastTimestamp"), e["reason"], e.get("message")) for e in events]
 
 
 def _fraction(text: str) -> tuple[int, int]:
