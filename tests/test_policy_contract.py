@@ -278,3 +278,28 @@ def test_a_session_whose_shapes_change_starts_its_history_afresh(tiny_checkpoint
     history.extend("a", policy.prepare(small))
     stacked = history.extend("a", policy.prepare(big))
     assert stacked.tensors["camera0"].shape == (1, 2, 64, 64, 3)
+
+
+class OneArgumentPostprocess(ReferencePolicy):
+    """A plug-in written before ``postprocess_batch`` took the batch's sample: the server still serves it."""
+
+    def postprocess_batch(self, x: torch.Tensor) -> list[np.ndarray]:  # type: ignore[override]
+        return [np.full(self.action_shape, 7.0, dtype=np.float32) for _ in range(x.shape[0])]
+
+
+def test_a_plugin_with_the_one_argument_postprocess_batch_is_still_served(tiny_checkpoint: Path) -> None:
+    from policy_operator.layout import ParallelLayout
+    from policy_operator.runtime.parallel.dispatch import Batch, InferenceRequest, Replica
+    from policy_operator.runtime.parallel.groups import Groups
+    from policy_operator.runtime.parallel.heartbeat import Heartbeat, MemoryKV
+
+    policy = load(OneArgumentPostprocess, tiny_checkpoint)
+    replica = Replica(
+        policy,
+        Groups(ParallelLayout(1, 1), 0),
+        SamplerSettings(steps=2, guidance=1.0, cfg_mode="sequential"),
+        Heartbeat(MemoryKV, 0, 1.0),  # never started: nothing is published
+    )
+    sample = policy.prepare(policy.example_observation(0))
+    actions, _ = replica.execute(Batch((InferenceRequest("a", sample, 1), InferenceRequest("b", sample, 2))))
+    assert [a.tolist() for a in actions] == [np.full(policy.action_shape, 7.0).tolist()] * 2

@@ -42,6 +42,7 @@ batch; actions with NaN or inf fail only their own request.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections import deque
@@ -179,6 +180,8 @@ class Replica:
         self.integrator = policy.integrator(self.settings.steps)
         self.heartbeat = heartbeat
         self._cuda = policy.device.type == "cuda"
+        # A plug-in written before ``postprocess_batch`` took the batch's sample keeps its one-argument form.
+        self._postprocess_takes_sample = "sample" in inspect.signature(policy.postprocess_batch).parameters
         self.broken: str | None = None  # why a collective of this replica failed; set once, never cleared
         self._cfg: CfgGroup | None = None
         if groups.layout.cfgp == 2:
@@ -226,7 +229,11 @@ class Replica:
             if self._cfg is not None:
                 _to_peer(batch, self.groups)
             x, sample = self._sample(batch)
-            actions = self.policy.postprocess_batch(x, sample)
+            actions = (
+                self.policy.postprocess_batch(x, sample=sample)
+                if self._postprocess_takes_sample
+                else self.policy.postprocess_batch(x)
+            )
             if self._cuda:  # a plug-in's postprocess_batch may leave work queued: infer_ms is the whole batch
                 torch.cuda.synchronize(self.policy.device)
             return actions, (time.perf_counter() - start) * 1e3
