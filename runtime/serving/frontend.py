@@ -34,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from policy_operator.readyz import LayoutDoc, Readiness
 from policy_operator.runtime.errors import NotReady, RequestError, RequestFailed
 from policy_operator.runtime.parallel.dispatch import Reply
@@ -75,7 +77,10 @@ class EngineProxy:
         self._free = deque(range(ring.slots))
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._ids = itertools.count()
-        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
+        # one intra-op thread there too (``main`` sets this thread's; the setting is per thread under OpenMP)
+        self._prepare_pool = ThreadPoolExecutor(
+            1, thread_name_prefix="prepare", initializer=torch.set_num_threads, initargs=(1,)
+        )
         self.on_drain: Any = None  # set by the process: what a Drain message starts
 
     # --- what the server reads ---------------------------------------------------------------
@@ -312,6 +317,9 @@ def main(argv: list[str]) -> int:
         format="%(asctime)s frontend %(levelname)s %(name)s: %(message)s",
     )
     sys.setswitchinterval(config.gil_switch_ms / 1e3)
+    # Nothing here is worth parallelizing, and an intra-op parallel op (a ``Preprocessor``'s resize or copy) would
+    # wake a team of as many threads as the host has cores that spin on after it, against the model process.
+    torch.set_num_threads(1)
     ring = ipc.SlotRing(ring_fd, config.slots, config.slot_bytes)
     os.close(ring_fd)  # mapped: the descriptor is no longer needed
     with asyncio.Runner(loop_factory=event_loop_factory(config.event_loop)) as runner:
