@@ -296,6 +296,7 @@ def test_readyz_error_of_a_file_source_keeps_the_reason_without_the_path(tmp_pat
 
 
 # --- probes never wait on the store ---------------------------------------------------------------
+@pytest.mark.slow
 def test_probes_answer_while_the_torchrun_agent_is_frozen(tiny_checkpoint) -> None:
     """The agent hosts the TCPStore the heartbeats live in; freezing it must not freeze /readyz or the handshake."""
     with serve_policy(tiny_checkpoint, "--cfgp", "2", "--steps", "2", *RANKS) as s:
