@@ -56,7 +56,7 @@ def test_a_replica_failed_reply_after_the_request_gave_up_still_fails_the_replic
         ingress = Ingress(
             ParallelLayout(),
             SamplerSettings(steps=2, guidance=None, cfg_mode="sequential"),
-            board,  # type: ignore[arg-type]
+            board,
             request_timeout_s=0.2,
             poll_s=0.02,
             on_replica_failed=lambda index, reason: failures.append((index, reason)),
