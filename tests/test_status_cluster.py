@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from policy_operator import constants as C
+from policy_operator.operator.kube import CACHED_KINDS
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.local_node_cluster import LocalCluster, OperatorProcess, for_local_node, free_port_on
 from tests.support.net import wait_for
@@ -38,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 NS = "status-it"
 WAIT_S = 150.0
 RESYNC_S = 0.5
+KOPF_WATCHES = 4  # kopf's own: PolicyServers, fetch Jobs, StatefulSets (operator/handlers.py) and its peering
 
 
 class Env:
@@ -341,10 +343,6 @@ def operator_requests(env: Env) -> float:
     )
 
 
-def forbidden(env: Env) -> float:
-    return sum(v for labels, v in metric_samples(env, "apiserver_request_total") if labels.get("code") == "403")
-
-
 def operator_as_service_account(env: Env, work: Path) -> OperatorProcess:
     """The operator with a ServiceAccount token and exactly the Role operator/rbac.py asks for (the chart's)."""
     from policy_operator.operator import rbac
@@ -381,7 +379,8 @@ def test_a_policyserver_at_rest_costs_no_api_request(env: Env, tmp_path: Path) -
     """Every pass used to GET each child (404s for those not there), ask for a StorageClass the Role forbids (403)
     and re-apply the StatefulSet and Services: 2156 requests in these 40 passes before the change.  At rest a pass reads the operator's watches
     and writes nothing.  The operator runs as its own ServiceAccount with the chart's Role, so its requests are
-    told apart (APF's flow schema) and anything that Role forbids would be a 403."""
+    told apart (APF's flow schema); what it still makes at rest is watch renewals, and its log holds no 403 (the
+    apiserver's 403 count is cluster-wide: other clients' refusals moved it by 2 in one run)."""
     name = "atrest"
     env.lc.operator.stop()
     operator = operator_as_service_account(env, tmp_path)
@@ -390,11 +389,14 @@ def test_a_policyserver_at_rest_costs_no_api_request(env: Env, tmp_path: Path) -
         env.apply(env.doc(name))
         env.wait(name, lambda s: s.get("phase") == C.PHASE_READY, "Ready")
         operator.settle(passes=6)  # the last writes of the rollout (status, rank annotations) are done
-        before, refused, passes = operator_requests(env), forbidden(env), operator.passes()
+        before, passes = operator_requests(env), operator.passes()
         wait_for(lambda: operator.passes() >= passes + 40, 120, what="40 passes at rest")
         made = operator_requests(env) - before
-        assert made == 0, f"{made:g} requests in 40 passes at rest (log: {operator.log})"
-        assert forbidden(env) == refused, "a request the operator's Role forbids"
+        # Watches are not free: the apiserver ends each after WATCH_TIMEOUT_S and the informer reopens it from its
+        # resourceVersion (kopf's own watches alike), so a window shorter than that may hold at most one renewal
+        # per watch, whatever the passes do.  One request per pass would be 40.
+        renewals = len(CACHED_KINDS) + KOPF_WATCHES
+        assert made <= renewals, f"{made:g} requests in 40 passes at rest (log: {operator.log})"
         assert env.lc.status(name)["phase"] == C.PHASE_READY
         assert not re.search(r"\b403\b|[Ff]orbidden", operator.log.read_text())
         env.delete(name)
