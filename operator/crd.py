@@ -63,7 +63,7 @@ HEADER: Final = """\
 # operator/spec.py and operator/resource.py: edit the model, not this file.
 """
 
-PRINTER_COLUMNS: Final = (
+PRINTER_COLUMNS: Final[tuple[dict[str, Any], ...]] = (
     {
         "name": "Ready",
         "type": "string",
@@ -97,6 +97,13 @@ PRINTER_COLUMNS: Final = (
         "jsonPath": ".status.endpoint",
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {
+        "name": "MaxBatch",
+        "type": "integer",
+        "priority": 1,
+        "description": "Largest batch the pods form under spec.runtime.batching.latencyBudgetMs.",
+        "jsonPath": ".status.batching.maxBatch",
+    },
 )
 SCALE: Final = {
     "specReplicasPath": ".spec.replicas",

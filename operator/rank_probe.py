@@ -53,6 +53,37 @@ class RankHealth:
 
 
 @dataclass(frozen=True)
+class Batching:
+    """What a pod's lanes batch under ``--latency-budget-ms``: warm-up's time of each bucket and the largest
+    batch that fits the budget."""
+
+    max_batch: int
+    buckets_ms: tuple[tuple[int, float], ...]  # (bucket size, ms), ascending
+
+    @classmethod
+    def of(cls, doc: Readiness) -> Batching | None:
+        """From a /readyz document; None without a budget (no times measured) or from an older runtime."""
+        if doc.max_batch is None or not doc.batch_buckets_ms:
+            return None
+        return cls(doc.max_batch, tuple(sorted(doc.batch_buckets_ms.items())))
+
+    def as_status(self) -> dict[str, Any]:
+        return {"maxBatch": self.max_batch, "bucketsMs": {str(size): ms for size, ms in self.buckets_ms}}
+
+
+@dataclass(frozen=True)
+class ReadyzFacts:
+    """One /readyz answer, read."""
+
+    ready: bool
+    ranks_ready: int
+    world_size: int
+    ranks: tuple[RankHealth, ...]
+    message: str
+    batching: Batching | None = None
+
+
+@dataclass(frozen=True)
 class PodHealth:
     name: str
     pod_ip: str | None
@@ -68,6 +99,8 @@ class PodHealth:
     revision: str | None = None  # the pod's controller-revision-hash: which StatefulSet template it runs
     unschedulable: str = ""  # the scheduler's PodScheduled=False Unschedulable message
     termination: str = ""  # last lines of the newest failed container's termination message
+    created: str = ""  # metadata.creationTimestamp (RFC 3339: orders as text)
+    batching: Batching | None = None  # from /readyz, under --latency-budget-ms
 
     @property
     def ranks_text(self) -> str:
@@ -92,14 +125,14 @@ class PodHealth:
         return item
 
 
-def parse_readyz(
-    status_code: int, body: bytes, expected_world_size: int
-) -> tuple[bool, int, int, tuple[RankHealth, ...], str]:
-    """(ready, ranks_ready, world_size, ranks, message) from one /readyz answer; a malformed body is not ready."""
+def read_readyz(status_code: int, body: bytes, expected_world_size: int) -> ReadyzFacts:
+    """One /readyz answer, read; a malformed body is not ready."""
     try:
         doc = Readiness.parse(body)
     except ValueError as exc:
-        return False, 0, expected_world_size, (), f"/readyz answered {status_code} with a malformed body ({exc})"
+        return ReadyzFacts(
+            False, 0, expected_world_size, (), f"/readyz answered {status_code} with a malformed body ({exc})"
+        )
     world_size, ranks_ready = doc.world_size, doc.ranks_ready
     ranks = tuple(
         RankHealth(rank=r.rank, dp_index=r.dp_index, cfg_index=r.cfg_index, state=r.state.value, ready=r.ready)
@@ -107,7 +140,15 @@ def parse_readyz(
     )
     ready = doc.ready and status_code == 200 and ranks_ready >= world_size
     message = "" if ready else _not_ready_message(ranks, ranks_ready, world_size)
-    return ready, max(0, min(ranks_ready, world_size)), world_size, ranks, message
+    return ReadyzFacts(ready, max(0, min(ranks_ready, world_size)), world_size, ranks, message, Batching.of(doc))
+
+
+def parse_readyz(
+    status_code: int, body: bytes, expected_world_size: int
+) -> tuple[bool, int, int, tuple[RankHealth, ...], str]:
+    """(ready, ranks_ready, world_size, ranks, message) from one /readyz answer; a malformed body is not ready."""
+    facts = read_readyz(status_code, body, expected_world_size)
+    return facts.ready, facts.ranks_ready, facts.world_size, facts.ranks, facts.message
 
 
 def _not_ready_message(ranks: Sequence[RankHealth], ranks_ready: int, world_size: int) -> str:
@@ -169,6 +210,7 @@ def pod_health(pod: Mapping[str, Any], port: int, world_size: int, timeout: floa
         revision=(meta.get("labels") or {}).get(LABEL_CONTROLLER_REVISION_HASH),
         unschedulable=unschedulable_message(pod),
         termination=ended,
+        created=meta.get("creationTimestamp") or "",
     )
     if meta.get("deletionTimestamp"):
         return dataclasses.replace(facts, phase="Terminating", message="terminating")
@@ -178,8 +220,16 @@ def pod_health(pod: Mapping[str, Any], port: int, world_size: int, timeout: floa
         code, body = fetch_readyz(ip, pod_port(pod, port), timeout)
     except Unreachable as exc:
         return unreachable_health(facts, pod, exc)
-    ready, ranks_ready, ws, ranks, message = parse_readyz(code, body, world_size)
-    return dataclasses.replace(facts, world_size=ws, ranks_ready=ranks_ready, ready=ready, ranks=ranks, message=message)
+    read = read_readyz(code, body, world_size)
+    return dataclasses.replace(
+        facts,
+        world_size=read.world_size,
+        ranks_ready=read.ranks_ready,
+        ready=read.ready,
+        ranks=read.ranks,
+        message=read.message,
+        batching=read.batching,
+    )
 
 
 def unreachable_health(facts: PodHealth, pod: Mapping[str, Any], exc: Unreachable) -> PodHealth:

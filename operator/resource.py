@@ -113,6 +113,19 @@ class CheckpointStatus(KubeModel):
     is fetched again."""
 
 
+class BatchingStatus(KubeModel):
+    """How the pods batch under spec.runtime.batching.latencyBudgetMs, as the newest ready pod's /readyz says."""
+
+    max_batch: int | None = None
+    """The largest batch the pods form: the largest bucket whose measured time fits the budget (1 when none
+    does), at most spec.runtime.batching.maxBatch (printer column MAXBATCH, in -o wide)."""
+    buckets_ms: dict[str, float] | None = None
+    """Warm-up's time of one batch of each bucket size in milliseconds, keyed by the size, e.g. {"1": 14.5, "2":
+    15.1, "4": 16.8, "8": 19.9}; the same times as /metrics' policy_batch_bucket_seconds."""
+    pod: str | None = None
+    """The pod that measured them."""
+
+
 # metav1.Condition's own validation, as Kubernetes' generated CRDs state it
 CONDITION_TYPE_PATTERN = (
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
@@ -176,6 +189,9 @@ class PolicyServerStatus(KubeModel):
     """The checkpoint the spec asks for."""
     pods: list[PodStatus] = Field(default_factory=list)
     """Per-pod rank readiness from each pod's /readyz."""
+    batching: BatchingStatus | None = None
+    """Measured batch times and the max batch they allow, under spec.runtime.batching.latencyBudgetMs; absent
+    without a budget or before a pod is ready."""
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra=list_map("type"))
     """Ready (what Flux and Argo CD health checks read), Reconciling and Stalled (what kstatus reads), Valid,
     CheckpointReady, Available and Progressing."""

@@ -546,8 +546,8 @@ class BatchingSpec(KubeModel):
     what queued while the replica was busy."""
     latency_budget_ms: float | None = Field(None, ge=MIN_LATENCY_BUDGET_MS, le=MAX_LATENCY_BUDGET_MS)
     """A robot's control period in milliseconds (--latency-budget-ms). Warm-up measures one batch of every size
-    (bucket) up to maxBatch, and no batch is formed whose measured time exceeds this budget; /metrics shows the
-    times (policy_batch_bucket_seconds). Unset: batches of up to maxBatch."""
+    (bucket) up to maxBatch, and no batch is formed whose measured time exceeds this budget; /metrics
+    (policy_batch_bucket_seconds), /readyz and status.batching show the times. Unset: batches of up to maxBatch."""
 
 
 class PolicySpec(KubeModel):

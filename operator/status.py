@@ -56,7 +56,13 @@ from policy_operator.operator.download_state import CheckpointPhase, CheckpointS
 from policy_operator.operator.kube import Kube, NotFound, Rejected
 from policy_operator.operator.manifests import VOL_CACHE, claim_name, endpoint, selector_string
 from policy_operator.operator.rank_probe import PodHealth
-from policy_operator.operator.resource import CheckpointStatus, DownloadProgress, PodStatus, PolicyServerStatus
+from policy_operator.operator.resource import (
+    BatchingStatus,
+    CheckpointStatus,
+    DownloadProgress,
+    PodStatus,
+    PolicyServerStatus,
+)
 from policy_operator.operator.resource import Condition as StatusCondition
 from policy_operator.operator.spec import PolicyServerSpec
 from policy_operator.operator.storage_plan import StorageCheck
@@ -151,6 +157,18 @@ def last_progress(previous: Mapping[str, Any], marker: Mapping[str, Any], now: s
     if since and all(previous.get(k) == v for k, v in marker.items()):
         return str(since)
     return now
+
+
+def batching_status(pods: Sequence[PodHealth], updated: Sequence[PodHealth]) -> BatchingStatus | None:
+    """The newest ready pod's batch times under a latency budget, a pod of the current template first (during a
+    rollout the old pods measured under the old spec)."""
+    current = {p.name for p in updated}
+    measured = [p for p in pods if p.ready and p.batching is not None]
+    if not measured:
+        return None
+    pod = max(measured, key=lambda p: (p.name in current, p.created, p.name))
+    assert pod.batching is not None
+    return BatchingStatus.model_validate({**pod.batching.as_status(), "pod": pod.name})
 
 
 def deadline_detail(pods: Sequence[PodHealth], block: Blocker | None) -> str:
@@ -439,6 +457,7 @@ def build_status(
         last_progress_time=progress_since,
         checkpoint=checkpoint_status,
         pods=[PodStatus.model_validate(p.as_status()) for p in pods],
+        batching=batching_status(pods, updated) if spec.runtime.batching.latency_budget_ms is not None else None,
         conditions=status_conditions(
             merge_conditions(
                 prev_conditions,
@@ -489,14 +508,19 @@ def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any], *, full: b
         old = previous.get(key)
         if old == value:
             continue
-        if isinstance(value, Mapping) and isinstance(old, Mapping):
-            # a merge patch merges maps: a nested key this pass no longer writes (checkpoint.progress once the
-            # download is done, checkpoint.servingKey) must be sent as null, or it stays forever
-            value = {**value, **{k: None for k in old if k not in value}}
-        patch[key] = value
+        patch[key] = _replacing(old, value)
     if full:
         patch.update({k: None for k in STATUS_FIELDS if k in previous and k not in new})
     return patch or None
+
+
+def _replacing(old: Any, new: Any) -> Any:
+    """``new`` as a merge-patch value over ``old``: a merge patch merges maps, so a nested key this pass no longer
+    writes (checkpoint.progress once the download is done, a bucket of batching.bucketsMs) must be sent as null,
+    at any depth, or it stays forever."""
+    if not (isinstance(new, Mapping) and isinstance(old, Mapping)):
+        return new
+    return {**{k: _replacing(old.get(k), v) for k, v in new.items()}, **{k: None for k in old if k not in new}}
 
 
 def write_status(

@@ -66,10 +66,16 @@ class Readiness(BaseModel):
     in_flight: int = Field(default=0, ge=0)
     draining: bool = False
     error: str | None = None  # why loading the policy failed; the pod restarts
+    # the batch size the lanes form at most: --max-batch, or less under --latency-budget-ms; None while loading
+    max_batch: int | None = Field(default=None, ge=1)
+    # under --latency-budget-ms: warm-up's measured time of one batch of each bucket size, in ms (JSON keys are
+    # strings); None without a budget
+    batch_buckets_ms: dict[int, float] | None = None
 
     def to_json(self) -> bytes:
-        """The body as served: ``error`` only when there is one."""
-        return self.model_dump_json(exclude={"error"} if self.error is None else None).encode()
+        """The body as served: the optional fields only when set."""
+        unset = {name for name in ("error", "max_batch", "batch_buckets_ms") if getattr(self, name) is None}
+        return self.model_dump_json(exclude=unset or None).encode()
 
     @classmethod
     def parse(cls, body: bytes | str) -> Readiness:

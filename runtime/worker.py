@@ -427,7 +427,7 @@ async def _serve_rank0(rt: Runtime, lifecycle: Lifecycle) -> int:
         server.metrics.observe_batch,
         metrics_buckets(server.metrics, rt.layout.dp),
     )
-    ingress.attach(replica.policy, lanes)
+    ingress.attach(replica.policy, lanes, rt.bucket_ms)
     server.metrics.load_seconds.set(rt.load_s)
     server.metrics.warmup_seconds.set(rt.warmup_s)
     print("policyserver: ready", flush=True)
@@ -528,7 +528,7 @@ async def _serve_rank0_process(rt: Runtime, lifecycle: Lifecycle) -> int:
         link.observe_batch,
         lambda seconds: link.send(ipc.Gauges(buckets=seconds)),
     )
-    ingress.attach(replica.policy, lanes)
+    ingress.attach(replica.policy, lanes, rt.bucket_ms)
     link.send(ipc.Gauges(load_s=rt.load_s, warmup_s=rt.warmup_s))
     link.attach(replica.policy, ingress.rtc.support)
     print("policyserver: ready", flush=True)

@@ -472,6 +472,11 @@ def test_a_latency_budget_caps_batches_at_the_largest_measured_size_that_fits(
             for bucket in batch_buckets(8)
         }
         assert all(t is not None and t > 0 for t in times.values()), times
+        doc = s.readyz().json()  # what the operator copies into status.batching
+        assert doc["max_batch"] == 1, doc
+        assert {int(k): v for k, v in doc["batch_buckets_ms"].items()} == pytest.approx(
+            {bucket: t * 1e3 for bucket, t in times.items()}, abs=1e-3
+        )
         held, clients = queue_behind_a_held_request(s, tmp_path / "go", [observation(i) for i in range(1, 4)])
         assert [c.result["server_timing"]["batch_size"] for c in clients] == [1, 1, 1]
 

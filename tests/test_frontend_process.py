@@ -28,6 +28,7 @@ from websockets.sync.client import connect
 
 from policy_operator.exit_codes import ServeExit
 from policy_operator.runtime.policy.reference import PolicyConfig, example_observation
+from policy_operator.runtime.policy.sampler import batch_buckets
 from policy_operator.runtime.serving import wire
 from tests.support.net import wait_for
 from tests.support.servers import PolicyServerProcess, descendants, serve_policy
@@ -182,6 +183,7 @@ def test_sessions_batch_and_metrics_count_them(process: PolicyServerProcess) -> 
     assert (process.metric("policy_load_seconds") or 0.0) > 0
     doc = process.readyz().json()
     assert doc["ready"] and doc["ranks_ready"] == 1 and doc["in_flight"] == 0
+    assert doc["max_batch"] >= 1 and "batch_buckets_ms" not in doc  # no --latency-budget-ms: nothing measured
 
 
 def test_large_replies_and_rtc_tails_cross_both_ways_at_once(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -249,6 +251,20 @@ def test_a_frozen_model_process_is_not_ready(tiny_checkpoint: Path) -> None:
             server.send_signal(signal.SIGCONT)
         wait_for(lambda: server.readyz().status == 200, timeout=10, interval=0.1, what="/readyz 200 again")
         assert actions(server, observation(1)).shape == (CFG.horizon, CFG.action_dim)
+
+
+def test_a_latency_budget_reaches_readyz_through_the_model_process(tiny_checkpoint: Path) -> None:
+    """The front-end serves /readyz from the model process's snapshots: under --latency-budget-ms they carry
+    warm-up's time of every bucket (the times /metrics shows) and the max batch the lanes form."""
+    args = [*STEPS, *PROCESS, "--max-batch", "4", "--latency-budget-ms", "60000", "--threads", "1"]
+    with serve_policy(tiny_checkpoint, *args) as server:
+        doc = server.readyz().json()
+        assert doc["ready"] and doc["max_batch"] == 4, doc  # a minute fits every bucket
+        buckets = {int(size): ms for size, ms in doc["batch_buckets_ms"].items()}
+        assert sorted(buckets) == list(batch_buckets(4)), doc
+        for size, ms in buckets.items():
+            seconds = server.metric("policy_batch_bucket_seconds", replica="0", bucket=str(size))
+            assert seconds is not None and ms == pytest.approx(seconds * 1e3, abs=1e-3)
 
 
 @pytest.mark.slow

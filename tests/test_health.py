@@ -67,6 +67,10 @@ def test_readyz_document_round_trips_and_refuses_drift() -> None:
     assert b'"error"' not in body  # only when loading failed
     assert Readiness.parse(body) == doc
     assert Readiness.parse(Readiness(**{**doc.model_dump(), "error": "boom"}).to_json()).error == "boom"
+    assert b'"max_batch"' not in body and b'"batch_buckets_ms"' not in body  # set once loaded / under a budget
+    budget = Readiness(**{**doc.model_dump(), "max_batch": 2, "batch_buckets_ms": {1: 14.5, 2: 19.25}})
+    assert json.loads(budget.to_json())["batch_buckets_ms"] == {"1": 14.5, "2": 19.25}
+    assert Readiness.parse(budget.to_json()) == budget
     good = doc.model_dump(mode="json")
     for broken in (
         {**good, "ranksReady": 0, "ranks_ready": None},

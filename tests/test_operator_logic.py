@@ -337,6 +337,18 @@ def test_parse_readyz() -> None:
     assert (ready, n, world) == (False, 0, 2) and "malformed" in message
 
 
+def test_readyz_batch_times_are_read_and_older_documents_have_none() -> None:
+    """A runtime under --latency-budget-ms serves its bucket times (JSON keys are strings); one without a budget,
+    or an older runtime, serves none and its pod carries no batching."""
+    assert rank_probe.read_readyz(200, readyz_body([True, True]), 2).batching is None
+    unbudgeted = {**json.loads(readyz_body([True, True])), "max_batch": 8}
+    assert rank_probe.read_readyz(200, json.dumps(unbudgeted).encode(), 2).batching is None
+    budget = {**unbudgeted, "max_batch": 2, "batch_buckets_ms": {"4": 30.5, "1": 14.5, "2": 19.0}}
+    facts = rank_probe.read_readyz(200, json.dumps(budget).encode(), 2)
+    assert facts.ready and facts.batching == rank_probe.Batching(2, ((1, 14.5), (2, 19.0), (4, 30.5)))
+    assert facts.batching.as_status() == {"maxBatch": 2, "bucketsMs": {"1": 14.5, "2": 19.0, "4": 30.5}}
+
+
 @contextlib.contextmanager
 def http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[int]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -552,7 +564,7 @@ def test_the_status_keys_a_full_write_may_drop_are_the_schemas() -> None:
     assert set(status_step.STATUS_FIELDS) == {
         *("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "updatedReadyReplicas"),
         *("ready", "ranksReady", "layout", "selector", "endpoint", "templateHash", "lastProgressTime"),
-        *("checkpoint", "pods", "conditions"),
+        *("checkpoint", "pods", "batching", "conditions"),
     }
     update = status_step.invalid_status(ValueError("bad"), previous=None, generation=1, now=NOW)
     assert isinstance(update.status, PolicyServerStatus) and update.status.pods == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import re
 from typing import Any
 
@@ -785,3 +786,63 @@ def test_the_schedulers_old_warning_does_not_explain_a_pod_it_has_placed() -> No
     assert download_state.start_problem(placed, [old]) is None
     waiting = fetch_pod(waiting={"reason": "ContainerCreating"})
     assert download_state.start_problem(waiting, [old]) is not None  # not placed yet: the scheduler's word stands
+
+
+# --- batching under a latency budget --------------------------------------------------------------
+
+
+def measured(max_batch: int, **buckets_ms: float) -> rank_probe.Batching:
+    """What a pod's /readyz says under --latency-budget-ms, read the way the probe reads it."""
+    body = {
+        "ready": True,
+        "world_size": 1,
+        "ranks_ready": 1,
+        "ranks": [{"rank": 0, "dp_index": 0, "cfg_index": 0, "state": "serving", "age_s": 0.1, "ready": True}],
+        "max_batch": max_batch,
+        "batch_buckets_ms": {size.removeprefix("b"): ms for size, ms in buckets_ms.items()},
+    }
+    batching = rank_probe.read_readyz(200, json.dumps(body).encode(), 1).batching
+    assert batching is not None
+    return batching
+
+
+BUDGET = {"device": "cpu", "batching": {"maxBatch": 8, "latencyBudgetMs": 20}}
+
+
+def test_status_batching_is_what_the_newest_ready_pod_of_the_current_spec_measured() -> None:
+    old = measured(8, b1=10.0, b2=11.0, b4=12.0, b8=15.0)  # an old template, measured under another spec
+    current = measured(4, b1=14.5, b2=16.0, b4=19.5, b8=24.0)
+    newer = measured(2, b1=15.0, b2=17.0, b4=21.0, b8=26.0)
+    wl = workload(desired=2, rolling=True)
+    pods = [
+        pod("ps-0", ready=True, revision="r1", created=at(30), batching=old),
+        pod("ps-1", ready=True, created=at(10), batching=current),
+        pod("ps-2", ready=False, created=at(20), batching=newer),  # not ready: not serving with these yet
+    ]
+    doc = build(spec(runtime=BUDGET), wl, pods).document
+    assert doc["batching"] == {
+        "maxBatch": 4,
+        "bucketsMs": {"1": 14.5, "2": 16.0, "4": 19.5, "8": 24.0},
+        "pod": "ps-1",
+    }
+    pods[2] = dataclasses.replace(pods[2], ready=True)
+    assert build(spec(runtime=BUDGET), wl, pods).document["batching"]["pod"] == "ps-2"  # the newest one
+    only_old = [pods[0], pod("ps-1", ready=True, created=at(10))]  # a runtime that serves no batch times
+    assert build(spec(runtime=BUDGET), wl, only_old).document["batching"]["pod"] == "ps-0"
+
+
+def test_no_status_batching_without_a_budget_or_a_measurement() -> None:
+    pods = [pod("ps-0", ready=True, created=at(10), batching=measured(8, b1=1.0, b8=2.0))]
+    assert "batching" not in build(spec(), workload(desired=1), pods).document  # the budget was just removed
+    unmeasured = [pod("ps-0", ready=True, created=at(10)), pod("ps-1", ready=False)]
+    assert "batching" not in build(spec(runtime=BUDGET), workload(desired=2), unmeasured).document
+
+
+def test_a_bucket_no_longer_measured_is_removed_from_the_status() -> None:
+    """A merge patch merges maps at every depth: maxBatch lowered from 8 to 4 must null bucketsMs["8"]."""
+    wl = workload(desired=1)
+    before = build(spec(runtime=BUDGET), wl, [pod("ps-0", ready=True, batching=measured(8, b1=1.0, b4=2.0, b8=3.0))])
+    after = build(spec(runtime=BUDGET), wl, [pod("ps-0", ready=True, batching=measured(4, b1=1.0, b4=2.5))])
+    patch = st.status_patch(before.document, after.document, full=True)
+    assert patch is not None
+    assert patch["batching"] == {"maxBatch": 4, "bucketsMs": {"1": 1.0, "4": 2.5, "8": None}, "pod": "ps-0"}

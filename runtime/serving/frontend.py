@@ -113,6 +113,8 @@ class EngineProxy:
                 draining=self.draining,
                 error=(last.error if last is not None and last.error else None)
                 or (f"the model process sent no readiness for {self.stale_after:g}s" if last is not None else None),
+                max_batch=last.max_batch if last is not None else None,
+                batch_buckets_ms=last.batch_buckets_ms if last is not None else None,
             )
         doc = snapshot.readiness
         return doc.model_copy(

@@ -97,6 +97,7 @@ class Ingress:
         self.rtc = RtcIngress.off()  # what ``rtc`` entries get: refused until the policy is attached
         self.history = SessionHistory(None)  # each session's past observations (Policy.history), set by attach
         self.load_error: str | None = None
+        self.bucket_ms: dict[int, float] | None = None  # set by attach under --latency-budget-ms
         self.draining = False
         self.failed: dict[int, str] = {}  # replica -> why its communicator failed; out of service for good
         self.preparing = 0  # requests in decode or prepare: not routed yet
@@ -110,12 +111,14 @@ class Ingress:
         self._ids = itertools.count()
         self._seeds = random.Random(secrets.randbits(128))
 
-    def attach(self, policy: Policy, lanes: list[Lane]) -> None:
+    def attach(self, policy: Policy, lanes: list[Lane], bucket_ms: dict[int, float] | None = None) -> None:
         """The model is loaded: its policy prepares requests, its lanes (built with ``arriving=self.expected``)
-        take them; from now on the server accepts sessions."""
+        take them; from now on the server accepts sessions.  ``bucket_ms``: warm-up's batch times under
+        ``--latency-budget-ms`` (readiness shows them next to the lanes' max batch)."""
         self.policy = policy
         self.history = SessionHistory(policy)
         self.lanes = lanes
+        self.bucket_ms = {size: round(ms, 3) for size, ms in bucket_ms.items()} if bucket_ms else None
         self.rtc = RtcIngress.of(policy, self.settings.rtc, self.settings.rtc_max_delay)
 
     def expected(self) -> int:
@@ -162,6 +165,8 @@ class Ingress:
             in_flight=self.router.total_in_flight(),
             draining=self.draining,
             error=self.load_error or failed or None,
+            max_batch=self.lanes[0].max_batch if self.lanes else None,
+            batch_buckets_ms=self.bucket_ms,
         )
 
     def replica_problems(self) -> list[str | None]:
