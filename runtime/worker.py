@@ -378,6 +378,16 @@ def metrics_buckets(metrics: ServerMetrics, dp: int) -> Callable[[dict[int, floa
 
 
 # --- global rank 0 ------------------------------------------------------------------------
+def load_failed(rt: Runtime, ingress: Ingress, exc: Exception) -> None:
+    """A model that did not load: this rank's heartbeat and /readyz say why (paths hidden), the log and stderr
+    say it whole; the caller keeps serving /readyz for a heartbeat period, then the pod restarts."""
+    error = f"{type(exc).__name__}: {exc}"
+    rt.heartbeat.set_state(RankState.FAILED, public_reason(str(exc), rt.opts))
+    ingress.load_error = public_reason(error, rt.opts)
+    log.error("loading the policy failed: %s", error)
+    print(f"policyserver: error: {error}", file=sys.stderr, flush=True)
+
+
 async def _serve_rank0(rt: Runtime, lifecycle: Lifecycle) -> int:
     from policy_operator.runtime.lifecycle import drain_and_stop
 
@@ -411,11 +421,7 @@ async def _serve_rank0(rt: Runtime, lifecycle: Lifecycle) -> int:
     try:
         replica = load.result()
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint must restart the pod, with a reason
-        error = f"{type(exc).__name__}: {exc}"
-        rt.heartbeat.set_state(RankState.FAILED, public_reason(str(exc), opts))
-        ingress.load_error = public_reason(error, opts)
-        log.error("loading the policy failed: %s", error)
-        print(f"policyserver: error: {error}", file=sys.stderr, flush=True)
+        load_failed(rt, ingress, exc)
         await asyncio.sleep(opts.heartbeat_s)  # /readyz answers with the reason for a period, then the pod restarts
         await server.stop()
         return ServeExit.LOAD
@@ -511,12 +517,8 @@ async def _serve_rank0_process(rt: Runtime, lifecycle: Lifecycle) -> int:
     try:
         replica = load.result()
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint must restart the pod, with a reason
-        error = f"{type(exc).__name__}: {exc}"
-        rt.heartbeat.set_state(RankState.FAILED, public_reason(str(exc), opts))
-        ingress.load_error = public_reason(error, opts)
+        load_failed(rt, ingress, exc)
         link.push()
-        log.error("loading the policy failed: %s", error)
-        print(f"policyserver: error: {error}", file=sys.stderr, flush=True)
         await asyncio.sleep(opts.heartbeat_s)  # /readyz answers with the reason for a period, then the pod restarts
         lifecycle.stopping.set()  # the front-end's exit that follows is expected
         return ServeExit.LOAD
