@@ -115,8 +115,9 @@ class Server:
         if args.share_gpu:
             cmd += ["--share-gpu"]
         cmd += shlex.split(args.serve_args)
+        started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        deadline = time.monotonic() + 600
+        deadline = started + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
@@ -129,6 +130,7 @@ class Server:
             time.sleep(0.2)
         else:
             raise TimeoutError("server not ready")
+        self.ready_s = time.monotonic() - started  # process start to /readyz ready: load, compile, warm-up
         self.url = f"ws://127.0.0.1:{self.port}"
 
     def close(self) -> None:
@@ -250,6 +252,12 @@ def main() -> int:
         "--frontend",
         default="inline",
         help="comma-separated --frontend modes of the robots table's servers (inline,process: side by side)",
+    )
+    p.add_argument(
+        "--in-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the robots table's in-process batch times beside it (bench/batching.py)",
     )
     p.add_argument("--out", default=None, help="markdown file (default bench/results/runtime-<device>.md)")
     args = p.parse_args()
@@ -432,23 +440,32 @@ def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[
                 s = run_client(server.url, args.robot_n, r, timeout=600)
                 if s["errors"]:
                     raise RuntimeError(f"benchmark requests failed: {s['errors'][:3]}")
+                records = s["records"]
                 m = results[(size, fe, r)] = {
                     "p50": s["latency_ms"]["p50"],
                     "p99": s["latency_ms"]["p99"],
                     "rps": s["requests_per_s"],
                     "batch": s["mean_batch_size"],
                     "infer": s["infer_ms_p50"],
-                    "server": percentile([r["total_ms"] - r["infer_ms"] for r in s["records"]]),
+                    "server": percentile([r["total_ms"] - r["infer_ms"] for r in records]),
+                    # where a request's time goes when robots outnumber max-batch: the replica busy (its
+                    # batches' compute over the wall time: each batch's infer_ms counted once), the wait
+                    # for it, and the rest (network, decode, prepare, reply) outside the server's total
+                    "busy": sum(r["infer_ms"] / r["batch_size"] for r in records) / (1e3 * s["wall_s"]),
+                    "queue": percentile([r["queue_ms"] for r in records]),
+                    "outside": percentile([r["rtt_ms"] - r["total_ms"] for r in records]),
+                    "ready_s": server.ready_s,
                 }
                 print(
                     f"max-batch {size:>3} {fe:>7} robots {r:>3}: p50 {m['p50']:8.2f} ms  p99 {m['p99']:8.2f} ms  "
-                    f"{m['rps']:8.1f} req/s  batch {m['batch']:5.2f}",
+                    f"{m['rps']:8.1f} req/s  batch {m['batch']:5.2f}  infer {m['infer']:6.2f} ms  "
+                    f"busy {m['busy']:4.2f}  queue {m['queue']:6.2f} ms  outside {m['outside']:5.2f} ms",
                     flush=True,
                 )
         finally:
             server.close()
     batch_sizes = sorted({1, *sizes, *(r for r in robots if r <= max(sizes))})
-    inproc, inproc_table = in_process_batches(checkpoint, args, batch_sizes)
+    inproc, inproc_table = in_process_batches(checkpoint, args, batch_sizes) if args.in_process else ({}, [])
     label = (lambda s, fe: f"max-batch {s}") if len(frontends) == 1 else (lambda s, fe: f"max-batch {s}, {fe}")
     lines = [
         f"## Robots x max-batch (1 rank, {mode} CFG, --batch-window-ms {args.batch_window_ms:g}, "
@@ -470,7 +487,25 @@ def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[
             )
             + " |"
         )
-    lines += ["", "In-process, the same checkpoint and flags, no server (bench/batching.py):", "", *inproc_table, ""]
+    lines += [
+        "",
+        "Where the time goes (p50 ms; busy: the replica's batches' compute over the row's wall time; outside: the "
+        "robot's round trip minus the server's receive-to-reply time). Ready: server start to /readyz ready.",
+        "",
+        "| max-batch, front-end | robots | infer (batch) | busy | queue | server outside infer | outside server "
+        "| ready s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s, fe in columns:
+        for r in robots:
+            m = results[(s, fe, r)]
+            lines.append(
+                f"| {s}, {fe} | {r} | {m['infer']:.2f} | {m['busy']:.2f} | {m['queue']:.2f} | {m['server']:.2f} "
+                f"| {m['outside']:.2f} | {m['ready_s']:.1f} |"
+            )
+    if inproc_table:
+        lines += ["", "In-process, the same checkpoint and flags, no server (bench/batching.py):", "", *inproc_table]
+    lines.append("")
     targets = []
     for fe in frontends:
         tag = f" ({fe})" if len(frontends) > 1 else ""

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 24 target 1 (req/s holds past max-batch): where the time goes at max-batch 8 with 8/16/32 robots, in one
+# device call -- this build with both front-ends, the process front-end of the build before its ring copy changed
+# (a803712^: the second H200 call saw its 16/32-robot rows halve), and the inline front-end with one OpenMP thread.
+#   rm -rf .old && mkdir .old && git archive a803712^ | tar -x -C .old     # .old is ignored by git
+#   run(command="bash bench/device_robots.sh", carry=[".whl", ".old"])
+set -u
+REPO=$(pwd)
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+start=$(date +%s)
+left() { echo $(( ${BUDGET_S:-585} - ($(date +%s) - start) )); }
+install() {  # install() SITE SRC: the wheels and the project at SRC, no dependencies, into SITE
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$1" "$REPO"/.whl/*.whl \
+        >"$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
+    python3 -m pip install -q --no-deps --no-build-isolation --target "$1" "$2" >>"$OUT/install.log" 2>&1 \
+        || { tail -5 "$OUT/install.log"; exit 1; }
+}
+install /tmp/site-new "$REPO"
+[ -d "$REPO/.old" ] && install /tmp/site-old "$REPO/.old"
+export PYTHONUNBUFFERED=1
+cd /tmp
+PYTHONPATH=/tmp/site-new python3 -m policy_operator.cli checkpoint init /tmp/base --size base >/dev/null
+echo "installed, checkpoint after $(( $(date +%s) - start )) s"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
+COMMON=(--device cuda --size base --steps 10 --dtype bfloat16 --compile reduce-overhead --checkpoint /tmp/base
+    --tables robots --robot-max-batch 8 --robot-n 30 --batch-window-ms 2)
+# stage NAME SITE SECONDS_TO_LEAVE_OVER ARGS...: this build's bench/runtime.py against SITE's server
+stage() {
+    local name=$1 site=$2 spare=$3
+    shift 3
+    local t=$(( $(left) - spare ))
+    [ "$t" -gt 60 ] || { echo "$name skipped: $t s left"; return; }
+    PYTHONPATH=$site timeout $t python3 "$REPO/bench/runtime.py" "${COMMON[@]}" --out "$OUT/$name.md" "$@" \
+        >"$OUT/$name.log" 2>&1
+    echo "$name rc=$? after $(( $(date +%s) - start )) s"
+    grep '^|' "$OUT/$name.md" 2>/dev/null || grep -E "robots|Error|error" "$OUT/$name.log" | tail -8
+}
+stage head /tmp/site-new 300 --robots 1,8,16,32 --frontend inline,process --serve-args "--compile-cache-dir /tmp/cc"
+[ -d "$REPO/.old" ] && stage old-process /tmp/site-old 200 --robots 8,16 --frontend process --no-in-process \
+    --serve-args "--compile-cache-dir /tmp/cc-old"
+OMP_NUM_THREADS=1 stage head-omp1 /tmp/site-new 80 --robots 8,16 --frontend inline,process --no-in-process \
+    --serve-args "--compile-cache-dir /tmp/cc"
+stage head-gil05 /tmp/site-new 5 --robots 8,16 --frontend inline --no-in-process \
+    --serve-args "--compile-cache-dir /tmp/cc --gil-switch-ms 0.5"
+echo "done after $(( $(date +%s) - start )) s"
