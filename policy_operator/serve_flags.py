@@ -125,7 +125,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --compile: load torch's compile artifacts for this spec from DIR before warm-up, and "
         "write them there after (a later server of the same spec skips compiling); off when unset",
     )
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads of every thread of a rank (model, event loop, prepare); default: "
+        "OMP_NUM_THREADS when set, else 1 on a GPU (as torchrun sets for several ranks), else torch's own",
+    )
     g = p.add_argument_group("layout and sampling")
     g.add_argument("--cfgp", type=int, default=1, help="classifier-free-guidance parallel degree, 1 or 2")
     g.add_argument("--dp", type=int, default=1, help="data-parallel replicas in this pod (outermost rank axis)")
@@ -326,6 +332,25 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(f"--threads must be at least 1, got {opts.threads}")
     if opts.rtc_max_delay is not None and not 0 <= opts.rtc_max_delay <= MAX_RTC_DELAY:
         raise ValueError(f"--rtc-max-delay must be in 0..{MAX_RTC_DELAY} control steps, got {opts.rtc_max_delay}")
+
+
+def intra_op_threads(threads: int | None, device_type: str, environ: Mapping[str, str]) -> int | None:
+    """The intra-op thread count a rank sets before its first parallel op (None: leave torch's default).
+
+    On a GPU the host's share of a request is small copies and Python; a team of
+    host-cores OpenMP threads per thread that touches torch (the model thread,
+    the event loop's prepare) only spins against the event loop and the other
+    ranks.  On an H200 host at max-batch 8 with 16 robots, the replica's batch
+    took 31-35 ms with torch's default against 22-24 ms with one thread
+    (bench/results/h200-robots-threads.md).  torchrun already sets
+    OMP_NUM_THREADS=1 for several ranks; this makes one rank the same.  A
+    user's OMP_NUM_THREADS (or ``--threads``) still decides.
+    """
+    if threads is not None:
+        return threads
+    if environ.get("OMP_NUM_THREADS"):
+        return None  # torch reads it itself
+    return 1 if device_type == "cuda" else None
 
 
 def policy_guidance(guidance: float | None, has_unconditional: bool) -> float:

@@ -139,3 +139,19 @@ def test_managed_flags_are_serve_flags_the_operator_writes() -> None:
         opts.max_connections,
     ) == ("/models/k", 8000, 2, 1, 2.5, 8, 4, 0.5, "cuda", None, 20.0, 40.0, 64)
     assert [a for a in argv if a.startswith("--")] == [f for f in serve_flags.MANAGED_FLAGS if f != "--auth-token-file"]
+
+
+@pytest.mark.parametrize(
+    ("threads", "device", "environ", "expected"),
+    [
+        (None, "cuda", {}, 1),  # a GPU rank: one host thread per thread that touches torch
+        (None, "cpu", {}, None),  # the CPU does the math: torch's own count
+        (None, "cuda", {"OMP_NUM_THREADS": "4"}, None),  # the user's environment decides (torch reads it)
+        (3, "cuda", {"OMP_NUM_THREADS": "4"}, 3),  # and --threads over both
+        (2, "cpu", {}, 2),
+    ],
+)
+def test_intra_op_threads_default_to_one_on_a_gpu(
+    threads: int | None, device: str, environ: dict[str, str], expected: int | None
+) -> None:
+    assert serve_flags.intra_op_threads(threads, device, environ) == expected
