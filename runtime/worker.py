@@ -139,6 +139,11 @@ class Runtime:
         self.layout = layout
         device_name = opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = select_device(device_name, share=opts.share_gpu)
+        threads = serve_flags.intra_op_threads(opts.threads, self.device.type, os.environ)
+        if threads is not None:
+            # before this rank's first parallel op: every thread started later (the model thread, the prepare
+            # thread) takes torch's global count on its own first parallel op, and so does this one
+            torch.set_num_threads(threads)
         self.groups = init_distributed(layout, self.device, timedelta(seconds=opts.pg_timeout_s), opts.backend)
         self.rank = self.groups.rank
         self.kv_factory: Callable[[], KV]
@@ -189,8 +194,6 @@ class Runtime:
         from policy_operator.runtime.policy.interface import load_policy_class, parse_dtype
         from policy_operator.runtime.policy.rtc import warmup_constraint
 
-        if self.opts.threads:
-            torch.set_num_threads(self.opts.threads)  # per thread under OpenMP: set on the model thread
         path = None
         if self.rank == 0:
             self.heartbeat.set_state(RankState.LOADING, "resolving checkpoint")
