@@ -58,8 +58,7 @@ def main() -> int:
         if args.checkpoint
         else init_checkpoint(Path(tempfile.mkdtemp(prefix="bench-batching-")) / args.size, args.size)
     )
-    if args.device == "cpu":
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)  # as the servers beside it run: bench/runtime.py's on a CPU, every rank's on a GPU
     device = torch.device(args.device)
     policy = ReferencePolicy.load(str(checkpoint), device=device, dtype=parse_dtype(args.dtype))
     if args.compile:

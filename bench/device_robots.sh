@@ -4,6 +4,7 @@
 # (a803712^: the second H200 call saw its 16/32-robot rows halve), and the inline front-end with one OpenMP thread.
 #   rm -rf .old && mkdir .old && git archive a803712^ | tar -x -C .old     # .old is ignored by git
 #   run(command="bash bench/device_robots.sh", carry=[".whl", ".old"])
+#   run(command="bash bench/device_robots.sh full", carry=[".whl"])      # the whole table at this build
 set -u
 REPO=$(pwd)
 OUT=${OUT:-/tmp/out}
@@ -24,7 +25,7 @@ PYTHONPATH=/tmp/site-new python3 -m policy_operator.cli checkpoint init /tmp/bas
 echo "installed, checkpoint after $(( $(date +%s) - start )) s"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
 COMMON=(--device cuda --size base --steps 10 --dtype bfloat16 --compile reduce-overhead --checkpoint /tmp/base
-    --tables robots --robot-max-batch 8 --robot-n 30 --batch-window-ms 2)
+    --tables robots --robot-n 30 --batch-window-ms 2)
 # stage NAME SITE SECONDS_TO_LEAVE_OVER ARGS...: this build's bench/runtime.py against SITE's server
 stage() {
     local name=$1 site=$2 spare=$3
@@ -36,11 +37,22 @@ stage() {
     echo "$name rc=$? after $(( $(date +%s) - start )) s"
     grep '^|' "$OUT/$name.md" 2>/dev/null || grep -E "robots|Error|error" "$OUT/$name.log" | tail -8
 }
-stage head /tmp/site-new 300 --robots 1,8,16,32 --frontend inline,process --serve-args "--compile-cache-dir /tmp/cc"
-[ -d "$REPO/.old" ] && stage old-process /tmp/site-old 200 --robots 8,16 --frontend process --no-in-process \
+if [ "${1:-}" = full ]; then
+    # issue 24's robots table at this build (one intra-op thread per rank by default on a GPU): both front-ends,
+    # max-batch 8 and 32, then one robot at max-batch 1; the compile cache is shared, so the second server of a
+    # spec (process after inline) starts from the first one's artifacts
+    stage full /tmp/site-new 100 --robot-max-batch 8,32 --robots 1,8,16,32 --frontend inline,process \
+        --serve-args "--compile-cache-dir /tmp/cc"
+    stage full-mb1 /tmp/site-new 5 --robot-max-batch 1 --robots 1 --robot-n 40 --frontend inline,process \
+        --serve-args "--compile-cache-dir /tmp/cc"
+    echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
+stage head /tmp/site-new 300 --robot-max-batch 8 --robots 1,8,16,32 --frontend inline,process --serve-args "--compile-cache-dir /tmp/cc"
+[ -d "$REPO/.old" ] && stage old-process /tmp/site-old 200 --robot-max-batch 8 --robots 8,16 --frontend process --no-in-process \
     --serve-args "--compile-cache-dir /tmp/cc-old"
-OMP_NUM_THREADS=1 stage head-omp1 /tmp/site-new 80 --robots 8,16 --frontend inline,process --no-in-process \
+OMP_NUM_THREADS=1 stage head-omp1 /tmp/site-new 80 --robot-max-batch 8 --robots 8,16 --frontend inline,process --no-in-process \
     --serve-args "--compile-cache-dir /tmp/cc"
-stage head-gil05 /tmp/site-new 5 --robots 8,16 --frontend inline --no-in-process \
+stage head-gil05 /tmp/site-new 5 --robot-max-batch 8 --robots 8,16 --frontend inline --no-in-process \
     --serve-args "--compile-cache-dir /tmp/cc --gil-switch-ms 0.5"
 echo "done after $(( $(date +%s) - start )) s"

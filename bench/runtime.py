@@ -131,6 +131,10 @@ class Server:
         else:
             raise TimeoutError("server not ready")
         self.ready_s = time.monotonic() - started  # process start to /readyz ready: load, compile, warm-up
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+            gauges = dict(line.split(" ", 1) for line in r.read().decode().splitlines() if line.startswith("policy_"))
+        self.load_s = float(gauges.get("policy_load_seconds", "nan"))  # onto the device (and compiled, lazily)
+        self.warmup_s = float(gauges.get("policy_warmup_seconds", "nan"))  # every bucket compiled or loaded, captured
         self.url = f"ws://127.0.0.1:{self.port}"
 
     def close(self) -> None:
@@ -292,7 +296,8 @@ def main() -> int:
         f"{' --max-batch ' + args.max_batch + ' --batch-clients ' + args.batch_clients if 'batching' in tables else ''}"
         f"{f' --batch-window-ms {args.batch_window_ms:g}' if 'batching' in tables else ''}"
         f"{' --serve-args ' + shlex.quote(args.serve_args) if args.serve_args else ''}"
-        f"{f' --robot-max-batch {args.robot_max_batch} --robots {args.robots} --robot-n {args.robot_n} --robot-warmup {args.robot_warmup} --frontend {args.frontend}' if 'robots' in tables else ''}`",
+        f"{f' --robot-max-batch {args.robot_max_batch} --robots {args.robots} --robot-n {args.robot_n} --robot-warmup {args.robot_warmup} --frontend {args.frontend}' if 'robots' in tables else ''}"
+        f"{' --no-in-process' if 'robots' in tables and not args.in_process else ''}`",
         "",
     ]
     publish(lines, args.out or REPO / "bench" / "results" / f"runtime-{args.device}.md")
@@ -455,6 +460,8 @@ def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[
                     "queue": percentile([r["queue_ms"] for r in records]),
                     "outside": percentile([r["rtt_ms"] - r["total_ms"] for r in records]),
                     "ready_s": server.ready_s,
+                    "load_s": server.load_s,
+                    "warmup_s": server.warmup_s,
                 }
                 print(
                     f"max-batch {size:>3} {fe:>7} robots {r:>3}: p50 {m['p50']:8.2f} ms  p99 {m['p99']:8.2f} ms  "
@@ -490,10 +497,11 @@ def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[
     lines += [
         "",
         "Where the time goes (p50 ms; busy: the replica's batches' compute over the row's wall time; outside: the "
-        "robot's round trip minus the server's receive-to-reply time). Ready: server start to /readyz ready.",
+        "robot's round trip minus the server's receive-to-reply time). Ready: server start to /readyz ready, of which "
+        "load (onto the device) and warm-up (every bucket compiled or loaded from --compile-cache-dir, captured).",
         "",
         "| max-batch, front-end | robots | infer (batch) | busy | queue | server outside infer | outside server "
-        "| ready s |",
+        "| ready s (load + warm-up) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s, fe in columns:
@@ -501,7 +509,7 @@ def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[
             m = results[(s, fe, r)]
             lines.append(
                 f"| {s}, {fe} | {r} | {m['infer']:.2f} | {m['busy']:.2f} | {m['queue']:.2f} | {m['server']:.2f} "
-                f"| {m['outside']:.2f} | {m['ready_s']:.1f} |"
+                f"| {m['outside']:.2f} | {m['ready_s']:.1f} ({m['load_s']:.1f} + {m['warmup_s']:.1f}) |"
             )
     if inproc_table:
         lines += ["", "In-process, the same checkpoint and flags, no server (bench/batching.py):", "", *inproc_table]
