@@ -15,13 +15,17 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from kubernetes.client import CoreV1Event, V1Job, V1JobCondition, V1JobStatus, V1PersistentVolumeClaim, V1Pod
+
 from policy_operator.exit_codes import FetchExit
 from policy_operator.fetch_progress import FetchProgress, last_progress
 from policy_operator.operator.conditions import Reason
+from policy_operator.operator.kube_objects import meta_of
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
 from policy_operator.operator.pod_problems import (
     MAX_MESSAGE,
     container_message,
+    container_statuses,
     event_time,
     failed_create,
     timestamp,
@@ -62,29 +66,26 @@ class CheckpointState:
     stale_job: bool = False  # the Job finished against a cache claim that is gone: delete it, then fetch again
 
 
-def _conditions(obj: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
-    return {c.get("type", ""): c for c in ((obj or {}).get("status") or {}).get("conditions") or []}
+def _conditions(job: V1Job) -> dict[str, V1JobCondition]:
+    return {c.type: c for c in (job.status.conditions if job.status else None) or []}
 
 
-def _is_true(conds: Mapping[str, Mapping[str, Any]], kind: str) -> bool:
-    return conds.get(kind, {}).get("status") == "True"
+def _is_true(conds: Mapping[str, V1JobCondition], kind: str) -> bool:
+    cond = conds.get(kind)
+    return cond is not None and cond.status == "True"
 
 
-def _fetch_termination(pods: Sequence[Mapping[str, Any]]) -> tuple[int | None, str]:
+def _fetch_termination(pods: Sequence[V1Pod]) -> tuple[int | None, str]:
     """Exit code and last log line of the newest failed fetch container."""
-
-    def created(p: Mapping[str, Any]) -> str:
-        return (p.get("metadata") or {}).get("creationTimestamp") or ""
-
-    for pod in sorted(pods, key=created, reverse=True):
-        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-            if cs.get("name") != FETCH_CONTAINER:
+    for pod in sorted(pods, key=_created_or_min, reverse=True):
+        for cs in (pod.status.container_statuses if pod.status else None) or []:
+            if cs.name != FETCH_CONTAINER:
                 continue
-            term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
-            if term and term.get("exitCode", 0) != 0:
-                lines = [ln.strip() for ln in (term.get("message") or "").splitlines() if ln.strip()]
+            term = (cs.state.terminated if cs.state else None) or (cs.last_state.terminated if cs.last_state else None)
+            if term and term.exit_code != 0:
+                lines = [ln.strip() for ln in (term.message or "").splitlines() if ln.strip()]
                 errors = [ln for ln in lines if "error" in ln.lower()]
-                return int(term["exitCode"]), (errors or lines or [""])[-1][:MAX_MESSAGE]
+                return term.exit_code, (errors or lines or [""])[-1][:MAX_MESSAGE]
     return None, ""
 
 
@@ -102,34 +103,39 @@ KUBELET_START_ERRORS = frozenset(
 )
 
 
-def _fetch_started(pod: Mapping[str, Any]) -> bool:
+def _fetch_started(pod: V1Pod) -> bool:
     """The fetch container runs or ran: from then on the attempt is a download, whatever it does."""
-    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        if cs.get("name") == FETCH_CONTAINER:
-            state = cs.get("state") or {}
-            if "running" in state or "terminated" in state or (cs.get("lastState") or {}).get("terminated"):
+    for cs in (pod.status.container_statuses if pod.status else None) or []:
+        if cs.name == FETCH_CONTAINER:
+            state = cs.state
+            if (state is not None and (state.running is not None or state.terminated is not None)) or (
+                cs.last_state.terminated if cs.last_state else None
+            ):
                 return True
     return False
 
 
-def _pod_created(pod: Mapping[str, Any]) -> datetime.datetime | None:
-    return timestamp((pod.get("metadata") or {}).get("creationTimestamp"))
+def _pod_created(pod: V1Pod) -> datetime.datetime | None:
+    return timestamp(meta_of(pod).creation_timestamp)
 
 
-def waiting_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+def _created_or_min(pod: V1Pod) -> datetime.datetime:
+    return _pod_created(pod) or datetime.datetime.min.replace(tzinfo=datetime.UTC)
+
+
+def waiting_fetch_pod(job_pods: Sequence[V1Pod]) -> V1Pod | None:
     """The newest fetch pod when no attempt is downloading: one that exists and has not started its fetch."""
     live = [
         p
         for p in job_pods
-        if not (p.get("metadata") or {}).get("deletionTimestamp")
-        and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        if not meta_of(p).deletion_timestamp and (p.status.phase if p.status else None) not in ("Succeeded", "Failed")
     ]
     if not live or any(_fetch_started(p) for p in live):
         return None
-    return max(live, key=lambda p: _pod_created(p) or datetime.datetime.min.replace(tzinfo=datetime.UTC))
+    return max(live, key=_created_or_min)
 
 
-def start_problem(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]] = ()) -> tuple[Reason, str] | None:
+def start_problem(pod: V1Pod, events: Sequence[CoreV1Event] = ()) -> tuple[Reason, str] | None:
     """Why a pod that exists does not start, in the scheduler's or the kubelet's words; None: nothing says so yet.
 
     The scheduler says it in the pod's ``PodScheduled`` condition; the
@@ -137,57 +143,55 @@ def start_problem(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]] = 
     it cannot pull) or, for volumes (a missing Secret or claim), only in a
     Warning Event on the pod (``FailedMount``), which ``events`` holds.
     """
-    name = (pod.get("metadata") or {}).get("name") or "?"
+    name = meta_of(pod).name or "?"
     unschedulable = unschedulable_message(pod)
     if unschedulable:
         return Reason.UNSCHEDULABLE, f"pod {name} cannot be scheduled: {unschedulable}"
-    status = pod.get("status") or {}
-    for group in ("initContainerStatuses", "containerStatuses"):
-        for cs in status.get(group) or []:
-            waiting = (cs.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") in KUBELET_START_ERRORS or (waiting and waiting.get("message")):
-                return Reason.FETCH_POD_NOT_STARTING, f"pod {name} cannot start: {container_message(pod)}"
-    uid = (pod.get("metadata") or {}).get("uid")
+    for cs in container_statuses(pod):
+        waiting = cs.state.waiting if cs.state else None
+        if waiting is not None and (waiting.reason in KUBELET_START_ERRORS or waiting.message):
+            return Reason.FETCH_POD_NOT_STARTING, f"pod {name} cannot start: {container_message(pod)}"
+    uid = meta_of(pod).uid
     scheduled = any(
-        c.get("type") == "PodScheduled" and c.get("status") == "True" for c in status.get("conditions") or []
+        c.type == "PodScheduled" and c.status == "True" for c in (pod.status.conditions if pod.status else None) or []
     )
     warnings = [
         (t, e)
         for e in events
-        if e.get("type") == "Warning"
+        if e.type == "Warning"
         and uid
-        and (e.get("involvedObject") or {}).get("uid") == uid
+        and e.involved_object.uid == uid
         and (t := event_time(e)) is not None
-        and not (scheduled and e.get("reason") == "FailedScheduling")
+        and not (scheduled and e.reason == "FailedScheduling")
     ]  # the scheduler's, once it placed it
     if warnings:
         _, newest = max(warnings, key=lambda te: te[0])
         return (
             Reason.FETCH_POD_NOT_STARTING,
-            f"pod {name} cannot start: {newest.get('reason')}: {newest.get('message')}",
+            f"pod {name} cannot start: {newest.reason}: {newest.message}",
         )
     return None
 
 
-def _not_scheduled(pod: Mapping[str, Any]) -> str:
+def _not_scheduled(pod: V1Pod) -> str:
     """What a pod no scheduler has looked at says: nothing, so the operator names the scheduler it waits for."""
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    if (pod.get("spec") or {}).get("nodeName") or any(c.get("type") == "PodScheduled" for c in conditions):
+    conditions = (pod.status.conditions if pod.status else None) or []
+    if (pod.spec.node_name if pod.spec else None) or any(c.type == "PodScheduled" for c in conditions):
         return ""
-    scheduler = (pod.get("spec") or {}).get("schedulerName") or "default-scheduler"
+    scheduler = (pod.spec.scheduler_name if pod.spec else None) or "default-scheduler"
     return f"no scheduler has taken it (schedulerName {scheduler})"
 
 
 def fetch_pod_waiting_state(
     spec: PolicyServerSpec,
-    pod: Mapping[str, Any],
+    pod: V1Pod,
     job_name: str,
-    events: Sequence[Mapping[str, Any]],
+    events: Sequence[CoreV1Event],
     now: datetime.datetime | None,
 ) -> CheckpointState:
     """A fetch pod that exists and does not run: say why as soon as the scheduler or the kubelet does; past
     ``progressDeadlineSeconds`` from its creation it is ProgressDeadlineExceeded (Stalled), as a rollout would be."""
-    name = (pod.get("metadata") or {}).get("name") or "?"
+    name = meta_of(pod).name or "?"
     problem = start_problem(pod, events)
     created = _pod_created(pod)
     deadline = spec.progress_deadline_seconds
@@ -216,28 +220,28 @@ def fetch_pod_waiting_state(
     )
 
 
-def ran_on_older_claim(job: Mapping[str, Any], claim: Mapping[str, Any] | None) -> bool:
+def ran_on_older_claim(job: V1Job, claim: V1PersistentVolumeClaim | None) -> bool:
     """The Job was made before the cache claim there is now: it wrote to a claim that was deleted since.
 
     The claim is always made before its first fetch Job (same pass, earlier
     write), so a Job older than the claim can only be one whose claim was
     deleted (and made again, empty) after it.
     """
-    made = timestamp((job.get("metadata") or {}).get("creationTimestamp"))
-    claim_made = timestamp(((claim or {}).get("metadata") or {}).get("creationTimestamp"))
+    made = timestamp(meta_of(job).creation_timestamp)
+    claim_made = timestamp(meta_of(claim).creation_timestamp)
     return made is not None and claim_made is not None and made < claim_made
 
 
 def checkpoint_state(
     spec: PolicyServerSpec,
-    job: Mapping[str, Any] | None,
-    job_pods: Sequence[Mapping[str, Any]],
+    job: V1Job | None,
+    job_pods: Sequence[V1Pod],
     recorded: Mapping[str, Any] | None,
     fetch_progress: str | None = None,
-    job_events: Sequence[Mapping[str, Any]] = (),
+    job_events: Sequence[CoreV1Event] = (),
     *,
     now: datetime.datetime | None = None,
-    claim: Mapping[str, Any] | None = None,
+    claim: V1PersistentVolumeClaim | None = None,
 ) -> CheckpointState:
     """Where the spec's checkpoint stands.
 
@@ -268,8 +272,8 @@ def checkpoint_state(
             f"each pod fetches {ck.source} into {ck.path} on its own claim before it serves",
             job_name,
         )
-    claim_uid = ((claim or {}).get("metadata") or {}).get("uid")
-    claim_name = ((claim or {}).get("metadata") or {}).get("name")
+    claim_uid = meta_of(claim).uid
+    claim_name = meta_of(claim).name
     if job is None:
         recorded_claim = recorded.get("claimUid")
         if (
@@ -302,32 +306,32 @@ def checkpoint_state(
             stale_job=True,
         )
     conds = _conditions(job)
-    status = job.get("status") or {}
-    if _is_true(conds, "Complete") or (status.get("succeeded") or 0) >= 1:
+    status = job.status or V1JobStatus()
+    if _is_true(conds, "Complete") or (status.succeeded or 0) >= 1:
         return CheckpointState(
             CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name, claim_uid=claim_uid
         )
-    failed = status.get("failed") or 0
+    failed = status.failed or 0
     exit_code, last_line = _fetch_termination(job_pods)
     if _is_true(conds, "Failed"):
         cond = conds["Failed"]
-        if cond.get("reason") == "DeadlineExceeded":
+        if cond.reason == "DeadlineExceeded":
             reason = Reason.DEADLINE_EXCEEDED
         else:
             reason = EXIT_REASONS.get(exit_code or 0, Reason.FETCH_FAILED)
-        detail = last_line or cond.get("message") or cond.get("reason") or "the fetch Job failed"
+        detail = last_line or cond.message or cond.reason or "the fetch Job failed"
         return CheckpointState(
             CheckpointPhase.FAILED, reason, f"fetch Job {job_name} failed: {detail}"[:MAX_MESSAGE], job_name
         )
     attempts = ck.fetch_job.backoff_limit + 1
-    waiting_pod = waiting_fetch_pod(job_pods) if (status.get("active") or 0) >= 1 else None
+    waiting_pod = waiting_fetch_pod(job_pods) if (status.active or 0) >= 1 else None
     if waiting_pod is not None:
         not_started = fetch_pod_waiting_state(spec, waiting_pod, job_name, job_events, now)
         if not (
             failed and not_started.reason == Reason.JOB_PENDING
         ):  # a retry about to start: the last failure says more
             return not_started
-    if (status.get("active") or 0) >= 1:
+    if (status.active or 0) >= 1:
         progress = last_progress(fetch_progress) if fetch_progress else None
         message = (
             f"downloading {ck.source}"

@@ -14,8 +14,11 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from kubernetes.client import V1Service, V1ServiceSpec, V1StatefulSet
+
 from policy_operator.operator.conditions import Event
 from policy_operator.operator.kube import foreign_managers
+from policy_operator.operator.kube_objects import api_json, meta_of
 from policy_operator.operator.writes import Verb, Write
 
 
@@ -34,13 +37,13 @@ def replacement_patch(live: Any, desired: Any) -> Any:
     return out
 
 
-def template_repair(name: str, sts: Mapping[str, Any], desired: Mapping[str, Any]) -> Write | None:
+def template_repair(name: str, sts: V1StatefulSet, desired: Mapping[str, Any]) -> Write | None:
     """The patch that puts the pod template back whole when another manager wrote into it (a PATCH before the
     apply); None: nobody did."""
-    managers = foreign_managers(sts, "spec", "template")
+    managers = foreign_managers(meta_of(sts).managed_fields, "spec", "template")
     if not managers:
         return None
-    live = ((sts.get("spec") or {}).get("template")) or {}
+    live = api_json(sts.spec.template) if sts.spec is not None else {}
     return Write(
         Verb.PATCH,
         "StatefulSet",
@@ -56,7 +59,7 @@ def template_repair(name: str, sts: Mapping[str, Any], desired: Mapping[str, Any
     )
 
 
-def service_repair(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any] | None:
+def service_repair(existing: V1Service, desired: Mapping[str, Any]) -> dict[str, Any] | None:
     """The merge patch removing ports and selector keys another manager added to a Service; None: none.
 
     Service ports are a list map keyed by (port, protocol): a port edited by
@@ -65,18 +68,19 @@ def service_repair(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> d
     ``Duplicate value``) on every later apply.  A merge patch replaces the list
     whole (a port kept keeps its nodePort).
     """
-    if not foreign_managers(existing, "spec", "ports") and not foreign_managers(existing, "spec", "selector"):
+    managed = meta_of(existing).managed_fields
+    if not foreign_managers(managed, "spec", "ports") and not foreign_managers(managed, "spec", "selector"):
         return None  # a spec change: server-side apply moves the operator's own port
-    have, want = existing.get("spec") or {}, desired["spec"]
+    have, want = existing.spec or V1ServiceSpec(), desired["spec"]
     patch: dict[str, Any] = {}
-    keys = {(p.get("port"), p.get("protocol", "TCP")): p for p in have.get("ports") or []}
+    keys = {(p.port, p.protocol or "TCP"): p for p in have.ports or []}
     if set(keys) != {(p["port"], p.get("protocol", "TCP")) for p in want["ports"]}:
         patch["ports"] = [
-            {**p, **({"nodePort": keys[key]["nodePort"]} if key in keys and "nodePort" in keys[key] else {})}
+            {**p, **({"nodePort": node_port} if (node_port := keys[key].node_port if key in keys else None) else {})}
             for p in want["ports"]
             for key in [(p["port"], p.get("protocol", "TCP"))]
         ]
-    extra = set(have.get("selector") or {}) - set(want["selector"])
+    extra = set(have.selector or {}) - set(want["selector"])
     if extra:
         patch["selector"] = {**dict.fromkeys(sorted(extra)), **want["selector"]}
     return {"spec": patch} if patch else None

@@ -18,18 +18,20 @@ import copy
 import hashlib
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 import kubernetes.client
 import kubernetes.config
 import urllib3.exceptions
+from kubernetes.client import V1ManagedFieldsEntry
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import DynamicApiError, ResourceNotFoundError
 from kubernetes.dynamic.resource import Resource
 
 from policy_operator.constants import ANNOTATION_APPLIED_HASH, API_VERSION, FIELD_MANAGER
 from policy_operator.operator.informer import Informer, Store
+from policy_operator.operator.kube_objects import typed_list
 
 MERGE_PATCH = "application/merge-patch+json"
 REQUEST_TIMEOUT = (5.0, 30.0)  # connect, read
@@ -131,23 +133,24 @@ def with_applied_hash(body: Mapping[str, Any]) -> dict[str, Any]:
     return {**body, "metadata": meta}
 
 
-def foreign_managers(obj: Mapping[str, Any], *path: str) -> list[str]:
-    """Field managers other than the operator that own fields of the object under ``path`` (``"spec", "template"``;
-    none: anywhere in the object), leaving out the status and scale subresources' writers.
+def foreign_managers(entries: Iterable[V1ManagedFieldsEntry] | None, *path: str) -> list[str]:
+    """Field managers other than the operator that own fields of an object under ``path`` (``"spec", "template"``;
+    none: anywhere in the object), leaving out the status and scale subresources' writers.  ``entries``: the
+    object's ``metadata.managedFields``.
 
     Server-side apply takes back the fields the operator sets, but leaves those it never set and another manager
     added (``kubectl set env`` adds an env entry owned by ``kubectl-set``): managedFields says who wrote them.
     ``unchanged`` asks about the whole object, ``drift.py`` about the parts it puts back.
     """
     found = set()
-    for entry in (obj.get("metadata") or {}).get("managedFields") or []:
-        if entry.get("manager") == FIELD_MANAGER or entry.get("subresource") in OWN_SUBRESOURCES:
+    for entry in entries or []:
+        if entry.manager == FIELD_MANAGER or entry.subresource in OWN_SUBRESOURCES:
             continue
-        node: Any = entry.get("fieldsV1") or {}
+        node: Any = entry.fields_v1 or {}
         for part in path:
             node = node.get(f"f:{part}") if isinstance(node, dict) else None
         if node:
-            found.add(str(entry.get("manager")))
+            found.add(str(entry.manager))
     return sorted(found)
 
 
@@ -159,7 +162,8 @@ def unchanged(current: Mapping[str, Any] | None, body: Mapping[str, Any]) -> boo
         return False
     want = ((body.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_APPLIED_HASH)
     have = ((current.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_APPLIED_HASH)
-    return bool(want) and want == have and not foreign_managers(current)
+    managed = typed_list(V1ManagedFieldsEntry, (current.get("metadata") or {}).get("managedFields") or [])
+    return bool(want) and want == have and not foreign_managers(managed)
 
 
 class Kube:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
+from kubernetes.client import V1PersistentVolumeClaim, V1Service, V1ServiceSpec
+
 from policy_operator.builtin_policies import LEROBOT
 from policy_operator.constants import (
     ANNOTATION_CHECKPOINT_REVISION,
@@ -55,6 +57,7 @@ from policy_operator.constants import (
     SECRET_TOKEN_KEY,
 )
 from policy_operator.exit_codes import FETCH_FATAL
+from policy_operator.operator.kube_objects import meta_of, typed
 from policy_operator.operator.spec import (
     DEFAULT_CPU_PER_RANK,
     DEFAULT_MEMORY_PER_RANK,
@@ -240,6 +243,12 @@ def claim_template(spec: PolicyServerSpec) -> dict[str, Any]:
         "metadata": {"name": VOL_CACHE, "labels": labels(spec.name, COMPONENT_CACHE)},
         "spec": _claim_spec(spec),
     }
+
+
+def claim_storage(claim: V1PersistentVolumeClaim) -> str | None:
+    """The storage a claim requests (``spec.resources.requests.storage``, a quantity), None when it says none."""
+    resources = claim.spec.resources if claim.spec else None
+    return ((resources.requests if resources else None) or {}).get("storage")
 
 
 def cache_is_shared(modes: Sequence[str]) -> bool:
@@ -814,19 +823,18 @@ def build_headless_service(spec: PolicyServerSpec) -> dict[str, Any]:
     }
 
 
-def service_fingerprint(svc: Mapping[str, Any]) -> tuple[Any, ...]:
+def service_fingerprint(svc: V1Service) -> tuple[Any, ...]:
     """The spec fields of a Service the operator owns; the API server adds others (clusterIP, nodePort...)."""
-    spec = svc.get("spec") or {}
-    ports = tuple(
-        (p.get("name"), p.get("port"), p.get("targetPort"), p.get("protocol", "TCP")) for p in spec.get("ports") or []
-    )
-    return (spec.get("type", "ClusterIP"), tuple(sorted((spec.get("selector") or {}).items())), ports)
+    spec = svc.spec or V1ServiceSpec()
+    ports = tuple((p.name, p.port, p.target_port, p.protocol or "TCP") for p in spec.ports or [])
+    return (spec.type or "ClusterIP", tuple(sorted((spec.selector or {}).items())), ports)
 
 
-def service_needs_patch(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
-    """True when the operator's fields differ; annotations others added (cloud controllers) are left alone."""
-    if service_fingerprint(existing) != service_fingerprint(desired):
+def service_needs_patch(existing: V1Service, desired: Mapping[str, Any]) -> bool:
+    """True when the operator's fields differ (``desired``: the body it applies); annotations others added (cloud
+    controllers) are left alone."""
+    want = typed(V1Service, desired)
+    if service_fingerprint(existing) != service_fingerprint(want):
         return True
-    have = (existing.get("metadata") or {}).get("annotations") or {}
-    want = (desired.get("metadata") or {}).get("annotations") or {}
-    return any(have.get(k) != v for k, v in want.items())
+    have = meta_of(existing).annotations or {}
+    return any(have.get(k) != v for k, v in (meta_of(want).annotations or {}).items())

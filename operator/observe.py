@@ -12,7 +12,17 @@ import logging
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+from kubernetes.client import (
+    CoreV1Event,
+    V1Job,
+    V1PersistentVolumeClaim,
+    V1Pod,
+    V1PodDisruptionBudget,
+    V1Service,
+    V1StatefulSet,
+    V1StorageClass,
+)
 
 from policy_operator.constants import (
     COMPONENT_CACHE,
@@ -27,6 +37,7 @@ from policy_operator.constants import (
 from policy_operator.fetch_progress import MAX_BYTES as MAX_PROGRESS_BYTES
 from policy_operator.operator import download_state, manifests, pod_problems, rank_probe
 from policy_operator.operator.kube import Kube, KubeError
+from policy_operator.operator.kube_objects import HasMetadata, meta_of, rfc3339, typed_list, typed_or_none
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
 from policy_operator.operator.rank_probe import PodHealth
 from policy_operator.operator.spec import PolicyServerSpec
@@ -40,48 +51,42 @@ PROGRESS_TIMEOUT_S = 1.0  # one small answer from a process busy downloading; a 
 class Observed:
     """The PolicyServer's children as read from the API (None: does not exist)."""
 
-    pvc: dict[str, Any] | None = None
-    job: dict[str, Any] | None = None
-    job_pods: list[dict[str, Any]] = field(default_factory=list)
-    statefulset: dict[str, Any] | None = None
-    service: dict[str, Any] | None = None
-    headless_service: dict[str, Any] | None = None
-    pods: list[dict[str, Any]] = field(default_factory=list)
+    pvc: V1PersistentVolumeClaim | None = None
+    job: V1Job | None = None
+    job_pods: list[V1Pod] = field(default_factory=list)
+    statefulset: V1StatefulSet | None = None
+    service: V1Service | None = None
+    headless_service: V1Service | None = None
+    pods: list[V1Pod] = field(default_factory=list)
     fetch_progress: str | None = None  # the running fetch container's newest progress line (its /progress)
-    cache_claims: list[dict[str, Any]] = field(default_factory=list)  # perPod: the StatefulSet's claims
-    storage_class: dict[str, Any] | None = None  # the cache claims' StorageClass, when readable
-    pdb: dict[str, Any] | None = None
-    gc_job: dict[str, Any] | None = None  # the cleanup Job of the spec's checkpoint
-    cache_jobs: list[dict[str, Any]] = field(default_factory=list)  # every fetch and cleanup Job (shared cache)
-    job_pods_all: list[dict[str, Any]] = field(default_factory=list)  # pods of every fetch and cleanup Job
+    cache_claims: list[V1PersistentVolumeClaim] = field(default_factory=list)  # perPod: the StatefulSet's claims
+    storage_class: V1StorageClass | None = None  # the cache claims' StorageClass, when readable
+    pdb: V1PodDisruptionBudget | None = None
+    gc_job: V1Job | None = None  # the cleanup Job of the spec's checkpoint
+    cache_jobs: list[V1Job] = field(default_factory=list)  # every fetch and cleanup Job (shared cache)
+    job_pods_all: list[V1Pod] = field(default_factory=list)  # pods of every fetch and cleanup Job
 
 
-def running_fetch_pod(job_pods: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+def running_fetch_pod(job_pods: Sequence[V1Pod]) -> V1Pod | None:
     """The newest fetch pod whose fetch container is running: the attempt whose progress counts."""
     running = [
         p
         for p in job_pods
         if any(
-            cs.get("name") == FETCH_CONTAINER and (cs.get("state") or {}).get("running") is not None
-            for cs in (p.get("status") or {}).get("containerStatuses") or []
+            cs.name == FETCH_CONTAINER and cs.state is not None and cs.state.running is not None
+            for cs in (p.status.container_statuses if p.status else None) or []
         )
     ]
-    running.sort(key=lambda p: (p.get("metadata") or {}).get("creationTimestamp") or "")
+    running.sort(key=lambda p: rfc3339(meta_of(p).creation_timestamp))
     return running[-1] if running else None
 
 
-def progress_port(pod: Mapping[str, Any]) -> int:
+def progress_port(pod: V1Pod) -> int:
     """The fetch container's ``progress`` port (the Job's template names it), else the fixed default."""
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            if port.get("name") == FETCH_PROGRESS_PORT_NAME and port.get("containerPort"):
-                return int(port["containerPort"])
-    return FETCH_PROGRESS_PORT
+    return rank_probe.container_port(pod, FETCH_PROGRESS_PORT_NAME) or FETCH_PROGRESS_PORT
 
 
-def fetch_progress(
-    job: Mapping[str, Any] | None, job_pods: Sequence[Mapping[str, Any]], timeout: float = PROGRESS_TIMEOUT_S
-) -> str | None:
+def fetch_progress(job: V1Job | None, job_pods: Sequence[V1Pod], timeout: float = PROGRESS_TIMEOUT_S) -> str | None:
     """The running fetch container's newest progress line, from its ``/progress`` endpoint, or None.
 
     Read over the pod network as the server pods' ``/readyz`` is, so the
@@ -89,12 +94,12 @@ def fetch_progress(
     does not answer (starting, a NetworkPolicy in the way, an image older
     than the endpoint) leaves the status without it and never fails the pass.
     """
-    if job is None or not ((job.get("status") or {}).get("active") or 0):
+    if job is None or job.status is None or not job.status.active:
         return None
     pod = running_fetch_pod(job_pods)
-    ip = ((pod or {}).get("status") or {}).get("podIP")
-    if pod is None or not ip:
+    if pod is None or pod.status is None or not pod.status.pod_ip:
         return None
+    ip = pod.status.pod_ip
     url = f"http://{ip}:{progress_port(pod)}{PROGRESS_PATH}"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http to a pod IP
@@ -105,8 +110,8 @@ def fetch_progress(
 
 
 def failed_create_events(
-    kube: Kube, namespace: str, owner: Mapping[str, Any] | None, *, missing_pods: bool
-) -> list[dict[str, Any]]:
+    kube: Kube, namespace: str, owner: HasMetadata | None, *, missing_pods: bool
+) -> list[CoreV1Event]:
     """The ``FailedCreate`` Events of a Job or StatefulSet, read only while some of its pods are missing.
 
     A pod the API server refuses never exists, so its refusal (quota,
@@ -114,60 +119,64 @@ def failed_create_events(
     operator whose Role predates the ``events: list`` grant still reconciles;
     status then simply lacks the refusal.
     """
-    uid = ((owner or {}).get("metadata") or {}).get("uid")
+    uid = meta_of(owner).uid
     if not missing_pods or not uid:
         return []
     try:
-        return kube.list("Event", namespace, {}, {"involvedObject.uid": uid, "reason": pod_problems.FAILED_CREATE})
+        return _events(kube, namespace, {"involvedObject.uid": uid, "reason": pod_problems.FAILED_CREATE})
     except KubeError as exc:
-        log.debug("no FailedCreate events of %s/%s: %s", namespace, (owner or {}).get("metadata", {}).get("name"), exc)
+        log.debug("no FailedCreate events of %s/%s: %s", namespace, meta_of(owner).name, exc)
         return []
 
 
-def job_events(
-    kube: Kube, namespace: str, job: Mapping[str, Any] | None, job_pods: Sequence[Mapping[str, Any]]
-) -> list[dict[str, Any]]:
+def _events(kube: Kube, namespace: str, fields: Mapping[str, str]) -> list[CoreV1Event]:
+    return typed_list(CoreV1Event, kube.list("Event", namespace, {}, fields))
+
+
+def job_events(kube: Kube, namespace: str, job: V1Job | None, job_pods: Sequence[V1Pod]) -> list[CoreV1Event]:
     """A running Job with no pod at all: the Job controller may be refused (its FailedCreate Events say why).
     A fetch pod that exists and does not start: the kubelet's Warnings on it (``FailedMount``) say why, when
     neither its containers nor the scheduler do."""
-    status = (job or {}).get("status") or {}
-    waiting = not job_pods and not status.get("succeeded") and not status.get("active")
+    status = job.status if job else None
+    active = bool(status.active if status else None)
+    waiting = not job_pods and not (status.succeeded if status else None) and not active
     events = failed_create_events(kube, namespace, job, missing_pods=waiting)
-    pod = download_state.waiting_fetch_pod(job_pods) if status.get("active") else None
-    uid = ((pod or {}).get("metadata") or {}).get("uid")
+    pod = download_state.waiting_fetch_pod(job_pods) if active else None
+    uid = meta_of(pod).uid
     if pod is not None and uid and download_state.start_problem(pod) is None:
         try:
-            events += kube.list("Event", namespace, {}, {"involvedObject.uid": uid, "type": "Warning"})
+            events += _events(kube, namespace, {"involvedObject.uid": uid, "type": "Warning"})
         except KubeError as exc:
             log.debug("no Events of the fetch pod %s: %s", uid, exc)
     return events
 
 
 def statefulset_events(
-    kube: Kube, namespace: str, sts: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]
-) -> list[dict[str, Any]]:
+    kube: Kube, namespace: str, sts: V1StatefulSet | None, pods: Sequence[V1Pod]
+) -> list[CoreV1Event]:
     """Fewer pods than the StatefulSet asks for: its FailedCreate Events say whether one was refused."""
-    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
-    wanted = int(((sts or {}).get("spec") or {}).get("replicas") or 0)
+    live = [p for p in pods if not meta_of(p).deletion_timestamp]
+    wanted = (sts.spec.replicas if sts and sts.spec else None) or 0
     return failed_create_events(kube, namespace, sts, missing_pods=len(live) < wanted)
 
 
 def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
     ns, names = spec.namespace, Names(spec.name)
-    job = kube.get("Job", ns, names.job(spec.checkpoint.key))
+    job = typed_or_none(V1Job, kube.get("Job", ns, names.job(spec.checkpoint.key)))
     job_pods = (
-        kube.list(
-            "Pod",
+        _pods(
+            kube,
             ns,
             {**manifests.selector_labels(spec.name, COMPONENT_FETCH), LABEL_CHECKPOINT_KEY: spec.checkpoint.key},
         )
         if job
         else []
     )
-    sts = kube.get("StatefulSet", ns, names.statefulset)
+    sts = typed_or_none(V1StatefulSet, kube.get("StatefulSet", ns, names.statefulset))
     # the rollout (rollout.py) decides from every server pod's revision, readiness and schedulability
-    pods = kube.list("Pod", ns, manifests.selector_labels(spec.name)) if sts else []
-    pvc = kube.get("PersistentVolumeClaim", ns, manifests.claim_name(spec))
+    pods = _pods(kube, ns, manifests.selector_labels(spec.name)) if sts else []
+    pvc = typed_or_none(V1PersistentVolumeClaim, kube.get("PersistentVolumeClaim", ns, manifests.claim_name(spec)))
+    storage = storage_and_disruption(kube, spec, pvc)
     return Observed(
         pvc=pvc,
         job=job,
@@ -175,16 +184,23 @@ def children(kube: Kube, spec: PolicyServerSpec) -> Observed:
         fetch_progress=fetch_progress(job, job_pods),
         statefulset=sts,
         pods=pods,
-        service=kube.get("Service", ns, names.service),
-        headless_service=kube.get("Service", ns, names.headless_service),
+        service=typed_or_none(V1Service, kube.get("Service", ns, names.service)),
+        headless_service=typed_or_none(V1Service, kube.get("Service", ns, names.headless_service)),
         job_pods_all=[
             p
-            for p in kube.list("Pod", ns, _instance_labels(spec.name))
-            if ((p.get("metadata") or {}).get("labels") or {}).get(LABEL_COMPONENT)
-            in (COMPONENT_FETCH, COMPONENT_CACHE_GC)
+            for p in _pods(kube, ns, _instance_labels(spec.name))
+            if (meta_of(p).labels or {}).get(LABEL_COMPONENT) in (COMPONENT_FETCH, COMPONENT_CACHE_GC)
         ],
-        **storage_and_disruption(kube, spec, pvc),
+        cache_claims=storage.cache_claims,
+        storage_class=storage.storage_class,
+        pdb=storage.pdb,
+        gc_job=storage.gc_job,
+        cache_jobs=storage.cache_jobs,
     )
+
+
+def _pods(kube: Kube, namespace: str, selector: Mapping[str, str]) -> list[V1Pod]:
+    return typed_list(V1Pod, kube.list("Pod", namespace, selector))
 
 
 def _instance_labels(name: str) -> dict[str, str]:
@@ -192,14 +208,30 @@ def _instance_labels(name: str) -> dict[str, str]:
     return {k: v for k, v in manifests.selector_labels(name).items() if k != LABEL_COMPONENT}
 
 
-def storage_and_disruption(kube: Kube, spec: PolicyServerSpec, pvc: dict[str, Any] | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class StorageAndDisruption:
+    """The part of ``Observed`` that ``storage_and_disruption`` reads."""
+
+    cache_claims: list[V1PersistentVolumeClaim]
+    storage_class: V1StorageClass | None
+    pdb: V1PodDisruptionBudget | None
+    gc_job: V1Job | None
+    cache_jobs: list[V1Job]
+
+
+def storage_and_disruption(
+    kube: Kube, spec: PolicyServerSpec, pvc: V1PersistentVolumeClaim | None
+) -> StorageAndDisruption:
     """perPod cache claims, the cache's StorageClass, the PodDisruptionBudget and the cleanup Job.
 
     ``pvc`` is the shared cache claim as ``children`` read it (the claim named by ``manifests.claim_name``).
     """
     ns, names = spec.namespace, Names(spec.name)
     claims = (
-        kube.list("PersistentVolumeClaim", ns, manifests.selector_labels(spec.name, COMPONENT_CACHE))
+        typed_list(
+            V1PersistentVolumeClaim,
+            kube.list("PersistentVolumeClaim", ns, manifests.selector_labels(spec.name, COMPONENT_CACHE)),
+        )
         if spec.storage.per_pod
         else []
     )
@@ -207,29 +239,27 @@ def storage_and_disruption(kube: Kube, spec: PolicyServerSpec, pvc: dict[str, An
     mine = (
         claims if spec.storage.per_pod else [c for c in [shared] if c is not None and not spec.storage.existing_claim]
     )
-    class_name = ((mine[0] if mine else {}).get("spec") or {}).get("storageClassName")
+    class_name = mine[0].spec.storage_class_name if mine and mine[0].spec else None
     storage_class = None
     if class_name and any(wants_growth(c, spec.storage.size) for c in mine):
         storage_class = readable_storage_class(kube, class_name)
-    return {
-        "cache_claims": claims,
-        "storage_class": storage_class,
-        "pdb": kube.get("PodDisruptionBudget", ns, names.pdb),
-        "gc_job": kube.get("Job", ns, names.gc_job(spec.checkpoint.key)),
+    return StorageAndDisruption(
+        cache_claims=claims,
+        storage_class=storage_class,
+        pdb=typed_or_none(V1PodDisruptionBudget, kube.get("PodDisruptionBudget", ns, names.pdb)),
+        gc_job=typed_or_none(V1Job, kube.get("Job", ns, names.gc_job(spec.checkpoint.key))),
         # fetch and cleanup Jobs of every checkpoint: a finished fetch vouches for a directory a cleanup removes
-        "cache_jobs": []
+        cache_jobs=[]
         if spec.storage.per_pod or spec.storage.existing_claim
-        else kube.list(
-            "Job", ns, {k: v for k, v in manifests.selector_labels(spec.name).items() if k != LABEL_COMPONENT}
-        ),
-    }
+        else typed_list(V1Job, kube.list("Job", ns, _instance_labels(spec.name))),
+    )
 
 
-def wants_growth(claim: Mapping[str, Any], size: str) -> bool:
+def wants_growth(claim: V1PersistentVolumeClaim, size: str) -> bool:
     """The claim requests less than ``size``: only then does its StorageClass matter (allowVolumeExpansion)."""
     from kubernetes.utils import parse_quantity
 
-    have = (((claim.get("spec") or {}).get("resources") or {}).get("requests") or {}).get("storage")
+    have = manifests.claim_storage(claim)
     try:
         return have is not None and parse_quantity(have) < parse_quantity(size)
     except ValueError:
@@ -239,13 +269,13 @@ def wants_growth(claim: Mapping[str, Any], size: str) -> bool:
 _unreadable_classes: set[str] = set()  # read once and refused (403): RBAC does not change under a running operator
 
 
-def readable_storage_class(kube: Kube, name: str) -> dict[str, Any] | None:
+def readable_storage_class(kube: Kube, name: str) -> V1StorageClass | None:
     """A StorageClass, read only when a claim is to grow and never again once RBAC refused it (cluster-scoped: a
     namespaced install may not read them; the apiserver's resize admission then decides)."""
     if name in _unreadable_classes:
         return None
     try:
-        return kube.get("StorageClass", "", name)
+        return typed_or_none(V1StorageClass, kube.get("StorageClass", "", name))
     except KubeError as exc:
         if exc.status in (401, 403):
             _unreadable_classes.add(name)
@@ -254,11 +284,11 @@ def readable_storage_class(kube: Kube, name: str) -> dict[str, Any] | None:
 
 
 def ranks(
-    kube: Kube, spec: PolicyServerSpec, statefulset: Mapping[str, Any] | None, *, probe_timeout: float
-) -> tuple[list[dict[str, Any]], list[PodHealth]]:
+    kube: Kube, spec: PolicyServerSpec, statefulset: V1StatefulSet | None, *, probe_timeout: float
+) -> tuple[list[V1Pod], list[PodHealth]]:
     """The server pods and each one's per-rank readiness from its own ``/readyz`` (concurrently, bounded)."""
     if statefulset is None:
         return [], []
-    pods = kube.list("Pod", spec.namespace, manifests.selector_labels(spec.name))
+    pods = _pods(kube, spec.namespace, manifests.selector_labels(spec.name))
     healths = rank_probe.poll_pods(pods, spec.service.port, spec.layout.world_size, timeout=probe_timeout)
     return pods, healths

@@ -17,15 +17,15 @@ import kopf
 
 from policy_operator.constants import COND_PROGRESSING, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY
 from policy_operator.operator.conditions import FALSE, Condition, Reason
+from policy_operator.operator.kube_objects import HasMetadata, meta_of
 
 
-def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
-    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
-    return any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
+def controlled_by(obj: HasMetadata, uid: str) -> bool:
+    return any(ref.uid == uid and ref.controller for ref in meta_of(obj).owner_references or [])
 
 
-def labelled_ours(obj: Mapping[str, Any], name: str) -> bool:
-    labels = (obj.get("metadata") or {}).get("labels") or {}
+def labelled_ours(obj: HasMetadata, name: str) -> bool:
+    labels = meta_of(obj).labels or {}
     return labels.get(LABEL_MANAGED_BY) == MANAGED_BY and labels.get(LABEL_INSTANCE) == name
 
 

@@ -19,10 +19,18 @@ checkpoint, a cleanup Job prunes the old ones from the shared cache.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from kubernetes.client import (
+    V1Job,
+    V1PersistentVolumeClaim,
+    V1Pod,
+    V1PodDisruptionBudget,
+    V1Service,
+    V1StatefulSet,
+)
 
 from policy_operator.constants import (
     ANNOTATION_CHECKPOINT_REVISION,
@@ -38,6 +46,7 @@ from policy_operator.operator import manifests
 from policy_operator.operator.conditions import Condition, Event, Reason
 from policy_operator.operator.download_state import CheckpointPhase, CheckpointState
 from policy_operator.operator.drift import service_repair, template_repair
+from policy_operator.operator.kube_objects import api_json, meta_of
 from policy_operator.operator.manifests import Names, ServingCheckpoint
 from policy_operator.operator.observe import Observed
 from policy_operator.operator.ownership import adopted, conflict, controlled_by, labelled_ours
@@ -64,7 +73,7 @@ class Plan:
 
 
 def serving_checkpoint(
-    spec: PolicyServerSpec, checkpoint: CheckpointState, sts: Mapping[str, Any] | None, *, hold: bool = False
+    spec: PolicyServerSpec, checkpoint: CheckpointState, sts: V1StatefulSet | None, *, hold: bool = False
 ) -> ServingCheckpoint | None:
     """The checkpoint the pods should load: the spec's once it is downloaded, else whatever they load now;
     ``hold`` keeps what they load now (a cleanup may still be removing the spec's directory)."""
@@ -72,9 +81,9 @@ def serving_checkpoint(
         return ServingCheckpoint.of(spec)
     if sts is None:
         return None
-    template_meta = ((sts.get("spec") or {}).get("template") or {}).get("metadata") or {}
-    key = (template_meta.get("labels") or {}).get(LABEL_CHECKPOINT_KEY)
-    annotations = template_meta.get("annotations") or {}
+    template_meta = meta_of(sts.spec.template if sts.spec else None)
+    key = (template_meta.labels or {}).get(LABEL_CHECKPOINT_KEY)
+    annotations = template_meta.annotations or {}
     if not key or ANNOTATION_CHECKPOINT_SOURCE not in annotations:
         return None
     return ServingCheckpoint(
@@ -86,9 +95,9 @@ def _plan_job(
     plan: Plan,
     spec: PolicyServerSpec,
     owner: Mapping[str, Any],
-    job: Mapping[str, Any] | None,
+    job: V1Job | None,
     checkpoint: CheckpointState,
-    pvc: Mapping[str, Any] | None = None,
+    pvc: V1PersistentVolumeClaim | None = None,
     cleanup: str | None = None,
 ) -> None:
     job_name = Names(spec.name).job(spec.checkpoint.key)
@@ -126,9 +135,9 @@ def _plan_statefulset(
     plan: Plan,
     spec: PolicyServerSpec,
     owner: Mapping[str, Any],
-    sts: Mapping[str, Any] | None,
-    pvc: Mapping[str, Any] | None,
-    pods: Sequence[Mapping[str, Any]] = (),
+    sts: V1StatefulSet | None,
+    pvc: V1PersistentVolumeClaim | None,
+    pods: Sequence[V1Pod] = (),
 ) -> None:
     names, uid = Names(spec.name), owner["metadata"]["uid"]
     assert plan.serving is not None
@@ -154,13 +163,13 @@ def _plan_statefulset(
     if not controlled_by(sts, uid):
         plan.problem = conflict("StatefulSet", names.statefulset, "is not controlled by this PolicyServer")
         return
-    templates = (sts.get("spec") or {}).get("volumeClaimTemplates")
+    templates = sts.spec.volume_claim_templates if sts.spec else None
     if bool(templates) != spec.storage.per_pod:
         return  # storage.mode changed: the apiserver would refuse the StatefulSet; StorageReady says why
     if templates:
         # volumeClaimTemplates are immutable: keep them (a larger size grows the existing claims instead)
-        desired["spec"]["volumeClaimTemplates"] = copy.deepcopy(templates)
-    meta, current_spec = sts.get("metadata") or {}, sts.get("spec") or {}
+        desired["spec"]["volumeClaimTemplates"] = [api_json(t) for t in templates]
+    meta, current_replicas = meta_of(sts), (sts.spec.replicas if sts.spec else None)
     repair = template_repair(names.statefulset, sts, desired)
     if repair is not None:
         plan.writes.append(repair)
@@ -173,20 +182,20 @@ def _plan_statefulset(
     if rollout.surge is not None:  # left out, server-side apply removes it: the surge is over
         desired["metadata"].setdefault("annotations", {})[ANNOTATION_SURGE] = rollout.surge
     changes = []
-    if (meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH) != want_hash:
-        old_key = (meta.get("labels") or {}).get(LABEL_CHECKPOINT_KEY)
+    if (meta.annotations or {}).get(ANNOTATION_TEMPLATE_HASH) != want_hash:
+        old_key = (meta.labels or {}).get(LABEL_CHECKPOINT_KEY)
         changes.append(
             f"rolling pods to template {want_hash}"
             + (f" (checkpoint {old_key} -> {plan.serving.key})" if old_key != plan.serving.key else "")
             + (f"; {rollout.note}" if rollout.note else "")
         )
     if (
-        current_spec.get("replicas") != rollout.replicas
+        current_replicas != rollout.replicas
         and rollout.event is None
         and rollout.surge is None
         and start_ordinal(sts) == rollout.start
     ):
-        changes.append(f"scaling {current_spec.get('replicas')} -> {rollout.replicas} pods")
+        changes.append(f"scaling {current_replicas} -> {rollout.replicas} pods")
     event = Event("Normal", "Updated", f"StatefulSet {names.statefulset}: " + "; ".join(changes)) if changes else None
     plan.writes.append(Write(Verb.APPLY, "StatefulSet", names.statefulset, desired, event))
     for pod in rollout.delete:  # OnDelete: the controller recreates each from the update revision
@@ -195,9 +204,7 @@ def _plan_statefulset(
         plan.events.append(rollout.event)
 
 
-def _plan_service(
-    plan: Plan, owner: Mapping[str, Any], existing: Mapping[str, Any] | None, desired: dict[str, Any]
-) -> None:
+def _plan_service(plan: Plan, owner: Mapping[str, Any], existing: V1Service | None, desired: dict[str, Any]) -> None:
     name = desired["metadata"]["name"]
     desired = adopted(desired, owner)
     if existing is None:
@@ -209,9 +216,7 @@ def _plan_service(
     else:
         repair = service_repair(existing, desired)
         if repair is not None:
-            have = [
-                f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in (existing.get("spec") or {}).get("ports") or []
-            ]
+            have = [f"{p.port}/{p.protocol or 'TCP'}" for p in (existing.spec.ports if existing.spec else None) or []]
             plan.writes.append(
                 Write(
                     Verb.PATCH,
@@ -238,7 +243,9 @@ def _plan_service(
         )
 
 
-def _plan_pdb(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], existing: Mapping[str, Any] | None) -> None:
+def _plan_pdb(
+    plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], existing: V1PodDisruptionBudget | None
+) -> None:
     """A PodDisruptionBudget while replicas > 1 (applied every pass, like the Services); deleted below that."""
     name, uid = Names(spec.name).pdb, owner["metadata"]["uid"]
     if existing is not None and not controlled_by(existing, uid):
@@ -268,21 +275,23 @@ def _plan_pdb(plan: Plan, spec: PolicyServerSpec, owner: Mapping[str, Any], exis
         )
 
 
-def _job_finished(job: Mapping[str, Any]) -> bool:
-    return any(
-        c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
-        for c in (job.get("status") or {}).get("conditions") or []
-    )
+def _job_condition(job: V1Job, *kinds: str) -> bool:
+    """One of the Job's conditions ``kinds`` is True."""
+    return any(c.type in kinds and c.status == "True" for c in (job.status.conditions if job.status else None) or [])
 
 
-def _cache_jobs(observed: Observed, component: str, spec: PolicyServerSpec) -> list[Mapping[str, Any]]:
+def _job_finished(job: V1Job) -> bool:
+    return _job_condition(job, "Complete", "Failed")
+
+
+def _cache_jobs(observed: Observed, component: str, spec: PolicyServerSpec) -> list[V1Job]:
     """This PolicyServer's Jobs of one component for checkpoints other than the spec's."""
     return [
         j
         for j in observed.cache_jobs
         if labelled_ours(j, spec.name)
-        and (j["metadata"].get("labels") or {}).get(LABEL_COMPONENT) == component
-        and (j["metadata"].get("labels") or {}).get(LABEL_CHECKPOINT_KEY) != spec.checkpoint.key
+        and (meta_of(j).labels or {}).get(LABEL_COMPONENT) == component
+        and (meta_of(j).labels or {}).get(LABEL_CHECKPOINT_KEY) != spec.checkpoint.key
     ]
 
 
@@ -297,7 +306,7 @@ def cleanup_running(spec: PolicyServerSpec, observed: Observed) -> str | None:
     the pods keep the checkpoint they load.
     """
     return next(
-        (j["metadata"]["name"] for j in _cache_jobs(observed, COMPONENT_CACHE_GC, spec) if not _job_finished(j)), None
+        (str(meta_of(j).name) for j in _cache_jobs(observed, COMPONENT_CACHE_GC, spec) if not _job_finished(j)), None
     )
 
 
@@ -325,7 +334,7 @@ def _plan_gc(
     others = _cache_jobs(observed, COMPONENT_FETCH, spec)
     for job in others:
         if _job_finished(job) and controlled_by(job, owner["metadata"]["uid"]):
-            name = job["metadata"]["name"]
+            name = str(meta_of(job).name)
             plan.writes.append(
                 Write(
                     Verb.DELETE,
@@ -398,21 +407,14 @@ def finished_job_pods(spec: PolicyServerSpec, observed: Observed) -> list[Write]
     termination message is the fetch's error in status.
     """
     complete = {
-        j["metadata"]["name"]
-        for j in observed.cache_jobs + [observed.job]
-        if j and labelled_ours(j, spec.name) and _job_complete(j)
+        meta_of(j).name
+        for j in [*observed.cache_jobs, observed.job]
+        if j is not None and labelled_ours(j, spec.name) and _job_condition(j, "Complete")
     }
     writes = []
     for pod in observed.job_pods_all:
-        meta = pod.get("metadata") or {}
-        owner = next((r.get("name") for r in meta.get("ownerReferences") or [] if r.get("kind") == "Job"), None)
-        if owner in complete and not meta.get("deletionTimestamp") and labelled_ours(pod, spec.name):
-            writes.append(Write(Verb.DELETE, "Pod", str(meta.get("name")), {}))
+        pod_meta = meta_of(pod)
+        owner = next((r.name for r in pod_meta.owner_references or [] if r.kind == "Job"), None)
+        if owner in complete and not pod_meta.deletion_timestamp and labelled_ours(pod, spec.name):
+            writes.append(Write(Verb.DELETE, "Pod", str(pod_meta.name), {}))
     return writes
-
-
-def _job_complete(job: Mapping[str, Any]) -> bool:
-    return any(
-        c.get("type") == "Complete" and c.get("status") == "True"
-        for c in (job.get("status") or {}).get("conditions") or []
-    )

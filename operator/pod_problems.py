@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import datetime
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
+
+from kubernetes.client import CoreV1Event, V1ContainerStatus, V1Pod
+
+from policy_operator.operator.kube_objects import HasMetadata, meta_of
 
 TERMINATION_TAIL_LINES = 5  # lines of a failed container's termination message that status carries
 MAX_TERMINATION_TAIL = 1000
@@ -25,12 +29,20 @@ MAX_MESSAGE = 600  # of a FailedCreate message, and of the checkpoint's messages
 FAILED_CREATE = "FailedCreate"  # the Event reason of the Job and StatefulSet controllers when a pod is refused
 
 
-def unschedulable_message(pod: Mapping[str, Any]) -> str:
+def unschedulable_message(pod: V1Pod) -> str:
     """The scheduler's reason a pod has no node (e.g. "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")."""
-    for cond in (pod.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
-            return str(cond.get("message") or cond.get("reason") or "Unschedulable")
+    for cond in (pod.status.conditions if pod.status else None) or []:
+        if cond.type == "PodScheduled" and cond.status == "False":
+            return str(cond.message or cond.reason or "Unschedulable")
     return ""
+
+
+def container_statuses(pod: V1Pod) -> list[V1ContainerStatus]:
+    """The pod's init containers' statuses, then its containers' (the order the kubelet runs them)."""
+    status = pod.status
+    if status is None:
+        return []
+    return [*(status.init_container_statuses or []), *(status.container_statuses or [])]
 
 
 # torchrun's own report of a failed run: its agent's log line, its traceback and the ChildFailedError summary
@@ -66,7 +78,7 @@ def _failure_text(head: str, message: str, lines: int) -> tuple[str, bool]:
     return (f"{head}: {tail}" if tail else head)[:MAX_TERMINATION_TAIL], explained
 
 
-def termination(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> str:
+def termination(pod: V1Pod, lines: int = TERMINATION_TAIL_LINES) -> str:
     """What the newest non-zero termination of any container of the pod says, in a few lines.
 
     With ``terminationMessagePolicy: FallbackToLogsOnError`` the kubelet puts
@@ -76,40 +88,33 @@ def termination(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> 
     no pod's log (it holds no ``pods/log`` grant), so this message is all it
     reports; ``kubectl logs --previous`` has the rest.
     """
-    status = pod.get("status") or {}
-    for group in ("initContainerStatuses", "containerStatuses"):
-        for cs in status.get(group) or []:
-            state = cs.get("state") or {}
-            for term in (state.get("terminated"), (cs.get("lastState") or {}).get("terminated")):
-                if term and term.get("exitCode", 0) != 0:
-                    head = f"{cs.get('name')} exited {term.get('exitCode')} ({term.get('reason') or 'Error'})"
-                    return _failure_text(head, term.get("message") or "", lines)[0]
+    for cs in container_statuses(pod):
+        for term in (cs.state.terminated if cs.state else None, (cs.last_state.terminated if cs.last_state else None)):
+            if term and term.exit_code != 0:
+                head = f"{cs.name} exited {term.exit_code} ({term.reason or 'Error'})"
+                return _failure_text(head, term.message or "", lines)[0]
     return ""
 
 
-def termination_tail(pod: Mapping[str, Any], lines: int = TERMINATION_TAIL_LINES) -> str:
+def termination_tail(pod: V1Pod, lines: int = TERMINATION_TAIL_LINES) -> str:
     return termination(pod, lines)
 
 
-def container_message(pod: Mapping[str, Any]) -> str:
+def container_message(pod: V1Pod) -> str:
     """Why a pod is not running, in the kubelet's words (init container first: it verifies the checkpoint)."""
-    status = pod.get("status") or {}
-    for group in ("initContainerStatuses", "containerStatuses"):
-        for cs in status.get(group) or []:
-            state = cs.get("state") or {}
-            last = (cs.get("lastState") or {}).get("terminated") or {}
-            if "waiting" in state:
-                waiting = state["waiting"] or {}
-                detail = (last.get("message") or waiting.get("message") or "").strip().splitlines()
-                reason = waiting.get("reason") or "Waiting"
-                return f"{cs.get('name')}: {reason}" + (f": {detail[-1]}" if detail else "")
-            terminated = state.get("terminated")
-            if terminated and terminated.get("exitCode", 0) != 0:
-                detail = (terminated.get("message") or "").strip().splitlines()
-                return (
-                    f"{cs.get('name')}: exited {terminated.get('exitCode')} ({terminated.get('reason', 'Error')})"
-                    + (f": {detail[-1]}" if detail else "")
-                )
+    for cs in container_statuses(pod):
+        last = cs.last_state.terminated if cs.last_state else None
+        waiting = cs.state.waiting if cs.state else None
+        if waiting is not None:
+            detail = ((last.message if last else None) or waiting.message or "").strip().splitlines()
+            reason = waiting.reason or "Waiting"
+            return f"{cs.name}: {reason}" + (f": {detail[-1]}" if detail else "")
+        terminated = cs.state.terminated if cs.state else None
+        if terminated and terminated.exit_code != 0:
+            detail = (terminated.message or "").strip().splitlines()
+            return f"{cs.name}: exited {terminated.exit_code} ({terminated.reason or 'Error'})" + (
+                f": {detail[-1]}" if detail else ""
+            )
     unschedulable = unschedulable_message(pod)
     return f"unschedulable: {unschedulable}" if unschedulable else ""
 
@@ -126,19 +131,17 @@ def timestamp(value: Any) -> datetime.datetime | None:
         return None
 
 
-def event_time(event: Mapping[str, Any]) -> datetime.datetime | None:
+def event_time(event: CoreV1Event) -> datetime.datetime | None:
     """When an Event last happened: a series' last observation, else lastTimestamp, eventTime, creation."""
     return (
-        timestamp((event.get("series") or {}).get("lastObservedTime"))
-        or timestamp(event.get("lastTimestamp"))
-        or timestamp(event.get("eventTime"))
-        or timestamp((event.get("metadata") or {}).get("creationTimestamp"))
+        timestamp(event.series.last_observed_time if event.series else None)
+        or timestamp(event.last_timestamp)
+        or timestamp(event.event_time)
+        or timestamp(meta_of(event).creation_timestamp)
     )
 
 
-def failed_create(
-    owner: Mapping[str, Any] | None, events: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]
-) -> str:
+def failed_create(owner: HasMetadata | None, events: Sequence[CoreV1Event], pods: Sequence[V1Pod]) -> str:
     """The message of the newest ``FailedCreate`` Event of ``owner`` (a Job or StatefulSet) still in force, or "".
 
     An Event outlives its cause (the apiserver keeps Events for an hour): one
@@ -147,17 +150,13 @@ def failed_create(
     """
     if owner is None:
         return ""
-    uid = (owner.get("metadata") or {}).get("uid")
-    mine = [
-        e
-        for e in events
-        if e.get("reason") == FAILED_CREATE and (not uid or (e.get("involvedObject") or {}).get("uid") in (None, uid))
-    ]
+    uid = meta_of(owner).uid
+    mine = [e for e in events if e.reason == FAILED_CREATE and (not uid or e.involved_object.uid in (None, uid))]
     dated = [(t, e) for e in mine if (t := event_time(e)) is not None]
     if not dated:
         return ""
     when, newest = max(dated, key=lambda te: te[0])
-    created = [t for p in pods if (t := timestamp((p.get("metadata") or {}).get("creationTimestamp"))) is not None]
+    created = [t for p in pods if (t := timestamp(meta_of(p).creation_timestamp)) is not None]
     if created and max(created) > when:
         return ""
-    return str(newest.get("message") or FAILED_CREATE)[:MAX_MESSAGE]
+    return str(newest.message or FAILED_CREATE)[:MAX_MESSAGE]

@@ -20,12 +20,15 @@ from __future__ import annotations
 import dataclasses
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.client import V1Pod
+
 from policy_operator.constants import LABEL_CONTROLLER_REVISION_HASH, PORT_NAME, READYZ_PATH
+from policy_operator.operator.kube_objects import meta_of, rfc3339
 from policy_operator.operator.pod_problems import container_message, termination, unschedulable_message
 from policy_operator.readyz import Readiness
 
@@ -181,38 +184,42 @@ def probe_readyz(ip: str, port: int, expected_world_size: int, timeout: float = 
     return parse_readyz(code, body, expected_world_size)
 
 
-def kubelet_ready(pod: Mapping[str, Any]) -> bool:
+def kubelet_ready(pod: V1Pod) -> bool:
     """The pod's Ready condition: the kubelet's readiness probe, which asks the same /readyz."""
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in (pod.get("status") or {}).get("conditions") or []
-    )
+    return any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions if pod.status else None) or [])
 
 
-def pod_port(pod: Mapping[str, Any], default: int) -> int:
+def container_port(pod: V1Pod, name: str) -> int | None:
+    """The port named ``name`` of any of the pod's containers, as its spec says; None: none is named so."""
+    for container in (pod.spec.containers if pod.spec else None) or []:
+        for port in container.ports or []:
+            if port.name == name and port.container_port:
+                return port.container_port
+    return None
+
+
+def pod_port(pod: V1Pod, default: int) -> int:
     """The pod's own ``ws`` port: during a port change old pods still listen on the old one."""
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            if port.get("name") == PORT_NAME and port.get("containerPort"):
-                return int(port["containerPort"])
-    return default
+    return container_port(pod, PORT_NAME) or default
 
 
-def pod_health(pod: Mapping[str, Any], port: int, world_size: int, timeout: float = PROBE_TIMEOUT_S) -> PodHealth:
-    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-    name, phase, ip = meta.get("name", "?"), status.get("phase", "Pending"), status.get("podIP")
+def pod_health(pod: V1Pod, port: int, world_size: int, timeout: float = PROBE_TIMEOUT_S) -> PodHealth:
+    pod_meta, status = meta_of(pod), pod.status
+    name = pod_meta.name or "?"
+    phase = (status.phase if status else None) or "Pending"
+    ip = status.pod_ip if status else None
     ended = termination(pod)
     facts = PodHealth(
         name,
         ip,
         phase,
         world_size,
-        revision=(meta.get("labels") or {}).get(LABEL_CONTROLLER_REVISION_HASH),
+        revision=(pod_meta.labels or {}).get(LABEL_CONTROLLER_REVISION_HASH),
         unschedulable=unschedulable_message(pod),
         termination=ended,
-        created=meta.get("creationTimestamp") or "",
+        created=rfc3339(pod_meta.creation_timestamp),
     )
-    if meta.get("deletionTimestamp"):
+    if pod_meta.deletion_timestamp:
         return dataclasses.replace(facts, phase="Terminating", message="terminating")
     if phase != "Running" or not ip:
         return dataclasses.replace(facts, message=container_message(pod) or phase)
@@ -232,7 +239,7 @@ def pod_health(pod: Mapping[str, Any], port: int, world_size: int, timeout: floa
     )
 
 
-def unreachable_health(facts: PodHealth, pod: Mapping[str, Any], exc: Unreachable) -> PodHealth:
+def unreachable_health(facts: PodHealth, pod: V1Pod, exc: Unreachable) -> PodHealth:
     """A pod whose ``/readyz`` gave no HTTP answer: starting, unless the kubelet already calls it Ready.
 
     Every new pod refuses connections until its rank 0 listens, so an
@@ -255,11 +262,9 @@ def unreachable_health(facts: PodHealth, pod: Mapping[str, Any], exc: Unreachabl
     )
 
 
-def poll_pods(
-    pods: Sequence[Mapping[str, Any]], port: int, world_size: int, timeout: float = PROBE_TIMEOUT_S
-) -> list[PodHealth]:
+def poll_pods(pods: Sequence[V1Pod], port: int, world_size: int, timeout: float = PROBE_TIMEOUT_S) -> list[PodHealth]:
     """Every pod's health, probed concurrently so one hung pod costs one timeout, not N."""
-    ordered = sorted(pods, key=lambda p: _ordinal_key((p.get("metadata") or {}).get("name", "")))
+    ordered = sorted(pods, key=lambda p: _ordinal_key(meta_of(p).name or ""))
     if not ordered:
         return []
     with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_PROBES, len(ordered))) as pool:

@@ -14,11 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kubernetes.client import V1StatefulSet
+
 from policy_operator.operator import download_state, observe, workload_state
 from policy_operator.operator import status as st
 from policy_operator.operator.apply import apply
 from policy_operator.operator.conditions import Event
 from policy_operator.operator.kube import Kube
+from policy_operator.operator.kube_objects import typed
 from policy_operator.operator.manifests import Names
 from policy_operator.operator.plan import plan
 from policy_operator.operator.rank_probe import PROBE_TIMEOUT_S
@@ -76,7 +79,8 @@ def reconcile(
 
     # what the writes changed, then the pods
     names = Names(spec.name)
-    sts = applied.results.get(f"StatefulSet/{names.statefulset}", observed.statefulset)
+    written = applied.results.get(f"StatefulSet/{names.statefulset}")
+    sts = typed(V1StatefulSet, written) if written is not None else observed.statefulset
     if observed.job is None and f"Job/{checkpoint.job_name}" in applied.results:
         checkpoint = download_state.waiting_for_fetch_pod(checkpoint.job_name)  # created by this pass: no pod yet
     pods, healths = observe.ranks(kube, spec, sts, probe_timeout=probe_timeout)

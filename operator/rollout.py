@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
+
+from kubernetes.client import V1Pod, V1PodCondition, V1StatefulSet, V1StatefulSetStatus
 
 from policy_operator.constants import (
     ANNOTATION_SURGE,
@@ -35,6 +37,7 @@ from policy_operator.constants import (
     LABEL_CONTROLLER_REVISION_HASH,
 )
 from policy_operator.operator.conditions import Event
+from policy_operator.operator.kube_objects import meta_of
 from policy_operator.operator.workload_state import spec_replicas, statefulset_rolled
 
 SURGE: Final = "surge"
@@ -52,48 +55,52 @@ class Rollout:
     note: str | None = None  # what this step does, for the StatefulSet's Updated Event (one Event, not two)
 
 
-def surge_of(sts: Mapping[str, Any] | None) -> str | None:
+def surge_of(sts: V1StatefulSet | None) -> str | None:
     """The template hash the StatefulSet is surging to, from its annotation; None: not surging."""
-    value = (((sts or {}).get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SURGE) or ""
+    value = (meta_of(sts).annotations or {}).get(ANNOTATION_SURGE) or ""
     want_hash, _, phase = value.partition("/")
     return want_hash if want_hash and phase == SURGE else None
 
 
-def start_ordinal(sts: Mapping[str, Any] | None) -> int:
-    return int((((sts or {}).get("spec") or {}).get("ordinals") or {}).get("start") or 0)
+def start_ordinal(sts: V1StatefulSet | None) -> int:
+    if sts is None or sts.spec is None or sts.spec.ordinals is None:
+        return 0
+    return sts.spec.ordinals.start or 0
 
 
-def ordinal(pod: Mapping[str, Any]) -> int | None:
-    tail = str((pod.get("metadata") or {}).get("name") or "").rpartition("-")[2]
+def ordinal(pod: V1Pod) -> int | None:
+    tail = str(meta_of(pod).name or "").rpartition("-")[2]
     return int(tail) if tail.isdigit() else None
 
 
-def pod_condition(pod: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
-    return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == kind), {})
+def pod_condition(pod: V1Pod | None, kind: str) -> V1PodCondition | None:
+    conditions = (pod.status.conditions if pod and pod.status else None) or []
+    return next((c for c in conditions if c.type == kind), None)
 
 
-def _terminating(pod: Mapping[str, Any]) -> bool:
-    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+def _terminating(pod: V1Pod) -> bool:
+    return bool(meta_of(pod).deletion_timestamp)
 
 
-def _ready(pod: Mapping[str, Any]) -> bool:
+def _ready(pod: V1Pod) -> bool:
     """Ready in the kubelet's view (its readinessProbe is /readyz: every rank warm) and not on its way out."""
-    return not _terminating(pod) and pod_condition(pod, "Ready").get("status") == "True"
+    ready = pod_condition(pod, "Ready")
+    return not _terminating(pod) and ready is not None and ready.status == "True"
 
 
-def revision(pod: Mapping[str, Any]) -> str | None:
-    return ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_CONTROLLER_REVISION_HASH)
+def revision(pod: V1Pod) -> str | None:
+    return (meta_of(pod).labels or {}).get(LABEL_CONTROLLER_REVISION_HASH)
 
 
-def unschedulable(pod: Mapping[str, Any] | None) -> str | None:
+def unschedulable(pod: V1Pod | None) -> str | None:
     """The scheduler's message when it found no node for the pod (no GPUs free, ...); None otherwise."""
-    scheduled = pod_condition(pod or {}, "PodScheduled")
-    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
-        return str(scheduled.get("message") or "Unschedulable")
+    scheduled = pod_condition(pod, "PodScheduled")
+    if scheduled is not None and scheduled.status == "False" and scheduled.reason == "Unschedulable":
+        return str(scheduled.message or "Unschedulable")
     return None
 
 
-def fully_rolled(sts: Mapping[str, Any] | None, key: str) -> bool:
+def fully_rolled(sts: V1StatefulSet | None, key: str) -> bool:
     """Every pod of the StatefulSet runs its current template, which serves ``key``, and is ready.
 
     Until then an old pod may still read an old checkpoint directory, so
@@ -101,25 +108,25 @@ def fully_rolled(sts: Mapping[str, Any] | None, key: str) -> bool:
     """
     if sts is None:
         return False
-    template_labels = (((sts.get("spec") or {}).get("template") or {}).get("metadata") or {}).get("labels") or {}
-    status = sts.get("status") or {}
+    template_labels = (meta_of(sts.spec.template if sts.spec else None).labels) or {}
+    status = sts.status or V1StatefulSetStatus(replicas=0)
     return (
         template_labels.get(LABEL_CHECKPOINT_KEY) == key
         and statefulset_rolled(sts)
-        and bool(status.get("updateRevision"))
-        and int(status.get("readyReplicas") or 0) == spec_replicas(sts)
+        and bool(status.update_revision)
+        and (status.ready_replicas or 0) == spec_replicas(sts)
     )
 
 
-def _pod_name(pod: Mapping[str, Any]) -> str:
-    return str((pod.get("metadata") or {}).get("name"))
+def _pod_name(pod: V1Pod) -> str:
+    return str(meta_of(pod).name)
 
 
 def _in_place(
     replicas: int,
     start: int,
-    by_ordinal: Mapping[int, Mapping[str, Any]],
-    old: Sequence[Mapping[str, Any]],
+    by_ordinal: Mapping[int, V1Pod],
+    old: Sequence[V1Pod],
 ) -> tuple[str, ...]:
     """The old pod to delete now: every one when nothing serves, else the lowest once every other pod is Ready."""
     if not any(_ready(p) for p in by_ordinal.values()):
@@ -133,9 +140,9 @@ def _in_place(
 
 def plan_rollout(
     replicas: int,
-    sts: Mapping[str, Any] | None,
+    sts: V1StatefulSet | None,
     want_hash: str,
-    pods: Sequence[Mapping[str, Any]],
+    pods: Sequence[V1Pod],
     *,
     retire_by_ordinal: bool,
     drifted: bool = False,
@@ -150,11 +157,11 @@ def plan_rollout(
     start = start_ordinal(sts)
     if sts is None or replicas == 0:
         return Rollout(replicas, start)
-    name = str((sts.get("metadata") or {}).get("name") or "?")
-    meta, status = sts.get("metadata") or {}, sts.get("status") or {}
+    meta, status = meta_of(sts), sts.status or V1StatefulSetStatus(replicas=0)
+    name = str(meta.name or "?")
     by_ordinal = {k: p for p in pods if (k := ordinal(p)) is not None}
     extra_name = f"{name}-{start + replicas}"
-    if (meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH) != want_hash:
+    if (meta.annotations or {}).get(ANNOTATION_TEMPLATE_HASH) != want_hash:
         # the template changes with this pass's apply: every pod now is an old one
         if any(_ready(p) for p in pods):
             return Rollout(
@@ -165,9 +172,9 @@ def plan_rollout(
             )
         return Rollout(replicas, start)  # nothing serves that a surge could keep serving: in place, next pass
     surging = surge_of(sts) == want_hash
-    current_replicas = int((sts.get("spec") or {}).get("replicas") or 0)
-    update = status.get("updateRevision")
-    if drifted or int(status.get("observedGeneration") or 0) < int(meta.get("generation") or 1) or not update:
+    current_replicas = (sts.spec.replicas if sts.spec else None) or 0
+    update = status.update_revision
+    if drifted or (status.observed_generation or 0) < (meta.generation or 1) or not update:
         # the controller has not seen the last write: its update revision is not the template's yet
         return Rollout(current_replicas if surging else replicas, start, f"{want_hash}/{SURGE}" if surging else None)
     live = [p for k, p in by_ordinal.items() if start <= k < start + current_replicas]

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kubernetes.client import V1Pod
+
 from policy_operator.constants import (
     ANNOTATION_RANKS_READY,
     COND_AVAILABLE,
@@ -54,6 +56,7 @@ from policy_operator.operator.conditions import (
 )
 from policy_operator.operator.download_state import CheckpointPhase, CheckpointState
 from policy_operator.operator.kube import Kube, NotFound, Rejected
+from policy_operator.operator.kube_objects import meta_of
 from policy_operator.operator.manifests import VOL_CACHE, claim_name, endpoint, selector_string
 from policy_operator.operator.rank_probe import PodHealth
 from policy_operator.operator.resource import (
@@ -532,14 +535,14 @@ def write_status(
         kube.merge_patch("PolicyServer", namespace, name, {"status": patch}, subresource="status")
 
 
-def annotate_pods(kube: Kube, namespace: str, pods: Sequence[Mapping[str, Any]], healths: Sequence[PodHealth]) -> None:
+def annotate_pods(kube: Kube, namespace: str, pods: Sequence[V1Pod], healths: Sequence[PodHealth]) -> None:
     """Mirror each pod's rank readiness into an annotation, so `kubectl get pods` users see it too."""
-    by_name = {(p.get("metadata") or {}).get("name"): p for p in pods}
+    by_name = {meta_of(p).name: p for p in pods}
     for h in healths:
         pod = by_name.get(h.name)
         if pod is None or h.phase == "Terminating":
             continue
-        if ((pod.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RANKS_READY) != h.ranks_text:
+        if (meta_of(pod).annotations or {}).get(ANNOTATION_RANKS_READY) != h.ranks_text:
             try:
                 kube.merge_patch(
                     "Pod", namespace, h.name, {"metadata": {"annotations": {ANNOTATION_RANKS_READY: h.ranks_text}}}

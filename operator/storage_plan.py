@@ -15,9 +15,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kubernetes.client import (
+    V1PersistentVolumeClaim,
+    V1PersistentVolumeClaimSpec,
+    V1StatefulSet,
+    V1StorageClass,
+)
+
 from policy_operator.constants import COND_PROGRESSING
 from policy_operator.operator import manifests
 from policy_operator.operator.conditions import FALSE, Condition, Event, Reason
+from policy_operator.operator.kube_objects import api_json, meta_of
 from policy_operator.operator.manifests import Names
 from policy_operator.operator.ownership import adopted, conflict, controlled_by, labelled_ours, owner_reference
 from policy_operator.operator.spec import PolicyServerSpec
@@ -36,7 +44,7 @@ class StorageCheck:
 
 
 def plan_claim(
-    spec: PolicyServerSpec, owner: Mapping[str, Any], pvc: Mapping[str, Any] | None
+    spec: PolicyServerSpec, owner: Mapping[str, Any], pvc: V1PersistentVolumeClaim | None
 ) -> tuple[Write | None, Condition | None]:
     """The shared cache claim: made when missing, its owner reference set as retainOnDelete says; or why it cannot be
     (an existingClaim that does not exist, a claim of that name that is not this PolicyServer's)."""
@@ -66,8 +74,8 @@ def plan_claim(
     if not labelled_ours(pvc, spec.name):
         return None, conflict("PersistentVolumeClaim", names.pvc, "was not created for this PolicyServer")
     # retainOnDelete decides whether garbage collection may take the cache with the PolicyServer
-    refs = list((pvc.get("metadata") or {}).get("ownerReferences") or [])
-    others = [r for r in refs if r.get("uid") != uid]
+    refs = meta_of(pvc).owner_references or []
+    others = [api_json(r) for r in refs if r.uid != uid]
     wanted = others + ([owner_reference(owner)] if want_owned else [])
     if len(wanted) != len(refs) or (want_owned and not controlled_by(pvc, uid)):
         verb = "owned by" if want_owned else "released from"
@@ -92,18 +100,18 @@ def _bytes(quantity: Any) -> Any:
     return parse_quantity(quantity) if quantity is not None else None
 
 
-def _expandable(storage_class: Mapping[str, Any] | None) -> bool | None:
+def _expandable(storage_class: V1StorageClass | None) -> bool | None:
     """The StorageClass's allowVolumeExpansion; None when it could not be read (the apiserver then decides)."""
     if storage_class is None:
         return None
-    return bool(storage_class.get("allowVolumeExpansion"))
+    return bool(storage_class.allow_volume_expansion)
 
 
 def check_storage(
     spec: PolicyServerSpec,
-    claims: Sequence[Mapping[str, Any]],
-    storage_class: Mapping[str, Any] | None,
-    sts: Mapping[str, Any] | None,
+    claims: Sequence[V1PersistentVolumeClaim],
+    storage_class: V1StorageClass | None,
+    sts: V1StatefulSet | None,
 ) -> tuple[StorageCheck, list[Write]]:
     """What StorageReady says, and the writes that grow claims (run last: a refused growth must not stop the rest).
 
@@ -117,7 +125,7 @@ def check_storage(
     problems: list[tuple[Reason, str]] = []
     grows: list[Write] = []
     if sts is not None:
-        has_templates = bool((sts.get("spec") or {}).get("volumeClaimTemplates"))
+        has_templates = bool(sts.spec.volume_claim_templates if sts.spec else None)
         if has_templates != storage.per_pod:
             was = "perPod" if has_templates else "shared"
             problems.append(
@@ -129,12 +137,12 @@ def check_storage(
                 )
             )
     for claim in claims:
-        meta = claim.get("metadata") or {}
-        if meta.get("deletionTimestamp"):
+        meta = meta_of(claim)
+        if meta.deletion_timestamp:
             problems.append(
                 (
                     Reason.CLAIM_TERMINATING,
-                    f"PersistentVolumeClaim {meta.get('name')} is being deleted: it goes once no pod uses it "
+                    f"PersistentVolumeClaim {meta.name} is being deleted: it goes once no pod uses it "
                     f"(kubernetes.io/pvc-protection), then a new, empty claim is made and the checkpoint is "
                     f"fetched again",
                 )
@@ -142,9 +150,9 @@ def check_storage(
     if not storage.existing_claim:
         want = _bytes(storage.size)
         for claim in claims:
-            name = str((claim.get("metadata") or {}).get("name"))
-            claim_spec = claim.get("spec") or {}
-            modes = sorted(claim_spec.get("accessModes") or [])
+            name = str(meta_of(claim).name)
+            claim_spec = claim.spec or V1PersistentVolumeClaimSpec()
+            modes = sorted(claim_spec.access_modes or [])
             if storage.access_modes and modes != sorted(storage.access_modes):
                 problems.append(
                     (
@@ -154,23 +162,24 @@ def check_storage(
                         f"delete the claim (the checkpoint downloads again) or restore the spec",
                     )
                 )
-            if storage.storage_class_name and claim_spec.get("storageClassName") != storage.storage_class_name:
+            if storage.storage_class_name and claim_spec.storage_class_name != storage.storage_class_name:
                 problems.append(
                     (
                         Reason.IMMUTABLE_CHANGE,
-                        f"PersistentVolumeClaim {name} has StorageClass {claim_spec.get('storageClassName')}, "
+                        f"PersistentVolumeClaim {name} has StorageClass {claim_spec.storage_class_name}, "
                         f"the spec asks for {storage.storage_class_name}: a claim's class cannot change; "
                         f"delete the claim (the checkpoint downloads again) or restore the spec",
                     )
                 )
-            have = _bytes(((claim_spec.get("resources") or {}).get("requests") or {}).get("storage"))
+            requested = manifests.claim_storage(claim)
+            have = _bytes(requested)
             if have is None or want == have:
                 continue
             if want < have:
                 problems.append(
                     (
                         Reason.IMMUTABLE_CHANGE,
-                        f"PersistentVolumeClaim {name} requests {claim_spec['resources']['requests']['storage']}"
+                        f"PersistentVolumeClaim {name} requests {requested}"
                         f"; storage.size {storage.size} is smaller and a claim never shrinks",
                     )
                 )
@@ -178,8 +187,8 @@ def check_storage(
                 problems.append(
                     (
                         Reason.EXPANSION_NOT_ALLOWED,
-                        f"PersistentVolumeClaim {name} stays at {claim_spec['resources']['requests']['storage']}"
-                        f": StorageClass {(storage_class or {}).get('metadata', {}).get('name')} does not "
+                        f"PersistentVolumeClaim {name} stays at {requested}"
+                        f": StorageClass {meta_of(storage_class).name} does not "
                         f"allow volume expansion (allowVolumeExpansion is not true)",
                     )
                 )
@@ -193,20 +202,19 @@ def check_storage(
                         Event(
                             "Normal",
                             "Expanding",
-                            f"PersistentVolumeClaim {name}: "
-                            f"{claim_spec['resources']['requests']['storage']} -> {storage.size}",
+                            f"PersistentVolumeClaim {name}: {requested} -> {storage.size}",
                         ),
                     )
                 )
         shared_claim = claims[0] if claims and not storage.per_pod else None
         if shared_claim is not None and spec.replicas > 1:
-            modes = (shared_claim.get("spec") or {}).get("accessModes") or []
+            modes = (shared_claim.spec.access_modes if shared_claim.spec else None) or []
             if not manifests.cache_is_shared(modes):
                 problems.append(
                     (
                         Reason.CACHE_NOT_SHARED,
                         f"{spec.replicas} replicas share the ReadWriteOnce cache "
-                        f"{(shared_claim.get('metadata') or {}).get('name')}: a pod affinity keeps them all "
+                        f"{meta_of(shared_claim).name}: a pod affinity keeps them all "
                         f"on one node (they fit only if one node has room for all of them); use "
                         f"ReadWriteMany storage or storage.mode perPod",
                     )
@@ -214,6 +222,6 @@ def check_storage(
     return StorageCheck(tuple(problems), tuple(w.name for w in grows)), grows
 
 
-def cache_modes(spec: PolicyServerSpec, pvc: Mapping[str, Any] | None) -> tuple[str, ...]:
+def cache_modes(spec: PolicyServerSpec, pvc: V1PersistentVolumeClaim | None) -> tuple[str, ...]:
     """The shared cache claim's access modes as they are (a claim keeps those it was made with), else the spec's."""
-    return tuple(((pvc or {}).get("spec") or {}).get("accessModes") or spec.access_modes)
+    return tuple((pvc.spec.access_modes if pvc and pvc.spec else None) or spec.access_modes)

@@ -7,21 +7,23 @@ may be old pods, and Ready must not be claimed on their behalf.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from kubernetes.client import CoreV1Event, V1Pod, V1StatefulSet, V1StatefulSetStatus
 
 from policy_operator.constants import ANNOTATION_TEMPLATE_HASH, LABEL_CHECKPOINT_KEY
+from policy_operator.operator.kube_objects import meta_of
 from policy_operator.operator.pod_problems import failed_create
 
 
-def spec_replicas(sts: Mapping[str, Any]) -> int:
+def spec_replicas(sts: V1StatefulSet) -> int:
     """The StatefulSet's spec.replicas (the apiserver defaults it to 1)."""
-    replicas = (sts.get("spec") or {}).get("replicas")
-    return 1 if replicas is None else int(replicas)
+    replicas = sts.spec.replicas if sts.spec else None
+    return 1 if replicas is None else replicas
 
 
-def statefulset_rolled(sts: Mapping[str, Any]) -> bool:
+def statefulset_rolled(sts: V1StatefulSet) -> bool:
     """The StatefulSet controller has seen the latest spec and every pod it counts runs the update revision.
 
     That is: observedGeneration is current, as many pods exist as spec.replicas
@@ -30,14 +32,14 @@ def statefulset_rolled(sts: Mapping[str, Any]) -> bool:
     old pods.  ``workload_state`` (Ready) and ``rollout.fully_rolled`` (the cache
     cleanup) both start from this one check.
     """
-    meta, status = sts.get("metadata") or {}, sts.get("status") or {}
+    status = sts.status or V1StatefulSetStatus(replicas=0)
     replicas = spec_replicas(sts)
-    update = status.get("updateRevision")
+    update = status.update_revision
     return (
-        int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 1)
-        and int(status.get("replicas") or 0) == replicas
-        and int(status.get("updatedReplicas") or 0) == replicas
-        and (not update or status.get("currentRevision") == update)
+        (status.observed_generation or 0) >= (meta_of(sts).generation or 1)
+        and (status.replicas or 0) == replicas
+        and (status.updated_replicas or 0) == replicas
+        and (not update or status.current_revision == update)
     )
 
 
@@ -55,10 +57,10 @@ class WorkloadState:
 
 
 def workload_state(
-    sts: Mapping[str, Any] | None,
+    sts: V1StatefulSet | None,
     desired: int,
-    events: Sequence[Mapping[str, Any]] = (),
-    pods: Sequence[Mapping[str, Any]] = (),
+    events: Sequence[CoreV1Event] = (),
+    pods: Sequence[V1Pod] = (),
 ) -> WorkloadState:
     """Whether the StatefulSet is still converging on its own spec (rolling out or scaling).
 
@@ -70,20 +72,20 @@ def workload_state(
     """
     if sts is None:
         return WorkloadState(exists=False, desired=desired, rolling=desired > 0)
-    meta, status = sts.get("metadata") or {}, sts.get("status") or {}
+    meta, status = meta_of(sts), sts.status or V1StatefulSetStatus(replicas=0)
     replicas = spec_replicas(sts)
-    current = status.get("replicas") or 0
+    current = status.replicas or 0
     rolling = not statefulset_rolled(sts) or replicas != desired
-    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    live = [p for p in pods if not meta_of(p).deletion_timestamp]
     refused = failed_create(sts, events, pods) if len(live) < replicas else ""
     return WorkloadState(
         exists=True,
         desired=desired,
         current=current,
         rolling=rolling,
-        serving_key=(meta.get("labels") or {}).get(LABEL_CHECKPOINT_KEY),
-        template_hash=(meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH),
-        update_revision=status.get("updateRevision") or None,
-        updated=status.get("updatedReplicas") or 0,
+        serving_key=(meta.labels or {}).get(LABEL_CHECKPOINT_KEY),
+        template_hash=(meta.annotations or {}).get(ANNOTATION_TEMPLATE_HASH),
+        update_revision=status.update_revision or None,
+        updated=status.updated_replicas or 0,
         failed_create=refused,
     )

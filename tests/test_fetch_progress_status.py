@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes.client import V1Job, V1Pod
 
 from policy_operator import constants as C
 from policy_operator import fetch_progress as fetch_progress_format
@@ -32,6 +33,7 @@ from policy_operator.operator import status as status_step
 from policy_operator.operator.download_state import CheckpointPhase
 from policy_operator.operator.resource import PolicyServerStatus
 from policy_operator.operator.spec import parse_spec
+from tests.support.api_objects import api_object, api_objects
 from tests.support.net import free_port, wait_for
 
 NOW = "2025-01-01T00:00:00Z"
@@ -128,9 +130,9 @@ def test_the_running_attempt_is_the_pod_whose_progress_is_read() -> None:
         fetch_pod("new", "running", "2025-01-01T00:01:00Z"),
         fetch_pod("next", "waiting", "2025-01-01T00:02:00Z"),
     ]
-    running = observe.running_fetch_pod(pods)
-    assert running is not None and running["metadata"]["name"] == "new"
-    assert observe.running_fetch_pod(pods[:1]) is None
+    running = observe.running_fetch_pod(api_objects(V1Pod, pods))
+    assert running is not None and running.metadata.name == "new"
+    assert observe.running_fetch_pod(api_objects(V1Pod, pods[:1])) is None
 
 
 def test_the_fetch_job_serves_its_progress_on_the_port_the_operator_reads() -> None:
@@ -140,11 +142,11 @@ def test_the_fetch_job_serves_its_progress_on_the_port_the_operator_reads() -> N
     assert container["ports"] == [
         {"name": C.FETCH_PROGRESS_PORT_NAME, "containerPort": C.FETCH_PROGRESS_PORT, "protocol": "TCP"}
     ]
-    assert observe.progress_port(job["spec"]["template"]) == C.FETCH_PROGRESS_PORT
-    assert observe.progress_port({}) == C.FETCH_PROGRESS_PORT
+    assert observe.progress_port(api_object(V1Pod, job["spec"]["template"])) == C.FETCH_PROGRESS_PORT
+    assert observe.progress_port(V1Pod()) == C.FETCH_PROGRESS_PORT
 
 
-def running_pod_at(port: int) -> dict[str, Any]:
+def running_pod_at(port: int) -> V1Pod:
     pod = fetch_pod("p", "running", "2025-01-01T00:00:00Z")
     pod["status"]["podIP"] = "127.0.0.1"
     pod["spec"] = {
@@ -152,7 +154,7 @@ def running_pod_at(port: int) -> dict[str, Any]:
             {"name": manifests.FETCH_CONTAINER, "ports": [{"name": C.FETCH_PROGRESS_PORT_NAME, "containerPort": port}]}
         ]
     }
-    return pod
+    return api_object(V1Pod, pod)
 
 
 def test_the_operator_reads_the_newest_line_from_the_progress_endpoint() -> None:
@@ -166,7 +168,9 @@ def test_the_operator_reads_the_newest_line_from_the_progress_endpoint() -> None
         server.update(FetchProgress(50, 100, 2e6))
         line = observe.fetch_progress(active_job(), [pod])
         assert line is not None and fetch_progress_format.last_progress(line) == FetchProgress(50, 100, 2e6)
-        assert observe.fetch_progress({"status": {"succeeded": 1}}, [pod]) is None  # a Job that is done: not asked
+        assert (
+            observe.fetch_progress(api_object(V1Job, {"status": {"succeeded": 1}}), [pod]) is None
+        )  # a Job that is done: not asked
         with pytest.raises(urllib.error.HTTPError) as other:
             urllib.request.urlopen(f"http://127.0.0.1:{server.bound_port}/other", timeout=5)  # noqa: S310
         assert other.value.code == 404
@@ -220,8 +224,8 @@ def test_policyserver_fetch_serves_its_progress_while_it_downloads(tmp_path) -> 
                 proc.wait(timeout=10)
 
 
-def active_job() -> dict[str, Any]:
-    return {"metadata": {"name": "j"}, "status": {"active": 1, "failed": 1}}
+def active_job() -> V1Job:
+    return api_object(V1Job, {"metadata": {"name": "j"}, "status": {"active": 1, "failed": 1}})
 
 
 def test_a_downloading_state_carries_the_progress_and_says_it() -> None:
@@ -235,7 +239,7 @@ def test_a_downloading_state_carries_the_progress_and_says_it() -> None:
         assert state.progress is None and state.message == "downloading hf://org/p (attempt 2/4)"
     # a Job that is done has no progress, whatever its pod's log still says
     done = download_state.checkpoint_state(
-        spec(), {"metadata": {"name": "j"}, "status": {"succeeded": 1}}, [], None, log
+        spec(), api_object(V1Job, {"metadata": {"name": "j"}, "status": {"succeeded": 1}}), [], None, log
     )
     assert done.phase == CheckpointPhase.READY and done.progress is None
 
@@ -270,7 +274,9 @@ def test_status_has_the_progress_while_downloading_and_the_schema_keeps_it() -> 
 def test_progress_leaves_the_status_once_the_download_is_done() -> None:
     downloading = build(download_state.checkpoint_state(spec(), active_job(), [], None, FetchProgress(5, 9, 1).line()))
     ready = build(
-        download_state.checkpoint_state(spec(), {"metadata": {"name": "j"}, "status": {"succeeded": 1}}, [], None),
+        download_state.checkpoint_state(
+            spec(), api_object(V1Job, {"metadata": {"name": "j"}, "status": {"succeeded": 1}}), [], None
+        ),
         previous=downloading,
     )
     assert "progress" not in ready["checkpoint"]

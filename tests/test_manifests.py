@@ -16,12 +16,14 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from kubernetes.client import V1Service
 
 from policy_operator import constants as C
 from policy_operator import serve_flags
 from policy_operator.operator import manifests as M
 from policy_operator.operator.spec import PolicyServerSpec, parse_spec
 from policy_operator.source_uri import checkpoint_key, request_key
+from tests.support.api_objects import api_object
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_VERSIONS = ("1.32.0", "1.37.0")
@@ -560,6 +562,6 @@ def test_service_patch_ignores_fields_the_server_adds() -> None:
     live["spec"]["clusterIP"] = "10.0.0.7"
     live["spec"]["ports"][0]["nodePort"] = 31000
     live["metadata"]["annotations"]["cloud.example/id"] = "abc"
-    assert not M.service_needs_patch(live, desired)
+    assert not M.service_needs_patch(api_object(V1Service, live), desired)
     live["spec"]["ports"][0]["port"] = 1234
-    assert M.service_needs_patch(live, desired)
+    assert M.service_needs_patch(api_object(V1Service, live), desired)

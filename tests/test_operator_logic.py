@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from kubernetes.client import V1Job, V1PersistentVolumeClaim, V1Pod, V1Service, V1StatefulSet
 
 from policy_operator import constants as C
 from policy_operator.operator import conditions as cond
@@ -20,8 +21,10 @@ from policy_operator.operator import plan as pl
 from policy_operator.operator import status as status_step
 from policy_operator.operator.conditions import Reason
 from policy_operator.operator.kube import KINDS
+from policy_operator.operator.kube_objects import api_json
 from policy_operator.operator.resource import PolicyServerStatus
 from policy_operator.operator.spec import parse_spec
+from tests.support.api_objects import api_object, observed_field, observed_of
 from tests.support.net import free_port
 
 NOW, LATER = "2025-01-01T00:00:00Z", "2025-01-01T00:05:00Z"
@@ -181,22 +184,25 @@ def test_invalid_status_keeps_what_runs() -> None:
 # --- download_state: the fetch Job -------------------------------------------------------------------------
 
 
-def job(**status: Any) -> dict[str, Any]:
-    return {"metadata": {"name": "j"}, "status": status}
+def job(**status: Any) -> V1Job:
+    return api_object(V1Job, {"metadata": {"name": "j"}, "status": status})
 
 
-def fetch_pod(exit_code: int, message: str, created: str = NOW) -> dict[str, Any]:
-    return {
-        "metadata": {"name": f"p{exit_code}", "creationTimestamp": created},
-        "status": {
-            "containerStatuses": [
-                {
-                    "name": manifests.FETCH_CONTAINER,
-                    "state": {"terminated": {"exitCode": exit_code, "message": message}},
-                }
-            ]
+def fetch_pod(exit_code: int, message: str, created: str = NOW) -> V1Pod:
+    return api_object(
+        V1Pod,
+        {
+            "metadata": {"name": f"p{exit_code}", "creationTimestamp": created},
+            "status": {
+                "containerStatuses": [
+                    {
+                        "name": manifests.FETCH_CONTAINER,
+                        "state": {"terminated": {"exitCode": exit_code, "message": message}},
+                    }
+                ]
+            },
         },
-    }
+    )
 
 
 def test_checkpoint_states_of_a_job() -> None:
@@ -205,14 +211,17 @@ def test_checkpoint_states_of_a_job() -> None:
     assert state(s, None, [], None).phase == "Pending"
     assert state(s, None, [], {"key": s.checkpoint.key, "phase": "Ready"}).phase == "Ready"  # Job gone by TTL
     assert state(s, None, [], {"key": "other", "phase": "Ready"}).phase == "Pending"
-    waiting = {
-        "metadata": {"name": "p"},
-        "status": {
-            "containerStatuses": [
-                {"name": "fetch", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}}
-            ]
+    waiting = api_object(
+        V1Pod,
+        {
+            "metadata": {"name": "p"},
+            "status": {
+                "containerStatuses": [
+                    {"name": "fetch", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}}
+                ]
+            },
         },
-    }
+    )
     pending = state(s, job(), [waiting], None)
     assert pending.phase == "Pending" and "ImagePullBackOff" in pending.message
     active = state(s, job(active=1), [], None)
@@ -229,8 +238,11 @@ def test_a_fetch_job_created_by_the_pass_reads_as_waiting_for_its_pod() -> None:
     """reconcile does not read a Job it has just created: its state is the one a Job with no pod yet has."""
     s = spec()
     name = manifests.Names("ps").job(s.checkpoint.key)
-    just_created = {"metadata": {"name": name, "creationTimestamp": NOW}, "status": {}}
-    claim = {"metadata": {"name": "ps-cache", "uid": "c1", "creationTimestamp": "2020-01-01T00:00:00Z"}}
+    just_created = api_object(V1Job, {"metadata": {"name": name, "creationTimestamp": NOW}, "status": {}})
+    claim = api_object(
+        V1PersistentVolumeClaim,
+        {"metadata": {"name": "ps-cache", "uid": "c1", "creationTimestamp": "2020-01-01T00:00:00Z"}},
+    )
     expected = download_state.waiting_for_fetch_pod(name)
     assert download_state.checkpoint_state(s, just_created, [], None, claim=claim) == expected
     assert download_state.checkpoint_state(s, just_created, [], {"key": "old", "phase": "Ready"}) == expected
@@ -277,16 +289,19 @@ def test_failed_job_without_pods_uses_the_job_message() -> None:
     assert state.reason == "DeadlineExceeded" and "longer than specified deadline" in state.message
 
 
-def sts(generation: int = 2, spec_replicas: int = 2, **status: Any) -> dict[str, Any]:
-    return {
-        "metadata": {
-            "generation": generation,
-            "labels": {C.LABEL_CHECKPOINT_KEY: "k"},
-            "annotations": {C.ANNOTATION_TEMPLATE_HASH: "h"},
+def sts(generation: int = 2, spec_replicas: int = 2, **status: Any) -> V1StatefulSet:
+    return api_object(
+        V1StatefulSet,
+        {
+            "metadata": {
+                "generation": generation,
+                "labels": {C.LABEL_CHECKPOINT_KEY: "k"},
+                "annotations": {C.ANNOTATION_TEMPLATE_HASH: "h"},
+            },
+            "spec": {"replicas": spec_replicas},
+            "status": status,
         },
-        "spec": {"replicas": spec_replicas},
-        "status": status,
-    }
+    )
 
 
 def test_rollout_state_of_a_statefulset() -> None:
@@ -387,7 +402,10 @@ def test_a_hung_pod_costs_one_timeout() -> None:
     listener.listen(8)  # accepts connections, never answers
     try:
         port = listener.getsockname()[1]
-        pods = [{"metadata": {"name": f"ps-{i}"}, "status": {"phase": "Running", "podIP": "127.0.0.1"}} for i in (1, 0)]
+        pods = [
+            api_object(V1Pod, {"metadata": {"name": f"ps-{i}"}, "status": {"phase": "Running", "podIP": "127.0.0.1"}})
+            for i in (1, 0)
+        ]
         result = rank_probe.poll_pods(pods, port, 2, timeout=0.3)
         assert [p.name for p in result] == ["ps-0", "ps-1"]
         assert all(not p.ready and p.ranks_ready == 0 and "unreachable" in p.message for p in result)
@@ -411,7 +429,7 @@ def test_pod_messages_say_why_it_is_not_running() -> None:
             ],
         },
     }
-    h = rank_probe.pod_health(init_failed, 8000, 2)
+    h = rank_probe.pod_health(api_object(V1Pod, init_failed), 8000, 2)
     assert h.message == "verify-checkpoint: CrashLoopBackOff: checkpoint /models/k: .complete.json missing"
     unscheduled = {
         "metadata": {"name": "ps-1"},
@@ -422,14 +440,14 @@ def test_pod_messages_say_why_it_is_not_running() -> None:
             ],
         },
     }
-    assert "nvidia.com/gpu" in rank_probe.pod_health(unscheduled, 8000, 2).message
+    assert "nvidia.com/gpu" in rank_probe.pod_health(api_object(V1Pod, unscheduled), 8000, 2).message
     going = {"metadata": {"name": "ps-2", "deletionTimestamp": NOW}, "status": {"phase": "Running"}}
-    assert rank_probe.pod_health(going, 8000, 2).phase == "Terminating"
+    assert rank_probe.pod_health(api_object(V1Pod, going), 8000, 2).phase == "Terminating"
 
 
 def test_pod_port_follows_the_pods_own_spec() -> None:
-    pod = {"spec": {"containers": [{"ports": [{"name": C.PORT_NAME, "containerPort": 9001}]}]}}
-    assert rank_probe.pod_port(pod, 8000) == 9001 and rank_probe.pod_port({}, 8000) == 8000
+    pod = api_object(V1Pod, {"spec": {"containers": [{"ports": [{"name": C.PORT_NAME, "containerPort": 9001}]}]}})
+    assert rank_probe.pod_port(pod, 8000) == 9001 and rank_probe.pod_port(V1Pod(), 8000) == 8000
 
 
 # --- the plan -----------------------------------------------------------------------------------------
@@ -453,7 +471,7 @@ def as_observed(plan: pl.Plan, observed: pl.Observed | None = None) -> pl.Observ
         attr = {"PersistentVolumeClaim": "pvc", "Job": "job", "StatefulSet": "statefulset"}.get(action.kind)
         if action.kind == "Service":
             attr = "headless_service" if action.name.endswith("-pods") else "service"
-        setattr(observed, attr, action.body)
+        setattr(observed, attr, observed_field(attr, action.body))
     return observed
 
 
@@ -490,10 +508,10 @@ def test_plan_keeps_the_old_checkpoint_serving_while_the_new_one_downloads() -> 
     assert created(plan) == [f"Job/ps-fetch-{new.checkpoint.key}"]
     assert plan.serving.key == old.checkpoint.key and changes(plan)[1:] == []
     [kept] = [w for w in plan.writes if w.kind == "StatefulSet"]
-    assert kept.body["spec"]["template"] == observed.statefulset["spec"]["template"]
+    assert kept.body["spec"]["template"] == api_json(observed.statefulset.spec.template)
     rolled = pl.plan(new, OWNER, observed, ready)
     [patch] = [a for a in changes(rolled) if a.kind == "StatefulSet"]
-    assert patch.body["spec"]["template"] != observed.statefulset["spec"]["template"]
+    assert patch.body["spec"]["template"] != api_json(observed.statefulset.spec.template)
     assert f"{old.checkpoint.key} -> {new.checkpoint.key}" in patch.event.message
 
 
@@ -503,7 +521,7 @@ def test_scaling_patches_replicas_not_the_template() -> None:
     plan = pl.plan(spec(replicas=3), OWNER, observed, ready)
     patch, pdb = changes(plan)
     assert patch.body["spec"]["replicas"] == 3 and "scaling 1 -> 3 pods" in patch.event.message
-    assert patch.body["spec"]["template"] == observed.statefulset["spec"]["template"]
+    assert patch.body["spec"]["template"] == api_json(observed.statefulset.spec.template)
     assert pdb.kind == "PodDisruptionBudget"
     # the RWO cache of a 1-replica PolicyServer cannot be shared by 3 pods on different nodes
     assert plan.storage is not None
@@ -513,13 +531,10 @@ def test_scaling_patches_replicas_not_the_template() -> None:
 def test_plan_refuses_objects_it_does_not_own() -> None:
     ready = download_state.CheckpointState("Ready", "Downloaded", "", "j")
     observed = as_observed(pl.plan(spec(), OWNER, pl.Observed(), ready))
-    observed.statefulset = {
-        **observed.statefulset,
-        "metadata": {**observed.statefulset["metadata"], "ownerReferences": []},
-    }
+    observed.statefulset.metadata.owner_references = []
     plan = pl.plan(spec(image="img:2"), OWNER, observed, ready)
     assert plan.problem.reason == Reason.NAME_CONFLICT and plan.writes == []
-    foreign_pvc = pl.Observed(pvc={"metadata": {"name": "ps-cache", "labels": {}}})
+    foreign_pvc = observed_of(pvc={"metadata": {"name": "ps-cache", "labels": {}}})
     plan = pl.plan(spec(), OWNER, foreign_pvc, download_state.checkpoint_state(spec(), None, [], None))
     assert plan.problem.reason == Reason.NAME_CONFLICT and plan.writes == []
 
@@ -534,7 +549,7 @@ def test_retain_on_delete_releases_and_adopts_the_cache() -> None:
     ]
     assert release.body == {"metadata": {"ownerReferences": None}}
     retained = as_observed(pl.plan(spec(storage={"retainOnDelete": True}), OWNER, pl.Observed(), pending))
-    assert "ownerReferences" not in retained.pvc["metadata"]
+    assert retained.pvc is not None and retained.pvc.metadata.owner_references is None
     [adopt] = [a for a in pl.plan(spec(), OWNER, retained, pending).writes if a.kind == "PersistentVolumeClaim"]
     assert adopt.body["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
 
@@ -544,7 +559,7 @@ def test_existing_claim_is_never_created() -> None:
     plan = pl.plan(s, OWNER, pl.Observed(), download_state.checkpoint_state(s, None, [], None))
     assert created(plan) == [f"Job/ps-fetch-{s.checkpoint.key}"] and plan.problem.reason == "ClaimNotFound"
     plan = pl.plan(
-        s, OWNER, pl.Observed(pvc={"metadata": {"name": "shared"}}), download_state.checkpoint_state(s, None, [], None)
+        s, OWNER, observed_of(pvc={"metadata": {"name": "shared"}}), download_state.checkpoint_state(s, None, [], None)
     )
     assert plan.problem is None
 
@@ -641,7 +656,7 @@ def test_an_apply_is_skipped_only_when_the_object_already_is_what_it_would_make(
         {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status"},
     ]
     live = {**stamped, "metadata": {**stamped["metadata"], "managedFields": ours}}
-    assert foreign_managers(live) == [] and unchanged(live, stamped)
+    assert foreign_managers(api_object(V1Service, live).metadata.managed_fields) == [] and unchanged(live, stamped)
     assert not unchanged(live, with_applied_hash({**body, "spec": {"ports": [{"name": "ws", "port": 9000}]}}))
     edited = {
         **live,
@@ -653,7 +668,8 @@ def test_an_apply_is_skipped_only_when_the_object_already_is_what_it_would_make(
             ],
         },
     }
-    assert foreign_managers(edited) == ["kubectl-patch"] and not unchanged(edited, stamped)
+    edited_fields = api_object(V1Service, edited).metadata.managed_fields
+    assert foreign_managers(edited_fields) == ["kubectl-patch"] and not unchanged(edited, stamped)
     deleting = {**live, "metadata": {**live["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
     assert not unchanged(deleting, stamped) and not unchanged(None, stamped)
 

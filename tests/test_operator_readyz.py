@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from kubernetes.client import V1Pod
 
 from policy_operator.operator import rank_probe
+from tests.support.api_objects import api_object
 from tests.support.servers import serve_policy
 
 pytestmark = pytest.mark.slow
@@ -21,7 +23,7 @@ def test_poller_reads_every_rank_of_a_real_cfgp2_server(tiny_checkpoint: Path) -
             "status": {"phase": "Running", "podIP": server.host},
             "spec": {"containers": [{"ports": [{"name": "ws", "containerPort": server.port}]}]},
         }
-        result = rank_probe.pod_health(pod, 1, world_size=2, timeout=5)
+        result = rank_probe.pod_health(api_object(V1Pod, pod), 1, world_size=2, timeout=5)
         assert (result.ready, result.ranks_ready, result.world_size, result.message) == (True, 2, 2, "")
         assert [(r.rank, r.dp_index, r.cfg_index, r.ready) for r in result.ranks] == [(0, 0, 0, True), (1, 0, 1, True)]
         assert result.as_status()["ranksReady"] == "2/2"
@@ -37,7 +39,7 @@ def test_poller_reads_the_batch_times_of_a_real_server_under_a_latency_budget(ti
             "status": {"phase": "Running", "podIP": server.host},
             "spec": {"containers": [{"ports": [{"name": "ws", "containerPort": server.port}]}]},
         }
-        result = rank_probe.pod_health(pod, 1, world_size=1, timeout=5)
+        result = rank_probe.pod_health(api_object(V1Pod, pod), 1, world_size=1, timeout=5)
         assert result.ready and result.batching is not None, result
         assert result.batching.max_batch == 4  # a minute fits every bucket
         assert [size for size, _ in result.batching.buckets_ms] == [1, 2, 4]

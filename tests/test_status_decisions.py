@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 import pytest
+from kubernetes.client import CoreV1Event, V1Job, V1PersistentVolumeClaim, V1Pod, V1StatefulSet
 
 from policy_operator import constants as C
 from policy_operator.operator import download_state, manifests, pod_problems, rank_probe, workload_state
@@ -24,6 +25,7 @@ from policy_operator.operator.download_state import CheckpointPhase, CheckpointS
 from policy_operator.operator.resource import PolicyServerStatus
 from policy_operator.operator.spec import parse_spec
 from policy_operator.operator.workload_state import WorkloadState
+from tests.support.api_objects import api_object, api_objects
 from tests.support.net import free_port
 
 T0 = "2026-01-01T00:00:00Z"
@@ -118,23 +120,26 @@ def sts(
     current: str = "r2",
     update: str = "r2",
     uid: str = "sts-uid",
-) -> dict[str, Any]:
-    return {
-        "metadata": {
-            "generation": generation,
-            "uid": uid,
-            "labels": {C.LABEL_CHECKPOINT_KEY: "k"},
-            "annotations": {C.ANNOTATION_TEMPLATE_HASH: "h2"},
+) -> V1StatefulSet:
+    return api_object(
+        V1StatefulSet,
+        {
+            "metadata": {
+                "generation": generation,
+                "uid": uid,
+                "labels": {C.LABEL_CHECKPOINT_KEY: "k"},
+                "annotations": {C.ANNOTATION_TEMPLATE_HASH: "h2"},
+            },
+            "spec": {"replicas": replicas},
+            "status": {
+                "observedGeneration": observed,
+                "replicas": replicas,
+                "updatedReplicas": updated,
+                "currentRevision": current,
+                "updateRevision": update,
+            },
         },
-        "spec": {"replicas": replicas},
-        "status": {
-            "observedGeneration": observed,
-            "replicas": replicas,
-            "updatedReplicas": updated,
-            "currentRevision": current,
-            "updateRevision": update,
-        },
-    }
+    )
 
 
 @pytest.mark.parametrize(
@@ -145,7 +150,7 @@ def sts(
         sts(updated=1, current="r1"),  # half way
     ],
 )
-def test_old_pods_ready_mid_rollout_are_available_never_ready(statefulset: dict[str, Any]) -> None:
+def test_old_pods_ready_mid_rollout_are_available_never_ready(statefulset: V1StatefulSet) -> None:
     wl = workload_state.workload_state(statefulset, 2)
     assert wl.rolling and wl.update_revision == "r2"
     old = [pod("ps-0", ready=True, revision="r1"), pod("ps-1", ready=True, revision="r1")]
@@ -368,7 +373,7 @@ def test_the_ranks_error_is_found_under_torchruns_report() -> None:
             ]
         }
     }
-    tail = pod_problems.termination_tail(p)
+    tail = pod_problems.termination_tail(api_object(V1Pod, p))
     head, _, lines = tail.partition(": ")
     assert head == "server exited 1 (Error), rank 0 exit code 3"
     assert lines.splitlines() == [ln for ln in TORCHRUN_LOG.splitlines()[:3]]  # the rank's error lines, no more
@@ -391,9 +396,9 @@ def test_a_message_without_the_error_is_reported_as_it_is_no_log_is_read() -> No
             ],
         },
     }
-    text = pod_problems.termination(p)
+    text = pod_problems.termination(api_object(V1Pod, p))
     assert text.startswith("server exited 1 (Error): ") and "503 Service Unavailable" in text
-    assert rank_probe.pod_health(p, 8000, 1).termination == text
+    assert rank_probe.pod_health(api_object(V1Pod, p), 8000, 1).termination == text
 
 
 def test_termination_tail_keeps_the_last_lines() -> None:
@@ -409,17 +414,22 @@ def test_termination_tail_keeps_the_last_lines() -> None:
             ]
         }
     }
-    tail = pod_problems.termination_tail(p)  # no error-looking line and no torchrun report: the last lines
+    tail = pod_problems.termination_tail(
+        api_object(V1Pod, p)
+    )  # no error-looking line and no torchrun report: the last lines
     assert tail.startswith("server exited 1 (Error): line 15\n") and tail.endswith("line 19")
     assert (
         pod_problems.termination_tail(
-            {
-                "status": {
-                    "containerStatuses": [
-                        {"name": "server", "lastState": {"terminated": {"exitCode": 0, "message": "bye"}}}
-                    ]
-                }
-            }
+            api_object(
+                V1Pod,
+                {
+                    "status": {
+                        "containerStatuses": [
+                            {"name": "server", "lastState": {"terminated": {"exitCode": 0, "message": "bye"}}}
+                        ]
+                    }
+                },
+            )
         )
         == ""
     )
@@ -439,12 +449,14 @@ QUOTA = (
 )
 
 
-def event(message: str, when: str, uid: str = "sts-uid", reason: str = "FailedCreate") -> dict[str, Any]:
-    return {"reason": reason, "message": message, "lastTimestamp": when, "involvedObject": {"uid": uid}}
+def event(message: str, when: str, uid: str = "sts-uid", reason: str = "FailedCreate") -> CoreV1Event:
+    return api_object(
+        CoreV1Event, {"reason": reason, "message": message, "lastTimestamp": when, "involvedObject": {"uid": uid}}
+    )
 
 
-def k8s_pod(name: str, created: str) -> dict[str, Any]:
-    return {"metadata": {"name": name, "creationTimestamp": created}}
+def k8s_pod(name: str, created: str) -> V1Pod:
+    return api_object(V1Pod, {"metadata": {"name": name, "creationTimestamp": created}})
 
 
 def test_failed_create_reads_the_newest_event_of_this_object_still_in_force() -> None:
@@ -457,13 +469,16 @@ def test_failed_create_reads_the_newest_event_of_this_object_still_in_force() ->
     # a pod of before the refusal does not lift it (quota for one pod, two asked for)
     assert pod_problems.failed_create(owner, [event(QUOTA, at(5))], [k8s_pod("ps-0", at(2))]) == QUOTA
     # events.k8s.io series and eventTime (MicroTime) count as well
-    series = {
-        "reason": "FailedCreate",
-        "message": "s",
-        "eventTime": "2026-01-01T00:00:01.500000Z",
-        "series": {"lastObservedTime": "2026-01-01T00:00:09.250000Z"},
-        "involvedObject": {"uid": "sts-uid"},
-    }
+    series = api_object(
+        CoreV1Event,
+        {
+            "reason": "FailedCreate",
+            "message": "s",
+            "eventTime": "2026-01-01T00:00:01.500000Z",
+            "series": {"lastObservedTime": "2026-01-01T00:00:09.250000Z"},
+            "involvedObject": {"uid": "sts-uid"},
+        },
+    )
     assert pod_problems.failed_create(owner, [event(QUOTA, at(5)), series], [k8s_pod("ps-0", at(8))]) == "s"
 
 
@@ -487,7 +502,7 @@ def test_a_statefulset_short_of_pods_reports_the_refusal() -> None:
 
 def test_a_fetch_job_without_pods_reports_the_refusal() -> None:
     s = spec()
-    job = {"metadata": {"name": "ps-fetch-k", "uid": "job-uid"}, "status": {}}
+    job = api_object(V1Job, {"metadata": {"name": "ps-fetch-k", "uid": "job-uid"}, "status": {}})
     denied = (
         'Error creating: pods "ps-fetch-k-x" is forbidden: violates PodSecurity "restricted:latest": '
         "runAsNonRoot != true"
@@ -523,7 +538,7 @@ def test_an_unschedulable_pod_is_pending_and_says_why() -> None:
             "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why}],
         },
     }
-    health = rank_probe.pod_health(k8s, 8000, 1)
+    health = rank_probe.pod_health(api_object(V1Pod, k8s), 8000, 1)
     assert health.unschedulable == why and health.revision == "r2"
     update = build(spec(replicas=1), workload(desired=1, rolling=True), [health], previous={"phase": "Downloading"})
     assert update.document["phase"] == C.PHASE_PENDING
@@ -535,16 +550,19 @@ def test_an_unschedulable_pod_is_pending_and_says_why() -> None:
 # --- /readyz unreachable: the kubelet's view -------------------------------------------------------
 
 
-def kubelet_pod(ready: bool, port: int) -> dict[str, Any]:
-    return {
-        "metadata": {"name": "ps-0", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: "r2"}},
-        "spec": {"containers": [{"ports": [{"name": C.PORT_NAME, "containerPort": port}]}]},
-        "status": {
-            "phase": "Running",
-            "podIP": "127.0.0.1",
-            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+def kubelet_pod(ready: bool, port: int) -> V1Pod:
+    return api_object(
+        V1Pod,
+        {
+            "metadata": {"name": "ps-0", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: "r2"}},
+            "spec": {"containers": [{"ports": [{"name": C.PORT_NAME, "containerPort": port}]}]},
+            "status": {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            },
         },
-    }
+    )
 
 
 def test_unreachable_readyz_falls_back_to_the_kubelet_and_says_ranks_unknown() -> None:
@@ -633,17 +651,17 @@ def fetch_pod(
     }
 
 
-ACTIVE_JOB = {"metadata": {"name": "ps-fetch-k", "uid": "job-uid"}, "status": {"active": 1}}
+ACTIVE_JOB = api_object(V1Job, {"metadata": {"name": "ps-fetch-k", "uid": "job-uid"}, "status": {"active": 1}})
 
 
 def fetch_state(s, pod_: dict[str, Any], *, now: int = 5, events: list[dict[str, Any]] | None = None):
     return download_state.checkpoint_state(
         s,
         ACTIVE_JOB,
-        [pod_],
+        [api_object(V1Pod, pod_)],
         None,
         None,
-        events or [],
+        api_objects(CoreV1Event, events or []),
         now=datetime.datetime.fromisoformat(at(now).replace("Z", "+00:00")),
     )
 
@@ -738,18 +756,23 @@ def test_a_fetch_pod_that_runs_is_downloading() -> None:
 # --- the checkpoint is on the claim it was fetched into ----------------------------------------------
 
 
-def claim_obj(uid: str, created: str) -> dict[str, Any]:
-    return {"metadata": {"name": "ps-cache", "uid": uid, "creationTimestamp": created}}
+def claim_obj(uid: str, created: str) -> V1PersistentVolumeClaim:
+    return api_object(
+        V1PersistentVolumeClaim, {"metadata": {"name": "ps-cache", "uid": uid, "creationTimestamp": created}}
+    )
 
 
 def test_a_fetch_job_older_than_the_claim_does_not_vouch_for_the_checkpoint() -> None:
     """A claim deleted and made again is empty: the Job that filled the old one must not keep CheckpointReady True
     (the pods crash-looped on "checkpoint not fetched")."""
     s = spec()
-    done = {
-        "metadata": {"name": "ps-fetch-k", "creationTimestamp": at(10)},
-        "status": {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]},
-    }
+    done = api_object(
+        V1Job,
+        {
+            "metadata": {"name": "ps-fetch-k", "creationTimestamp": at(10)},
+            "status": {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]},
+        },
+    )
     same = download_state.checkpoint_state(s, done, [], None, claim=claim_obj("c1", at(10)))
     assert (same.phase, same.claim_uid, same.stale_job) == (CheckpointPhase.READY, "c1", False)
     recreated = download_state.checkpoint_state(s, done, [], None, claim=claim_obj("c2", at(60)))
@@ -783,9 +806,12 @@ def test_the_schedulers_old_warning_does_not_explain_a_pod_it_has_placed() -> No
         "involvedObject": {"uid": "pod-uid"},
         "message": "0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims.",
     }
-    assert download_state.start_problem(placed, [old]) is None
+    events = [api_object(CoreV1Event, old)]
+    assert download_state.start_problem(api_object(V1Pod, placed), events) is None
     waiting = fetch_pod(waiting={"reason": "ContainerCreating"})
-    assert download_state.start_problem(waiting, [old]) is not None  # not placed yet: the scheduler's word stands
+    assert (
+        download_state.start_problem(api_object(V1Pod, waiting), events) is not None
+    )  # not placed yet: the scheduler's word stands
 
 
 # --- batching under a latency budget --------------------------------------------------------------

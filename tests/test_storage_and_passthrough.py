@@ -25,6 +25,7 @@ from policy_operator.operator.conditions import Condition, Reason
 from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
 from policy_operator.runtime.checkpoint.marker import make_marker, write_marker
 from policy_operator.runtime.checkpoint.prune import prune
+from tests.support.api_objects import observed_of
 
 K8S = "1.32.0"
 OWNER = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps", "namespace": "ns", "uid": "uid-1"}}
@@ -76,7 +77,7 @@ def test_per_pod_mode_gives_each_pod_its_claim_and_its_own_fetch() -> None:
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
     # no shared claim, no fetch Job; the checkpoint counts as ready (the pods fetch it)
     state = download_state.checkpoint_state(s, None, [], None)
-    result = pl.plan(s, OWNER, pl.Observed(), state)
+    result = pl.plan(s, OWNER, observed_of(), state)
     assert [(w.kind, w.name) for w in result.writes][:1] == [("StatefulSet", "ps")]
     assert not [w for w in result.writes if w.kind in ("Job", "PersistentVolumeClaim")]
 
@@ -92,7 +93,7 @@ def test_switching_the_mode_is_reported_and_leaves_the_pods_alone() -> None:
     }
     per_pod = spec(storage={"mode": "perPod"})
     result = pl.plan(
-        per_pod, OWNER, pl.Observed(statefulset=sts), download_state.checkpoint_state(per_pod, None, [], None)
+        per_pod, OWNER, observed_of(statefulset=sts), download_state.checkpoint_state(per_pod, None, [], None)
     )
     ready = storage_ready(per_pod, result)
     assert (ready.status, ready.reason) == ("False", "ImmutableChange")
@@ -122,7 +123,7 @@ def test_size_increase_grows_the_claim_when_the_class_allows(
 ) -> None:
     s = spec(storage={"size": "30Gi"})
     klass = None if allow is None else {"metadata": {"name": "fast"}, "allowVolumeExpansion": allow}
-    result = pl.plan(s, OWNER, pl.Observed(pvc=_claim("20Gi", ["ReadWriteOnce"]), storage_class=klass), READY)
+    result = pl.plan(s, OWNER, observed_of(pvc=_claim("20Gi", ["ReadWriteOnce"]), storage_class=klass), READY)
     grows = [w for w in result.writes if w.kind == "PersistentVolumeClaim" and w.verb is pl.Verb.PATCH]
     assert [w.verb for w in grows] == ([verb] if verb else [])
     if verb:
@@ -141,7 +142,7 @@ def test_size_increase_grows_the_claim_when_the_class_allows(
 )
 def test_immutable_changes_get_a_false_condition(storage: dict[str, Any], what: str) -> None:
     s = spec(storage=storage)
-    ready = storage_ready(s, pl.plan(s, OWNER, pl.Observed(pvc=_claim("20Gi", ["ReadWriteOnce"])), READY))
+    ready = storage_ready(s, pl.plan(s, OWNER, observed_of(pvc=_claim("20Gi", ["ReadWriteOnce"])), READY))
     assert (ready.status, ready.reason) == ("False", "ImmutableChange")
     assert what in ready.message
 
@@ -189,9 +190,9 @@ def test_cleanup_job_only_after_every_pod_serves_the_new_checkpoint() -> None:
     s = spec()
     job = {"metadata": {"name": "ps-fetch", "labels": M.labels("ps", C.COMPONENT_FETCH)}}
     pvc = _claim("20Gi", ["ReadWriteOnce"])
-    rolling = pl.plan(s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=False)), READY)
+    rolling = pl.plan(s, OWNER, observed_of(pvc=pvc, job=job, statefulset=_rolled(s, done=False)), READY)
     assert not [w for w in rolling.writes if w.name == M.Names("ps").gc_job(s.checkpoint.key)]
-    rolled = pl.plan(s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True)), READY)
+    rolled = pl.plan(s, OWNER, observed_of(pvc=pvc, job=job, statefulset=_rolled(s, done=True)), READY)
     [gc] = [w for w in rolled.writes if w.name == M.Names("ps").gc_job(s.checkpoint.key)]
     valid(gc.body)
     [container] = gc.body["spec"]["template"]["spec"]["containers"]
@@ -201,7 +202,7 @@ def test_cleanup_job_only_after_every_pod_serves_the_new_checkpoint() -> None:
     assert not [
         w
         for w in pl.plan(
-            mine_only, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(mine_only, done=True)), READY
+            mine_only, OWNER, observed_of(pvc=pvc, job=job, statefulset=_rolled(mine_only, done=True)), READY
         ).writes
         if w.kind == "Job"
     ]
@@ -231,7 +232,7 @@ def test_finished_fetch_jobs_of_other_checkpoints_go_before_the_cleanup_job() ->
     job = _job(C.COMPONENT_FETCH, key, finished="Complete")
     old = _job(C.COMPONENT_FETCH, "old-key", finished="Complete")
     pvc = _claim("20Gi", ["ReadWriteOnce"])
-    observed = pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job, old])
+    observed = observed_of(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job, old])
     first = pl.plan(s, OWNER, observed, READY)
     assert [(w.verb, w.kind, w.name) for w in first.writes if w.kind == "Job"] == [
         (pl.Verb.DELETE, "Job", M.Names("ps").job("old-key"))
@@ -239,11 +240,11 @@ def test_finished_fetch_jobs_of_other_checkpoints_go_before_the_cleanup_job() ->
     # an old download still running: nothing deleted, no cleanup until it ends
     running = _job(C.COMPONENT_FETCH, "old-key", finished=None)
     waiting = pl.plan(
-        s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job, running]), READY
+        s, OWNER, observed_of(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job, running]), READY
     )
     assert not [w for w in waiting.writes if w.kind == "Job"]
     # once gone: the cleanup Job
-    then = pl.plan(s, OWNER, pl.Observed(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job]), READY)
+    then = pl.plan(s, OWNER, observed_of(pvc=pvc, job=job, statefulset=_rolled(s, done=True), cache_jobs=[job]), READY)
     assert [(w.verb, w.name) for w in then.writes if w.kind == "Job"] == [
         (pl.Verb.APPLY_MISSING, M.Names("ps").gc_job(key))
     ]
@@ -260,15 +261,15 @@ def test_nothing_is_fetched_or_rolled_to_while_a_cleanup_of_another_checkpoint_r
     pending = download_state.CheckpointState(
         download_state.CheckpointPhase.PENDING, download_state.Reason.JOB_PENDING, "", "j"
     )
-    held = pl.plan(s, OWNER, pl.Observed(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), pending)
+    held = pl.plan(s, OWNER, observed_of(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), pending)
     assert not [w for w in held.writes if w.kind == "Job"]
     assert held.serving is not None and held.serving.key == serving.checkpoint.key
     # a stale Ready of the old checkpoint changes nothing while the cleanup runs
-    stale = pl.plan(s, OWNER, pl.Observed(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), READY)
+    stale = pl.plan(s, OWNER, observed_of(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), READY)
     assert stale.serving is not None and stale.serving.key == serving.checkpoint.key
     # the cleanup ended: the fetch Job of the spec's checkpoint, which finds it on the cache or downloads it
     cleanup = _job(C.COMPONENT_CACHE_GC, serving.checkpoint.key, finished="Complete")
-    after = pl.plan(s, OWNER, pl.Observed(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), pending)
+    after = pl.plan(s, OWNER, observed_of(pvc=pvc, statefulset=sts, cache_jobs=[cleanup]), pending)
     assert [(w.verb, w.name) for w in after.writes if w.kind == "Job"] == [
         (pl.Verb.APPLY_MISSING, M.Names("ps").job(s.checkpoint.key))
     ]
@@ -306,14 +307,14 @@ def test_prune_keeps_the_served_the_newer_and_the_unknown(tmp_path: Path, keep_l
 
 
 def test_pdb_exists_while_replicas_exceed_one() -> None:
-    two = pl.plan(spec(replicas=2, storage={"accessModes": ["ReadWriteMany"]}), OWNER, pl.Observed(), READY)
+    two = pl.plan(spec(replicas=2, storage={"accessModes": ["ReadWriteMany"]}), OWNER, observed_of(), READY)
     [pdb] = [w for w in two.writes if w.kind == "PodDisruptionBudget"]
     assert pdb.verb is pl.Verb.APPLY and valid(pdb.body)["spec"]["maxUnavailable"] == 1
     existing = {
         **pdb.body,
         "metadata": {**pdb.body["metadata"], "ownerReferences": [{"uid": "uid-1", "controller": True}]},
     }
-    one = pl.plan(spec(replicas=1), OWNER, pl.Observed(pdb=existing), READY)
+    one = pl.plan(spec(replicas=1), OWNER, observed_of(pdb=existing), READY)
     assert [(w.verb, w.kind) for w in one.writes if w.kind == "PodDisruptionBudget"] == [
         (pl.Verb.DELETE, "PodDisruptionBudget")
     ]
@@ -393,7 +394,7 @@ def test_a_terminating_claim_is_a_storage_problem_and_completed_job_pods_are_del
     def job_pod(name: str, job_name: str) -> dict[str, Any]:
         return {"metadata": {"name": name, "labels": ours, "ownerReferences": [{"kind": "Job", "name": job_name}]}}
 
-    observed = pl.Observed(
+    observed = observed_of(
         pvc=claim,
         job=job,
         cache_jobs=[job, failed],

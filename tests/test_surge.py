@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from kubernetes.client import V1ManagedFieldsEntry, V1Pod, V1Service, V1StatefulSet
 
 from policy_operator import constants as C
 from policy_operator.operator import download_state, drift
@@ -22,6 +23,7 @@ from policy_operator.operator import plan as pl
 from policy_operator.operator import rollout as ro
 from policy_operator.operator.kube import foreign_managers
 from policy_operator.operator.spec import parse_spec
+from tests.support.api_objects import api_object, api_objects
 
 OWNER = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps", "namespace": "ns", "uid": "uid-1"}}
 READY = download_state.CheckpointState(download_state.CheckpointPhase.READY, download_state.Reason.DOWNLOADED, "", "j")
@@ -38,15 +40,18 @@ def sts(
     update: str = "rev-2",
     generation: int = 3,
     observed: int = 3,
-) -> dict[str, Any]:
+) -> V1StatefulSet:
     annotations = {C.ANNOTATION_TEMPLATE_HASH: template_hash}
     if surge is not None:
         annotations[C.ANNOTATION_SURGE] = surge
-    return {
-        "metadata": {"name": "ps", "generation": generation, "annotations": annotations},
-        "spec": {"replicas": replicas, "ordinals": {"start": start}},
-        "status": {"replicas": replicas, "updateRevision": update, "observedGeneration": observed},
-    }
+    return api_object(
+        V1StatefulSet,
+        {
+            "metadata": {"name": "ps", "generation": generation, "annotations": annotations},
+            "spec": {"replicas": replicas, "ordinals": {"start": start}},
+            "status": {"replicas": replicas, "updateRevision": update, "observedGeneration": observed},
+        },
+    )
 
 
 def pod(
@@ -56,7 +61,7 @@ def pod(
     revision: str = "rev-2",
     unschedulable: str | None = None,
     deleting: bool = False,
-) -> dict[str, Any]:
+) -> V1Pod:
     conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
     if unschedulable is not None:
         conditions.append(
@@ -65,13 +70,13 @@ def pod(
     meta: dict[str, Any] = {"name": f"ps-{ordinal}", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: revision}}
     if deleting:
         meta["deletionTimestamp"] = "2025-01-01T00:00:00Z"
-    return {"metadata": meta, "status": {"conditions": conditions}}
+    return api_object(V1Pod, {"metadata": meta, "status": {"conditions": conditions}})
 
 
 def step(
     replicas: int,
-    observed: dict[str, Any] | None,
-    pods: list[dict[str, Any]],
+    observed: V1StatefulSet | None,
+    pods: list[V1Pod],
     *,
     want: str = NEW,
     per_pod: bool = False,
@@ -109,7 +114,7 @@ def test_nothing_serving_replaces_every_old_pod_in_place() -> None:
     [None, pod(1, ready=False), pod(1, ready=True, deleting=True)],
     ids=["not created yet", "starting", "being deleted"],
 )
-def test_the_surge_waits_for_the_extra_pod(extra: dict[str, Any] | None) -> None:
+def test_the_surge_waits_for_the_extra_pod(extra: V1Pod | None) -> None:
     pods = [pod(0, revision="rev-1")] + ([extra] if extra else [])
     assert step(1, sts(NEW, 2, surge=SURGE), pods) == ro.Rollout(2, 0, SURGE)  # the same answer every pass
 
@@ -214,8 +219,9 @@ def test_foreign_managers_are_those_owning_fields_under_the_path() -> None:
             ]
         }
     }
-    assert foreign_managers(obj, "spec", "template") == ["kubectl-set"]
-    assert foreign_managers(obj, "spec", "ports") == []
+    managed = api_objects(V1ManagedFieldsEntry, obj["metadata"]["managedFields"])
+    assert foreign_managers(managed, "spec", "template") == ["kubectl-set"]
+    assert foreign_managers(managed, "spec", "ports") == []
 
 
 def test_the_replacement_patch_removes_every_key_desired_lacks() -> None:
@@ -259,7 +265,12 @@ def test_plan_surges_a_one_replica_rollout_through_the_statefulset_it_applies() 
     running["metadata"]["generation"] = 1
     # pass 1: the change is seen, one extra pod with the new template (OnDelete: ps-0 is left alone)
     [start] = _sts_writes(
-        pl.plan(after, OWNER, pl.Observed(statefulset=running, pods=[pod(0, revision="rev-1")]), READY)
+        pl.plan(
+            after,
+            OWNER,
+            pl.Observed(statefulset=api_object(V1StatefulSet, running), pods=[pod(0, revision="rev-1")]),
+            READY,
+        )
     )
     assert start.verb is pl.Verb.APPLY and start.body["spec"]["replicas"] == 2
     assert start.body["spec"]["updateStrategy"] == {"type": "OnDelete"}
@@ -271,7 +282,8 @@ def test_plan_surges_a_one_replica_rollout_through_the_statefulset_it_applies() 
     # pass 2: the extra pod is Ready on the new revision -> ordinals.start 1, one pod: ps-0 goes, ps-1 stays
     start.body["status"] = {"replicas": 2, "updateRevision": "rev-2", "observedGeneration": 2}
     start.body["metadata"]["generation"] = 2
-    done = pl.plan(after, OWNER, pl.Observed(statefulset=start.body, pods=[pod(0, revision="rev-1"), pod(1)]), READY)
+    rolled = pl.Observed(statefulset=api_object(V1StatefulSet, start.body), pods=[pod(0, revision="rev-1"), pod(1)])
+    done = pl.plan(after, OWNER, rolled, READY)
     [back] = _sts_writes(done)
     assert back.body["spec"]["replicas"] == 1 and back.body["spec"]["ordinals"] == {"start": 1}
     assert C.ANNOTATION_SURGE not in back.body["metadata"]["annotations"] and back.event is None
@@ -289,7 +301,12 @@ def test_plan_repairs_a_drifted_template_with_a_patch_before_the_apply_and_repla
     )
     live["status"] = {"replicas": 2, "updateRevision": "rev-drift", "observedGeneration": 2}
     result = pl.plan(
-        spec, OWNER, pl.Observed(statefulset=live, pods=[pod(0, revision="rev-1"), pod(1, revision="rev-1")]), READY
+        spec,
+        OWNER,
+        pl.Observed(
+            statefulset=api_object(V1StatefulSet, live), pods=[pod(0, revision="rev-1"), pod(1, revision="rev-1")]
+        ),
+        READY,
     )
     repair, apply = _sts_writes(result)
     assert (repair.verb, apply.verb) == (pl.Verb.PATCH, pl.Verb.APPLY)
@@ -314,7 +331,7 @@ def test_plan_puts_back_a_service_port_edited_into_another_key() -> None:
             "kubectl-patch", {"f:spec": {"f:ports": {'k:{"port":9999,"protocol":"TCP"}': {".": {}, "f:port": {}}}}}
         )
     ]
-    result = pl.plan(spec, OWNER, pl.Observed(service=svc), READY)
+    result = pl.plan(spec, OWNER, pl.Observed(service=api_object(V1Service, svc)), READY)
     [repair] = [w for w in result.writes if w.kind == "Service" and w.verb is pl.Verb.PATCH]
     assert repair.body == {
         "spec": {"ports": [{"name": C.PORT_NAME, "port": C.DEFAULT_PORT, "targetPort": C.PORT_NAME, "protocol": "TCP"}]}
@@ -324,6 +341,6 @@ def test_plan_puts_back_a_service_port_edited_into_another_key() -> None:
     svc["metadata"]["managedFields"] = [_managed(C.FIELD_MANAGER, {"f:spec": {"f:ports": {}}}, "Apply")]
     assert not [
         w
-        for w in pl.plan(spec, OWNER, pl.Observed(service=svc), READY).writes
+        for w in pl.plan(spec, OWNER, pl.Observed(service=api_object(V1Service, svc)), READY).writes
         if w.kind == "Service" and w.verb is pl.Verb.PATCH
     ]
