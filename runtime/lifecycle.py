@@ -34,13 +34,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from policy_operator.exit_codes import ServeExit
 
 if TYPE_CHECKING:
     from policy_operator.runtime.serving.ingress import Ingress
-    from policy_operator.runtime.serving.server import PolicyWebSocketServer
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class KV(Protocol):
     def get(self, key: str) -> bytes | None: ...
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     """Leave the process at once with ``code`` (threads stuck in a batch or a collective included)."""
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -149,21 +148,3 @@ async def stop_ranks(ingress: Ingress, *, drained: bool, kv: KV) -> None:
     announce_stop(kv)
     if not drained:
         await asyncio.sleep(2 * STOP_POLL_S)  # the others leave first: none sees rank 0 vanish mid-collective
-
-
-async def drain_and_stop(
-    server: PolicyWebSocketServer, ingress: Ingress, *, grace_s: float, heartbeat_s: float, kv: KV
-) -> bool:
-    """Rank 0 after SIGTERM (or a failed replica): drain, and at the deadline fail what still runs and stop every
-    rank together.  True when every request was answered within ``grace_s``.
-
-    Drained, ``Shutdown`` goes down every lane and each loop ends.  Not drained, a lane is still inside its
-    batch, which may outlast the pod: its requests fail with ``drain_timeout`` (sessions closed with 1001 right
-    after, as draining sessions are), no ``Shutdown`` waits behind the batch, and ``STOP_KEY`` tells every rank
-    to exit 0 now, before rank 0 itself leaves mid-collective.
-    """
-    from policy_operator.runtime.serving.server import drain_sessions  # torch: only once serving
-
-    drained = await drain_sessions(server, ingress, grace_s=grace_s, heartbeat_s=heartbeat_s)
-    await stop_ranks(ingress, drained=drained, kv=kv)
-    return drained

@@ -48,9 +48,9 @@ if TYPE_CHECKING:  # torch: imported once the layout is known to be valid
     from policy_operator.runtime.compile_cache import CompileCache
     from policy_operator.runtime.lifecycle import Lifecycle
     from policy_operator.runtime.parallel.dispatch import Lane, Replica
+    from policy_operator.runtime.rank0_front import Front
     from policy_operator.runtime.serving.ingress import Ingress
-    from policy_operator.runtime.serving.metrics import ServerMetrics
-    from policy_operator.runtime.serving.server import PolicyWebSocketServer, ServerConfig
+    from policy_operator.runtime.serving.server import ServerConfig
 
 log = logging.getLogger("policy_operator.runtime.worker")
 
@@ -326,17 +326,6 @@ def server_config(opts: serve_flags.ServeOptions) -> ServerConfig:
     )
 
 
-def build_front(rt: Runtime, on_replica_failed: Callable[[int, str], None]) -> tuple[Ingress, PolicyWebSocketServer]:
-    """Rank 0's WebSocket server and ingress, wired in their constructors (metrics and sessions shared)."""
-    from policy_operator.runtime.serving.metrics import ServerMetrics
-    from policy_operator.runtime.serving.server import PolicyWebSocketServer, Sessions
-
-    metrics = ServerMetrics(rt.layout, rt.opts.max_connections)
-    sessions = Sessions()
-    ingress = build_ingress(rt, on_replica_failed, sessions.recent)
-    return ingress, PolicyWebSocketServer(ingress, server_config(rt.opts), metrics, sessions)
-
-
 def build_lanes(
     rt: Runtime,
     replica: Replica,
@@ -372,14 +361,6 @@ def build_lanes(
     return lanes
 
 
-def metrics_buckets(metrics: ServerMetrics, dp: int) -> Callable[[dict[int, float]], None]:
-    def observe(seconds: dict[int, float]) -> None:
-        for k in range(dp):
-            metrics.observe_buckets(k, seconds)
-
-    return observe
-
-
 # --- global rank 0 ------------------------------------------------------------------------
 def load_failed(rt: Runtime, ingress: Ingress, exc: Exception) -> None:
     """A model that did not load: this rank's heartbeat and /readyz say why (paths hidden), the log and stderr
@@ -391,169 +372,110 @@ def load_failed(rt: Runtime, ingress: Ingress, exc: Exception) -> None:
     print(f"policyserver: error: {error}", file=sys.stderr, flush=True)
 
 
-async def _serve_rank0(rt: Runtime, lifecycle: Lifecycle) -> int:
-    from policy_operator.runtime.lifecycle import drain_and_stop
-
-    opts = rt.opts
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()  # SIGTERM once loaded (Lifecycle.serving), or a failed replica
-    code = ServeExit.OK
-
-    def replica_failed(index: int, reason: str) -> None:
-        nonlocal code
-        if lifecycle.stopping.is_set():  # a replica ended by the shutdown itself: no reason to restart the pod
-            log.info("replica %d ended during the shutdown: %s", index, reason)
-            return
-        code = ServeExit.REPLICA_FAILED
-        rt.heartbeat.set_state(RankState.FAILED, public_reason(f"replica {index}: {reason}", opts))
-        stop.set()
-
-    ingress, server = build_front(rt, replica_failed)
-    await server.start()
-    print(f"policyserver: listening on ws://{opts.host}:{server.port} ({rt.layout.label})", flush=True)
-
-    model_pool = ThreadPoolExecutor(1, thread_name_prefix="model")
-    load = loop.run_in_executor(model_pool, rt.load, server.metrics.observe_download)
-    stopper = asyncio.ensure_future(stop.wait())
-    first: set[asyncio.Future[Any]] = {load, stopper}
-    await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
-    if not load.done():  # SIGTERM while loading: nothing to drain
-        await server.stop()
-        log.info("stopped while loading")
-        os._exit(ServeExit.OK)
-    try:
-        replica = load.result()
-    except Exception as exc:  # noqa: BLE001 - a broken checkpoint must restart the pod, with a reason
-        load_failed(rt, ingress, exc)
-        await asyncio.sleep(opts.heartbeat_s)  # /readyz answers with the reason for a period, then the pod restarts
-        await server.stop()
-        return ServeExit.LOAD
-    lanes = build_lanes(
-        rt,
-        replica,
-        model_pool,
-        ingress,
-        server.metrics.observe_batch,
-        metrics_buckets(server.metrics, rt.layout.dp),
-    )
-    ingress.attach(replica.policy, lanes, rt.bucket_ms)
-    server.metrics.load_seconds.set(rt.load_s)
-    server.metrics.warmup_seconds.set(rt.warmup_s)
-    print("policyserver: ready", flush=True)
-    lifecycle.serving(lambda: loop.call_soon_threadsafe(stop.set))
-
-    await stopper
-    if code == ServeExit.OK:
-        log.info("SIGTERM: draining up to %.1fs", opts.drain_grace_s)
-        rt.heartbeat.set_state(RankState.STOPPING)
-    else:
-        log.error("a replica failed: draining the others up to %.1fs, then exiting %d", opts.drain_grace_s, code)
-    drained = await drain_and_stop(
-        server, ingress, grace_s=opts.drain_grace_s, heartbeat_s=opts.heartbeat_s, kv=rt.kv_factory()
-    )
-    rt.heartbeat.stop()
-    log.info("rank 0 exiting %d (%s)", code, "drained" if drained else "grace period over")
-    return code
-
-
-async def _serve_rank0_process(rt: Runtime, lifecycle: Lifecycle) -> int:
-    """Rank 0 under ``--frontend process``: the model process; the port is served by its front-end child
-    (``serving/frontend.py``), which it starts first and which drains when rank 0 is told to stop."""
-    from policy_operator.runtime.lifecycle import exit_now, stop_ranks
+def make_front(rt: Runtime, lifecycle: Lifecycle) -> Front:
+    """The in-process server, or the front-end process (started now: it imports torch and binds the port while
+    rank 0 loads)."""
+    from policy_operator.runtime.rank0_front import InlineFront, ProcessFront
     from policy_operator.runtime.serving import ipc
-    from policy_operator.runtime.serving.engine_link import EngineLink
+    from policy_operator.runtime.serving.metrics import ServerMetrics
 
     opts = rt.opts
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()  # SIGTERM once loaded (Lifecycle.serving), or a failed replica
-    code = ServeExit.OK
+    if opts.frontend != "process":
+        metrics = ServerMetrics(rt.layout, opts.max_connections)
+        return InlineFront(server_config(opts), metrics, rt.layout.dp, opts.heartbeat_s)
+    slots, slot_bytes = ipc.ring_geometry(opts.max_message_bytes, opts.max_buffered_bytes)
+    config = ipc.FrontendConfig(
+        server_config(opts),
+        rt.layout,
+        opts.heartbeat_s,
+        opts.pg_timeout_s,
+        slots,
+        slot_bytes,
+        opts.event_loop,
+        opts.gil_switch_ms,
+        opts.log_level,
+    )
+    return ProcessFront.spawn(config, rt.heartbeat, lifecycle)
 
-    def replica_failed(index: int, reason: str) -> None:
-        nonlocal code
-        if lifecycle.stopping.is_set():
+
+class Rank0:
+    """Global rank 0 from the port's opening to its exit code, the same under either ``--frontend``: serve the
+    port, load the model (or report why it did not load), attach the lanes, serve until SIGTERM or a failed
+    replica, drain, stop every rank.  ``front`` is where readiness and metrics go and who drains the sessions.
+
+    The drain: sessions drained up to ``--drain-grace-s`` (idle ones closed with 1001 at once, busy ones after
+    their reply); at the deadline what still runs fails with ``drain_timeout``.  Drained, ``Shutdown`` goes down
+    every lane and each loop ends; not drained, a lane is still inside its batch, which may outlast the pod, so
+    no ``Shutdown`` waits behind it and ``STOP_KEY`` tells every rank to exit 0 now, before rank 0 itself leaves
+    mid-collective.
+    """
+
+    def __init__(self, rt: Runtime, lifecycle: Lifecycle, front: Front) -> None:
+        self.rt = rt
+        self.lifecycle = lifecycle
+        self.front = front
+        self.code = ServeExit.OK
+        self.stop = asyncio.Event()  # SIGTERM once loaded (Lifecycle.serving), or a failed replica
+        self.ingress = build_ingress(rt, self._replica_failed, front.recent_sessions)
+
+    def _replica_failed(self, index: int, reason: str) -> None:
+        if self.lifecycle.stopping.is_set():  # a replica ended by the shutdown itself: no reason to restart the pod
             log.info("replica %d ended during the shutdown: %s", index, reason)
             return
-        code = ServeExit.REPLICA_FAILED
-        rt.heartbeat.set_state(RankState.FAILED, public_reason(f"replica {index}: {reason}", opts))
-        link.push()
-        stop.set()
+        self.code = ServeExit.REPLICA_FAILED
+        self.rt.heartbeat.set_state(RankState.FAILED, public_reason(f"replica {index}: {reason}", self.rt.opts))
+        self.front.push_readiness()
+        self.stop.set()
 
-    def frontend_gone() -> None:
-        if lifecycle.stopping.is_set():
-            return  # it drained and left, or the shutdown took it
-        log.error("the front-end process exited (%s); rank 0 exits %d", link.proc.poll(), ServeExit.FRONTEND)
-        rt.heartbeat.set_state(RankState.FAILED, "the front-end process exited")
-        exit_now(ServeExit.FRONTEND)
+    async def serve(self) -> int:
+        from policy_operator.runtime.lifecycle import stop_ranks
 
-    slots, slot_bytes = ipc.ring_geometry(opts.max_message_bytes, opts.max_buffered_bytes)
-    link = EngineLink.spawn(
-        ipc.FrontendConfig(
-            server_config(opts),
-            rt.layout,
-            opts.heartbeat_s,
-            opts.pg_timeout_s,
-            slots,
-            slot_bytes,
-            opts.event_loop,
-            opts.gil_switch_ms,
-            opts.log_level,
-        )
-    )
-    ingress = build_ingress(rt, replica_failed, lambda: link.recent)
-    link.start(ingress, frontend_gone)
+        rt, opts, front, ingress = self.rt, self.rt.opts, self.front, self.ingress
+        loop = asyncio.get_running_loop()
+        await front.open(ingress)
+        model_pool = ThreadPoolExecutor(1, thread_name_prefix="model")
+        load = loop.run_in_executor(model_pool, rt.load, front.observe_download)
+        port = await front.listening()
+        print(f"policyserver: listening on ws://{opts.host}:{port} ({rt.layout.label}{front.label})", flush=True)
 
-    model_pool = ThreadPoolExecutor(1, thread_name_prefix="model")
-    load = loop.run_in_executor(model_pool, rt.load, link.observe_download)
-    try:
-        port = await link.listening()
-    except (TimeoutError, ConnectionError) as exc:
-        log.error("the front-end process did not start: %s", exc or "no answer")
-        exit_now(ServeExit.FRONTEND)
-    print(f"policyserver: listening on ws://{opts.host}:{port} ({rt.layout.label}, front-end process)", flush=True)
+        stopper = asyncio.ensure_future(self.stop.wait())
+        first: set[asyncio.Future[Any]] = {load, stopper}
+        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+        if not load.done():  # stopped while loading: nothing to drain
+            await front.close()
+            log.info("stopped while loading")
+            os._exit(ServeExit.OK)
+        try:
+            replica = load.result()
+        except Exception as exc:  # noqa: BLE001 - a broken checkpoint must restart the pod, with a reason
+            load_failed(rt, ingress, exc)
+            front.push_readiness()
+            await asyncio.sleep(opts.heartbeat_s)  # /readyz answers with the reason for a period, then the pod restarts
+            await front.close()
+            return ServeExit.LOAD
+        lanes = build_lanes(rt, replica, model_pool, ingress, front.observe_batch, front.observe_buckets)
+        ingress.attach(replica.policy, lanes, rt.bucket_ms)
+        front.attached(replica.policy, rt.load_s, rt.warmup_s)
+        print("policyserver: ready", flush=True)
+        self.lifecycle.serving(lambda: loop.call_soon_threadsafe(self.stop.set))
 
-    stopper = asyncio.ensure_future(stop.wait())
-    first: set[asyncio.Future[Any]] = {load, stopper}
-    await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
-    if not load.done():  # SIGTERM while loading: nothing to drain
-        log.info("stopped while loading")
-        os._exit(ServeExit.OK)
-    try:
-        replica = load.result()
-    except Exception as exc:  # noqa: BLE001 - a broken checkpoint must restart the pod, with a reason
-        load_failed(rt, ingress, exc)
-        link.push()
-        await asyncio.sleep(opts.heartbeat_s)  # /readyz answers with the reason for a period, then the pod restarts
-        lifecycle.stopping.set()  # the front-end's exit that follows is expected
-        return ServeExit.LOAD
-    lanes = build_lanes(
-        rt,
-        replica,
-        model_pool,
-        ingress,
-        link.observe_batch,
-        lambda seconds: link.send(ipc.Gauges(buckets=seconds)),
-    )
-    ingress.attach(replica.policy, lanes, rt.bucket_ms)
-    link.send(ipc.Gauges(load_s=rt.load_s, warmup_s=rt.warmup_s))
-    link.attach(replica.policy, ingress.rtc.support)
-    print("policyserver: ready", flush=True)
-    lifecycle.serving(lambda: loop.call_soon_threadsafe(stop.set))
+        await stopper
+        if self.code == ServeExit.OK:
+            log.info("SIGTERM: draining up to %.1fs", opts.drain_grace_s)
+            rt.heartbeat.set_state(RankState.STOPPING)
+        else:
+            log.error(
+                "a replica failed: draining the others up to %.1fs, then exiting %d", opts.drain_grace_s, self.code
+            )
+        drained = await front.drain(opts.drain_grace_s)
+        await stop_ranks(ingress, drained=drained, kv=rt.kv_factory())
+        rt.heartbeat.stop()
+        log.info("rank 0 exiting %d (%s)", self.code, "drained" if drained else "grace period over")
+        return self.code
 
-    await stopper
-    if code == ServeExit.OK:
-        log.info("SIGTERM: draining up to %.1fs", opts.drain_grace_s)
-        rt.heartbeat.set_state(RankState.STOPPING)
-    else:
-        lifecycle.stopping.set()  # the front-end's exit after its drain is expected
-        log.error("a replica failed: draining the others up to %.1fs, then exiting %d", opts.drain_grace_s, code)
-    ingress.draining = True
-    link.push()
-    drained = await link.drain(opts.drain_grace_s)
-    link.close()
-    await stop_ranks(ingress, drained=drained, kv=rt.kv_factory())
-    rt.heartbeat.stop()
-    log.info("rank 0 exiting %d (%s)", code, "drained" if drained else "grace period over")
-    return code
+
+async def serve_rank0(rt: Runtime, lifecycle: Lifecycle) -> int:
+    return await Rank0(rt, lifecycle, make_front(rt, lifecycle)).serve()
 
 
 # --- every other rank ------------------------------------------------------------------------
@@ -641,8 +563,7 @@ def run(opts: serve_flags.ServeOptions) -> int:
     rt = Runtime(opts, layout)
     if rt.rank == 0:
         with asyncio.Runner(loop_factory=event_loop_factory(opts.event_loop)) as runner:
-            serve = _serve_rank0_process if opts.frontend == "process" else _serve_rank0
-            code = runner.run(serve(rt, lifecycle))
+            code = runner.run(serve_rank0(rt, lifecycle))
     else:
         code = _serve_other(rt, lifecycle)
     sys.stdout.flush()
