@@ -5,6 +5,7 @@
 #   rm -rf .old && mkdir .old && git archive a803712^ | tar -x -C .old     # .old is ignored by git
 #   run(command="bash bench/device_robots.sh", carry=[".whl", ".old"])
 #   run(command="bash bench/device_robots.sh full", carry=[".whl"])      # the whole table at this build
+#   run(command="bash bench/device_robots.sh window", carry=[".whl"])    # max-batch 32, 32 robots, windows 2/5/10 ms
 set -u
 REPO=$(pwd)
 OUT=${OUT:-/tmp/out}
@@ -25,7 +26,7 @@ PYTHONPATH=/tmp/site-new python3 -m policy_operator.cli checkpoint init /tmp/bas
 echo "installed, checkpoint after $(( $(date +%s) - start )) s"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
 COMMON=(--device cuda --size base --steps 10 --dtype bfloat16 --compile reduce-overhead --checkpoint /tmp/base
-    --tables robots --robot-n 30 --batch-window-ms 2)
+    --tables robots --robot-n 30)
 # stage NAME SITE SECONDS_TO_LEAVE_OVER ARGS...: this build's bench/runtime.py against SITE's server
 stage() {
     local name=$1 site=$2 spare=$3
@@ -45,6 +46,17 @@ if [ "${1:-}" = full ]; then
         --serve-args "--compile-cache-dir /tmp/cc"
     stage full-mb1 /tmp/site-new 5 --robot-max-batch 1 --robots 1 --robot-n 40 --frontend inline,process \
         --serve-args "--compile-cache-dir /tmp/cc"
+    echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
+if [ "${1:-}" = window ]; then
+    # max-batch 32 with 32 robots: does a longer batch window fill the process front-end's batches (24.4 of 32
+    # at 2 ms), and what does it cost inline; the in-process batch-32 time once, beside them
+    for w in 2 5 10; do
+        stage "window-$w" /tmp/site-new 30 --robot-max-batch 32 --robots 32 --frontend process,inline \
+            --batch-window-ms "$w" --serve-args "--compile-cache-dir /tmp/cc" \
+            $( [ "$w" = 10 ] && echo --in-process || echo --no-in-process )
+    done
     echo "done after $(( $(date +%s) - start )) s"
     exit 0
 fi
