@@ -27,7 +27,7 @@ from policy_operator.runtime.policy.sampler import batch_buckets, bucket_of, sam
 from policy_operator.runtime.serving import wire
 from tests.support.plugins.batch_probe_policy import FAIL_PROMPT, NAN_PROMPT
 from tests.support.plugins.held_policy import hold_prompt
-from tests.support.servers import PolicyServerProcess, serve_policy
+from tests.support.servers import NO_DRAIN, PolicyServerProcess, serve_policy
 
 CFG = PolicyConfig()
 STEPS = 3
@@ -384,6 +384,7 @@ def batching_server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
         "dict",
         "--threads",
         "1",
+        *NO_DRAIN,
     ) as s:
         yield s
 
@@ -517,6 +518,7 @@ def test_batches_cross_the_ranks_of_every_layout(tiny_checkpoint: Path, tmp_path
         assert s.readyz().json()["ranks_ready"] == cfgp * dp, "every rank still serves"
 
 
+@pytest.mark.slow  # its own server, robots in closed loop for several rounds
 def test_closed_loop_robots_come_back_as_one_batch(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """Four robots that each send their next request when their reply arrives.  Robot 0's first request is held
     while the other three queue behind it.  A lane that still counted robot 0 as in flight when its batch ended
@@ -568,6 +570,7 @@ def test_closed_loop_robots_come_back_as_one_batch(tiny_checkpoint: Path, tmp_pa
             assert max(waits[k][-4:]) < 400, "a full batch starts without waiting out the window"
 
 
+@pytest.mark.slow  # its own server, a deliberately long batch
 def test_robots_answered_after_a_long_batch_still_count_as_coming_back(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """Robot A's request is held for 1.5 s, longer than ``RECENT_SESSION_S``, while robot B's queues behind it.
     When A's batch ends, A is about to come back: counted by the age of its last frame it would look gone and B's

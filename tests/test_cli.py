@@ -16,6 +16,7 @@ from policy_operator import __version__
 from policy_operator.cli import COMMANDS
 from policy_operator.constants import COMPLETE_MARKER, CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 from tests.support.servers import (
+    NO_DRAIN,
     VENV_BIN,
     PolicyServerProcess,
     serve_policy,
@@ -203,7 +204,7 @@ def test_verify_require_marker_refuses_an_unfetched_directory(checkpoint_copy: P
 # --- the bundled client -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
-    with serve_policy(tiny_checkpoint, "--steps", "2") as s:
+    with serve_policy(tiny_checkpoint, "--steps", "2", *NO_DRAIN) as s:
         yield s
 
 

@@ -22,7 +22,7 @@ from websockets.sync.client import ClientConnection, connect
 from policy_operator.runtime.policy.reference import PolicyConfig, example_observation
 from policy_operator.runtime.serving import wire
 from tests.support.net import wait_for
-from tests.support.servers import PolicyServerProcess, serve_policy, session_checkpoint
+from tests.support.servers import NO_DRAIN, PolicyServerProcess, serve_policy, session_checkpoint
 
 CFG = PolicyConfig()
 RECV_TIMEOUT_S = 60.0
@@ -71,6 +71,7 @@ def limited(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
         str(FRAME_TIMEOUT_S),
         "--error-format",
         "dict",
+        *NO_DRAIN,
     ) as s:
         yield s
 
@@ -132,6 +133,7 @@ def test_connections_past_the_cap_are_refused_before_the_upgrade(limited: Policy
         assert "actions" in wire.unpackb(ws.recv(timeout=RECV_TIMEOUT_S))
 
 
+@pytest.mark.slow  # its own server, then seconds until the stuck client's socket fills
 def test_a_client_that_stopped_reading_does_not_hold_the_batch_window(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A client sends requests and never reads a reply: once its socket is full the server's send to it blocks.
     Such a session cannot send again, so a lone robot's request must not wait the batch window for it (before

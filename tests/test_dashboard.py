@@ -25,7 +25,7 @@ from policy_operator.operator import manifests
 from policy_operator.operator.spec import parse_spec
 from tests.support import promql
 from tests.support.chart import CHART, EXAMPLES, NS, RELEASE, chart
-from tests.support.servers import serve_policy
+from tests.support.servers import NO_DRAIN, serve_policy
 
 DASHBOARD_FILE = CHART / "dashboards" / "policy-server.json"
 VARIABLES = ("datasource", "namespace", "policyserver", "pod")
@@ -126,7 +126,7 @@ def metrics_text(tiny_checkpoint: Path) -> str:
     from policy_operator.runtime.probe import canned_observation, check_metadata
     from policy_operator.runtime.serving import wire
 
-    with serve_policy(tiny_checkpoint, "--steps", "2") as server:
+    with serve_policy(tiny_checkpoint, "--steps", "2", *NO_DRAIN) as server:
         with connect(server.url) as ws:
             meta = wire.unpackb(ws.recv(timeout=30))
             ws.send(wire.packb(canned_observation(check_metadata(meta))))
@@ -243,6 +243,7 @@ def test_schema_rejects_bad_dashboard_values(values: dict[str, Any], where: str)
 # --- the start-up panels show real numbers ---------------------------------------------------------
 
 
+@pytest.mark.slow  # a throttled download (8 s) before its own server loads
 def test_a_server_fetching_its_own_checkpoint_exports_progress_load_and_warmup(tmp_path: Path) -> None:
     """``serve --checkpoint URL``: rank 0 downloads while /metrics is up, then loads and warms up."""
     import subprocess

@@ -131,6 +131,7 @@ def test_four_concurrent_processes_download_once(server, src_root, tmp_path, cli
     check_complete(final, verify=True)
 
 
+@pytest.mark.slow  # fault injection: a fetch killed mid-download, then a second one
 def test_killed_fetch_resumes_with_a_range_request(tmp_path, cli_env):
     root = tmp_path / "srv"
     make_checkpoint(root / "ckpt", weights_size=8 * MiB)

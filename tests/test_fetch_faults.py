@@ -69,6 +69,7 @@ def root(tmp_path: Path) -> Path:
 
 
 # --- connections that drop, reset or stall --------------------------------------------------------
+@pytest.mark.slow  # five attempts without progress: 1 + 2 + 4 + 8 s of back-off by design
 def test_server_ignoring_range_and_dropping_at_30_percent_ends_with_exit_3(root, tmp_path, cli_env):
     """Every attempt starts at byte 0 and ends at the same 30%: that is no progress, however often it is tried."""
     with FaultyCheckpointServer(root, fault="close", cut=0.3, ignore_range=True) as server:
@@ -95,6 +96,7 @@ def test_reset_connections_resume_from_the_bytes_already_received(root, tmp_path
     published_tree_is_clean(dest / request_key(url), root / "ckpt")
 
 
+@pytest.mark.slow  # waits out stall timeouts by design
 def test_stalled_body_is_dropped_after_the_stall_timeout_and_resumed(root, tmp_path, cli_env):
     """A server that sends 30% and then nothing: after --stall-timeout-s the fetch asks for the rest."""
     size = (root / "ckpt" / WEIGHTS).stat().st_size

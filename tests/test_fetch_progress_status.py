@@ -178,6 +178,7 @@ def test_the_operator_reads_the_newest_line_from_the_progress_endpoint() -> None
     assert observe.fetch_progress(active_job(), [running_pod_at(free_port())]) is None
 
 
+@pytest.mark.slow  # a throttled download (8 s) read while it runs
 @pytest.mark.timeout(120)
 def test_policyserver_fetch_serves_its_progress_while_it_downloads(tmp_path) -> None:
     """The real CLI, throttled: /progress answers with growing byte counts before the download is done."""

@@ -113,6 +113,7 @@ def load_offline(cli_env: dict[str, str], view: Path, home: Path) -> subprocess.
     )
 
 
+@pytest.mark.slow  # two fetches, then transformers loads the named repositories in a subprocess
 def test_named_repositories_are_fetched_and_load_offline(repos, tmp_path: Path, cli_env) -> None:
     vlm, tokenizer = repos
     ckpt = write_checkpoint(tmp_path / "ckpt")

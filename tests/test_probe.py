@@ -21,7 +21,7 @@ import pytest
 from policy_operator.exit_codes import ProbeExit
 from policy_operator.runtime import probe
 from tests.support.net import free_port
-from tests.support.servers import VENV_BIN, serve_policy, subprocess_env
+from tests.support.servers import NO_DRAIN, VENV_BIN, serve_policy, subprocess_env
 
 TOKEN = "probe-secret-token"
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "
@@ -56,7 +56,7 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def good_server(tiny_checkpoint: Path, token_file: Path):
-    with serve_policy(tiny_checkpoint, "--steps", "2", "--auth-token-file", str(token_file)) as server:
+    with serve_policy(tiny_checkpoint, "--steps", "2", "--auth-token-file", str(token_file), *NO_DRAIN) as server:
         yield server
 
 
@@ -127,6 +127,7 @@ def test_probe_usage_errors_exit_2(tmp_path: Path) -> None:
 # --- against servers that answer wrongly ------------------------------------------------------
 
 
+@pytest.mark.slow  # its own server (a broken policy), probed through its start
 def test_probe_fails_a_server_whose_actions_contain_nan_and_waits_for_it_to_load(tiny_checkpoint: Path) -> None:
     # started, not ready: the probe's retries carry it through refused connections and 503s to the real answer
     with serve_policy(

@@ -29,6 +29,7 @@ from websockets.sync.client import ClientConnection, connect
 from policy_operator.exit_codes import ServeExit
 from tests.support.net import wait_for
 from tests.support.servers import (
+    NO_DRAIN,
     VENV_BIN,
     PolicyServerProcess,
     ServerExited,
@@ -123,7 +124,7 @@ def in_background(fn, *args: Any) -> tuple[threading.Thread, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
-    with serve_policy(tiny_checkpoint, *FAST) as s:
+    with serve_policy(tiny_checkpoint, *FAST, *NO_DRAIN) as s:
         yield s
 
 
@@ -145,6 +146,7 @@ def test_finite_but_huge_state_is_refused_not_answered_with_nan(server, key: str
     assert np.isfinite(good["actions"]).all()
 
 
+@pytest.mark.slow  # its own server (an overflowing checkpoint); test_batching's NaN row is the fast case
 def test_non_finite_actions_are_an_error_reply_counted_in_metrics(tmp_path_factory) -> None:
     """A checkpoint whose action scale overflows float32: the reply is an error, never inf or NaN actions."""
     overflowing = session_checkpoint(tmp_path_factory, action_std=[3.0e38] * 8)

@@ -22,6 +22,9 @@ outlives a test.
 drain, a killed rank, ...); every wait is bounded and a failure carries the
 tail of the server's log.
 
+A server a module's tests share (a module-scoped fixture) passes ``*NO_DRAIN``: its teardown
+has nothing to drain.
+
 Checkpoints: :func:`session_checkpoint` makes one per (size, seed, overrides)
 per test session; the ``tiny_checkpoint`` fixture (tests/conftest.py) is the
 common case.
@@ -57,6 +60,9 @@ VENV_BIN = Path(sys.executable).parent
 PLUGIN_DIR = Path(__file__).resolve().parent / "plugins"
 START_TIMEOUT_S = 90.0  # import torch + load + warm-up on 2 busy cores; torchrun adds a few seconds
 STOP_TIMEOUT_S = 30.0
+# For a server that a module's tests share: its fixture stops it with no request in flight, so SIGTERM needs no
+# drain.  Without it the drain keeps /readyz at 503 for a heartbeat period (1 s) before the port closes.
+NO_DRAIN = ("--drain-grace-s", "0")
 _LISTENING = re.compile(r"listening on ws://([0-9.]+):(\d+)")
 
 WaitFor = Literal["ready", "listening", "started"]
