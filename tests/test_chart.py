@@ -381,7 +381,7 @@ def test_operator_args_parse_with_the_operator_parser_and_mean_what_the_values_s
     assert container["command"] == ["policyserver", "operator"]
     args = parse_operator_args(container["args"])
     full = cli.build_parser().parse_args(container["command"][1:] + container["args"])
-    assert full._main is operator_main.main
+    assert cli.COMMANDS[full.command][0] == operator_main.__name__
 
     if values.get("watchAllNamespaces"):
         assert args.all_namespaces and args.namespace is None

@@ -96,7 +96,7 @@ def test_hook_command_parses_and_probes_the_samples_endpoint(name: str) -> None:
     (container,) = hook["spec"]["containers"]
     assert container["command"] == ["policyserver", "probe"]
     args = cli.build_parser().parse_args(container["command"][1:] + container["args"])
-    assert args.command == "probe" and args._main.__module__ == "policy_operator.runtime.probe"
+    assert cli.COMMANDS[args.command][0] == "policy_operator.runtime.probe"
     spec = parse_spec(ps["spec"], name=ps["metadata"]["name"], namespace=ps["metadata"]["namespace"])
     assert args.url == manifests.endpoint(spec)  # what status.endpoint says
     test_values = VALUES[name]["samplePolicyServer"].get("test", {})

@@ -179,21 +179,17 @@ def requests_served(ip: str, port: int) -> float:
 
 
 def actions_through_service(d: Deployment, name: str, connections: int, seed: int = 1) -> list[dict[str, Any]]:
-    """One openpi-client connection after another to the Service (ws://127.0.0.1:PORT, the node's proxy)."""
-    from openpi_client.websocket_client_policy import WebsocketClientPolicy
-
+    """One openpi-client session after another to the Service (ws://127.0.0.1:PORT, the node's proxy)."""
     from policy_operator.runtime.client import robolab_observation
+    from tests.support.openpi import session_at
 
     host, port = d.cluster.node.service_address(NS, Names(name).service, C.PORT_NAME)
     answers = []
     for _ in range(connections):
-        client = WebsocketClientPolicy(host=host, port=port)
-        try:
+        with session_at(host, port) as client:
             meta = client.get_server_metadata()
             obs = robolab_observation(meta, seed=seed, fixed_seed=7)
             answers.append({"meta": meta, "first": client.infer(obs)["actions"], "again": client.infer(obs)["actions"]})
-        finally:
-            client._ws.close()  # openpi-client 0.1.2 has no close()
     return answers
 
 

@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
@@ -31,6 +30,7 @@ from policy_operator.runtime.policy.reference import PolicyConfig, example_obser
 from policy_operator.runtime.policy.sampler import batch_buckets
 from policy_operator.runtime.serving import wire
 from tests.support.net import wait_for
+from tests.support.openpi import OpenpiSession
 from tests.support.servers import PolicyServerProcess, descendants, serve_policy
 
 CFG = PolicyConfig()
@@ -47,13 +47,8 @@ def observation(variant: int = 0, **changes: Any) -> dict[str, Any]:
     return obs
 
 
-@contextlib.contextmanager
-def client(server: PolicyServerProcess, api_key: str | None = None) -> Iterator[WebsocketClientPolicy]:
-    c = WebsocketClientPolicy(server.url, api_key=api_key)
-    try:
-        yield c
-    finally:
-        c._ws.close()
+def client(server: PolicyServerProcess, api_key: str | None = None) -> OpenpiSession:
+    return OpenpiSession(server.url, api_key=api_key)
 
 
 def actions(server: PolicyServerProcess, obs: dict[str, Any]) -> np.ndarray:

@@ -301,7 +301,7 @@ def test_operator_image_default_command_is_the_operator() -> None:
     assert one_cmd(stage, "ENTRYPOINT").json and one_cmd(stage, "CMD").json  # exec form: signals reach kopf
     assert entrypoint == ["policyserver"]
     args = cli.build_parser().parse_args(cmd)
-    assert args._main is operator_main.main and args.all_namespaces and args.standalone
+    assert cli.COMMANDS[args.command][0] == operator_main.__name__ and args.all_namespaces and args.standalone
     # the chart overrides the command with the same executable
     chart = helm_python.Chart.load(REPO / "charts" / "policy-operator")
     deployment = yaml.safe_load(

@@ -135,7 +135,7 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
 def test_lerobot_policyserver_fetches_what_the_checkpoint_names_and_serves_openpi_clients(
     cluster: LocalCluster, hub: Hub
 ) -> None:
-    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+    from tests.support.openpi import session_at
 
     lc = cluster
     doc = lerobot_server(lc, hub, "smolvla", CKPT)
@@ -154,8 +154,7 @@ def test_lerobot_policyserver_fetches_what_the_checkpoint_names_and_serves_openp
 
     (pod,) = lc.list("v1", "pods", f"{C.LABEL_INSTANCE}=smolvla,{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
     asked = len(hub.stub.requests)
-    client = WebsocketClientPolicy(host=pod["status"]["podIP"], port=doc["spec"]["service"]["port"])
-    try:
+    with session_at(pod["status"]["podIP"], doc["spec"]["service"]["port"]) as client:
         meta = client.get_server_metadata()
         assert meta["lerobot_type"] == "smolvla" and meta["guidance"] == 1.0
         assert set(meta["observation_keys"]) == {
@@ -173,8 +172,6 @@ def test_lerobot_policyserver_fetches_what_the_checkpoint_names_and_serves_openp
         wrong = {k: v for k, v in obs.items() if k != "task"}
         error = client.infer(wrong)
         assert error["error"]["kind"] == "invalid_observation" and "'task'" in error["error"]["message"], error
-    finally:
-        client._ws.close()  # openpi-client 0.1.2 has no close()
     assert len(hub.stub.requests) == asked  # serving reached no hub
     assert doc["spec"]["policy"] == {"type": "lerobot"}
 

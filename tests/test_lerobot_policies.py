@@ -10,7 +10,6 @@ within ``ATOL`` (measured: bitwise equal on this CPU).
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -259,33 +258,24 @@ def test_a_bad_observation_names_what_is_expected(smolvla: LeRobotPolicy, change
 
 
 # --- a real server --------------------------------------------------------------------------------
-@contextlib.contextmanager
-def openpi_client(url: str) -> Iterator[WebsocketClientPolicy]:
-    client = WebsocketClientPolicy(url)
-    try:
-        yield client
-    finally:
-        client._ws.close()  # openpi-client 0.1.2 has no close()
-
-
 @pytest.mark.slow
 def test_serve_answers_an_openpi_client_in_lerobot_keys(smolvla_dir: Path, smolvla: LeRobotPolicy) -> None:
     with serve_policy(smolvla_dir, "--policy", "lerobot", "--error-format", "dict", "--threads", "1") as server:
-        with openpi_client(server.url) as client:
-            meta = client.get_server_metadata()
-            assert meta["lerobot_type"] == "smolvla" and meta["chunk_shape"] == [8, 6]
-            assert (meta["steps"], meta["guidance"]) == (4, 1.0)  # the config's num_steps; no guidance
-            assert set(meta["observation_keys"]) == {
-                "observation.images.top",
-                "observation.images.wrist",
-                "observation.state",
-                "task",
-            }
-            obs = {**smolvla.example_observation(3), "seed": 21}
-            actions = client.infer(obs)["actions"]
-            np.testing.assert_allclose(actions, lerobots_own(smolvla, [obs], 21), rtol=0, atol=ATOL)
-            bad = {k: v for k, v in obs.items() if k != "observation.images.wrist"}
-            error = client.infer(bad)
-            assert error["error"]["kind"] == "invalid_observation", error
-            assert "observation.images.wrist" in error["error"]["message"]
-            np.testing.assert_array_equal(client.infer(obs)["actions"], actions)  # only that request failed
+        client = WebsocketClientPolicy(server.url)  # the robots' own client: its session ends with this server
+        meta = client.get_server_metadata()
+        assert meta["lerobot_type"] == "smolvla" and meta["chunk_shape"] == [8, 6]
+        assert (meta["steps"], meta["guidance"]) == (4, 1.0)  # the config's num_steps; no guidance
+        assert set(meta["observation_keys"]) == {
+            "observation.images.top",
+            "observation.images.wrist",
+            "observation.state",
+            "task",
+        }
+        obs = {**smolvla.example_observation(3), "seed": 21}
+        actions = client.infer(obs)["actions"]
+        np.testing.assert_allclose(actions, lerobots_own(smolvla, [obs], 21), rtol=0, atol=ATOL)
+        bad = {k: v for k, v in obs.items() if k != "observation.images.wrist"}
+        error = client.infer(bad)
+        assert error["error"]["kind"] == "invalid_observation", error
+        assert "observation.images.wrist" in error["error"]["message"]
+        np.testing.assert_array_equal(client.infer(obs)["actions"], actions)  # only that request failed

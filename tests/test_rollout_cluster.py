@@ -73,12 +73,13 @@ class Client:
                 self.steps_seen.append(int(self._meta["steps"]))
                 return
             except (OSError, InvalidHandshake, ConnectionClosed, TimeoutError) as exc:
-                self._drop()
+                self.drop()
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no ready endpoint for {RECONNECT_S:g}s: {exc!r}") from exc
                 time.sleep(0.2)
 
-    def _drop(self) -> None:
+    def drop(self) -> None:
+        """Close the session, if one is open."""
         if self._ws is not None:
             try:
                 self._ws.close()
@@ -86,7 +87,8 @@ class Client:
                 pass
         self._ws = None
 
-    def _request(self, seed: int) -> None:
+    def request(self, seed: int) -> None:
+        """One request (connecting first when no session is open); raises when it fails."""
         if self._ws is None:
             self.reconnects += 1 if self.steps_seen else 0
             self._connect()
@@ -106,16 +108,16 @@ class Client:
             seed += 1
             for attempt in (0, 1):
                 try:
-                    self._request(seed)
+                    self.request(seed)
                     self.ok += 1
                     break
                 except (OSError, InvalidHandshake, ConnectionClosed, TimeoutError, RuntimeError) as exc:
-                    self._drop()
+                    self.drop()
                     if attempt == 0:
                         self.retried += 1
                     else:
                         self.lost.append(f"request {seed}: {exc!r}")
-        self._drop()
+        self.drop()
 
 
 @pytest.fixture(scope="module")
@@ -320,5 +322,5 @@ def test_a_service_port_edited_by_hand_is_put_back(cluster: tuple[LocalCluster, 
     assert progressing["reason"] != "ApplyFailed", progressing
     assert [p["port"] for p in (lc.get("v1", "services", name) or {})["spec"]["ports"]] == [port]
     robot = Client(lc.node.service_url(NS, name, C.PORT_NAME, scheme="ws"))
-    robot._request(1)  # the documented port serves
-    robot._drop()
+    robot.request(1)  # the documented port serves
+    robot.drop()

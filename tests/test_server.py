@@ -1,11 +1,14 @@
 """The single-process policy server, end to end: real ``policyserver serve`` processes on 127.0.0.1.
 
-Clients are the real ``openpi_client.WebsocketClientPolicy`` (what RoboLab
-uses) wherever the frame is an observation dict it can pack; frames it cannot
-produce (garbage bytes, text, hand-built array maps) go over a plain
-``websockets`` connection, which is the transport openpi-client uses.  One
-server per module and configuration; tests that count metrics compare before
-and after their own requests, so they do not depend on test order.
+Clients speak openpi-client's protocol through ``tests/support/openpi.py``:
+``WebsocketClientPolicy`` (what RoboLab uses) as it connects and packs, plus
+the ``close()`` it lacks, so no test leaves a session on a shared server (the
+real class itself is refused without a token below and serves a LeRobot
+policy in tests/test_lerobot_policies.py).  Frames it cannot produce (garbage
+bytes, text, hand-built array maps) go over a plain ``websockets``
+connection, which is the transport openpi-client uses.  One server per module
+and configuration; tests that count metrics compare before and after their
+own requests, so they do not depend on test order.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePolicy, example_observation
 from policy_operator.runtime.policy.sampler import sample_actions
 from tests.support.http_checkpoint_server import CheckpointServer
+from tests.support.openpi import OpenpiSession
 from tests.support.plugins.held_policy import hold_prompt
 from tests.support.servers import PolicyServerProcess, serve_policy
 
@@ -52,13 +56,8 @@ def observation(variant: int = 0, /, **changes: Any) -> dict[str, Any]:
     return obs
 
 
-@contextlib.contextmanager
-def openpi_client(server: PolicyServerProcess, api_key: str | None = None) -> Iterator[WebsocketClientPolicy]:
-    client = WebsocketClientPolicy(server.url, api_key=api_key)
-    try:
-        yield client
-    finally:
-        client._ws.close()  # openpi-client 0.1.2 has no close(); its connection is this attribute
+def openpi_client(server: PolicyServerProcess, api_key: str | None = None) -> OpenpiSession:
+    return OpenpiSession(server.url, api_key=api_key)
 
 
 @contextlib.contextmanager

@@ -412,7 +412,8 @@ class ControlPlane:
                 if exc.status != 409:
                     raise
             try:
-                if core.read_namespace(name).status.phase != "Terminating":
+                status = core.read_namespace(name).status
+                if status is None or status.phase != "Terminating":
                     break
             except ApiException as exc:
                 if exc.status != 404:

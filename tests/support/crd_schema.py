@@ -132,10 +132,15 @@ _ENV = celpy.Environment()
 _PROGRAMS: dict[str, Any] = {}
 
 
-def eval_rule(rule: str, value: Any) -> bool:
+def compile_rule(rule: str) -> Any:
+    """The CEL program of ``rule`` (raises when it does not compile), compiled once."""
     if rule not in _PROGRAMS:
         _PROGRAMS[rule] = _ENV.program(_ENV.compile(rule))
-    result = _PROGRAMS[rule].evaluate({"self": celpy.json_to_cel(value)})
+    return _PROGRAMS[rule]
+
+
+def eval_rule(rule: str, value: Any) -> bool:
+    result = compile_rule(rule).evaluate({"self": celpy.json_to_cel(value)})
     if isinstance(result, Exception):
         raise result
     return bool(result)

@@ -59,9 +59,10 @@ def _watch_until_available(cluster: LocalCluster, name: str, t0: float, timeout:
 
 def _actions(cluster: LocalCluster, name: str, n: int) -> None:
     import numpy as np
-    from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
     from policy_operator.runtime.client import robolab_observation
+
+    from .openpi import session_at
 
     host, port = cluster.node.service_address(NS, name, C.PORT_NAME)
     t = time.time()
@@ -69,11 +70,10 @@ def _actions(cluster: LocalCluster, name: str, n: int) -> None:
     # little after the operator's own /readyz poll made the PolicyServer Available
     wait_for(lambda: cluster.node.proxy.backends(NS, name), 60, what=f"a ready endpoint behind Service {name}")
     _say(f"Service {NS}/{name}: a ready endpoint {time.time() - t:.1f}s after Available was seen")
-    client = WebsocketClientPolicy(host=host, port=port)
-    try:
+    with session_at(host, port) as client:
         meta = client.get_server_metadata()
         _say(
-            f"openpi-client -> ws://{host}:{port} (Service {NS}/{name} port {C.PORT_NAME}, the node's proxy): "
+            f"openpi session -> ws://{host}:{port} (Service {NS}/{name} port {C.PORT_NAME}, the node's proxy): "
             f"layout {meta['layout']}, action shape {meta['action_shape']}, {meta['steps']} steps, "
             f"guidance {meta['guidance']}"
         )
@@ -82,8 +82,6 @@ def _actions(cluster: LocalCluster, name: str, n: int) -> None:
             actions = client.infer(robolab_observation(meta, seed=i))["actions"]
             ms = (time.perf_counter() - t) * 1e3
             _say(f"  request {i}: {ms:6.1f} ms  first action {np.array2string(actions[0], precision=3)}")
-    finally:
-        client._ws.close()  # openpi-client 0.1.2 has no close()
 
 
 def run(workdir: Path, n: int, timeout: float, size: str) -> int:
