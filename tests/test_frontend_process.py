@@ -31,7 +31,7 @@ from policy_operator.runtime.policy.sampler import batch_buckets
 from policy_operator.runtime.serving import wire
 from tests.support.net import wait_for
 from tests.support.openpi import OpenpiSession
-from tests.support.servers import PolicyServerProcess, descendants, serve_policy
+from tests.support.servers import NO_DRAIN, PolicyServerProcess, descendants, serve_policy
 
 CFG = PolicyConfig()
 STEPS = ["--steps", "2"]
@@ -75,13 +75,13 @@ def gone(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def inline(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
-    with serve_policy(tiny_checkpoint, *STEPS, "--error-format", "dict") as s:
+    with serve_policy(tiny_checkpoint, *STEPS, "--error-format", "dict", *NO_DRAIN) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def process(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
-    with serve_policy(tiny_checkpoint, *STEPS, *PROCESS, "--error-format", "dict", "--rtc", "inpaint") as s:
+    with serve_policy(tiny_checkpoint, *STEPS, *PROCESS, "--error-format", "dict", "--rtc", "inpaint", *NO_DRAIN) as s:
         yield s
 
 
@@ -99,6 +99,7 @@ def test_metadata_and_actions_are_bitwise_those_of_inline(
     assert "front-end process" in process.log_text()
 
 
+@pytest.mark.slow  # a two-process server of its own
 def test_a_plugin_without_preprocessor_prepares_in_the_model_process(
     inline: PolicyServerProcess, tiny_checkpoint: Path
 ) -> None:
@@ -129,6 +130,7 @@ def test_per_request_errors_keep_the_session(process: PolicyServerProcess) -> No
     assert (process.metric("policy_request_errors_total", kind="bad_frame") or 0.0) >= 1
 
 
+@pytest.mark.slow  # a two-process server of its own
 def test_text_error_format_closes_with_1011(tiny_checkpoint: Path, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text(TOKEN)
@@ -181,6 +183,7 @@ def test_sessions_batch_and_metrics_count_them(process: PolicyServerProcess) -> 
     assert doc["max_batch"] >= 1 and "batch_buckets_ms" not in doc  # no --latency-budget-ms: nothing measured
 
 
+@pytest.mark.slow  # a two-process server of its own (256 x 256 chunks)
 def test_large_replies_and_rtc_tails_cross_both_ways_at_once(tmp_path_factory: pytest.TempPathFactory) -> None:
     """256 x 256 action chunks (256 kB per reply, more than a socket buffer) to several robots at once, while
     their requests carry 256 kB ``rtc`` tails the other way: neither process ever blocks on the other."""
@@ -216,6 +219,7 @@ def test_large_replies_and_rtc_tails_cross_both_ways_at_once(tmp_path_factory: p
         assert server.alive and server.readyz().status == 200
 
 
+@pytest.mark.slow  # fault injection on a server of its own
 def test_a_killed_model_process_takes_the_frontend_down(tiny_checkpoint: Path) -> None:
     with serve_policy(tiny_checkpoint, *STEPS, *PROCESS) as server:
         front = frontend_pid(server)
@@ -225,6 +229,7 @@ def test_a_killed_model_process_takes_the_frontend_down(tiny_checkpoint: Path) -
             connect(server.url, open_timeout=3)
 
 
+@pytest.mark.slow  # fault injection on a server of its own
 def test_a_killed_frontend_takes_rank_0_down(tiny_checkpoint: Path) -> None:
     with serve_policy(tiny_checkpoint, *STEPS, *PROCESS) as server:
         import os
@@ -234,6 +239,7 @@ def test_a_killed_frontend_takes_rank_0_down(tiny_checkpoint: Path) -> None:
         assert "the front-end process exited" in server.log_text()
 
 
+@pytest.mark.slow  # fault injection on a server of its own
 def test_a_frozen_model_process_is_not_ready(tiny_checkpoint: Path) -> None:
     """The front-end answers /readyz itself; a model process that stopped pushing readiness reads 503."""
     with serve_policy(tiny_checkpoint, *STEPS, *PROCESS, "--heartbeat-s", "0.5") as server:
@@ -248,6 +254,7 @@ def test_a_frozen_model_process_is_not_ready(tiny_checkpoint: Path) -> None:
         assert actions(server, observation(1)).shape == (CFG.horizon, CFG.action_dim)
 
 
+@pytest.mark.slow  # a two-process server of its own that measures every bucket
 def test_a_latency_budget_reaches_readyz_through_the_model_process(tiny_checkpoint: Path) -> None:
     """The front-end serves /readyz from the model process's snapshots: under --latency-budget-ms they carry
     warm-up's time of every bucket (the times /metrics shows) and the max batch the lanes form."""

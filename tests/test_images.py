@@ -421,6 +421,7 @@ def test_healthcheck_names_the_runtime_health_endpoint_and_port() -> None:
     assert timeout < float(flags["timeout"].rstrip("s"))  # urllib gives up before Docker kills the check
 
 
+@pytest.mark.slow  # a server of its own, stopped to see the check fail
 def test_healthcheck_passes_on_a_live_server_and_fails_once_it_is_gone(tiny_checkpoint: Path) -> None:
     _, argv = _healthcheck()
     probe = [sys.executable, *argv[1:]]

@@ -36,7 +36,7 @@ from policy_operator.runtime.policy.sampler import sample_actions
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.openpi import OpenpiSession
 from tests.support.plugins.held_policy import hold_prompt
-from tests.support.servers import PolicyServerProcess, serve_policy
+from tests.support.servers import NO_DRAIN, PolicyServerProcess, serve_policy
 
 CFG = PolicyConfig()  # the tiny checkpoint's config
 ACTION_SHAPE = (CFG.horizon, CFG.action_dim)
@@ -87,14 +87,14 @@ def serve_args(*extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
     """Default (openpi) error format: a text frame, then close 1011."""
-    with serve_policy(tiny_checkpoint, *serve_args()) as s:
+    with serve_policy(tiny_checkpoint, *serve_args(), *NO_DRAIN) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def dict_server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
     """--error-format dict; also the second process of the cross-process determinism test (same sampler flags)."""
-    with serve_policy(tiny_checkpoint, *serve_args("--error-format", "dict")) as s:
+    with serve_policy(tiny_checkpoint, *serve_args("--error-format", "dict"), *NO_DRAIN) as s:
         yield s
 
 
@@ -372,7 +372,7 @@ def test_plain_http_paths(server: PolicyServerProcess) -> None:
 @pytest.fixture(scope="module")
 def held_server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
     """The reference policy behind the plug-in path; a ``hold:<file>`` prompt keeps a request running."""
-    with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--policy", "held_policy:HeldPolicy") as s:
+    with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--policy", "held_policy:HeldPolicy", *NO_DRAIN) as s:
         yield s
 
 
@@ -502,7 +502,7 @@ def test_readyz_is_503_until_the_model_is_loaded_and_warm(tmp_path: Path, tiny_c
 def auth_server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServerProcess]:
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN + "\n")
-    with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--auth-token-file", str(token_file)) as s:
+    with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--auth-token-file", str(token_file), *NO_DRAIN) as s:
         s.token_file = token_file  # type: ignore[attr-defined]
         yield s
 
