@@ -6,6 +6,7 @@
 #   run(command="bash bench/device_robots.sh", carry=[".whl", ".old"])
 #   run(command="bash bench/device_robots.sh full", carry=[".whl"])      # the whole table at this build
 #   run(command="bash bench/device_robots.sh window", carry=[".whl"])    # max-batch 32, 32 robots, windows 2/5/10 ms
+#   run(command="bash bench/device_robots.sh start", carry=[".whl", ".old"])  # start to Ready, .old against this
 set -u
 REPO=$(pwd)
 OUT=${OUT:-/tmp/out}
@@ -36,7 +37,7 @@ stage() {
     PYTHONPATH=$site timeout $t python3 "$REPO/bench/runtime.py" "${COMMON[@]}" --out "$OUT/$name.md" "$@" \
         >"$OUT/$name.log" 2>&1
     echo "$name rc=$? after $(( $(date +%s) - start )) s"
-    grep '^|' "$OUT/$name.md" 2>/dev/null || grep -E "robots|Error|error" "$OUT/$name.log" | tail -8
+    grep "^| robots\|^| [0-9]" "$OUT/$name.md" 2>/dev/null || grep -E "robots|Error|error" "$OUT/$name.log" | tail -8
 }
 if [ "${1:-}" = full ]; then
     # issue 24's robots table at this build (one intra-op thread per rank by default on a GPU): both front-ends,
@@ -46,6 +47,19 @@ if [ "${1:-}" = full ]; then
         --serve-args "--compile-cache-dir /tmp/cc"
     stage full-mb1 /tmp/site-new 5 --robot-max-batch 1 --robots 1 --robot-n 40 --frontend inline,process \
         --serve-args "--compile-cache-dir /tmp/cc"
+    echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
+if [ "${1:-}" = start ]; then
+    # start to Ready of a max-batch 1 server (load + warm-up), the build in .old against this one, interleaved,
+    # twice each (the second loads its own first run's compile artifacts)
+    for i in 1 2; do
+        for b in old new; do
+            stage "start-$b-$i" /tmp/site-$b 5 --robot-max-batch 1 --robots 1 --robot-n 5 --robot-warmup 1 \
+                --frontend inline --no-in-process --serve-args "--compile-cache-dir /tmp/cc-$b"
+            grep -A3 "ready s" "$OUT/start-$b-$i.md" | tail -1
+        done
+    done
     echo "done after $(( $(date +%s) - start )) s"
     exit 0
 fi
