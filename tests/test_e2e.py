@@ -178,6 +178,17 @@ def requests_served(ip: str, port: int) -> float:
     return sum(float(m.group(1)) for m in re.finditer(r"^policy_requests_total\{[^}]*\} (\S+)$", text, re.M))
 
 
+def wait_for_endpoints(d: Deployment, name: str, count: int) -> None:
+    """The Service sends traffic to pods the kubelet reports Ready (readinessProbe every 5 s), which can come a
+    little after Available (kubectl wait, the fixture's last step)."""
+    service = Names(name).service
+    wait_for(
+        lambda: len(d.cluster.node.proxy.backends(NS, service)) == count,
+        60,
+        what=f"{count} ready endpoint(s) behind Service {service}",
+    )
+
+
 def actions_through_service(d: Deployment, name: str, connections: int, seed: int = 1) -> list[dict[str, Any]]:
     """One openpi-client session after another to the Service (ws://127.0.0.1:PORT, the node's proxy)."""
     from policy_operator.runtime.client import robolab_observation
@@ -300,13 +311,11 @@ def test_pods_run_torchrun_with_gloo_on_cpu(deployment: Deployment) -> None:
     assert len(ips) == 3  # three pods, three loopback addresses, one port
 
 
-@pytest.mark.filterwarnings(
-    "ignore:connect\\(\\) must be used as a context manager:DeprecationWarning"
-)  # openpi-client's
 def test_openpi_client_gets_actions_through_the_service(deployment: Deployment) -> None:
     d = deployment
     for name, (cfgp, dp) in ((CFGP2, (2, 1)), (CFGP1, (1, 2))):
         pods = server_pods(d, name)
+        wait_for_endpoints(d, name, len(pods))
         before = {p["metadata"]["name"]: requests_served(p["status"]["podIP"], d.port) for p in pods}
         answers = actions_through_service(d, name, connections=16 if len(pods) > 1 else 2)
         for a in answers:
