@@ -43,19 +43,10 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def smolvla_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Written by ``policyserver checkpoint init --lerobot`` (what the deploy tests and demos run), then verified."""
-    root = tmp_path_factory.mktemp("smolvla") / "ckpt"
-    for argv in (["init", "--lerobot", "smolvla", "--seed", "1", str(root)], ["verify", "--hashes", str(root)]):
-        done = subprocess.run(
-            [str(VENV_BIN / "policyserver"), "checkpoint", *argv],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=subprocess_env(),
-            cwd=root.parent,
-        )
-        assert done.returncode == 0, done.stderr
-    return root
+    """What ``policyserver checkpoint init --lerobot smolvla --seed 1`` writes (the deploy tests and demos run it),
+    written in this process: the CLI's two subprocesses would import torch and lerobot again.
+    ``test_checkpoint_init_lerobot_writes_these_bytes_and_they_verify`` holds the CLI to the same bytes."""
+    return write_tiny_checkpoint("smolvla", tmp_path_factory.mktemp("smolvla") / "ckpt", seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +248,26 @@ def test_a_bad_observation_names_what_is_expected(smolvla: LeRobotPolicy, change
         )
 
 
-# --- a real server --------------------------------------------------------------------------------
+# --- the CLI and a real server --------------------------------------------------------------------
+@pytest.mark.slow  # two subprocesses that each import torch and lerobot
+def test_checkpoint_init_lerobot_writes_these_bytes_and_they_verify(smolvla_dir: Path, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    for argv in (["init", "--lerobot", "smolvla", "--seed", "1", str(root)], ["verify", "--hashes", str(root)]):
+        done = subprocess.run(
+            [str(VENV_BIN / "policyserver"), "checkpoint", *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=subprocess_env(),
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr
+    written = sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
+    assert written == sorted(p.relative_to(smolvla_dir) for p in smolvla_dir.rglob("*") if p.is_file())
+    for rel in written:
+        assert (root / rel).read_bytes() == (smolvla_dir / rel).read_bytes(), rel
+
+
 @pytest.mark.slow
 def test_serve_answers_an_openpi_client_in_lerobot_keys(smolvla_dir: Path, smolvla: LeRobotPolicy) -> None:
     with serve_policy(smolvla_dir, "--policy", "lerobot", "--error-format", "dict", "--threads", "1") as server:
