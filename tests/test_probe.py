@@ -144,6 +144,7 @@ def test_probe_fails_a_server_whose_actions_contain_nan_and_waits_for_it_to_load
     assert ("1 non-finite value(s), first at (" in reason and "nan" in reason) or "non_finite_actions" in reason, result
 
 
+@pytest.mark.slow  # its own server (a broken policy); the fake servers below check the shape fast
 def test_probe_fails_a_server_whose_actions_do_not_have_the_advertised_shape(tiny_checkpoint: Path) -> None:
     with serve_policy(
         tiny_checkpoint, "--steps", "2", "--policy", "broken_actions_policy:ShortActionsPolicy"
