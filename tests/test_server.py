@@ -33,6 +33,7 @@ from policy_operator import __version__
 from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePolicy, example_observation
 from policy_operator.runtime.policy.sampler import sample_actions
+from policy_operator.runtime.serving.ingress import INLINE_MAX_BYTES
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.openpi import OpenpiSession
 from tests.support.plugins.held_policy import hold_prompt
@@ -128,6 +129,17 @@ def test_server_computes_what_the_policy_computes(server: PolicyServerProcess, t
     policy = ReferencePolicy.load(str(tiny_checkpoint), device=__import__("torch").device("cpu"))
     local = policy.postprocess(sample_actions(policy, policy.prepare(obs), [77], steps=STEPS, guidance=3.0))
     np.testing.assert_allclose(served, local, rtol=0, atol=1e-5)  # thread counts may differ: not bitwise
+
+
+def test_a_frame_too_large_for_the_loop_is_prepared_off_it(server: PolicyServerProcess, tiny_checkpoint: Path) -> None:
+    """A camera frame above INLINE_MAX_BYTES is decoded and prepared on the prepare thread: same actions."""
+    obs = example_observation(CFG, 5, image_hw=(480, 600))
+    obs["seed"] = 78
+    assert INLINE_MAX_BYTES < len(msgpack_numpy.packb(obs)) <= MAX_MESSAGE_BYTES
+    served = get_actions(server, obs)
+    policy = ReferencePolicy.load(str(tiny_checkpoint), device=__import__("torch").device("cpu"))
+    local = policy.postprocess(sample_actions(policy, policy.prepare(obs), [78], steps=STEPS, guidance=3.0))
+    np.testing.assert_allclose(served, local, rtol=0, atol=1e-5)
 
 
 # --- determinism --------------------------------------------------------------------------------

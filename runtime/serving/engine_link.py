@@ -228,6 +228,6 @@ class EngineLink:
         try:
             if len(frame) <= INLINE_MAX_BYTES:
                 return prepare()
-            return await asyncio.get_running_loop().run_in_executor(ingress._prepare_pool, prepare)
+            return await ingress.off_loop(prepare)
         finally:
             ingress.preparing -= 1

@@ -213,6 +213,11 @@ class Ingress:
         rtc = self.rtc.parse(obs, rtc_session, self.policy.action_shape) if RTC_KEY in obs else None
         return sample, seed, session, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, rtc
 
+    async def off_loop[T](self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the prepare thread: a large frame's decode and prepare, never on the loop that answers
+        the probes."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn)
+
     async def infer(self, message: bytes | str, rtc_session: RtcSession | None = None) -> Reply:
         """One frame in, its reply out (``actions`` set); any failure raises its ``RequestError``.
 
@@ -225,8 +230,8 @@ class Ingress:
             if len(message) <= INLINE_MAX_BYTES:
                 sample, seed, session, decode_ms, prepare_ms, rtc = self._decode_and_prepare(message, rtc_session)
             else:
-                sample, seed, session, decode_ms, prepare_ms, rtc = await asyncio.get_running_loop().run_in_executor(
-                    self._prepare_pool, self._decode_and_prepare, message, rtc_session
+                sample, seed, session, decode_ms, prepare_ms, rtc = await self.off_loop(
+                    lambda: self._decode_and_prepare(message, rtc_session)
                 )
             task, index = self._route(sample, seed, session, rtc.constraint if rtc is not None else None)
         finally:
