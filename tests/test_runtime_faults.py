@@ -278,6 +278,7 @@ def load_error_in_readyz(s: PolicyServerProcess) -> str:
     return errors[-1]
 
 
+@pytest.mark.slow  # a broken checkpoint's own server; the file:// source below is the fast case
 def test_readyz_load_error_keeps_the_reason_without_the_path(tmp_path: Path, tiny_checkpoint) -> None:
     broken = tmp_path / "broken-checkpoint"
     broken.mkdir()
