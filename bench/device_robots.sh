@@ -7,6 +7,7 @@
 #   run(command="bash bench/device_robots.sh full", carry=[".whl"])      # the whole table at this build
 #   run(command="bash bench/device_robots.sh window", carry=[".whl"])    # max-batch 32, 32 robots, windows 2/5/10 ms
 #   run(command="bash bench/device_robots.sh start", carry=[".whl", ".old"])  # start to Ready, .old against this
+#   run(command="bash bench/device_robots.sh phases", carry=[".whl"])   # a start's phases, compiled and from artifacts
 set -u
 REPO=$(pwd)
 OUT=${OUT:-/tmp/out}
@@ -60,6 +61,16 @@ if [ "${1:-}" = start ]; then
             grep -A3 "ready s" "$OUT/start-$b-$i.md" | tail -1
         done
     done
+    echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
+if [ "${1:-}" = phases ]; then
+    # where a start's time goes at max-batch 8: the first server of the spec compiles, the second loads its
+    # artifacts; each logs its phases (process start, weights, compile cache, each bucket, artifacts saved)
+    stage phases /tmp/site-new 5 --robot-max-batch 8 --robots 1 --robot-n 5 --robot-warmup 1 \
+        --frontend inline,process --no-in-process --server-log "$OUT/server-logs" \
+        --serve-args "--compile-cache-dir /tmp/cc"
+    grep -A3 "Each server" "$OUT/phases.md"
     echo "done after $(( $(date +%s) - start )) s"
     exit 0
 fi

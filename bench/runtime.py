@@ -42,6 +42,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
@@ -96,7 +97,7 @@ class Server:
             "--cfg-mode",
             cfg_mode,
             "--log-level",
-            "WARNING",
+            "INFO" if args.server_log else "WARNING",
             "--max-batch",
             str(max_batch),
             "--batch-window-ms",
@@ -116,11 +117,17 @@ class Server:
             cmd += ["--share-gpu"]
         cmd += shlex.split(args.serve_args)
         started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        # --server-log: the server's INFO log (its start phases) in a file; nothing else reads a pipe this long
+        self.log = Path(args.server_log) / f"server-{self.port}.log" if args.server_log else None
+        if self.log is not None:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+        err: Any = self.log.open("wb") if self.log is not None else subprocess.PIPE
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         deadline = started + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
+                text = self.log.read_text() if self.log is not None else self.proc.stderr.read().decode()
+                raise RuntimeError(f"server exited: {text[-2000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as r:
                     if json.loads(r.read())["ready"]:
@@ -136,6 +143,15 @@ class Server:
         self.load_s = float(gauges.get("policy_load_seconds", "nan"))  # onto the device (and compiled, lazily)
         self.warmup_s = float(gauges.get("policy_warmup_seconds", "nan"))  # every bucket compiled or loaded, captured
         self.url = f"ws://127.0.0.1:{self.port}"
+        # the start's phases as the server logs them (runtime/worker.py: "warmed up ... after its process started")
+        self.start_line = next(
+            (
+                line.split("warmed up ", 1)[1]
+                for line in (self.log.read_text() if self.log else "").splitlines()
+                if "warmed up" in line
+            ),
+            "",
+        )
 
     def close(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)
@@ -263,6 +279,12 @@ def main() -> int:
         default=True,
         help="the robots table's in-process batch times beside it (bench/batching.py)",
     )
+    p.add_argument(
+        "--server-log",
+        default=None,
+        metavar="DIR",
+        help="servers log at INFO into DIR/server-PORT.log; the robots table quotes each one's start phases",
+    )
     p.add_argument("--out", default=None, help="markdown file (default bench/results/runtime-<device>.md)")
     args = p.parse_args()
     tables = set(args.tables.split(","))
@@ -297,7 +319,8 @@ def main() -> int:
         f"{f' --batch-window-ms {args.batch_window_ms:g}' if 'batching' in tables else ''}"
         f"{' --serve-args ' + shlex.quote(args.serve_args) if args.serve_args else ''}"
         f"{f' --robot-max-batch {args.robot_max_batch} --robots {args.robots} --robot-n {args.robot_n} --robot-warmup {args.robot_warmup} --frontend {args.frontend}' if 'robots' in tables else ''}"
-        f"{' --no-in-process' if 'robots' in tables and not args.in_process else ''}`",
+        f"{' --no-in-process' if 'robots' in tables and not args.in_process else ''}"
+        f"{' --server-log ' + args.server_log if args.server_log else ''}`",
         "",
     ]
     publish(lines, args.out or REPO / "bench" / "results" / f"runtime-{args.device}.md")
@@ -460,6 +483,7 @@ def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[
                     "queue": percentile([r["queue_ms"] for r in records]),
                     "outside": percentile([r["rtt_ms"] - r["total_ms"] for r in records]),
                     "ready_s": server.ready_s,
+                    "start_line": server.start_line,
                     "load_s": server.load_s,
                     "warmup_s": server.warmup_s,
                 }
@@ -511,6 +535,9 @@ def robots_table(checkpoint: Path, args: argparse.Namespace, mode: str) -> list[
                 f"| {s}, {fe} | {r} | {m['infer']:.2f} | {m['busy']:.2f} | {m['queue']:.2f} | {m['server']:.2f} "
                 f"| {m['outside']:.2f} | {m['ready_s']:.1f} ({m['load_s']:.1f} + {m['warmup_s']:.1f}) |"
             )
+    if args.server_log:
+        lines += ["", "Each server's start, as it logs it (--server-log):", ""]
+        lines += [f"- max-batch {s}, {fe}: {results[(s, fe, robots[0])]['start_line']}" for s, fe in columns]
     if inproc_table:
         lines += ["", "In-process, the same checkpoint and flags, no server (bench/batching.py):", "", *inproc_table]
     lines.append("")

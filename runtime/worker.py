@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import errno
 import logging
+import math
 import os
 import socket
 import sys
@@ -207,6 +208,7 @@ class Runtime:
         started = time.perf_counter()
         cls = load_policy_class(self.opts.policy)
         policy = cls.load(path, device=self.device, dtype=parse_dtype(self.opts.dtype))
+        weights_s = time.perf_counter() - started
         if self.opts.compile:
             import torch._dynamo
 
@@ -221,27 +223,50 @@ class Runtime:
             started = time.perf_counter()
             warm = policy.prepare(policy.example_observation(0))
             rtc = warmup_constraint(policy, self.settings.rtc)  # constrained rows: a compiled guided backward too
+            per_bucket: dict[int, float] = {}
             for size in self.settings.buckets or (1,):  # every shape serving will run: no compile after /readyz
+                bucket_started = time.perf_counter()
                 replica.execute(Batch(tuple(InferenceRequest(f"warmup-{size}-{i}", warm, i) for i in range(size))))
                 if rtc is not None:
                     replica.execute(
                         Batch(tuple(InferenceRequest(f"warmup-rtc-{size}-{i}", warm, i, rtc) for i in range(size)))
                     )
+                per_bucket[size] = round(time.perf_counter() - bucket_started, 1)
             if self.opts.latency_budget_ms is not None:
                 self.bucket_ms = measure_buckets(
                     replica, warm, self.settings.buckets or batch_sizes(self.opts.max_batch)
                 )
             self.warmup_s = time.perf_counter() - started
+            saved_s = 0.0
             if self.rank == 0 and self.compile_cache is not None:
+                saved_started = time.perf_counter()
                 self.compile_cache.finish()  # every shape is compiled now
+                saved_s = time.perf_counter() - saved_started
+            # where a start's time goes (a second pod's target is seconds): process start to here, the load's
+            # weights and compile-cache parts, each bucket's compile-or-load and CUDA-graph capture
             log.info(
-                "replica %d warmed up (load %.1fs, warm-up %.1fs, batch buckets %s)",
+                "replica %d warmed up %.1fs after its process started (load %.1fs: weights %.1fs, compile cache "
+                "and setup %.1fs; warm-up %.1fs, seconds per batch bucket %s; artifacts saved in %.1fs)",
                 self.groups.dp_index,
+                process_age_s(),
                 self.load_s,
+                weights_s,
+                self.load_s - weights_s,
                 self.warmup_s,
-                list(self.settings.buckets) or "off",
+                per_bucket,
+                saved_s,
             )
         return replica
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (its interpreter start included), from /proc; nan elsewhere."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return math.nan
+    return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def open_compile_cache(rt: Runtime, checkpoint: str) -> CompileCache | None:
