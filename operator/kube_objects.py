@@ -1,4 +1,4 @@
-"""Kubernetes objects as read from the API, typed: the installed client's own models, made in one place.
+"""Kubernetes objects as read from the API and as built to write, typed: the installed client's own models.
 
 ``Kube`` speaks plain dicts (the dynamic client's JSON, the informer's
 stores, server-side apply bodies), which is what writing needs.  What a pass
@@ -19,7 +19,9 @@ tens of milliseconds on it.  Fields the schema requires (a container status's
 ``image``, a condition's ``type``) must be present, as the API server always
 writes them; an object that lacks them is refused here with pydantic's
 ``ValidationError`` rather than half-read later.  ``api_json`` turns a model
-back into the API's JSON where a diff against an applied body needs it.
+back into the API's JSON: where a diff against an applied body needs it, and
+once at the end of each builder in manifests.py, which makes what it writes
+from the same models.
 """
 
 from __future__ import annotations
@@ -78,3 +80,15 @@ def rfc3339(when: datetime.datetime | None) -> str:
 def api_json(obj: BaseModel) -> dict[str, Any]:
     """A typed object back as the API's JSON (camelCase, unset fields left out), e.g. to diff it against a body."""
     return obj.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def passthrough[M: _FromDict](model: type[M], obj: Mapping[str, Any]) -> M:
+    """``typed`` for a section the operator copies from the PolicyServer into an object it builds (a user's
+    affinity, tolerations, volumes, env): refused with ValueError when the model would not give back the very JSON
+    it was made from (a field the installed client does not know), so such a section is never altered on its way
+    into an apply body."""
+    made = typed(model, obj)
+    assert isinstance(made, BaseModel)
+    if api_json(made) != obj:
+        raise ValueError(f"{model.__name__}: the client's model does not keep {dict(obj)!r} as it is")
+    return made

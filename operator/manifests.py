@@ -1,9 +1,17 @@
 """Pure builders for a PolicyServer's children: cache PVC, fetch Job, StatefulSet, Services.
 
 No API calls and no kopf here: each builder takes the parsed spec and returns
-a plain dict, so every variant can be checked offline against the Kubernetes
-schemas (``tests/test_manifests.py``).  Names are deterministic functions of
-the PolicyServer (and, for the Job, of the checkpoint), which is what makes
+the server-side apply body, so every variant can be checked offline against
+the Kubernetes schemas (``tests/test_manifests.py``).  The objects are put
+together from the installed client's models (``V1StatefulSet``, ``V1Container``...),
+so a misspelt field is a mypy error and a mistyped value a pydantic error where
+the object is built, not an apiserver refusal in a reconcile; each builder turns
+its model into the API's JSON once, at its end (``kube_objects.api_json``), and
+the rest of the operator (plan, apply, drift) keeps handling that JSON.  What
+the PolicyServer passes through (affinity, tolerations, volumes, env...) goes
+in through ``kube_objects.passthrough``, which refuses a section the model
+would not give back unchanged.  Names are deterministic functions of the
+PolicyServer (and, for the Job, of the checkpoint), which is what makes
 reconciling idempotent: a restarted operator finds what it created by name.
 """
 
@@ -17,7 +25,58 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from kubernetes.client import V1PersistentVolumeClaim, V1Service, V1ServiceSpec
+from kubernetes.client import (
+    V1Affinity,
+    V1Capabilities,
+    V1Container,
+    V1ContainerPort,
+    V1EmptyDirVolumeSource,
+    V1EnvVar,
+    V1EnvVarSource,
+    V1HTTPGetAction,
+    V1Job,
+    V1JobSpec,
+    V1KeyToPath,
+    V1LabelSelector,
+    V1Lifecycle,
+    V1LifecycleHandler,
+    V1LocalObjectReference,
+    V1ObjectMeta,
+    V1PersistentVolumeClaim,
+    V1PersistentVolumeClaimSpec,
+    V1PersistentVolumeClaimVolumeSource,
+    V1PodAffinity,
+    V1PodAffinityTerm,
+    V1PodDisruptionBudget,
+    V1PodDisruptionBudgetSpec,
+    V1PodFailurePolicy,
+    V1PodFailurePolicyOnExitCodesRequirement,
+    V1PodFailurePolicyOnPodConditionsPattern,
+    V1PodFailurePolicyRule,
+    V1PodSecurityContext,
+    V1PodSpec,
+    V1PodTemplateSpec,
+    V1Probe,
+    V1ResourceRequirements,
+    V1SeccompProfile,
+    V1SecretKeySelector,
+    V1SecretVolumeSource,
+    V1SecurityContext,
+    V1Service,
+    V1ServicePort,
+    V1ServiceSpec,
+    V1SleepAction,
+    V1StatefulSet,
+    V1StatefulSetOrdinals,
+    V1StatefulSetPersistentVolumeClaimRetentionPolicy,
+    V1StatefulSetSpec,
+    V1StatefulSetUpdateStrategy,
+    V1Toleration,
+    V1TopologySpreadConstraint,
+    V1Volume,
+    V1VolumeMount,
+    V1VolumeResourceRequirements,
+)
 
 from policy_operator.builtin_policies import LEROBOT
 from policy_operator.constants import (
@@ -57,7 +116,7 @@ from policy_operator.constants import (
     SECRET_TOKEN_KEY,
 )
 from policy_operator.exit_codes import FETCH_FATAL
-from policy_operator.operator.kube_objects import meta_of, typed
+from policy_operator.operator.kube_objects import api_json, meta_of, passthrough, typed
 from policy_operator.operator.spec import (
     DEFAULT_CPU_PER_RANK,
     DEFAULT_MEMORY_PER_RANK,
@@ -70,6 +129,7 @@ from policy_operator.operator.spec import (
     VOL_CHECKPOINT_TOKEN,
     VOL_SHM,
     VOL_TMP,
+    EnvVar,
     PolicyServerSpec,
 )
 from policy_operator.serve_flags import managed_argv, serve_argv
@@ -165,84 +225,101 @@ def endpoint(spec: PolicyServerSpec) -> str:
     return f"ws://{Names(spec.name).service}.{spec.namespace}.svc:{spec.service.port}"
 
 
-def _pod_security_context() -> dict[str, Any]:
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": RUN_AS_USER,
-        "runAsGroup": RUN_AS_USER,
-        "fsGroup": RUN_AS_USER,
+def _pod_security_context() -> V1PodSecurityContext:
+    return V1PodSecurityContext(
+        run_as_non_root=True,
+        run_as_user=RUN_AS_USER,
+        run_as_group=RUN_AS_USER,
+        fs_group=RUN_AS_USER,
         # a checkpoint volume holds a few large files; never chown them all on every mount
-        "fsGroupChangePolicy": "OnRootMismatch",
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
+        fs_group_change_policy="OnRootMismatch",
+        seccomp_profile=V1SeccompProfile(type="RuntimeDefault"),
+    )
 
 
-def _container_security_context() -> dict[str, Any]:
-    return {
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "runAsNonRoot": True,
-        "capabilities": {"drop": ["ALL"]},
-    }
+def _container_security_context() -> V1SecurityContext:
+    return V1SecurityContext(
+        allow_privilege_escalation=False,
+        read_only_root_filesystem=True,
+        run_as_non_root=True,
+        capabilities=V1Capabilities(drop=["ALL"]),
+    )
 
 
-def _home_env() -> list[dict[str, Any]]:
-    return [{"name": name, "value": value} for name, value in OPERATOR_ENV.items()]
+def _home_env() -> list[V1EnvVar]:
+    return [V1EnvVar(name=name, value=value) for name, value in OPERATOR_ENV.items()]
 
 
-def _server_env(spec: PolicyServerSpec) -> list[dict[str, Any]]:
+def _user_env(env: Sequence[EnvVar]) -> list[V1EnvVar]:
+    return [passthrough(V1EnvVar, e.to_api()) for e in env]
+
+
+def _server_env(spec: PolicyServerSpec) -> list[V1EnvVar]:
     """The server container's environment: no hub, the cache's view of the fetched repositories, then the user's
     (a name the user sets replaces the operator's: one entry per name)."""
     own = {ENV_HF_HUB_OFFLINE: "1", ENV_HF_HUB_CACHE: f"{CACHE_MOUNT_PATH}/{HUB_VIEW_DIR}"}
-    user = [e.to_api() for e in spec.runtime.env]
-    taken = {e["name"] for e in user}
-    return _home_env() + [{"name": k, "value": v} for k, v in own.items() if k not in taken] + user
+    user = _user_env(spec.runtime.env)
+    taken = {e.name for e in user}
+    return _home_env() + [V1EnvVar(name=k, value=v) for k, v in own.items() if k not in taken] + user
 
 
-def _secret_volume(volume: str, secret: str, key: str) -> dict[str, Any]:
-    return {
-        "name": volume,
-        "secret": {"secretName": secret, "items": [{"key": key, "path": TOKEN_FILE}], "defaultMode": 0o440},
-    }
+def _secret_volume(volume: str, secret: str, key: str) -> V1Volume:
+    return V1Volume(
+        name=volume,
+        secret=V1SecretVolumeSource(
+            secret_name=secret, items=[V1KeyToPath(key=key, path=TOKEN_FILE)], default_mode=0o440
+        ),
+    )
+
+
+def _mount(volume: str, path: str, *, read_only: bool = False, sub_path: str | None = None) -> V1VolumeMount:
+    return V1VolumeMount(name=volume, mount_path=path, read_only=True if read_only else None, sub_path=sub_path)
+
+
+def _small_resources() -> V1ResourceRequirements:
+    """A short-lived helper container's (verify, prune)."""
+    return V1ResourceRequirements(requests={"cpu": "100m", "memory": "128Mi"}, limits={"memory": "512Mi"})
 
 
 # --- PVC ------------------------------------------------------------------------------
 
 
-def _claim_spec(spec: PolicyServerSpec) -> dict[str, Any]:
+def _claim_spec(spec: PolicyServerSpec) -> V1PersistentVolumeClaimSpec:
     storage = spec.storage
-    claim: dict[str, Any] = {
-        "accessModes": list(storage.access_modes_for(spec.replicas)),
-        "volumeMode": "Filesystem",
-        "resources": {"requests": {"storage": storage.size}},
-    }
-    if storage.storage_class_name is not None:
-        claim["storageClassName"] = storage.storage_class_name
-    return claim
+    return V1PersistentVolumeClaimSpec(
+        access_modes=list(storage.access_modes_for(spec.replicas)),
+        volume_mode="Filesystem",
+        resources=V1VolumeResourceRequirements(requests={"storage": storage.size}),
+        storage_class_name=storage.storage_class_name,
+    )
 
 
 def build_pvc(spec: PolicyServerSpec) -> dict[str, Any]:
     """The shared cache claim (storage.mode shared)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {
-            "name": Names(spec.name).pvc,
-            "namespace": spec.namespace,
-            "labels": labels(spec.name, COMPONENT_CACHE),
-        },
-        "spec": _claim_spec(spec),
-    }
+    return api_json(
+        V1PersistentVolumeClaim(
+            api_version="v1",
+            kind="PersistentVolumeClaim",
+            metadata=V1ObjectMeta(
+                name=Names(spec.name).pvc, namespace=spec.namespace, labels=labels(spec.name, COMPONENT_CACHE)
+            ),
+            spec=_claim_spec(spec),
+        )
+    )
+
+
+def _claim_template(spec: PolicyServerSpec) -> V1PersistentVolumeClaim:
+    return V1PersistentVolumeClaim(
+        api_version="v1",
+        kind="PersistentVolumeClaim",
+        metadata=V1ObjectMeta(name=VOL_CACHE, labels=labels(spec.name, COMPONENT_CACHE)),
+        spec=_claim_spec(spec),
+    )
 
 
 def claim_template(spec: PolicyServerSpec) -> dict[str, Any]:
     """The StatefulSet's volumeClaimTemplate (storage.mode perPod): claim checkpoint-cache-<name>-<ordinal>."""
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": VOL_CACHE, "labels": labels(spec.name, COMPONENT_CACHE)},
-        "spec": _claim_spec(spec),
-    }
+    return api_json(_claim_template(spec))
 
 
 def claim_storage(claim: V1PersistentVolumeClaim) -> str | None:
@@ -278,53 +355,54 @@ def fetch_command(spec: PolicyServerSpec) -> list[str]:
     return cmd
 
 
-def _fetch_container(spec: PolicyServerSpec) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _fetch_container(spec: PolicyServerSpec) -> tuple[V1Container, list[V1Volume]]:
     """The fetch container and the volumes it needs besides the cache and /tmp (the checkpoint token)."""
     ck = spec.checkpoint
     env = _home_env()
-    mounts: list[dict[str, Any]] = [
-        {"name": VOL_CACHE, "mountPath": CACHE_MOUNT_PATH},
-        {"name": VOL_TMP, "mountPath": TMP_PATH},
-    ]
-    volumes: list[dict[str, Any]] = []
+    mounts = [_mount(VOL_CACHE, CACHE_MOUNT_PATH), _mount(VOL_TMP, TMP_PATH)]
+    volumes: list[V1Volume] = []
     if ck.secret_ref is not None:
         volumes.append(_secret_volume(VOL_CHECKPOINT_TOKEN, ck.secret_ref.name, ck.secret_ref.key))
-        mounts.append({"name": VOL_CHECKPOINT_TOKEN, "mountPath": CHECKPOINT_TOKEN_DIR, "readOnly": True})
+        mounts.append(_mount(VOL_CHECKPOINT_TOKEN, CHECKPOINT_TOKEN_DIR, read_only=True))
         if ck.is_hf:
             env.append(
-                {
-                    "name": ENV_HF_TOKEN,
-                    "valueFrom": {"secretKeyRef": {"name": ck.secret_ref.name, "key": ck.secret_ref.key}},
-                }
+                V1EnvVar(
+                    name=ENV_HF_TOKEN,
+                    value_from=V1EnvVarSource(
+                        secret_key_ref=V1SecretKeySelector(name=ck.secret_ref.name, key=ck.secret_ref.key)
+                    ),
+                )
             )
-    env += [e.to_api() for e in ck.fetch_job.env]
-    container: dict[str, Any] = {
-        "name": FETCH_CONTAINER,
-        "image": spec.image,
-        "command": fetch_command(spec),
-        "env": env,
-        "volumeMounts": mounts,
-        "securityContext": _container_security_context(),
+    env += _user_env(ck.fetch_job.env)
+    user_resources = ck.fetch_job.resources.to_api() if ck.fetch_job.resources else None
+    container = V1Container(
+        name=FETCH_CONTAINER,
+        image=spec.image,
+        command=fetch_command(spec),
+        env=env,
+        volume_mounts=mounts,
+        security_context=_container_security_context(),
         # the last lines of a failed fetch ("policyserver fetch: error: ...") become the
         # termination message, which the operator copies into CheckpointReady
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "resources": (ck.fetch_job.resources.to_api() if ck.fetch_job.resources else None)
-        or {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
-    }
-    if spec.image_pull_policy:
-        container["imagePullPolicy"] = spec.image_pull_policy
+        termination_message_policy="FallbackToLogsOnError",
+        resources=passthrough(V1ResourceRequirements, user_resources)
+        if user_resources
+        else V1ResourceRequirements(requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "4Gi"}),
+        image_pull_policy=spec.image_pull_policy or None,
+    )
     return container, volumes
 
 
-def _cache_volumes(spec: PolicyServerSpec, *, read_only: bool) -> list[dict[str, Any]]:
-    claim: dict[str, Any] = {"claimName": claim_name(spec)}
-    if read_only:
-        claim["readOnly"] = True
-    return [{"name": VOL_CACHE, "persistentVolumeClaim": claim}, {"name": VOL_TMP, "emptyDir": {}}]
+def _cache_volumes(spec: PolicyServerSpec, *, read_only: bool) -> list[V1Volume]:
+    claim = V1PersistentVolumeClaimVolumeSource(claim_name=claim_name(spec), read_only=True if read_only else None)
+    return [
+        V1Volume(name=VOL_CACHE, persistent_volume_claim=claim),
+        V1Volume(name=VOL_TMP, empty_dir=V1EmptyDirVolumeSource()),
+    ]
 
 
 def _colocate(
-    pod_spec: dict[str, Any], pod_labels: dict[str, str], spec: PolicyServerSpec, cache_modes: Sequence[str]
+    pod_spec: V1PodSpec, pod_labels: dict[str, str], spec: PolicyServerSpec, cache_modes: Sequence[str]
 ) -> None:
     """Label a pod that mounts the shared cache claim; keep it on the node of the others when the claim is RWO.
 
@@ -337,40 +415,39 @@ def _colocate(
     pod_labels[LABEL_CACHE_CLAIM] = claim_name(spec)
     if cache_is_shared(cache_modes):
         return
-    affinity = pod_spec.setdefault("affinity", {})
-    pod_affinity = affinity.setdefault("podAffinity", {})
-    pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
-        {
-            "labelSelector": {"matchLabels": {LABEL_CACHE_CLAIM: claim_name(spec)}},
-            "topologyKey": HOSTNAME_TOPOLOGY,
-        }
+    affinity = pod_spec.affinity or V1Affinity()
+    pod_affinity = affinity.pod_affinity or V1PodAffinity()
+    required = pod_affinity.required_during_scheduling_ignored_during_execution or []
+    required.append(
+        V1PodAffinityTerm(
+            label_selector=V1LabelSelector(match_labels={LABEL_CACHE_CLAIM: claim_name(spec)}),
+            topology_key=HOSTNAME_TOPOLOGY,
+        )
     )
+    pod_affinity.required_during_scheduling_ignored_during_execution = required
+    affinity.pod_affinity = pod_affinity
+    pod_spec.affinity = affinity
 
 
-def _job_pod_spec(
-    spec: PolicyServerSpec, containers: list[dict[str, Any]], volumes: list[dict[str, Any]]
-) -> dict[str, Any]:
-    pod_spec: dict[str, Any] = {
-        "restartPolicy": "Never",
-        "securityContext": _pod_security_context(),
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "containers": containers,
-        "volumes": volumes,
-    }
+def _job_pod_spec(spec: PolicyServerSpec, containers: list[V1Container], volumes: list[V1Volume]) -> V1PodSpec:
+    pod_spec = V1PodSpec(
+        restart_policy="Never",
+        security_context=_pod_security_context(),
+        automount_service_account_token=False,
+        enable_service_links=False,
+        containers=containers,
+        volumes=volumes,
+    )
     _apply_scheduling(pod_spec, spec)
     return pod_spec
 
 
 def _pod_metadata(
     spec: PolicyServerSpec, own_labels: dict[str, str], annotations: dict[str, str] | None = None
-) -> dict[str, Any]:
+) -> V1ObjectMeta:
     """A pod template's metadata: podLabels/podAnnotations first, the operator's own on top."""
-    meta: dict[str, Any] = {"labels": {**spec.pod_labels, **own_labels}}
     merged = {**spec.pod_annotations, **(annotations or {})}
-    if merged:
-        meta["annotations"] = merged
-    return meta
+    return V1ObjectMeta(labels={**spec.pod_labels, **own_labels}, annotations=merged or None)
 
 
 def build_fetch_job(spec: PolicyServerSpec, cache_modes: Sequence[str] | None = None) -> dict[str, Any]:
@@ -379,69 +456,72 @@ def build_fetch_job(spec: PolicyServerSpec, cache_modes: Sequence[str] | None = 
     job_labels = {**labels(spec.name, COMPONENT_FETCH), LABEL_CHECKPOINT_KEY: ck.key}
     container, secret_volumes = _fetch_container(spec)
     # the operator reads the download's progress here (operator/observe.py), never from the pod's log
-    container["command"] = [*container["command"], "--progress-port", str(FETCH_PROGRESS_PORT)]
-    container["ports"] = [{"name": FETCH_PROGRESS_PORT_NAME, "containerPort": FETCH_PROGRESS_PORT, "protocol": "TCP"}]
+    container.command = [*(container.command or []), "--progress-port", str(FETCH_PROGRESS_PORT)]
+    container.ports = [
+        V1ContainerPort(name=FETCH_PROGRESS_PORT_NAME, container_port=FETCH_PROGRESS_PORT, protocol="TCP")
+    ]
     pod_spec = _job_pod_spec(spec, [container], _cache_volumes(spec, read_only=False) + secret_volumes)
     pod_labels = dict(job_labels)
     _colocate(pod_spec, pod_labels, spec, spec.access_modes if cache_modes is None else cache_modes)
-    job_spec: dict[str, Any] = {
-        "backoffLimit": ck.fetch_job.backoff_limit,
-        "ttlSecondsAfterFinished": ck.fetch_job.ttl_seconds_after_finished,
-        "podFailurePolicy": {
-            "rules": [
-                {
-                    "action": "FailJob",
-                    "onExitCodes": {
-                        "containerName": FETCH_CONTAINER,
-                        "operator": "In",
-                        "values": [int(code) for code in FETCH_FATAL],
-                    },
-                },
+    job_spec = V1JobSpec(
+        backoff_limit=ck.fetch_job.backoff_limit,
+        ttl_seconds_after_finished=ck.fetch_job.ttl_seconds_after_finished,
+        pod_failure_policy=V1PodFailurePolicy(
+            rules=[
+                V1PodFailurePolicyRule(
+                    action="FailJob",
+                    on_exit_codes=V1PodFailurePolicyOnExitCodesRequirement(
+                        container_name=FETCH_CONTAINER, operator="In", values=[int(code) for code in FETCH_FATAL]
+                    ),
+                ),
                 # a drained or preempted node is not the download's fault
-                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                V1PodFailurePolicyRule(
+                    action="Ignore",
+                    on_pod_conditions=[
+                        V1PodFailurePolicyOnPodConditionsPattern(type="DisruptionTarget", status="True")
+                    ],
+                ),
             ]
-        },
-        "template": {"metadata": _pod_metadata(spec, pod_labels), "spec": pod_spec},
-    }
-    if ck.fetch_job.active_deadline_seconds is not None:
-        job_spec["activeDeadlineSeconds"] = ck.fetch_job.active_deadline_seconds
+        ),
+        template=V1PodTemplateSpec(metadata=_pod_metadata(spec, pod_labels), spec=pod_spec),
+        active_deadline_seconds=ck.fetch_job.active_deadline_seconds,
+    )
     annotations = {ANNOTATION_CHECKPOINT_SOURCE: ck.source, **secrets_annotation(pod_spec)}
     if ck.revision is not None:
         annotations[ANNOTATION_CHECKPOINT_REVISION] = ck.revision
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": Names(spec.name).job(ck.key),
-            "namespace": spec.namespace,
-            "labels": job_labels,
-            "annotations": annotations,
-        },
-        "spec": job_spec,
-    }
+    return api_json(
+        V1Job(
+            api_version="batch/v1",
+            kind="Job",
+            metadata=V1ObjectMeta(
+                name=Names(spec.name).job(ck.key), namespace=spec.namespace, labels=job_labels, annotations=annotations
+            ),
+            spec=job_spec,
+        )
+    )
 
 
-def secret_names(pod_spec: Mapping[str, Any]) -> list[str]:
+def secret_names(pod_spec: V1PodSpec) -> list[str]:
     """The Secrets a pod spec names: secret volumes, projected secret sources, env secretKeyRef and envFrom."""
     names: set[str] = set()
-    for volume in pod_spec.get("volumes") or []:
-        if "secret" in volume:
-            names.add(volume["secret"]["secretName"])
-        for source in (volume.get("projected") or {}).get("sources") or []:
-            if "secret" in source:
-                names.add(source["secret"]["name"])
-    for container in [*(pod_spec.get("containers") or []), *(pod_spec.get("initContainers") or [])]:
-        for env in container.get("env") or []:
-            ref = (env.get("valueFrom") or {}).get("secretKeyRef")
-            if ref:
-                names.add(ref["name"])
-        for source in container.get("envFrom") or []:
-            if "secretRef" in source:
-                names.add(source["secretRef"]["name"])
+    for volume in pod_spec.volumes or []:
+        if volume.secret is not None and volume.secret.secret_name is not None:
+            names.add(volume.secret.secret_name)
+        for source in (volume.projected.sources if volume.projected else None) or []:
+            if source.secret is not None and source.secret.name is not None:
+                names.add(source.secret.name)
+    for container in [*pod_spec.containers, *(pod_spec.init_containers or [])]:
+        for env in container.env or []:
+            ref = env.value_from.secret_key_ref if env.value_from else None
+            if ref is not None and ref.name is not None:
+                names.add(ref.name)
+        for env_source in container.env_from or []:
+            if env_source.secret_ref is not None and env_source.secret_ref.name is not None:
+                names.add(env_source.secret_ref.name)
     return sorted(names)
 
 
-def secrets_annotation(pod_spec: Mapping[str, Any]) -> dict[str, str]:
+def secrets_annotation(pod_spec: V1PodSpec) -> dict[str, str]:
     """``ANNOTATION_SECRETS`` of a workload: every Secret its template names, as the chart's admission policy
     (operator/admission.py) requires of the operator's ServiceAccount; none when it names none."""
     names = secret_names(pod_spec)
@@ -461,20 +541,18 @@ def prune_command(spec: PolicyServerSpec, keep_key: str) -> list[str]:
     ]
 
 
-def _prune_container(spec: PolicyServerSpec, keep_key: str) -> dict[str, Any]:
-    container: dict[str, Any] = {
-        "name": PRUNE_CONTAINER,
-        "image": spec.image,
-        "command": prune_command(spec, keep_key),
-        "env": _home_env(),
-        "volumeMounts": [{"name": VOL_CACHE, "mountPath": CACHE_MOUNT_PATH}, {"name": VOL_TMP, "mountPath": TMP_PATH}],
-        "securityContext": _container_security_context(),
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
-    }
-    if spec.image_pull_policy:
-        container["imagePullPolicy"] = spec.image_pull_policy
-    return container
+def _prune_container(spec: PolicyServerSpec, keep_key: str) -> V1Container:
+    return V1Container(
+        name=PRUNE_CONTAINER,
+        image=spec.image,
+        command=prune_command(spec, keep_key),
+        env=_home_env(),
+        volume_mounts=[_mount(VOL_CACHE, CACHE_MOUNT_PATH), _mount(VOL_TMP, TMP_PATH)],
+        security_context=_container_security_context(),
+        termination_message_policy="FallbackToLogsOnError",
+        resources=_small_resources(),
+        image_pull_policy=spec.image_pull_policy or None,
+    )
 
 
 def build_gc_job(spec: PolicyServerSpec, keep_key: str, cache_modes: Sequence[str] | None = None) -> dict[str, Any]:
@@ -483,16 +561,18 @@ def build_gc_job(spec: PolicyServerSpec, keep_key: str, cache_modes: Sequence[st
     pod_spec = _job_pod_spec(spec, [_prune_container(spec, keep_key)], _cache_volumes(spec, read_only=False))
     pod_labels = dict(gc_labels)
     _colocate(pod_spec, pod_labels, spec, spec.access_modes if cache_modes is None else cache_modes)
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": Names(spec.name).gc_job(keep_key), "namespace": spec.namespace, "labels": gc_labels},
-        "spec": {
-            "backoffLimit": 2,
-            "ttlSecondsAfterFinished": spec.checkpoint.fetch_job.ttl_seconds_after_finished,
-            "template": {"metadata": _pod_metadata(spec, pod_labels), "spec": pod_spec},
-        },
-    }
+    return api_json(
+        V1Job(
+            api_version="batch/v1",
+            kind="Job",
+            metadata=V1ObjectMeta(name=Names(spec.name).gc_job(keep_key), namespace=spec.namespace, labels=gc_labels),
+            spec=V1JobSpec(
+                backoff_limit=2,
+                ttl_seconds_after_finished=spec.checkpoint.fetch_job.ttl_seconds_after_finished,
+                template=V1PodTemplateSpec(metadata=_pod_metadata(spec, pod_labels), spec=pod_spec),
+            ),
+        )
+    )
 
 
 # --- StatefulSet ----------------------------------------------------------------------
@@ -566,97 +646,90 @@ def default_requests(spec: PolicyServerSpec) -> dict[str, str]:
     return out
 
 
-def _server_resources(spec: PolicyServerSpec) -> dict[str, Any]:
+def _server_resources(spec: PolicyServerSpec) -> V1ResourceRequirements:
     requests = {**default_requests(spec), **spec.resources.requests}
     limits = dict(spec.resources.limits)
     if spec.gpus_per_pod:
         # extended resources: requests must equal limits; setting both states it plainly
         requests[GPU_RESOURCE] = str(spec.gpus_per_pod)
         limits[GPU_RESOURCE] = str(spec.gpus_per_pod)
-    resources: dict[str, Any] = {}
-    if requests:
-        resources["requests"] = requests
-    if limits:
-        resources["limits"] = limits
-    return resources
+    return V1ResourceRequirements(requests=requests or None, limits=limits or None)
 
 
-def _apply_scheduling(pod_spec: dict[str, Any], spec: PolicyServerSpec) -> None:
+def _apply_scheduling(pod_spec: V1PodSpec, spec: PolicyServerSpec) -> None:
     sched = spec  # the scheduling fields sit at the top level of the spec, as in a pod spec
     if sched.node_selector:
-        pod_spec["nodeSelector"] = dict(sched.node_selector)
+        pod_spec.node_selector = dict(sched.node_selector)
     if sched.tolerations:
-        pod_spec["tolerations"] = [copy.deepcopy(dict(t)) for t in sched.tolerations]
+        pod_spec.tolerations = [passthrough(V1Toleration, t) for t in sched.tolerations]
     if sched.affinity:
-        pod_spec["affinity"] = copy.deepcopy(dict(sched.affinity))
-    if sched.priority_class_name:
-        pod_spec["priorityClassName"] = sched.priority_class_name
-    if sched.scheduler_name:
-        pod_spec["schedulerName"] = sched.scheduler_name
-    if sched.service_account_name:
-        pod_spec["serviceAccountName"] = sched.service_account_name
+        pod_spec.affinity = passthrough(V1Affinity, sched.affinity)
+    pod_spec.priority_class_name = sched.priority_class_name or None
+    pod_spec.scheduler_name = sched.scheduler_name or None
+    pod_spec.service_account_name = sched.service_account_name or None
     if spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [ref.to_api() for ref in spec.image_pull_secrets]
+        pod_spec.image_pull_secrets = [V1LocalObjectReference(name=ref.name) for ref in spec.image_pull_secrets]
 
 
-def build_pod_template(
+def _http_probe(path: str, period: int, failures: int) -> V1Probe:
+    return V1Probe(
+        http_get=V1HTTPGetAction(path=path, port=PORT_NAME),
+        period_seconds=period,
+        timeout_seconds=3,
+        failure_threshold=failures,
+    )
+
+
+def _pod_template(
     spec: PolicyServerSpec, serving: ServingCheckpoint, cache_modes: Sequence[str] | None = None
-) -> dict[str, Any]:
+) -> V1PodTemplateSpec:
     """The server pod: (perPod: fetch, prune) verify, then torchrun; ``cache_modes`` are the shared claim's."""
     port = spec.service.port
     rt = spec.runtime
     per_pod = spec.storage.per_pod
     compile_cache = compile_cache_writable(per_pod, spec.access_modes if cache_modes is None else cache_modes)
     mounts = [
-        {"name": VOL_CACHE, "mountPath": CACHE_MOUNT_PATH, "readOnly": True},
-        {"name": VOL_TMP, "mountPath": TMP_PATH},
-        {"name": VOL_SHM, "mountPath": SHM_PATH},
+        _mount(VOL_CACHE, CACHE_MOUNT_PATH, read_only=True),
+        _mount(VOL_TMP, TMP_PATH),
+        _mount(VOL_SHM, SHM_PATH),
     ]
     if compile_cache:  # the kubelet creates the directory with the volume root's mode (group-writable: fsGroup)
-        mounts.append({"name": VOL_CACHE, "mountPath": COMPILE_CACHE_MOUNT_PATH, "subPath": COMPILE_CACHE_DIR})
+        mounts.append(_mount(VOL_CACHE, COMPILE_CACHE_MOUNT_PATH, sub_path=COMPILE_CACHE_DIR))
     # perPod: the cache volume is the StatefulSet's volumeClaimTemplate, not a pod volume; the checkpoints stay
     # read-only through their mount when the volume itself is writable
-    volumes: list[dict[str, Any]] = [] if per_pod else _cache_volumes(spec, read_only=not compile_cache)[:1]
+    volumes = [] if per_pod else _cache_volumes(spec, read_only=not compile_cache)[:1]
     volumes += [
-        {"name": VOL_TMP, "emptyDir": {}},
+        V1Volume(name=VOL_TMP, empty_dir=V1EmptyDirVolumeSource()),
         # NCCL moves tensors between local ranks through /dev/shm; the runtime's 64 MiB default is too small
-        {"name": VOL_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
+        V1Volume(name=VOL_SHM, empty_dir=V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.resources.shm_size)),
     ]
     if spec.auth.secret_ref is not None:
         volumes.append(_secret_volume(VOL_AUTH_TOKEN, spec.auth.secret_ref.name, spec.auth.secret_ref.key))
-        mounts.append({"name": VOL_AUTH_TOKEN, "mountPath": AUTH_TOKEN_DIR, "readOnly": True})
-
-    def http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
-        return {
-            "httpGet": {"path": path, "port": PORT_NAME},
-            "periodSeconds": period,
-            "timeoutSeconds": 3,
-            "failureThreshold": failures,
-        }
-
+        mounts.append(_mount(VOL_AUTH_TOKEN, AUTH_TOKEN_DIR, read_only=True))
     startup_period = 5
-    server: dict[str, Any] = {
-        "name": SERVER_CONTAINER,
-        "image": spec.image,
-        "command": worker_command(spec, serving, compile_cache=compile_cache),
-        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
-        "env": _server_env(spec),
-        "volumeMounts": mounts,
-        "resources": _server_resources(spec),
-        "securityContext": _container_security_context(),
+    server = V1Container(
+        name=SERVER_CONTAINER,
+        image=spec.image,
+        command=worker_command(spec, serving, compile_cache=compile_cache),
+        ports=[V1ContainerPort(name=PORT_NAME, container_port=port, protocol="TCP")],
+        env=_server_env(spec),
+        volume_mounts=mounts + [passthrough(V1VolumeMount, m) for m in spec.volume_mounts],
+        resources=_server_resources(spec),
+        security_context=_container_security_context(),
         # model load + warm-up can take minutes: liveness only starts once the process answers
-        "startupProbe": http_probe(
+        startup_probe=_http_probe(
             HEALTHZ_PATH, startup_period, max(1, -(-rt.startup_timeout_seconds // startup_period))
         ),
-        "livenessProbe": http_probe(HEALTHZ_PATH, 10, 3),
-        "readinessProbe": http_probe(READYZ_PATH, 5, 2),
-        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
-    verify: dict[str, Any] = {
-        "name": VERIFY_CONTAINER,
-        "image": spec.image,
-        "command": [
+        liveness_probe=_http_probe(HEALTHZ_PATH, 10, 3),
+        readiness_probe=_http_probe(READYZ_PATH, 5, 2),
+        lifecycle=V1Lifecycle(pre_stop=V1LifecycleHandler(sleep=V1SleepAction(seconds=PRESTOP_SLEEP_S))),
+        termination_message_policy="FallbackToLogsOnError",
+        image_pull_policy=spec.image_pull_policy or None,
+    )
+    verify = V1Container(
+        name=VERIFY_CONTAINER,
+        image=spec.image,
+        command=[
             "policyserver",
             "checkpoint",
             "verify",
@@ -664,16 +737,14 @@ def build_pod_template(
             "--require-marker",
             *(["--references"] if spec.policy.type == LEROBOT else []),
         ],
-        "env": _home_env(),
-        "volumeMounts": mounts[:2],
-        "securityContext": _container_security_context(),
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
-    }
-    if spec.image_pull_policy:
-        server["imagePullPolicy"] = verify["imagePullPolicy"] = spec.image_pull_policy
-    server["volumeMounts"] += [copy.deepcopy(dict(m)) for m in spec.volume_mounts]
-    volumes += [copy.deepcopy(dict(v)) for v in spec.volumes]
+        env=_home_env(),
+        volume_mounts=mounts[:2],
+        security_context=_container_security_context(),
+        termination_message_policy="FallbackToLogsOnError",
+        resources=_small_resources(),
+        image_pull_policy=spec.image_pull_policy or None,
+    )
+    volumes += [passthrough(V1Volume, v) for v in spec.volumes]
     init_containers = [verify]
     if per_pod:
         # one download per pod into its own claim, with the fetch Job's command (same lock and marker), then
@@ -681,34 +752,44 @@ def build_pod_template(
         fetch, secret_volumes = _fetch_container(spec)
         volumes += secret_volumes
         init_containers = [fetch, _prune_container(spec, serving.key), verify]
-    pod_spec: dict[str, Any] = {
-        "securityContext": _pod_security_context(),
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-        "initContainers": init_containers,
-        "containers": [server],
-        "volumes": volumes,
-    }
+    pod_spec = V1PodSpec(
+        security_context=_pod_security_context(),
+        automount_service_account_token=False,
+        enable_service_links=False,
+        termination_grace_period_seconds=termination_grace_seconds(spec),
+        init_containers=init_containers,
+        containers=[server],
+        volumes=volumes,
+    )
     _apply_scheduling(pod_spec, spec)
-    if spec.runtime_class_name:
-        pod_spec["runtimeClassName"] = spec.runtime_class_name
+    pod_spec.runtime_class_name = spec.runtime_class_name or None
     if spec.topology_spread_constraints:
-        pod_spec["topologySpreadConstraints"] = [copy.deepcopy(dict(c)) for c in spec.topology_spread_constraints]
+        pod_spec.topology_spread_constraints = [
+            passthrough(V1TopologySpreadConstraint, c) for c in spec.topology_spread_constraints
+        ]
     annotations = {ANNOTATION_CHECKPOINT_SOURCE: serving.source}
     if serving.revision is not None:
         annotations[ANNOTATION_CHECKPOINT_REVISION] = serving.revision
     pod_labels = {**labels(spec.name, COMPONENT_SERVER), LABEL_CHECKPOINT_KEY: serving.key}
     if not per_pod:
         _colocate(pod_spec, pod_labels, spec, spec.access_modes if cache_modes is None else cache_modes)
-    template = {"metadata": _pod_metadata(spec, pod_labels, annotations), "spec": pod_spec}
-    template["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH] = template_hash(template)
+    meta = _pod_metadata(spec, pod_labels, annotations)
+    template = V1PodTemplateSpec(metadata=meta, spec=pod_spec)
+    meta.annotations = {**(meta.annotations or {}), ANNOTATION_TEMPLATE_HASH: template_hash(api_json(template))}
+    template.metadata = meta
     return template
 
 
-def template_hash(template: dict[str, Any]) -> str:
-    """A digest of everything that should roll the pods (image, runtime, checkpoint...)."""
-    body = copy.deepcopy(template)
+def build_pod_template(
+    spec: PolicyServerSpec, serving: ServingCheckpoint, cache_modes: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """The server pod: (perPod: fetch, prune) verify, then torchrun; ``cache_modes`` are the shared claim's."""
+    return api_json(_pod_template(spec, serving, cache_modes))
+
+
+def template_hash(template: Mapping[str, Any]) -> str:
+    """A digest of everything that should roll the pods (image, runtime, checkpoint...), over the template's JSON."""
+    body = copy.deepcopy(dict(template))
     body.get("metadata", {}).get("annotations", {}).pop(ANNOTATION_TEMPLATE_HASH, None)
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
@@ -718,40 +799,42 @@ def build_statefulset(
 ) -> dict[str, Any]:
     serving = serving or ServingCheckpoint.of(spec)
     names = Names(spec.name)
-    template = build_pod_template(spec, serving, cache_modes)
-    sts: dict[str, Any] = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": {
-            "name": names.statefulset,
-            "namespace": spec.namespace,
-            "labels": {**labels(spec.name, COMPONENT_SERVER), LABEL_CHECKPOINT_KEY: serving.key},
-            "annotations": {
-                ANNOTATION_TEMPLATE_HASH: template["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH],
-                **secrets_annotation(template["spec"]),
-            },
-        },
-        "spec": {
-            "replicas": spec.replicas,
-            "serviceName": names.headless_service,
-            # pods are independent replicas: start and replace them all at once, not in ordinal order
-            "podManagementPolicy": "Parallel",
-            # the operator replaces pods itself (operator/rollout.py): a template edited behind its back restarts
-            # nothing before it is put back, and a rollout surges instead of stopping a pod first
-            "updateStrategy": {"type": "OnDelete"},
-            "ordinals": {"start": 0},  # moved up by a rollout that retires the lowest pod (rollout.py)
-            "selector": {"matchLabels": selector_labels(spec.name)},
-            "template": template,
-        },
-    }
+    template = _pod_template(spec, serving, cache_modes)
+    assert template.spec is not None
+    sts_spec = V1StatefulSetSpec(
+        replicas=spec.replicas,
+        service_name=names.headless_service,
+        # pods are independent replicas: start and replace them all at once, not in ordinal order
+        pod_management_policy="Parallel",
+        # the operator replaces pods itself (operator/rollout.py): a template edited behind its back restarts
+        # nothing before it is put back, and a rollout surges instead of stopping a pod first
+        update_strategy=V1StatefulSetUpdateStrategy(type="OnDelete"),
+        ordinals=V1StatefulSetOrdinals(start=0),  # moved up by a rollout that retires the lowest pod (rollout.py)
+        selector=V1LabelSelector(match_labels=selector_labels(spec.name)),
+        template=template,
+    )
     if spec.storage.per_pod:
-        sts["spec"]["volumeClaimTemplates"] = [claim_template(spec)]
+        sts_spec.volume_claim_templates = [_claim_template(spec)]
         # a scaled-down pod's claim stays (scaling back up reuses its download); deletion follows retainOnDelete
-        sts["spec"]["persistentVolumeClaimRetentionPolicy"] = {
-            "whenDeleted": "Retain" if spec.storage.retain_on_delete else "Delete",
-            "whenScaled": "Retain",
-        }
-    return sts
+        sts_spec.persistent_volume_claim_retention_policy = V1StatefulSetPersistentVolumeClaimRetentionPolicy(
+            when_deleted="Retain" if spec.storage.retain_on_delete else "Delete", when_scaled="Retain"
+        )
+    return api_json(
+        V1StatefulSet(
+            api_version="apps/v1",
+            kind="StatefulSet",
+            metadata=V1ObjectMeta(
+                name=names.statefulset,
+                namespace=spec.namespace,
+                labels={**labels(spec.name, COMPONENT_SERVER), LABEL_CHECKPOINT_KEY: serving.key},
+                annotations={
+                    ANNOTATION_TEMPLATE_HASH: (meta_of(template).annotations or {})[ANNOTATION_TEMPLATE_HASH],
+                    **secrets_annotation(template.spec),
+                },
+            ),
+            spec=sts_spec,
+        )
+    )
 
 
 # --- PodDisruptionBudget ------------------------------------------------------------------
@@ -764,63 +847,65 @@ def build_pdb(spec: PolicyServerSpec) -> dict[str, Any]:
     pod is unready for another reason (an eviction is allowed whenever no
     more than one pod is down) and an HPA scale-down is never blocked.
     """
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": {
-            "name": Names(spec.name).pdb,
-            "namespace": spec.namespace,
-            "labels": labels(spec.name, COMPONENT_SERVER),
-        },
-        "spec": {
-            "maxUnavailable": PDB_MAX_UNAVAILABLE,
-            "selector": {"matchLabels": selector_labels(spec.name)},
-            # a pod that never became ready (a crash loop) may be evicted: it serves nobody
-            "unhealthyPodEvictionPolicy": "AlwaysAllow",
-        },
-    }
+    return api_json(
+        V1PodDisruptionBudget(
+            api_version="policy/v1",
+            kind="PodDisruptionBudget",
+            metadata=V1ObjectMeta(
+                name=Names(spec.name).pdb, namespace=spec.namespace, labels=labels(spec.name, COMPONENT_SERVER)
+            ),
+            spec=V1PodDisruptionBudgetSpec(
+                max_unavailable=PDB_MAX_UNAVAILABLE,
+                selector=V1LabelSelector(match_labels=selector_labels(spec.name)),
+                # a pod that never became ready (a crash loop) may be evicted: it serves nobody
+                unhealthy_pod_eviction_policy="AlwaysAllow",
+            ),
+        )
+    )
 
 
 # --- Services -------------------------------------------------------------------------
 
 
-def _service_ports(spec: PolicyServerSpec) -> list[dict[str, Any]]:
-    return [{"name": PORT_NAME, "port": spec.service.port, "targetPort": PORT_NAME, "protocol": "TCP"}]
+def _service_ports(spec: PolicyServerSpec) -> list[V1ServicePort]:
+    return [V1ServicePort(name=PORT_NAME, port=spec.service.port, target_port=PORT_NAME, protocol="TCP")]
+
+
+def _service_meta(spec: PolicyServerSpec, name: str, annotations: Mapping[str, str] | None = None) -> V1ObjectMeta:
+    return V1ObjectMeta(
+        name=name,
+        namespace=spec.namespace,
+        labels=labels(spec.name, COMPONENT_SERVER),
+        annotations=dict(annotations) if annotations else None,
+    )
 
 
 def build_service(spec: PolicyServerSpec) -> dict[str, Any]:
-    svc: dict[str, Any] = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": Names(spec.name).service,
-            "namespace": spec.namespace,
-            "labels": labels(spec.name, COMPONENT_SERVER),
-        },
-        "spec": {"type": spec.service.type, "selector": selector_labels(spec.name), "ports": _service_ports(spec)},
-    }
-    if spec.service.annotations:
-        svc["metadata"]["annotations"] = dict(spec.service.annotations)
-    return svc
+    return api_json(
+        V1Service(
+            api_version="v1",
+            kind="Service",
+            metadata=_service_meta(spec, Names(spec.name).service, spec.service.annotations),
+            spec=V1ServiceSpec(type=spec.service.type, selector=selector_labels(spec.name), ports=_service_ports(spec)),
+        )
+    )
 
 
 def build_headless_service(spec: PolicyServerSpec) -> dict[str, Any]:
     """Per-pod DNS (``<name>-0.<name>-pods``) for the StatefulSet, including pods not ready yet."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": Names(spec.name).headless_service,
-            "namespace": spec.namespace,
-            "labels": labels(spec.name, COMPONENT_SERVER),
-        },
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": selector_labels(spec.name),
-            "ports": _service_ports(spec),
-        },
-    }
+    return api_json(
+        V1Service(
+            api_version="v1",
+            kind="Service",
+            metadata=_service_meta(spec, Names(spec.name).headless_service),
+            spec=V1ServiceSpec(
+                cluster_ip="None",
+                publish_not_ready_addresses=True,
+                selector=selector_labels(spec.name),
+                ports=_service_ports(spec),
+            ),
+        )
+    )
 
 
 def service_fingerprint(svc: V1Service) -> tuple[Any, ...]:

@@ -565,3 +565,48 @@ def test_service_patch_ignores_fields_the_server_adds() -> None:
     assert not M.service_needs_patch(api_object(V1Service, live), desired)
     live["spec"]["ports"][0]["port"] = 1234
     assert M.service_needs_patch(api_object(V1Service, live), desired)
+
+
+# --- sections the PolicyServer passes through ---------------------------------------------
+
+PASSED_THROUGH = {
+    "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}],
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule", "labelSelector": {}}
+    ],
+    "affinity": {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 5, "podAffinityTerm": {"topologyKey": "z", "labelSelector": {"matchLabels": {"q": "r"}}}}
+            ]
+        }
+    },
+    "volumes": [{"name": "cfg", "configMap": {"name": "c", "defaultMode": 420}}, {"name": "scratch", "emptyDir": {}}],
+    "volumeMounts": [{"name": "cfg", "mountPath": "/cfg", "readOnly": True, "subPath": "a"}],
+}
+PASSED_ENV = [
+    {"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k", "optional": True}}},
+    {"name": "B", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    {"name": "C", "value": ""},
+]
+
+
+def test_passed_through_sections_reach_the_body_unchanged() -> None:
+    """The builders make the pod from the client's models; what the user wrote comes out as written (empty
+    objects, empty strings, ints and all), not as the model's idea of it."""
+    spec = spec_of(base(**copy.deepcopy(PASSED_THROUGH), runtime={"env": copy.deepcopy(PASSED_ENV)}))
+    pod = M.build_statefulset(spec, cache_modes=["ReadWriteMany"])["spec"]["template"]["spec"]
+    assert pod["tolerations"] == PASSED_THROUGH["tolerations"]
+    assert pod["topologySpreadConstraints"] == PASSED_THROUGH["topologySpreadConstraints"]
+    assert pod["affinity"] == PASSED_THROUGH["affinity"]
+    assert pod["volumes"][-2:] == PASSED_THROUGH["volumes"]
+    assert _server(M.build_statefulset(spec))["volumeMounts"][-1:] == PASSED_THROUGH["volumeMounts"]
+    assert _server(M.build_statefulset(spec))["env"][-3:] == PASSED_ENV
+    rwo = M.build_statefulset(spec, cache_modes=["ReadWriteOnce"])["spec"]["template"]["spec"]["affinity"]
+    assert rwo["podAntiAffinity"] == PASSED_THROUGH["affinity"]["podAntiAffinity"] and "podAffinity" in rwo
+
+
+def test_a_passed_through_field_the_client_does_not_know_is_refused_not_dropped() -> None:
+    spec = spec_of(base(tolerations=[{"key": "gpu", "operator": "Exists", "fromTheFuture": True}]))
+    with pytest.raises(ValueError, match="V1Toleration"):
+        M.build_statefulset(spec)
