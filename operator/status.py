@@ -428,22 +428,6 @@ def build_status(
     ]
     ready = ready_condition(phase, available=available, progressing=progressing, desired=workload.desired)
     storage_ready = [storage_condition(spec, storage)] if storage is not None else []
-    ck = spec.checkpoint
-    downloading = checkpoint.progress is not None and checkpoint.phase == CheckpointPhase.DOWNLOADING
-    checkpoint_status = CheckpointStatus(
-        key=ck.key,
-        source=ck.source,
-        revision=ck.revision,
-        path=ck.path,
-        job_name=checkpoint.job_name,
-        phase=checkpoint.phase,
-        message=checkpoint.message,
-        progress=DownloadProgress.model_validate(checkpoint.progress.as_status())
-        if downloading and checkpoint.progress is not None
-        else None,
-        serving_key=workload.serving_key or None,
-        claim_uid=checkpoint.claim_uid if checkpoint.claim_uid and checkpoint.phase == CheckpointPhase.READY else None,
-    )
     status = PolicyServerStatus(
         observed_generation=generation,
         phase=phase,
@@ -458,7 +442,7 @@ def build_status(
         endpoint=endpoint(spec) if service_exists else None,
         template_hash=workload.template_hash or None,
         last_progress_time=progress_since,
-        checkpoint=checkpoint_status,
+        checkpoint=checkpoint_status(spec, checkpoint, workload),
         pods=[PodStatus.model_validate(p.as_status()) for p in pods],
         batching=batching_status(pods, updated) if spec.runtime.batching.latency_budget_ms is not None else None,
         conditions=status_conditions(
@@ -490,6 +474,30 @@ def build_status(
         + condition_events(prev_conditions, storage_ready)
     )
     return StatusUpdate(status, events)
+
+
+def checkpoint_status(spec: PolicyServerSpec, checkpoint: CheckpointState, workload: WorkloadState) -> CheckpointStatus:
+    """``status.checkpoint``: the spec's checkpoint, where its download stands, and what the pods serve.
+
+    Progress only while downloading (a finished download's bytes say nothing); the claim's uid only once the
+    checkpoint is ready in it, so a claim recreated under the same name is never taken for the verified one.
+    """
+    ck = spec.checkpoint
+    downloading = checkpoint.progress is not None and checkpoint.phase == CheckpointPhase.DOWNLOADING
+    return CheckpointStatus(
+        key=ck.key,
+        source=ck.source,
+        revision=ck.revision,
+        path=ck.path,
+        job_name=checkpoint.job_name,
+        phase=checkpoint.phase,
+        message=checkpoint.message,
+        progress=DownloadProgress.model_validate(checkpoint.progress.as_status())
+        if downloading and checkpoint.progress is not None
+        else None,
+        serving_key=workload.serving_key or None,
+        claim_uid=checkpoint.claim_uid if checkpoint.claim_uid and checkpoint.phase == CheckpointPhase.READY else None,
+    )
 
 
 # --- writing ----------------------------------------------------------------------------------
