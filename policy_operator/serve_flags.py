@@ -93,7 +93,15 @@ class ServeOptions:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
+    """Every ``serve`` flag, by group (``--help`` shows them so); ``to_argv`` writes them back."""
+    _model_flags(p.add_argument_group("model"))
+    _layout_flags(p.add_argument_group("layout and sampling"))
+    _batching_flags(p.add_argument_group("batching"))
+    _server_flags(p.add_argument_group("server"))
+    _lifecycle_flags(p.add_argument_group("health and lifecycle"))
+
+
+def _model_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--checkpoint",
         required=True,
@@ -132,7 +140,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch intra-op threads of every thread of a rank (model, event loop, prepare); default: "
         "OMP_NUM_THREADS when set, else 1 on a GPU (as torchrun sets for several ranks), else torch's own",
     )
-    g = p.add_argument_group("layout and sampling")
+
+
+def _layout_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--cfgp", type=int, default=1, help="classifier-free-guidance parallel degree, 1 or 2")
     g.add_argument("--dp", type=int, default=1, help="data-parallel replicas in this pod (outermost rank axis)")
     g.add_argument(
@@ -170,7 +180,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="STEPS",
         help="largest rtc.inference_delay a request may ask for, in control steps (default: the action horizon - 1)",
     )
-    g = p.add_argument_group("batching")
+
+
+def _batching_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--max-batch",
         type=int,
@@ -193,7 +205,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a robot's control period: warm-up measures every batch size (bucket) and no batch is formed "
         "whose measured time exceeds it (default: no budget, batches up to --max-batch)",
     )
-    g = p.add_argument_group("server")
+
+
+def _server_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--host",
         default=os.environ.get(ENV_HOST) or "0.0.0.0",
@@ -254,7 +268,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how long a thread may hold the GIL while another waits (sys.setswitchinterval): rank 0's "
         "event loop and its model thread share one interpreter (default %(default)s)",
     )
-    g = p.add_argument_group("health and lifecycle")
+
+
+def _lifecycle_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--heartbeat-s", type=float, default=1.0, help="rank heartbeat period (default %(default)s)")
     g.add_argument(
         "--drain-grace-s",
