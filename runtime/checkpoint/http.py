@@ -294,6 +294,66 @@ def _validator(resp: http.client.HTTPResponse) -> str | None:
     return resp.headers.get("Last-Modified")
 
 
+def _resume_point(
+    part: Path, meta: Path, size: int | None, progress: Progress
+) -> tuple[int, str | None, hashlib._Hash]:
+    """Where an earlier run's ``.part`` lets this one start: (offset, its validator, the hash of its bytes).
+
+    A part is resumed only with the validator its server gave (If-Range proves it is the same file) and never
+    past the listed size; a hard link to a file elsewhere is never resumed, written or published.
+    """
+    for planted in (part, meta):
+        if has_other_names(planted):
+            planted.unlink()
+    offset = part.stat().st_size if part.exists() else 0
+    validator: str | None = None
+    if offset and meta.exists():
+        try:
+            validator = json.loads(meta.read_text()).get("validator")
+        except (OSError, ValueError):
+            validator = None
+    if offset and (size is not None and offset > size or not validator):
+        part.unlink()  # longer than the file, or no way to know it is the same file
+        progress.advance(-offset)
+        offset = 0
+    hasher = hashlib.sha256()
+    if offset:
+        _hash_prefix(part, hasher)
+    return offset, validator, hasher
+
+
+def _copy_body(
+    resp: http.client.HTTPResponse, f: BinaryIO, hasher: hashlib._Hash, patience: Patience, progress: Progress
+) -> tuple[int, BaseException | None]:
+    """Copy one response's body into ``f`` (hashed, fsynced): (bytes received, why it ended early or None).
+
+    What arrived before a drop or a stall is kept, so the next attempt resumes after it.
+    """
+    received = 0
+    dropped: BaseException | None = None
+    sink = _HashingWriter(f, hasher)
+    speed = _SpeedWindow(patience)
+    try:
+        while dropped is None:
+            buf = sink.buffer()
+            n, dropped = _fill(resp, buf)
+            if not n:
+                sink.release(buf)
+                break
+            sink.commit(buf, n)
+            received += n
+            progress.advance(n)
+            if dropped is None:
+                speed.check(n)
+    except _Stalled as exc:
+        dropped = exc
+    finally:
+        sink.close()
+        f.flush()
+        os.fsync(f.fileno())
+    return received, dropped
+
+
 def download_file(
     url: str,
     target: Path,
@@ -313,23 +373,7 @@ def download_file(
     meta = target.with_name(target.name + ".part.json")
     shown = redact_url(url)
     target.parent.mkdir(parents=True, exist_ok=True)
-    for planted in (part, meta):  # a hard link to a file elsewhere: never resumed, written or published
-        if has_other_names(planted):
-            planted.unlink()
-    offset = part.stat().st_size if part.exists() else 0
-    validator: str | None = None
-    if offset and meta.exists():
-        try:
-            validator = json.loads(meta.read_text()).get("validator")
-        except (OSError, ValueError):
-            validator = None
-    if offset and (size is not None and offset > size or not validator):
-        part.unlink()  # longer than the file, or no way to know it is the same file
-        progress.advance(-offset)
-        offset = 0
-    hasher = hashlib.sha256()
-    if offset:
-        _hash_prefix(part, hasher)
+    offset, validator, hasher = _resume_point(part, meta, size, progress)
 
     def wrong_size(message: str) -> VerificationError:
         part.unlink(missing_ok=True)  # bytes of another size than promised: nothing worth resuming
@@ -383,33 +427,14 @@ def download_file(
             expected_end = offset + int(length) if length and length.isdigit() else None
             if size is not None and expected_end is not None and expected_end != size:
                 raise wrong_size(f"{shown}: the server says {expected_end} bytes, the listing says {size}")
-            dropped: BaseException | None = None
             opened = create_new(part) if offset == 0 else open_own(part)
             if opened is None:
                 raise FetchError(
                     f"{part} was replaced while downloading (a link planted?); the next run starts it afresh"
                 )
             with opened as f:
-                sink = _HashingWriter(f, hasher)
-                speed = _SpeedWindow(patience)
-                try:
-                    while dropped is None:
-                        buf = sink.buffer()
-                        n, dropped = _fill(resp, buf)
-                        if not n:
-                            sink.release(buf)
-                            break
-                        sink.commit(buf, n)  # what arrived before a drop is kept
-                        offset += n
-                        progress.advance(n)
-                        if dropped is None:
-                            speed.check(n)
-                except _Stalled as exc:
-                    dropped = exc
-                finally:
-                    sink.close()
-                    f.flush()
-                    os.fsync(f.fileno())
+                received, dropped = _copy_body(resp, f, hasher, patience, progress)
+                offset += received
             end = expected_end if expected_end is not None else size
             if end is None or offset >= end:
                 break
