@@ -275,27 +275,7 @@ def checkpoint_state(
     claim_uid = meta_of(claim).uid
     claim_name = meta_of(claim).name
     if job is None:
-        recorded_claim = recorded.get("claimUid")
-        if (
-            recorded.get("key") == ck.key
-            and recorded.get("phase") == CheckpointPhase.READY
-            and (not recorded_claim or not claim_uid or recorded_claim == claim_uid)
-        ):
-            return CheckpointState(
-                CheckpointPhase.READY,
-                Reason.DOWNLOADED,
-                f"{ck.path} is complete",
-                job_name,
-                claim_uid=recorded_claim or claim_uid,
-            )
-        again = recorded_claim and claim_uid and recorded_claim != claim_uid
-        return CheckpointState(
-            CheckpointPhase.PENDING,
-            Reason.JOB_PENDING,
-            f"creating fetch Job {job_name}"
-            + (f": the checkpoint was on a cache claim that is gone; {claim_name} is new" if again else ""),
-            job_name,
-        )
+        return without_job(spec, job_name, recorded, claim)
     if ran_on_older_claim(job, claim) and _is_true(_conditions(job), "Complete"):
         return CheckpointState(
             CheckpointPhase.PENDING,
@@ -315,10 +295,12 @@ def checkpoint_state(
     exit_code, last_line = _fetch_termination(job_pods)
     if _is_true(conds, "Failed"):
         cond = conds["Failed"]
-        if cond.reason == "DeadlineExceeded":
-            reason = Reason.DEADLINE_EXCEEDED
-        else:
-            reason = EXIT_REASONS.get(exit_code or 0, Reason.FETCH_FAILED)
+        # the Job's deadline, else what the fetch's exit code means (policy_operator/exit_codes.py)
+        reason = (
+            Reason.DEADLINE_EXCEEDED
+            if cond.reason == "DeadlineExceeded"
+            else EXIT_REASONS.get(exit_code or 0, Reason.FETCH_FAILED)
+        )
         detail = last_line or cond.message or cond.reason or "the fetch Job failed"
         return CheckpointState(
             CheckpointPhase.FAILED, reason, f"fetch Job {job_name} failed: {detail}"[:MAX_MESSAGE], job_name
@@ -359,6 +341,39 @@ def checkpoint_state(
             job_name,
         )
     return waiting_for_fetch_pod(job_name, next((m for m in (container_message(p) for p in job_pods) if m), ""))
+
+
+def without_job(
+    spec: PolicyServerSpec, job_name: str, recorded: Mapping[str, Any], claim: V1PersistentVolumeClaim | None
+) -> CheckpointState:
+    """No fetch Job: a download recorded Ready on this claim (its Job garbage-collected since), or one to start.
+
+    A record of another claim's uid is a checkpoint the pods will not find: it is fetched again, and the
+    message says why.
+    """
+    ck = spec.checkpoint
+    claim_uid = meta_of(claim).uid
+    recorded_claim = recorded.get("claimUid")
+    if (
+        recorded.get("key") == ck.key
+        and recorded.get("phase") == CheckpointPhase.READY
+        and (not recorded_claim or not claim_uid or recorded_claim == claim_uid)
+    ):
+        return CheckpointState(
+            CheckpointPhase.READY,
+            Reason.DOWNLOADED,
+            f"{ck.path} is complete",
+            job_name,
+            claim_uid=recorded_claim or claim_uid,
+        )
+    again = recorded_claim and claim_uid and recorded_claim != claim_uid
+    return CheckpointState(
+        CheckpointPhase.PENDING,
+        Reason.JOB_PENDING,
+        f"creating fetch Job {job_name}"
+        + (f": the checkpoint was on a cache claim that is gone; {meta_of(claim).name} is new" if again else ""),
+        job_name,
+    )
 
 
 def waiting_for_fetch_pod(job_name: str, waiting: str = "") -> CheckpointState:
