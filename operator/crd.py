@@ -5,7 +5,8 @@
 sections of ``docs/crd.md`` between ``<!-- BEGIN GENERATED: x -->`` and
 ``<!-- END GENERATED: x -->``, and the chart's RBAC rules from
 ``operator/rbac.py`` (``rbac.render_chart_helpers``) and its admission policy
-from ``operator/admission.py``; ``--check`` only reports
+from ``operator/admission.py``, and the version (pyproject's) where the chart's
+appVersion and the examples' and docs' image names quote it; ``--check`` only reports
 what is stale.  The
 schema is ``resource.PolicyServer`` as ``kube_model.kube_schema`` renders it,
 so a field, default, bound or CEL rule is written once, in ``spec.py``, and
@@ -29,6 +30,7 @@ from typing import Any, Final
 
 import yaml
 
+from policy_operator import __version__
 from policy_operator import constants as C
 from policy_operator.operator import admission, rbac
 from policy_operator.operator.kube_model import (
@@ -473,11 +475,35 @@ def doc_examples(text: str | None = None) -> list[DocExample]:
 # --- command line ------------------------------------------------------------------------------------
 
 
+# --- the version ------------------------------------------------------------------------------------
+
+CHART_PATH: Final = REPO / "charts" / "policy-operator" / "Chart.yaml"
+_APP_VERSION = re.compile(r'^appVersion: "[^"\n]*"$', re.M)
+_IMAGE_TAG = re.compile(r"(ghcr\.io/policy-operator/[a-z-]+:)[A-Za-z0-9._-]+")
+
+
+def versioned_files() -> list[Path]:
+    """The files that quote the version: the chart's appVersion, every image named in the examples and docs."""
+    return [
+        CHART_PATH,
+        *sorted((REPO / "examples").glob("*.yaml")),
+        *sorted((REPO / "docs").glob("*.md")),
+        REPO / "README.md",
+    ]
+
+
+def render_version(text: str, version: str = __version__) -> str:
+    """``text`` quoting ``version`` (pyproject's, as the package reports it): Helm and a YAML example need the
+    literal, so it is written here from the one place it is set."""
+    return _IMAGE_TAG.sub(lambda m: m[1] + version, _APP_VERSION.sub(f'appVersion: "{version}"', text))
+
+
 def stale_files() -> dict[Path, str]:
     """Each generated file whose committed text differs from the model's, with the text it should have."""
-    wanted = {
+    wanted = {path: render_version(path.read_text()) for path in versioned_files()}
+    wanted |= {
         CRD_PATH: render_crd(),
-        DOC_PATH: render_doc(DOC_PATH.read_text()),
+        DOC_PATH: render_version(render_doc(DOC_PATH.read_text())),
         rbac.CHART_HELPERS: admission.render_chart_helpers(rbac.render_chart_helpers(rbac.CHART_HELPERS.read_text())),
     }
     return {path: text for path, text in wanted.items() if not path.exists() or path.read_text() != text}

@@ -29,3 +29,17 @@ def test_every_image_in_the_examples_and_docs_is_tagged_with_the_version() -> No
     tags = {(str(p.relative_to(REPO)), tag) for p in files for tag in IMAGE.findall(p.read_text())}
     assert tags, "no image reference found: the pattern no longer matches the examples"
     assert {(where, tag) for where, tag in tags if tag != VERSION} == set()
+
+
+def test_make_crd_writes_the_version_where_it_is_quoted() -> None:
+    """A version bump is pyproject.toml and `make crd`: the generator rewrites every quoted copy."""
+    from policy_operator.operator import crd
+
+    assert crd.CHART_PATH in crd.versioned_files()
+    bumped = crd.render_version(crd.CHART_PATH.read_text(), "9.9.9")
+    assert yaml.safe_load(bumped)["appVersion"] == "9.9.9"
+    assert yaml.safe_load(bumped)["version"] == yaml.safe_load(crd.CHART_PATH.read_text())["version"]  # its own
+    for path in crd.versioned_files():
+        text = path.read_text()
+        assert set(IMAGE.findall(crd.render_version(text, "9.9.9"))) <= {"9.9.9"}, path
+        assert crd.render_version(text) == text, f"{path} is stale: run make crd"
