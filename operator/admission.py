@@ -12,6 +12,23 @@ network-storage volume, no ServiceAccount token, and a Secret only where the
 workload declares it in ``policyoperator.io/secrets``; server pods it may
 annotate but never change.
 
+The image is the one thing of that shape a PolicyServer chooses freely, so
+the chart's ``admissionPolicy.allowedImages`` (image prefixes; empty: any
+image) is checked against every container and init container too.  A prefix
+matches at a repository boundary only: the image equals it, or continues it
+with ``/``, ``:`` or ``@``, or the prefix itself ends in one of them; so
+``ghcr.io/policy-operator/`` and ``ghcr.io/policy-operator`` both admit
+``ghcr.io/policy-operator/server:1`` and neither admits
+``ghcr.io/policy-operator-evil/x``.  The image is compared as the spec writes
+it (``busybox`` is not ``docker.io/library/busybox``).  The list is templated
+into the policy as a CEL list literal (the ``allowedImages`` variable, from the
+value through ``toJson``) rather than read from a ``paramKind`` resource: it
+needs no second object and no ``paramRef`` on the binding, it changes only with
+the release (a params ConfigMap would be one more object whose editors widen
+the list), and it is plain ``admissionregistration.k8s.io/v1`` that any
+Kubernetes >= 1.30 accepts.  The refusal's ``messageExpression`` names the
+refused images and the allowed prefixes.
+
 What it cannot check (CEL sees one request, not other objects): that the
 PolicyServer named in the owner reference exists, nor that its spec names the
 Secrets declared.  docs/operator.md ("Security") says what that leaves.
@@ -26,6 +43,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -59,14 +77,39 @@ class Variable:
 @dataclass(frozen=True)
 class Validation:
     expression: str
-    message: str
+    message: str  # the API server's fallback when message_expression fails
+    message_expression: str = ""
+
+
+# the chart value the allowlist comes from, and what stands for it in the generated chart section
+ALLOWED_IMAGES_VALUE: Final = "admissionPolicy.allowedImages"
+_ALLOWED_IMAGES_SLOT: Final = "ALLOWED_IMAGES_FROM_VALUES"
+_ALLOWED_IMAGES_TEMPLATE: Final = f"{{{{ .Values.{ALLOWED_IMAGES_VALUE} | default list | toJson | quote }}}}"
+
+
+def cel_list(items: Sequence[str]) -> str:
+    """``items`` as a CEL list literal: JSON, as Helm's ``toJson`` writes it."""
+    return json.dumps(list(items), separators=(",", ":"))
+
+
+# an image matches a prefix at a repository boundary: equal, continued by / : or @, or the prefix ends in one
+_MATCHES = (
+    "i == p || (i.startsWith(p) && (p.endsWith('/') || p.endsWith(':') || p.endsWith('@'))) || "
+    "i.startsWith(p + '/') || i.startsWith(p + ':') || i.startsWith(p + '@')"
+)
 
 
 _labels = f"has(object.metadata.labels) && {json.dumps(LABEL_MANAGED_BY)} in object.metadata.labels"
 
 _NO_HOST_SOURCE = " && ".join(f"!has(v.{source})" for source in REFUSED_VOLUME_SOURCES)
 
-VARIABLES: tuple[Variable, ...] = (
+
+def variables(allowed_images: str = cel_list(())) -> tuple[Variable, ...]:
+    """The policy's variables; ``allowed_images`` is the allowlist's CEL list literal."""
+    return (*_SHAPE_VARIABLES, *_image_variables(allowed_images))
+
+
+_SHAPE_VARIABLES: tuple[Variable, ...] = (
     Variable("isPod", "object.kind == 'Pod'"),
     Variable("template", "variables.isPod ? object : object.spec.template"),
     Variable("podSpec", "variables.template.spec"),
@@ -82,6 +125,21 @@ VARIABLES: tuple[Variable, ...] = (
         f"? object.metadata.annotations[{json.dumps(ANNOTATION_SECRETS)}].split(',') : []",
     ),
 )
+
+
+def _image_variables(allowed_images: str) -> tuple[Variable, ...]:
+    return (
+        Variable("allowedImages", allowed_images),
+        Variable(
+            "refusedImages",
+            "variables.isPod || size(variables.allowedImages) == 0 ? [] : "
+            "variables.containers.map(c, has(c.image) ? c.image : '')"
+            f".filter(i, !variables.allowedImages.exists(p, {_MATCHES}))",
+        ),
+    )
+
+
+VARIABLES: tuple[Variable, ...] = variables()
 
 
 _DECLARED = "variables.declaredSecrets"
@@ -130,6 +188,13 @@ VALIDATIONS: tuple[Validation, ...] = (
         f"every Secret the pod template names must be listed in the workload's {ANNOTATION_SECRETS} annotation "
         "(the Secrets its PolicyServer's spec names)",
     ),
+    Validation(
+        "size(variables.refusedImages) == 0",
+        f"every container's image of the operator's workloads must start with a prefix of {ALLOWED_IMAGES_VALUE}",
+        "'image ' + variables.refusedImages.join(', ') + ' is not allowed: "
+        f"{ALLOWED_IMAGES_VALUE} is [' + variables.allowedImages.join(', ') + '] "
+        "(a prefix matches where the image continues with /, : or @)'",
+    ),
 )
 
 
@@ -140,8 +205,18 @@ _GENERATED: Final = re.compile(
 )
 
 
-def policy_body() -> dict[str, object]:
-    """The policy's matchConstraints, variables and validations (the chart adds the ServiceAccount's matchCondition)."""
+def _validation(v: Validation) -> dict[str, str]:
+    message = {"messageExpression": v.message_expression} if v.message_expression else {}
+    return {"expression": v.expression, "message": v.message, **message, "reason": "Forbidden"}
+
+
+def policy_body(allowed_images: Sequence[str] = ()) -> dict[str, object]:
+    """The policy's matchConstraints, variables and validations for this allowlist (the chart adds the
+    ServiceAccount's matchCondition)."""
+    return _body(cel_list(allowed_images))
+
+
+def _body(allowed_images: str) -> dict[str, object]:
     return {
         "matchConstraints": {
             "resourceRules": [
@@ -154,14 +229,20 @@ def policy_body() -> dict[str, object]:
                 for group, version, resource in RESOURCES
             ]
         },
-        "variables": [{"name": v.name, "expression": v.expression} for v in VARIABLES],
-        "validations": [{"expression": v.expression, "message": v.message, "reason": "Forbidden"} for v in VALIDATIONS],
+        "variables": [{"name": v.name, "expression": v.expression} for v in variables(allowed_images)],
+        "validations": [_validation(v) for v in VALIDATIONS],
     }
 
 
 def chart_section() -> str:
-    """The ``define`` block of the chart: the policy's spec without its matchConditions."""
-    body = yaml.safe_dump(policy_body(), sort_keys=False, width=100000)
+    """The ``define`` block of the chart: the policy's spec without its matchConditions, the allowlist templated
+    from the chart's value."""
+    body = yaml.safe_dump(_body(_ALLOWED_IMAGES_SLOT), sort_keys=False, width=100000)
+    if body.count(_ALLOWED_IMAGES_SLOT) != 1:
+        raise AssertionError(
+            f"the allowlist's slot must appear once in the policy, not {body.count(_ALLOWED_IMAGES_SLOT)}"
+        )
+    body = body.replace(_ALLOWED_IMAGES_SLOT, _ALLOWED_IMAGES_TEMPLATE)
     return f'{{{{- define "policy-operator.admission.spec" -}}}}\n{body}{{{{- end }}}}\n'
 
 

@@ -25,29 +25,39 @@ def _split(text: Any, sep: Any) -> Any:  # Kubernetes' CEL strings library; cel-
     return celpy.celtypes.ListType([celpy.celtypes.StringType(s) for s in str(text).split(str(sep))])
 
 
+def _join(items: Any, sep: Any) -> Any:  # the same library's list join
+    return celpy.celtypes.StringType(str(sep).join(str(i) for i in items))
+
+
 def _run(expression: str, activation: dict[str, Any]) -> Any:
-    result = _ENV.program(_ENV.compile(expression), functions={"split": _split}).evaluate(activation)
+    result = _ENV.program(_ENV.compile(expression), functions={"split": _split, "join": _join}).evaluate(activation)
     if isinstance(result, Exception):
         raise result
     return result
 
 
-def refusals(obj: dict[str, Any], *, old: dict[str, Any] | None = None) -> list[str]:
+def refusals(
+    obj: dict[str, Any], *, old: dict[str, Any] | None = None, allowed_images: tuple[str, ...] = ()
+) -> list[str]:
     """The messages of the validations ``obj`` fails, as the API server evaluates them (CREATE, or UPDATE from
-    ``old``)."""
+    ``old``; the chart's ``admissionPolicy.allowedImages``); a message expression's text where it has one."""
     activation: dict[str, Any] = {
         "object": celpy.json_to_cel(obj),
         "oldObject": celpy.json_to_cel(old),
         "request": celpy.json_to_cel({"operation": "UPDATE" if old is not None else "CREATE"}),
     }
     variables: dict[str, Any] = {}
-    for variable in admission.VARIABLES:
+    for variable in admission.variables(admission.cel_list(allowed_images)):
         activation["variables"] = celpy.celtypes.MapType(
             {celpy.celtypes.StringType(k): v for k, v in variables.items()}
         )
         variables[variable.name] = _run(variable.expression, activation)
     activation["variables"] = celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in variables.items()})
-    return [v.message for v in admission.VALIDATIONS if not bool(_run(v.expression, activation))]
+    return [
+        str(_run(v.message_expression, activation)) if v.message_expression else v.message
+        for v in admission.VALIDATIONS
+        if not bool(_run(v.expression, activation))
+    ]
 
 
 OWNER = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps", "uid": "u-1"}}
@@ -196,3 +206,89 @@ def test_the_chart_renders_this_policy_for_its_service_account() -> None:
     assert policy["metadata"]["name"].startswith(RELEASE) and policy["metadata"]["name"].endswith(f".{NS}")
     off = rendered({"admissionPolicy": {"enabled": False}})
     assert "ValidatingAdmissionPolicy" not in off and "ValidatingAdmissionPolicyBinding" not in off
+    assert [v for v in policy["spec"]["variables"] if v["name"] == "allowedImages"] == [
+        {"name": "allowedImages", "expression": "[]"}
+    ]
+
+
+def test_the_chart_renders_its_image_allowlist_into_the_policy() -> None:
+    prefixes = ["ghcr.io/policy-operator/", "registry.example.com/robots/policy-server", 'odd"\\x/']
+    (policy,) = rendered({"admissionPolicy": {"allowedImages": prefixes}})["ValidatingAdmissionPolicy"]
+    body = admission.policy_body(prefixes)
+    assert {k: policy["spec"][k] for k in body} == body
+    (variable,) = [v for v in policy["spec"]["variables"] if v["name"] == "allowedImages"]
+    assert [str(p) for p in _run(variable["expression"], {})] == prefixes  # a CEL list of exactly those strings
+
+
+ALLOWED = ("ghcr.io/policy-operator/", "registry.example.com/robots/policy-server")
+
+
+def with_images(job: dict[str, Any], *images: str, init: str | None = None) -> dict[str, Any]:
+    job = copy.deepcopy(job)
+    pod = job["spec"]["template"]["spec"]
+    for container, image in zip(pod["containers"], images, strict=True):
+        container["image"] = image
+    if init is not None:
+        pod.setdefault("initContainers", []).append({**pod["containers"][0], "name": "init", "image": init})
+    return job
+
+
+def image_refusal(*images: str) -> str:
+    return (
+        f"image {', '.join(images)} is not allowed: admissionPolicy.allowedImages is [{', '.join(ALLOWED)}] "
+        "(a prefix matches where the image continues with /, : or @)"
+    )
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "ghcr.io/policy-operator/policy-server:0.1.0",
+        "ghcr.io/policy-operator/nested/server@sha256:" + "a" * 64,
+        "registry.example.com/robots/policy-server",
+        "registry.example.com/robots/policy-server:1.2",
+        "registry.example.com/robots/policy-server@sha256:" + "b" * 64,
+        "registry.example.com/robots/policy-server/debug:1",
+    ],
+)
+def test_an_allowed_image_is_admitted(image: str) -> None:
+    job = adopted(manifests.build_fetch_job(spec_of(image=image)))
+    assert refusals(job, allowed_images=ALLOWED) == []
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "ghcr.io/policy-operator-evil/x:1",  # a prefix ending in / stops at the repository boundary
+        "ghcr.io/policy-operator",  # the namespace itself is not an image under it
+        "registry.example.com/robots/policy-server-evil:1",  # a full repository does not admit its name's extensions
+        "registry.example.com/robots/policy-serverx",
+        "evil.example/ghcr.io/policy-operator/x",
+        "busybox",
+    ],
+)
+def test_an_image_outside_the_allowlist_is_refused_naming_it(image: str) -> None:
+    job = adopted(manifests.build_fetch_job(spec_of(image=image)))
+    assert refusals(job, allowed_images=ALLOWED) == [image_refusal(image)]
+
+
+def test_every_container_and_init_container_of_every_child_is_checked() -> None:
+    spec = spec_of(image="ghcr.io/policy-operator/policy-server:1", **SPECS["per-pod"])
+    sts = adopted(manifests.build_statefulset(spec))
+    assert sts["spec"]["template"]["spec"]["initContainers"], "the server pods' verify init container"
+    assert refusals(sts, allowed_images=ALLOWED) == []
+    for child in (sts, adopted(manifests.build_gc_job(spec, spec.checkpoint.key))):
+        init = copy.deepcopy(child)
+        init["spec"]["template"]["spec"].setdefault("initContainers", [{"name": "i", "command": ["policyserver"]}])
+        init["spec"]["template"]["spec"]["initContainers"][0]["image"] = "evil/init:1"
+        assert image_refusal("evil/init:1") in refusals(init, allowed_images=ALLOWED)
+    job = adopted(manifests.build_fetch_job(spec))
+    both = with_images(job, "evil/a:1", init="evil/b:2")
+    assert refusals(both, allowed_images=ALLOWED) == [image_refusal("evil/a:1", "evil/b:2")]
+    # an empty allowlist admits any image (the chart's default), and pods are left to the spec-unchanged rule
+    assert refusals(both) == []
+    template = manifests.build_statefulset(spec)["spec"]["template"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ps-0", **template["metadata"]}}
+    pod["spec"] = copy.deepcopy(template["spec"])
+    pod["spec"]["containers"][0]["image"] = "evil/a:1"
+    assert refusals(pod, old=pod, allowed_images=ALLOWED) == []

@@ -621,6 +621,8 @@ BAD_VALUES = [
     ({"samplePolicyServer": {"name": "p" * 41}}, "/samplePolicyServer/name"),
     ({"samplePolicyServer": {"spec": {"replicas": 1, "checkpoint": None}}}, "/samplePolicyServer/spec"),
     ({"terminationGracePeriodSeconds": -1}, "/terminationGracePeriodSeconds"),
+    ({"admissionPolicy": {"allowedImages": "ghcr.io/policy-operator/"}}, "/admissionPolicy/allowedImages"),
+    ({"admissionPolicy": {"allowedImages": [""]}}, "/admissionPolicy/allowedImages/0"),
 ]
 
 

@@ -193,6 +193,10 @@ variables:
   expression: 'has(variables.podSpec.volumes) ? variables.podSpec.volumes : []'
 - name: declaredSecrets
   expression: 'has(object.metadata.annotations) && "policyoperator.io/secrets" in object.metadata.annotations ? object.metadata.annotations["policyoperator.io/secrets"].split('','') : []'
+- name: allowedImages
+  expression: {{ .Values.admissionPolicy.allowedImages | default list | toJson | quote }}
+- name: refusedImages
+  expression: 'variables.isPod || size(variables.allowedImages) == 0 ? [] : variables.containers.map(c, has(c.image) ? c.image : '''').filter(i, !variables.allowedImages.exists(p, i == p || (i.startsWith(p) && (p.endsWith(''/'') || p.endsWith('':'') || p.endsWith(''@''))) || i.startsWith(p + ''/'') || i.startsWith(p + '':'') || i.startsWith(p + ''@'')))'
 validations:
 - expression: variables.isPod || (has(object.metadata.labels) && "app.kubernetes.io/managed-by" in object.metadata.labels && object.metadata.labels["app.kubernetes.io/managed-by"] == "policy-operator" && "policyoperator.io/policyserver" in object.metadata.labels)
   message: the operator's ServiceAccount creates only Jobs and StatefulSets labelled app.kubernetes.io/managed-by=policy-operator and policyoperator.io/policyserver
@@ -214,6 +218,10 @@ validations:
   reason: Forbidden
 - expression: variables.isPod || variables.volumes.all(v, !has(v.secret) || v.secret.secretName in variables.declaredSecrets) && variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || v.projected.sources.all(s, !has(s.secret) || s.secret.name in variables.declaredSecrets)) && variables.containers.all(c, (!has(c.env) || c.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef) || e.valueFrom.secretKeyRef.name in variables.declaredSecrets)) && (!has(c.envFrom) || c.envFrom.all(f, !has(f.secretRef) || f.secretRef.name in variables.declaredSecrets)))
   message: every Secret the pod template names must be listed in the workload's policyoperator.io/secrets annotation (the Secrets its PolicyServer's spec names)
+  reason: Forbidden
+- expression: size(variables.refusedImages) == 0
+  message: every container's image of the operator's workloads must start with a prefix of admissionPolicy.allowedImages
+  messageExpression: '''image '' + variables.refusedImages.join('', '') + '' is not allowed: admissionPolicy.allowedImages is ['' + variables.allowedImages.join('', '') + ''] (a prefix matches where the image continues with /, : or @)'''
   reason: Forbidden
 {{- end }}
 {{/* END GENERATED: admission */}}
