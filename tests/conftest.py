@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +41,56 @@ def cli_env() -> dict[str, str]:
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.pop("HF_TOKEN", None)
     return env
+
+
+PolicyserverMain = Callable[..., subprocess.CompletedProcess[str]]
+
+
+class _LastResort(logging.Handler):
+    """Log records of WARNING and above on stderr, as Python's last-resort handler prints them in a process that
+    configured no logging (a command's own process): pytest's handlers on the root logger would hide them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(self.format(record) + "\n")
+
+
+@pytest.fixture
+def policyserver_main(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> PolicyserverMain:
+    """``policyserver ARGS...`` run in this process by ``policy_operator.cli.main``: its exit code and what it
+    printed, as a ``CompletedProcess``.
+
+    For tests of argument checks, exit codes and messages: a subprocess would spend more time starting an
+    interpreter and repeating imports than in the command.  Each command keeps tests that run the real
+    ``policyserver`` executable.  ``serve`` may not get past its checks here: starting the runtime (which ends
+    its process with ``os._exit``) or torchrun fails the test instead.
+    """
+    from policy_operator.cli import main
+    from policy_operator.runtime import serve_cli, worker
+
+    def must_not_serve(*args: object, **kwargs: object) -> int:
+        raise AssertionError("serve got past its checks in the test process")
+
+    monkeypatch.setattr(worker, "run", must_not_serve)
+    monkeypatch.setattr(serve_cli, "run_torchrun", must_not_serve)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()
+        stderr_log = _LastResort()
+        logging.getLogger().addHandler(stderr_log)
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse: --help, --version, usage errors
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        finally:
+            logging.getLogger().removeHandler(stderr_log)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["policyserver", *argv], code, out, err)
+
+    return run
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

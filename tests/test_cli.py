@@ -1,4 +1,8 @@
-"""The ``policyserver`` command as a user runs it: real subprocesses, exit codes and what they print."""
+"""The ``policyserver`` command as a user runs it: exit codes and what it prints.
+
+Each command runs at least once as the real executable (a subprocess); the checks of arguments and messages
+call the same ``main`` in this process (the ``policyserver_main`` fixture), which prints and returns alike.
+"""
 
 from __future__ import annotations
 
@@ -65,8 +69,8 @@ PRESENT = [name for name, (module, _) in COMMANDS.items() if importlib.util.find
     [[name] for name in PRESENT] + [["checkpoint", "init"], ["checkpoint", "verify"]],
     ids=lambda argv: " ".join(argv),
 )
-def test_every_subcommand_help_exits_0(argv: list[str]) -> None:
-    result = policyserver(*argv, "--help")
+def test_every_subcommand_help_exits_0(policyserver_main, argv: list[str]) -> None:
+    result = policyserver_main(*argv, "--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"usage: policyserver {' '.join(argv)}"), result.stdout[:200]
 
@@ -88,8 +92,8 @@ def test_runtime_subcommand_parsers_import_no_torch() -> None:
     assert result.stdout.strip() == "[]"
 
 
-def test_serve_requires_a_checkpoint() -> None:
-    result = policyserver("serve")
+def test_serve_requires_a_checkpoint(policyserver_main) -> None:
+    result = policyserver_main("serve")
     assert result.returncode == 2 and "--checkpoint" in result.stderr
 
 
@@ -117,11 +121,13 @@ def test_serve_requires_a_checkpoint() -> None:
         "token-empty",
     ],
 )
-def test_serve_refuses_bad_launches_with_one_line(tmp_path: Path, flags: list[str], words: str) -> None:
+def test_serve_refuses_bad_launches_with_one_line(
+    policyserver_main, tmp_path: Path, flags: list[str], words: str
+) -> None:
     (tmp_path / "empty").write_text("\n")
     flags = [f.format(missing=tmp_path / "missing", empty=tmp_path / "empty") for f in flags]
     # a checkpoint that does not exist: had serve got as far as loading, it would say so and exit 3
-    result = policyserver(
+    result = policyserver_main(
         "serve", "--checkpoint", str(tmp_path / "no-such-checkpoint"), "--host", "127.0.0.1", "--port", "0", *flags
     )
     assert result.returncode == 2, result.stderr
@@ -140,7 +146,7 @@ def test_serve_missing_checkpoint_fails_with_a_reason(tmp_path: Path) -> None:
 
 
 # --- checkpoint init / verify ----------------------------------------------------------------------
-def test_checkpoint_init_and_verify(tmp_path: Path) -> None:
+def test_checkpoint_init_and_verify(policyserver_main, tmp_path: Path) -> None:
     target = tmp_path / "ckpt"
     init = policyserver("checkpoint", "init", str(target), "--seed", "3")
     assert init.returncode == 0, init.stderr
@@ -149,12 +155,12 @@ def test_checkpoint_init_and_verify(tmp_path: Path) -> None:
     manifest = json.loads((target / MANIFEST_FILE).read_text())
     assert set(manifest["files"]) == {CONFIG_FILE, WEIGHTS_FILE}
 
-    sizes = policyserver("checkpoint", "verify", str(target))
+    sizes = policyserver_main("checkpoint", "verify", str(target))
     assert sizes.returncode == 0 and "2 files verified (sizes)" in sizes.stdout, sizes.stderr
     hashes = policyserver("checkpoint", "verify", str(target), "--hashes")
     assert hashes.returncode == 0 and "2 files verified (sha256)" in hashes.stdout, hashes.stderr
 
-    again = policyserver("checkpoint", "init", str(tmp_path / "again"), "--seed", "3")
+    again = policyserver_main("checkpoint", "init", str(tmp_path / "again"), "--seed", "3")
     assert again.returncode == 0
     assert (tmp_path / "again" / MANIFEST_FILE).read_text() == (target / MANIFEST_FILE).read_text(), "init is seeded"
 
@@ -165,14 +171,14 @@ def checkpoint_copy(tmp_path: Path, tiny_checkpoint: Path) -> Path:
     return Path(shutil.copytree(tiny_checkpoint, tmp_path / "ckpt"))
 
 
-def test_verify_catches_a_corrupted_byte_with_hashes(checkpoint_copy: Path) -> None:
+def test_verify_catches_a_corrupted_byte_with_hashes(policyserver_main, checkpoint_copy: Path) -> None:
     weights = checkpoint_copy / WEIGHTS_FILE
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
     # same size: the default (sizes only, what a pod's init container runs) cannot see it, --hashes does
-    assert policyserver("checkpoint", "verify", str(checkpoint_copy)).returncode == 0
-    result = policyserver("checkpoint", "verify", str(checkpoint_copy), "--hashes")
+    assert policyserver_main("checkpoint", "verify", str(checkpoint_copy)).returncode == 0
+    result = policyserver_main("checkpoint", "verify", str(checkpoint_copy), "--hashes")
     assert result.returncode == 1
     assert f"{WEIGHTS_FILE}: sha256" in one_error_line(result)
 
@@ -187,17 +193,19 @@ def test_verify_catches_a_corrupted_byte_with_hashes(checkpoint_copy: Path) -> N
     ],
     ids=["truncated", "no-weights", "no-manifest", "bad-manifest"],
 )
-def test_verify_fails_on_a_damaged_checkpoint(checkpoint_copy: Path, damage, words: str) -> None:  # type: ignore[no-untyped-def]
+def test_verify_fails_on_a_damaged_checkpoint(policyserver_main, checkpoint_copy: Path, damage, words: str) -> None:  # type: ignore[no-untyped-def]
     damage(checkpoint_copy)
-    result = policyserver("checkpoint", "verify", str(checkpoint_copy))
+    result = policyserver_main("checkpoint", "verify", str(checkpoint_copy))
     assert result.returncode == 1
     assert words in one_error_line(result)
 
 
-def test_verify_require_marker_refuses_an_unfetched_directory(checkpoint_copy: Path, tmp_path: Path) -> None:
-    result = policyserver("checkpoint", "verify", str(checkpoint_copy), "--require-marker")
+def test_verify_require_marker_refuses_an_unfetched_directory(
+    policyserver_main, checkpoint_copy: Path, tmp_path: Path
+) -> None:
+    result = policyserver_main("checkpoint", "verify", str(checkpoint_copy), "--require-marker")
     assert result.returncode == 1 and COMPLETE_MARKER in one_error_line(result)
-    missing = policyserver("checkpoint", "verify", str(tmp_path / "nothing-here"))
+    missing = policyserver_main("checkpoint", "verify", str(tmp_path / "nothing-here"))
     assert missing.returncode == 1 and "is not a checkpoint" in one_error_line(missing)
 
 
@@ -216,8 +224,8 @@ def test_client_prints_a_summary(server: PolicyServerProcess) -> None:
     assert "latency p50 / p90 / p99" in out and "replicas used" in out and "0: 3" in out
 
 
-def test_client_json_and_concurrency(server: PolicyServerProcess) -> None:
-    result = policyserver("client", "--url", server.url, "--n", "2", "--concurrency", "2", "--json")
+def test_client_json_and_concurrency(policyserver_main, server: PolicyServerProcess) -> None:
+    result = policyserver_main("client", "--url", server.url, "--n", "2", "--concurrency", "2", "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(result.stdout)
     assert summary["requests"] == 4 and summary["errors"] == []
@@ -226,10 +234,10 @@ def test_client_json_and_concurrency(server: PolicyServerProcess) -> None:
     assert summary["latency_ms"]["p50"] > 0
 
 
-def test_client_against_nothing_fails_cleanly(server: PolicyServerProcess) -> None:
+def test_client_against_nothing_fails_cleanly(policyserver_main) -> None:
     from tests.support.net import free_port
 
-    result = policyserver("client", "--url", f"ws://127.0.0.1:{free_port()}", "--n", "1", "--timeout", "5")
+    result = policyserver_main("client", "--url", f"ws://127.0.0.1:{free_port()}", "--n", "1", "--timeout", "5")
     assert result.returncode == 1
     assert "0 ok, 1 failed" in result.stdout and "error:" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
