@@ -33,6 +33,7 @@ from policy_operator import constants as C
 from policy_operator.operator.manifests import Names
 from policy_operator.source_uri import checkpoint_key
 from tests.support.http_checkpoint_server import CheckpointServer
+from tests.support.kubectl_table import table
 from tests.support.local_node_api import Api
 from tests.support.local_node_cluster import LocalCluster, OperatorProcess, for_local_node, free_port_on
 from tests.support.net import wait_for
@@ -167,14 +168,6 @@ def wait_status(
     c: Cluster, name: str, predicate: Callable[[dict[str, Any]], Any], what: str, timeout: float = WAIT_S
 ) -> dict[str, Any]:
     return c.lc.wait_status(name, predicate, what, timeout)
-
-
-def table(text: str) -> list[dict[str, str]]:
-    """``kubectl get`` output as rows of header -> cell, cut at the header's column offsets (cells may be empty)."""
-    header, *rows = text.splitlines()
-    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[i - 1] == " ")]
-    bounds = list(zip(starts, [*starts[1:], None], strict=True))
-    return [{header[a:b].strip(): row[a:b].strip() for a, b in bounds} for row in rows]
 
 
 def names_of(c: Cluster, group_version: str, plural: str, selector: str | None = None) -> list[str]:

@@ -26,6 +26,7 @@ import yaml
 from policy_operator import constants as C
 from policy_operator.operator.kube import CACHED_KINDS
 from tests.support.http_checkpoint_server import CheckpointServer
+from tests.support.kubectl_table import table
 from tests.support.local_node_cluster import LocalCluster, OperatorProcess, for_local_node, free_port_on
 from tests.support.net import wait_for
 from tests.support.servers import VENV_BIN
@@ -191,6 +192,29 @@ def test_a_crashing_template_reaches_the_progress_deadline_with_the_ranks_error(
     assert cond(status, C.COND_READY)["reason"] == "ProgressDeadlineExceeded"
     assert status["checkpoint"]["phase"] == "Ready"  # the download was fine; the pods are not
     env.lc.api.wait_event(NS, name, "Warning", "ProgressDeadlineExceeded")
+    env.delete(name)
+
+
+def test_a_latency_budget_shows_the_pods_measured_batch_times_in_status(env: Env) -> None:
+    """spec.runtime.batching.latencyBudgetMs: the ready pod's warm-up times reach status.batching, and a budget no
+    batch fits caps the batch at 1 (the pods still serve), shown as MAXBATCH by ``kubectl get -o wide``."""
+    name = "budgeted"
+    doc = env.doc(name)
+    doc["spec"]["runtime"]["batching"] = {"maxBatch": 4, "latencyBudgetMs": 0.001}
+    env.apply(doc)
+    status = env.wait(
+        name,
+        lambda s: s.get("phase") == C.PHASE_READY and (s.get("batching") or {}).get("bucketsMs"),
+        "phase Ready with the measured batch times",
+    )
+    batching = status["batching"]
+    assert batching["maxBatch"] == 1, batching  # no batch runs in a microsecond: a lone request is still served
+    assert set(batching["bucketsMs"]) == {"1", "2", "4"}, batching  # every bucket up to maxBatch, measured
+    assert all(ms > 0.001 for ms in batching["bucketsMs"].values()), batching
+    pods = env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+    assert batching["pod"] in {p["metadata"]["name"] for p in pods}, (batching, pods)
+    row = table(env.lc.kubectl("get", C.SHORT_NAME, name, "-o", "wide").stdout)[0]
+    assert row["MAXBATCH"] == "1", row  # the CRD's printer column, as kubectl prints it
     env.delete(name)
 
 
