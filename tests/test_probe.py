@@ -5,7 +5,8 @@ The good server is the reference policy; the bad ones are whole servers too
 they start, warm up and answer, only their actions are wrong.  The probe runs
 as the CLI does (a subprocess, its exit status and its one line), once with
 torch made unimportable, as in the operator image the chart's ``helm test``
-hook uses.
+hook uses.  Against the fake servers that misbehave at every step, and for its
+usage errors, the same ``main`` runs in this process (``policyserver_main``).
 """
 
 from __future__ import annotations
@@ -110,17 +111,17 @@ def test_probe_without_the_token_fails_naming_the_refusal(good_server) -> None:
     assert TOKEN not in proc.stdout + proc.stderr
 
 
-def test_probe_of_a_closed_port_fails_at_once() -> None:
+def test_probe_of_a_closed_port_fails_at_once(policyserver_main) -> None:
     url = f"ws://127.0.0.1:{free_port()}"
-    proc = run_probe(url, "--timeout", "5")
+    proc = policyserver_main("probe", url, "--timeout", "5")
     assert proc.returncode == ProbeExit.FAILED
     assert one_line(proc).startswith(f"FAIL {url}: cannot connect")
 
 
-def test_probe_usage_errors_exit_2(tmp_path: Path) -> None:
-    proc = run_probe("ws://127.0.0.1:1", "--token-file", str(tmp_path / "missing"))
+def test_probe_usage_errors_exit_2(policyserver_main, tmp_path: Path) -> None:
+    proc = policyserver_main("probe", "ws://127.0.0.1:1", "--token-file", str(tmp_path / "missing"))
     assert proc.returncode == ProbeExit.USAGE and "--token-file" in proc.stderr and proc.stdout == ""
-    proc = run_probe("ws://127.0.0.1:1", "--timeout", "0")
+    proc = policyserver_main("probe", "ws://127.0.0.1:1", "--timeout", "0")
     assert proc.returncode == ProbeExit.USAGE and "--timeout" in proc.stderr
 
 
@@ -225,13 +226,13 @@ SILENT = {"never answers the upgrade", "never replies"}
 
 
 @pytest.mark.parametrize("case", [*RAW, *SESSIONS])
-def test_probe_prints_one_line_and_exits_1_whatever_the_server_does(case: str) -> None:
+def test_probe_prints_one_line_and_exits_1_whatever_the_server_does(policyserver_main, case: str) -> None:
     from tests.support.bad_ws_servers import BadWsServer, RawServer
 
     server = RawServer(RAW[case]) if case in RAW else BadWsServer(SESSIONS[case])
     timeout = "1" if case in SILENT else "3"  # a silent server fails the probe only by its timeout: 1 s will do
     with server:
-        proc = run_probe(server.url, "--timeout", timeout, timeout=60)
+        proc = policyserver_main("probe", server.url, "--timeout", timeout)
     assert proc.returncode == ProbeExit.FAILED, proc.stdout + proc.stderr
     assert proc.stderr == "", proc.stderr
     line = one_line(proc)
