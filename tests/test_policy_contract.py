@@ -216,25 +216,10 @@ def test_builtin_declarations_match_their_classes() -> None:
     ids=["cfgp2", "guidance", "cfgp2-dp2"],
 )
 def test_serve_refuses_guidance_for_a_policy_without_an_unconditional_branch(
-    tmp_path: Path, flags: list[str], words: str
+    policyserver_main, tmp_path: Path, flags: list[str], words: str
 ) -> None:
-    result = subprocess.run(
-        [
-            str(VENV_BIN / "policyserver"),
-            "serve",
-            "--checkpoint",
-            str(tmp_path / "none"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            *flags,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=subprocess_env(),
-        cwd=tmp_path,
+    result = policyserver_main(
+        "serve", "--checkpoint", str(tmp_path / "none"), "--host", "127.0.0.1", "--port", "0", *flags
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

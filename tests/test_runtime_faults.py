@@ -219,8 +219,10 @@ def serve_cli(checkpoint: Path, *args: str, timeout: float = 45) -> subprocess.C
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
-def test_bad_serve_flags_are_one_line_and_exit_2(tiny_checkpoint, args: list[str], flag: str) -> None:
-    res = serve_cli(tiny_checkpoint, *args)
+def test_bad_serve_flags_are_one_line_and_exit_2(
+    policyserver_main, tiny_checkpoint, args: list[str], flag: str
+) -> None:
+    res = policyserver_main("serve", "--checkpoint", str(tiny_checkpoint), "--host", "127.0.0.1", *args)
     assert res.returncode == ServeExit.LAYOUT, res.stderr[-3000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("policyserver: error: ") and flag in lines[0], res.stderr[-3000:]
