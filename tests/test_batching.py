@@ -448,17 +448,27 @@ def test_a_failed_batch_call_fails_its_requests_and_the_server_carries_on(
     assert "actions" in one_request(s, observation(1)), "the request that shared the failed batch works alone"
 
 
+@pytest.mark.parametrize(
+    "cfgp,dp",
+    [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow), pytest.param(1, 2, marks=pytest.mark.slow)],
+)
 def test_a_latency_budget_caps_batches_at_the_largest_measured_size_that_fits(
-    tiny_checkpoint: Path, tmp_path: Path
+    tiny_checkpoint: Path, tmp_path: Path, cfgp: int, dp: int
 ) -> None:
     """Warm-up measures a batch of every bucket size and /metrics shows the times; a budget no batch fits (1 us)
-    leaves batches of one: three requests queued behind a held one each run alone instead of as a batch of 3."""
+    leaves batches of one: three requests queued behind a held one each run alone instead of as a batch of 3.
+    Under cfgp=2 the driver measures with its peer; under dp=2 replica 0's times cap every replica's lane (one
+    model, one kind of GPU), and /metrics shows them for each."""
     with serve_policy(
         tiny_checkpoint,
         "--steps",
         str(STEPS),
         "--policy",
         "batch_probe_policy:BatchProbePolicy",
+        "--cfgp",
+        str(cfgp),
+        "--dp",
+        str(dp),
         "--max-batch",
         "8",
         "--latency-budget-ms",
@@ -473,13 +483,21 @@ def test_a_latency_budget_caps_batches_at_the_largest_measured_size_that_fits(
             for bucket in batch_buckets(8)
         }
         assert all(t is not None and t > 0 for t in times.values()), times
+        for replica in range(1, dp):
+            assert {
+                bucket: s.metric("policy_batch_bucket_seconds", replica=str(replica), bucket=str(bucket))
+                for bucket in batch_buckets(8)
+            } == times
         doc = s.readyz().json()  # what the operator copies into status.batching
         assert doc["max_batch"] == 1, doc
         assert {int(k): v for k, v in doc["batch_buckets_ms"].items()} == pytest.approx(
             {bucket: t * 1e3 for bucket, t in times.items()}, abs=1e-3
         )
-        held, clients = queue_behind_a_held_request(s, tmp_path / "go", [observation(i) for i in range(1, 4)])
+        held, clients = queue_behind_a_held_request(
+            s, tmp_path / "go", [observation(i) for i in range(1, 4)], session="robot-1"
+        )  # one session: every request in one replica's lane, where they would otherwise batch
         assert [c.result["server_timing"]["batch_size"] for c in clients] == [1, 1, 1]
+        assert s.readyz().json()["ranks_ready"] == cfgp * dp, "every rank still serves"
 
 
 @pytest.mark.slow
