@@ -309,17 +309,13 @@ def build_pvc(spec: PolicyServerSpec) -> dict[str, Any]:
 
 
 def _claim_template(spec: PolicyServerSpec) -> V1PersistentVolumeClaim:
+    """The StatefulSet's volumeClaimTemplate (storage.mode perPod): claim checkpoint-cache-<name>-<ordinal>."""
     return V1PersistentVolumeClaim(
         api_version="v1",
         kind="PersistentVolumeClaim",
         metadata=V1ObjectMeta(name=VOL_CACHE, labels=labels(spec.name, COMPONENT_CACHE)),
         spec=_claim_spec(spec),
     )
-
-
-def claim_template(spec: PolicyServerSpec) -> dict[str, Any]:
-    """The StatefulSet's volumeClaimTemplate (storage.mode perPod): claim checkpoint-cache-<name>-<ordinal>."""
-    return api_json(_claim_template(spec))
 
 
 def claim_storage(claim: V1PersistentVolumeClaim) -> str | None:
