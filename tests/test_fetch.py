@@ -30,7 +30,8 @@ from tests.support.net import free_port, wait_for
 MiB = 1 << 20
 CLI_TIMEOUT_S = 120
 # The fetch module's own entry point: same add_arguments/main as `policyserver fetch`, without the
-# start-up cost of importing every other subcommand. The registration itself is tested below.
+# start-up cost of importing every other subcommand. The registration itself is tested below.  Tests of one
+# fetch's outcome (exit code, messages, files) call the same main in this process (``policyserver_main``).
 FETCH_CMD = [sys.executable, "-m", "policy_operator.runtime.checkpoint.fetch"]
 
 
@@ -70,10 +71,10 @@ def server(src_root: Path):
         yield srv
 
 
-def test_http_fetch_verifies_then_second_fetch_sends_nothing(server, src_root, tmp_path, cli_env):
+def test_http_fetch_verifies_then_second_fetch_sends_nothing(server, src_root, tmp_path, policyserver_main):
     url = server.url_for("ckpt/")
     dest = tmp_path / "models"
-    first = run_fetch(cli_env, url, str(dest))
+    first = policyserver_main("fetch", url, str(dest))
     assert first.returncode == 0, first.stderr
     final = dest / request_key(url)
     assert first.stdout.strip().splitlines()[-1] == str(final)
@@ -90,7 +91,7 @@ def test_http_fetch_verifies_then_second_fetch_sends_nothing(server, src_root, t
 
     before = len(server.requests)
     for extra in ([], ["--verify"]):
-        again = run_fetch(cli_env, url, str(dest), *extra)
+        again = policyserver_main("fetch", url, str(dest), *extra)
         assert again.returncode == 0, again.stderr
         assert again.stdout.strip().splitlines()[-1] == str(final)
         assert "already complete" in again.stderr
@@ -179,7 +180,7 @@ def test_resume_restarts_a_file_that_changed_on_the_server(tmp_path):
         same_tree(ckpt, final)
 
 
-def test_corrupt_source_fails_with_both_hashes_and_leaves_no_marker(server, src_root, tmp_path, cli_env):
+def test_corrupt_source_fails_with_both_hashes_and_leaves_no_marker(server, src_root, tmp_path, policyserver_main):
     weights = src_root / "ckpt" / "model.safetensors"
     good = weights.read_bytes()
     promised = sha256_file(weights)
@@ -188,7 +189,7 @@ def test_corrupt_source_fails_with_both_hashes_and_leaves_no_marker(server, src_
     url = server.url_for("ckpt/")
     dest = tmp_path / "models"
     key = request_key(url)
-    bad = run_fetch(cli_env, url, str(dest))
+    bad = policyserver_main("fetch", url, str(dest))
     assert bad.returncode == FetchExit.VERIFY, bad.stderr
     assert "model.safetensors" in bad.stderr and promised in bad.stderr and served in bad.stderr
     assert not (dest / key).exists()
@@ -197,71 +198,76 @@ def test_corrupt_source_fails_with_both_hashes_and_leaves_no_marker(server, src_
 
     weights.write_bytes(good)
     server.reset_log()
-    ok = run_fetch(cli_env, url, str(dest))
+    ok = policyserver_main("fetch", url, str(dest))
     assert ok.returncode == 0, ok.stderr
     assert [r.path for r in server.requests if r.method == "GET"] == ["/ckpt/manifest.json", "/ckpt/model.safetensors"]
     check_complete(dest / key, verify=True)
 
 
-def test_wrong_sha256_flag_and_bad_flags(server, tmp_path, cli_env):
+def test_wrong_sha256_flag_and_bad_flags(server, tmp_path, policyserver_main):
     url = server.url_for("ckpt/")
     dest = tmp_path / "models"
     wrong = "0" * 64
-    res = run_fetch(cli_env, url, str(dest), "--sha256", f"model.safetensors={wrong}")
+    res = policyserver_main("fetch", url, str(dest), "--sha256", f"model.safetensors={wrong}")
     assert res.returncode == FetchExit.VERIFY, res.stderr
     assert "--sha256" in res.stderr and wrong in res.stderr and "model.safetensors" in res.stderr
     assert read_marker(dest / request_key(url)) is None
 
-    assert run_fetch(cli_env, url, str(dest), "--sha256", f"nosuchfile={wrong}").returncode == FetchExit.USAGE
-    bad_hash = run_fetch(cli_env, url, str(dest), "--sha256", "model.safetensors=abc")
+    assert policyserver_main("fetch", url, str(dest), "--sha256", f"nosuchfile={wrong}").returncode == FetchExit.USAGE
+    bad_hash = policyserver_main("fetch", url, str(dest), "--sha256", "model.safetensors=abc")
     assert bad_hash.returncode == FetchExit.USAGE and "64-digit" in bad_hash.stderr
-    assert run_fetch(cli_env, url, str(dest), "--sha256", "no-equals-sign").returncode == FetchExit.USAGE
+    assert policyserver_main("fetch", url, str(dest), "--sha256", "no-equals-sign").returncode == FetchExit.USAGE
 
 
-def test_token_reaches_the_server_and_appears_nowhere(src_root, tmp_path, cli_env):
+def test_token_reaches_the_server_and_appears_nowhere(src_root, tmp_path, policyserver_main, monkeypatch):
     token = "tok-HTTP-5ecret-value-81"
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
     with CheckpointServer(src_root, token=token) as server:
         url = server.url_for("ckpt/")
         dest = tmp_path / "models"
-        denied = run_fetch(cli_env, url, str(dest))
+        denied = policyserver_main("fetch", url, str(dest))
         assert denied.returncode == FetchExit.SOURCE and "401" in denied.stderr
         # HF_TOKEN is for the hub only: it must not be offered to an arbitrary web server
-        leaked = run_fetch({**cli_env, "HF_TOKEN": token}, url, str(dest))
+        with monkeypatch.context() as env:
+            env.setenv("HF_TOKEN", token)
+            leaked = policyserver_main("fetch", url, str(dest))
         assert leaked.returncode == FetchExit.SOURCE
         assert all(r.headers.get("Authorization") is None for r in server.requests)
 
         wrong_file = tmp_path / "wrong"
         wrong_file.write_text("tok-wrong-one-42")
-        wrong = run_fetch(cli_env, url, str(dest), "--token-file", str(wrong_file))
+        wrong = policyserver_main("fetch", url, str(dest), "--token-file", str(wrong_file))
         assert wrong.returncode == FetchExit.SOURCE and "tok-wrong-one-42" not in wrong.stdout + wrong.stderr
 
         server.reset_log()
-        ok = run_fetch(cli_env, url, str(dest), "--token-file", str(token_file))
+        ok = policyserver_main("fetch", url, str(dest), "--token-file", str(token_file))
         assert ok.returncode == 0, ok.stderr
         assert server.requests and all(r.headers.get("Authorization") == "<redacted>" for r in server.requests)
         for res in (denied, leaked, wrong, ok):
             assert token not in res.stdout + res.stderr
         assert token not in (dest / request_key(url) / COMPLETE_MARKER).read_text()
-    assert run_fetch(cli_env, url, str(dest), "--token-file", str(tmp_path / "missing")).returncode == FetchExit.USAGE
+    assert (
+        policyserver_main("fetch", url, str(dest), "--token-file", str(tmp_path / "missing")).returncode
+        == FetchExit.USAGE
+    )
 
 
-def test_single_file_url(server, src_root, tmp_path, cli_env):
+def test_single_file_url(server, src_root, tmp_path, policyserver_main):
     url = server.url_for("ckpt/model.safetensors")
     digest = sha256_file(src_root / "ckpt" / "model.safetensors")
-    res = run_fetch(cli_env, url, str(tmp_path / "models"), "--sha256", f"model.safetensors={digest}")
+    res = policyserver_main("fetch", url, str(tmp_path / "models"), "--sha256", f"model.safetensors={digest}")
     assert res.returncode == 0, res.stderr
     final = Path(res.stdout.strip().splitlines()[-1])
     assert sorted(p.name for p in final.iterdir()) == [COMPLETE_MARKER, "model.safetensors"]
     assert check_complete(final, verify=True)["files"]["model.safetensors"]["sha256"] == digest
 
 
-def test_file_url_and_plain_path(src_root, tmp_path, cli_env):
+def test_file_url_and_plain_path(src_root, tmp_path, policyserver_main):
     ckpt = src_root / "ckpt"
     dest = tmp_path / "models"
     for source in (f"file://{ckpt}", str(ckpt)):
-        res = run_fetch(cli_env, source, str(dest))
+        res = policyserver_main("fetch", source, str(dest))
         assert res.returncode == 0, res.stderr
         final = Path(res.stdout.strip().splitlines()[-1])
         assert final == dest / request_key(source)
@@ -282,32 +288,32 @@ def test_file_url_and_plain_path(src_root, tmp_path, cli_env):
     (ckpt / "config.json").write_text('{"edited": true}')
     with pytest.raises(VerificationError, match="config.json"):
         fetch(str(ckpt), tmp_path / "other", progress=False)
-    assert run_fetch(cli_env, str(tmp_path / "does-not-exist"), str(dest)).returncode == FetchExit.SOURCE
+    assert policyserver_main("fetch", str(tmp_path / "does-not-exist"), str(dest)).returncode == FetchExit.SOURCE
 
 
-def test_unknown_scheme_and_bad_sources_are_usage_errors(tmp_path, cli_env):
-    res = run_fetch(cli_env, "gs://bucket/ckpt/", str(tmp_path / "models"))
+def test_unknown_scheme_and_bad_sources_are_usage_errors(tmp_path, policyserver_main):
+    res = policyserver_main("fetch", "gs://bucket/ckpt/", str(tmp_path / "models"))
     assert res.returncode == FetchExit.USAGE and "unsupported source scheme gs://" in res.stderr
     assert not (tmp_path / "models").exists(), "a usage error must not touch the volume"
     for source in ("hf://only-one-part", "hf://org/repo@", "file://otherhost/x"):
-        res = run_fetch(cli_env, source, str(tmp_path / "models"))
+        res = policyserver_main("fetch", source, str(tmp_path / "models"))
         assert res.returncode == FetchExit.USAGE, (source, res.stderr)
     with pytest.raises(UsageError, match="conflicts"):
         fetch("hf://org/repo@v1", tmp_path, revision="v2", progress=False)
 
 
-def test_s3_without_boto3_is_a_clear_error(tmp_path, cli_env):
+def test_s3_without_boto3_is_a_clear_error(tmp_path, policyserver_main):
     try:
         import boto3  # noqa: F401
     except ImportError:
-        res = run_fetch(cli_env, "s3://bucket/ckpt/", str(tmp_path))
+        res = policyserver_main("fetch", "s3://bucket/ckpt/", str(tmp_path))
         assert res.returncode == FetchExit.USAGE and "boto3" in res.stderr
     else:
         pytest.skip("boto3 is installed: the missing-client path cannot be exercised")
 
 
-def test_unreachable_source(tmp_path, cli_env):
-    res = run_fetch(cli_env, f"http://127.0.0.1:{free_port()}/ckpt/", str(tmp_path))
+def test_unreachable_source(tmp_path, policyserver_main):
+    res = policyserver_main("fetch", f"http://127.0.0.1:{free_port()}/ckpt/", str(tmp_path))
     assert res.returncode == FetchExit.SOURCE and "cannot reach" in res.stderr
 
 
