@@ -1,9 +1,11 @@
 """``policyserver fetch`` against servers and volumes that misbehave: every run ends, keeps what it got, writes only under DEST.
 
-Real ``policyserver fetch`` processes, real loopback HTTP servers that drop,
-reset or stall connections (``tests/support/faulty_http.py``), real files.
-Every subprocess has a timeout: a fetch that loops forever fails its test
-instead of hanging the suite.
+Real loopback HTTP servers that drop, reset or stall connections
+(``tests/support/faulty_http.py``), real files; ``policyserver fetch``'s main
+in this process (``policyserver_main``), or as a process where the test waits
+out back-offs and stalls.  Every fetch is bounded: a process by its timeout,
+one in this process by the test's (pytest-timeout): a fetch that loops forever
+fails its test instead of hanging the suite.
 """
 
 from __future__ import annotations
@@ -80,13 +82,13 @@ def test_server_ignoring_range_and_dropping_at_30_percent_ends_with_exit_3(root,
     assert WEIGHTS in res.stderr.splitlines()[-1]
 
 
-def test_reset_connections_resume_from_the_bytes_already_received(root, tmp_path, cli_env):
+def test_reset_connections_resume_from_the_bytes_already_received(root, tmp_path, policyserver_main):
     """A RST after each 30% of the file: each retry asks for the rest, so the file arrives once in total."""
     size = (root / "ckpt" / WEIGHTS).stat().st_size
     dest = tmp_path / "models"
     with FaultyCheckpointServer(root, fault="reset", cut=0.3) as server:
         url = server.url_for("ckpt/")
-        res = fetch(cli_env, url, str(dest))
+        res = policyserver_main("fetch", url, str(dest))
         ranges = [r.range for r in server.requests if r.path == WEIGHTS_PATH]
         sent = server.bytes_sent[WEIGHTS_PATH]
     assert res.returncode == 0, res.stderr
@@ -112,14 +114,14 @@ def test_stalled_body_is_dropped_after_the_stall_timeout_and_resumed(root, tmp_p
     published_tree_is_clean(dest / request_key(url), root / "ckpt")
 
 
-def test_stall_timeout_must_be_positive(root, tmp_path, cli_env):
-    res = fetch(cli_env, "file://" + str(root / "ckpt"), str(tmp_path / "models"), "--stall-timeout-s", "0")
+def test_stall_timeout_must_be_positive(root, tmp_path, policyserver_main):
+    res = policyserver_main("fetch", "file://" + str(root / "ckpt"), str(tmp_path / "models"), "--stall-timeout-s", "0")
     assert res.returncode == FetchExit.USAGE, res.stderr
     assert "--stall-timeout-s" in res.stderr and "must be > 0" in res.stderr, res.stderr
 
 
 # --- what the volume holds ------------------------------------------------------------------------
-def test_planted_symlink_in_staging_writes_nothing_outside_dest(tmp_path, cli_env):
+def test_planted_symlink_in_staging_writes_nothing_outside_dest(tmp_path, policyserver_main):
     """``DEST/.fetch/<key>/sub -> /elsewhere`` and a manifest listing ``sub/evil.bin``: the file lands under DEST."""
     root = tmp_path / "srv"
     ckpt = make_checkpoint(root / "ckpt")
@@ -135,7 +137,7 @@ def test_planted_symlink_in_staging_writes_nothing_outside_dest(tmp_path, cli_en
         staging.mkdir(parents=True)
         (staging / "sub").symlink_to(outside, target_is_directory=True)
         (staging / "config.json").symlink_to(outside / "config-elsewhere.json")
-        res = fetch(cli_env, url, str(dest))
+        res = policyserver_main("fetch", url, str(dest))
     assert res.returncode == 0, res.stderr
     assert list(outside.iterdir()) == [], "the fetch wrote outside DEST through a planted link"
     published_tree_is_clean(dest / request_key(url), ckpt)
@@ -149,7 +151,7 @@ def _plant_hard_link(outside: Path, name: Path, content: bytes) -> int:
     return outside.stat().st_ino
 
 
-def test_planted_hard_link_as_a_partial_download_is_never_written_through(root, tmp_path, cli_env):
+def test_planted_hard_link_as_a_partial_download_is_never_written_through(root, tmp_path, policyserver_main):
     """``.fetch/<key>/model.safetensors.part`` hard-linked to a file outside DEST, with a validator that does not
     match (the download restarts): the outside file keeps its bytes and the published weights are a new inode."""
     dest = tmp_path / "models"
@@ -160,7 +162,7 @@ def test_planted_hard_link_as_a_partial_download_is_never_written_through(root, 
         staging = dest / ".fetch" / request_key(url)
         inode = _plant_hard_link(outside, staging / f"{WEIGHTS}.part", precious)
         (staging / f"{WEIGHTS}.part.json").write_text(json.dumps({"url": url, "validator": '"not-the-etag"'}))
-        res = fetch(cli_env, url, str(dest))
+        res = policyserver_main("fetch", url, str(dest))
     assert res.returncode == 0, res.stderr
     assert outside.read_bytes() == precious, "the fetch wrote the weights through a planted hard link"
     final = dest / request_key(url)
@@ -169,7 +171,7 @@ def test_planted_hard_link_as_a_partial_download_is_never_written_through(root, 
 
 
 @pytest.mark.parametrize("planted", [WEIGHTS, MANIFEST_FILE])
-def test_planted_hard_link_with_the_right_bytes_is_not_published(root, tmp_path, cli_env, planted):
+def test_planted_hard_link_with_the_right_bytes_is_not_published(root, tmp_path, policyserver_main, planted):
     """A staged file with the right content but a second name outside DEST: reusing it would publish an inode
     someone else can still change, so it is fetched again instead."""
     dest = tmp_path / "models"
@@ -179,41 +181,41 @@ def test_planted_hard_link_with_the_right_bytes_is_not_published(root, tmp_path,
         inode = _plant_hard_link(
             outside, dest / ".fetch" / request_key(url) / planted, (root / "ckpt" / planted).read_bytes()
         )
-        res = fetch(cli_env, url, str(dest))
+        res = policyserver_main("fetch", url, str(dest))
     assert res.returncode == 0, res.stderr
     final = dest / request_key(url)
     assert (final / planted).stat().st_ino != inode and outside.stat().st_nlink == 1
     published_tree_is_clean(final, root / "ckpt")
 
 
-def test_a_local_source_is_copied_never_hard_linked(root, tmp_path, cli_env):
+def test_a_local_source_is_copied_never_hard_linked(root, tmp_path, policyserver_main):
     """A published file sharing the source's inode would change whenever the source is edited in place."""
     dest = tmp_path / "models"
     source = "file://" + str(root / "ckpt")
-    res = fetch(cli_env, source, str(dest))
+    res = policyserver_main("fetch", source, str(dest))
     assert res.returncode == 0, res.stderr
     published_tree_is_clean(dest / request_key(source), root / "ckpt")
     assert (root / "ckpt" / WEIGHTS).stat().st_nlink == 1
 
 
-def test_symlink_in_place_of_the_checkpoint_dir_is_not_taken_as_complete(tmp_path, cli_env):
+def test_symlink_in_place_of_the_checkpoint_dir_is_not_taken_as_complete(tmp_path, policyserver_main):
     """``DEST/<key> -> a complete checkpoint elsewhere``: a link is never what the fetch publishes."""
     root = tmp_path / "srv"
     ckpt = make_checkpoint(root / "ckpt")
     dest = tmp_path / "models"
     with CheckpointServer(root) as server:
         url = server.url_for("ckpt/")
-        assert fetch(cli_env, url, str(tmp_path / "elsewhere")).returncode == 0
+        assert policyserver_main("fetch", url, str(tmp_path / "elsewhere")).returncode == 0
         dest.mkdir()
         (dest / request_key(url)).symlink_to(tmp_path / "elsewhere" / request_key(url), target_is_directory=True)
-        res = fetch(cli_env, url, str(dest))
+        res = policyserver_main("fetch", url, str(dest))
     assert res.returncode == 0, res.stderr
     published_tree_is_clean(dest / request_key(url), ckpt)
     assert (dest / request_key(url) / COMPLETE_MARKER).is_file()
 
 
 @pytest.mark.parametrize("where", ["final", "staging"])
-def test_a_regular_file_where_a_directory_should_be_is_repaired(root, tmp_path, cli_env, where):
+def test_a_regular_file_where_a_directory_should_be_is_repaired(root, tmp_path, policyserver_main, where):
     dest = tmp_path / "models"
     with CheckpointServer(root) as server:
         url = server.url_for("ckpt/")
@@ -221,14 +223,14 @@ def test_a_regular_file_where_a_directory_should_be_is_repaired(root, tmp_path, 
         blocker = dest / key if where == "final" else dest / ".fetch" / key
         blocker.parent.mkdir(parents=True)
         blocker.write_bytes(b"not a directory")
-        first = fetch(cli_env, url, str(dest))
-        again = fetch(cli_env, url, str(dest))
+        first = policyserver_main("fetch", url, str(dest))
+        again = policyserver_main("fetch", url, str(dest))
     assert first.returncode == 0, first.stderr
     assert again.returncode == 0 and "already complete" in again.stderr, again.stderr
     published_tree_is_clean(dest / key, root / "ckpt")
 
 
-def test_manifest_size_disagreeing_with_the_server_is_a_verification_failure(root, tmp_path, cli_env):
+def test_manifest_size_disagreeing_with_the_server_is_a_verification_failure(root, tmp_path, policyserver_main):
     """The listing promises one size, the server delivers another: the bytes are wrong (4), not unreachable (3)."""
     manifest = json.loads((root / "ckpt" / MANIFEST_FILE).read_text())
     manifest["files"][WEIGHTS]["size"] += 4096
@@ -236,7 +238,7 @@ def test_manifest_size_disagreeing_with_the_server_is_a_verification_failure(roo
     dest = tmp_path / "models"
     with CheckpointServer(root) as server:
         url = server.url_for("ckpt/")
-        res = fetch(cli_env, url, str(dest))
+        res = policyserver_main("fetch", url, str(dest))
     assert res.returncode == FetchExit.VERIFY, res.stderr
     assert WEIGHTS in res.stderr and str(manifest["files"][WEIGHTS]["size"]) in res.stderr
     assert not (dest / request_key(url)).exists()
