@@ -484,12 +484,8 @@ _IMAGE_TAG = re.compile(r"(ghcr\.io/policy-operator/[a-z-]+:)[A-Za-z0-9._-]+")
 
 def versioned_files() -> list[Path]:
     """The files that quote the version: the chart's appVersion, every image named in the examples and docs."""
-    return [
-        CHART_PATH,
-        *sorted((REPO / "examples").glob("*.yaml")),
-        *sorted((REPO / "docs").glob("*.md")),
-        REPO / "README.md",
-    ]
+    files = [CHART_PATH, *sorted((REPO / "examples").glob("*.yaml")), *sorted((REPO / "docs").glob("*.md"))]
+    return [*files, *[p for p in (REPO / "README.md",) if p.exists()]]
 
 
 def render_version(text: str, version: str = __version__) -> str:
