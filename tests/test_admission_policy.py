@@ -7,7 +7,9 @@ local node, and serves a PolicyServer whose fetch Job and StatefulSet both name 
 ServiceAccount: a Job that mounts a Secret of the namespace is refused by the policy, however close to the
 operator's own it is made; a server pod's spec cannot be changed (a new image would run with its Secrets);
 no pod's log can be read.  The same requests as the admin are admitted: the policy matches the
-ServiceAccount only.  The rules themselves are generated from operator/admission.py.
+ServiceAccount only.  With ``admissionPolicy.allowedImages`` set (a helm upgrade of the release), an image
+outside it is refused and one inside admitted, and a PolicyServer of another image says so in its status.
+The rules themselves are generated from operator/admission.py.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class Env:
     client: ApiClient  # the chart's ServiceAccount
     service_account: str
     owner: dict[str, Any]  # the PolicyServer, Ready
+    doc: dict[str, Any]  # its manifest
+    helm: helm_python.Config
+    values: dict[str, Any]  # the release's
 
     @property
     def username(self) -> str:
@@ -104,7 +109,7 @@ def env(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
         lc.wait_status(NAME, lambda s: s.get("phase") == C.PHASE_READY, "Ready, reconciled as the ServiceAccount", 240)
         owner = lc.get(C.API_VERSION, C.PLURAL, NAME)
         assert owner is not None
-        yield Env(lc, operator, client, sa, owner)
+        yield Env(lc, operator, client, sa, owner, doc, config, values)
         lc.kubectl("delete", C.SHORT_NAME, NAME, "--timeout=120s", timeout=150)
     finally:
         if operator is not None:
@@ -259,3 +264,61 @@ def test_the_service_account_cannot_read_pod_logs(env: Env) -> None:
     with pytest.raises(ApiException) as denied:
         CoreV1Api(env.client).read_namespaced_pod_log(pod["metadata"]["name"], NS, container="server")
     assert denied.value.status == 403 and "pods/log" in denied.value.body, denied.value.body
+
+
+ALLOWED = "ghcr.io/policy-operator/"  # the examples' image is under it
+IMAGE_RULE = "is not allowed: admissionPolicy.allowedImages is [ghcr.io/policy-operator/]"
+
+
+def plain_job(name: str, owner: dict[str, Any], image: str) -> dict[str, Any]:
+    """The operator's shape in every respect (no Secret at all) but for ``image``."""
+    job = dressed_as_the_operators(reader_job(name), owner)
+    pod = job["spec"]["template"]["spec"]
+    pod["volumes"] = [{"name": "s", "emptyDir": {}}]
+    pod["containers"][0]["image"] = image
+    return job
+
+
+def test_an_image_allowlist_refuses_other_images_and_the_policyserver_says_so(env: Env) -> None:
+    """Runs last: its refused PolicyServer leaves a denial in the operator's log."""
+    chart = helm_python.Chart.load(CHART)
+    allowlist = {**env.values, "admissionPolicy": {"allowedImages": [ALLOWED]}}
+    env.helm.upgrade(chart, RELEASE, allowlist, namespace=NS, timeout=120)
+    name = "wrong-image"
+    try:
+        refused(env.client, plain_job("other", env.owner, "busybox"), f"image busybox {IMAGE_RULE}")
+        evil = "ghcr.io/policy-operator-evil/policy-server:1"
+        refused(env.client, plain_job("evil", env.owner, evil), f"image {evil} {IMAGE_RULE}")
+        assert create_job(env.client, plain_job("ours", env.owner, f"{ALLOWED}policy-server:0.1.0")) is None
+        assert create_job(env.lc.control_plane.api_client, plain_job("admin", env.owner, "busybox")) is None
+
+        doc = copy.deepcopy(env.doc)
+        doc["metadata"] = {"name": name, "namespace": NS}
+        image = "registry.example.com/robots/policy-server:1"
+        doc["spec"]["image"] = image
+        for field in ("volumes", "volumeMounts"):
+            doc["spec"].pop(field)
+        doc["spec"]["checkpoint"].pop("secretRef")
+        env.lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+
+        def progressing(status: dict[str, Any]) -> dict[str, Any]:
+            return next((c for c in status.get("conditions") or [] if c["type"] == C.COND_PROGRESSING), {})
+
+        status = env.lc.wait_status(
+            name, lambda s: progressing(s).get("status") == "False", "Progressing=False: its Job refused", 120
+        )
+        condition = progressing(status)
+        assert condition["reason"] == "ApplyFailed", condition
+        assert f"image {image} {IMAGE_RULE}" in condition["message"] and POLICY in condition["message"], condition
+        env.lc.api.wait_event(NS, name, "Warning", "ApplyFailed", message=image)
+        # the allowed PolicyServer's children are still admitted on every pass
+        assert env.lc.status(NAME)["phase"] == C.PHASE_READY
+    finally:
+        env.lc.kubectl("delete", C.SHORT_NAME, name, "--ignore-not-found", "--timeout=120s", timeout=150)
+        env.helm.upgrade(chart, RELEASE, env.values, namespace=NS, timeout=120)
+    wait_for(
+        lambda: create_job(env.client, plain_job("any", env.owner, "busybox")) is None,
+        POLICY_SYNC_S,
+        interval=0.5,
+        what="any image admitted again without the allowlist",
+    )
