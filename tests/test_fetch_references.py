@@ -4,7 +4,10 @@ The checkpoint and the repositories it names are served by the hub stub on
 127.0.0.1 to the real huggingface_hub client; the offline load is the real
 transformers ``from_pretrained`` in a process with ``HF_HUB_OFFLINE=1`` and
 ``HF_HUB_CACHE`` at the view the fetch made, so what passes here is what a
-server pod does.
+server pod does.  The hub's clients read their settings (``HF_ENDPOINT``,
+``HF_HOME``) from the environment of a process of their own; fetches from
+local sources and ``checkpoint verify`` run their main in this process
+(``policyserver_main``).
 """
 
 from __future__ import annotations
@@ -156,7 +159,9 @@ def test_named_repositories_are_fetched_and_load_offline(repos, tmp_path: Path, 
     assert loaded.stdout.split()[:2] == ["llama", "32"], loaded.stdout  # and not "resolved without the view"
 
 
-def test_a_repository_the_hub_does_not_have_fails_the_fetch_naming_who_asked(repos, tmp_path: Path, cli_env) -> None:
+def test_a_repository_the_hub_does_not_have_fails_the_fetch_naming_who_asked(
+    policyserver_main, repos, tmp_path: Path, cli_env
+) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", vlm="lab/not-there")
     dest = tmp_path / "models"
     with HubStub() as hub:
@@ -169,37 +174,26 @@ def test_a_repository_the_hub_does_not_have_fails_the_fetch_naming_who_asked(rep
         "policyserver fetch: error: config.json vlm_model_name names lab/not-there, which the "
         "server needs offline: hf://lab/not-there"
     ), last
-    verify = subprocess.run(
-        [
-            str(VENV_BIN / "policyserver"),
-            "checkpoint",
-            "verify",
-            str(dest / request_key(f"hf://{CKPT}")),
-            "--require-marker",
-            "--references",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=cli_env,
+    verify = policyserver_main(
+        "checkpoint", "verify", str(dest / request_key(f"hf://{CKPT}")), "--require-marker", "--references"
     )
     assert verify.returncode == CheckpointExit.INVALID and "lab/not-there, not fetched" in verify.stderr
 
 
-def test_a_path_of_another_machine_is_a_usage_error(tmp_path: Path, cli_env) -> None:
+def test_a_path_of_another_machine_is_a_usage_error(policyserver_main, tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", vlm="/home/trainer/smolvlm")
-    res = fetch(cli_env, str(ckpt), str(tmp_path / "models"), "--references")
+    res = policyserver_main("fetch", str(ckpt), str(tmp_path / "models"), "--references")
     assert res.returncode == FetchExit.USAGE, res.stderr
     assert "config.json: vlm_model_name names '/home/trainer/smolvlm', which is not a hub repository" in res.stderr
 
 
-def test_a_bundled_reference_needs_no_fetch(tmp_path: Path, cli_env) -> None:
+def test_a_bundled_reference_needs_no_fetch(policyserver_main, tmp_path: Path) -> None:
     """A checkpoint that carries what it names (a relative directory inside it) is complete as it is."""
     ckpt = write_checkpoint(tmp_path / "ckpt", vlm="vlm", tokenizer="vlm")
     (ckpt / "vlm").mkdir()
     (ckpt / "vlm" / "config.json").write_text("{}")
     write_manifest(ckpt)
-    res = fetch(cli_env, str(ckpt), str(tmp_path / "models"), "--references")
+    res = policyserver_main("fetch", str(ckpt), str(tmp_path / "models"), "--references")
     assert res.returncode == 0 and "names" not in res.stderr, res.stderr
     assert not (tmp_path / "models" / HUB_VIEW_DIR).exists()
 
@@ -225,21 +219,15 @@ def test_prune_keeps_what_a_kept_checkpoint_names(repos, tmp_path: Path, cli_env
     assert removed == {keys["old"], request_key("hf://lab/other-vlm")}
 
 
-def test_a_checkpoint_without_a_manifest_verifies_against_the_fetch_marker(tmp_path: Path, cli_env) -> None:
+def test_a_checkpoint_without_a_manifest_verifies_against_the_fetch_marker(policyserver_main, tmp_path: Path) -> None:
     """LeRobot checkpoints on the hub carry no manifest.json: the marker (every file the fetch verified) stands in."""
     ckpt = write_checkpoint(tmp_path / "ckpt")
     (ckpt / "manifest.json").unlink()
     dest = tmp_path / "models"
-    assert fetch(cli_env, str(ckpt), str(dest)).returncode == 0
+    assert policyserver_main("fetch", str(ckpt), str(dest)).returncode == 0
 
     def verify(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(VENV_BIN / "policyserver"), "checkpoint", "verify", str(dest / request_key(str(ckpt))), *flags],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=cli_env,
-        )
+        return policyserver_main("checkpoint", "verify", str(dest / request_key(str(ckpt))), *flags)
 
     marked = verify("--require-marker")
     assert marked.returncode == CheckpointExit.OK and "3 files verified" in marked.stdout, marked.stderr
