@@ -104,11 +104,6 @@ _labels = f"has(object.metadata.labels) && {json.dumps(LABEL_MANAGED_BY)} in obj
 _NO_HOST_SOURCE = " && ".join(f"!has(v.{source})" for source in REFUSED_VOLUME_SOURCES)
 
 
-def variables(allowed_images: str = cel_list(())) -> tuple[Variable, ...]:
-    """The policy's variables; ``allowed_images`` is the allowlist's CEL list literal."""
-    return (*_SHAPE_VARIABLES, *_image_variables(allowed_images))
-
-
 _SHAPE_VARIABLES: tuple[Variable, ...] = (
     Variable("isPod", "object.kind == 'Pod'"),
     Variable("template", "variables.isPod ? object : object.spec.template"),
@@ -139,7 +134,9 @@ def _image_variables(allowed_images: str) -> tuple[Variable, ...]:
     )
 
 
-VARIABLES: tuple[Variable, ...] = variables()
+def variables(allowed_images: str = cel_list(())) -> tuple[Variable, ...]:
+    """The policy's variables; ``allowed_images`` is the allowlist's CEL list literal."""
+    return (*_SHAPE_VARIABLES, *_image_variables(allowed_images))
 
 
 _DECLARED = "variables.declaredSecrets"
