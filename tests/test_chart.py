@@ -187,8 +187,14 @@ def watched(values: dict[str, Any]) -> list[str]:
     return values.get("watchNamespaces") or [NS]
 
 
-def chart_crds() -> dict[str, dict[str, Any]]:
+@cache
+def _chart_crds() -> dict[str, dict[str, Any]]:
     return {doc["metadata"]["name"]: doc for entry in chart().crds for doc in yaml.safe_load_all(entry["data"]) if doc}
+
+
+def chart_crds() -> dict[str, dict[str, Any]]:
+    """The chart's CRDs by name, parsed once (the YAML is large); each caller gets its own copy."""
+    return copy.deepcopy(_chart_crds())
 
 
 def parse_operator_args(argv: list[str]) -> argparse.Namespace:
