@@ -43,6 +43,20 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kubernetes_schemas_read_once() -> Iterator[None]:
+    """kubernetes-validate reads and parses a kind's schema and the 1.3 MB ``_definitions.json`` at every
+    ``validate`` call (~10 ms); the files do not change during a session, so each is read once.  Nothing
+    mutates them: jsonschema and referencing only read a schema."""
+    import functools
+
+    from kubernetes_validate import utils
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(utils, "schema_contents", functools.lru_cache(maxsize=None)(utils.schema_contents))
+        yield
+
+
 PolicyserverMain = Callable[..., subprocess.CompletedProcess[str]]
 
 
