@@ -15,6 +15,7 @@ import pytest
 
 if TYPE_CHECKING:
     from tests.support.control_plane import ControlPlane
+    from tests.support.servers import PolicyServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -31,6 +32,31 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.support.servers import session_checkpoint
 
     return session_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def shared_server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
+    """The reference policy with ``SHARED_SERVER_ARGS`` (2 steps, frames up to 1 MB), started once for every module
+    whose tests only send requests and read what it exports (test_server, test_cli, test_dashboard,
+    test_autoscaling).  Tests leave it as they found it: they count metrics before and after their own requests,
+    and none kills, drains or reconfigures it."""
+    from tests.support.servers import NO_DRAIN, SHARED_SERVER_ARGS, serve_policy
+
+    with serve_policy(tiny_checkpoint, *SHARED_SERVER_ARGS, *NO_DRAIN) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def auth_server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServerProcess]:
+    """``shared_server``'s configuration behind a bearer token (``AUTH_TOKEN``, in the file ``.token_file``), for
+    test_server's auth tests and test_probe's real server; left as found, like ``shared_server``."""
+    from tests.support.servers import AUTH_TOKEN, NO_DRAIN, SHARED_SERVER_ARGS, serve_policy
+
+    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file.write_text(AUTH_TOKEN + "\n")
+    with serve_policy(tiny_checkpoint, *SHARED_SERVER_ARGS, "--auth-token-file", str(token_file), *NO_DRAIN) as server:
+        server.token_file = token_file  # type: ignore[attr-defined]
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ from policy_operator.operator.manifests import Names
 from policy_operator.source_uri import checkpoint_key
 from tests.support import promql
 from tests.support.net import wait_for
-from tests.support.servers import NO_DRAIN, VENV_BIN, serve_policy
+from tests.support.servers import VENV_BIN, PolicyServerProcess
 
 if TYPE_CHECKING:
     from tests.support.control_plane import ControlPlane
@@ -109,9 +109,9 @@ def test_adapter_rule_and_keda_query_are_promql() -> None:
 
 
 @pytest.fixture(scope="module")
-def server_metrics(tiny_checkpoint: Path) -> dict[str, set[str]]:
-    with serve_policy(tiny_checkpoint, "--steps", "2", "--dp", "1", *NO_DRAIN) as server:
-        return promql.exported_labels(server.get(C.METRICS_PATH).text)
+def server_metrics(shared_server: PolicyServerProcess) -> dict[str, set[str]]:
+    """What the session's shared server (one replica, tests/conftest.py) exports."""
+    return promql.exported_labels(shared_server.get(C.METRICS_PATH).text)
 
 
 def test_every_query_reads_what_a_server_exports(server_metrics: dict[str, set[str]]) -> None:

@@ -11,7 +11,6 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ from policy_operator import __version__
 from policy_operator.cli import COMMANDS
 from policy_operator.constants import COMPLETE_MARKER, CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 from tests.support.servers import (
-    NO_DRAIN,
     VENV_BIN,
     PolicyServerProcess,
     serve_policy,
@@ -211,9 +209,9 @@ def test_verify_require_marker_refuses_an_unfetched_directory(
 
 # --- the bundled client -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
-    with serve_policy(tiny_checkpoint, "--steps", "2", *NO_DRAIN) as s:
-        yield s
+def server(shared_server: PolicyServerProcess) -> PolicyServerProcess:
+    """The session's shared server (tests/conftest.py)."""
+    return shared_server
 
 
 def test_client_prints_a_summary(server: PolicyServerProcess) -> None:

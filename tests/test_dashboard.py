@@ -1,6 +1,6 @@
 """The chart's Grafana dashboard: it loads, it lays out, and every query reads what a running server exports.
 
-The metric test starts a real ``policyserver serve`` (tiny checkpoint), sends
+The metric test reads a real ``policyserver serve`` (tiny checkpoint, the session's shared server), sends
 it one good request and one bad frame (so the labelled series exist), and
 checks every PromQL query of the dashboard, parsed by a real PromQL parser,
 against that server's ``/metrics``: each metric name, each label matched,
@@ -25,7 +25,7 @@ from policy_operator.operator import manifests
 from policy_operator.operator.spec import parse_spec
 from tests.support import promql
 from tests.support.chart import CHART, EXAMPLES, NS, RELEASE, chart
-from tests.support.servers import NO_DRAIN, serve_policy
+from tests.support.servers import PolicyServerProcess
 
 DASHBOARD_FILE = CHART / "dashboards" / "policy-server.json"
 VARIABLES = ("datasource", "namespace", "policyserver", "pod")
@@ -120,22 +120,23 @@ def test_every_query_is_promql() -> None:
 
 
 @pytest.fixture(scope="module")
-def metrics_text(tiny_checkpoint: Path) -> str:
+def metrics_text(shared_server: PolicyServerProcess) -> str:
+    """The session's shared server's /metrics after one good request and one bad frame of this fixture's own."""
     from websockets.sync.client import connect
 
     from policy_operator.runtime.probe import canned_observation, check_metadata
     from policy_operator.runtime.serving import wire
 
-    with serve_policy(tiny_checkpoint, "--steps", "2", *NO_DRAIN) as server:
-        with connect(server.url) as ws:
-            meta = wire.unpackb(ws.recv(timeout=30))
-            ws.send(wire.packb(canned_observation(check_metadata(meta))))
-            assert "actions" in wire.unpackb(ws.recv(timeout=60))
-        with connect(server.url) as ws:  # a bad frame: the error counter gets its `kind` label
-            ws.recv(timeout=30)
-            ws.send("not msgpack")
-            assert ws.recv(timeout=30).startswith("bad_frame")
-        return server.get(C.METRICS_PATH).text
+    server = shared_server
+    with connect(server.url) as ws:
+        meta = wire.unpackb(ws.recv(timeout=30))
+        ws.send(wire.packb(canned_observation(check_metadata(meta))))
+        assert "actions" in wire.unpackb(ws.recv(timeout=60))
+    with connect(server.url) as ws:  # a bad frame: the error counter gets its `kind` label
+        ws.recv(timeout=30)
+        ws.send("not msgpack")
+        assert ws.recv(timeout=30).startswith("bad_frame")
+    return server.get(C.METRICS_PATH).text
 
 
 @pytest.fixture(scope="module")

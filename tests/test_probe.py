@@ -22,9 +22,9 @@ import pytest
 from policy_operator.exit_codes import ProbeExit
 from policy_operator.runtime import probe
 from tests.support.net import free_port
-from tests.support.servers import NO_DRAIN, VENV_BIN, serve_policy, subprocess_env
+from tests.support.servers import AUTH_TOKEN, VENV_BIN, serve_policy, subprocess_env
 
-TOKEN = "probe-secret-token"
+TOKEN = AUTH_TOKEN  # the session's auth_server's (tests/conftest.py)
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "
 
 
@@ -49,16 +49,14 @@ def one_line(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("probe-auth") / "token"
-    path.write_text(TOKEN + "\n")
-    return path
+def good_server(auth_server):
+    """The session's server behind a token (tests/conftest.py)."""
+    return auth_server
 
 
 @pytest.fixture(scope="module")
-def good_server(tiny_checkpoint: Path, token_file: Path):
-    with serve_policy(tiny_checkpoint, "--steps", "2", "--auth-token-file", str(token_file), *NO_DRAIN) as server:
-        yield server
+def token_file(auth_server) -> Path:
+    return auth_server.token_file
 
 
 # --- against a real server ------------------------------------------------------------------

@@ -37,14 +37,22 @@ from policy_operator.runtime.serving.ingress import INLINE_MAX_BYTES
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.openpi import OpenpiSession
 from tests.support.plugins.held_policy import hold_prompt
-from tests.support.servers import NO_DRAIN, PolicyServerProcess, serve_policy
+from tests.support.servers import (
+    AUTH_TOKEN,
+    NO_DRAIN,
+    SHARED_MAX_MESSAGE_BYTES,
+    SHARED_SERVER_ARGS,
+    SHARED_STEPS,
+    PolicyServerProcess,
+    serve_policy,
+)
 
 CFG = PolicyConfig()  # the tiny checkpoint's config
 ACTION_SHAPE = (CFG.horizon, CFG.action_dim)
-STEPS = 2
-MAX_MESSAGE_BYTES = 1_000_000  # a RoboLab frame (224x224x3 image) is ~150 kB
+STEPS = SHARED_STEPS  # the session's shared servers' (tests/conftest.py), and this module's own
+MAX_MESSAGE_BYTES = SHARED_MAX_MESSAGE_BYTES
 RECV_TIMEOUT_S = 60.0
-TOKEN = "s3cret-token"
+TOKEN = AUTH_TOKEN  # auth_server's (tests/conftest.py)
 
 # openpi-client 0.1.2 calls websockets' connect() outside a context manager
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
@@ -82,14 +90,13 @@ def counter(server: PolicyServerProcess, name: str, **labels: str) -> float:
 
 
 def serve_args(*extra: str) -> list[str]:
-    return ["--steps", str(STEPS), "--max-message-bytes", str(MAX_MESSAGE_BYTES), *extra]
+    return [*SHARED_SERVER_ARGS, *extra]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
-    """Default (openpi) error format: a text frame, then close 1011."""
-    with serve_policy(tiny_checkpoint, *serve_args(), *NO_DRAIN) as s:
-        yield s
+def server(shared_server: PolicyServerProcess) -> PolicyServerProcess:
+    """Default (openpi) error format: a text frame, then close 1011.  The session's shared server (serve_args())."""
+    return shared_server
 
 
 @pytest.fixture(scope="module")
@@ -509,16 +516,7 @@ def test_readyz_is_503_until_the_model_is_loaded_and_warm(tmp_path: Path, tiny_c
             assert site.count("/ckpt/model.safetensors") == 1
 
 
-# --- auth ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def auth_server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServerProcess]:
-    token_file = tmp_path_factory.mktemp("auth") / "token"
-    token_file.write_text(TOKEN + "\n")
-    with serve_policy(tiny_checkpoint, "--steps", str(STEPS), "--auth-token-file", str(token_file), *NO_DRAIN) as s:
-        s.token_file = token_file  # type: ignore[attr-defined]
-        yield s
-
-
+# --- auth: the session's auth_server (tests/conftest.py), a token in .token_file ---------------------------
 @pytest.mark.parametrize(
     "headers",
     [

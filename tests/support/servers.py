@@ -23,7 +23,8 @@ drain, a killed rank, ...); every wait is bounded and a failure carries the
 tail of the server's log.
 
 A server a module's tests share (a module-scoped fixture) passes ``*NO_DRAIN``: its teardown
-has nothing to drain.
+has nothing to drain.  Two configurations are shared by the whole session (tests/conftest.py):
+``shared_server`` (``SHARED_SERVER_ARGS``) and ``auth_server`` (the same with ``AUTH_TOKEN``).
 
 Checkpoints: :func:`session_checkpoint` makes one per (size, seed, overrides)
 per test session; the ``tiny_checkpoint`` fixture (tests/conftest.py) is the
@@ -63,6 +64,12 @@ STOP_TIMEOUT_S = 30.0
 # For a server that a module's tests share: its fixture stops it with no request in flight, so SIGTERM needs no
 # drain.  Without it the drain keeps /readyz at 503 for a heartbeat period (1 s) before the port closes.
 NO_DRAIN = ("--drain-grace-s", "0")
+# The session's shared servers (tests/conftest.py: ``shared_server``, ``auth_server``): the flags and token the
+# modules that use them rely on.
+SHARED_STEPS = 2
+SHARED_MAX_MESSAGE_BYTES = 1_000_000  # a RoboLab frame (224x224x3 image) is ~150 kB
+SHARED_SERVER_ARGS = ("--steps", str(SHARED_STEPS), "--max-message-bytes", str(SHARED_MAX_MESSAGE_BYTES))
+AUTH_TOKEN = "s3cret-token"
 _LISTENING = re.compile(r"listening on ws://([0-9.]+):(\d+)")
 
 WaitFor = Literal["ready", "listening", "started"]
