@@ -139,6 +139,14 @@ class _Block(nn.Module):
         return x + g3 * self.mlp(h)
 
 
+def _normal(*shape: int, std: float = 1.0) -> torch.Tensor:
+    """Normal(0, std) weights, or none on the meta device: ``load`` builds the model there only to assign the
+    checkpoint's tensors, and a normal draw on meta goes through torch's Python meta kernels, whose first use
+    imports sympy and dynamo (~0.5-1 s of every server's start).  Off meta it draws what ``randn * std`` draws."""
+    weights = torch.empty(*shape)
+    return weights if weights.is_meta else weights.normal_(0.0, std)
+
+
 class FlowTransformer(nn.Module):
     """Observation encoder + action denoiser; batch-first everywhere."""
 
@@ -147,15 +155,15 @@ class FlowTransformer(nn.Module):
         self.cfg = cfg
         w = cfg.width
         self.patch = nn.Conv2d(3, w, kernel_size=cfg.patch_size, stride=cfg.patch_size)
-        self.camera_pos = nn.Parameter(torch.randn(cfg.max_cameras, cfg.patches_per_camera, w) * 0.02)
-        self.empty_camera = nn.Parameter(torch.randn(cfg.patches_per_camera, w) * 0.02)
+        self.camera_pos = nn.Parameter(_normal(cfg.max_cameras, cfg.patches_per_camera, w, std=0.02))
+        self.empty_camera = nn.Parameter(_normal(cfg.patches_per_camera, w, std=0.02))
         self.state = nn.Linear(cfg.joint_dim + cfg.gripper_dim, w)
-        self.prompt = nn.Embedding(257, w)  # bytes + padding id 0
-        self.prompt_pos = nn.Parameter(torch.randn(cfg.prompt_tokens, w) * 0.02)
+        self.prompt = nn.Embedding(257, w, _weight=_normal(257, w))  # bytes + padding id 0; nn.Embedding's init
+        self.prompt_pos = nn.Parameter(_normal(cfg.prompt_tokens, w, std=0.02))
         self.ctx_norm = nn.LayerNorm(w)
-        self.null_context = nn.Parameter(torch.randn(cfg.context_tokens, w) * 0.02)
+        self.null_context = nn.Parameter(_normal(cfg.context_tokens, w, std=0.02))
         self.action_in = nn.Linear(cfg.action_dim, w)
-        self.action_pos = nn.Parameter(torch.randn(cfg.horizon, w) * 0.02)
+        self.action_pos = nn.Parameter(_normal(cfg.horizon, w, std=0.02))
         self.time = nn.Sequential(nn.Linear(w, w), nn.SiLU(), nn.Linear(w, w))
         self.blocks = nn.ModuleList(_Block(w, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth))
         self.out_norm = nn.LayerNorm(w, elementwise_affine=False)
