@@ -70,9 +70,9 @@ def _conditions(job: V1Job) -> dict[str, V1JobCondition]:
     return {c.type: c for c in (job.status.conditions if job.status else None) or []}
 
 
-def _is_true(conds: Mapping[str, V1JobCondition], kind: str) -> bool:
-    cond = conds.get(kind)
-    return cond is not None and cond.status == "True"
+def job_condition(job: V1Job, *kinds: str) -> bool:
+    """One of the Job's conditions ``kinds`` is True (``Complete``, ``Failed``)."""
+    return any(c.type in kinds and c.status == "True" for c in (job.status.conditions if job.status else None) or [])
 
 
 def _fetch_termination(pods: Sequence[V1Pod]) -> tuple[int | None, str]:
@@ -276,7 +276,7 @@ def checkpoint_state(
     claim_name = meta_of(claim).name
     if job is None:
         return without_job(spec, job_name, recorded, claim)
-    if ran_on_older_claim(job, claim) and _is_true(_conditions(job), "Complete"):
+    if ran_on_older_claim(job, claim) and job_condition(job, "Complete"):
         return CheckpointState(
             CheckpointPhase.PENDING,
             Reason.JOB_PENDING,
@@ -285,16 +285,15 @@ def checkpoint_state(
             job_name,
             stale_job=True,
         )
-    conds = _conditions(job)
     status = job.status or V1JobStatus()
-    if _is_true(conds, "Complete") or (status.succeeded or 0) >= 1:
+    if job_condition(job, "Complete") or (status.succeeded or 0) >= 1:
         return CheckpointState(
             CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name, claim_uid=claim_uid
         )
     failed = status.failed or 0
     exit_code, last_line = _fetch_termination(job_pods)
-    if _is_true(conds, "Failed"):
-        cond = conds["Failed"]
+    if job_condition(job, "Failed"):
+        cond = _conditions(job)["Failed"]
         # the Job's deadline, else what the fetch's exit code means (policy_operator/exit_codes.py)
         reason = (
             Reason.DEADLINE_EXCEEDED

@@ -44,7 +44,7 @@ from policy_operator.constants import (
 )
 from policy_operator.operator import manifests
 from policy_operator.operator.conditions import Condition, Event, Reason
-from policy_operator.operator.download_state import CheckpointPhase, CheckpointState
+from policy_operator.operator.download_state import CheckpointPhase, CheckpointState, job_condition
 from policy_operator.operator.drift import service_repair, template_repair
 from policy_operator.operator.kube_objects import api_json, meta_of
 from policy_operator.operator.manifests import Names, ServingCheckpoint
@@ -275,13 +275,8 @@ def _plan_pdb(
         )
 
 
-def _job_condition(job: V1Job, *kinds: str) -> bool:
-    """One of the Job's conditions ``kinds`` is True."""
-    return any(c.type in kinds and c.status == "True" for c in (job.status.conditions if job.status else None) or [])
-
-
 def _job_finished(job: V1Job) -> bool:
-    return _job_condition(job, "Complete", "Failed")
+    return job_condition(job, "Complete", "Failed")
 
 
 def _cache_jobs(observed: Observed, component: str, spec: PolicyServerSpec) -> list[V1Job]:
@@ -409,7 +404,7 @@ def finished_job_pods(spec: PolicyServerSpec, observed: Observed) -> list[Write]
     complete = {
         meta_of(j).name
         for j in [*observed.cache_jobs, observed.job]
-        if j is not None and labelled_ours(j, spec.name) and _job_condition(j, "Complete")
+        if j is not None and labelled_ours(j, spec.name) and job_condition(j, "Complete")
     }
     writes = []
     for pod in observed.job_pods_all:
