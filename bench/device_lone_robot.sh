@@ -5,24 +5,8 @@
 #   run(command="bash bench/device_lone_robot.sh", carry=[".whl", ".old"])
 #   run(command="bash bench/device_lone_robot.sh split", carry=[".whl"])    # condition/denoise split per process
 #   run(command="bash bench/device_lone_robot.sh robots", carry=[".whl"])   # robots table, both front-ends
-set -u
-REPO=$(pwd)
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-start=$(date +%s)
-left() { echo $(( ${BUDGET_S:-580} - ($(date +%s) - start) )); }
-install() {  # install() SITE SRC: the wheels and the project at SRC, no dependencies, into SITE
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$1" "$REPO"/.whl/*.whl \
-        >"$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
-    python3 -m pip install -q --no-deps --no-build-isolation --target "$1" "$2" >>"$OUT/install.log" 2>&1 \
-        || { tail -5 "$OUT/install.log"; exit 1; }
-}
-install /tmp/site-new "$REPO"
-[ -d "$REPO/.old" ] && install /tmp/site-old "$REPO/.old"
-export PYTHONUNBUFFERED=1
-cd /tmp
-PYTHONPATH=/tmp/site-new python3 -m policy_operator.cli checkpoint init /tmp/base --size base >/dev/null
-echo "installed, checkpoint after $(( $(date +%s) - start )) s"
+DEFAULT_BUDGET_S=580
+source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 COMMON=(--device cuda --size base --steps 10 --dtype bfloat16 --compile reduce-overhead --checkpoint /tmp/base)
 # stage NAME SITE SRC SECONDS_TO_LEAVE_OVER ARGS...: bench/runtime.py of SRC on SITE's install
 stage() {

@@ -8,24 +8,8 @@
 #   run(command="bash bench/device_robots.sh window", carry=[".whl"])    # max-batch 32, 32 robots, windows 2/5/10 ms
 #   run(command="bash bench/device_robots.sh start", carry=[".whl", ".old"])  # start to Ready, .old against this
 #   run(command="bash bench/device_robots.sh phases", carry=[".whl"])   # a start's phases, compiled and from artifacts
-set -u
-REPO=$(pwd)
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-start=$(date +%s)
-left() { echo $(( ${BUDGET_S:-585} - ($(date +%s) - start) )); }
-install() {  # install() SITE SRC: the wheels and the project at SRC, no dependencies, into SITE
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$1" "$REPO"/.whl/*.whl \
-        >"$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
-    python3 -m pip install -q --no-deps --no-build-isolation --target "$1" "$2" >>"$OUT/install.log" 2>&1 \
-        || { tail -5 "$OUT/install.log"; exit 1; }
-}
-install /tmp/site-new "$REPO"
-[ -d "$REPO/.old" ] && install /tmp/site-old "$REPO/.old"
-export PYTHONUNBUFFERED=1
-cd /tmp
-PYTHONPATH=/tmp/site-new python3 -m policy_operator.cli checkpoint init /tmp/base --size base >/dev/null
-echo "installed, checkpoint after $(( $(date +%s) - start )) s"
+DEFAULT_BUDGET_S=585
+source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
 COMMON=(--device cuda --size base --steps 10 --dtype bfloat16 --compile reduce-overhead --checkpoint /tmp/base
     --tables robots --robot-n 30)
