@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,9 +141,10 @@ class Server:
             raise TimeoutError("server not ready")
         self.ready_s = time.monotonic() - started  # process start to /readyz ready: load, compile, warm-up
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
-            gauges = dict(line.split(" ", 1) for line in r.read().decode().splitlines() if line.startswith("policy_"))
-        self.load_s = float(gauges.get("policy_load_seconds", "nan"))  # onto the device (and compiled, lazily)
-        self.warmup_s = float(gauges.get("policy_warmup_seconds", "nan"))  # every bucket compiled or loaded, captured
+            families = text_string_to_metric_families(r.read().decode())
+            gauges = {s.name: s.value for family in families for s in family.samples if not s.labels}
+        self.load_s = gauges.get("policy_load_seconds", math.nan)  # onto the device (and compiled, lazily)
+        self.warmup_s = gauges.get("policy_warmup_seconds", math.nan)  # every bucket compiled or loaded, captured
         self.url = f"ws://127.0.0.1:{self.port}"
         # the start's phases as the server logs them (runtime/worker.py: "warmed up ... after its process started")
         self.start_line = next(
