@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from kubernetes.client import CoreV1Event, V1Job, V1JobCondition, V1JobStatus, V1PersistentVolumeClaim, V1Pod
+from kubernetes.client import (
+    CoreV1Event,
+    V1ContainerStatus,
+    V1Job,
+    V1JobCondition,
+    V1JobStatus,
+    V1PersistentVolumeClaim,
+    V1Pod,
+)
 
 from policy_operator.exit_codes import FetchExit
 from policy_operator.fetch_progress import FetchProgress, last_progress
@@ -75,17 +83,23 @@ def job_condition(job: V1Job, *kinds: str) -> bool:
     return any(c.type in kinds and c.status == "True" for c in (job.status.conditions if job.status else None) or [])
 
 
+def fetch_container_status(pod: V1Pod) -> V1ContainerStatus | None:
+    """The fetch container's status in a fetch Job's pod; None before the kubelet reports one."""
+    statuses = (pod.status.container_statuses if pod.status else None) or []
+    return next((cs for cs in statuses if cs.name == FETCH_CONTAINER), None)
+
+
 def _fetch_termination(pods: Sequence[V1Pod]) -> tuple[int | None, str]:
     """Exit code and last log line of the newest failed fetch container."""
     for pod in sorted(pods, key=_created_or_min, reverse=True):
-        for cs in (pod.status.container_statuses if pod.status else None) or []:
-            if cs.name != FETCH_CONTAINER:
-                continue
-            term = (cs.state.terminated if cs.state else None) or (cs.last_state.terminated if cs.last_state else None)
-            if term and term.exit_code != 0:
-                lines = [ln.strip() for ln in (term.message or "").splitlines() if ln.strip()]
-                errors = [ln for ln in lines if "error" in ln.lower()]
-                return term.exit_code, (errors or lines or [""])[-1][:MAX_MESSAGE]
+        cs = fetch_container_status(pod)
+        if cs is None:
+            continue
+        term = (cs.state.terminated if cs.state else None) or (cs.last_state.terminated if cs.last_state else None)
+        if term and term.exit_code != 0:
+            lines = [ln.strip() for ln in (term.message or "").splitlines() if ln.strip()]
+            errors = [ln for ln in lines if "error" in ln.lower()]
+            return term.exit_code, (errors or lines or [""])[-1][:MAX_MESSAGE]
     return None, ""
 
 
@@ -105,14 +119,14 @@ KUBELET_START_ERRORS = frozenset(
 
 def _fetch_started(pod: V1Pod) -> bool:
     """The fetch container runs or ran: from then on the attempt is a download, whatever it does."""
-    for cs in (pod.status.container_statuses if pod.status else None) or []:
-        if cs.name == FETCH_CONTAINER:
-            state = cs.state
-            if (state is not None and (state.running is not None or state.terminated is not None)) or (
-                cs.last_state.terminated if cs.last_state else None
-            ):
-                return True
-    return False
+    cs = fetch_container_status(pod)
+    if cs is None:
+        return False
+    state = cs.state
+    return bool(
+        (state is not None and (state.running is not None or state.terminated is not None))
+        or (cs.last_state.terminated if cs.last_state else None)
+    )
 
 
 def _pod_created(pod: V1Pod) -> datetime.datetime | None:

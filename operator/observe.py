@@ -38,7 +38,7 @@ from policy_operator.fetch_progress import MAX_BYTES as MAX_PROGRESS_BYTES
 from policy_operator.operator import download_state, manifests, pod_problems, rank_probe
 from policy_operator.operator.kube import Kube, KubeError
 from policy_operator.operator.kube_objects import HasMetadata, meta_of, rfc3339, typed_list, typed_or_none
-from policy_operator.operator.manifests import FETCH_CONTAINER, Names
+from policy_operator.operator.manifests import Names
 from policy_operator.operator.rank_probe import PodHealth
 from policy_operator.operator.spec import PolicyServerSpec
 
@@ -72,10 +72,9 @@ def running_fetch_pod(job_pods: Sequence[V1Pod]) -> V1Pod | None:
     running = [
         p
         for p in job_pods
-        if any(
-            cs.name == FETCH_CONTAINER and cs.state is not None and cs.state.running is not None
-            for cs in (p.status.container_statuses if p.status else None) or []
-        )
+        if (cs := download_state.fetch_container_status(p)) is not None
+        and cs.state is not None
+        and cs.state.running is not None
     ]
     running.sort(key=lambda p: rfc3339(meta_of(p).creation_timestamp))
     return running[-1] if running else None
