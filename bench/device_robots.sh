@@ -8,6 +8,7 @@
 #   run(command="bash bench/device_robots.sh window", carry=[".whl"])    # max-batch 32, 32 robots, windows 2/5/10 ms
 #   run(command="bash bench/device_robots.sh start", carry=[".whl", ".old"])  # start to Ready, .old against this
 #   run(command="bash bench/device_robots.sh phases", carry=[".whl"])   # a start's phases, compiled and from artifacts
+#   run(command="bash bench/device_robots.sh dynamic", carry=[".whl", ".old"])  # second-pod start, .old against this
 DEFAULT_BUDGET_S=585
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
@@ -55,6 +56,22 @@ if [ "${1:-}" = phases ]; then
         --frontend inline,process --no-in-process --server-log "$OUT/server-logs" \
         --serve-args "--compile-cache-dir /tmp/cc"
     grep -A3 "Each server" "$OUT/phases.md"
+    echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
+if [ "${1:-}" = dynamic ]; then
+    # a second pod's start at max-batch 8, the build in .old against this one, interleaved: each build's first
+    # server compiles into its own --compile-cache-dir; its second server starts with empty inductor and Triton
+    # caches of its own, as a pod on another node does, and loads the artifacts; then 1 and 8 robots on it
+    # (the batch times of the two builds' graphs)
+    for n in 1 2; do
+        for b in old new; do
+            TORCHINDUCTOR_CACHE_DIR=/tmp/ind-$b-$n TRITON_CACHE_DIR=/tmp/tri-$b-$n stage "dynamic-$b-$n" /tmp/site-$b 5 \
+                --robot-max-batch 8 --robots "$( [ $n = 2 ] && echo 1,8 || echo 1)" --robot-warmup 3 --frontend inline \
+                --no-in-process --server-log "$OUT/server-logs-$b-$n" --serve-args "--compile-cache-dir /tmp/cc-$b"
+            grep -h "warmed up" "$OUT/server-logs-$b-$n"/*.log | sed 's/.*replica 0 //'
+        done
+    done
     echo "done after $(( $(date +%s) - start )) s"
     exit 0
 fi

@@ -335,3 +335,28 @@ def test_compiled_denoiser_matches_eager(tiny_checkpoint: Path, obs: dict[str, A
     got = actions(compiled, obs, 5, mode=mode)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)  # inductor fuses differently: not bitwise
     assert not np.array_equal(actions(compiled, obs, 6, mode=mode), got)  # a different seed still differs
+
+
+@pytest.mark.slow
+def test_compiled_step_traces_no_graph_per_extra_bucket(tiny_checkpoint: Path, obs: dict[str, Any]) -> None:
+    """A pod started from the compile cache still pays dynamo's trace, AOT-autograd and the kernel load once per
+    graph: the larger buckets must reuse one graph over a symbolic batch, not add one each."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    policy = load(tiny_checkpoint)
+    policy.compile("default")
+    eager = load(tiny_checkpoint)
+    graphs: dict[int, int] = {}
+    for size in (1, 2, 4, 8, 16):  # warm-up's order: smallest bucket first
+        sample = policy.collate([policy.prepare(policy.example_observation(i)) for i in range(size)])
+        for mode in ("sequential", "batched"):
+            x = sample_actions(policy, sample, list(range(size)), steps=2, guidance=3.0, mode=mode)  # type: ignore[arg-type]
+            want = sample_actions(eager, sample, list(range(size)), steps=2, guidance=3.0, mode=mode)  # type: ignore[arg-type]
+            torch.testing.assert_close(x, want, rtol=1e-4, atol=1e-4)
+        graphs[size] = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs[4] > 0, graphs
+    assert graphs[16] == graphs[4], f"buckets 8 and 16 compiled graphs of their own: {graphs}"

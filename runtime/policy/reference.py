@@ -291,10 +291,13 @@ class ReferencePolicy(Policy):
         return cls(cfg, model, device, dtype)
 
     def compile(self, mode: str = "default") -> None:
-        # Shapes are fixed per checkpoint and batch bucket (the replica pads a batch to the next bucket),
-        # so one graph per bucket, all captured at warm-up; mode="reduce-overhead" replays each step as a
-        # CUDA graph.
-        compiled = torch.compile(self.model.velocity, mode=mode, dynamic=False)
+        # The replica pads a batch to the next bucket and warm-up runs every bucket, smallest first.  dynamo's
+        # automatic dynamic shapes (dynamic=None) trace the step twice, whatever the number of buckets: the
+        # smallest batch as its own graph, then one graph over a symbolic batch that every larger bucket
+        # reuses.  A pod started from the compile cache skips the per-bucket trace, AOT-autograd and kernel
+        # load a static graph per bucket cost (bench/results/h200-start-dynamic.md); mode="reduce-overhead"
+        # still records one CUDA graph per bucket, so each bucket replays as a graph.
+        compiled = torch.compile(self.model.velocity, mode=mode, dynamic=None)
         if mode == "reduce-overhead":
             # A CUDA graph's output buffer is reused by its next replay; sequential CFG keeps
             # the conditional velocity while computing the unconditional one, so copy it out.
