@@ -145,6 +145,10 @@ class Runtime:
             # before this rank's first parallel op: every thread started later (the model thread, the prepare
             # thread) takes torch's global count on its own first parallel op, and so does this one
             torch.set_num_threads(threads)
+        if opts.compile:
+            from policy_operator.runtime.compile_cache import share_kernel_caches
+
+            share_kernel_caches(opts.compile_cache_dir)  # before anything reads where torch's caches are
         self.groups = init_distributed(layout, self.device, timedelta(seconds=opts.pg_timeout_s), opts.backend)
         self.rank = self.groups.rank
         self.kv_factory: Callable[[], KV]
@@ -205,17 +209,21 @@ class Runtime:
             path = box[0]
         assert path is not None, "rank 0 resolves the checkpoint or raises"
         self.heartbeat.set_state(RankState.LOADING, "loading the policy")  # /readyz is public: no path
+        before_load_s = process_age_s()
         started = time.perf_counter()
         cls = load_policy_class(self.opts.policy)
         policy = cls.load(path, device=self.device, dtype=parse_dtype(self.opts.dtype))
         weights_s = time.perf_counter() - started
+        cache_s = 0.0
         if self.opts.compile:
             import torch._dynamo
 
             # one graph per bucket and CFG width (B or 2B rows): more shapes than dynamo's default limit of 8
             limit = 4 * len(self.settings.buckets) + 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+            cache_started = time.perf_counter()
             self.compile_cache = open_compile_cache(self, path)
+            cache_s = time.perf_counter() - cache_started
             policy.compile(self.opts.compile)
         replica = Replica(policy, self.groups, self.settings, self.heartbeat)
         self.load_s = time.perf_counter() - started
@@ -245,13 +253,16 @@ class Runtime:
             # where a start's time goes (a second pod's target is seconds): process start to here, the load's
             # weights and compile-cache parts, each bucket's compile-or-load and CUDA-graph capture
             log.info(
-                "replica %d warmed up %.1fs after its process started (load %.1fs: weights %.1fs, compile cache "
-                "and setup %.1fs; warm-up %.1fs, seconds per batch bucket %s; artifacts saved in %.1fs)",
+                "replica %d warmed up %.1fs after its process started (%.1fs before the load; load %.1fs: weights "
+                "%.1fs, compile cache %.1fs, setup %.1fs; warm-up %.1fs, seconds per batch bucket %s; artifacts "
+                "saved in %.1fs)",
                 self.groups.dp_index,
                 process_age_s(),
+                before_load_s,
                 self.load_s,
                 weights_s,
-                self.load_s - weights_s,
+                cache_s,
+                self.load_s - weights_s - cache_s,
                 self.warmup_s,
                 per_bucket,
                 saved_s,
