@@ -10,6 +10,7 @@
 #   run(command="bash bench/device_robots.sh phases", carry=[".whl"])   # a start's phases, compiled and from artifacts
 #   run(command="bash bench/device_robots.sh dynamic", carry=[".whl", ".old"])  # second-pod start, .old against this
 #   run(command="bash bench/device_robots.sh share", carry=[".whl"])    # second pod with and without shared kernel caches
+#   run(command="bash bench/device_robots.sh profile", carry=[".whl"])  # a second pod's load under cProfile
 DEFAULT_BUDGET_S=585
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
@@ -96,6 +97,21 @@ if [ "${1:-}" = share ]; then
     stage burn /tmp/site-new 5 --robot-max-batch 8 --robots 1 --robot-n 40 --robot-warmup 5 --frontend inline \
         --no-in-process --serve-args "--compile-cache-dir /tmp/cc-8"
     kill $(jobs -p) 2>/dev/null
+    echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
+if [ "${1:-}" = profile ]; then
+    # a second pod's load, function by function (bench/load_profile.py), after a first server compiled at
+    # max-batch 8: with the kernel caches beside the artifacts, then with caches of its own
+    stage profile-first /tmp/site-new 5 --robot-max-batch 8 --robots 1 --robot-n 5 --robot-warmup 1 \
+        --frontend inline --no-in-process --serve-args "--compile-cache-dir /tmp/cc"
+    PROFILE=(--checkpoint /tmp/base --device cuda --dtype bfloat16 --compile reduce-overhead --max-batch 8 --steps 10
+        --compile-cache-dir /tmp/cc --top 45)
+    PYTHONPATH=/tmp/site-new python3 "$REPO/bench/load_profile.py" "${PROFILE[@]}" >"$OUT/profile-shared.txt" 2>&1
+    head -3 "$OUT/profile-shared.txt"
+    TORCHINDUCTOR_CACHE_DIR=/tmp/ind-own TRITON_CACHE_DIR=/tmp/tri-own PYTHONPATH=/tmp/site-new \
+        python3 "$REPO/bench/load_profile.py" "${PROFILE[@]}" >"$OUT/profile-own.txt" 2>&1
+    head -3 "$OUT/profile-own.txt"
     echo "done after $(( $(date +%s) - start )) s"
     exit 0
 fi
