@@ -10,6 +10,7 @@
 #   run(command="bash bench/device_robots.sh phases", carry=[".whl"])   # a start's phases, compiled and from artifacts
 #   run(command="bash bench/device_robots.sh dynamic", carry=[".whl", ".old"])  # second-pod start, .old against this
 #   run(command="bash bench/device_robots.sh share", carry=[".whl"])    # second pod with and without shared kernel caches
+#   run(command="bash bench/device_robots.sh share burn", carry=[".whl"])   # ... then a lone robot beside busy cores
 #   run(command="bash bench/device_robots.sh profile", carry=[".whl"])  # a second pod's load under cProfile
 DEFAULT_BUDGET_S=585
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
@@ -80,8 +81,7 @@ fi
 if [ "${1:-}" = share ]; then
     # a second pod's start when torch's and Triton's caches are beside the artifacts (the runtime's default:
     # no cache variable set) against one with caches of its own (a pod without them); max-batch 8, then 32
-    # (with 1 and 32 robots and the in-process batches on its second server); last, one robot with 14 busy
-    # processes beside it (does the host's idle-core wake-up cost the lone robot its round trip?)
+    # (with 1 and 32 robots and the in-process batches on its second server)
     for mb in 8 32; do
         stage "share-$mb-first" /tmp/site-new 5 --robot-max-batch $mb --robots 1 --robot-n 5 --robot-warmup 1 \
             --frontend inline --no-in-process --server-log "$OUT/logs-$mb-first" --serve-args "--compile-cache-dir /tmp/cc-$mb"
@@ -93,6 +93,9 @@ if [ "${1:-}" = share ]; then
             --server-log "$OUT/logs-$mb-own" --serve-args "--compile-cache-dir /tmp/cc-$mb"
         grep -h "warmed up\|kernel caches" "$OUT"/logs-$mb-*/*.log | sed 's/.*INFO //'
     done
+    [ "${2:-}" = burn ] || { echo "done after $(( $(date +%s) - start )) s"; exit 0; }
+    # `share burn`: then one robot with 14 busy processes beside it (does the host's idle-core wake-up cost the
+    # lone robot its round trip?)
     for i in $(seq 14); do timeout 120 python3 -c "while True: pass" & done
     stage burn /tmp/site-new 5 --robot-max-batch 8 --robots 1 --robot-n 40 --robot-warmup 5 --frontend inline \
         --no-in-process --serve-args "--compile-cache-dir /tmp/cc-8"

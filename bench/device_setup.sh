@@ -1,6 +1,6 @@
 # Sourced by the device-call scripts (bench/device_robots.sh, bench/device_lone_robot.sh): the wheels the lent
 # machine lacks (.whl, carried) and this build into /tmp/site-new, the build in .old (when carried) into
-# /tmp/site-old, the base checkpoint at /tmp/base; then `left` says how many seconds of BUDGET_S remain
+# /tmp/site-old, the base checkpoint at /tmp/base, bytecode under /tmp/pycache; then `left` says how many seconds of BUDGET_S remain
 # (default DEFAULT_BUDGET_S, set by the caller).  Leaves the shell in /tmp with REPO, OUT and start set.
 set -u
 REPO=$(pwd)
@@ -17,6 +17,13 @@ install() {  # install() SITE SRC: the wheels and the project at SRC, no depende
 install /tmp/site-new "$REPO"
 [ -d "$REPO/.old" ] && install /tmp/site-old "$REPO/.old"
 export PYTHONUNBUFFERED=1
+# bytecode as an image built by runtime/Dockerfile has it (its compileall step): this machine's torch has none,
+# and compiling it from source cost every server start 8.6-11.4 s (bench/load_profile.py); the import below
+# writes most of it, the first server the modules compile imports lazily
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=/tmp/pycache
+PYTHONPATH=/tmp/site-new python3 -c "import torch, torch._dynamo, torch._inductor.compile_fx, triton, sympy, \
+policy_operator.runtime.worker, policy_operator.runtime.serving.ingress" >/dev/null 2>&1
 cd /tmp
 PYTHONPATH=/tmp/site-new python3 -m policy_operator.cli checkpoint init /tmp/base --size base >/dev/null
 echo "installed, checkpoint after $(( $(date +%s) - start )) s"

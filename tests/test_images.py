@@ -390,6 +390,18 @@ def test_runtime_image_provides_every_command_the_operator_writes() -> None:
     assert env[C.ENV_HOME] == manifests.TMP_PATH and env[C.ENV_XDG_CACHE_HOME] == f"{manifests.TMP_PATH}/.cache"
 
 
+def test_runtime_image_holds_the_bytecode_of_every_installed_module() -> None:
+    """Pods cannot write bytecode (PYTHONDONTWRITEBYTECODE, read-only root filesystem): whatever the image lacks
+    is compiled from source at every pod start, seconds of a second pod's start on a GPU host."""
+    stage = final_stage(RUNTIME_DOCKERFILE)
+    assert env_of(stage)["PYTHONDONTWRITEBYTECODE"] == "1"
+    lines = run_lines(stage)
+    install = next(i for i, line in enumerate(lines) if line.startswith("pip install"))
+    compiled = [i for i, line in enumerate(lines) if "compileall.compile_dir(sysconfig.get_paths()['purelib']" in line]
+    assert compiled and compiled[0] > install, "compileall runs over site-packages after the last install"
+    assert not any(line.startswith("pip install") for line in lines[compiled[0] :])
+
+
 def test_runtime_default_command_serves_like_the_operator_pods() -> None:
     """``policyserver serve`` (the image's CMD) is the entrypoint the operator writes, with flags serve parses."""
     cmd = one_cmd(final_stage(RUNTIME_DOCKERFILE), "CMD")
