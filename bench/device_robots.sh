@@ -12,6 +12,7 @@
 #   run(command="bash bench/device_robots.sh share", carry=[".whl"])    # second pod with and without shared kernel caches
 #   run(command="bash bench/device_robots.sh share burn", carry=[".whl"])   # ... then a lone robot beside busy cores
 #   run(command="bash bench/device_robots.sh profile", carry=[".whl"])  # a second pod's load under cProfile
+#   run(command="bash bench/device_robots.sh final", carry=[".whl"])    # issue 24's whole table, inline, one run
 DEFAULT_BUDGET_S=585
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
@@ -115,6 +116,16 @@ if [ "${1:-}" = profile ]; then
     TORCHINDUCTOR_CACHE_DIR=/tmp/ind-own TRITON_CACHE_DIR=/tmp/tri-own PYTHONPATH=/tmp/site-new \
         python3 "$REPO/bench/load_profile.py" "${PROFILE[@]}" >"$OUT/profile-own.txt" 2>&1
     head -3 "$OUT/profile-own.txt"
+    echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
+if [ "${1:-}" = final ]; then
+    # issue 24's targets in one run at this build: max-batch 1, 8 and 32 with 1, 8, 16 and 32 robots (the
+    # inline front-end, the default), the in-process batches beside them; start times from the servers' logs
+    stage final /tmp/site-new 5 --robot-max-batch 1,8,32 --robots 1,8,16,32 --frontend inline \
+        --server-log "$OUT/logs-final" --serve-args "--compile-cache-dir /tmp/cc"
+    grep -h "warmed up" "$OUT"/logs-final/*.log | sed 's/.*INFO //'
+    grep "^| .*max-batch" "$OUT/final.md"
     echo "done after $(( $(date +%s) - start )) s"
     exit 0
 fi
