@@ -16,10 +16,11 @@ The image is the one thing of that shape a PolicyServer chooses freely, so
 the chart's ``admissionPolicy.allowedImages`` (image prefixes; empty: any
 image) is checked against every container and init container too.  A prefix
 matches at a repository boundary only: the image equals it, or continues it
-with ``/``, ``:`` or ``@``, or the prefix itself ends in one of them; so
-``ghcr.io/policy-operator/`` and ``ghcr.io/policy-operator`` both admit
-``ghcr.io/policy-operator/server:1`` and neither admits
-``ghcr.io/policy-operator-evil/x``.  The image is compared as the spec writes
+with ``/``, ``@`` or ``:`` and a tag, or the prefix itself ends in one of
+``/ : @``; so ``ghcr.io/policy-operator/`` and ``ghcr.io/policy-operator``
+both admit ``ghcr.io/policy-operator/server:1`` and neither admits
+``ghcr.io/policy-operator-evil/x``, and ``registry.example.com`` does not
+admit ``registry.example.com:5000/x`` (a colon followed by a ``/`` is a port).  The image is compared as the spec writes
 it (``busybox`` is not ``docker.io/library/busybox``).  The list is templated
 into the policy as a CEL list literal (the ``allowedImages`` variable, from the
 value through ``toJson``) rather than read from a ``paramKind`` resource: it
@@ -92,10 +93,13 @@ def cel_list(items: Sequence[str]) -> str:
     return json.dumps(list(items), separators=(",", ":"))
 
 
-# an image matches a prefix at a repository boundary: equal, continued by / : or @, or the prefix ends in one
+# an image matches a prefix at a repository boundary: equal, continued by / or @, by : and a tag (no / after the
+# colon: `registry.example.com` must not admit `registry.example.com:5000/x`, another port's registry), or the
+# prefix ends in one of / : @
 _MATCHES = (
     "i == p || (i.startsWith(p) && (p.endsWith('/') || p.endsWith(':') || p.endsWith('@'))) || "
-    "i.startsWith(p + '/') || i.startsWith(p + ':') || i.startsWith(p + '@')"
+    "i.startsWith(p + '/') || (i.startsWith(p + ':') && !i.substring(size(p)).contains('/')) || "
+    "i.startsWith(p + '@')"
 )
 
 
@@ -190,7 +194,7 @@ VALIDATIONS: tuple[Validation, ...] = (
         f"every container's image of the operator's workloads must start with a prefix of {ALLOWED_IMAGES_VALUE}",
         "'image ' + variables.refusedImages.join(', ') + ' is not allowed: "
         f"{ALLOWED_IMAGES_VALUE} is [' + variables.allowedImages.join(', ') + '] "
-        "(a prefix matches where the image continues with /, : or @)'",
+        "(a prefix matches where the image continues with /, @ or a tag)'",
     ),
 )
 

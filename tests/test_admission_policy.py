@@ -274,7 +274,8 @@ def test_the_service_account_cannot_read_pod_logs(env: Env) -> None:
 
 
 ALLOWED = "ghcr.io/policy-operator/"  # the examples' image is under it
-IMAGE_RULE = "is not allowed: admissionPolicy.allowedImages is [ghcr.io/policy-operator/]"
+HOST = "registry.example.net"  # a registry host: its repositories, not another port's
+IMAGE_RULE = f"is not allowed: admissionPolicy.allowedImages is [{ALLOWED}, {HOST}]"
 
 
 def plain_job(name: str, owner: dict[str, Any], image: str) -> dict[str, Any]:
@@ -290,7 +291,7 @@ def test_an_image_allowlist_refuses_other_images_and_the_policyserver_says_so(en
     """Its refused PolicyServer (WRONG_IMAGE) leaves a denial in the operator's log, which the other tests'
     check of that log tells apart by name."""
     chart = helm_python.Chart.load(CHART)
-    allowlist = {**env.values, "admissionPolicy": {"allowedImages": [ALLOWED]}}
+    allowlist = {**env.values, "admissionPolicy": {"allowedImages": [ALLOWED, HOST]}}
     env.helm.upgrade(chart, RELEASE, allowlist, namespace=NS, timeout=120)
     name = WRONG_IMAGE
     try:
@@ -298,6 +299,9 @@ def test_an_image_allowlist_refuses_other_images_and_the_policyserver_says_so(en
         evil = "ghcr.io/policy-operator-evil/policy-server:1"
         refused(env.client, plain_job("evil", env.owner, evil), f"image {evil} {IMAGE_RULE}")
         assert create_job(env.client, plain_job("ours", env.owner, f"{ALLOWED}policy-server:0.1.0")) is None
+        assert create_job(env.client, plain_job("host", env.owner, f"{HOST}/robots/server:1")) is None
+        port = f"{HOST}:5000/robots/server:1"  # the API server's own CEL: substring, contains
+        refused(env.client, plain_job("port", env.owner, port), f"image {port} {IMAGE_RULE}")
         assert create_job(env.lc.control_plane.api_client, plain_job("admin", env.owner, "busybox")) is None
 
         doc = copy.deepcopy(env.doc)

@@ -29,8 +29,12 @@ def _join(items: Any, sep: Any) -> Any:  # the same library's list join
     return celpy.celtypes.StringType(str(sep).join(str(i) for i in items))
 
 
+def _substring(text: Any, start: Any) -> Any:  # and its substring (code points, as Python's str)
+    return celpy.celtypes.StringType(str(text)[int(start) :])
+
+
 def _run(expression: str, activation: dict[str, Any]) -> Any:
-    result = _ENV.program(_ENV.compile(expression), functions={"split": _split, "join": _join}).evaluate(activation)
+    result = _ENV.program(_ENV.compile(expression), functions={"split": _split, "join": _join, "substring": _substring}).evaluate(activation)
     if isinstance(result, Exception):
         raise result
     return result
@@ -236,7 +240,7 @@ def with_images(job: dict[str, Any], *images: str, init: str | None = None) -> d
 def image_refusal(*images: str) -> str:
     return (
         f"image {', '.join(images)} is not allowed: admissionPolicy.allowedImages is [{', '.join(ALLOWED)}] "
-        "(a prefix matches where the image continues with /, : or @)"
+        "(a prefix matches where the image continues with /, @ or a tag)"
     )
 
 
@@ -270,6 +274,18 @@ def test_an_allowed_image_is_admitted(image: str) -> None:
 def test_an_image_outside_the_allowlist_is_refused_naming_it(image: str) -> None:
     job = adopted(manifests.build_fetch_job(spec_of(image=image)))
     assert refusals(job, allowed_images=ALLOWED) == [image_refusal(image)]
+
+
+def test_a_host_prefix_admits_its_repositories_and_not_another_port() -> None:
+    """After a prefix, ``:`` starts a tag, unless a ``/`` follows: then it was a port (another registry)."""
+    job = adopted(manifests.build_fetch_job(spec_of(image="registry.example.com/robots/server:1")))
+    host, name = ("registry.example.com",), ("policy-server",)
+    admitted = [("registry.example.com/robots/server:1", host), ("policy-server:1.2", name), ("policy-server", name)]
+    for image, allowed in admitted:
+        assert refusals(with_images(job, image), allowed_images=allowed) == [], image
+    port = "registry.example.com:5000/robots/server:1"
+    (refusal,) = refusals(with_images(job, port), allowed_images=host)
+    assert refusal.startswith(f"image {port} is not allowed"), refusal
 
 
 def test_every_container_and_init_container_of_every_child_is_checked() -> None:
