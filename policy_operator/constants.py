@@ -79,9 +79,6 @@ ENV_HF_ENDPOINT: Final = "HF_ENDPOINT"
 # cache the fetch Job makes (DEST/.hub, runtime/checkpoint/references.py)
 ENV_HF_HUB_OFFLINE: Final = "HF_HUB_OFFLINE"
 ENV_HF_HUB_CACHE: Final = "HF_HUB_CACHE"
-# torch's and Triton's own compile caches: the runtime points them into --compile-cache-dir unless already set
-ENV_TORCHINDUCTOR_CACHE_DIR: Final = "TORCHINDUCTOR_CACHE_DIR"
-ENV_TRITON_CACHE_DIR: Final = "TRITON_CACHE_DIR"
 
 # --- Ports, paths, files --------------------------------------------------------
 DEFAULT_PORT: Final = 8000  # openpi's default serve_policy port

@@ -35,14 +35,14 @@ import logging
 import os
 import platform
 import tempfile
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from policy_operator import __version__
-from policy_operator.constants import CONFIG_FILE, ENV_TORCHINDUCTOR_CACHE_DIR, ENV_TRITON_CACHE_DIR, MANIFEST_FILE
+from policy_operator.constants import CONFIG_FILE, MANIFEST_FILE
 
 log = logging.getLogger(__name__)
 
@@ -258,38 +258,6 @@ class CompileCache:
                     pass
         log.info("compile cache: saved %d bytes of artifacts to %s", len(data), path)
         return True
-
-
-# torch's and Triton's on-disk caches, kept beside the artifacts files: inductor's graph, AOT-autograd and
-# autotuning entries and Triton's kernels and driver modules.  A pod's HOME is its own /tmp, so without them
-# each pod rebuilt Triton's driver modules and read no kernel another pod had built.  Both tools address
-# their entries by content and write them atomically (a temporary file renamed), so the pods of every spec
-# and every node share them as torch's compile-caching guide shares TORCHINDUCTOR_CACHE_DIR.
-KERNEL_CACHES = {ENV_TORCHINDUCTOR_CACHE_DIR: "inductor", ENV_TRITON_CACHE_DIR: "triton"}
-
-
-def share_kernel_caches(directory: str | None, environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """Point torch's and Triton's caches into ``directory`` (None: no compile cache), each unless its variable is
-    already set; before anything compiles.  The variables it set; a directory it cannot write is left alone
-    (one warning: the pod compiles in its own caches)."""
-    chosen: dict[str, str] = {}
-    if not directory:
-        return chosen
-    for name, sub in KERNEL_CACHES.items():
-        if environ.get(name):
-            continue
-        path = Path(directory) / sub
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=path, prefix=".probe-")  # noqa: SIM115 - closed at once
-            probe.close()
-        except OSError as exc:
-            log.warning("compile cache: %s stays the pod's own: cannot write %s (%s)", name, path, exc.strerror or exc)
-            continue
-        environ[name] = chosen[name] = str(path)
-    if chosen:
-        log.info("compile cache: kernel caches in %s", ", ".join(f"{k}={v}" for k, v in chosen.items()))
-    return chosen
 
 
 def open_cache(directory: str | None, **key: object) -> CompileCache | None:

@@ -145,10 +145,6 @@ class Runtime:
             # before this rank's first parallel op: every thread started later (the model thread, the prepare
             # thread) takes torch's global count on its own first parallel op, and so does this one
             torch.set_num_threads(threads)
-        if opts.compile:
-            from policy_operator.runtime.compile_cache import share_kernel_caches
-
-            share_kernel_caches(opts.compile_cache_dir)  # before anything reads where torch's caches are
         self.groups = init_distributed(layout, self.device, timedelta(seconds=opts.pg_timeout_s), opts.backend)
         self.rank = self.groups.rank
         self.kv_factory: Callable[[], KV]

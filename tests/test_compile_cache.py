@@ -26,15 +26,7 @@ import pytest
 from openpi_client import msgpack_numpy
 from websockets.sync.client import connect
 
-from policy_operator.constants import ENV_TORCHINDUCTOR_CACHE_DIR
-from policy_operator.runtime.compile_cache import (
-    KERNEL_CACHES,
-    ArtifactError,
-    CompileCache,
-    decode,
-    encode,
-    share_kernel_caches,
-)
+from policy_operator.runtime.compile_cache import ArtifactError, CompileCache, decode, encode
 from tests.support.servers import serve_policy, session_checkpoint
 
 KEY = {"checkpoint": "abc", "device": "cpu:x86_64:AVX2", "torch": "2.11.0"}
@@ -115,27 +107,6 @@ def test_two_writers_at_once_never_leave_a_partial_file(tmp_path: Path) -> None:
     assert path.stat().st_mode & 0o044 == 0o044  # readable by the pods of other users
 
 
-def test_kernel_caches_go_beside_the_artifacts_unless_already_set(tmp_path: Path) -> None:
-    env = {"TRITON_CACHE_DIR": "/elsewhere"}
-    assert share_kernel_caches(str(tmp_path / "cc"), env) == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cc/inductor")}
-    assert env == {"TRITON_CACHE_DIR": "/elsewhere", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cc/inductor")}
-    assert [p.name for p in (tmp_path / "cc").iterdir()] == ["inductor"]
-    assert not any((tmp_path / "cc/inductor").iterdir())  # the write probe is gone
-    assert share_kernel_caches(None, env) == {}
-
-
-def test_kernel_caches_stay_the_pods_own_when_the_directory_cannot_be_written(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    not_a_directory = tmp_path / "file"
-    not_a_directory.write_text("")
-    env: dict[str, str] = {}
-    with caplog.at_level(logging.WARNING):
-        assert share_kernel_caches(str(not_a_directory), env) == {}
-    assert env == {}
-    assert caplog.text.count("stays the pod's own") == 2, caplog.text
-
-
 # --- real servers ---------------------------------------------------------------------
 OBS_SEEDS = (1, 2, 3)
 
@@ -159,17 +130,10 @@ def _actions(server, seeds=OBS_SEEDS) -> list[np.ndarray]:
     return out
 
 
-def _serve(checkpoint: Path, cache: Path, inductor: Path | None):
-    """A server with the inductor cache directory ``inductor`` of its own (None: the runtime's choice, beside the
-    artifacts in ``cache``)."""
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton")} if inductor else {}
+def _serve(checkpoint: Path, cache: Path, inductor: Path):
+    """A server with the inductor cache directory ``inductor`` of its own."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton")}
     return serve_policy(checkpoint, *COMPILE, "--compile-cache-dir", str(cache), env=env, timeout=COMPILE_START_S)
-
-
-def _artifacts_only(written: Path, target: Path) -> Path:
-    """A copy of the compile-cache directory ``written`` with its artifacts files and none of the kernel caches."""
-    shutil.copytree(written, target, ignore=shutil.ignore_patterns(*KERNEL_CACHES.values()))
-    return target
 
 
 def _fresh_pod_inductor(first: Path, target: Path) -> Path:
@@ -185,14 +149,12 @@ def _fresh_pod_inductor(first: Path, target: Path) -> Path:
 @pytest.fixture(scope="module")
 def first_server(tmp_path_factory) -> tuple[Path, Path, Path, list[np.ndarray]]:
     """One server that compiled from nothing: its checkpoint, the cache and inductor directories it wrote, and
-    its answers.  Its inductor cache is the runtime's choice: beside the artifacts."""
+    its answers."""
     checkpoint = session_checkpoint(tmp_path_factory, depth=1)
-    cache = tmp_path_factory.mktemp("compile-cache")
-    with _serve(checkpoint, cache, None) as server:
+    cache, inductor = tmp_path_factory.mktemp("compile-cache"), tmp_path_factory.mktemp("inductor")
+    with _serve(checkpoint, cache, inductor) as server:
         actions = _actions(server)
         log = server.log_text()
-    inductor = cache / KERNEL_CACHES[ENV_TORCHINDUCTOR_CACHE_DIR]
-    assert any((inductor / "fxgraph").iterdir()), "inductor's graph cache is beside the artifacts"
     lines = _cache_lines(log)
     assert any("compile cache: nothing for this spec" in line for line in lines), lines
     assert any("compile cache: saved" in line for line in lines) and not any(LOADED in line for line in lines), lines
@@ -203,7 +165,8 @@ def first_server(tmp_path_factory) -> tuple[Path, Path, Path, list[np.ndarray]]:
 @pytest.mark.timeout(COMPILE_START_S + 300)
 def test_a_second_server_of_the_same_spec_loads_the_artifacts(first_server, tmp_path) -> None:
     checkpoint, cache_written, inductor, first_actions = first_server
-    cache = _artifacts_only(cache_written, tmp_path / "cache")
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_written, cache)
     files = sorted(cache.glob("*.artifacts"))
     assert len(files) == 1
     with _serve(checkpoint, cache, _fresh_pod_inductor(inductor, tmp_path / "inductor")) as server:
@@ -224,7 +187,8 @@ def test_a_second_server_of_the_same_spec_loads_the_artifacts(first_server, tmp_
 @pytest.mark.timeout(COMPILE_START_S + 300)
 def test_a_corrupt_artifact_file_is_ignored_and_replaced(first_server, tmp_path) -> None:
     checkpoint, cache_written, inductor, first_actions = first_server
-    cache = _artifacts_only(cache_written, tmp_path / "cache")
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_written, cache)
     (path,) = cache.glob("*.artifacts")
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte in the payload

@@ -51,13 +51,7 @@ from typing import Any, Literal
 
 import pytest
 
-from policy_operator.constants import (
-    ENV_TORCHINDUCTOR_CACHE_DIR,
-    ENV_TRITON_CACHE_DIR,
-    HEALTHZ_PATH,
-    METRICS_PATH,
-    READYZ_PATH,
-)
+from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 
 from .net import wait_for
 
@@ -98,10 +92,6 @@ def subprocess_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_DIR), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("HF_TOKEN", None)
-    # torch sets TORCHINDUCTOR_CACHE_DIR in its own environment once this process compiles: a server starts as
-    # a pod does, with neither (the runtime points them into --compile-cache-dir)
-    for name in (ENV_TORCHINDUCTOR_CACHE_DIR, ENV_TRITON_CACHE_DIR):
-        env.pop(name, None)
     env.update(extra or {})
     return env
 
