@@ -34,7 +34,9 @@ def _substring(text: Any, start: Any) -> Any:  # and its substring (code points,
 
 
 def _run(expression: str, activation: dict[str, Any]) -> Any:
-    result = _ENV.program(_ENV.compile(expression), functions={"split": _split, "join": _join, "substring": _substring}).evaluate(activation)
+    result = _ENV.program(
+        _ENV.compile(expression), functions={"split": _split, "join": _join, "substring": _substring}
+    ).evaluate(activation)
     if isinstance(result, Exception):
         raise result
     return result
