@@ -272,54 +272,56 @@ def test_a_fetch_pod_that_cannot_start_says_why_then_stalls_at_the_deadline(env:
     noclass["spec"]["storage"] = {"storageClassName": "no-such-class"}  # the claim never binds
     for doc in (secret, nobody, noclass):
         env.apply(doc)
-
-    status = env.wait(
-        "nosecret",
-        lambda s: (
-            cond(s, C.COND_CHECKPOINT_READY).get("reason") == "FetchPodNotStarting"
-            and "no-such-secret" in cond(s, C.COND_CHECKPOINT_READY)["message"]
-        ),
-        "CheckpointReady=False FetchPodNotStarting naming the Secret",
-    )
-    assert 'secret "no-such-secret" not found' in cond(status, C.COND_CHECKPOINT_READY)["message"]
-    assert status["phase"] == C.PHASE_PENDING and status["checkpoint"]["phase"] == "Pending"
-    assert (cond(status, C.COND_PROGRESSING)["status"], cond(status, C.COND_PROGRESSING)["reason"]) == (
-        "True",
-        "FetchPodNotStarting",
-    )
-    env.lc.api.wait_event(NS, "nosecret", "Warning", "FetchPodNotStarting")
-    status = env.wait(
-        "noclass",
-        lambda s: cond(s, C.COND_CHECKPOINT_READY).get("reason") == "Unschedulable",
-        "CheckpointReady=False Unschedulable (the claim is not bound)",
-    )
-    assert "PersistentVolumeClaim" in cond(status, C.COND_CHECKPOINT_READY)["message"], status
-    early = env.lc.status("noscheduler")
-    assert "no-such-scheduler" in cond(early, C.COND_CHECKPOINT_READY).get("message", ""), early
-
-    # nothing changes for spec.progressDeadlineSeconds: only a change fixes it (kstatus Stalled), said once
-    for name, words in (("nosecret", "no-such-secret"), ("noscheduler", "no scheduler has taken it")):
+    try:
         status = env.wait(
-            name,
-            lambda s: cond(s, C.COND_STALLED).get("status") == "True",
-            f"{name} Stalled past the deadline",
-            timeout=deadline + 60,
+            "nosecret",
+            lambda s: (
+                cond(s, C.COND_CHECKPOINT_READY).get("reason") == "FetchPodNotStarting"
+                and "no-such-secret" in cond(s, C.COND_CHECKPOINT_READY)["message"]
+            ),
+            "CheckpointReady=False FetchPodNotStarting naming the Secret",
         )
-        progressing = cond(status, C.COND_PROGRESSING)
-        assert (progressing["status"], progressing["reason"]) == ("False", "ProgressDeadlineExceeded"), progressing
-        assert words in progressing["message"] and status["phase"] == C.PHASE_FAILED, status
-        env.lc.api.wait_event(NS, name, "Warning", "ProgressDeadlineExceeded")
-    env.lc.operator.settle()
-    warnings = [
-        (e.get("reason"), e.get("message"))
-        for e in env.lc.api.events(NS, involved_name="nosecret")
-        if e.get("type") == "Warning"
-    ]
-    reasons = [r for r, _ in warnings]
-    assert {"FetchPodNotStarting", "ProgressDeadlineExceeded"} <= set(reasons), warnings
-    assert len(reasons) == len(set(reasons)), f"a Warning per change, not per pass: {warnings}"
-    for name in ("nosecret", "noscheduler", "noclass"):
-        env.delete(name)
+        assert 'secret "no-such-secret" not found' in cond(status, C.COND_CHECKPOINT_READY)["message"]
+        assert status["phase"] == C.PHASE_PENDING and status["checkpoint"]["phase"] == "Pending"
+        assert (cond(status, C.COND_PROGRESSING)["status"], cond(status, C.COND_PROGRESSING)["reason"]) == (
+            "True",
+            "FetchPodNotStarting",
+        )
+        env.lc.api.wait_event(NS, "nosecret", "Warning", "FetchPodNotStarting")
+        status = env.wait(
+            "noclass",
+            lambda s: cond(s, C.COND_CHECKPOINT_READY).get("reason") == "Unschedulable",
+            "CheckpointReady=False Unschedulable (the claim is not bound)",
+        )
+        assert "PersistentVolumeClaim" in cond(status, C.COND_CHECKPOINT_READY)["message"], status
+        early = env.lc.status("noscheduler")
+        assert "no-such-scheduler" in cond(early, C.COND_CHECKPOINT_READY).get("message", ""), early
+
+        # nothing changes for spec.progressDeadlineSeconds: only a change fixes it (kstatus Stalled), said once
+        for name, words in (("nosecret", "no-such-secret"), ("noscheduler", "no scheduler has taken it")):
+            status = env.wait(
+                name,
+                lambda s: cond(s, C.COND_STALLED).get("status") == "True",
+                f"{name} Stalled past the deadline",
+                timeout=deadline + 60,
+            )
+            progressing = cond(status, C.COND_PROGRESSING)
+            assert (progressing["status"], progressing["reason"]) == ("False", "ProgressDeadlineExceeded"), progressing
+            assert words in progressing["message"] and status["phase"] == C.PHASE_FAILED, status
+            env.lc.api.wait_event(NS, name, "Warning", "ProgressDeadlineExceeded")
+        env.lc.operator.settle()
+        warnings = [
+            (e.get("reason"), e.get("message"))
+            for e in env.lc.api.events(NS, involved_name="nosecret")
+            if e.get("type") == "Warning"
+        ]
+        assert {"FetchPodNotStarting", "ProgressDeadlineExceeded"} <= {r for r, _ in warnings}, warnings
+        # the same Warning never twice; a new reason, or a new message (the pod first waits for its claim to
+        # bind, then for the Secret, when the scheduler sees the claim unbound), is a change
+        assert len(warnings) == len(set(warnings)), f"a Warning per change, not per pass: {warnings}"
+    finally:  # stalled PolicyServers left behind would keep the next tests' operator busy
+        for name in ("nosecret", "noscheduler", "noclass"):
+            env.delete(name)
 
 
 def test_an_apply_the_apiserver_always_refuses_is_stalled_with_its_message_not_retried(env: Env) -> None:
