@@ -9,6 +9,7 @@ inputs is compared bitwise.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -29,6 +30,7 @@ from policy_operator.runtime.policy.reference import (
     example_observation,
     init_checkpoint,
 )
+from policy_operator.runtime.policy.rtc import warmup_constraint
 from policy_operator.runtime.policy.sampler import sample_actions
 from tests.support.servers import session_checkpoint
 
@@ -338,24 +340,29 @@ def test_compiled_denoiser_matches_eager(tiny_checkpoint: Path, obs: dict[str, A
 
 
 @pytest.mark.slow
-def test_compiled_step_traces_no_graph_per_extra_bucket(tiny_checkpoint: Path, obs: dict[str, Any]) -> None:
+def test_compiled_step_traces_no_graph_per_extra_bucket(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A pod started from the compile cache still pays dynamo's trace, AOT-autograd and the kernel load once per
-    graph: the larger buckets must reuse one graph over a symbolic batch, not add one each."""
+    graph: the larger buckets must reuse one graph over a symbolic batch, not add one each (with and without a
+    guided RTC row, whose backward is compiled too), and compute what the eager step does."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # this test's kernels, not the machine's cache
     torch._dynamo.reset()
     counters.clear()
     policy = load(tiny_checkpoint)
     policy.compile("default")
     eager = load(tiny_checkpoint)
+    constraint = warmup_constraint(policy, "guided")  # a guided RTC row: the step's backward is compiled too
     graphs: dict[int, int] = {}
     for size in (1, 2, 4, 8, 16):  # warm-up's order: smallest bucket first
         sample = policy.collate([policy.prepare(policy.example_observation(i)) for i in range(size)])
-        for mode in ("sequential", "batched"):
-            x = sample_actions(policy, sample, list(range(size)), steps=2, guidance=3.0, mode=mode)  # type: ignore[arg-type]
-            want = sample_actions(eager, sample, list(range(size)), steps=2, guidance=3.0, mode=mode)  # type: ignore[arg-type]
-            torch.testing.assert_close(x, want, rtol=1e-4, atol=1e-4)
+        for mode, rtc in itertools.product(("sequential", "batched"), (None, [constraint] * size)):
+            kw: dict[str, Any] = {"steps": 2, "guidance": 3.0, "mode": mode, "rtc_mode": "guided", "rtc": rtc}
+            x = sample_actions(policy, sample, list(range(size)), **kw)
+            torch.testing.assert_close(x, sample_actions(eager, sample, list(range(size)), **kw), rtol=1e-4, atol=1e-4)
         graphs[size] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     assert graphs[4] > 0, graphs
