@@ -13,6 +13,7 @@
 #   run(command="bash bench/device_robots.sh share burn", carry=[".whl"])   # ... then a lone robot beside busy cores
 #   run(command="bash bench/device_robots.sh profile", carry=[".whl"])  # a second pod's load under cProfile
 #   run(command="bash bench/device_robots.sh final", carry=[".whl"])    # issue 24's whole table, inline, one run
+#   run(command="bash bench/device_robots.sh rtc", carry=[".whl"])      # RTC in-process on the dynamic step
 DEFAULT_BUDGET_S=585
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
@@ -128,6 +129,16 @@ if [ "${1:-}" = final ]; then
     grep -h "warmed up" "$OUT"/logs-final/*.log | sed 's/.*INFO //'
     grep "^| .*max-batch" "$OUT/final.md"
     echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
+if [ "${1:-}" = rtc ]; then
+    # real-time chunking in-process on the step compiled over a symbolic batch (plain, inpaint, guided: the
+    # guided backward compiled too), against bench/results/rtc-h200.md's graph per bucket
+    PYTHONPATH=/tmp/site-new timeout $(( $(left) - 5 )) python3 "$REPO/bench/rtc.py" --device cuda --size base \
+        --dtype bfloat16 --compile reduce-overhead --sizes 1,8 --reps 20 --checkpoint /tmp/base --out "$OUT/rtc.md" \
+        >"$OUT/rtc.log" 2>&1
+    echo "rtc rc=$? after $(( $(date +%s) - start )) s"
+    grep "^| \|warm-up" "$OUT/rtc.md" || tail -5 "$OUT/rtc.log"
     exit 0
 fi
 if [ "${1:-}" = window ]; then
