@@ -217,6 +217,11 @@ class Runtime:
             # one graph per bucket and CFG width (B or 2B rows): more shapes than dynamo's default limit of 8
             limit = 4 * len(self.settings.buckets) + 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+            # A policy compiled with dynamic=None traces one graph over a symbolic batch for the larger buckets.
+            # Under --rtc guided it keeps a graph per bucket: its guided rows' step ran 5.1x / 3.7x the plain
+            # step at batch 1 / 8 that way on the H200, against 3.1x / 2.9x with a graph per bucket (two calls,
+            # not side by side: bench/results/rtc-h200-dynamic.md).
+            torch._dynamo.config.automatic_dynamic_shapes = self.settings.rtc != "guided"
             cache_started = time.perf_counter()
             self.compile_cache = open_compile_cache(self, path)
             cache_s = time.perf_counter() - cache_started
