@@ -199,7 +199,7 @@ def test_large_replies_and_rtc_tails_cross_both_ways_at_once(tmp_path_factory: p
                 with connect(server.url, compression=None, max_size=None, open_timeout=30) as ws:
                     meta = wire.unpackb(ws.recv(timeout=30))
                     assert tuple(meta["action_shape"]) == (256, 256)
-                    prev = np.zeros((256, 256), dtype=np.float32)
+                    prev: np.ndarray = np.zeros((256, 256), dtype=np.float32)
                     for k in range(4):
                         obs = observation(i, seed=k, rtc={"prev_actions": prev, "inference_delay": 2})
                         ws.send(wire.packb(obs))
