@@ -294,15 +294,26 @@ def _claim_spec(spec: PolicyServerSpec) -> V1PersistentVolumeClaimSpec:
     )
 
 
+def _owned_meta(
+    spec: PolicyServerSpec, name: str, component: str, annotations: Mapping[str, str] | None = None
+) -> V1ObjectMeta:
+    """The metadata of an object the operator makes for ``spec``: its name in the spec's namespace, the component's
+    labels, and ``annotations`` when there are any."""
+    return V1ObjectMeta(
+        name=name,
+        namespace=spec.namespace,
+        labels=labels(spec.name, component),
+        annotations=dict(annotations) if annotations else None,
+    )
+
+
 def build_pvc(spec: PolicyServerSpec) -> dict[str, Any]:
     """The shared cache claim (storage.mode shared)."""
     return api_json(
         V1PersistentVolumeClaim(
             api_version="v1",
             kind="PersistentVolumeClaim",
-            metadata=V1ObjectMeta(
-                name=Names(spec.name).pvc, namespace=spec.namespace, labels=labels(spec.name, COMPONENT_CACHE)
-            ),
+            metadata=_owned_meta(spec, Names(spec.name).pvc, COMPONENT_CACHE),
             spec=_claim_spec(spec),
         )
     )
@@ -847,9 +858,7 @@ def build_pdb(spec: PolicyServerSpec) -> dict[str, Any]:
         V1PodDisruptionBudget(
             api_version="policy/v1",
             kind="PodDisruptionBudget",
-            metadata=V1ObjectMeta(
-                name=Names(spec.name).pdb, namespace=spec.namespace, labels=labels(spec.name, COMPONENT_SERVER)
-            ),
+            metadata=_owned_meta(spec, Names(spec.name).pdb, COMPONENT_SERVER),
             spec=V1PodDisruptionBudgetSpec(
                 max_unavailable=PDB_MAX_UNAVAILABLE,
                 selector=V1LabelSelector(match_labels=selector_labels(spec.name)),
@@ -867,21 +876,12 @@ def _service_ports(spec: PolicyServerSpec) -> list[V1ServicePort]:
     return [V1ServicePort(name=PORT_NAME, port=spec.service.port, target_port=PORT_NAME, protocol="TCP")]
 
 
-def _service_meta(spec: PolicyServerSpec, name: str, annotations: Mapping[str, str] | None = None) -> V1ObjectMeta:
-    return V1ObjectMeta(
-        name=name,
-        namespace=spec.namespace,
-        labels=labels(spec.name, COMPONENT_SERVER),
-        annotations=dict(annotations) if annotations else None,
-    )
-
-
 def build_service(spec: PolicyServerSpec) -> dict[str, Any]:
     return api_json(
         V1Service(
             api_version="v1",
             kind="Service",
-            metadata=_service_meta(spec, Names(spec.name).service, spec.service.annotations),
+            metadata=_owned_meta(spec, Names(spec.name).service, COMPONENT_SERVER, spec.service.annotations),
             spec=V1ServiceSpec(type=spec.service.type, selector=selector_labels(spec.name), ports=_service_ports(spec)),
         )
     )
@@ -893,7 +893,7 @@ def build_headless_service(spec: PolicyServerSpec) -> dict[str, Any]:
         V1Service(
             api_version="v1",
             kind="Service",
-            metadata=_service_meta(spec, Names(spec.name).headless_service),
+            metadata=_owned_meta(spec, Names(spec.name).headless_service, COMPONENT_SERVER),
             spec=V1ServiceSpec(
                 cluster_ip="None",
                 publish_not_ready_addresses=True,
