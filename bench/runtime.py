@@ -125,6 +125,8 @@ class Server:
             self.log.parent.mkdir(parents=True, exist_ok=True)
         err: Any = self.log.open("wb") if self.log is not None else subprocess.PIPE
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        if self.log is not None:
+            err.close()  # the server writes its own copy of the descriptor
         deadline = started + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
