@@ -14,6 +14,8 @@
 #   run(command="bash bench/device_robots.sh profile", carry=[".whl"])  # a second pod's load under cProfile
 #   run(command="bash bench/device_robots.sh final", carry=[".whl"])    # issue 24's whole table, inline, one run
 #   run(command="bash bench/device_robots.sh rtc", carry=[".whl"])      # RTC in-process on the dynamic step
+#   run(command="bash bench/device_robots.sh frontends", carry=[".whl"])  # max-batch 32: inline, 1, 2, 4 front-ends
+#   run(command="bash bench/device_robots.sh rtc-static", carry=[".whl"])  # guided RTC: symbolic batch vs per size
 DEFAULT_BUDGET_S=585
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
@@ -139,6 +141,29 @@ if [ "${1:-}" = rtc ]; then
         >"$OUT/rtc.log" 2>&1
     echo "rtc rc=$? after $(( $(date +%s) - start )) s"
     grep "^| \|warm-up" "$OUT/rtc.md" || tail -5 "$OUT/rtc.log"
+    exit 0
+fi
+if [ "${1:-}" = frontends ]; then
+    # max-batch 32 with 1 and 32 robots: the inline front-end against 1, 2 and 4 front-end processes sharing the
+    # port (--frontend-processes), the in-process batches beside them; then max-batch 8 with 8 and 32 robots
+    stage frontends /tmp/site-new 100 --robot-max-batch 32 --robots 1,32 --frontend inline,process,process:2,process:4 \
+        --server-log "$OUT/logs-frontends" --serve-args "--compile-cache-dir /tmp/cc"
+    grep "^| .*max-batch\|^| 32, \|^| 1, " "$OUT/frontends.md"
+    stage frontends-mb8 /tmp/site-new 5 --robot-max-batch 8 --robots 8,32 --frontend inline,process:4 --no-in-process \
+        --serve-args "--compile-cache-dir /tmp/cc"
+    echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
+if [ "${1:-}" = rtc-static ]; then
+    # guided RTC side by side in one call: the step over a symbolic batch (the reference policy's compile) and a
+    # graph per batch size (what the worker does under --rtc guided), one process each
+    for variant in dynamic static; do
+        PYTHONPATH=/tmp/site-new timeout $(( $(left) - 5 )) python3 "$REPO/bench/rtc.py" --device cuda --size base \
+            --dtype bfloat16 --compile reduce-overhead --sizes 1,8 --reps 20 --checkpoint /tmp/base \
+            --out "$OUT/rtc-$variant.md" $( [ $variant = static ] && echo --static-batch ) >"$OUT/rtc-$variant.log" 2>&1
+        echo "rtc-$variant rc=$? after $(( $(date +%s) - start )) s"
+        grep "^| \|warm-up" "$OUT/rtc-$variant.md" || tail -5 "$OUT/rtc-$variant.log"
+    done
     exit 0
 fi
 if [ "${1:-}" = window ]; then

@@ -52,6 +52,11 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU (default: all)")
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--static-batch",
+        action="store_true",
+        help="a graph per batch size (dynamo's automatic dynamic shapes off), as the worker compiles under --rtc guided",
+    )
     args = p.parse_args()
 
     import torch
@@ -92,6 +97,8 @@ def main() -> int:
         policy = reference
     horizon = policy.action_shape[0]
     delay, executed = min(DELAY, horizon // 4), min(EXECUTED, horizon // 3)
+    if args.static_batch:
+        torch._dynamo.config.automatic_dynamic_shapes = False
     if args.compile:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(sizes) + 8)
         policy.compile(args.compile)
@@ -154,7 +161,8 @@ def main() -> int:
     cfg = f"{cfg_mode} CFG g={guidance:g}" if guidance != 1.0 else "no CFG"
     lines = [
         f"# Real-time chunking cost, in-process: {name} ({args.device}, size={size}, dtype={args.dtype}, "
-        f"steps={policy.integrator(steps).steps}, {cfg}{', compile=' + args.compile if args.compile else ''})",
+        f"steps={policy.integrator(steps).steps}, {cfg}{', compile=' + args.compile if args.compile else ''}"
+        f"{', a graph per batch size' if args.static_batch else ''})",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores"
         f"{'; ' + torch.cuda.get_device_name(0) if device.type == 'cuda' else ''}; torch {torch.__version__}, "
@@ -190,7 +198,7 @@ def main() -> int:
         f"Reproduce: `python bench/rtc.py{' --policy lerobot --family ' + args.family if lerobot else ''} "
         f"--device {args.device} --size {size} --dtype {args.dtype}{' --steps ' + str(steps) if args.steps else ''}"
         f"{' --compile ' + args.compile if args.compile else ''} --sizes {args.sizes} --reps {args.reps}"
-        f"{' --threads ' + str(args.threads) if args.threads else ''}`",
+        f"{' --threads ' + str(args.threads) if args.threads else ''}{' --static-batch' if args.static_batch else ''}`",
         "",
     ]
     stem = f"rtc-lerobot-{args.family}" if lerobot else "rtc"

@@ -60,6 +60,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def frontend_argv(frontend: str) -> list[str]:
+    """``inline``, ``process`` or ``process:N`` (N front-end processes) as serve flags."""
+    mode, _, processes = frontend.partition(":")
+    return ["--frontend", mode, *(["--frontend-processes", processes] if processes else [])]
+
+
 class Server:
     def __init__(
         self,
@@ -106,8 +112,7 @@ class Server:
             str(args.batch_window_ms),
             "--event-loop",
             event_loop,
-            "--frontend",
-            frontend,
+            *frontend_argv(frontend),
         ]
         if args.device == "cpu":
             cmd += ["--threads", "1"]
@@ -276,7 +281,8 @@ def main() -> int:
     p.add_argument(
         "--frontend",
         default="inline",
-        help="comma-separated --frontend modes of the robots table's servers (inline,process: side by side)",
+        help="comma-separated --frontend modes of the robots table's servers (inline,process: side by side); "
+        "process:N runs N front-end processes (--frontend-processes N)",
     )
     p.add_argument(
         "--in-process",

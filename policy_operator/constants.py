@@ -121,6 +121,9 @@ LABEL_JOB_NAME: Final = "batch.kubernetes.io/job-name"  # set by the Job control
 ENV_HOME: Final = "HOME"  # pointed at the writable /tmp: the root filesystem is read-only
 ENV_XDG_CACHE_HOME: Final = "XDG_CACHE_HOME"
 ENV_HOST: Final = "POLICY_HOST"  # default of the runtime's --host (0.0.0.0 when unset)
+# prometheus_client's own: the front-end processes keep their metrics there, and any of them answers /metrics
+# for all (read when prometheus_client is imported, so set at the process's start)
+ENV_PROMETHEUS_MULTIPROC_DIR: Final = "PROMETHEUS_MULTIPROC_DIR"
 
 # --- Labels the Kubernetes controllers put on the pods they create ---
 LABEL_CONTROLLER_REVISION_HASH: Final = "controller-revision-hash"  # the StatefulSet controller's template revision

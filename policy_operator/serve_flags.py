@@ -41,6 +41,7 @@ DEFAULT_GIL_SWITCH_MS: Final = 5.0  # Python's own sys.getswitchinterval()
 MAX_GIL_SWITCH_MS: Final = 100.0
 FRONTENDS: Final = ("inline", "process")  # --frontend; runtime/serving/frontend.py is the second
 DEFAULT_FRONTEND: Final = "inline"
+MAX_FRONTEND_PROCESSES: Final = 64  # --frontend-processes; each is an interpreter with torch (~280 MB)
 RTC_MODES: Final = ("off", "inpaint", "guided")  # --rtc; runtime/policy/rtc.py implements them
 MAX_RTC_DELAY: Final = 1000  # control steps; far beyond any action horizon served
 DEFAULT_POLICY: Final = REFERENCE
@@ -70,6 +71,7 @@ class ServeOptions:
     latency_budget_ms: float | None
     event_loop: str
     frontend: str
+    frontend_processes: int
     gil_switch_ms: float
     max_message_bytes: int
     max_connections: int
@@ -262,6 +264,14 @@ def _server_flags(g: argparse._ArgumentGroup) -> None:
         "memory (default %(default)s)",
     )
     g.add_argument(
+        "--frontend-processes",
+        type=int,
+        default=1,
+        help="with --frontend process: how many front-end processes share the port (SO_REUSEPORT; the kernel "
+        "spreads connections over them), each with its share of --max-connections and --max-buffered-bytes "
+        "(default %(default)s)",
+    )
+    g.add_argument(
         "--gil-switch-ms",
         type=float,
         default=DEFAULT_GIL_SWITCH_MS,
@@ -317,10 +327,24 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(f"--max-message-bytes must be at least 1, got {opts.max_message_bytes}")
     if not 1 <= opts.max_connections <= MAX_MAX_CONNECTIONS:
         raise ValueError(f"--max-connections must be in 1..{MAX_MAX_CONNECTIONS}, got {opts.max_connections}")
+    if not 1 <= opts.frontend_processes <= MAX_FRONTEND_PROCESSES:
+        raise ValueError(f"--frontend-processes must be in 1..{MAX_FRONTEND_PROCESSES}, got {opts.frontend_processes}")
+    if opts.frontend_processes > 1 and opts.frontend != "process":
+        raise ValueError(f"--frontend-processes {opts.frontend_processes} needs --frontend process")
+    if opts.max_connections < opts.frontend_processes:
+        raise ValueError(
+            f"--max-connections ({opts.max_connections}) must be at least --frontend-processes "
+            f"({opts.frontend_processes}): each front-end process takes its share"
+        )
     if opts.max_buffered_bytes < opts.max_message_bytes:
         raise ValueError(
             f"--max-buffered-bytes must be at least --max-message-bytes ({opts.max_message_bytes}), "
             f"got {opts.max_buffered_bytes}"
+        )
+    if opts.max_buffered_bytes < opts.max_message_bytes * opts.frontend_processes:
+        raise ValueError(
+            f"--max-buffered-bytes must be at least --max-message-bytes ({opts.max_message_bytes}) times "
+            f"--frontend-processes ({opts.frontend_processes}), got {opts.max_buffered_bytes}"
         )
     if not (math.isfinite(opts.frame_read_timeout_s) and opts.frame_read_timeout_s > 0):
         raise ValueError(

@@ -12,7 +12,12 @@ process, rank 0 pushes readiness and sends metrics as messages
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import shutil
+import tempfile
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from policy_operator.exit_codes import ServeExit
@@ -44,7 +49,24 @@ class Front(Protocol):
         """Start serving the port for ``ingress`` (before the model loads: /healthz and /readyz answer at once)."""
 
     async def listening(self) -> int:
-        """The port, once it is served; a front that cannot serve it ends rank 0."""
+        try:
+            port = await self.links[0].listening()
+            self._start_later(port)
+            for link in self.links[1:]:
+                await link.listening()
+        except (TimeoutError, ConnectionError) as exc:
+            log.error("the front-end process did not start: %s", exc or "no answer")
+            exit_now(ServeExit.FRONTEND)
+        return port
+
+    def _start_later(self, port: int) -> None:
+        """``--port 0``: the first front-end picked the port; the others join it."""
+        assert self.ingress is not None
+        for config in self.later:
+            link = EngineLink.spawn(replace(config, server=replace(config.server, port=port)), self.metrics_dir)
+            link.start(self.ingress, self._gone)
+            self.links.append(link)
+        self.later = []
 
     def push_readiness(self) -> None:
         """The ingress's readiness changed (a failed replica, a load error)."""
@@ -117,69 +139,138 @@ class InlineFront:
         await self.server.stop()
 
 
+def split_evenly(total: int, parts: int) -> list[int]:
+    """``total`` in ``parts`` shares that differ by at most one and add up to it (a bound per front-end)."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def frontend_configs(config: ipc.FrontendConfig, processes: int) -> list[ipc.FrontendConfig]:
+    """One configuration per front-end process: its index, its share of ``--max-connections`` and of
+    ``--max-buffered-bytes`` (its ring from that share), and SO_REUSEPORT when there are several."""
+    server = config.server
+    configs = []
+    for index, (connections, buffered) in enumerate(
+        zip(
+            split_evenly(server.max_connections, processes),
+            split_evenly(server.max_buffered_bytes, processes),
+            strict=True,
+        )
+    ):
+        slots, slot_bytes = ipc.ring_geometry(server.max_message_bytes, buffered)
+        share = replace(server, max_connections=connections, max_buffered_bytes=buffered, reuse_port=processes > 1)
+        configs.append(replace(config, server=share, slots=slots, slot_bytes=slot_bytes, index=index))
+    return configs
+
+
 class ProcessFront:
-    """``--frontend process``: the front-end child serves the port; rank 0 talks to it over its ``EngineLink``."""
+    """``--frontend process``: front-end children serve the port; rank 0 talks to each over its ``EngineLink``.
+
+    With ``--frontend-processes N`` there are N of them, each with its own listening socket on the port
+    (SO_REUSEPORT: the kernel spreads connections over them), its own ring and its share of the connection and
+    buffer bounds.  Each request is answered through the link it came on; the batch window counts the recent
+    sessions of all of them; engine metrics (batch sizes, load, warm-up, buckets, download) go to the first
+    only, since every process answers ``/metrics`` for all (``ServerMetrics``' multiprocess files in
+    ``metrics_dir``); a drain drains them all, and any one's exit ends rank 0.
+    """
 
     label = ", front-end process"
 
-    def __init__(self, link: EngineLink, heartbeat: Heartbeat, lifecycle: Lifecycle) -> None:
-        self.link = link
+    def __init__(
+        self,
+        links: list[EngineLink],
+        later: list[ipc.FrontendConfig],
+        metrics_dir: str,
+        heartbeat: Heartbeat,
+        lifecycle: Lifecycle,
+    ) -> None:
+        """``later``: configurations of front-ends to start once the first one bound the port (``--port 0``)."""
+        self.links = links
+        self.later = later
+        self.metrics_dir = metrics_dir
         self.heartbeat = heartbeat
         self.lifecycle = lifecycle
         self.ingress: Ingress | None = None  # set by open()
+        if len(links) + len(later) > 1:
+            self.label = f", {len(links) + len(later)} front-end processes"
 
     @classmethod
-    def spawn(cls, config: ipc.FrontendConfig, heartbeat: Heartbeat, lifecycle: Lifecycle) -> ProcessFront:
-        """Start the front-end process now; it binds the port while rank 0 loads."""
-        return cls(EngineLink.spawn(config), heartbeat, lifecycle)
+    def spawn(
+        cls, config: ipc.FrontendConfig, processes: int, heartbeat: Heartbeat, lifecycle: Lifecycle
+    ) -> ProcessFront:
+        """Start the front-end processes now; they bind the port while rank 0 loads.  On ``--port 0`` the first
+        one picks the port and the others start when it did."""
+        shm = "/dev/shm"
+        metrics_dir = tempfile.mkdtemp(prefix="policy-frontend-metrics-", dir=shm if os.access(shm, os.W_OK) else None)
+        configs = frontend_configs(config, processes)
+        now, later = (configs, []) if config.server.port else (configs[:1], configs[1:])
+        return cls([EngineLink.spawn(c, metrics_dir) for c in now], later, metrics_dir, heartbeat, lifecycle)
 
     def recent_sessions(self) -> int:
-        return self.link.recent
+        return sum(link.recent for link in self.links)
 
     async def open(self, ingress: Ingress) -> None:
         self.ingress = ingress
-        self.link.start(ingress, self._gone)
+        for link in self.links:
+            link.start(ingress, self._gone)
 
     def _gone(self) -> None:
         if self.lifecycle.stopping.is_set():
             return  # it drained and left, or the shutdown took it
-        log.error("the front-end process exited (%s); rank 0 exits %d", self.link.proc.poll(), ServeExit.FRONTEND)
+        codes = ", ".join(str(link.proc.poll()) for link in self.links if link.gone)
+        log.error("the front-end process exited (%s); rank 0 exits %d", codes, ServeExit.FRONTEND)
         self.heartbeat.set_state(RankState.FAILED, "the front-end process exited")
         exit_now(ServeExit.FRONTEND)
 
     async def listening(self) -> int:
         try:
-            return await self.link.listening()
+            port = await self.links[0].listening()
+            if self.later:  # --port 0: the first one picked it
+                assert self.ingress is not None
+                for config in self.later:
+                    link = EngineLink.spawn(replace(config, server=replace(config.server, port=port)), self.metrics_dir)
+                    link.start(self.ingress, self._gone)
+                    self.links.append(link)
+                self.later = []
+            for link in self.links[1:]:
+                await link.listening()
+            return port
         except (TimeoutError, ConnectionError) as exc:
             log.error("the front-end process did not start: %s", exc or "no answer")
             exit_now(ServeExit.FRONTEND)
 
     def push_readiness(self) -> None:
-        self.link.push()
+        for link in self.links:
+            link.push()
 
     def observe_download(self, progress: FetchProgress) -> None:
-        self.link.observe_download(progress)
+        self.links[0].observe_download(progress)
 
     def observe_batch(self, replica: int, size: int) -> None:
-        self.link.observe_batch(replica, size)
+        self.links[0].observe_batch(replica, size)
 
     def observe_buckets(self, seconds: dict[int, float]) -> None:
-        self.link.send(ipc.Gauges(buckets=seconds))
+        self.links[0].send(ipc.Gauges(buckets=seconds))
 
     def attached(self, policy: Policy, load_s: float, warmup_s: float) -> None:
         assert self.ingress is not None
-        self.link.send(ipc.Gauges(load_s=load_s, warmup_s=warmup_s))
-        self.link.attach(policy, self.ingress.rtc.support)
+        self.links[0].send(ipc.Gauges(load_s=load_s, warmup_s=warmup_s))
+        for link in self.links:
+            link.attach(policy, self.ingress.rtc.support)
 
     async def drain(self, grace_s: float) -> bool:
         assert self.ingress is not None
-        self.lifecycle.stopping.set()  # the front-end's exit after its drain is expected
+        self.lifecycle.stopping.set()  # the front-ends' exits after their drains are expected
         self.ingress.draining = True
-        self.link.push()
-        drained = await self.link.drain(grace_s)
-        self.link.close()
-        return drained
+        self.push_readiness()
+        drained = await asyncio.gather(*(link.drain(grace_s) for link in self.links))
+        self._close()
+        return all(drained)
 
     async def close(self) -> None:
-        self.lifecycle.stopping.set()  # the front-end's exit that follows is expected
-        self.link.close()
+        self.lifecycle.stopping.set()  # the front-ends' exits that follow are expected
+        self._close()
+
+    def _close(self) -> None:
+        for link in self.links:
+            link.close()
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)

@@ -420,19 +420,18 @@ def make_front(rt: Runtime, lifecycle: Lifecycle) -> Front:
     if opts.frontend != "process":
         metrics = ServerMetrics(rt.layout, opts.max_connections)
         return InlineFront(server_config(opts), metrics, rt.layout.dp, opts.heartbeat_s)
-    slots, slot_bytes = ipc.ring_geometry(opts.max_message_bytes, opts.max_buffered_bytes)
     config = ipc.FrontendConfig(
         server_config(opts),
         rt.layout,
         opts.heartbeat_s,
         opts.pg_timeout_s,
-        slots,
-        slot_bytes,
+        0,  # slots and their size: each front-end's from its share of the buffer bound (frontend_configs)
+        0,
         opts.event_loop,
         opts.gil_switch_ms,
         opts.log_level,
     )
-    return ProcessFront.spawn(config, rt.heartbeat, lifecycle)
+    return ProcessFront.spawn(config, opts.frontend_processes, rt.heartbeat, lifecycle)
 
 
 class Rank0:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from policy_operator.constants import ENV_PROMETHEUS_MULTIPROC_DIR
 from policy_operator.fetch_progress import FetchProgress
 from policy_operator.runtime.errors import ErrorKind, NotReady, RequestError
 from policy_operator.runtime.policy.interface import Policy, Sample
@@ -64,11 +65,13 @@ class EngineLink:
         self.gone = False
 
     @classmethod
-    def spawn(cls, config: ipc.FrontendConfig) -> EngineLink:
-        """Start the front-end process with its socket and the ring, and send it its configuration."""
+    def spawn(cls, config: ipc.FrontendConfig, metrics_dir: str) -> EngineLink:
+        """Start a front-end process with its socket and its ring, and send it its configuration; it keeps its
+        metrics in ``metrics_dir``, beside those of the other front-end processes."""
         ring_fd = ipc.create_ring_fd(config.slots, config.slot_bytes)
         ours, theirs = socket.socketpair()
         env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+        env[ENV_PROMETHEUS_MULTIPROC_DIR] = metrics_dir
         try:
             ring = ipc.SlotRing(ring_fd, config.slots, config.slot_bytes)
             proc = subprocess.Popen(

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from policy_operator.constants import ENV_PROMETHEUS_MULTIPROC_DIR
 from policy_operator.readyz import LayoutDoc, Readiness
 from policy_operator.runtime.errors import NotReady, RequestError, RequestFailed
 from policy_operator.runtime.parallel.dispatch import Reply
@@ -270,7 +271,9 @@ class EngineProxy:
 async def serve(config: ipc.FrontendConfig, channel: ipc.Channel, ring: ipc.SlotRing) -> int:
     """Serve the port until rank 0 says drain (exit 0) or goes away (``EXIT_ENGINE_GONE``)."""
     loop = asyncio.get_running_loop()
-    metrics = ServerMetrics(config.layout, config.server.max_connections)
+    metrics = ServerMetrics(
+        config.layout, config.server.max_connections, multiprocess_dir=os.environ.get(ENV_PROMETHEUS_MULTIPROC_DIR)
+    )
     sessions = Sessions()
     proxy = EngineProxy(channel, ring, config, metrics, sessions.recent)
     server = PolicyWebSocketServer(proxy, config.server, metrics, sessions)
@@ -316,7 +319,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=config.log_level.upper(),
         stream=sys.stderr,
-        format="%(asctime)s frontend %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s frontend {config.index} %(levelname)s %(name)s: %(message)s",
     )
     sys.setswitchinterval(config.gil_switch_ms / 1e3)
     # Nothing here is worth parallelizing, and an intra-op parallel op (a ``Preprocessor``'s resize or copy) would

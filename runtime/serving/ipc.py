@@ -95,6 +95,7 @@ class FrontendConfig:
     event_loop: str
     gil_switch_ms: float
     log_level: str
+    index: int = 0  # of --frontend-processes: its log lines say which
 
 
 @dataclass(frozen=True)

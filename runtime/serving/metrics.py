@@ -1,5 +1,11 @@
 """Prometheus metrics of one server, in a registry of its own (several servers per test process).
 
+Under ``--frontend process`` every front-end process keeps its series in
+prometheus_client's multiprocess files (``multiprocess_dir``) and answers
+``/metrics`` for all of them: counters and histograms add up across the
+processes, a gauge says how (``multiprocess_mode``: each process's share
+summed, or the value its most recent writer set).
+
 The chart's Grafana dashboard (charts/policy-operator/dashboards/) and the
 autoscaling rules of docs/autoscaling.md read these names; tests/test_dashboard.py
 and tests/test_autoscaling.py fail when a query names one that is not here.
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from policy_operator.fetch_progress import FetchProgress
 from policy_operator.layout import ParallelLayout
@@ -20,8 +27,11 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, layout: ParallelLayout, max_connections: int = 0) -> None:
+    def __init__(self, layout: ParallelLayout, max_connections: int = 0, multiprocess_dir: str | None = None) -> None:
+        """``multiprocess_dir``: this process's ``PROMETHEUS_MULTIPROC_DIR`` (set before prometheus_client was
+        imported), whose files ``render`` reads; None: this registry alone."""
         self.registry = CollectorRegistry()
+        self._multiprocess_dir = multiprocess_dir
         self._replicas: list[tuple[Counter, Histogram, Histogram]] = []  # per replica: its labelled series
         self.latency = Histogram(
             "policy_request_latency_seconds",
@@ -54,12 +64,18 @@ class ServerMetrics:
             "policy_requests", "Requests answered with actions", ["replica"], registry=self.registry
         )
         self.in_flight = Gauge(
-            "policy_requests_in_flight", "Requests received and not yet answered", registry=self.registry
+            "policy_requests_in_flight",
+            "Requests received and not yet answered",
+            multiprocess_mode="livesum",
+            registry=self.registry,
         )
-        self.connections = Gauge("policy_connections", "Open WebSocket connections", registry=self.registry)
+        self.connections = Gauge(
+            "policy_connections", "Open WebSocket connections", multiprocess_mode="livesum", registry=self.registry
+        )
         self.max_connections = Gauge(
             "policy_max_connections",
             "WebSocket connections this server accepts at once (--max-connections)",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.connections_closed = Counter(
@@ -73,6 +89,7 @@ class ServerMetrics:
         self.buffered_bytes = Gauge(
             "policy_buffered_bytes",
             "Bytes of unfinished WebSocket frames held across all connections",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.bucket_seconds = Gauge(
@@ -80,13 +97,19 @@ class ServerMetrics:
             "Measured time of one batch of each padded size (bucket) at warm-up: what "
             "--latency-budget-ms compares against",
             ["replica", "bucket"],
+            multiprocess_mode="mostrecent",
             registry=self.registry,
         )
-        self.ranks_ready = Gauge("policy_ranks_ready", "Ranks alive and warm", registry=self.registry)
-        self.world_size = Gauge("policy_world_size", "Ranks this pod runs (cfgp x dp)", registry=self.registry)
+        self.ranks_ready = Gauge(
+            "policy_ranks_ready", "Ranks alive and warm", multiprocess_mode="mostrecent", registry=self.registry
+        )
+        self.world_size = Gauge(
+            "policy_world_size", "Ranks this pod runs (cfgp x dp)", multiprocess_mode="max", registry=self.registry
+        )
         self.dp_replicas = Gauge(
             "policy_dp_replicas",
             "Data-parallel replicas in this pod (dp): requests it computes at once",
+            multiprocess_mode="max",
             registry=self.registry,
         )
         # what the client sees on top of policy_request_latency_seconds: the WebSocket keepalive's round trip
@@ -100,19 +123,25 @@ class ServerMetrics:
         self.load_seconds = Gauge(
             "policy_load_seconds",
             "Seconds rank 0 spent loading the policy onto its device (download excluded)",
+            multiprocess_mode="mostrecent",
             registry=self.registry,
         )
         self.warmup_seconds = Gauge(
-            "policy_warmup_seconds", "Seconds the warm-up request of replica 0 took", registry=self.registry
+            "policy_warmup_seconds",
+            "Seconds the warm-up request of replica 0 took",
+            multiprocess_mode="mostrecent",
+            registry=self.registry,
         )
         self.download_done = Gauge(
             "policy_checkpoint_downloaded_bytes",
             "Bytes of the checkpoint this server is downloading itself (serve --checkpoint URL)",
+            multiprocess_mode="mostrecent",
             registry=self.registry,
         )
         self.download_size = Gauge(
             "policy_checkpoint_size_bytes",
             "Size of the checkpoint this server is downloading itself; 0 when unknown",
+            multiprocess_mode="mostrecent",
             registry=self.registry,
         )
         self.max_connections.set(max_connections)
@@ -148,4 +177,8 @@ class ServerMetrics:
         self.download_size.set(progress.total or 0)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        every_process = CollectorRegistry()
+        MultiProcessCollector(every_process, path=self._multiprocess_dir)
+        return generate_latest(every_process)

@@ -62,6 +62,7 @@ class ServerConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     frame_read_timeout_s: float = DEFAULT_FRAME_READ_TIMEOUT_S
+    reuse_port: bool = False  # several front-end processes serve one port (SO_REUSEPORT)
 
 
 def _response(status: int, body: bytes, content_type: str) -> Response:
@@ -287,6 +288,7 @@ class PolicyWebSocketServer:
             max_queue=MAX_QUEUED_FRAMES,
             compression=None,
             create_connection=bounded_connection(self.budget),
+            reuse_port=self.config.reuse_port,
         )
         self._sweeper = asyncio.ensure_future(self._sweep())
         log.info("listening on ws://%s:%d", self.config.host, self.port)
