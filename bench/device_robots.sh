@@ -154,6 +154,30 @@ if [ "${1:-}" = frontends ]; then
     echo "done after $(( $(date +%s) - start )) s"
     exit 0
 fi
+if [ "${1:-}" = fe-profile ]; then
+    # max-batch 32, 32 robots on 4 front-end processes under py-spy (PYSPY: its binary, carried), then inline
+    # against 4 and 8 front-end processes at a 2 ms window, and 4 at 4 ms
+    profile() {  # profile NAME: rank 0 of the server that runs --frontend-processes, and its children, for 10 s
+        local pid="" port
+        for _ in $(seq 600); do pid=$(pgrep -f -- "cli serve .*--frontend-processes" | head -1); [ -n "$pid" ] && break; sleep 0.5; done
+        port=$(tr '\0' ' ' </proc/$pid/cmdline | sed 's/.*--port \([0-9]*\).*/\1/')
+        for _ in $(seq 600); do curl -sf "127.0.0.1:$port/readyz" >/dev/null && break; sleep 0.5; done
+        sleep 10
+        "$PYSPY" record -p "$pid" --subprocesses --nonblocking --format raw -r 250 -d 10 -o "$OUT/prof-$1.txt" \
+            >"$OUT/prof-$1.log" 2>&1
+    }
+    [ -n "${PYSPY:-}" ] && { profile process4 & }
+    stage fe-profile /tmp/site-new 300 --robot-max-batch 32 --robots 32 --robot-n 400 --frontend process:4 \
+        --no-in-process --serve-args "--compile-cache-dir /tmp/cc"
+    wait
+    stage fe-variants /tmp/site-new 60 --robot-max-batch 32 --robots 1,32 --frontend inline,process:4,process:8 \
+        --serve-args "--compile-cache-dir /tmp/cc"
+    grep "^| .*max-batch" "$OUT/fe-variants.md"
+    stage fe-w4 /tmp/site-new 5 --robot-max-batch 32 --robots 1,32 --frontend process:4 --batch-window-ms 4 \
+        --no-in-process --serve-args "--compile-cache-dir /tmp/cc"
+    echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
 if [ "${1:-}" = rtc-static ]; then
     # guided RTC side by side in one call: the step over a symbolic batch (the reference policy's compile) and a
     # graph per batch size (what the worker does under --rtc guided), one process each

@@ -163,6 +163,8 @@ class EngineLink:
     def _on_message(self, message: Any) -> None:
         if isinstance(message, ipc.Request):
             self._request(message)
+        elif isinstance(message, ipc.Recent):
+            self.recent = message.sessions
         elif isinstance(message, ipc.Listening):
             if self._listening is not None and not self._listening.done():
                 self._listening.set_result(message.port)

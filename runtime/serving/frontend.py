@@ -51,6 +51,7 @@ from policy_operator.runtime.serving.server import PolicyWebSocketServer, Sessio
 log = logging.getLogger(__name__)
 
 EXIT_ENGINE_GONE = 1  # the model process closed its socket without a drain
+RECENT_REPORT_S = 0.1  # a batch window is milliseconds; a closed session stops counting within this
 
 
 class EngineProxy:
@@ -69,6 +70,7 @@ class EngineProxy:
         self.config = config
         self.metrics = metrics
         self._recent_sessions = recent_sessions
+        self._recent_reported = 0  # the count the model process has, from a request or a Recent
         self.draining = False
         self.attached: ipc.Attached | None = None
         self.snapshot: tuple[float, ipc.Snapshot] | None = None  # (monotonic time received, snapshot)
@@ -200,7 +202,7 @@ class EngineProxy:
                     seed,
                     session,
                     (rtc.prev_actions, rtc.delay, rtc.horizon) if rtc is not None else None,
-                    self._recent_sessions(),
+                    self._reported(self._recent_sessions()),
                 )
             )
             reply = await future
@@ -212,6 +214,23 @@ class EngineProxy:
         if rtc_session is not None:
             rtc_session.received(actions)
         return replace(reply, actions=actions, decode_ms=decode_ms, prepare_ms=prepare_ms + reply.prepare_ms)
+
+    def _reported(self, recent: int) -> int:
+        self._recent_reported = recent
+        return recent
+
+    async def report_recent(self) -> None:
+        """Tell the model process when this process's recent sessions changed between requests.  Each request
+        carries the count; but a session that closed, or went quiet, sends none, and with several front-ends
+        the others' requests would have the batch window wait for it."""
+        while True:
+            await asyncio.sleep(RECENT_REPORT_S)
+            recent = self._recent_sessions()
+            if recent != self._recent_reported:
+                try:
+                    self.channel.send(ipc.Recent(self._reported(recent)))
+                except ConnectionError:
+                    return  # the model process is gone: serve() ends
 
     async def drain(self, grace_s: float) -> bool:
         self.draining = True
@@ -302,9 +321,11 @@ async def serve(config: ipc.FrontendConfig, channel: ipc.Channel, ring: ipc.Slot
 
     proxy.on_drain = start_drain
     await server.start()
+    reporter = asyncio.ensure_future(proxy.report_recent())
     channel.listen(loop, proxy.on_message, engine_gone)
     channel.send(ipc.Listening(server.port))
     code = await done
+    reporter.cancel()
     channel.finish()
     return code
 

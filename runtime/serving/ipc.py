@@ -77,6 +77,14 @@ class Listening:
 
 
 @dataclass(frozen=True)
+class Recent:
+    """The front-end's recently active sessions, when they changed without a request (a session closed or went
+    quiet): with several front-ends, the batch window sums every one's latest count."""
+
+    sessions: int
+
+
+@dataclass(frozen=True)
 class Drained:
     drained: bool  # every request answered within the grace period
 
