@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from policy_operator.exit_codes import ServeExit
 from policy_operator.fetch_progress import FetchProgress
@@ -49,24 +49,7 @@ class Front(Protocol):
         """Start serving the port for ``ingress`` (before the model loads: /healthz and /readyz answer at once)."""
 
     async def listening(self) -> int:
-        try:
-            port = await self.links[0].listening()
-            self._start_later(port)
-            for link in self.links[1:]:
-                await link.listening()
-        except (TimeoutError, ConnectionError) as exc:
-            log.error("the front-end process did not start: %s", exc or "no answer")
-            exit_now(ServeExit.FRONTEND)
-        return port
-
-    def _start_later(self, port: int) -> None:
-        """``--port 0``: the first front-end picked the port; the others join it."""
-        assert self.ingress is not None
-        for config in self.later:
-            link = EngineLink.spawn(replace(config, server=replace(config.server, port=port)), self.metrics_dir)
-            link.start(self.ingress, self._gone)
-            self.links.append(link)
-        self.later = []
+        """The port, once it is served; a front that cannot serve it ends rank 0."""
 
     def push_readiness(self) -> None:
         """The ingress's readiness changed (a failed replica, a load error)."""
@@ -158,7 +141,9 @@ def frontend_configs(config: ipc.FrontendConfig, processes: int) -> list[ipc.Fro
     ):
         slots, slot_bytes = ipc.ring_geometry(server.max_message_bytes, buffered)
         share = replace(server, max_connections=connections, max_buffered_bytes=buffered, reuse_port=processes > 1)
-        configs.append(replace(config, server=share, slots=slots, slot_bytes=slot_bytes, index=index))
+        configs.append(
+            replace(config, server=share, slots=slots, slot_bytes=slot_bytes, index=index, processes=processes)
+        )
     return configs
 
 
@@ -219,24 +204,32 @@ class ProcessFront:
         codes = ", ".join(str(link.proc.poll()) for link in self.links if link.gone)
         log.error("the front-end process exited (%s); rank 0 exits %d", codes, ServeExit.FRONTEND)
         self.heartbeat.set_state(RankState.FAILED, "the front-end process exited")
-        exit_now(ServeExit.FRONTEND)
+        self._exit(ServeExit.FRONTEND)
+
+    def _exit(self, code: int) -> NoReturn:
+        """Leave at once (``exit_now``), the metrics files first: they live in memory, in the pod's /dev/shm."""
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        exit_now(code)
 
     async def listening(self) -> int:
         try:
             port = await self.links[0].listening()
-            if self.later:  # --port 0: the first one picked it
-                assert self.ingress is not None
-                for config in self.later:
-                    link = EngineLink.spawn(replace(config, server=replace(config.server, port=port)), self.metrics_dir)
-                    link.start(self.ingress, self._gone)
-                    self.links.append(link)
-                self.later = []
+            self._start_later(port)
             for link in self.links[1:]:
                 await link.listening()
-            return port
         except (TimeoutError, ConnectionError) as exc:
             log.error("the front-end process did not start: %s", exc or "no answer")
-            exit_now(ServeExit.FRONTEND)
+            self._exit(ServeExit.FRONTEND)
+        return port
+
+    def _start_later(self, port: int) -> None:
+        """``--port 0``: the first front-end picked the port; the others join it."""
+        assert self.ingress is not None
+        for config in self.later:
+            link = EngineLink.spawn(replace(config, server=replace(config.server, port=port)), self.metrics_dir)
+            link.start(self.ingress, self._gone)
+            self.links.append(link)
+        self.later = []
 
     def push_readiness(self) -> None:
         for link in self.links:

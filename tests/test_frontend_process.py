@@ -13,6 +13,9 @@ neither process outlives the other.  Draining with 1001 is
 from __future__ import annotations
 
 import contextlib
+import http.client
+import os
+import shutil
 import signal
 import threading
 import time
@@ -25,13 +28,23 @@ import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from policy_operator.constants import ENV_PROMETHEUS_MULTIPROC_DIR, METRICS_PATH
 from policy_operator.exit_codes import ServeExit
 from policy_operator.runtime.policy.reference import PolicyConfig, example_observation
 from policy_operator.runtime.policy.sampler import batch_buckets
 from policy_operator.runtime.serving import wire
+from policy_operator.runtime.serving.server import GOING_AWAY
 from tests.support.net import wait_for
 from tests.support.openpi import OpenpiSession
-from tests.support.servers import NO_DRAIN, PolicyServerProcess, descendants, serve_policy
+from tests.support.plugins.held_policy import hold_prompt
+from tests.support.servers import (
+    NO_DRAIN,
+    PolicyServerProcess,
+    descendants,
+    parse_metrics,
+    proc_stat,
+    serve_policy,
+)
 
 CFG = PolicyConfig()
 STEPS = ["--steps", "2"]
@@ -56,13 +69,24 @@ def actions(server: PolicyServerProcess, obs: dict[str, Any]) -> np.ndarray:
         return c.infer(obs)["actions"]
 
 
-def frontend_pid(server: PolicyServerProcess) -> int:
-    """The front-end child (a descendant whose command line runs serving.frontend)."""
-    for pid in descendants(server.pid):
+def frontend_pids(server: PolicyServerProcess) -> list[int]:
+    """The front-end children (descendants whose command line runs serving.frontend), oldest first: in the order
+    rank 0 started them, their ``--frontend-processes`` index (on ``--port 0`` the others follow the first)."""
+    found: list[tuple[int, int]] = []
+    for pid, start in descendants(server.pid).items():
         with contextlib.suppress(OSError):
             if b"policy_operator.runtime.serving.frontend" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-    raise AssertionError("no front-end process")
+                found.append((start, pid))
+    return [pid for _, pid in sorted(found)]
+
+
+def frontend_pid(server: PolicyServerProcess) -> int:
+    """The front-end child of a server with one."""
+    pids = frontend_pids(server)
+    if not pids:
+        raise AssertionError("no front-end process")
+    assert len(pids) == 1, f"{len(pids)} front-end processes: {pids}"
+    return pids[0]
 
 
 def gone(pid: int) -> bool:
@@ -71,6 +95,14 @@ def gone(pid: int) -> bool:
     except OSError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def metrics_dir(pid: int) -> Path:
+    """The front-end's ``PROMETHEUS_MULTIPROC_DIR`` (rank 0's temporary folder, shared by every front-end)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    values = [v.split(b"=", 1)[1] for v in environ if v.startswith(ENV_PROMETHEUS_MULTIPROC_DIR.encode() + b"=")]
+    assert len(values) == 1, f"front-end {pid} has no {ENV_PROMETHEUS_MULTIPROC_DIR}"
+    return Path(values[0].decode())
 
 
 @pytest.fixture(scope="module")
@@ -223,20 +255,28 @@ def test_large_replies_and_rtc_tails_cross_both_ways_at_once(tmp_path_factory: p
 def test_a_killed_model_process_takes_the_frontend_down(tiny_checkpoint: Path) -> None:
     with serve_policy(tiny_checkpoint, *STEPS, *PROCESS) as server:
         front = frontend_pid(server)
-        server.send_signal(signal.SIGKILL)  # rank 0 (one rank: serve itself)
-        wait_for(lambda: gone(front), timeout=10, interval=0.05, what="the front-end to exit")
-        with pytest.raises(OSError):
-            connect(server.url, open_timeout=3)
+        folder = metrics_dir(front)
+        try:
+            server.send_signal(signal.SIGKILL)  # rank 0 (one rank: serve itself)
+            wait_for(lambda: gone(front), timeout=10, interval=0.05, what="the front-end to exit")
+            with pytest.raises(OSError):
+                connect(server.url, open_timeout=3)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # a killed rank 0 cannot remove it
 
 
 @pytest.mark.slow  # fault injection on a server of its own
 def test_a_killed_frontend_takes_rank_0_down(tiny_checkpoint: Path) -> None:
     with serve_policy(tiny_checkpoint, *STEPS, *PROCESS) as server:
-        import os
-
-        os.kill(frontend_pid(server), signal.SIGKILL)
-        assert server.wait_exit(timeout=20) == ServeExit.FRONTEND, server.log_tail()
-        assert "the front-end process exited" in server.log_text()
+        front = frontend_pid(server)
+        folder = metrics_dir(front)
+        try:
+            os.kill(front, signal.SIGKILL)
+            assert server.wait_exit(timeout=20) == ServeExit.FRONTEND, server.log_tail()
+            assert "the front-end process exited" in server.log_text()
+            assert not folder.exists()  # in memory (/dev/shm): rank 0 removes it even when it exits at once
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.slow  # fault injection on a server of its own
@@ -295,6 +335,279 @@ def test_readiness_across_ranks_and_sigterm(tiny_checkpoint: Path) -> None:
         assert server.wait_exit(timeout=60) == 0, server.log_tail()
         assert time.monotonic() - started < 25
         assert "rank 0 exiting 0 (drained)" in server.log_text()
+
+
+# --- --frontend-processes 2: two front-ends on one port ------------------------------------------------------
+# One port, two listening sockets (SO_REUSEPORT): the kernel hashes each connection's addresses to one of them, so
+# a test finds out which front-end took a connection from /proc, by the server-side socket's inode.
+TWO = [*STEPS, *PROCESS, "--frontend-processes", "2", "--threads", "1", "--max-batch", "4"]
+ROBOTS = 16  # all 16 on one front-end of two: 2 * 2**-16 = 2**-15
+REQUESTS = 2  # per robot
+# shares 17 + 16 (uneven on purpose): each front-end admits only its share, whatever the other holds, so a cap of at
+# least ROBOTS per front-end is what makes no spread of the robots refused (16 robots under --max-connections 20,
+# 10 + 10, would see a spread of 11 or more on one side, and a refusal, 21% of the time)
+MAX_CONNECTIONS = 2 * ROBOTS + 1
+TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"  # /proc/net/tcp's st column
+PICK_TRIES = 40  # connections opened until each front-end has one: all 40 on one of two is 2 * 2**-40
+
+
+@pytest.fixture(scope="module")
+def two_fronts(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
+    args = [*TWO, "--max-connections", str(MAX_CONNECTIONS), "--error-format", "dict", *NO_DRAIN]
+    with serve_policy(tiny_checkpoint, *args) as s:
+        yield s
+
+
+def tcp_sockets(port: int, state: str) -> dict[int, int]:
+    """{inode: remote port} of the IPv4 TCP sockets in ``state`` whose local port is ``port`` (this network
+    namespace's, the server's: 127.0.0.1 only)."""
+    found = {}
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, st, inode = fields[1], fields[2], fields[3], int(fields[9])
+        if st == state and inode and int(local.rsplit(":", 1)[1], 16) == port:
+            found[inode] = int(remote.rsplit(":", 1)[1], 16)
+    return found
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets ``pid`` holds (its ``/proc/PID/fd`` links ``socket:[INODE]``)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(int(target[len("socket:[") : -1]))
+    return inodes
+
+
+def sessions_per_frontend(server: PolicyServerProcess, pids: list[int]) -> list[int]:
+    """How many established connections to the port each front-end holds."""
+    established = tcp_sockets(server.port, TCP_ESTABLISHED)
+    return [len(socket_inodes(pid) & established.keys()) for pid in pids]
+
+
+def accepted_by(server: PolicyServerProcess, pids: list[int], client_port: int) -> int:
+    """The front-end that accepted the connection from our ``client_port`` (waits for its accept, bounded)."""
+
+    def owner() -> int:  # 0: not accepted yet
+        ours = {inode for inode, remote in tcp_sockets(server.port, TCP_ESTABLISHED).items() if remote == client_port}
+        return next((pid for pid in pids if socket_inodes(pid) & ours), 0)
+
+    return wait_for(owner, timeout=10, interval=0.02, what=f"a front-end to accept the connection from {client_port}")
+
+
+@contextlib.contextmanager
+def a_session_on_each(server: PolicyServerProcess, pids: list[int]) -> Iterator[dict[int, OpenpiSession]]:
+    """{front-end pid: an openpi session it serves}: sessions are opened until the kernel gave each front-end one;
+    the others are closed at once."""
+    chosen: dict[int, OpenpiSession] = {}
+    try:
+        for _ in range(PICK_TRIES):
+            session = client(server)
+            pid = accepted_by(server, pids, session.connection.socket.getsockname()[1])
+            if pid in chosen:
+                session.close()
+            else:
+                chosen[pid] = session
+            if len(chosen) == len(pids):
+                break
+        assert len(chosen) == len(pids), f"{PICK_TRIES} connections reached only {sorted(chosen)} of {pids}"
+        yield chosen
+    finally:
+        for session in chosen.values():
+            session.close()
+
+
+def metrics_of_each(server: PolicyServerProcess, pids: list[int]) -> dict[int, dict[Any, float]]:
+    """{front-end pid: the /metrics it answers}, each read over a connection that front-end accepted."""
+    scraped: dict[int, dict[Any, float]] = {}
+    for _ in range(PICK_TRIES):
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        try:
+            conn.connect()
+            assert conn.sock is not None
+            pid = accepted_by(server, pids, conn.sock.getsockname()[1])
+            if pid not in scraped:
+                conn.request("GET", METRICS_PATH)
+                reply = conn.getresponse()
+                assert reply.status == 200
+                scraped[pid] = parse_metrics(reply.read().decode())
+        finally:
+            conn.close()
+        if len(scraped) == len(pids):
+            return scraped
+    raise AssertionError(f"{PICK_TRIES} connections reached only {sorted(scraped)} of {pids}")
+
+
+def infer(session: OpenpiSession, obs: dict[str, Any], timeout: float = 60.0) -> np.ndarray:
+    """``session.infer(obs)["actions"]`` with a bound on the wait for the reply."""
+    session.connection.send(wire.packb(obs))
+    reply = wire.unpackb(session.connection.recv(timeout=timeout))
+    assert "actions" in reply, reply
+    return np.asarray(reply["actions"])
+
+
+def sample(metrics: dict[Any, float], name: str, **labels: str) -> float | None:
+    return metrics.get((name, tuple(sorted(labels.items()))))
+
+
+def test_two_frontend_processes_are_children_of_rank_0_on_one_port(two_fronts: PolicyServerProcess) -> None:
+    pids = frontend_pids(two_fronts)
+    assert len(pids) == 2, pids
+    for pid in pids:
+        stat = proc_stat(pid)
+        assert stat is not None and stat[0] == two_fronts.pid  # children of rank 0 (one rank: serve itself)
+    # each front-end its own listening socket on the one port
+    listening = tcp_sockets(two_fronts.port, TCP_LISTEN)
+    held = [socket_inodes(pid) & listening.keys() for pid in pids]
+    assert all(len(inodes) == 1 for inodes in held) and held[0] != held[1], (listening, held)
+    assert len({metrics_dir(pid) for pid in pids}) == 1  # one metrics folder for both
+    log = two_fronts.log_text()
+    assert f"listening on ws://127.0.0.1:{two_fronts.port} (" in log and "2 front-end processes)" in log, log[-3000:]
+    assert " frontend 0 " in log and " frontend 1 " in log  # each front-end's log lines say which it is
+
+
+def test_concurrent_robots_spread_over_both_and_metrics_sum_them(
+    two_fronts: PolicyServerProcess, process: PolicyServerProcess
+) -> None:
+    """16 robots on their own connections, held open together: both front-ends serve some, every robot gets its
+    own actions (the reply went back through the link its request came on), and /metrics read from either
+    front-end counts them all."""
+    server = two_fronts
+    pids = frontend_pids(server)
+    requests_before = server.metric("policy_requests_total", replica="0") or 0.0
+    got: dict[tuple[int, int], np.ndarray] = {}
+    errors: list[BaseException] = []
+    all_open = threading.Barrier(ROBOTS + 1, timeout=120)
+    release = threading.Event()
+
+    def robot(i: int) -> None:
+        try:
+            with client(server) as c:
+                for k in range(REQUESTS):
+                    got[i, k] = infer(c, observation(i, seed=100 * i + k))
+                all_open.wait()
+                release.wait(60)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            all_open.abort()
+
+    def all_established() -> list[int]:  # []: not yet
+        spread = sessions_per_frontend(server, pids)
+        return spread if sum(spread) == ROBOTS else []
+
+    threads = [threading.Thread(target=robot, args=(i,), daemon=True) for i in range(ROBOTS)]
+    for t in threads:
+        t.start()
+    try:
+        try:
+            all_open.wait()
+        except threading.BrokenBarrierError:
+            pytest.fail(f"a robot failed before all {ROBOTS} were connected: {errors}")
+        # every connection open: how the kernel spread them (each front-end some, but for a 2**-15 chance)
+        spread = wait_for(all_established, timeout=10, interval=0.05, what=f"{ROBOTS} established connections")
+        assert all(n >= 1 for n in spread), f"every connection went to one front-end: {spread}"
+        while_open = metrics_of_each(server, pids)
+    finally:
+        release.set()
+        deadline = time.monotonic() + 120
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "robots still waiting for a reply"
+    assert len(got) == ROBOTS * REQUESTS
+    for pid, metrics in while_open.items():  # either front-end answers for both
+        assert sample(metrics, "policy_connections") == ROBOTS, (pid, spread)
+        assert sample(metrics, "policy_max_connections") == MAX_CONNECTIONS, pid  # 17 + 16
+    wait_for(
+        lambda: all(sample(m, "policy_connections") == 0 for m in metrics_of_each(server, pids).values()),
+        timeout=10,
+        interval=0.1,
+        what="policy_connections 0 from both front-ends",
+    )
+    for pid, metrics in metrics_of_each(server, pids).items():
+        assert sample(metrics, "policy_requests_total", replica="0") == requests_before + ROBOTS * REQUESTS, pid
+    # every robot got the actions of its own observation and seed (a row of a batch: within fp32 noise of alone)
+    with client(process) as alone:
+        for (i, k), actions_ in got.items():
+            want = infer(alone, observation(i, seed=100 * i + k))
+            assert actions_.shape == want.shape and float(np.abs(actions_ - want).max()) <= 1e-5, (i, k)
+
+
+def test_two_frontends_answer_bitwise_what_one_does(
+    two_fronts: PolicyServerProcess, process: PolicyServerProcess
+) -> None:
+    """Through either front-end: the metadata and, for the same observation and seed, the very bits of one
+    front-end's actions (requests one at a time: batches of one)."""
+    with a_session_on_each(two_fronts, frontend_pids(two_fronts)) as sessions, client(process) as one:
+        meta = one.get_server_metadata()
+        for session in sessions.values():
+            assert {k: v for k, v in session.get_server_metadata().items() if k != "rtc"} == {
+                k: v for k, v in meta.items() if k != "rtc"
+            }
+            for variant, seed in ((0, 7), (3, 123), (5, 2**40)):
+                obs = observation(variant, seed=seed)
+                assert infer(session, obs).tobytes() == infer(one, obs).tobytes()
+
+
+@pytest.mark.slow  # a server of its own, drained
+def test_sigterm_drains_both_frontends_and_removes_the_metrics_folder(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A request held in flight on each front-end: SIGTERM answers both, closes both sessions with 1001, exits 0,
+    and rank 0 removes the front-ends' metrics folder under /dev/shm."""
+    gate = tmp_path / "gate"
+    args = [*TWO, "--policy", "held_policy:HeldPolicy", "--heartbeat-s", "0.5", "--drain-grace-s", "30"]
+    with serve_policy(tiny_checkpoint, *args) as server:
+        pids = frontend_pids(server)
+        assert len(pids) == 2, pids
+        folder = metrics_dir(pids[0])
+        assert metrics_dir(pids[1]) == folder and folder.is_dir()
+        assert folder.name.startswith("policy-frontend-metrics-")
+        if os.access("/dev/shm", os.W_OK):
+            assert folder.parent == Path("/dev/shm")
+        try:
+            with a_session_on_each(server, pids) as sessions:
+                for n, session in enumerate(sessions.values()):
+                    session.connection.send(wire.packb(observation(n, seed=n, prompt=hold_prompt(gate))))
+                server.wait_until(
+                    lambda: server.metric("policy_requests_in_flight") == 2, timeout=60, what="2 requests in flight"
+                )
+                # /readyz's in_flight is the pod's through either front-end (the model process's count), not the
+                # answering front-end's own 1: each scrape is hashed anew, all 8 to one front-end is 2 * 2**-8
+                wait_for(lambda: server.readyz().json()["in_flight"] == 2, timeout=10, interval=0.05, what="2")
+                assert [server.readyz().json()["in_flight"] for _ in range(8)] == [2] * 8
+                server.send_signal(signal.SIGTERM)
+                wait_for(lambda: server.readyz().status == 503, timeout=10, interval=0.02, what="/readyz 503")
+                assert server.alive  # the held requests keep it up
+                gate.touch()
+                for session in sessions.values():
+                    reply = wire.unpackb(session.connection.recv(timeout=60))
+                    assert np.asarray(reply["actions"]).shape == (CFG.horizon, CFG.action_dim), reply
+                    with pytest.raises(ConnectionClosed) as closed:
+                        session.connection.recv(timeout=30)
+                    assert closed.value.rcvd is not None and closed.value.rcvd.code == GOING_AWAY
+            assert server.wait_exit(timeout=60) == 0, server.log_tail()
+            assert "rank 0 exiting 0 (drained)" in server.log_text()
+            assert not folder.exists()
+        finally:
+            gate.touch()
+            shutil.rmtree(folder, ignore_errors=True)  # left behind by a failure above: not in /dev/shm for good
+
+
+@pytest.mark.slow  # fault injection on a server of its own
+def test_a_killed_frontend_of_two_takes_rank_0_and_the_other_down(tiny_checkpoint: Path) -> None:
+    with serve_policy(tiny_checkpoint, *TWO) as server:
+        first, second = frontend_pids(server)
+        folder = metrics_dir(first)
+        try:
+            os.kill(second, signal.SIGKILL)  # not the first: the one that gets no engine metrics
+            assert server.wait_exit(timeout=20) == ServeExit.FRONTEND, server.log_tail()
+            assert "the front-end process exited" in server.log_text()
+            wait_for(lambda: gone(first), timeout=10, interval=0.05, what="the other front-end to exit")
+            assert not folder.exists()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- the shared-memory ring, in this process ---------------------------------------------------------------

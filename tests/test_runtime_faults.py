@@ -229,6 +229,110 @@ def test_bad_serve_flags_are_one_line_and_exit_2(
     assert "listening" not in res.stdout
 
 
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--frontend", "process", "--frontend-processes", "0"], "--frontend-processes must be in 1..64, got 0"),
+        (["--frontend", "process", "--frontend-processes", "65"], "--frontend-processes must be in 1..64, got 65"),
+        (["--frontend", "inline", "--frontend-processes", "2"], "--frontend-processes 2 needs --frontend process"),
+        (
+            ["--frontend", "process", "--frontend-processes", "4", "--max-connections", "3"],
+            "--max-connections (3) must be at least --frontend-processes (4)",
+        ),
+        (
+            ["--frontend", "process", "--frontend-processes", "4", "--max-message-bytes", "1000"]
+            + ["--max-buffered-bytes", "3999"],
+            "--max-buffered-bytes must be at least --max-message-bytes (1000) times --frontend-processes (4), got 3999",
+        ),
+    ],
+    ids=["zero", "past-64", "inline", "connections-below-processes", "buffer-below-a-message-each"],
+)
+def test_frontend_process_refusals_say_which_bound(
+    policyserver_main, tiny_checkpoint, args: list[str], words: str
+) -> None:
+    """--frontend-processes N: each front-end takes a share of --max-connections and of --max-buffered-bytes, so
+    each share must admit a connection and a largest message; the message says which bound."""
+    res = policyserver_main("serve", "--checkpoint", str(tiny_checkpoint), "--host", "127.0.0.1", *args)
+    assert res.returncode == ServeExit.LAYOUT, res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("policyserver: error: ") and words in lines[0], res.stderr[-3000:]
+    assert "listening" not in res.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--frontend", "process", "--frontend-processes", "64", "--max-connections", "64"]
+        + ["--max-message-bytes", "1000", "--max-buffered-bytes", "64000"],
+        ["--frontend", "process", "--frontend-processes", "4", "--max-connections", "4"]
+        + ["--max-message-bytes", "1000", "--max-buffered-bytes", "4000"],
+        ["--frontend", "process", "--frontend-processes", "1", "--max-connections", "1"],
+        ["--frontend", "inline", "--frontend-processes", "1"],
+    ],
+    ids=["64-at-every-bound", "4-at-every-bound", "process-1", "inline-1"],
+)
+def test_frontend_processes_at_their_bounds_are_accepted(args: list[str]) -> None:
+    import argparse
+
+    from policy_operator import serve_flags
+
+    parser = argparse.ArgumentParser()
+    serve_flags.add_arguments(parser)
+    opts = serve_flags.ServeOptions.from_args(parser.parse_args(["--checkpoint", "/nowhere", *args]))
+    serve_flags.check_values(opts)
+    assert opts.frontend_processes == int(args[args.index("--frontend-processes") + 1])
+
+
+@pytest.mark.parametrize("total,parts", [(1, 1), (10, 2), (33, 2), (7, 3), (5, 5), (64, 64), (100, 7), (256 << 20, 3)])
+def test_split_evenly_adds_up_and_differs_by_at_most_one(total: int, parts: int) -> None:
+    from policy_operator.runtime.rank0_front import split_evenly
+
+    shares = split_evenly(total, parts)
+    assert len(shares) == parts and sum(shares) == total
+    assert max(shares) - min(shares) <= 1 and min(shares) >= 1
+    assert shares == sorted(shares, reverse=True)  # the first front-ends take the remainder
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3, 7, 20])
+def test_frontend_configs_give_each_process_its_share_and_a_ring_that_fits_it(processes: int) -> None:
+    """The configuration ``worker.make_front`` builds (ring geometry 0: each front-end's comes from its share),
+    split over ``processes`` front-ends."""
+    from dataclasses import replace
+
+    from policy_operator.layout import ParallelLayout
+    from policy_operator.runtime.rank0_front import frontend_configs
+    from policy_operator.runtime.serving import ipc
+    from policy_operator.runtime.serving.server import ServerConfig
+
+    server = ServerConfig(
+        "127.0.0.1",
+        8000,
+        1000,  # a slot: 1024 bytes (aligned)
+        "dict",
+        "t0ken",
+        max_connections=33,
+        max_buffered_bytes=20_000,  # 20 front-ends: 1000 each, one message, less than a 1024-byte slot
+        frame_read_timeout_s=7.0,
+    )
+    config = ipc.FrontendConfig(server, ParallelLayout(cfgp=2, dp=1), 0.5, 30.0, 0, 0, "asyncio", 5.0, "info")
+    configs = frontend_configs(config, processes)
+    assert [c.index for c in configs] == list(range(processes))
+    assert {c.processes for c in configs} == {processes}  # each knows whether its in_flight is the pod's
+    connections = [c.server.max_connections for c in configs]
+    buffered = [c.server.max_buffered_bytes for c in configs]
+    assert sum(connections) == 33 and max(connections) - min(connections) <= 1
+    assert sum(buffered) == 20_000 and max(buffered) - min(buffered) <= 1
+    for c, share in zip(configs, buffered, strict=True):
+        assert c.server.reuse_port is (processes > 1)  # one front-end binds the port as it always did
+        assert (c.slots, c.slot_bytes) == ipc.ring_geometry(1000, share)
+        assert 1 <= c.slots <= ipc.MAX_SLOTS and c.slot_bytes >= server.max_message_bytes  # a slot holds any frame
+        # the ring fits the share; at least one slot, even where the share is less than an aligned slot
+        assert c.slots * c.slot_bytes <= max(share, c.slot_bytes)
+        # nothing else differs from the configuration split
+        assert replace(c.server, max_connections=33, max_buffered_bytes=20_000, reuse_port=False) == server
+        assert replace(c, server=server, slots=0, slot_bytes=0, index=0, processes=1) == config
+
+
 @pytest.mark.parametrize("layout", [[], ["--cfgp", "2"]], ids=["1-rank", "cfgp2"])
 def test_a_port_in_use_is_refused_before_any_rank_starts(tiny_checkpoint, layout: list[str]) -> None:
     with socket.socket() as taken:

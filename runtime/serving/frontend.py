@@ -124,7 +124,9 @@ class EngineProxy:
             update={
                 "ready": doc.ready and not self.draining,
                 "draining": self.draining,
-                "in_flight": len(self._pending),  # requests sent and not answered: fresher than the snapshot's
+                # requests sent and not answered: fresher than the snapshot's, and the pod's when it is the only
+                # front-end; with several, the model process's count (at most a snapshot period old) is the pod's
+                "in_flight": len(self._pending) if self.config.processes == 1 else doc.in_flight,
             }
         )
 

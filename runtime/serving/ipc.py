@@ -104,6 +104,7 @@ class FrontendConfig:
     gil_switch_ms: float
     log_level: str
     index: int = 0  # of --frontend-processes: its log lines say which
+    processes: int = 1  # --frontend-processes
 
 
 @dataclass(frozen=True)
