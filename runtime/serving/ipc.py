@@ -202,10 +202,12 @@ class Channel:
             raise ConnectionError("the other process is gone")
         self._out.append(memoryview(frame))
         if len(self._out) == 1:
-            self._flush()
+            self._loop.call_soon(self._flush)  # what else this loop iteration sends goes in the same write
 
     def _flush(self) -> None:
         assert self._loop is not None
+        if len(self._out) > 1:  # one write for all of them
+            self._out = deque([memoryview(b"".join(self._out))])
         try:
             while self._out:
                 sent = self._sock.send(self._out[0])
