@@ -118,7 +118,9 @@ from policy_operator.constants import (
 from policy_operator.exit_codes import FETCH_FATAL
 from policy_operator.operator.kube_objects import api_json, meta_of, passthrough, typed
 from policy_operator.operator.spec import (
+    DEFAULT_CPU_PER_FRONTEND,
     DEFAULT_CPU_PER_RANK,
+    DEFAULT_MEMORY_PER_FRONTEND,
     DEFAULT_MEMORY_PER_RANK,
     OPERATOR_ENV,
     SHARED_ACCESS_MODES,
@@ -132,7 +134,7 @@ from policy_operator.operator.spec import (
     EnvVar,
     PolicyServerSpec,
 )
-from policy_operator.serve_flags import managed_argv, serve_argv
+from policy_operator.serve_flags import DEFAULT_FRONTEND, managed_argv, serve_argv
 
 # The image's user is not known; any non-root uid works because the runtime
 # only reads the image's files and writes to the volumes mounted below.
@@ -606,6 +608,8 @@ def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint, *, compil
         drain_grace_s=rt.drain_grace_seconds,
         latency_budget_ms=rt.batching.latency_budget_ms,
         max_connections=rt.max_connections,
+        frontend=rt.frontend.mode if rt.frontend.mode != DEFAULT_FRONTEND else None,
+        frontend_processes=rt.frontend.processes if rt.frontend.processes != 1 else None,
         rtc=rt.rtc.mode if rt.rtc.mode != "off" else None,
         rtc_max_delay=rt.rtc.max_inference_delay,
         auth_token_file=f"{AUTH_TOKEN_DIR}/{TOKEN_FILE}" if spec.auth.secret_ref is not None else None,
@@ -636,7 +640,8 @@ def _quantity(value: Decimal) -> str:
 
 
 def default_requests(spec: PolicyServerSpec) -> dict[str, str]:
-    """cpu/memory requests for what resources leaves unset: per rank, plus the memory-backed /dev/shm.
+    """cpu/memory requests for what resources leaves unset: per rank and per front-end process, plus the
+    memory-backed /dev/shm.
 
     A request the user left out but bounded with a limit is left to
     Kubernetes, which takes the limit as the request.
@@ -644,11 +649,18 @@ def default_requests(spec: PolicyServerSpec) -> dict[str, str]:
     from kubernetes.utils import parse_quantity
 
     ranks = spec.layout.world_size
+    frontend = spec.runtime.frontend
+    fronts = frontend.processes if frontend.mode != DEFAULT_FRONTEND else 0  # inline: rank 0 itself
     out: dict[str, str] = {}
     if "cpu" not in spec.resources.requests and "cpu" not in spec.resources.limits:
-        out["cpu"] = str(int(parse_quantity(DEFAULT_CPU_PER_RANK) * ranks))
+        cpu = parse_quantity(DEFAULT_CPU_PER_RANK) * ranks + parse_quantity(DEFAULT_CPU_PER_FRONTEND) * fronts
+        out["cpu"] = str(int(cpu))
     if "memory" not in spec.resources.requests and "memory" not in spec.resources.limits:
-        memory = parse_quantity(DEFAULT_MEMORY_PER_RANK) * ranks + parse_quantity(spec.resources.shm_size)
+        memory = (
+            parse_quantity(DEFAULT_MEMORY_PER_RANK) * ranks
+            + parse_quantity(DEFAULT_MEMORY_PER_FRONTEND) * fronts
+            + parse_quantity(spec.resources.shm_size)
+        )
         out["memory"] = _quantity(memory)
     return out
 

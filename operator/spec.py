@@ -55,10 +55,13 @@ from policy_operator.operator.kube_model import (
 )
 from policy_operator.serve_flags import (
     DEFAULT_BATCH_WINDOW_MS,
+    DEFAULT_FRONTEND,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_CONNECTIONS,
+    FRONTENDS,
     MANAGED_FLAGS,
     MAX_BATCH_WINDOW_MS,
+    MAX_FRONTEND_PROCESSES,
     MAX_LATENCY_BUDGET_MS,
     MAX_MAX_BATCH,
     MAX_MAX_CONNECTIONS,
@@ -184,6 +187,10 @@ DEFAULT_KEEP_CHECKPOINTS: Final = 1
 # ranks and its memory-backed /dev/shm need.
 DEFAULT_CPU_PER_RANK: Final = "1"
 DEFAULT_MEMORY_PER_RANK: Final = "2Gi"
+# each front-end process (runtime.frontend): an interpreter with torch imported (~280 MB measured) and its ring,
+# decoding and preparing every frame of its connections
+DEFAULT_CPU_PER_FRONTEND: Final = "1"
+DEFAULT_MEMORY_PER_FRONTEND: Final = "512Mi"
 DEFAULT_DRAIN_GRACE_S: Final = int(RUNTIME_DRAIN_GRACE_S)  # the runtime's default, as a whole number of seconds
 DEFAULT_STARTUP_TIMEOUT_S: Final = 600
 DEFAULT_PROGRESS_DEADLINE_S: Final = 900  # Deployment's default progressDeadlineSeconds, read the same way
@@ -597,8 +604,39 @@ class RtcSpec(KubeModel):
     """The largest inference_delay (control steps) a request may ask for; unset: any below the action horizon."""
 
 
+class FrontendSpec(KubeModel):
+    """Where a pod's WebSocket I/O, msgpack decoding and prepare run (--frontend, --frontend-processes)."""
+
+    cel_rules = (
+        Rule(
+            "!has(self.processes) || self.processes == 1 || (has(self.mode) && self.mode == 'process')",
+            "frontend.processes above 1 needs frontend.mode process",
+            field_path=".processes",
+        ),
+    )
+
+    mode: Literal[FRONTENDS] = DEFAULT_FRONTEND  # type: ignore[valid-type]
+    """inline: in the model process (rank 0), on the event loop whose interpreter also launches the model; the
+    lowest latency for a few robots. process: in child processes of rank 0 that hand prepared tensors to it
+    through shared memory, so decoding many robots' frames no longer delays the model (docs/runtime.md). Each
+    front-end process adds 1 CPU and 512Mi to the pod's default requests."""
+    processes: int = Field(1, ge=1, le=MAX_FRONTEND_PROCESSES)
+    """With mode process: how many front-end processes share the port (the kernel spreads connections over them),
+    each with its share of maxConnections. Several help when many robots share a large batch (32 robots at
+    maxBatch 32 on an H200: docs/benchmarks.md)."""
+
+
 class RuntimeSpec(KubeModel):
     """How the policy runs."""
+
+    cel_rules = (
+        Rule(
+            "!has(self.frontend) || !has(self.frontend.processes) || !has(self.maxConnections) "
+            "|| self.maxConnections >= self.frontend.processes",
+            "maxConnections must be at least frontend.processes: each front-end process takes its share",
+            field_path=".maxConnections",
+        ),
+    )
 
     guidance: float | None = Field(None, ge=0)
     """Classifier-free guidance scale. Unset: the policy's own (3.0 for the reference policy, 1.0 = no guidance
@@ -624,6 +662,7 @@ class RuntimeSpec(KubeModel):
     max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1, le=MAX_MAX_CONNECTIONS)
     """WebSocket connections one pod accepts at once (--max-connections); more get HTTP 503 before the upgrade
     and are counted in policy_connections_closed_total{reason="max_connections"}."""
+    frontend: FrontendSpec = Field(default_factory=FrontendSpec)
 
 
 class AuthSpec(KubeModel):

@@ -41,7 +41,9 @@ DEFAULT_GIL_SWITCH_MS: Final = 5.0  # Python's own sys.getswitchinterval()
 MAX_GIL_SWITCH_MS: Final = 100.0
 FRONTENDS: Final = ("inline", "process")  # --frontend; runtime/serving/frontend.py is the second
 DEFAULT_FRONTEND: Final = "inline"
-MAX_FRONTEND_PROCESSES: Final = 64  # --frontend-processes; each is an interpreter with torch (~280 MB)
+# --frontend-processes: each is an interpreter with torch (~280 MB) and a busy core under load; at the default
+# bounds every one still gets a ring slot (256 MiB of --max-buffered-bytes over 16 MiB messages)
+MAX_FRONTEND_PROCESSES: Final = DEFAULT_MAX_BUFFERED_BYTES // DEFAULT_MAX_MESSAGE_BYTES
 RTC_MODES: Final = ("off", "inpaint", "guided")  # --rtc; runtime/policy/rtc.py implements them
 MAX_RTC_DELAY: Final = 1000  # control steps; far beyond any action horizon served
 DEFAULT_POLICY: Final = REFERENCE
@@ -463,6 +465,8 @@ MANAGED: Final = (
     "batch_window_ms",
     "latency_budget_ms",
     "max_connections",
+    "frontend",
+    "frontend_processes",
     "device",
     "auth_token_file",
     "drain_grace_s",
@@ -488,10 +492,12 @@ def managed_argv(
     drain_grace_s: float,
     latency_budget_ms: float | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    frontend: str | None = None,
+    frontend_processes: int | None = None,
     rtc: str | None = None,
     rtc_max_delay: int | None = None,
 ) -> list[str]:
     """The worker flags the operator derives from the spec (``auth_token_file`` None: no auth; ``guidance`` or
-    ``steps`` None: the policy's own)."""
+    ``steps`` None: the policy's own; any other None: the flag's default, left off the command line)."""
     given = locals()
     return argv_of({name: given[name] for name in MANAGED})

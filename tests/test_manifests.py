@@ -501,6 +501,22 @@ def test_server_pods_write_compile_artifacts_where_the_cache_is_writable(
     assert parser.parse_args(args).compile_cache_dir == (C.COMPILE_CACHE_MOUNT_PATH if writable else None)
 
 
+def test_frontend_flows_into_the_command_and_the_default_writes_nothing() -> None:
+    """Left out (inline, one process) the command line is the one before the field existed: no rollout."""
+    assert "--frontend" not in " ".join(_server(M.build_statefulset(spec_of(base())))["command"])
+    spec = spec_of(base(runtime={"frontend": {"mode": "process", "processes": 4}, "maxConnections": 64}))
+    command = _server(M.build_statefulset(spec))["command"]
+    at = command.index("--frontend")
+    assert command[at : at + 4] == ["--frontend", "process", "--frontend-processes", "4"]
+    parser = argparse.ArgumentParser()
+    serve_flags.add_arguments(parser)
+    opts = serve_flags.ServeOptions.from_args(parser.parse_args(command[2:]))
+    serve_flags.check_values(opts)
+    assert (opts.frontend, opts.frontend_processes, opts.max_connections) == ("process", 4, 64)
+    process_one = _server(M.build_statefulset(spec_of(base(runtime={"frontend": {"mode": "process"}}))))["command"]
+    assert "--frontend-processes" not in process_one and "process" in process_one
+
+
 def test_cpu_device_requests_no_gpu() -> None:
     sts = M.build_statefulset(spec_of(VARIANTS["cpu-device"]))
     server = _server(sts)

@@ -232,8 +232,8 @@ def test_bad_serve_flags_are_one_line_and_exit_2(
 @pytest.mark.parametrize(
     "args,words",
     [
-        (["--frontend", "process", "--frontend-processes", "0"], "--frontend-processes must be in 1..64, got 0"),
-        (["--frontend", "process", "--frontend-processes", "65"], "--frontend-processes must be in 1..64, got 65"),
+        (["--frontend", "process", "--frontend-processes", "0"], "--frontend-processes must be in 1..16, got 0"),
+        (["--frontend", "process", "--frontend-processes", "17"], "--frontend-processes must be in 1..16, got 17"),
         (["--frontend", "inline", "--frontend-processes", "2"], "--frontend-processes 2 needs --frontend process"),
         (
             ["--frontend", "process", "--frontend-processes", "4", "--max-connections", "3"],
@@ -245,7 +245,7 @@ def test_bad_serve_flags_are_one_line_and_exit_2(
             "--max-buffered-bytes must be at least --max-message-bytes (1000) times --frontend-processes (4), got 3999",
         ),
     ],
-    ids=["zero", "past-64", "inline", "connections-below-processes", "buffer-below-a-message-each"],
+    ids=["zero", "past-16", "inline", "connections-below-processes", "buffer-below-a-message-each"],
 )
 def test_frontend_process_refusals_say_which_bound(
     policyserver_main, tiny_checkpoint, args: list[str], words: str
@@ -262,14 +262,14 @@ def test_frontend_process_refusals_say_which_bound(
 @pytest.mark.parametrize(
     "args",
     [
-        ["--frontend", "process", "--frontend-processes", "64", "--max-connections", "64"]
-        + ["--max-message-bytes", "1000", "--max-buffered-bytes", "64000"],
+        ["--frontend", "process", "--frontend-processes", "16", "--max-connections", "16"]
+        + ["--max-message-bytes", "1000", "--max-buffered-bytes", "16000"],
         ["--frontend", "process", "--frontend-processes", "4", "--max-connections", "4"]
         + ["--max-message-bytes", "1000", "--max-buffered-bytes", "4000"],
         ["--frontend", "process", "--frontend-processes", "1", "--max-connections", "1"],
         ["--frontend", "inline", "--frontend-processes", "1"],
     ],
-    ids=["64-at-every-bound", "4-at-every-bound", "process-1", "inline-1"],
+    ids=["16-at-every-bound", "4-at-every-bound", "process-1", "inline-1"],
 )
 def test_frontend_processes_at_their_bounds_are_accepted(args: list[str]) -> None:
     import argparse

@@ -244,6 +244,7 @@ def test_defaults_fill_an_empty_section() -> None:
             "startupTimeoutSeconds": 600,
             "device": "cuda",
             "maxConnections": serve_flags.DEFAULT_MAX_CONNECTIONS,
+            "frontend": {"mode": serve_flags.DEFAULT_FRONTEND, "processes": 1},
         },
         "auth": {},
     }

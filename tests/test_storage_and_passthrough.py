@@ -367,6 +367,13 @@ def test_default_requests_count_shm_and_leave_limits_to_kubernetes() -> None:
     assert (requests["cpu"], requests["memory"]) == ("2", "5Gi")  # 2 ranks x 2Gi + 1Gi of /dev/shm
     limited = spec(resources={"limits": {"memory": "8Gi"}, "requests": {"cpu": "3"}})
     assert M.default_requests(limited) == {}
+    # each front-end process a CPU and 512Mi beside the ranks; inline (rank 0 itself) none
+    fronts = spec(
+        parallelism={"dp": 2}, resources={"shmSize": "1Gi"}, runtime={"frontend": {"mode": "process", "processes": 4}}
+    )
+    assert M.default_requests(fronts) == {"cpu": "6", "memory": "7Gi"}  # 2 + 4 CPUs; 2 x 2Gi + 4 x 512Mi + 1Gi
+    one = spec(parallelism={"dp": 2}, resources={"shmSize": "1Gi"}, runtime={"frontend": {"mode": "process"}})
+    assert M.default_requests(one) == {"cpu": "3", "memory": "5632Mi"}
     assert spec(runtime={"device": "cpu"}, parallelism={"dp": 12}).gpus_per_pod == 0  # maxGpusPerPod counts GPUs
 
 
