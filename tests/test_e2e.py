@@ -161,10 +161,16 @@ def alive(pid: int) -> bool:
         return False
 
 
-def processes_per_pod(layout: str) -> int:
-    """The node processes of one server pod of ``layout`` (``cfgp=C,dp=D``)."""
+def processes_per_pod(layout: str, fronts: int = 0) -> int:
+    """The node processes of one server pod of ``layout`` (``cfgp=C,dp=D``) with ``fronts`` front-end processes."""
     world = math.prod(int(part.split("=")[1]) for part in layout.split(","))
-    return 1 if world == 1 else 2 + world
+    return (1 if world == 1 else 2 + world) + fronts
+
+
+def frontend_processes(d: Deployment, name: str) -> int:
+    """The front-end processes a PolicyServer's pods run (spec.runtime.frontend; none inline)."""
+    frontend = d.docs[name]["spec"].get("runtime", {}).get("frontend", {})
+    return int(frontend.get("processes", 1)) if frontend.get("mode") == "process" else 0
 
 
 def mounts(pod: dict[str, Any], claim: str) -> bool:
@@ -299,7 +305,11 @@ def test_pods_run_torchrun_with_gloo_on_cpu(deployment: Deployment) -> None:
             agents = [p for p in procs if any(a.endswith("/torchrun") for a in p.argv[:2])]
             assert len(agents) == 1, [p.argv for p in procs]
             ranks = sorted((p for p in procs if p.ppid == agents[0].pid), key=lambda p: int(p.env["RANK"]))
-            assert [p.env["RANK"] for p in ranks] == ["0", "1"] and len(procs) == 4  # serve, torchrun, 2 ranks
+            # the cfgp=1 example decodes in 2 front-end processes (runtime.frontend): children of rank 0, no rank
+            fronts = [p for p in procs if "policy_operator.runtime.serving.frontend" in p.argv]
+            assert len(fronts) == frontend_processes(d, name) == (2 if name == CFGP1 else 0), [p.argv for p in procs]
+            assert all(p.ppid == ranks[0].pid and "RANK" not in p.env for p in fronts)
+            assert [p.env["RANK"] for p in ranks] == ["0", "1"] and len(procs) == 4 + len(fronts)  # serve, torchrun
             for rank in ranks:
                 assert "policy_operator.runtime.worker" in rank.argv
                 argv = list(rank.argv)
@@ -308,6 +318,7 @@ def test_pods_run_torchrun_with_gloo_on_cpu(deployment: Deployment) -> None:
             log = d.cluster.node.logs(NS, pod_name, SERVER_CONTAINER)
             for r in (0, 1):
                 assert f"rank {r}/2 joined cfgp={cfgp},dp={2 // cfgp} (backend gloo" in log, log[-3000:]
+            assert ("2 front-end processes)" in log) is (name == CFGP1), log[-3000:]
     assert len(ips) == 3  # three pods, three loopback addresses, one port
 
 
@@ -394,7 +405,10 @@ def test_layout_change_rolls_the_pods_to_the_new_world_size(deployment: Deployme
     assert len(new) == len(old) and not set(new.values()) & set(old.values())
     for pod in server_pods(d, CFGP1):
         procs = d.cluster.node.processes(NS, pod["metadata"]["name"], SERVER_CONTAINER)
-        assert len(procs) == 1 and "serve" in procs[0].argv  # a single rank runs in serve itself, no torchrun
+        # a single rank runs in serve itself, no torchrun; its 2 front-end processes are its children
+        (serve,) = [p for p in procs if "serve" in p.argv]
+        fronts = [p for p in procs if "policy_operator.runtime.serving.frontend" in p.argv]
+        assert len(procs) == 3 and len(fronts) == 2 and all(p.ppid == serve.pid for p in fronts), procs
     (answer,) = actions_through_service(d, CFGP1, connections=1)
     assert answer["meta"]["layout"] == {"cfgp": 1, "dp": 1, "world_size": 1}
 
@@ -405,7 +419,10 @@ def test_kubectl_delete_collects_everything_and_the_claim_waits_for_its_pods(dep
     pids = [p.pid for p in node.processes(NS)]
     # per pod: serve alone runs a single rank; more ranks are serve + torchrun + one process each (read from the
     # layout each PolicyServer has now, whichever tests ran before)
-    expected = sum(len(server_pods(d, n)) * processes_per_pod(d.cluster.status(n)["layout"]) for n in (CFGP2, CFGP1))
+    expected = sum(
+        len(server_pods(d, n)) * processes_per_pod(d.cluster.status(n)["layout"], frontend_processes(d, n))
+        for n in (CFGP2, CFGP1)
+    )
     assert len(pids) == expected, [p.argv for p in node.processes(NS)]
     claims = {n: d.cluster.get("v1", "persistentvolumeclaims", Names(n).pvc) for n in (CFGP2, CFGP1)}
     assert all("kubernetes.io/pvc-protection" in c["metadata"]["finalizers"] for c in claims.values())

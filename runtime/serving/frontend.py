@@ -1,7 +1,8 @@
 """The front-end process of ``--frontend process``: WebSocket I/O, decoding and ``prepare`` beside the model's.
 
-They run out of the interpreter that launches the model.  Rank 0 starts it (``serving/engine_link.py``) before it loads the model, and
-it serves the port from then on: connections, sessions, auth, connection
+They run out of the interpreter that launches the model.  Rank 0 starts it (``serving/engine_link.py``) before
+it loads the model -- or several, each with its own listening socket on the port (``--frontend-processes``;
+``rank0_front.ProcessFront``) -- and it serves the port from then on: connections, sessions, auth, connection
 bounds, ``/healthz`` ``/readyz`` ``/metrics`` and draining are the inline
 server's own code (``server.py``); only its backend differs.  ``EngineProxy``
 decodes each frame, checks its ``rtc`` entry against the connection's memory,
