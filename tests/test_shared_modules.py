@@ -117,11 +117,14 @@ def test_managed_flags_are_serve_flags_the_operator_writes() -> None:
         drain_grace_s=20,
         latency_budget_ms=40.0,
         max_connections=64,
+        frontend="process",
+        frontend_processes=4,
         rtc="guided",
         rtc_max_delay=4,
     )
     opts = parse_serve(argv)
     assert (opts.rtc, opts.rtc_max_delay) == ("guided", 4)
+    assert (opts.frontend, opts.frontend_processes) == ("process", 4)
     assert opts.policy == "m.p:P"
     assert (
         opts.checkpoint,
