@@ -345,6 +345,21 @@ def test_a_port_in_use_is_refused_before_any_rank_starts(tiny_checkpoint, layout
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], res.stderr[-3000:]
 
 
+def test_a_port_shared_by_another_servers_front_ends_is_refused(tiny_checkpoint) -> None:
+    """Front-end processes bind with SO_REUSEPORT, so a second server's would join a first one's group on the same
+    port (same user) and the kernel would split the robots between two servers: the port check binds without it
+    and refuses, as it refuses any port in use."""
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as a running server's front-ends bind it
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = serve_cli(tiny_checkpoint, "--port", str(port), "--frontend", "process", "--frontend-processes", "2")
+    assert res.returncode == ServeExit.LAYOUT, res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], res.stderr[-3000:]
+
+
 # --- /readyz is public --------------------------------------------------------------------------
 def test_readyz_shows_states_and_reasons_but_no_pids_or_paths(tiny_checkpoint) -> None:
     bodies: list[str] = []
