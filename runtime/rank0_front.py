@@ -139,11 +139,8 @@ def frontend_configs(config: ipc.FrontendConfig, processes: int) -> list[ipc.Fro
             strict=True,
         )
     ):
-        slots, slot_bytes = ipc.ring_geometry(server.max_message_bytes, buffered)
         share = replace(server, max_connections=connections, max_buffered_bytes=buffered, reuse_port=processes > 1)
-        configs.append(
-            replace(config, server=share, slots=slots, slot_bytes=slot_bytes, index=index, processes=processes)
-        )
+        configs.append(replace(config, server=share, index=index, processes=processes))
     return configs
 
 

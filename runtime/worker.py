@@ -425,8 +425,6 @@ def make_front(rt: Runtime, lifecycle: Lifecycle) -> Front:
         rt.layout,
         opts.heartbeat_s,
         opts.pg_timeout_s,
-        0,  # slots and their size: each front-end's from its share of the buffer bound (frontend_configs)
-        0,
         opts.event_loop,
         opts.gil_switch_ms,
         opts.log_level,

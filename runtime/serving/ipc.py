@@ -99,13 +99,20 @@ class FrontendConfig:
     layout: ParallelLayout
     heartbeat_s: float
     request_timeout_s: float
-    slots: int
-    slot_bytes: int
     event_loop: str
     gil_switch_ms: float
     log_level: str
     index: int = 0  # of --frontend-processes: its log lines say which
     processes: int = 1  # --frontend-processes
+
+    @property
+    def slots(self) -> int:
+        """Slots of this front-end's ring: from its own bounds (its share of them), ``ring_geometry``."""
+        return ring_geometry(self.server.max_message_bytes, self.server.max_buffered_bytes)[0]
+
+    @property
+    def slot_bytes(self) -> int:
+        return ring_geometry(self.server.max_message_bytes, self.server.max_buffered_bytes)[1]
 
 
 @dataclass(frozen=True)
