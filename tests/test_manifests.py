@@ -24,6 +24,7 @@ from policy_operator.operator import manifests as M
 from policy_operator.operator.spec import PolicyServerSpec, parse_spec
 from policy_operator.source_uri import checkpoint_key, request_key
 from tests.support.api_objects import api_object
+from tests.support.serve_options import parse_serve
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_VERSIONS = ("1.32.0", "1.37.0")
@@ -368,9 +369,7 @@ def test_batching_flows_into_the_command(batching: dict[str, Any], flags: list[s
     command = _server(M.build_statefulset(spec))["command"]
     at = command.index("--max-batch")
     assert command[at : at + 4] == flags and command[-2:] == ["--threads", "2"]
-    parser = argparse.ArgumentParser()
-    serve_flags.add_arguments(parser)
-    opts = serve_flags.ServeOptions.from_args(parser.parse_args(command[2:]))
+    opts = parse_serve(command[2:])
     serve_flags.check_values(opts)
     assert (opts.max_batch, opts.batch_window_ms) == (int(flags[1]), float(flags[3]))
 
@@ -380,9 +379,7 @@ def test_latency_budget_and_connection_cap_flow_into_the_command() -> None:
     command = _server(M.build_statefulset(spec))["command"]
     at = command.index("--latency-budget-ms")
     assert command[at : at + 4] == ["--latency-budget-ms", "40.0", "--max-connections", "64"]
-    parser = argparse.ArgumentParser()
-    serve_flags.add_arguments(parser)
-    opts = serve_flags.ServeOptions.from_args(parser.parse_args(command[2:]))
+    opts = parse_serve(command[2:])
     serve_flags.check_values(opts)
     assert (opts.latency_budget_ms, opts.max_connections) == (40.0, 64)
 
@@ -393,9 +390,7 @@ def test_rtc_flows_into_the_command_and_off_writes_nothing() -> None:
     command = _server(M.build_statefulset(spec))["command"]
     at = command.index("--rtc")
     assert command[at : at + 4] == ["--rtc", "guided", "--rtc-max-delay", "6"]
-    parser = argparse.ArgumentParser()
-    serve_flags.add_arguments(parser)
-    opts = serve_flags.ServeOptions.from_args(parser.parse_args(command[2:]))
+    opts = parse_serve(command[2:])
     serve_flags.check_values(opts)
     assert (opts.rtc, opts.rtc_max_delay) == ("guided", 6)
 
@@ -508,9 +503,7 @@ def test_frontend_flows_into_the_command_and_the_default_writes_nothing() -> Non
     command = _server(M.build_statefulset(spec))["command"]
     at = command.index("--frontend")
     assert command[at : at + 4] == ["--frontend", "process", "--frontend-processes", "4"]
-    parser = argparse.ArgumentParser()
-    serve_flags.add_arguments(parser)
-    opts = serve_flags.ServeOptions.from_args(parser.parse_args(command[2:]))
+    opts = parse_serve(command[2:])
     serve_flags.check_values(opts)
     assert (opts.frontend, opts.frontend_processes, opts.max_connections) == ("process", 4, 64)
     process_one = _server(M.build_statefulset(spec_of(base(runtime={"frontend": {"mode": "process"}}))))["command"]

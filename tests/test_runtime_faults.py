@@ -216,22 +216,8 @@ def serve_cli(checkpoint: Path, *args: str, timeout: float = 45) -> subprocess.C
         (["--latency-budget-ms", "0"], "--latency-budget-ms"),
         (["--latency-budget-ms", "nan"], "--latency-budget-ms"),
         (["--cfgp", "2", "--heartbeat-s", "0"], "--heartbeat-s"),
-    ],
-    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
-)
-def test_bad_serve_flags_are_one_line_and_exit_2(
-    policyserver_main, tiny_checkpoint, args: list[str], flag: str
-) -> None:
-    res = policyserver_main("serve", "--checkpoint", str(tiny_checkpoint), "--host", "127.0.0.1", *args)
-    assert res.returncode == ServeExit.LAYOUT, res.stderr[-3000:]
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("policyserver: error: ") and flag in lines[0], res.stderr[-3000:]
-    assert "listening" not in res.stdout
-
-
-@pytest.mark.parametrize(
-    "args,words",
-    [
+        # --frontend-processes N: each front-end takes a share of --max-connections and of --max-buffered-bytes,
+        # so each share must admit a connection and a largest message; the message says which bound
         (["--frontend", "process", "--frontend-processes", "0"], "--frontend-processes must be in 1..16, got 0"),
         (["--frontend", "process", "--frontend-processes", "17"], "--frontend-processes must be in 1..16, got 17"),
         (["--frontend", "inline", "--frontend-processes", "2"], "--frontend-processes 2 needs --frontend process"),
@@ -245,17 +231,15 @@ def test_bad_serve_flags_are_one_line_and_exit_2(
             "--max-buffered-bytes must be at least --max-message-bytes (1000) times --frontend-processes (4), got 3999",
         ),
     ],
-    ids=["zero", "past-16", "inline", "connections-below-processes", "buffer-below-a-message-each"],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
-def test_frontend_process_refusals_say_which_bound(
-    policyserver_main, tiny_checkpoint, args: list[str], words: str
+def test_bad_serve_flags_are_one_line_and_exit_2(
+    policyserver_main, tiny_checkpoint, args: list[str], flag: str
 ) -> None:
-    """--frontend-processes N: each front-end takes a share of --max-connections and of --max-buffered-bytes, so
-    each share must admit a connection and a largest message; the message says which bound."""
     res = policyserver_main("serve", "--checkpoint", str(tiny_checkpoint), "--host", "127.0.0.1", *args)
     assert res.returncode == ServeExit.LAYOUT, res.stderr[-3000:]
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("policyserver: error: ") and words in lines[0], res.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("policyserver: error: ") and flag in lines[0], res.stderr[-3000:]
     assert "listening" not in res.stdout
 
 
@@ -272,13 +256,10 @@ def test_frontend_process_refusals_say_which_bound(
     ids=["16-at-every-bound", "4-at-every-bound", "process-1", "inline-1"],
 )
 def test_frontend_processes_at_their_bounds_are_accepted(args: list[str]) -> None:
-    import argparse
-
     from policy_operator import serve_flags
+    from tests.support.serve_options import parse_serve
 
-    parser = argparse.ArgumentParser()
-    serve_flags.add_arguments(parser)
-    opts = serve_flags.ServeOptions.from_args(parser.parse_args(["--checkpoint", "/nowhere", *args]))
+    opts = parse_serve(["--checkpoint", "/nowhere", *args])
     serve_flags.check_values(opts)
     assert opts.frontend_processes == int(args[args.index("--frontend-processes") + 1])
 
@@ -295,7 +276,7 @@ def test_split_evenly_adds_up_and_differs_by_at_most_one(total: int, parts: int)
 
 @pytest.mark.parametrize("processes", [1, 2, 3, 7, 20])
 def test_frontend_configs_give_each_process_its_share_and_a_ring_that_fits_it(processes: int) -> None:
-    """The configuration ``worker.make_front`` builds (ring geometry 0: each front-end's comes from its share),
+    """The configuration ``worker.make_front`` builds (each front-end's ring follows from its share),
     split over ``processes`` front-ends."""
     from dataclasses import replace
 
@@ -314,7 +295,7 @@ def test_frontend_configs_give_each_process_its_share_and_a_ring_that_fits_it(pr
         max_buffered_bytes=20_000,  # 20 front-ends: 1000 each, one message, less than a 1024-byte slot
         frame_read_timeout_s=7.0,
     )
-    config = ipc.FrontendConfig(server, ParallelLayout(cfgp=2, dp=1), 0.5, 30.0, 0, 0, "asyncio", 5.0, "info")
+    config = ipc.FrontendConfig(server, ParallelLayout(cfgp=2, dp=1), 0.5, 30.0, "asyncio", 5.0, "info")
     configs = frontend_configs(config, processes)
     assert [c.index for c in configs] == list(range(processes))
     assert {c.processes for c in configs} == {processes}  # each knows whether its in_flight is the pod's
@@ -330,31 +311,25 @@ def test_frontend_configs_give_each_process_its_share_and_a_ring_that_fits_it(pr
         assert c.slots * c.slot_bytes <= max(share, c.slot_bytes)
         # nothing else differs from the configuration split
         assert replace(c.server, max_connections=33, max_buffered_bytes=20_000, reuse_port=False) == server
-        assert replace(c, server=server, slots=0, slot_bytes=0, index=0, processes=1) == config
+        assert replace(c, server=server, index=0, processes=1) == config
 
 
-@pytest.mark.parametrize("layout", [[], ["--cfgp", "2"]], ids=["1-rank", "cfgp2"])
-def test_a_port_in_use_is_refused_before_any_rank_starts(tiny_checkpoint, layout: list[str]) -> None:
+@pytest.mark.parametrize(
+    "args,reuse_port",
+    [([], False), (["--cfgp", "2"], False), (["--frontend", "process", "--frontend-processes", "2"], True)],
+    ids=["1-rank", "cfgp2", "front-ends-against-reuseport"],
+)
+def test_a_port_in_use_is_refused_before_any_rank_starts(tiny_checkpoint, args: list[str], reuse_port: bool) -> None:
+    """``reuse_port``: the port is held as a running server's front-ends hold it (SO_REUSEPORT), which a second
+    server's front-ends would otherwise join, the kernel splitting the robots between two servers: the port
+    check binds without it and refuses, as it refuses any port in use."""
     with socket.socket() as taken:
+        if reuse_port:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        res = serve_cli(tiny_checkpoint, "--port", str(port), *layout)
-    assert res.returncode == ServeExit.LAYOUT, res.stderr[-3000:]
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], res.stderr[-3000:]
-
-
-def test_a_port_shared_by_another_servers_front_ends_is_refused(tiny_checkpoint) -> None:
-    """Front-end processes bind with SO_REUSEPORT, so a second server's would join a first one's group on the same
-    port (same user) and the kernel would split the robots between two servers: the port check binds without it
-    and refuses, as it refuses any port in use."""
-    with socket.socket() as taken:
-        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as a running server's front-ends bind it
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        res = serve_cli(tiny_checkpoint, "--port", str(port), "--frontend", "process", "--frontend-processes", "2")
+        res = serve_cli(tiny_checkpoint, "--port", str(port), *args)
     assert res.returncode == ServeExit.LAYOUT, res.stderr[-3000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], res.stderr[-3000:]

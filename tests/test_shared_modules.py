@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from policy_operator import serve_flags
@@ -17,6 +15,7 @@ from policy_operator.source_uri import (
     scheme_of,
     split_revision,
 )
+from tests.support.serve_options import parse_serve
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "norm/stats.json", "a/b/c.bin", ".gitattributes", "a..b"])
@@ -85,12 +84,6 @@ def test_fetch_exit_codes_and_what_the_operator_does_with_them() -> None:
     assert FetchExit.SOURCE not in FETCH_FATAL and FetchExit.ERROR not in FETCH_FATAL
     assert describe(FetchExit).startswith("0 ok, 1 other, 2 usage, 3 source unreachable or auth, 4 verification")
     assert len({int(c) for c in FetchExit}) == len(FetchExit)
-
-
-def parse_serve(argv: list[str]) -> serve_flags.ServeOptions:
-    parser = argparse.ArgumentParser()
-    serve_flags.add_arguments(parser)
-    return serve_flags.ServeOptions.from_args(parser.parse_args(argv))
 
 
 def test_to_argv_reproduces_the_options() -> None:
