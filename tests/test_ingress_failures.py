@@ -77,3 +77,41 @@ def test_a_replica_failed_reply_after_the_request_gave_up_still_fails_the_replic
 
     failures, failed = asyncio.run(scenario())
     assert failures == [(0, "cfg collective failed")] and failed == {0: "cfg collective failed"}
+
+
+def test_the_bound_counts_one_unready_stretch_not_the_sum_of_several() -> None:
+    """A replica stale twice, each time for less than the request timeout, still answers the request it held;
+    and a second request routed after the first failed waits its own full timeout."""
+
+    async def scenario() -> tuple[Reply, float]:
+        board, lane = Board(), HeldLane()
+        ingress = Ingress(
+            ParallelLayout(),
+            SamplerSettings(steps=2, guidance=None, cfg_mode="sequential"),
+            board,
+            request_timeout_s=0.3,
+            poll_s=0.02,
+        )
+        ingress.lanes = [cast(Lane, lane)]
+        first = asyncio.ensure_future(ingress.submit(cast(Sample, object()), 7, None))
+        for _ in range(2):  # two stale stretches of ~0.2 s: 0.4 s unready in all, never 0.3 s in a row
+            await asyncio.sleep(0.15)  # fresh for three routing snapshots' age: the watch sees it between
+            board.fresh = False
+            await asyncio.sleep(0.2)
+            board.fresh = True
+        await asyncio.sleep(0.15)
+        assert not first.done(), "no stretch lasted the timeout"
+        lane.futures[0].set_result(Reply(lane.requests[0].request_id, 1.0))
+        answered = await asyncio.wait_for(first, timeout=5)
+        # now stale for good: a request routed while fresh fails one timeout after the stretch began
+        second = asyncio.ensure_future(ingress.submit(cast(Sample, object()), 8, None))
+        await asyncio.sleep(0.05)
+        board.fresh = False
+        stale_at = asyncio.get_running_loop().time()
+        with pytest.raises(ReplicaUnavailable):
+            await asyncio.wait_for(second, timeout=5)
+        return answered, asyncio.get_running_loop().time() - stale_at
+
+    answered, waited = asyncio.run(scenario())
+    assert answered.infer_ms == 1.0 and answered.error_kind is None
+    assert 0.3 <= waited < 1.0, waited  # the timeout, plus a poll and the routing snapshot's age at most

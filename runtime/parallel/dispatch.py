@@ -88,7 +88,7 @@ class InferenceRequest:
 class Reply:
     """A request's answer, the one type from the replica to the WebSocket session: the actions, or why there are
     none, and what the request cost.  The driver fills in the first fields; on rank 0 the lane adds
-    ``queue_ms`` and ``batch_size`` and the ingress ``replica``, ``decode_ms`` and ``prepare_ms``."""
+    ``queue_ms``, ``batch_size`` and ``replica``, the ingress ``decode_ms`` and ``prepare_ms``."""
 
     request_id: str
     infer_ms: float
@@ -499,7 +499,9 @@ class Lane:
             if isinstance(outcome, BaseException):
                 item.future.set_exception(outcome)
             else:
-                item.future.set_result(replace(outcome[k], queue_ms=waits[k], batch_size=len(items)))
+                item.future.set_result(
+                    replace(outcome[k], queue_ms=waits[k], batch_size=len(items), replica=self.index)
+                )
         assert self._loop is not None
         head = self._head()
         if head is not None and head[1] >= self.max_batch:

@@ -20,6 +20,7 @@ rank 0's ends the front-end (its socket closes): the pod never serves half.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -33,6 +34,7 @@ from typing import Any
 from policy_operator.constants import ENV_PROMETHEUS_MULTIPROC_DIR
 from policy_operator.fetch_progress import FetchProgress
 from policy_operator.runtime.errors import ErrorKind, NotReady, RequestError
+from policy_operator.runtime.parallel.dispatch import Reply
 from policy_operator.runtime.policy.interface import Policy, Sample
 from policy_operator.runtime.policy.rtc import RtcConstraint
 from policy_operator.runtime.serving import ipc, wire
@@ -187,7 +189,10 @@ class EngineLink:
                 assert self._loop is not None
                 self._loop.call_soon(self._flush_freed)  # after every request this read pass took
             self._freed.append(request.slot)
-        task = asyncio.ensure_future(self._serve(request, payload))
+        if isinstance(payload, Sample):
+            self._dispatch(request, payload, 0.0)
+            return
+        task = asyncio.ensure_future(self._prepare_and_dispatch(request, payload))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -195,31 +200,49 @@ class EngineLink:
         freed, self._freed = tuple(self._freed), []
         self.send(ipc.Freed(freed))
 
-    async def _serve(self, request: ipc.Request, payload: Sample | bytes) -> None:
+    async def _prepare_and_dispatch(self, request: ipc.Request, frame: bytes) -> None:
+        """A policy without a ``Preprocessor``: its raw frame prepared here first."""
+        assert self.ingress is not None
+        started = time.perf_counter()
+        try:
+            sample = await self._prepare(self.ingress, frame)
+        except Exception as exc:  # noqa: BLE001 - one request fails, the server carries on
+            self._failed(request.id, exc)
+            return
+        self._dispatch(request, sample, (time.perf_counter() - started) * 1e3)
+
+    def _dispatch(self, request: ipc.Request, sample: Sample, prepare_ms: float) -> None:
+        """Route the request; its answer (or failure) is sent from its future's callback: no task per request."""
         ingress = self.ingress
         assert ingress is not None and ingress.policy is not None
         try:
-            prepare_ms = 0.0
-            if isinstance(payload, bytes):
-                started = time.perf_counter()
-                sample = await self._prepare(ingress, payload)
-                prepare_ms = (time.perf_counter() - started) * 1e3
-            else:
-                sample = payload
             rtc = None
             if request.rtc is not None:
                 prev, delay, horizon = request.rtc
                 rtc = RtcConstraint(ingress.policy.actions_to_model(prev).float(), delay, horizon)
-            reply = await ingress.submit(sample, request.seed, request.session, rtc)
-        except NotReady as exc:
-            self.send(ipc.Failure(request.id, exc.kind, str(exc), True))
-        except RequestError as exc:
-            self.send(ipc.Failure(request.id, exc.kind, str(exc), False))
+            answer = ingress.dispatch(sample, request.seed, request.session, rtc)
         except Exception as exc:  # noqa: BLE001 - one request fails, the server carries on
-            log.exception("request failed")
-            self.send(ipc.Failure(request.id, ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}", False))
+            self._failed(request.id, exc)
+            return
+        answer.add_done_callback(functools.partial(self._answered, request.id, prepare_ms))
+
+    def _answered(self, request_id: int, prepare_ms: float, answer: asyncio.Future[Reply]) -> None:
+        if answer.cancelled():  # nobody here cancels one; the front-end's session is answered by its own drain
+            return
+        if (exc := answer.exception()) is not None:
+            self._failed(request_id, exc)
+            return
+        reply = answer.result()
+        self.send(ipc.Answer(request_id, replace(reply, prepare_ms=prepare_ms) if prepare_ms else reply))
+
+    def _failed(self, request_id: int, exc: BaseException) -> None:
+        if isinstance(exc, NotReady):
+            self.send(ipc.Failure(request_id, exc.kind, str(exc), True))
+        elif isinstance(exc, RequestError):
+            self.send(ipc.Failure(request_id, exc.kind, str(exc), False))
         else:
-            self.send(ipc.Answer(request.id, replace(reply, prepare_ms=prepare_ms) if prepare_ms else reply))
+            log.error("request failed", exc_info=exc)
+            self.send(ipc.Failure(request_id, ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}", False))
 
     async def _prepare(self, ingress: Ingress, frame: bytes) -> Sample:
         """A policy without a ``Preprocessor``: its ``prepare`` here, off the loop for large frames."""

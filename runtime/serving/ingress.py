@@ -101,7 +101,10 @@ class Ingress:
         self.draining = False
         self.failed: dict[int, str] = {}  # replica -> why its communicator failed; out of service for good
         self.preparing = 0  # requests in decode or prepare: not routed yet
-        self._waiting: set[asyncio.Future[Reply]] = set()  # routed requests whose reply has not come: give_up()
+        # routed requests whose lane has not answered: lane future -> (the caller's future, replica, routed at)
+        self._pending: dict[asyncio.Future[Reply], tuple[asyncio.Future[Reply], int, float]] = {}
+        self._unready_since: dict[int, float] = {}  # replica -> when the watch first saw it not ready
+        self._watch_timer: asyncio.TimerHandle | None = None
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
         self._snapshot: tuple[float, list[RankReadiness]] | None = None  # (monotonic time, ranks)
         self._problems: tuple[tuple[float, int], list[str | None]] | None = None  # of that snapshot
@@ -233,11 +236,12 @@ class Ingress:
                 sample, seed, session, decode_ms, prepare_ms, rtc = await self.off_loop(
                     lambda: self._decode_and_prepare(message, rtc_session)
                 )
-            task, index = self._route(sample, seed, session, rtc.constraint if rtc is not None else None)
-        finally:
+        except BaseException:
             self.preparing -= 1
             self.kick()
-        reply = await self._answer(task, index)
+            raise
+        self.preparing -= 1  # dispatch kicks the lanes once it is queued
+        reply = await self.dispatch(sample, seed, session, rtc.constraint if rtc is not None else None)
         actions = reply.unwrap()
         if rtc is not None:
             actions = rtc.request.frozen(actions)
@@ -248,75 +252,96 @@ class Ingress:
     async def submit(
         self, sample: Sample, seed: int | None, session: str | None, rtc: RtcConstraint | None = None
     ) -> Reply:
-        """A request prepared elsewhere (the front-end process): routed, batched and answered as ``infer``'s.
+        """A request prepared elsewhere: routed, batched and answered as ``infer``'s.
 
         The reply holds the replica's outcome as it is (an error too: the caller unwraps it)."""
-        try:
-            task, index = self._route(sample, seed, session, rtc)
-        finally:
-            self.kick()
-        return await self._answer(task, index)
+        return await self.dispatch(sample, seed, session, rtc)
 
     def kick(self) -> None:
         """A request was queued, or one a lane's window may be waiting for went elsewhere: every lane looks."""
         for lane in self.lanes:
             lane.kick()
 
-    def _route(
-        self, sample: Sample, seed: int | None, session: str | None, rtc: RtcConstraint | None
-    ) -> tuple[asyncio.Future[Reply], int]:
-        """Queue the request at the lane of the replica the router picks; (the lane's future, the replica)."""
-        sample = self.history.extend(session, sample)  # on the loop: sessions' histories change on one thread
-        request = InferenceRequest(
-            f"{self._id_prefix}-{next(self._ids)}",
-            sample,
-            self._seeds.getrandbits(63) if seed is None else seed,
-            rtc,
-        )
+    def dispatch(
+        self, sample: Sample, seed: int | None, session: str | None, rtc: RtcConstraint | None = None
+    ) -> asyncio.Future[Reply]:
+        """Queue the request at the lane of the replica the router picks; the future of its Reply (``replica``
+        set by the lane), or ``ReplicaUnavailable`` once that replica has not been ready for the request timeout
+        while it held the request.  Raises ``NotReady`` at once when no replica may take it.
+
+        A future, not a task: the model process of ``--frontend process`` answers its requests from the
+        future's callback, with no task per request."""
+        try:
+            sample = self.history.extend(session, sample)  # on the loop: sessions' histories change on one thread
+            request = InferenceRequest(
+                f"{self._id_prefix}-{next(self._ids)}",
+                sample,
+                self._seeds.getrandbits(63) if seed is None else seed,
+                rtc,
+            )
+            problems = self.replica_problems()
+            if all(problems):
+                raise NotReady("no replica can take a request: " + "; ".join(p for p in problems if p))
+            index = self.router.acquire(session, usable=[p is None for p in problems])
+            # The replica stays counted in flight until its lane is really free, even when this request
+            # gave up on it: a lane blocked on a frozen replica must not be handed more work.
+            task = self.lanes[index].submit(request)
+        finally:
+            self.kick()
+        loop = task.get_loop()
+        answer: asyncio.Future[Reply] = loop.create_future()
+        self._pending[task] = (answer, index, time.monotonic())
+        task.add_done_callback(self._lane_answered)
+        if self._watch_timer is None:
+            self._watch_timer = loop.call_later(self._poll_s, self._watch)
+        return answer
+
+    def _lane_answered(self, task: asyncio.Future[Reply]) -> None:
+        """The lane is done with a request (or the drain gave up on it): free the replica, note a failed one, and
+        pass the outcome on unless the caller has stopped waiting."""
+        answer, index, _ = self._pending.pop(task)
+        self.router.release(index)
+        if task.cancelled():
+            if not answer.done():
+                answer.cancel()
+            return
+        if (exc := task.exception()) is not None:
+            if not answer.done():
+                answer.set_exception(exc)
+            return
+        # here, not in the caller: the reply may come after the request gave up (replica_unavailable)
+        if (reply := task.result()).error_kind is ErrorKind.REPLICA_FAILED:
+            self._replica_failed(index, reply.error)
+        if not answer.done():
+            answer.set_result(reply)
+
+    def _watch(self) -> None:
+        """Every ``poll_s`` while requests are routed: one whose replica has not been ready (the board, a
+        failure) for ``request_timeout_s`` since it was routed fails with ``ReplicaUnavailable``, however long
+        the replica's lane stays blocked.  One timer for all requests instead of a wait with a timeout each."""
+        self._watch_timer = None
+        if not self._pending:
+            self._unready_since.clear()
+            return
+        now = time.monotonic()
         problems = self.replica_problems()
-        if all(problems):
-            raise NotReady("no replica can take a request: " + "; ".join(p for p in problems if p))
-        index = self.router.acquire(session, usable=[p is None for p in problems])
-        # The replica stays counted in flight until its lane is really free, even when this request
-        # gave up on it: a lane blocked on a frozen replica must not be handed more work.
-        task = self.lanes[index].submit(request)  # queued before `preparing` drops
-
-        def lane_free(done: asyncio.Future[Reply]) -> None:
-            self.router.release(index)
-            self._waiting.discard(done)
-            if done.cancelled() or done.exception() is not None:  # retrieved: no "never retrieved" warnings
-                return
-            # here, not in _answer: the reply may come after the request gave up (replica_unavailable)
-            if (reply := done.result()).error_kind is ErrorKind.REPLICA_FAILED:
-                self._replica_failed(index, reply.error)
-
-        task.add_done_callback(lane_free)
-        self._waiting.add(task)
-        return task, index
-
-    async def _answer(self, task: asyncio.Future[Reply], index: int) -> Reply:
-        """The lane's reply (``replica`` set), bounded by the replica's readiness (a failed replica is noted by
-        ``_route``'s callback)."""
-        reply = await self._bounded(index, task)
-        return replace(reply, replica=index)
-
-    async def _bounded(self, index: int, task: asyncio.Future[Reply]) -> Reply:
-        """The lane's answer, or ReplicaUnavailable once the replica has not been ready for the request timeout."""
-        since: float | None = None
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=self._poll_s)
-            if done:
-                return task.result()
-            problem = self.replica_problems()[index]
+        for index, problem in enumerate(problems):
             if problem is None:
-                since = None
+                self._unready_since.pop(index, None)
+            else:
+                self._unready_since.setdefault(index, now)
+        for answer, index, routed in list(self._pending.values()):
+            problem = problems[index]
+            if problem is None or answer.done():
                 continue
-            since = time.monotonic() if since is None else since
-            if time.monotonic() - since >= self.request_timeout_s:
-                raise ReplicaUnavailable(
-                    f"{problem} for {self.request_timeout_s:g}s (--pg-timeout-s) while it held "
-                    "this request; it gets no new requests until it is ready again"
+            if now - max(self._unready_since[index], routed) >= self.request_timeout_s:
+                answer.set_exception(
+                    ReplicaUnavailable(
+                        f"{problem} for {self.request_timeout_s:g}s (--pg-timeout-s) while it held "
+                        "this request; it gets no new requests until it is ready again"
+                    )
                 )
+        self._watch_timer = asyncio.get_running_loop().call_later(self._poll_s, self._watch)
 
     def give_up(self, error: RequestError) -> int:
         """Fail every routed request still waiting for its replica with ``error``; how many there were.
@@ -324,9 +349,11 @@ class Ingress:
         The drain's deadline: each request's session gets ``error`` at once, however long its batch still
         computes (the replica's late answer is dropped).
         """
-        waiting = [task for task in self._waiting if not task.done()]
-        for task in waiting:
-            task.set_exception(error)
+        waiting = [(task, answer) for task, (answer, _, _) in self._pending.items() if not answer.done()]
+        for task, answer in waiting:
+            answer.set_exception(error)
+            if not task.done():
+                task.set_exception(error)  # the lane skips it if it has not started
         return len(waiting)
 
     async def drain(self, grace_s: float) -> bool:
