@@ -16,6 +16,7 @@
 #   run(command="bash bench/device_robots.sh rtc", carry=[".whl"])      # RTC in-process on the dynamic step
 #   run(command="bash bench/device_robots.sh frontends", carry=[".whl"])  # max-batch 32: inline, 1, 2, 4 front-ends
 #   run(command="bash bench/device_robots.sh rtc-static", carry=[".whl"])  # guided RTC: symbolic batch vs per size
+#   run(command="PYSPY=$(pwd)/pyspy bash bench/device_robots.sh lone", carry=[".whl", ".old", "pyspy"])  # one robot
 DEFAULT_BUDGET_S=585
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
@@ -188,6 +189,34 @@ if [ "${1:-}" = rtc-static ]; then
         echo "rtc-$variant rc=$? after $(( $(date +%s) - start )) s"
         grep "^| \|warm-up" "$OUT/rtc-$variant.md" || tail -5 "$OUT/rtc-$variant.log"
     done
+    exit 0
+fi
+if [ "${1:-}" = lone ]; then
+    # one robot, inline, max-batch 1 / 8 / 32 (issue 24: p50 <= the in-process batch-1 time + 1 ms), the build in
+    # .old against this one, interleaved, twice; then rank 0 under native py-spy (PYSPY: its binary, carried) for
+    # 10 s of one robot at max-batch 32, thread by thread: where the 1.3-1.5 ms around infer go on this host
+    for n in 1 2; do
+        for b in old new; do
+            [ -d "/tmp/site-$b" ] || continue
+            stage "lone-$b-$n" /tmp/site-$b 150 --robot-max-batch 1,8,32 --robots 1 --robot-n 60 --frontend inline \
+                $( [ "$b-$n" = new-1 ] && echo --in-process || echo --no-in-process ) \
+                --serve-args "--compile-cache-dir /tmp/cc-$b"
+        done
+    done
+    if [ -n "${PYSPY:-}" ]; then
+        (
+            for _ in $(seq 600); do pid=$(pgrep -f -- "cli serve .*--max-batch 32" | head -1); [ -n "$pid" ] && break; sleep 0.5; done
+            port=$(tr '\0' ' ' </proc/$pid/cmdline | sed 's/.*--port \([0-9]*\).*/\1/')
+            for _ in $(seq 600); do curl -sf "127.0.0.1:$port/readyz" >/dev/null && break; sleep 0.5; done
+            sleep 5
+            "$PYSPY" record -p "$pid" --native --threads --nonblocking --format raw -r 500 -d 10 \
+                -o "$OUT/prof-lone.txt" >"$OUT/prof-lone.log" 2>&1
+        ) &
+        stage lone-profile /tmp/site-new 5 --robot-max-batch 32 --robots 1 --robot-n 1500 --frontend inline \
+            --no-in-process --serve-args "--compile-cache-dir /tmp/cc-new"
+        wait
+    fi
+    echo "done after $(( $(date +%s) - start )) s"
     exit 0
 fi
 if [ "${1:-}" = window ]; then
