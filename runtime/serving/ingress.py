@@ -285,9 +285,13 @@ class Ingress:
             index = self.router.acquire(session, usable=[p is None for p in problems])
             # The replica stays counted in flight until its lane is really free, even when this request
             # gave up on it: a lane blocked on a frozen replica must not be handed more work.
-            task = self.lanes[index].submit(request)
-        finally:
+            task = self.lanes[index].submit(request)  # its lane looks at once
+        except BaseException:
             self.kick()
+            raise
+        for k, lane in enumerate(self.lanes):  # a window another lane keeps for this request's session ends
+            if k != index:
+                lane.kick()
         loop = task.get_loop()
         answer: asyncio.Future[Reply] = loop.create_future()
         self._pending[task] = (answer, index, time.monotonic())
