@@ -227,7 +227,8 @@ class EngineLink:
         answer.add_done_callback(functools.partial(self._answered, request.id, prepare_ms))
 
     def _answered(self, request_id: int, prepare_ms: float, answer: asyncio.Future[Reply]) -> None:
-        if answer.cancelled():  # nobody here cancels one; the front-end's session is answered by its own drain
+        if answer.cancelled():  # nothing here cancels one; were it to, the front-end still gets its answer
+            self._failed(request_id, RuntimeError("the request was cancelled in the model process"))
             return
         if (exc := answer.exception()) is not None:
             self._failed(request_id, exc)
