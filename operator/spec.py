@@ -621,22 +621,13 @@ class FrontendSpec(KubeModel):
     through shared memory, so decoding many robots' frames no longer delays the model (docs/runtime.md). Each
     front-end process adds 1 CPU and 512Mi to the pod's default requests."""
     processes: int = Field(1, ge=1, le=MAX_FRONTEND_PROCESSES)
-    """With mode process: how many front-end processes share the port (the kernel spreads connections over them),
-    each with its share of maxConnections. Several help when many robots share a large batch (32 robots at
+    """With mode process: how many front-end processes share the port (the kernel spreads connections over them);
+    runtime.maxConnections bounds their sessions together. Several help when many robots share a large batch (32 robots at
     maxBatch 32 on an H200: docs/benchmarks.md)."""
 
 
 class RuntimeSpec(KubeModel):
     """How the policy runs."""
-
-    cel_rules = (
-        Rule(
-            "!has(self.frontend) || !has(self.frontend.processes) || !has(self.maxConnections) "
-            "|| self.maxConnections >= self.frontend.processes",
-            "maxConnections must be at least frontend.processes: each front-end process takes its share",
-            field_path=".maxConnections",
-        ),
-    )
 
     guidance: float | None = Field(None, ge=0)
     """Classifier-free guidance scale. Unset: the policy's own (3.0 for the reference policy, 1.0 = no guidance
@@ -660,8 +651,9 @@ class RuntimeSpec(KubeModel):
     device: Literal[DEVICES] = "cuda"  # type: ignore[valid-type]
     """cuda requests cfgp x dp GPUs per pod; cpu requests none (tests, CPU-only clusters)."""
     max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1, le=MAX_MAX_CONNECTIONS)
-    """WebSocket connections one pod accepts at once (--max-connections); more get HTTP 503 before the upgrade
-    and are counted in policy_connections_closed_total{reason="max_connections"}."""
+    """WebSocket connections one pod accepts at once (--max-connections), whichever of its front-end processes
+    holds them; more get HTTP 503 before the upgrade and are counted in
+    policy_connections_closed_total{reason="max_connections"}."""
     frontend: FrontendSpec = Field(default_factory=FrontendSpec)
 
 

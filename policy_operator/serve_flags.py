@@ -270,8 +270,8 @@ def _server_flags(g: argparse._ArgumentGroup) -> None:
         type=int,
         default=1,
         help="with --frontend process: how many front-end processes share the port (SO_REUSEPORT; the kernel "
-        "spreads connections over them), each with its share of --max-connections and --max-buffered-bytes "
-        "(default %(default)s)",
+        "spreads connections over them), each with its share of --max-buffered-bytes; --max-connections bounds "
+        "their sessions together (default %(default)s)",
     )
     g.add_argument(
         "--gil-switch-ms",
@@ -333,11 +333,6 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(f"--frontend-processes must be in 1..{MAX_FRONTEND_PROCESSES}, got {opts.frontend_processes}")
     if opts.frontend_processes > 1 and opts.frontend != "process":
         raise ValueError(f"--frontend-processes {opts.frontend_processes} needs --frontend process")
-    if opts.max_connections < opts.frontend_processes:
-        raise ValueError(
-            f"--max-connections ({opts.max_connections}) must be at least --frontend-processes "
-            f"({opts.frontend_processes}): each front-end process takes its share"
-        )
     if opts.max_buffered_bytes < opts.max_message_bytes:
         raise ValueError(
             f"--max-buffered-bytes must be at least --max-message-bytes ({opts.max_message_bytes}), "

@@ -128,29 +128,36 @@ def split_evenly(total: int, parts: int) -> list[int]:
 
 
 def frontend_configs(config: ipc.FrontendConfig, processes: int) -> list[ipc.FrontendConfig]:
-    """One configuration per front-end process: its index, its share of ``--max-connections`` and of
-    ``--max-buffered-bytes`` (its ring from that share), and SO_REUSEPORT when there are several."""
+    """One configuration per front-end process: its index, its share of ``--max-buffered-bytes`` (its ring from
+    that share), and SO_REUSEPORT when there are several.  ``--max-connections`` is not split: every front-end
+    bounds the pod's sessions, counted in ``ipc.SessionCounts``."""
     server = config.server
-    configs = []
-    for index, (connections, buffered) in enumerate(
-        zip(
-            split_evenly(server.max_connections, processes),
-            split_evenly(server.max_buffered_bytes, processes),
-            strict=True,
+    return [
+        replace(
+            config,
+            server=replace(server, max_buffered_bytes=buffered, reuse_port=processes > 1),
+            index=index,
+            processes=processes,
         )
-    ):
-        share = replace(server, max_connections=connections, max_buffered_bytes=buffered, reuse_port=processes > 1)
-        configs.append(replace(config, server=share, index=index, processes=processes))
-    return configs
+        for index, buffered in enumerate(split_evenly(server.max_buffered_bytes, processes))
+    ]
+
+
+def spawn_link(config: ipc.FrontendConfig, metrics_dir: str, counts_fd: int) -> EngineLink:
+    """Start one front-end process (``EngineLink.spawn``) and hand it the pod's session counts."""
+    link = EngineLink.spawn(config, metrics_dir)
+    link.channel.send_fd(counts_fd)
+    return link
 
 
 class ProcessFront:
     """``--frontend process``: front-end children serve the port; rank 0 talks to each over its ``EngineLink``.
 
     With ``--frontend-processes N`` there are N of them, each with its own listening socket on the port
-    (SO_REUSEPORT: the kernel spreads connections over them), its own ring and its share of the connection and
-    buffer bounds.  Each request is answered through the link it came on; the batch window counts the recent
-    sessions of all of them; engine metrics (batch sizes, load, warm-up, buckets, download) go to the first
+    (SO_REUSEPORT: the kernel spreads connections over them), its own ring and its share of the buffer bound;
+    ``--max-connections`` bounds the sessions of all of them together (``ipc.SessionCounts``, one memfd that
+    every front-end maps, made here).  Each request is answered through the link it came on; the batch window
+    counts the recent sessions of all of them; engine metrics (batch sizes, load, warm-up, buckets, download) go to the first
     only, since every process answers ``/metrics`` for all (``ServerMetrics``' multiprocess files in
     ``metrics_dir``); a drain drains them all, and any one's exit ends rank 0.
     """
@@ -162,13 +169,17 @@ class ProcessFront:
         links: list[EngineLink],
         later: list[ipc.FrontendConfig],
         metrics_dir: str,
+        counts_fd: int | None,
         heartbeat: Heartbeat,
         lifecycle: Lifecycle,
     ) -> None:
-        """``later``: configurations of front-ends to start once the first one bound the port (``--port 0``)."""
+        """``later``: configurations of front-ends to start once the first one bound the port (``--port 0``);
+        ``counts_fd``: the pod's session counts (``ipc.create_counts_fd``) for them, closed once they started;
+        None when none is left to start."""
         self.links = links
         self.later = later
         self.metrics_dir = metrics_dir
+        self.counts_fd = counts_fd
         self.heartbeat = heartbeat
         self.lifecycle = lifecycle
         self.ingress: Ingress | None = None  # set by open()
@@ -185,7 +196,13 @@ class ProcessFront:
         metrics_dir = tempfile.mkdtemp(prefix="policy-frontend-metrics-", dir=shm if os.access(shm, os.W_OK) else None)
         configs = frontend_configs(config, processes)
         now, later = (configs, []) if config.server.port else (configs[:1], configs[1:])
-        return cls([EngineLink.spawn(c, metrics_dir) for c in now], later, metrics_dir, heartbeat, lifecycle)
+        counts_fd = ipc.create_counts_fd(processes)
+        try:
+            links = [spawn_link(c, metrics_dir, counts_fd) for c in now]
+        finally:
+            if not later:  # every front-end has its copy
+                os.close(counts_fd)
+        return cls(links, later, metrics_dir, counts_fd if later else None, heartbeat, lifecycle)
 
     def recent_sessions(self) -> int:
         return sum(link.recent for link in self.links)
@@ -221,12 +238,17 @@ class ProcessFront:
 
     def _start_later(self, port: int) -> None:
         """``--port 0``: the first front-end picked the port; the others join it."""
-        assert self.ingress is not None
+        if not self.later:
+            return
+        assert self.ingress is not None and self.counts_fd is not None
         for config in self.later:
-            link = EngineLink.spawn(replace(config, server=replace(config.server, port=port)), self.metrics_dir)
+            joined = replace(config, server=replace(config.server, port=port))
+            link = spawn_link(joined, self.metrics_dir, self.counts_fd)
             link.start(self.ingress, self._gone)
             self.links.append(link)
         self.later = []
+        os.close(self.counts_fd)  # every front-end has its copy
+        self.counts_fd = None
 
     def push_readiness(self) -> None:
         for link in self.links:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
 import shutil
 import signal
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
-from websockets.sync.client import connect
+from websockets.sync.client import ClientConnection, connect
 
 from policy_operator.constants import ENV_PROMETHEUS_MULTIPROC_DIR, METRICS_PATH
 from policy_operator.exit_codes import ServeExit
@@ -343,9 +344,8 @@ def test_readiness_across_ranks_and_sigterm(tiny_checkpoint: Path) -> None:
 TWO = [*STEPS, *PROCESS, "--frontend-processes", "2", "--threads", "1", "--max-batch", "4"]
 ROBOTS = 16  # all 16 on one front-end of two: 2 * 2**-16 = 2**-15
 REQUESTS = 2  # per robot
-# shares 17 + 16 (uneven on purpose): each front-end admits only its share, whatever the other holds, so a cap of at
-# least ROBOTS per front-end is what makes no spread of the robots refused (16 robots under --max-connections 20,
-# 10 + 10, would see a spread of 11 or more on one side, and a refusal, 21% of the time)
+# the pod's limit, over both front-ends' sessions: room for every robot; odd, so /metrics that summed the two
+# front-ends' values (66) or halved it would show
 MAX_CONNECTIONS = 2 * ROBOTS + 1
 TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"  # /proc/net/tcp's st column
 PICK_TRIES = 40  # connections opened until each front-end has one: all 40 on one of two is 2 * 2**-40
@@ -520,7 +520,7 @@ def test_concurrent_robots_spread_over_both_and_metrics_sum_them(
     assert len(got) == ROBOTS * REQUESTS
     for pid, metrics in while_open.items():  # either front-end answers for both
         assert sample(metrics, "policy_connections") == ROBOTS, (pid, spread)
-        assert sample(metrics, "policy_max_connections") == MAX_CONNECTIONS, pid  # 17 + 16
+        assert sample(metrics, "policy_max_connections") == MAX_CONNECTIONS, pid  # the pod's, once
     wait_for(
         lambda: all(sample(m, "policy_connections") == 0 for m in metrics_of_each(server, pids).values()),
         timeout=10,
@@ -613,6 +613,82 @@ def test_a_killed_frontend_of_two_takes_rank_0_and_the_other_down(tiny_checkpoin
             shutil.rmtree(folder, ignore_errors=True)
 
 
+POD_LIMIT = 3  # --max-connections of the test below: shares of 2 + 1 where each front-end had its own
+
+
+def upgrade(server: PolicyServerProcess, pids: list[int]) -> tuple[int, ClientConnection]:
+    """A WebSocket session (its metadata frame read: the front-end counted it) and the front-end that holds it."""
+    ws = connect(server.url, compression=None, open_timeout=30)
+    try:
+        pid = accepted_by(server, pids, ws.socket.getsockname()[1])
+        wire.unpackb(ws.recv(timeout=30))
+    except BaseException:
+        ws.close()
+        raise
+    return pid, ws
+
+
+@pytest.mark.slow  # a server of its own
+def test_max_connections_bounds_the_sessions_of_both_frontends_together(tiny_checkpoint: Path) -> None:
+    """``--max-connections 3`` over two front-ends: 3 sessions are accepted however the kernel spreads them --
+    2 on the first and 1 on the second, and 1 and 2 -- and a 4th upgrade gets 503, whichever front-end it
+    reaches; after one closes, a new one is accepted.  (With a share per front-end, 2 + 1, the front-end holding
+    a share of one refused its second session while the pod had room: the spread 1 + 2 never came about.)"""
+    args = [*TWO, "--max-connections", str(POD_LIMIT), "--error-format", "dict", *NO_DRAIN]
+    with serve_policy(tiny_checkpoint, *args) as server:
+        pids = frontend_pids(server)
+        assert len(pids) == 2, pids
+        held: dict[int, list[ClientConnection]] = {pid: [] for pid in pids}
+        # each front-end holding 2 of the 3 sessions in turn: every spread of 3 over 2 has a front-end at 2
+        wanted = [{pids[0]: 2, pids[1]: 1}, {pids[0]: 1, pids[1]: 2}]
+        seen: list[dict[int, int]] = []
+        refused = server.metric("policy_connections_closed_total", reason="max_connections") or 0.0
+
+        def spread() -> dict[int, int]:
+            return {pid: len(sessions) for pid, sessions in held.items()}
+
+        def counted(n: int) -> None:  # the pod's open sessions as /metrics shows them (either front-end's scrape)
+            wait_for(lambda: server.metric("policy_connections") == n, timeout=10, interval=0.02, what=f"{n} open")
+
+        try:
+            for _ in range(POD_LIMIT):
+                pid, ws = upgrade(server, pids)
+                held[pid].append(ws)
+            for _ in range(PICK_TRIES):
+                counted(POD_LIMIT)
+                if spread() in wanted and spread() not in seen:
+                    seen.append(spread())
+                    for pid, metrics in metrics_of_each(server, pids).items():
+                        assert sample(metrics, "policy_connections") == POD_LIMIT, (pid, spread())
+                        assert sample(metrics, "policy_max_connections") == POD_LIMIT, pid  # the pod's, once
+                with pytest.raises(InvalidStatus) as full:
+                    connect(server.url, compression=None, open_timeout=30).close()
+                assert full.value.response.status_code == 503, full.value.response
+                body = json.loads(full.value.response.body)
+                assert body["error"].startswith(f"server has {POD_LIMIT} connections open (--max-connections)"), body
+                refused += 1
+                assert server.metric("policy_connections_closed_total", reason="max_connections") == refused
+                if len(seen) == len(wanted):
+                    break
+                # toward a spread not seen yet: close a session where there are more than it has, open another
+                target = next(w for w in wanted if w not in seen)
+                closing = next(pid for pid in pids if len(held[pid]) > target[pid])
+                held[closing].pop().close()
+                counted(POD_LIMIT - 1)
+                pid, ws = upgrade(server, pids)  # room again: accepted, whichever front-end it reaches
+                held[pid].append(ws)
+            assert len(seen) == len(wanted), f"{PICK_TRIES} tries reached the spreads {seen} only"
+        finally:
+            for sessions in held.values():
+                for ws in sessions:
+                    ws.close()
+        counted(0)
+        pid, ws = upgrade(server, pids)
+        with ws:
+            ws.send(wire.packb(observation(1, seed=3)))
+            assert "actions" in wire.unpackb(ws.recv(timeout=60))
+
+
 # --- the shared-memory ring, in this process ---------------------------------------------------------------
 def test_the_ring_round_trips_every_dtype_and_refuses_what_does_not_fit() -> None:
     import os
@@ -655,3 +731,38 @@ def test_the_ring_round_trips_every_dtype_and_refuses_what_does_not_fit() -> Non
     assert too_big.value.kind is ErrorKind.BAD_FRAME and "--max-message-bytes" in str(too_big.value)
     with pytest.raises(WireError):
         writer.write_raw(1, b"x" * 2000)
+
+
+def test_session_counts_add_every_frontends_slot_handed_over_the_channel() -> None:
+    """Rank 0 makes the counts' memfd and hands it over each front-end's socket after the configuration; each
+    mapping writes its own slot and reads the sum of all (what ``--max-connections`` compares against)."""
+    import socket
+
+    from policy_operator.runtime.serving import ipc
+
+    processes = 3
+    fd = ipc.create_counts_fd(processes)
+    mappings = []
+    try:
+        for index in range(processes):
+            ours, theirs = socket.socketpair()
+            with ours, theirs:
+                rank0, front = ipc.Channel(ours), ipc.Channel(theirs)
+                rank0.send({"config": index})  # the configuration goes first, the descriptor after it
+                rank0.send_fd(fd)
+                assert front.recv() == {"config": index}
+                received = front.recv_fd()
+            assert received != fd
+            try:
+                mappings.append(ipc.SessionCounts(received, processes, index))
+            finally:
+                os.close(received)  # mapped: the descriptor is no longer needed
+    finally:
+        os.close(fd)
+    assert [m.total() for m in mappings] == [0, 0, 0]
+    for index, m in enumerate(mappings):
+        m.set(10**index)  # 1, 10, 100: a slot written over another's would show
+    assert [m.total() for m in mappings] == [111] * processes
+    mappings[1].set(0)  # a front-end whose sessions closed
+    mappings[2].set(2**40)  # any int64
+    assert [m.total() for m in mappings] == [1 + 2**40] * processes

@@ -216,15 +216,11 @@ def serve_cli(checkpoint: Path, *args: str, timeout: float = 45) -> subprocess.C
         (["--latency-budget-ms", "0"], "--latency-budget-ms"),
         (["--latency-budget-ms", "nan"], "--latency-budget-ms"),
         (["--cfgp", "2", "--heartbeat-s", "0"], "--heartbeat-s"),
-        # --frontend-processes N: each front-end takes a share of --max-connections and of --max-buffered-bytes,
-        # so each share must admit a connection and a largest message; the message says which bound
+        # --frontend-processes N: each front-end takes a share of --max-buffered-bytes, so each share must admit a
+        # largest message (--max-connections bounds their sessions together: any value of it will do)
         (["--frontend", "process", "--frontend-processes", "0"], "--frontend-processes must be in 1..16, got 0"),
         (["--frontend", "process", "--frontend-processes", "17"], "--frontend-processes must be in 1..16, got 17"),
         (["--frontend", "inline", "--frontend-processes", "2"], "--frontend-processes 2 needs --frontend process"),
-        (
-            ["--frontend", "process", "--frontend-processes", "4", "--max-connections", "3"],
-            "--max-connections (3) must be at least --frontend-processes (4)",
-        ),
         (
             ["--frontend", "process", "--frontend-processes", "4", "--max-message-bytes", "1000"]
             + ["--max-buffered-bytes", "3999"],
@@ -246,9 +242,10 @@ def test_bad_serve_flags_are_one_line_and_exit_2(
 @pytest.mark.parametrize(
     "args",
     [
-        ["--frontend", "process", "--frontend-processes", "16", "--max-connections", "16"]
+        # one connection for the pod, whichever front-end it reaches: --max-connections is not split
+        ["--frontend", "process", "--frontend-processes", "16", "--max-connections", "1"]
         + ["--max-message-bytes", "1000", "--max-buffered-bytes", "16000"],
-        ["--frontend", "process", "--frontend-processes", "4", "--max-connections", "4"]
+        ["--frontend", "process", "--frontend-processes", "4", "--max-connections", "1"]
         + ["--max-message-bytes", "1000", "--max-buffered-bytes", "4000"],
         ["--frontend", "process", "--frontend-processes", "1", "--max-connections", "1"],
         ["--frontend", "inline", "--frontend-processes", "1"],
@@ -276,8 +273,9 @@ def test_split_evenly_adds_up_and_differs_by_at_most_one(total: int, parts: int)
 
 @pytest.mark.parametrize("processes", [1, 2, 3, 7, 20])
 def test_frontend_configs_give_each_process_its_share_and_a_ring_that_fits_it(processes: int) -> None:
-    """The configuration ``worker.make_front`` builds (each front-end's ring follows from its share),
-    split over ``processes`` front-ends."""
+    """The configuration ``worker.make_front`` builds (each front-end's ring follows from its share of the
+    buffered bytes), split over ``processes`` front-ends; the connection limit is not split (the pod's, counted
+    over all of them)."""
     from dataclasses import replace
 
     from policy_operator.layout import ParallelLayout
@@ -299,9 +297,8 @@ def test_frontend_configs_give_each_process_its_share_and_a_ring_that_fits_it(pr
     configs = frontend_configs(config, processes)
     assert [c.index for c in configs] == list(range(processes))
     assert {c.processes for c in configs} == {processes}  # each knows whether its in_flight is the pod's
-    connections = [c.server.max_connections for c in configs]
+    assert [c.server.max_connections for c in configs] == [33] * processes  # 20 front-ends, 33 for the pod
     buffered = [c.server.max_buffered_bytes for c in configs]
-    assert sum(connections) == 33 and max(connections) - min(connections) <= 1
     assert sum(buffered) == 20_000 and max(buffered) - min(buffered) <= 1
     for c, share in zip(configs, buffered, strict=True):
         assert c.server.reuse_port is (processes > 1)  # one front-end binds the port as it always did
@@ -310,7 +307,7 @@ def test_frontend_configs_give_each_process_its_share_and_a_ring_that_fits_it(pr
         # the ring fits the share; at least one slot, even where the share is less than an aligned slot
         assert c.slots * c.slot_bytes <= max(share, c.slot_bytes)
         # nothing else differs from the configuration split
-        assert replace(c.server, max_connections=33, max_buffered_bytes=20_000, reuse_port=False) == server
+        assert replace(c.server, max_buffered_bytes=20_000, reuse_port=False) == server
         assert replace(c, server=server, index=0, processes=1) == config
 
 

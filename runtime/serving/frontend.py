@@ -4,8 +4,9 @@ They run out of the interpreter that launches the model.  Rank 0 starts it (``se
 it loads the model -- or several, each with its own listening socket on the port (``--frontend-processes``;
 ``rank0_front.ProcessFront``) -- and it serves the port from then on: connections, sessions, auth, connection
 bounds, ``/healthz`` ``/readyz`` ``/metrics`` and draining are the inline
-server's own code (``server.py``); only its backend differs.  ``EngineProxy``
-decodes each frame, checks its ``rtc`` entry against the connection's memory,
+server's own code (``server.py``); only its backend differs, and
+``--max-connections`` counts the sessions of every front-end of the pod
+(``ipc.SessionCounts``).  ``EngineProxy`` decodes each frame, checks its ``rtc`` entry against the connection's memory,
 prepares it with the policy's ``Preprocessor`` when it has one (else the model
 process prepares the raw frame), writes the bytes into the shared-memory ring
 and sends the request's small description; the reply comes back over the same
@@ -290,13 +291,14 @@ class EngineProxy:
             self.metrics.download_size.set(gauges.download[1])
 
 
-async def serve(config: ipc.FrontendConfig, channel: ipc.Channel, ring: ipc.SlotRing) -> int:
-    """Serve the port until rank 0 says drain (exit 0) or goes away (``EXIT_ENGINE_GONE``)."""
+async def serve(config: ipc.FrontendConfig, channel: ipc.Channel, ring: ipc.SlotRing, counts: ipc.SessionCounts) -> int:
+    """Serve the port until rank 0 says drain (exit 0) or goes away (``EXIT_ENGINE_GONE``); ``counts``: the open
+    sessions of every front-end of the pod, which ``--max-connections`` bounds."""
     loop = asyncio.get_running_loop()
     metrics = ServerMetrics(
         config.layout, config.server.max_connections, multiprocess_dir=os.environ.get(ENV_PROMETHEUS_MULTIPROC_DIR)
     )
-    sessions = Sessions()
+    sessions = Sessions(counts)
     proxy = EngineProxy(channel, ring, config, metrics, sessions.recent)
     server = PolicyWebSocketServer(proxy, config.server, metrics, sessions)
     done: asyncio.Future[int] = loop.create_future()
@@ -351,8 +353,11 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     ring = ipc.SlotRing(ring_fd, config.slots, config.slot_bytes)
     os.close(ring_fd)  # mapped: the descriptor is no longer needed
+    counts_fd = channel.recv_fd()  # rank 0 sends it after the configuration (``rank0_front.spawn_link``)
+    counts = ipc.SessionCounts(counts_fd, config.processes, config.index)
+    os.close(counts_fd)
     with asyncio.Runner(loop_factory=event_loop_factory(config.event_loop)) as runner:
-        code = runner.run(serve(config, channel, ring))
+        code = runner.run(serve(config, channel, ring, counts))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -14,6 +14,10 @@ Two channels, each for what it is good at:
 A slot is ``--max-message-bytes`` (any frame the server admits fits raw); a prepared sample larger than a slot
 is refused with ``bad_frame``, never written past its slot.  The ring has at most ``MAX_SLOTS`` slots and at
 most ``--max-buffered-bytes`` in all; memory-backed pages cost only once written.
+
+Between the front-end processes themselves (``--frontend-processes``), one more piece of shared memory: each
+one's open sessions (``SessionCounts``, a memfd rank 0 hands every front-end over its socket), so
+``--max-connections`` bounds the pod's sessions, not each front-end's.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ class FrontendConfig:
     event_loop: str
     gil_switch_ms: float
     log_level: str
-    index: int = 0  # of --frontend-processes: its log lines say which
+    index: int = 0  # of --frontend-processes: its log lines say which, and which slot of SessionCounts it writes
     processes: int = 1  # --frontend-processes
 
     @property
@@ -243,6 +247,20 @@ class Channel:
                 self._sock.sendall(self._out.popleft())
         except OSError:
             pass
+
+    def send_fd(self, fd: int) -> None:
+        """Hand the other process a copy of descriptor ``fd`` (SCM_RIGHTS), blocking (before ``listen`` only)."""
+        assert self._loop is None
+        socket.send_fds(self._sock, [b"\0"], [fd])
+
+    def recv_fd(self) -> int:
+        """The descriptor the other process handed over with ``send_fd``, blocking (before ``listen`` only)."""
+        data, fds, _, _ = socket.recv_fds(self._sock, 1, 1)
+        if not data:
+            raise EOFError("the other process closed the channel")
+        if len(fds) != 1:
+            raise ConnectionError(f"expected a descriptor from the other process, got {len(fds)}")
+        return fds[0]
 
     def recv(self) -> Any:
         """One message, blocking (before ``listen`` only)."""
@@ -391,3 +409,43 @@ class SlotRing:
     def read_raw(self, slot: int, nbytes: int) -> bytes:
         base = slot * self.slot_bytes
         return bytes(self._view[base : base + nbytes])
+
+
+# --- the pod's open sessions ---------------------------------------------------------------------------
+_COUNT_BYTES = 8  # one int64 per front-end: aligned, so each is written in one store
+
+
+def create_counts_fd(processes: int) -> int:
+    """An anonymous shared-memory file of one session count per front-end process, all 0."""
+    fd = os.memfd_create("policy-frontend-sessions", os.MFD_CLOEXEC)
+    os.ftruncate(fd, processes * _COUNT_BYTES)
+    return fd
+
+
+class SessionCounts:
+    """The open WebSocket sessions of every front-end process of the pod, for a pod-wide ``--max-connections``.
+
+    One 8-byte slot per front-end in one memfd (``create_counts_fd``) that rank 0 hands to each of them
+    (``Channel.send_fd``); each maps it, writes only its own slot (its ``len(sessions.open)``, on every session
+    opened or closed) and reads the sum, so the limit counts the pod's sessions the way inline mode counts its
+    own, with no lock: a slot has one writer, and an aligned 8-byte store is never seen half-written.
+
+    The check and the count's rise are not one step, in one process or across several: a front-end admits an
+    upgrade (``process_request``) and counts the session only once its handler starts, the window inline mode
+    already has.  Across front-ends the same window means two that admit at the same instant each see the
+    other's count before it rose: the pod may hold up to ``processes - 1`` sessions more than the limit from
+    that race.
+    """
+
+    def __init__(self, fd: int, processes: int, index: int) -> None:
+        self._map = mmap.mmap(fd, processes * _COUNT_BYTES)
+        self._slots = memoryview(self._map).cast("q")
+        self._index = index
+
+    def set(self, open_here: int) -> None:
+        """This front-end's open sessions."""
+        self._slots[self._index] = open_here
+
+    def total(self) -> int:
+        """Every front-end's open sessions: the pod's."""
+        return sum(self._slots)

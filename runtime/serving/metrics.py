@@ -4,7 +4,7 @@ Under ``--frontend process`` every front-end process keeps its series in
 prometheus_client's multiprocess files (``multiprocess_dir``) and answers
 ``/metrics`` for all of them: counters and histograms add up across the
 processes, a gauge says how (``multiprocess_mode``: each process's share
-summed, or the value its most recent writer set).
+summed, the largest, or the value its most recent writer set).
 
 The chart's Grafana dashboard (charts/policy-operator/dashboards/) and the
 autoscaling rules of docs/autoscaling.md read these names; tests/test_dashboard.py
@@ -75,7 +75,7 @@ class ServerMetrics:
         self.max_connections = Gauge(
             "policy_max_connections",
             "WebSocket connections this server accepts at once (--max-connections)",
-            multiprocess_mode="livesum",
+            multiprocess_mode="max",  # every front-end process bounds the pod's sessions: each sets the same limit
             registry=self.registry,
         )
         self.connections_closed = Counter(

@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import websockets
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -75,8 +75,19 @@ def _response(status: int, body: bytes, content_type: str) -> Response:
 RECENT_SESSION_S = 1.0
 
 
+class SharedCount(Protocol):
+    """Open sessions counted with those of other servers on the same port (``ipc.SessionCounts``)."""
+
+    def set(self, open_here: int) -> None:
+        """This server's open sessions, after every session opened or closed."""
+
+    def total(self) -> int:
+        """The open sessions of all of them."""
+
+
 class Sessions:
-    """The open WebSocket sessions and where each is in its request cycle; what the batch window and a drain read.
+    """The open WebSocket sessions and where each is in its request cycle; what the batch window, a drain and
+    ``--max-connections`` read.
 
     A session is *idle* between requests (what a drain closes at once), *in flight* while its request is
     decoded, prepared, queued or computed, and *sending* while its reply is being written: a client that
@@ -84,7 +95,10 @@ class Sessions:
     coming back, so the window never waits for it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shared: SharedCount | None = None) -> None:
+        """``shared``: where this server's count joins those of the other servers of its port, which
+        ``--max-connections`` bounds together; None: it bounds this server's own sessions."""
+        self.shared = shared
         self.open: set[ServerConnection] = set()
         self.idle: set[ServerConnection] = set()
         self.sending: set[ServerConnection] = set()
@@ -94,6 +108,8 @@ class Sessions:
     def opened(self, ws: ServerConnection) -> None:
         self.open.add(ws)
         self.idle.add(ws)
+        if self.shared is not None:
+            self.shared.set(len(self.open))
 
     def request(self, ws: ServerConnection) -> None:
         self.idle.discard(ws)
@@ -107,6 +123,12 @@ class Sessions:
         for group in (self.open, self.idle, self.sending):
             group.discard(ws)
         self.last_active.pop(ws, None)
+        if self.shared is not None:
+            self.shared.set(len(self.open))
+
+    def counted(self) -> int:
+        """The sessions ``--max-connections`` bounds: this server's, or with ``shared`` those of its port."""
+        return len(self.open) if self.shared is None else self.shared.total()
 
     def busy(self) -> set[ServerConnection]:
         return self.open - self.idle
@@ -191,7 +213,7 @@ class PolicyWebSocketServer:
             )
         if request.headers.get("Upgrade", "").lower() != "websocket":
             return _json(404, {"error": f"no such path {path}; WebSocket clients connect to /"})
-        if len(self.sessions.open) >= self.config.max_connections:
+        if self.sessions.counted() >= self.config.max_connections:
             self.metrics.connections_closed.labels("max_connections").inc()
             return _json(
                 503,
