@@ -17,7 +17,8 @@ are content-addressed too, so an artifact that does not fit is a miss, never
 a wrong kernel.
 
 A file is ``MAGIC``, one JSON header line (the key, the payload's size and
-sha256) and the payload.  One that is truncated, corrupt, of another key or
+sha256) and the payload (``checkpoint/compile_file.py``, torch-free: ``policyserver
+checkpoint prune`` removes a checkpoint's files with it).  One that is truncated, corrupt, of another key or
 that torch refuses is ignored with one warning and the pod compiles as if
 there were none (then writes a good one).  Writers never corrupt the file:
 each writes a temporary file of its own in the same directory and renames it
@@ -29,43 +30,20 @@ its shortcut (one warning).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import platform
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from policy_operator import __version__
-from policy_operator.constants import CONFIG_FILE, MANIFEST_FILE
+from policy_operator.runtime.checkpoint.compile_file import ArtifactError, checkpoint_identity, decode, encode, path_for
 
 log = logging.getLogger(__name__)
-
-MAGIC = b"policy-operator compile artifacts v1\n"
-SUFFIX = ".artifacts"
-MAX_HEADER_BYTES = 64 << 10
-
-
-def checkpoint_identity(checkpoint: str | os.PathLike[str]) -> str:
-    """A digest naming the checkpoint's contents: its manifest (every file's sha256) when it has one, else the
-    names, sizes and modification times of its files (a plug-in's own checkpoint layout)."""
-    root = Path(checkpoint)
-    digest = hashlib.sha256()
-    manifest = root / MANIFEST_FILE
-    if manifest.is_file():
-        digest.update(manifest.read_bytes())
-        return digest.hexdigest()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        stat = path.stat()
-        digest.update(f"{path.relative_to(root).as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    if (root / CONFIG_FILE).is_file():
-        digest.update((root / CONFIG_FILE).read_bytes())
-    return digest.hexdigest()
 
 
 def device_kind(device: torch.device) -> str:
@@ -126,38 +104,6 @@ def _quiet(name: str) -> Iterator[None]:
         logger.setLevel(level)
 
 
-class ArtifactError(ValueError):
-    """A cache file that must not be loaded; the message says why, in a few words."""
-
-
-def encode(key: Mapping[str, str], payload: bytes) -> bytes:
-    header = {"key": dict(key), "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-    return MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload
-
-
-def decode(data: bytes, key: Mapping[str, str]) -> bytes:
-    """The payload of a cache file written for ``key``; ArtifactError when it is not one, intact."""
-    if not data.startswith(MAGIC):
-        raise ArtifactError("not a compile-artifacts file")
-    end = data.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER_BYTES)
-    if end < 0:
-        raise ArtifactError("no header")
-    try:
-        header = json.loads(data[len(MAGIC) : end])
-        stored_key, size, sha256 = header["key"], int(header["bytes"]), str(header["sha256"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ArtifactError(f"unreadable header ({type(exc).__name__})") from None
-    if stored_key != dict(key):
-        changed = sorted(k for k in set(stored_key) | set(key) if stored_key.get(k) != key.get(k))
-        raise ArtifactError(f"written for another spec ({', '.join(changed)} differ)")
-    payload = data[end + 1 :]
-    if len(payload) != size:
-        raise ArtifactError(f"truncated ({len(payload)} of {size} bytes)")
-    if hashlib.sha256(payload).hexdigest() != sha256:
-        raise ArtifactError("checksum mismatch")
-    return payload
-
-
 @dataclass
 class CompileCache:
     """One key's file under the cache directory: ``load`` before compiling, ``save`` after warm-up."""
@@ -168,8 +114,7 @@ class CompileCache:
 
     @property
     def path(self) -> Path:
-        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:32]
-        return self.directory / f"{digest}{SUFFIX}"
+        return path_for(self.directory, self.key)
 
     def load(self) -> bool:
         """Populate torch's compile caches from the file, if there is a good one; never raises."""

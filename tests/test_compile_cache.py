@@ -26,7 +26,8 @@ import pytest
 from openpi_client import msgpack_numpy
 from websockets.sync.client import connect
 
-from policy_operator.runtime.compile_cache import ArtifactError, CompileCache, decode, encode
+from policy_operator.runtime.checkpoint.compile_file import ArtifactError, decode, encode
+from policy_operator.runtime.compile_cache import CompileCache
 from tests.support.servers import serve_policy, session_checkpoint
 
 KEY = {"checkpoint": "abc", "device": "cpu:x86_64:AVX2", "torch": "2.11.0"}
@@ -213,7 +214,7 @@ def _cache_lines(log: str) -> list[str]:
 def _header_key(path: Path) -> dict[str, str]:
     import json
 
-    from policy_operator.runtime.compile_cache import MAGIC
+    from policy_operator.runtime.checkpoint.compile_file import MAGIC
 
     data = path.read_bytes()
     return json.loads(data[len(MAGIC) : data.index(b"\n", len(MAGIC))])["key"]

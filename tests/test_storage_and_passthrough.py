@@ -23,6 +23,7 @@ from policy_operator.operator import plan as pl
 from policy_operator.operator import status as st
 from policy_operator.operator.conditions import Condition, Reason
 from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
+from policy_operator.runtime.checkpoint.compile_file import checkpoint_identity, encode, path_for
 from policy_operator.runtime.checkpoint.marker import make_marker, write_marker
 from policy_operator.runtime.checkpoint.prune import prune
 from tests.support.api_objects import observed_of
@@ -301,6 +302,39 @@ def test_prune_keeps_the_served_the_newer_and_the_unknown(tmp_path: Path, keep_l
     assert {p.name for p in tmp_path.iterdir()} - {".fetch"} | {".fetch"} == left
     assert set(removed) == {"old", "mid"} - left
     assert json.loads((tmp_path / "new" / C.COMPLETE_MARKER).read_text())["key"] == "new"
+
+
+def _artifacts(dest: Path, checkpoint: Path, layout: str) -> Path:
+    """A compile-artifacts file as a pod of ``checkpoint`` writes it into the volume's compile directory."""
+    key = {"checkpoint": checkpoint_identity(checkpoint), "layout": layout}
+    path = path_for(dest / C.COMPILE_CACHE_DIR, key)
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(encode(key, b"payload"))
+    return path
+
+
+def test_prune_takes_the_compile_artifacts_of_what_it_removes_and_keeps_the_rest(tmp_path: Path) -> None:
+    for key, age in (("old", 300), ("new", 100)):
+        _fetched(tmp_path, key, age)
+    old = [_artifacts(tmp_path, tmp_path / "old", layout) for layout in ("cfgp1-dp1", "cfgp2-dp1")]
+    new = [_artifacts(tmp_path, tmp_path / "new", layout) for layout in ("cfgp1-dp1", "cfgp2-dp1")]
+    gone = tmp_path / "gone"  # a checkpoint removed before: its artifacts were left behind
+    gone.mkdir()
+    (gone / "model.safetensors").write_bytes(b"y")
+    stale = _artifacts(tmp_path, gone, "cfgp1-dp1")
+    gone.joinpath("model.safetensors").unlink()
+    gone.rmdir()
+    unreadable = tmp_path / C.COMPILE_CACHE_DIR / "torn.artifacts"
+    unreadable.write_bytes(b"policy-operator compile art")  # not provably anyone's: stays
+    lines: list[str] = []
+
+    # the served checkpoint not on the volume yet: nothing is known to be old, not even the artifacts
+    assert prune(tmp_path, {"next"}, 1, log=lines.append) == [] and all(p.exists() for p in (*old, *new, stale))
+
+    assert prune(tmp_path, {"new"}, 1, log=lines.append) == ["old"]
+    assert not any(p.exists() for p in (*old, stale)), lines
+    assert all(p.exists() for p in (*new, unreadable))
+    assert sum("compile artifacts" in line for line in lines) == 3
 
 
 # --- PDB and pass-through -----------------------------------------------------------------------

@@ -18,6 +18,12 @@ no pod still serves from what it removes.  What it keeps:
   offline.  Such a repository is not a checkpoint of its own: it does not
   count towards ``--keep-last``, and goes once no kept checkpoint names it.
 
+The compile artifacts in ``DEST/.compile`` (``--compile-cache-dir`` of the
+pods, ``compile_file.py``) go with their checkpoint: a file whose header names
+a checkpoint no longer on the volume is removed; one whose header it cannot read
+stays, as does every file of a checkpoint still there (other layouts of it
+included).
+
 A directory is removed by renaming it into ``DEST/.fetch`` first, so it stops
 being a checkpoint at once (a reader sees all of it or nothing), then
 deleting it, under the fetcher's own per-key lock so a fetch of the same key
@@ -33,7 +39,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from policy_operator.constants import COMPLETE_MARKER
+from policy_operator.constants import COMPILE_CACHE_DIR, COMPLETE_MARKER
+from policy_operator.runtime.checkpoint.compile_file import SUFFIX, checkpoint_identity, stored_checkpoint
 from policy_operator.runtime.checkpoint.fetch import WORK_DIR
 from policy_operator.runtime.checkpoint.marker import read_marker
 from policy_operator.runtime.checkpoint.references import referenced_keys
@@ -76,7 +83,7 @@ def prunable(dest: Path, keep: set[str], keep_last: int) -> list[Path]:
 
 
 def prune(dest: Path, keep: set[str], keep_last: int, log: Callable[[str], None] = print) -> list[str]:
-    """Remove the old checkpoints; the keys removed."""
+    """Remove the old checkpoints, and the compile artifacts of checkpoints no longer here; the keys removed."""
     from filelock import FileLock, Timeout
 
     removed = []
@@ -98,6 +105,30 @@ def prune(dest: Path, keep: set[str], keep_last: int, log: Callable[[str], None]
             lock.release()
         removed.append(directory.name)
         log(f"removed {directory}")
+    if any(_finished(dest / key) is not None for key in keep):  # as prunable: else nothing is known to be old
+        prune_artifacts(dest, log)
+    return removed
+
+
+def prune_artifacts(dest: Path, log: Callable[[str], None] = print) -> list[Path]:
+    """Remove the compile-artifacts files of checkpoints no longer on the volume; the files removed."""
+    directory = dest / COMPILE_CACHE_DIR
+    if not directory.is_dir():
+        return []
+    present = {
+        checkpoint_identity(p) for p in dest.iterdir() if p.is_dir() and p.name != WORK_DIR and _finished(p) is not None
+    }
+    removed = []
+    for path in sorted(directory.glob(f"*{SUFFIX}")):
+        checkpoint = stored_checkpoint(path)
+        if checkpoint is None or checkpoint in present:
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:  # another prune, or a writer's rename over it, came first
+            continue
+        removed.append(path)
+        log(f"removed {path}: the compile artifacts of a checkpoint no longer here")
     return removed
 
 
