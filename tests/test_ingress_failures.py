@@ -8,7 +8,7 @@ reply), which a real pod cannot hit on demand.
 from __future__ import annotations
 
 import asyncio
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
@@ -50,18 +50,26 @@ class HeldLane:
         pass
 
 
+def held_ingress(board: Board, lane: HeldLane, request_timeout_s: float, **kwargs: Any) -> Ingress:
+    """An ingress of one replica behind ``lane``, its readiness from ``board``, polled every 20 ms."""
+    ingress = Ingress(
+        ParallelLayout(),
+        SamplerSettings(steps=2, guidance=None, cfg_mode="sequential"),
+        board,
+        request_timeout_s=request_timeout_s,
+        poll_s=0.02,
+        **kwargs,
+    )
+    ingress.lanes = [cast(Lane, lane)]
+    return ingress
+
+
 def test_a_replica_failed_reply_after_the_request_gave_up_still_fails_the_replica() -> None:
     async def scenario() -> tuple[list[tuple[int, str]], dict[int, str]]:
         board, lane, failures = Board(), HeldLane(), []
-        ingress = Ingress(
-            ParallelLayout(),
-            SamplerSettings(steps=2, guidance=None, cfg_mode="sequential"),
-            board,
-            request_timeout_s=0.2,
-            poll_s=0.02,
-            on_replica_failed=lambda index, reason: failures.append((index, reason)),
+        ingress = held_ingress(
+            board, lane, 0.2, on_replica_failed=lambda index, reason: failures.append((index, reason))
         )
-        ingress.lanes = [cast(Lane, lane)]
         answer = asyncio.ensure_future(ingress.submit(cast(Sample, object()), 7, None))
         await asyncio.sleep(0.05)
         board.fresh = False  # the replica stops heartbeating while it holds the request
@@ -81,18 +89,11 @@ def test_a_replica_failed_reply_after_the_request_gave_up_still_fails_the_replic
 
 def test_the_bound_counts_one_unready_stretch_not_the_sum_of_several() -> None:
     """A replica stale twice, each time for less than the request timeout, still answers the request it held;
-    and a second request routed after the first failed waits its own full timeout."""
+    and a request routed after that, its replica then stale for good, fails one timeout after the stretch began."""
 
     async def scenario() -> tuple[Reply, float]:
         board, lane = Board(), HeldLane()
-        ingress = Ingress(
-            ParallelLayout(),
-            SamplerSettings(steps=2, guidance=None, cfg_mode="sequential"),
-            board,
-            request_timeout_s=0.3,
-            poll_s=0.02,
-        )
-        ingress.lanes = [cast(Lane, lane)]
+        ingress = held_ingress(board, lane, 0.3)
         first = asyncio.ensure_future(ingress.submit(cast(Sample, object()), 7, None))
         for _ in range(2):  # two stale stretches of ~0.2 s: 0.4 s unready in all, never 0.3 s in a row
             await asyncio.sleep(0.15)  # fresh for three routing snapshots' age: the watch sees it between

@@ -322,11 +322,16 @@ def ring_geometry(max_message_bytes: int, max_buffered_bytes: int) -> tuple[int,
     return max(1, min(MAX_SLOTS, max_buffered_bytes // slot)), slot
 
 
-def create_ring_fd(slots: int, slot_bytes: int) -> int:
-    """An anonymous shared-memory file of the ring's size (nothing to unlink: it goes with its last user)."""
-    fd = os.memfd_create("policy-frontend-ring", os.MFD_CLOEXEC)
-    os.ftruncate(fd, slots * slot_bytes)
+def _shared_file(name: str, size: int) -> int:
+    """An anonymous shared-memory file of ``size`` zero bytes (nothing to unlink: it goes with its last user)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
     return fd
+
+
+def create_ring_fd(slots: int, slot_bytes: int) -> int:
+    """The ring's shared memory."""
+    return _shared_file("policy-frontend-ring", slots * slot_bytes)
 
 
 @functools.cache
@@ -416,10 +421,8 @@ _COUNT_BYTES = 8  # one int64 per front-end: aligned, so each is written in one 
 
 
 def create_counts_fd(processes: int) -> int:
-    """An anonymous shared-memory file of one session count per front-end process, all 0."""
-    fd = os.memfd_create("policy-frontend-sessions", os.MFD_CLOEXEC)
-    os.ftruncate(fd, processes * _COUNT_BYTES)
-    return fd
+    """The pod's session counts: one per front-end process, all 0."""
+    return _shared_file("policy-frontend-sessions", processes * _COUNT_BYTES)
 
 
 class SessionCounts:
