@@ -17,6 +17,7 @@
 #   run(command="bash bench/device_robots.sh frontends", carry=[".whl"])  # max-batch 32: inline, 1, 2, 4 front-ends
 #   run(command="bash bench/device_robots.sh rtc-static", carry=[".whl"])  # guided RTC: symbolic batch vs per size
 #   run(command="PYSPY=$(pwd)/pyspy bash bench/device_robots.sh lone", carry=[".whl", ".old", "pyspy"])  # one robot
+#   run(command="bash bench/device_robots.sh targets", carry=[".whl"])  # issue 24's open targets, one call
 DEFAULT_BUDGET_S=585
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
@@ -216,6 +217,18 @@ if [ "${1:-}" = lone ]; then
             --no-in-process --serve-args "--compile-cache-dir /tmp/cc-new"
         wait
     fi
+    echo "done after $(( $(date +%s) - start )) s"
+    exit 0
+fi
+if [ "${1:-}" = targets ]; then
+    # issue 24's targets at this build in one call: max-batch 32 with 1 and 32 robots, inline against 4 front-end
+    # processes, with the in-process batches of 1 and 32; then max-batch 1 and 8 with 1-32 robots (inline), with
+    # the in-process batches again (two batch-1 times in one call: how far apart they are says the noise)
+    stage targets-mb32 /tmp/site-new 230 --robot-max-batch 32 --robots 1,32 --frontend inline,process:4 \
+        --server-log "$OUT/logs-mb32" --serve-args "--compile-cache-dir /tmp/cc"
+    stage targets-mb1-8 /tmp/site-new 5 --robot-max-batch 1,8 --robots 1,8,16,32 --frontend inline \
+        --server-log "$OUT/logs-mb1-8" --serve-args "--compile-cache-dir /tmp/cc"
+    grep -h "^| .*max-batch\|^| 1 robot" "$OUT"/targets-*.md
     echo "done after $(( $(date +%s) - start )) s"
     exit 0
 fi
