@@ -1,0 +1,236 @@
+"""The floor under issue 24's one-robot target: what a WebSocket round trip adds to a fixed compute time when the
+server does nothing else.
+
+Issue 24 asks one robot's p50 round trip to be at most the in-process batch-1 time + 1 ms.  What the robot sees
+over the compute is the hops every Python WebSocket server of the openpi protocol has (the frame over loopback,
+the server's event loop waking, msgpack both ways, the reply back, the client's own threads waking), plus the
+server's own work (validation, prepare, the hop to the model thread and back).  This measures the first part
+alone, so the second can be read off beside it: floor servers that decode the frame with the runtime's wire
+module, wait ``--compute-ms`` and send a reply of the same shape, on the same event loop (uvloop when installed)
+and the same ``websockets`` server, against the same client (``runtime/client.py``, one robot, closed loop):
+
+- ``loop``: the wait on the event loop itself (``asyncio.sleep``): no thread hop at all;
+- ``spin``: the wait on a worker thread that spins, as a thread in ``cudaStreamSynchronize`` does, and hands the
+  reply back with ``call_soon_threadsafe``: the least a server with a model thread can do;
+- ``sleep``: the same with a worker thread that sleeps (its core may go idle, as a CPU model's may not).
+
+With ``--checkpoint`` the real server (``policyserver serve``, inline front-end, ``--serve-args``) runs in the
+same rounds, and its row's "over compute" is round trip minus its own ``infer_ms``.  Rounds interleave the
+servers, so the rows compare like with like.
+
+    python bench/lone_floor.py --compute-ms 2 --checkpoint /tmp/ckpt --serve-args "--steps 2"
+    python bench/lone_floor.py --compute-ms 14.8 --checkpoint /tmp/base \\
+        --serve-args "--device cuda --dtype bfloat16 --compile reduce-overhead --max-batch 8"   # on the H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
+
+VARIANTS = ("loop", "spin", "sleep")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(variant: str, port: int, compute_ms: float) -> None:
+    """A floor server: decode, wait ``compute_ms`` (``variant``), reply with a (50, 8) float32 chunk."""
+    from websockets.asyncio.server import serve as ws_serve
+
+    from policy_operator.runtime.serving import wire
+    from policy_operator.runtime.serving.event_loop import event_loop_factory
+
+    actions = np.zeros((50, 8), np.float32)
+    seconds = compute_ms / 1e3
+    pool = ThreadPoolExecutor(1)  # one long-lived model thread, as the inline server's lane has
+
+    def spin(loop: asyncio.AbstractEventLoop, future: asyncio.Future[float]) -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            pass
+        loop.call_soon_threadsafe(future.set_result, (time.perf_counter() - t0) * 1e3)
+
+    def nap(loop: asyncio.AbstractEventLoop, future: asyncio.Future[float]) -> None:
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        loop.call_soon_threadsafe(future.set_result, (time.perf_counter() - t0) * 1e3)
+
+    async def handler(ws) -> None:  # noqa: ANN001 - websockets' ServerConnection
+        loop = asyncio.get_running_loop()
+        await ws.send(wire.packb({"policy_name": f"floor-{variant}"}))
+        async for message in ws:
+            started = time.perf_counter()
+            wire.unpackb(message)
+            if variant == "loop":
+                t0 = time.perf_counter()
+                await asyncio.sleep(seconds)
+                compute = (time.perf_counter() - t0) * 1e3
+            else:
+                future: asyncio.Future[float] = loop.create_future()
+                work = spin if variant == "spin" else nap
+                pool.submit(work, loop, future)
+                compute = await future
+            timing = {"infer_ms": compute, "total_ms": (time.perf_counter() - started) * 1e3}
+            await ws.send(wire.packb({"actions": actions, "server_timing": timing}))
+
+    async def main() -> None:
+        async with ws_serve(handler, "127.0.0.1", port, compression=None, max_size=None):
+            print("ready", flush=True)
+            await asyncio.Future()
+
+    factory = event_loop_factory("auto")
+    if factory is None:
+        asyncio.run(main())
+    else:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(main())
+
+
+class Proc:
+    """One server process (a floor variant or the real server), stopped with its process group."""
+
+    def __init__(self, cmd: list[str], ready: str) -> None:
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                with urllib.request.urlopen(ready, timeout=2) as r:
+                    if json.loads(r.read()).get("ready"):
+                        return
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("server not ready")
+
+    def close(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def wait_port(port: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--compute-ms", type=float, default=14.8, help="the floor servers' wait (default %(default)s)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--checkpoint", default=None, help="also the real server on this checkpoint")
+    p.add_argument("--serve-args", default="", help="more flags for the real server")
+    p.add_argument("--n", type=int, default=200, help="requests per server per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default="bench/results/lone-floor.md")
+    args = p.parse_args()
+    if args.serve:
+        serve(args.serve, args.port, args.compute_ms)
+        return
+
+    from policy_operator.runtime.client import run_client
+
+    servers: dict[str, tuple[str, Proc | subprocess.Popen[bytes]]] = {}
+    try:
+        for variant in args.variants.split(","):
+            port = _free_port()
+            cmd = [
+                sys.executable,
+                __file__,
+                "--serve",
+                variant,
+                "--port",
+                str(port),
+                "--compute-ms",
+                str(args.compute_ms),
+            ]
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
+            wait_port(port)
+            servers[f"floor, {variant}"] = (f"ws://127.0.0.1:{port}", proc)
+        if args.checkpoint:
+            port = _free_port()
+            cmd = [
+                sys.executable,
+                "-m",
+                "policy_operator.cli",
+                "serve",
+                "--checkpoint",
+                args.checkpoint,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "WARNING",
+                *shlex.split(args.serve_args),
+            ]
+            servers["policyserver serve"] = (f"ws://127.0.0.1:{port}", Proc(cmd, f"http://127.0.0.1:{port}/readyz"))
+        over: dict[str, list[float]] = {name: [] for name in servers}
+        compute: dict[str, list[float]] = {name: [] for name in servers}
+        for url, _ in servers.values():
+            run_client(url, 20)  # warm: the connection path, the real server's graphs
+        for _ in range(args.rounds):
+            for name, (url, _) in servers.items():
+                s = run_client(url, args.n)
+                if s["errors"]:
+                    raise RuntimeError(f"{name}: {s['errors'][:3]}")
+                over[name] += [r["rtt_ms"] - r["infer_ms"] for r in s["records"]]
+                compute[name] += [r["infer_ms"] for r in s["records"]]
+    finally:
+        for _, proc in servers.values():
+            if isinstance(proc, Proc):
+                proc.close()
+            else:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+    lines = [
+        f"# One robot's round trip over the compute: floor servers against the real server ({platform.machine()}, "
+        f"{os.cpu_count()} cores)",
+        "",
+        f"One robot (runtime/client.py, RoboLab-shaped frames, closed loop), {args.rounds} interleaved rounds of "
+        f"{args.n} requests per server. Over compute: round trip minus the server's own compute (the floors' wait, "
+        "the real server's infer_ms).",
+        "",
+        "| server | compute p50 ms | over compute p50 ms | p10 | p90 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in servers:
+        o = np.asarray(over[name])
+        lines.append(
+            f"| {name} | {np.percentile(compute[name], 50):.2f} | {np.percentile(o, 50):.3f} | "
+            f"{np.percentile(o, 10):.3f} | {np.percentile(o, 90):.3f} |"
+        )
+    lines += ["", f"Reproduce: `python bench/lone_floor.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`", ""]
+    publish(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
