@@ -91,7 +91,8 @@ def _cel_value(schema: dict[str, Any], obj: Any) -> Any:
     """JSON -> plain values with ``type: number`` as float (Kubernetes hands those to CEL as doubles)."""
     if isinstance(obj, dict):
         props = schema.get("properties") or {}
-        extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else {}
+        additional = schema.get("additionalProperties")
+        extra: dict[str, Any] = additional if isinstance(additional, dict) else {}
         return {k: _cel_value(props.get(k, extra), v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_cel_value(schema.get("items") or {}, v) for v in obj]

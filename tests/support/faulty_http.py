@@ -24,7 +24,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from .http_checkpoint_server import CheckpointServer
 
@@ -85,7 +85,7 @@ class FaultyCheckpointServer(CheckpointServer):
             self.faults_left -= 1
             return True
 
-    def _send_body(self, handler: BaseHTTPRequestHandler, f, offset: int, length: int, log_path: str) -> None:  # type: ignore[no-untyped-def]
+    def _send_body(self, handler: BaseHTTPRequestHandler, f: BinaryIO, offset: int, length: int, log_path: str) -> None:
         size = self._current.size
         if size < self.min_size or not self._take_fault():
             super()._send_body(handler, f, offset, length, log_path)

@@ -26,7 +26,7 @@ from email.utils import formatdate
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple, Self
 from urllib.parse import unquote, urlsplit
 
 SECRET_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
@@ -63,7 +63,7 @@ class LoopbackHTTPServer:
         self._thread: threading.Thread | None = None
 
     # --- lifecycle ---------------------------------------------------------------
-    def start(self) -> LoopbackHTTPServer:
+    def start(self) -> Self:
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -217,7 +217,7 @@ class LoopbackHTTPServer:
         with open(file, "rb") as f:
             self._send_body(handler, f, start, length, log_path)
 
-    def _send_body(self, handler: BaseHTTPRequestHandler, f, offset: int, length: int, log_path: str) -> None:  # type: ignore[no-untyped-def]
+    def _send_body(self, handler: BaseHTTPRequestHandler, f: BinaryIO, offset: int, length: int, log_path: str) -> None:
         sock = handler.connection
         while length > 0 and not self._stopping.is_set():
             bps = self.throttle_bps

@@ -11,6 +11,7 @@ client's errors subclass it).
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,7 @@ class Api:
         )
         return list(found.to_dict().get("items") or [])
 
-    def events(self, namespace: str, *, involved_name: str | None = None) -> list[dict[str, Any]]:
+    def events(self, namespace: str, *, involved_name: str | None = None) -> builtins.list[dict[str, Any]]:
         """core/v1 Events (what kopf and the controllers post), oldest first."""
         selector = f"involvedObject.name={involved_name}" if involved_name else None
         items = self.list("v1", "events", namespace, field_selector=selector)
@@ -182,7 +183,7 @@ class Api:
         namespace: str,
         service_account: str,
         *,
-        audiences: list[str],
+        audiences: builtins.list[str],
         expiration_s: int,
         pod: tuple[str, str] | None = None,
     ) -> str:

@@ -213,6 +213,7 @@ class PodRunner:
             if time.time() >= run.next_start:
                 self._start(run)
             return
+        assert run.proc is not None  # started: not _waiting(run)
         code = run.proc.poll()
         if code is None:
             return
@@ -238,6 +239,7 @@ class PodRunner:
                 if time.time() >= run.next_start and run.killer is None:
                     self._start(run)
                 continue
+            assert run.proc is not None  # started: not _waiting(run)
             code = run.proc.poll()
             if code is None:
                 self._check_probes(run)

@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from policy_operator.constants import ENV_LOCAL_NODE_CONTAINER
 
@@ -106,10 +107,10 @@ def expand(value: str, env: Mapping[str, str]) -> str:
     return _VAR_REF.sub(sub, value)
 
 
-def argv_of(container: Mapping[str, object], env: Mapping[str, str], paths: PathMap) -> list[str]:
+def argv_of(container: Mapping[str, Any], env: Mapping[str, str], paths: PathMap) -> list[str]:
     """command + args, expanded and path-mapped; the image's entrypoint is not known here."""
-    command = list(container.get("command") or [])  # type: ignore[arg-type]
-    args = list(container.get("args") or [])  # type: ignore[arg-type]
+    command = list(container.get("command") or [])
+    args = list(container.get("args") or [])
     if not command:
         raise ContainerConfigError(
             f"container {container.get('name')!r} has no command: the local node runs no "

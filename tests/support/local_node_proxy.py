@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import threading
@@ -110,7 +111,7 @@ class ServiceProxy:
         for key, backends in wanted.items():
             listener = self._listeners.get(key)
             if listener is None:
-                server = await asyncio.start_server(lambda r, w, k=key: self._accept(k, r, w), self.host, 0)
+                server = await asyncio.start_server(functools.partial(self._accept, key), self.host, 0)
                 port = server.sockets[0].getsockname()[1]
                 listener = _Listener(server, port)
                 with self._lock:

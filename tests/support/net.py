@@ -13,7 +13,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_for[T](predicate: Callable[[], T], timeout: float, interval: float = 0.1, what: str = "condition") -> T:
+def wait_for[T](predicate: Callable[[], T | None], timeout: float, interval: float = 0.1, what: str = "condition") -> T:
     """Poll ``predicate`` until it returns a truthy value; bounded, never an endless loop."""
     deadline = time.monotonic() + timeout
     last_exc: BaseException | None = None

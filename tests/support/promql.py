@@ -69,8 +69,8 @@ def _walk(node: object, usage: Usage) -> None:
     if isinstance(node, promql_parser.VectorSelector):
         if not node.name:
             raise AssertionError(f"selector without a metric name: {node}")
-        labels = {m.name for m in node.matchers.matchers} - {"__name__"}
-        usage.selectors.setdefault(node.name, set()).update(labels)
+        matched = {m.name for m in node.matchers.matchers} - {"__name__"}
+        usage.selectors.setdefault(node.name, set()).update(matched)
         return
     labels: set[str] = set()
     if isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
@@ -134,9 +134,9 @@ def problems(found: Usage, exported: Mapping[str, set[str]]) -> list[str]:
         extra = labels - exported[metric] - SCRAPE_LABELS
         if extra:
             out.append(f"{metric} has no label(s) {sorted(extra)}")
-    for labels, metrics in found.groupings:
+    for grouped, metrics in found.groupings:
         available = set(SCRAPE_LABELS).union(*(exported.get(m, set()) for m in metrics))
-        extra = set(labels) - available
+        extra = set(grouped) - available
         if extra:
             out.append(f"grouping by {sorted(extra)} over {sorted(metrics)}: no such label")
     return out

@@ -24,6 +24,8 @@ def main(rank: int, port: int, checkpoint: str, steps: int, out: str, policies: 
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
     try:
+        world = dist.group.WORLD
+        assert world is not None  # init_process_group above made it
         finals = []
         for path in policies:
             policy = load_policy_class(path).load(checkpoint, device=torch.device("cpu"), dtype=torch.float32)
@@ -36,7 +38,7 @@ def main(rank: int, port: int, checkpoint: str, steps: int, out: str, policies: 
                     steps=steps,
                     guidance=3.0,
                     mode="parallel",
-                    cfg_group=CfgGroup(dist.group.WORLD, rank),
+                    cfg_group=CfgGroup(world, rank),
                 )
             )
         if rank == 0:
