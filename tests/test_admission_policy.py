@@ -177,7 +177,8 @@ def dressed_as_the_operators(job: dict[str, Any], owner: dict[str, Any]) -> dict
 def create_job(client: ApiClient, job: dict[str, Any]) -> ApiException | None:
     """A dry-run create (admission runs in full, nothing is stored): the refusal, or None when admitted."""
     try:
-        BatchV1Api(client).create_namespaced_job(NS, job, dry_run="All")
+        # the client sends a plain dict body as it is (its stubs ask for a V1Job): the test's exact JSON reaches admission
+        BatchV1Api(client).create_namespaced_job(NS, job, dry_run="All")  # type: ignore[arg-type]
     except ApiException as exc:
         return exc
     return None
@@ -191,6 +192,7 @@ def refused(client: ApiClient, job: dict[str, Any], message: str) -> ApiExceptio
         return exc if exc is not None and exc.status in (403, 422) else None
 
     exc = wait_for(attempt, POLICY_SYNC_S, interval=0.5, what=f"{job['metadata']['name']} refused by admission")
+    assert exc.body is not None, exc
     body = json.loads(exc.body)
     assert exc.status == 403 and body["reason"] == "Forbidden", body
     assert f"ValidatingAdmissionPolicy '{POLICY}'" in body["message"] and "denied request" in body["message"], body
@@ -260,6 +262,7 @@ def test_the_service_account_may_annotate_a_server_pod_but_not_change_it(env: En
     image = {"spec": {"containers": [{"name": "server", "image": "busybox"}]}}
     with pytest.raises(ApiException) as denied:
         core.patch_namespaced_pod(name, NS, image, dry_run="All")
+    assert denied.value.body is not None, denied.value
     assert denied.value.status == 403 and message_of("pod's spec") in denied.value.body, denied.value.body
 
 
@@ -270,6 +273,7 @@ def test_the_service_account_cannot_read_pod_logs(env: Env) -> None:
     (pod,) = env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={NAME},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
     with pytest.raises(ApiException) as denied:
         CoreV1Api(env.client).read_namespaced_pod_log(pod["metadata"]["name"], NS, container="server")
+    assert denied.value.body is not None, denied.value
     assert denied.value.status == 403 and "pods/log" in denied.value.body, denied.value.body
 
 

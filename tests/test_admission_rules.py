@@ -85,7 +85,7 @@ def spec_of(**fields: Any) -> Any:
     )
 
 
-SPECS = {
+SPECS: dict[str, dict[str, Any]] = {
     "minimal": {},
     "hf-token": {"checkpoint": {"source": "hf://org/policy", "secretRef": {"name": "hf"}}},
     "http-token-and-auth": {
@@ -172,7 +172,7 @@ def test_a_job_made_to_read_a_secret_fails_with_the_rule_it_breaks() -> None:
 
 def test_a_pod_may_be_annotated_never_created_or_changed() -> None:
     template = manifests.build_statefulset(spec_of(**SPECS["http-token-and-auth"]))["spec"]["template"]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ps-0", **template["metadata"]}}
+    pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ps-0", **template["metadata"]}}
     pod["spec"] = template["spec"]
     annotated = copy.deepcopy(pod)
     annotated["metadata"]["annotations"][C.ANNOTATION_RANKS_READY] = "1/1"
@@ -306,7 +306,7 @@ def test_every_container_and_init_container_of_every_child_is_checked() -> None:
     # an empty allowlist admits any image (the chart's default), and pods are left to the spec-unchanged rule
     assert refusals(both) == []
     template = manifests.build_statefulset(spec)["spec"]["template"]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ps-0", **template["metadata"]}}
+    pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ps-0", **template["metadata"]}}
     pod["spec"] = copy.deepcopy(template["spec"])
     pod["spec"]["containers"][0]["image"] = "evil/a:1"
     assert refusals(pod, old=pod, allowed_images=ALLOWED) == []

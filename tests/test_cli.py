@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -191,7 +192,9 @@ def test_verify_catches_a_corrupted_byte_with_hashes(policyserver_main, checkpoi
     ],
     ids=["truncated", "no-weights", "no-manifest", "bad-manifest"],
 )
-def test_verify_fails_on_a_damaged_checkpoint(policyserver_main, checkpoint_copy: Path, damage, words: str) -> None:  # type: ignore[no-untyped-def]
+def test_verify_fails_on_a_damaged_checkpoint(
+    policyserver_main, checkpoint_copy: Path, damage: Callable[[Path], object], words: str
+) -> None:
     damage(checkpoint_copy)
     result = policyserver_main("checkpoint", "verify", str(checkpoint_copy))
     assert result.returncode == 1

@@ -272,7 +272,9 @@ def test_status_written_by_the_operator_fits_the_model_and_the_crd(crd: dict[str
     ]
     update = status.build_status(
         spec,
-        checkpoint=download_state.CheckpointState(download_state.CheckpointPhase.READY, "Downloaded", "done", "j"),
+        checkpoint=download_state.CheckpointState(
+            download_state.CheckpointPhase.READY, download_state.Reason.DOWNLOADED, "done", "j"
+        ),
         workload=workload_state.WorkloadState(
             exists=True, desired=2, current=2, serving_key=spec.checkpoint.key, template_hash="abc"
         ),

@@ -135,7 +135,8 @@ def metrics_text(shared_server: PolicyServerProcess) -> str:
     with connect(server.url) as ws:  # a bad frame: the error counter gets its `kind` label
         ws.recv(timeout=30)
         ws.send("not msgpack")
-        assert ws.recv(timeout=30).startswith("bad_frame")
+        reply = ws.recv(timeout=30)
+        assert isinstance(reply, str) and reply.startswith("bad_frame")
     return server.get(C.METRICS_PATH).text
 
 

@@ -131,7 +131,7 @@ def test_the_running_attempt_is_the_pod_whose_progress_is_read() -> None:
         fetch_pod("next", "waiting", "2025-01-01T00:02:00Z"),
     ]
     running = observe.running_fetch_pod(api_objects(V1Pod, pods))
-    assert running is not None and running.metadata.name == "new"
+    assert running is not None and running.metadata is not None and running.metadata.name == "new"
     assert observe.running_fetch_pod(api_objects(V1Pod, pods[:1])) is None
 
 
@@ -235,8 +235,8 @@ def test_a_downloading_state_carries_the_progress_and_says_it() -> None:
     assert state.phase == CheckpointPhase.DOWNLOADING and state.progress == FetchProgress(50, 100, 2e6)
     assert state.message == "downloading hf://org/p: 50 B / 100 B (50.0%) 2.0 MB/s (attempt 2/4)"
     # no answer from /progress (starting, unreachable) or no progress line yet: the state as before, without it
-    for log in (None, "fetch: resolving hf://org/p\n"):
-        state = download_state.checkpoint_state(spec(), active_job(), [], None, log)
+    for no_progress in (None, "fetch: resolving hf://org/p\n"):
+        state = download_state.checkpoint_state(spec(), active_job(), [], None, no_progress)
         assert state.progress is None and state.message == "downloading hf://org/p (attempt 2/4)"
     # a Job that is done has no progress, whatever its pod's log still says
     done = download_state.checkpoint_state(

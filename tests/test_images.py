@@ -430,7 +430,9 @@ def test_healthcheck_names_the_runtime_health_endpoint_and_port() -> None:
     assert C.HEALTHZ_PATH in argv[2] and C.ENV_PORT in argv[2] and f"'{C.DEFAULT_PORT}'" in argv[2]
     assert env_of(final_stage(RUNTIME_DOCKERFILE))[C.ENV_PORT] == str(C.DEFAULT_PORT)
     flags = dict(f.lstrip("-").split("=", 1) for f in hc.flags)
-    timeout = float(re.search(r"timeout=(\d+)", argv[2]).group(1))
+    match = re.search(r"timeout=(\d+)", argv[2])
+    assert match is not None, argv[2]
+    timeout = float(match.group(1))
     assert timeout < float(flags["timeout"].rstrip("s"))  # urllib gives up before Docker kills the check
 
 

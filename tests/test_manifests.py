@@ -578,7 +578,7 @@ def test_service_patch_ignores_fields_the_server_adds() -> None:
 
 # --- sections the PolicyServer passes through ---------------------------------------------
 
-PASSED_THROUGH = {
+PASSED_THROUGH: dict[str, Any] = {
     "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}],
     "topologySpreadConstraints": [
         {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule", "labelSelector": {}}

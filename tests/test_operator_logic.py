@@ -20,6 +20,7 @@ from policy_operator.operator import download_state, manifests, rank_probe, rbac
 from policy_operator.operator import plan as pl
 from policy_operator.operator import status as status_step
 from policy_operator.operator.conditions import Reason
+from policy_operator.operator.download_state import CheckpointPhase
 from policy_operator.operator.kube import KINDS
 from policy_operator.operator.kube_objects import api_json
 from policy_operator.operator.resource import PolicyServerStatus
@@ -42,15 +43,15 @@ def spec(**overrides: Any):
 
 def test_transition_time_moves_only_when_the_status_flips() -> None:
     first = cond.merge_conditions(
-        None, [cond.Condition("Available", "False", "NoReplicasReady", "0/1")], generation=1, now=NOW
+        None, [cond.Condition("Available", "False", Reason.NO_REPLICAS_READY, "0/1")], generation=1, now=NOW
     )
     same = cond.merge_conditions(
-        first, [cond.Condition("Available", "False", "ReplicasUnavailable", "0/2")], generation=2, now=LATER
+        first, [cond.Condition("Available", "False", Reason.REPLICAS_UNAVAILABLE, "0/2")], generation=2, now=LATER
     )
     assert same[0]["lastTransitionTime"] == NOW and same[0]["observedGeneration"] == 2
     assert same[0]["reason"] == "ReplicasUnavailable"
     flipped = cond.merge_conditions(
-        same, [cond.Condition("Available", "True", "ReplicasReady", "1/1")], generation=2, now=LATER
+        same, [cond.Condition("Available", "True", Reason.REPLICAS_READY, "1/1")], generation=2, now=LATER
     )
     assert flipped[0]["lastTransitionTime"] == LATER
 
@@ -58,23 +59,34 @@ def test_transition_time_moves_only_when_the_status_flips() -> None:
 def test_foreign_conditions_are_kept_and_ours_are_ordered() -> None:
     previous = [{"type": "Custom", "status": "True", "reason": "X", "lastTransitionTime": NOW}]
     merged = cond.merge_conditions(
-        previous, [cond.Condition(t, "True", "R") for t in reversed(cond.CONDITION_TYPES)], generation=1, now=NOW
+        previous,
+        [cond.Condition(t, "True", Reason.STABLE) for t in reversed(cond.CONDITION_TYPES)],
+        generation=1,
+        now=NOW,
     )
     assert [c["type"] for c in merged] == [*cond.CONDITION_TYPES, "Custom"]
 
 
 def test_events_only_for_changes_warning_for_bad_reasons() -> None:
     previous = [{"type": "Valid", "status": "True", "reason": "SpecValid"}]
-    assert cond.condition_events(previous, [cond.Condition("Valid", "True", "SpecValid", "other text")]) == []
-    [event] = cond.condition_events(previous, [cond.Condition("Valid", "False", "InvalidSpec", "bad")])
+    assert cond.condition_events(previous, [cond.Condition("Valid", "True", Reason.SPEC_VALID, "other text")]) == []
+    [event] = cond.condition_events(previous, [cond.Condition("Valid", "False", Reason.INVALID_SPEC, "bad")])
     assert (event.type, event.reason, event.message) == ("Warning", "InvalidSpec", "Valid=False: bad")
-    [event] = cond.condition_events([], [cond.Condition("CheckpointReady", "False", "Downloading", "x")])
+    [event] = cond.condition_events([], [cond.Condition("CheckpointReady", "False", Reason.DOWNLOADING, "x")])
     assert event.type == "Normal"
     assert cond.phase_event("Ready", "Ready", "m") == []
     assert cond.phase_event("Ready", "Degraded", "m")[0].type == "Warning"
 
 
-CK = {p: download_state.CheckpointState(p, "r", "m", "j") for p in ("Pending", "Downloading", "Ready", "Failed")}
+CK = {
+    phase.value: download_state.CheckpointState(phase, reason, "m", "j")
+    for phase, reason in (
+        (CheckpointPhase.PENDING, Reason.JOB_PENDING),
+        (CheckpointPhase.DOWNLOADING, Reason.DOWNLOADING),
+        (CheckpointPhase.READY, Reason.DOWNLOADED),
+        (CheckpointPhase.FAILED, Reason.FETCH_FAILED),
+    )
+}
 
 
 def workload(exists: bool = True, desired: int = 2, rolling: bool = False, serving: str | None = "k"):
@@ -305,7 +317,9 @@ def sts(generation: int = 2, spec_replicas: int = 2, **status: Any) -> V1Statefu
 
 
 def test_rollout_state_of_a_statefulset() -> None:
-    done = dict(observedGeneration=2, replicas=2, updatedReplicas=2, currentRevision="r1", updateRevision="r1")
+    done: dict[str, Any] = dict(
+        observedGeneration=2, replicas=2, updatedReplicas=2, currentRevision="r1", updateRevision="r1"
+    )
     settled = workload_state.workload_state(sts(**done), 2)
     assert not settled.rolling and settled.serving_key == "k" and settled.template_hash == "h"
     assert workload_state.workload_state(sts(**{**done, "observedGeneration": 1}), 2).rolling
@@ -377,7 +391,7 @@ def http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[int]:
 
 
 def test_probe_readyz_over_http() -> None:
-    answers = {"code": 503, "body": readyz_body([True, False])}
+    answers: dict[str, Any] = {"code": 503, "body": readyz_body([True, False])}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
@@ -459,18 +473,20 @@ def changes(plan: pl.Plan) -> list[pl.Write]:
 
 
 def created(plan: pl.Plan) -> list[str]:
-    return [f"{w.kind}/{w.name}" for w in changes(plan) if w.event.reason == "Created"]
+    return [f"{w.kind}/{w.name}" for w in plan.writes if w.event is not None and w.event.reason == "Created"]
 
 
 def as_observed(plan: pl.Plan, observed: pl.Observed | None = None) -> pl.Observed:
     """Feed the plan's created objects back as if the API server had stored them."""
     observed = observed or pl.Observed()
     for action in changes(plan):
+        assert action.event is not None  # changes() keeps the writes with an Event
         if action.event.reason != "Created":
             continue
         attr = {"PersistentVolumeClaim": "pvc", "Job": "job", "StatefulSet": "statefulset"}.get(action.kind)
         if action.kind == "Service":
             attr = "headless_service" if action.name.endswith("-pods") else "service"
+        assert attr is not None, f"no Observed field for a created {action.kind}"
         setattr(observed, attr, observed_field(attr, action.body))
     return observed
 
@@ -483,7 +499,7 @@ def test_plan_order_and_idempotence() -> None:
     assert first.serving is None
     observed = as_observed(first)
     assert changes(pl.plan(s, OWNER, observed, pending)) == []  # nothing twice
-    ready = download_state.CheckpointState("Ready", "Downloaded", "", "j")
+    ready = download_state.CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, "", "j")
     second = pl.plan(s, OWNER, observed, ready)
     assert created(second) == ["StatefulSet/ps", "Service/ps-pods", "Service/ps"]
     for action in second.writes:
@@ -500,27 +516,32 @@ def test_plan_order_and_idempotence() -> None:
 
 def test_plan_keeps_the_old_checkpoint_serving_while_the_new_one_downloads() -> None:
     old, new = spec(), spec(checkpoint={"source": "hf://org/p", "revision": "v2"})
-    ready = download_state.CheckpointState("Ready", "Downloaded", "", "j")
+    ready = download_state.CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, "", "j")
     observed = as_observed(pl.plan(old, OWNER, pl.Observed(), ready))
-    downloading = download_state.CheckpointState("Downloading", "Downloading", "", "j2")
+    downloading = download_state.CheckpointState(CheckpointPhase.DOWNLOADING, Reason.DOWNLOADING, "", "j2")
     observed.job = None  # the new key's Job does not exist yet
     plan = pl.plan(new, OWNER, observed, downloading)
     assert created(plan) == [f"Job/ps-fetch-{new.checkpoint.key}"]
+    assert plan.serving is not None
     assert plan.serving.key == old.checkpoint.key and changes(plan)[1:] == []
     [kept] = [w for w in plan.writes if w.kind == "StatefulSet"]
+    assert observed.statefulset is not None and observed.statefulset.spec is not None
     assert kept.body["spec"]["template"] == api_json(observed.statefulset.spec.template)
     rolled = pl.plan(new, OWNER, observed, ready)
     [patch] = [a for a in changes(rolled) if a.kind == "StatefulSet"]
     assert patch.body["spec"]["template"] != api_json(observed.statefulset.spec.template)
+    assert patch.event is not None
     assert f"{old.checkpoint.key} -> {new.checkpoint.key}" in patch.event.message
 
 
 def test_scaling_patches_replicas_not_the_template() -> None:
-    ready = download_state.CheckpointState("Ready", "Downloaded", "", "j")
+    ready = download_state.CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, "", "j")
     observed = as_observed(pl.plan(spec(replicas=1), OWNER, pl.Observed(), ready))
     plan = pl.plan(spec(replicas=3), OWNER, observed, ready)
     patch, pdb = changes(plan)
+    assert patch.event is not None
     assert patch.body["spec"]["replicas"] == 3 and "scaling 1 -> 3 pods" in patch.event.message
+    assert observed.statefulset is not None and observed.statefulset.spec is not None
     assert patch.body["spec"]["template"] == api_json(observed.statefulset.spec.template)
     assert pdb.kind == "PodDisruptionBudget"
     # the RWO cache of a 1-replica PolicyServer cannot be shared by 3 pods on different nodes
@@ -529,18 +550,21 @@ def test_scaling_patches_replicas_not_the_template() -> None:
 
 
 def test_plan_refuses_objects_it_does_not_own() -> None:
-    ready = download_state.CheckpointState("Ready", "Downloaded", "", "j")
+    ready = download_state.CheckpointState(CheckpointPhase.READY, Reason.DOWNLOADED, "", "j")
     observed = as_observed(pl.plan(spec(), OWNER, pl.Observed(), ready))
+    assert observed.statefulset is not None and observed.statefulset.metadata is not None
     observed.statefulset.metadata.owner_references = []
     plan = pl.plan(spec(image="img:2"), OWNER, observed, ready)
+    assert plan.problem is not None
     assert plan.problem.reason == Reason.NAME_CONFLICT and plan.writes == []
     foreign_pvc = observed_of(pvc={"metadata": {"name": "ps-cache", "labels": {}}})
     plan = pl.plan(spec(), OWNER, foreign_pvc, download_state.checkpoint_state(spec(), None, [], None))
+    assert plan.problem is not None
     assert plan.problem.reason == Reason.NAME_CONFLICT and plan.writes == []
 
 
 def test_retain_on_delete_releases_and_adopts_the_cache() -> None:
-    pending = download_state.CheckpointState("Pending", "JobPending", "", "j")
+    pending = download_state.CheckpointState(CheckpointPhase.PENDING, Reason.JOB_PENDING, "", "j")
     owned = as_observed(pl.plan(spec(), OWNER, pl.Observed(), pending))
     [release] = [
         a
@@ -549,7 +573,8 @@ def test_retain_on_delete_releases_and_adopts_the_cache() -> None:
     ]
     assert release.body == {"metadata": {"ownerReferences": None}}
     retained = as_observed(pl.plan(spec(storage={"retainOnDelete": True}), OWNER, pl.Observed(), pending))
-    assert retained.pvc is not None and retained.pvc.metadata.owner_references is None
+    assert retained.pvc is not None and retained.pvc.metadata is not None
+    assert retained.pvc.metadata.owner_references is None
     [adopt] = [a for a in pl.plan(spec(), OWNER, retained, pending).writes if a.kind == "PersistentVolumeClaim"]
     assert adopt.body["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
 
@@ -557,6 +582,7 @@ def test_retain_on_delete_releases_and_adopts_the_cache() -> None:
 def test_existing_claim_is_never_created() -> None:
     s = spec(storage={"existingClaim": "shared"})
     plan = pl.plan(s, OWNER, pl.Observed(), download_state.checkpoint_state(s, None, [], None))
+    assert plan.problem is not None
     assert created(plan) == [f"Job/ps-fetch-{s.checkpoint.key}"] and plan.problem.reason == "ClaimNotFound"
     plan = pl.plan(
         s, OWNER, observed_of(pvc={"metadata": {"name": "shared"}}), download_state.checkpoint_state(s, None, [], None)
@@ -656,7 +682,9 @@ def test_an_apply_is_skipped_only_when_the_object_already_is_what_it_would_make(
         {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status"},
     ]
     live = {**stamped, "metadata": {**stamped["metadata"], "managedFields": ours}}
-    assert foreign_managers(api_object(V1Service, live).metadata.managed_fields) == [] and unchanged(live, stamped)
+    live_meta = api_object(V1Service, live).metadata
+    assert live_meta is not None
+    assert foreign_managers(live_meta.managed_fields) == [] and unchanged(live, stamped)
     assert not unchanged(live, with_applied_hash({**body, "spec": {"ports": [{"name": "ws", "port": 9000}]}}))
     edited = {
         **live,
@@ -668,7 +696,9 @@ def test_an_apply_is_skipped_only_when_the_object_already_is_what_it_would_make(
             ],
         },
     }
-    edited_fields = api_object(V1Service, edited).metadata.managed_fields
+    edited_meta = api_object(V1Service, edited).metadata
+    assert edited_meta is not None
+    edited_fields = edited_meta.managed_fields
     assert foreign_managers(edited_fields) == ["kubectl-patch"] and not unchanged(edited, stamped)
     deleting = {**live, "metadata": {**live["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
     assert not unchanged(deleting, stamped) and not unchanged(None, stamped)
@@ -687,7 +717,8 @@ def test_the_informer_store_keeps_the_newest_version_of_each_object() -> None:
     assert store.synced.is_set() and [o["metadata"]["name"] for o in store.list({"app": "x"})] == ["a"]
     store.put(obj("a", 9, app="y"))
     store.put(obj("a", 7, app="x"))  # a watch event older than the write-through
-    assert store.get("a")["metadata"]["resourceVersion"] == "9" and store.list({"app": "x"}) == []
+    newest = store.get("a")
+    assert newest is not None and newest["metadata"]["resourceVersion"] == "9" and store.list({"app": "x"}) == []
     store.remove("b", 10)
     store.put(obj("b", 8))  # older than the deletion
     assert store.get("b") is None

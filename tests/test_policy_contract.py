@@ -126,7 +126,7 @@ def test_a_policy_integrates_with_its_own_schedule(reference: ReferencePolicy, t
         ctx = own.condition(sample, Branch.COND)
         x = own.init_noise(3)
         for i, t in enumerate(integ.timesteps):
-            x = x + integ.dts[i] * own.denoise_step(ctx, x, torch.full((1,), t))  # type: ignore[attr-defined]
+            x = x + integ.dts[i] * own.denoise_step(ctx, x, torch.full((1,), t))
     assert torch.equal(x_of(own, guidance=1.0, steps=None), x)
     assert not torch.allclose(x, x_of(reference, guidance=1.0, steps=6), atol=1e-3)  # not the server's Euler
     assert isinstance(own.integrator(3), ShiftedEuler) and own.integrator(3).steps == 3

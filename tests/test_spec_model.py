@@ -44,7 +44,7 @@ def rule(model: type, text_part: str) -> S.Rule:
     """The CEL rule of ``model`` (class-level or on a field's type) whose text contains ``text_part``."""
     from policy_operator.operator.kube_model import kube_schema
 
-    found = []
+    found: list[dict[str, Any]] = []
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
@@ -203,8 +203,9 @@ def test_every_problem_is_reported_the_first_one_names_the_path() -> None:
 
 
 def test_an_unparseable_spec_is_a_spec_error_not_a_crash() -> None:
-    for spec in (None, [], "spec", {"checkpoint": []}):
-        assert isinstance(refused(spec), SpecError)  # type: ignore[arg-type]
+    unparseable: list[Any] = [None, [], "spec", {"checkpoint": []}]  # not the dict refused() takes
+    for spec in unparseable:
+        assert isinstance(refused(spec), SpecError)
 
 
 # --- what is accepted, and what the operator derives from it ---------------------------------------

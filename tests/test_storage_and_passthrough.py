@@ -33,7 +33,7 @@ OWNER = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps",
 READY = download_state.CheckpointState(download_state.CheckpointPhase.READY, download_state.Reason.DOWNLOADED, "", "j")
 
 
-def spec(**overrides: Any):  # type: ignore[no-untyped-def]
+def spec(**overrides: Any) -> PolicyServerSpec:
     body: dict[str, Any] = {"image": "img:1", "checkpoint": {"source": "hf://org/p"}, **overrides}
     return parse_spec(body, name="ps", namespace="ns")
 

@@ -194,7 +194,7 @@ def _managed(manager: str, fields: dict[str, Any], operation: str = "Update") ->
 
 
 def test_foreign_managers_are_those_owning_fields_under_the_path() -> None:
-    env = {
+    env: dict[str, Any] = {
         "f:spec": {
             "f:template": {
                 "f:spec": {
