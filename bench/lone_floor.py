@@ -10,9 +10,11 @@ module, wait ``--compute-ms`` and send a reply of the same shape, on the same ev
 and the same ``websockets`` server, against the same client (``runtime/client.py``, one robot, closed loop):
 
 - ``loop``: the wait on the event loop itself (``asyncio.sleep``): no thread hop at all;
-- ``spin``: the wait on a worker thread that spins, as a thread in ``cudaStreamSynchronize`` does, and hands the
-  reply back with ``call_soon_threadsafe``: the least a server with a model thread can do;
-- ``sleep``: the same with a worker thread that sleeps (its core may go idle, as a CPU model's may not).
+- ``spin``: the wait on a worker thread that spins (GIL released), as one in ``cudaStreamSynchronize`` does, and
+  hands the reply back with ``call_soon_threadsafe``: the least a server with a model thread can do;
+- ``sleep``: the same with a worker thread that sleeps (its core may go idle, as a CPU model's may not);
+- ``spin-awake``: ``spin``, and the event loop wakes every 0.1 ms over the last 1 ms of the wait: does a loop
+  kept from deep idle take the reply sooner (what a server could do knowing its warm-up's batch times)?
 
 With ``--checkpoint`` the real server (``policyserver serve``, inline front-end, ``--serve-args``) runs in the
 same rounds, and its row's "over compute" is round trip minus its own ``infer_ms``.  Rounds interleave the
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import platform
@@ -42,7 +45,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
-VARIANTS = ("loop", "spin", "sleep")
+VARIANTS = ("loop", "spin", "sleep", "spin-awake")
+AWAKE_MS = 1.0  # spin-awake: the loop ticks every TICK_MS over the last AWAKE_MS of the wait
+TICK_MS = 0.1
 
 
 def _free_port() -> int:
@@ -62,16 +67,25 @@ def serve(variant: str, port: int, compute_ms: float) -> None:
     seconds = compute_ms / 1e3
     pool = ThreadPoolExecutor(1)  # one long-lived model thread, as the inline server's lane has
 
+    block = bytes(16384)
+
     def spin(loop: asyncio.AbstractEventLoop, future: asyncio.Future[float]) -> None:
+        """Busy for ``seconds`` with the GIL mostly released (hashlib drops it for large buffers), as a thread in
+        ``cudaStreamSynchronize`` is: the event loop is not kept from the GIL while it waits."""
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            pass
+            hashlib.sha256(block)
         loop.call_soon_threadsafe(future.set_result, (time.perf_counter() - t0) * 1e3)
 
     def nap(loop: asyncio.AbstractEventLoop, future: asyncio.Future[float]) -> None:
         t0 = time.perf_counter()
         time.sleep(seconds)
         loop.call_soon_threadsafe(future.set_result, (time.perf_counter() - t0) * 1e3)
+
+    def tick(future: asyncio.Future[float]) -> None:
+        """Wake the loop every TICK_MS until the reply is in, so its core is not deep asleep when it comes."""
+        if not future.done():
+            asyncio.get_running_loop().call_later(TICK_MS / 1e3, tick, future)
 
     async def handler(ws) -> None:  # noqa: ANN001 - websockets' ServerConnection
         loop = asyncio.get_running_loop()
@@ -85,8 +99,10 @@ def serve(variant: str, port: int, compute_ms: float) -> None:
                 compute = (time.perf_counter() - t0) * 1e3
             else:
                 future: asyncio.Future[float] = loop.create_future()
-                work = spin if variant == "spin" else nap
+                work = nap if variant == "sleep" else spin
                 pool.submit(work, loop, future)
+                if variant == "spin-awake":
+                    loop.call_later(max(0.0, seconds - AWAKE_MS / 1e3), tick, future)
                 compute = await future
             timing = {"infer_ms": compute, "total_ms": (time.perf_counter() - started) * 1e3}
             await ws.send(wire.packb({"actions": actions, "server_timing": timing}))
