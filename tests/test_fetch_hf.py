@@ -88,7 +88,8 @@ def test_hf_fetch_through_huggingface_hub(repo_dir, tmp_path, cli_env):
         flag = run_fetch(env, f"hf://{REPO}", str(dest), "--revision", "main")
         assert flag.returncode == 0 and "already complete" in flag.stderr and hub.requests == []
         assert flag.stdout.strip() == str(dest / request_key(f"hf://{REPO}@main"))
-        assert read_marker(Path(flag.stdout.strip()))["revision"] == "main"
+        pinned_marker = read_marker(Path(flag.stdout.strip()))
+        assert pinned_marker is not None and pinned_marker["revision"] == "main"
 
 
 def test_hf_token_is_sent_to_the_hub_only_and_never_printed(repo_dir, tmp_path, cli_env):

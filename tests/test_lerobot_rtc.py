@@ -9,7 +9,7 @@ Everything is built offline; nothing reaches a hub.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,14 @@ from policy_operator.runtime.policy.interface import Branch, collate  # noqa: E4
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.loading import Loaded  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
-from policy_operator.runtime.policy.rtc import RtcBatch, RtcConstraint, guided_velocity, rtc_unsupported  # noqa: E402
+from policy_operator.runtime.policy.rtc import (  # noqa: E402
+    RtcBatch,
+    RtcConstraint,
+    RtcMode,
+    Step,
+    guided_velocity,
+    rtc_unsupported,
+)
 from policy_operator.runtime.policy.sampler import sample_actions  # noqa: E402
 from policy_operator.runtime.serving import wire  # noqa: E402
 from policy_operator.runtime.serving.rtc_session import RTC_KEY, RtcIngress, RtcSession  # noqa: E402
@@ -78,8 +85,8 @@ def flow(request: pytest.FixtureRequest) -> LeRobotPolicy:
 def run(
     policy: LeRobotPolicy,
     seeds: list[int],
-    rtc: list[RtcConstraint | None] | None = None,
-    mode: str = "off",
+    rtc: Sequence[RtcConstraint | None] | None = None,
+    mode: RtcMode = "off",
     variants: list[int] | None = None,
 ) -> torch.Tensor:
     samples = [policy.prepare(policy.example_observation(v)) for v in (variants or [0] * len(seeds))]
@@ -89,7 +96,7 @@ def run(
         seeds,
         steps=STEPS,
         guidance=1.0,
-        rtc_mode=mode,  # type: ignore[arg-type]
+        rtc_mode=mode,
         rtc=rtc,
     )
 
@@ -137,13 +144,18 @@ def test_the_soft_part_is_lerobots_own_rtc_processor(smolvla: LeRobotPolicy) -> 
         )
         batch = RtcBatch.build([c], tuple(x.shape[1:]), "inpaint", CPU, torch.float32)  # type: ignore[arg-type]
         assert batch is not None
-        ours = guided_velocity(batch, lambda z, t=t: (v := smolvla.denoise_step(ctx, z, t), [(v, 1.0)]), x, time)
+
+        def forward(z: torch.Tensor, t: torch.Tensor = t) -> Step:
+            v = smolvla.denoise_step(ctx, z, t)
+            return v, [(v, 1.0)]
+
+        ours = guided_velocity(batch, forward, x, time)
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
 # --- the sampler -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["inpaint", "guided"])
-def test_the_frozen_prefix_is_the_previous_actions(flow: LeRobotPolicy, mode: str) -> None:
+def test_the_frozen_prefix_is_the_previous_actions(flow: LeRobotPolicy, mode: RtcMode) -> None:
     seeds = [1, 2]
     old = tails(flow, seeds)
     constraints = [constraint(flow, t) for t in old]
@@ -156,7 +168,7 @@ def test_the_frozen_prefix_is_the_previous_actions(flow: LeRobotPolicy, mode: st
 
 
 @pytest.mark.parametrize("mode", ["guided", "inpaint"])
-def test_rtc_lowers_the_discontinuity_at_the_switch(flow: LeRobotPolicy, mode: str) -> None:
+def test_rtc_lowers_the_discontinuity_at_the_switch(flow: LeRobotPolicy, mode: RtcMode) -> None:
     """Over 12 seeds and observations: the first new action (index d) is far closer to the old chunk's action for
     that tick with RTC than without, and the guided part of the chunk stays nearer the old plan."""
     seeds = list(range(12))
@@ -164,7 +176,8 @@ def test_rtc_lowers_the_discontinuity_at_the_switch(flow: LeRobotPolicy, mode: s
     old = tails(flow, seeds, variants)
     constraints = [constraint(flow, t) for t in old]
     stats = {}
-    for m in ("off", mode):
+    modes: tuple[RtcMode, RtcMode] = ("off", mode)
+    for m in modes:
         new = flow.postprocess_batch(run(flow, seeds, constraints if m != "off" else None, m, variants))
         stats[m] = (
             np.mean([boundary_jump(o[DELAY], n[DELAY]) for o, n in zip(old, new, strict=True)]),
@@ -176,7 +189,7 @@ def test_rtc_lowers_the_discontinuity_at_the_switch(flow: LeRobotPolicy, mode: s
 
 
 @pytest.mark.parametrize("mode", ["inpaint", "guided"])
-def test_a_batch_mixing_rtc_and_plain_rows_gives_each_row_its_own(flow: LeRobotPolicy, mode: str) -> None:
+def test_a_batch_mixing_rtc_and_plain_rows_gives_each_row_its_own(flow: LeRobotPolicy, mode: RtcMode) -> None:
     seeds, variants = [5, 6, 7], [0, 1, 2]
     old = tails(flow, seeds, variants)
     mixed = [constraint(flow, old[0]), None, constraint(flow, old[2][:4], delay=1, horizon=3)]

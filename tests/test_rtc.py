@@ -7,7 +7,7 @@ server tests start real ``policyserver serve`` processes on 127.0.0.1 (slow).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,8 @@ from policy_operator.runtime.client import robolab_observation
 from policy_operator.runtime.errors import ErrorKind, InvalidRtc, RequestError
 from policy_operator.runtime.policy import collate
 from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePolicy, example_observation
-from policy_operator.runtime.policy.rtc import RtcConstraint, prefix_weights, rtc_unsupported
-from policy_operator.runtime.policy.sampler import sample_actions
+from policy_operator.runtime.policy.rtc import RtcConstraint, RtcMode, prefix_weights, rtc_unsupported
+from policy_operator.runtime.policy.sampler import CfgMode, sample_actions
 from policy_operator.runtime.serving import wire
 from policy_operator.runtime.serving.rtc_session import RtcSession, RtcSupport, parse_rtc
 from tests.support.servers import PolicyServerProcess, serve_policy
@@ -146,9 +146,9 @@ def policy(checkpoint: Path) -> ReferencePolicy:
 def run(
     policy: ReferencePolicy,
     seeds: list[int],
-    rtc: list[RtcConstraint | None] | None = None,
-    rtc_mode: str = "off",
-    cfg_mode: str = "sequential",
+    rtc: Sequence[RtcConstraint | None] | None = None,
+    rtc_mode: RtcMode = "off",
+    cfg_mode: CfgMode = "sequential",
     variants: list[int] | None = None,
     steps: int = STEPS,
 ) -> torch.Tensor:
@@ -161,10 +161,10 @@ def run(
         seeds,
         steps=steps,
         guidance=3.0,
-        mode=cfg_mode,  # type: ignore[arg-type]
+        mode=cfg_mode,
         rtc_mode=rtc_mode,
         rtc=rtc,
-    )  # type: ignore[arg-type]
+    )
 
 
 def tails(policy: ReferencePolicy, seeds: list[int]) -> list[np.ndarray]:
@@ -184,7 +184,7 @@ def test_the_reference_policy_maps_its_actions_back() -> None:
 
 
 @pytest.mark.parametrize("rtc_mode", ["inpaint", "guided"])
-def test_the_frozen_prefix_is_the_previous_actions_exactly(policy: ReferencePolicy, rtc_mode: str) -> None:
+def test_the_frozen_prefix_is_the_previous_actions_exactly(policy: ReferencePolicy, rtc_mode: RtcMode) -> None:
     seeds = [1, 2]
     constraints = [RtcConstraint(policy.actions_to_model(t), DELAY, len(t)) for t in tails(policy, seeds)]
     x = run(policy, seeds, constraints, rtc_mode)
@@ -194,7 +194,7 @@ def test_the_frozen_prefix_is_the_previous_actions_exactly(policy: ReferencePoli
 
 
 @pytest.mark.parametrize("rtc_mode", ["guided", "inpaint"])
-def test_rtc_lowers_the_discontinuity_at_the_switch_over_50_seeds(policy: ReferencePolicy, rtc_mode: str) -> None:
+def test_rtc_lowers_the_discontinuity_at_the_switch_over_50_seeds(policy: ReferencePolicy, rtc_mode: RtcMode) -> None:
     """At the switch (index d) the robot goes from the old chunk to the new one: over 50 seeds the first new action
     is far closer to the action the old chunk had for that tick with RTC, and the new chunk stays near the old
     plan where guided.  (The raw jump from the last old action also holds the policy's own step between
@@ -203,7 +203,8 @@ def test_rtc_lowers_the_discontinuity_at_the_switch_over_50_seeds(policy: Refere
     old = tails(policy, seeds)
     constraints = [RtcConstraint(policy.actions_to_model(t), DELAY, len(t)) for t in old]
     stats = {}
-    for mode in ("off", rtc_mode):
+    modes: tuple[RtcMode, RtcMode] = ("off", rtc_mode)
+    for mode in modes:
         x = run(policy, seeds, constraints if mode != "off" else None, mode, steps=10)
         new = [policy.postprocess(row[None]) for row in x]
         stats[mode] = (
@@ -218,7 +219,7 @@ def test_rtc_lowers_the_discontinuity_at_the_switch_over_50_seeds(policy: Refere
 @pytest.mark.parametrize("cfg_mode", ["sequential", "batched"])
 @pytest.mark.parametrize("rtc_mode", ["inpaint", "guided"])
 def test_a_batch_mixing_rtc_and_plain_rows_gives_each_row_its_own(
-    policy: ReferencePolicy, cfg_mode: str, rtc_mode: str
+    policy: ReferencePolicy, cfg_mode: CfgMode, rtc_mode: RtcMode
 ) -> None:
     seeds, variants = [5, 6, 7], [0, 1, 2]
     old = tails(policy, seeds)

@@ -139,7 +139,7 @@ def server(tiny_checkpoint: Path) -> Iterator[PolicyServerProcess]:
 )
 def test_finite_but_huge_state_is_refused_not_answered_with_nan(server, key: str, value: np.ndarray) -> None:
     with connection(server) as ws:
-        reply = ask(ws, observation(**{key: value}))
+        reply = ask(ws, observation(0, **{key: value}))
         assert "actions" not in reply, "a huge state must never come back as actions"
         assert error_kind(reply) == "invalid_observation" and key in reply["error"]["message"], reply
         good = ask(ws, observation())
@@ -163,18 +163,18 @@ def test_non_finite_actions_are_an_error_reply_counted_in_metrics(tmp_path_facto
 def test_long_session_ids_are_refused_and_short_ones_stick(server) -> None:
     with connection(server) as ws:
         for length in (257, 64 << 10):
-            reply = ask(ws, observation(**{SESSION_KEY: "s" * length}))
+            reply = ask(ws, observation(0, **{SESSION_KEY: "s" * length}))
             assert error_kind(reply) == "invalid_observation", reply
             assert SESSION_KEY in reply["error"]["message"] and "256" in reply["error"]["message"]
             assert len(reply["error"]["message"]) < 300, "the message must not echo the id"
         # a string past the frame's structural limit (docs/protocol.md) is refused while the frame is decoded
-        reply = ask(ws, observation(**{SESSION_KEY: "s" * (15 << 20)}))
+        reply = ask(ws, observation(0, **{SESSION_KEY: "s" * (15 << 20)}))
         assert error_kind(reply) == "bad_frame" and "max_str_len" in reply["error"]["message"], reply
         assert len(reply["error"]["message"]) < 300, "the message must not echo the id"
         for session in ("é" * 128, 2**62, "robot-7"):  # 256 bytes of UTF-8, an int, a plain name
-            reply = ask(ws, observation(**{SESSION_KEY: session}))
+            reply = ask(ws, observation(0, **{SESSION_KEY: session}))
             assert np.isfinite(reply["actions"]).all(), reply
-        reply = ask(ws, observation(**{SESSION_KEY: "é" * 129}))  # 258 bytes, 129 characters
+        reply = ask(ws, observation(0, **{SESSION_KEY: "é" * 129}))  # 258 bytes, 129 characters
         assert error_kind(reply) == "invalid_observation", reply
 
 
@@ -396,7 +396,9 @@ def test_readyz_error_of_a_file_source_keeps_the_reason_without_the_path(tmp_pat
 def test_probes_answer_while_the_torchrun_agent_is_frozen(tiny_checkpoint) -> None:
     """The agent hosts the TCPStore the heartbeats live in; freezing it must not freeze /readyz or the handshake."""
     with serve_policy(tiny_checkpoint, "--cfgp", "2", "--steps", "2", *RANKS) as s:
-        agent = proc_stat(s.rank_pids()[0])[0]  # the ranks' parent: torchrun's agent
+        stat = proc_stat(s.rank_pids()[0])
+        assert stat is not None, "rank 0 is running"
+        agent = stat[0]  # the ranks' parent: torchrun's agent
         with frozen(agent):
             time.sleep(1.0)  # past the staleness bound: heartbeats cannot be published now
             t0 = time.monotonic()
@@ -474,7 +476,12 @@ def test_a_request_handed_to_a_frozen_cfg_peer_fails_the_replica_within_the_pg_t
             ws.send(msgpack_numpy.packb(observation()))
             reply = msgpack_numpy.unpackb(ws.recv(timeout=pg_timeout_s + 10))
             elapsed = time.monotonic() - t0
-            wait_for(lambda: readyz() or errors, timeout=10, interval=0.1, what="/readyz with the failure")
+
+            def polled_errors() -> list[str]:
+                readyz()
+                return errors
+
+            wait_for(polled_errors, timeout=10, interval=0.1, what="/readyz with the failure")
         assert error_kind(reply) == "replica_failed" and "actions" not in reply, reply
         assert pg_timeout_s - 0.5 < elapsed < pg_timeout_s + 5, elapsed
         assert "replica 0 failed" in errors[-1] and "collective" in errors[-1], errors
