@@ -123,7 +123,9 @@ def ps_api(cp: ControlPlane) -> CustomObjectsApi:
 
 
 def get_ps(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
-    return ps_api(cp).get_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, name)
+    obj = ps_api(cp).get_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, name)
+    assert isinstance(obj, dict), obj  # custom objects come back as their JSON (typed object by the client)
+    return obj
 
 
 def apply_stdin(
@@ -186,7 +188,7 @@ def test_kubectl_matches_the_server_and_every_component_runs(control_plane: Cont
     # controller-manager: the ServiceAccount controller fills a new namespace
     control_plane.create_namespace("cp-components")
     sa = CoreV1Api(control_plane.api_client).read_namespaced_service_account("default", "cp-components")
-    assert sa.metadata.name == "default"
+    assert sa.metadata is not None and sa.metadata.name == "default"
     # scheduler: with no node able to take it, a pod is marked unschedulable by the scheduler itself
     pod = {
         "apiVersion": "v1",
@@ -202,6 +204,7 @@ def test_kubectl_matches_the_server_and_every_component_runs(control_plane: Cont
         "wait", "-n", "cp-components", "pod/waits", "--for=condition=PodScheduled=false", "--timeout=60s"
     )
     status = CoreV1Api(control_plane.api_client).read_namespaced_pod("waits", "cp-components").status
+    assert status is not None and status.conditions is not None
     (scheduled,) = [c for c in status.conditions if c.type == "PodScheduled"]
     assert scheduled.reason == "Unschedulable", scheduled
     control_plane.kubectl("delete", "namespace", "cp-components", "--wait=false")
@@ -312,7 +315,10 @@ def test_the_apiserver_really_checks_crd_schemas_and_cel_cost(cluster: ControlPl
         assert result.returncode != 0, "the apiserver accepted a CRD it must refuse"
         return result.stderr
 
-    unbounded = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}}
+    unbounded: dict[str, Any] = {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+    }
     quadratic = [{"rule": "self.items.all(a, self.items.all(b, a.matches(b)))"}]
     assert "exceeds budget" in probe_crd(unbounded, quadratic)
     bounded = copy.deepcopy(unbounded)
@@ -598,8 +604,9 @@ def test_helm_install_created_the_chart_objects(cluster: ControlPlane, release: 
 def _can_i(cluster: ControlPlane, release: Release, verb: str, api_group: str, resource: str, namespace: str) -> bool:
     """The apiserver's authorizer asked about the chart's ServiceAccount (a SubjectAccessReview, as the admin)."""
     name, _, subresource = resource.partition("/")
+    # the client sends a plain dict body as it is (its stubs ask for a V1SubjectAccessReview)
     review = AuthorizationV1Api(cluster.api_client).create_subject_access_review(
-        {
+        {  # type: ignore[arg-type]
             "apiVersion": "authorization.k8s.io/v1",
             "kind": "SubjectAccessReview",
             "spec": {
@@ -619,6 +626,7 @@ def _can_i(cluster: ControlPlane, release: Release, verb: str, api_group: str, r
             },
         }
     )
+    assert review.status is not None, review
     return bool(review.status.allowed)
 
 
@@ -668,7 +676,7 @@ def test_real_requests_with_the_token_are_authorized_per_rbac(cluster: ControlPl
     client = kubernetes.config.new_client_from_config(config_file=str(release.kubeconfig))
     try:
         ps = CustomObjectsApi(client).list_namespaced_custom_object(C.GROUP, C.VERSION, release.namespace, C.PLURAL)
-        assert ps["items"] == []
+        assert isinstance(ps, dict) and ps["items"] == []
         assert BatchV1Api(client).list_namespaced_job(release.namespace).items == []
         for forbidden in (
             lambda: CoreV1Api(client).list_namespaced_secret(release.namespace),
@@ -678,6 +686,7 @@ def test_real_requests_with_the_token_are_authorized_per_rbac(cluster: ControlPl
             with pytest.raises(ApiException) as denied:
                 forbidden()
             assert denied.value.status == 403, denied.value
+            assert denied.value.body is not None, denied.value
             assert f"system:serviceaccount:{release.namespace}:{release.service_account}" in denied.value.body
     finally:
         client.close()
@@ -746,8 +755,11 @@ def test_the_operator_as_its_service_account_reconciles_the_minimal_example(
             return get_ps(cluster, ns, name).get("status", {}).get("checkpoint", {}).get("jobName")
 
         job = wait_for(job_name, RECONCILE_S, what=f"status.checkpoint.jobName (log: {operator.log})")
-        assert batch.read_namespaced_job(job, ns).spec.template.spec.node_selector == example["spec"]["nodeSelector"]
+        fetch_job = batch.read_namespaced_job(job, ns)
+        assert fetch_job.spec is not None and fetch_job.spec.template.spec is not None
+        assert fetch_job.spec.template.spec.node_selector == example["spec"]["nodeSelector"]
         pvc = core.read_namespaced_persistent_volume_claim(f"{name}-cache", ns)
+        assert pvc.metadata is not None and pvc.metadata.owner_references is not None
         assert pvc.metadata.owner_references[0].name == name
         # the real Job controller made the pod; the real scheduler found no node for it
         pods = wait_for(
@@ -755,15 +767,16 @@ def test_the_operator_as_its_service_account_reconciles_the_minimal_example(
             RECONCILE_S,
             what="the fetch Job's pod (real Job controller)",
         )
-        assert pods[0].status.phase == "Pending"
-        wait_for(
-            lambda: any(
-                c.type == "PodScheduled" and c.reason == "Unschedulable"
-                for c in core.read_namespaced_pod(pods[0].metadata.name, ns).status.conditions or []
-            ),
-            RECONCILE_S,
-            what="the scheduler's Unschedulable on the fetch pod",
-        )
+        assert pods[0].status is not None and pods[0].status.phase == "Pending"
+        assert pods[0].metadata is not None and pods[0].metadata.name is not None
+        fetch_pod = pods[0].metadata.name
+
+        def unschedulable() -> bool:
+            status = core.read_namespaced_pod(fetch_pod, ns).status
+            assert status is not None
+            return any(c.type == "PodScheduled" and c.reason == "Unschedulable" for c in status.conditions or [])
+
+        wait_for(unschedulable, RECONCILE_S, what="the scheduler's Unschedulable on the fetch pod")
 
         # the Job counts its Pending pod as active: that is no download, and status says what the scheduler says
         def checkpoint_condition() -> dict[str, Any]:

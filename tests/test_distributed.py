@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,6 +54,13 @@ def request(
         return reply if isinstance(reply, str) else wire.unpackb(reply)
 
 
+def answered(url: str, **kwargs: Any) -> dict[str, Any]:
+    """``request`` for one that must be answered, not refused with an error text frame."""
+    reply = request(url, **kwargs)
+    assert isinstance(reply, dict), reply
+    return reply
+
+
 def rank_pids(server: PolicyServerProcess) -> dict[int, int]:
     return server.rank_pids()  # from the processes: /readyz publishes no PIDs
 
@@ -84,7 +92,7 @@ def layout_actions(tiny_checkpoint):
                 t.start()
             for t in threads:
                 t.join(120)
-            sticky = [request(server.url, seed=1, session="robot-7")["server_timing"]["replica"] for _ in range(3)]
+            sticky = [answered(server.url, seed=1, session="robot-7")["server_timing"]["replica"] for _ in range(3)]
             out[(cfgp, dp)] = {
                 "ready": ready,
                 "first": first,
@@ -126,7 +134,7 @@ def test_dp_replicas_serve_concurrent_requests_and_sessions_stick(layout_actions
 
 def test_batched_cfg_matches_within_bound(tiny_checkpoint, layout_actions) -> None:
     with serve_policy(tiny_checkpoint, "--cfg-mode", "batched", *COMMON) as server:
-        batched = np.asarray(request(server.url, seed=42)["actions"])
+        batched = np.asarray(answered(server.url, seed=42)["actions"])
     reference = np.asarray(layout_actions[(1, 1)]["first"]["actions"])
     # batch-2 GEMMs reduce in another order: documented bound in docs/architecture.md
     np.testing.assert_allclose(batched, reference, rtol=0, atol=1e-4)
@@ -139,7 +147,7 @@ def test_failed_request_leaves_every_rank_alive(tiny_checkpoint, cfgp: int, dp: 
         good = request(server.url)
         assert isinstance(good, dict)
         bad = [
-            request(server.url, prompt=123),  # invalid: refused on rank 0 before any broadcast
+            request(server.url, prompt=123),  # type: ignore[arg-type]  # invalid: refused on rank 0 before any broadcast
             request(server.url, prompt="explode:cond"),  # fails inside the driver's branch
             request(server.url, prompt="explode:cond"),  # (dp=2: the other replica gets one too)
         ]
@@ -147,10 +155,10 @@ def test_failed_request_leaves_every_rank_alive(tiny_checkpoint, cfgp: int, dp: 
             bad.append(request(server.url, prompt="explode:uncond"))  # fails on the peer rank only
         for reply in bad:
             assert isinstance(reply, str), reply
-        assert bad[0].startswith("invalid_observation:") and "'prompt'" in bad[0]
+        assert isinstance(bad[0], str) and bad[0].startswith("invalid_observation:") and "'prompt'" in bad[0]
         assert all("planted failure" in r or "cfg rank" in r for r in bad[1:]), bad
         for _ in range(dp):
-            again = request(server.url)
+            again = answered(server.url)
             assert np.array_equal(np.asarray(again["actions"]), np.asarray(good["actions"]))
         assert rank_pids(server) == pids and all(alive(p) for p in pids.values())
         assert server.readyz().status == 200
@@ -160,9 +168,9 @@ def test_failed_request_leaves_every_rank_alive(tiny_checkpoint, cfgp: int, dp: 
 def test_idle_longer_than_the_pg_timeout(tiny_checkpoint) -> None:
     with serve_policy(tiny_checkpoint, "--cfgp", "2", "--pg-timeout-s", "2", *COMMON) as server:
         pids = rank_pids(server)
-        first = request(server.url)
+        first = answered(server.url)
         time.sleep(4)  # idle for twice the collective timeout: ranks wait on the long-timeout gloo group
-        second = request(server.url)
+        second = answered(server.url)
         assert np.array_equal(np.asarray(first["actions"]), np.asarray(second["actions"]))
         assert rank_pids(server) == pids and server.readyz().status == 200
 
@@ -189,7 +197,7 @@ def test_killed_rank_flips_readyz_and_launcher_exits_nonzero(tiny_checkpoint) ->
     with serve_policy(tiny_checkpoint, "--cfgp", "2", *COMMON) as server:
         pids = rank_pids(server)
         os.kill(pids[1], signal.SIGKILL)
-        statuses = []
+        statuses: list[int | None] = []
 
         def seen_503() -> bool:
             try:
@@ -268,7 +276,7 @@ def test_only_rank0_downloads_a_source_checkpoint(tiny_checkpoint, tmp_path: Pat
     with CheckpointServer(root) as http:
         url = http.url_for("ckpt/")
         with serve_policy(url, "--cfgp", "2", "--dp", "2", "--cache-dir", str(cache), *COMMON) as server:
-            actions = np.asarray(request(server.url, seed=42)["actions"])
+            actions = np.asarray(answered(server.url, seed=42)["actions"])
         # four ranks, one download: every file of the checkpoint was fetched exactly once
         paths = sorted(r.path for r in http.requests if r.method == "GET")
         assert paths == sorted(f"/ckpt/{p.name}" for p in (root / "ckpt").iterdir()), paths

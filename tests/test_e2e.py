@@ -244,15 +244,11 @@ def test_real_controllers_made_the_pods_and_the_scheduler_bound_them(deployment:
     for name, replicas in ((CFGP2, 1), (CFGP1, 2)):
         # the controller counts pods the node reports Ready (its readinessProbe, every 5 s), which may come a
         # little after the operator's own /readyz poll made the PolicyServer Available
-        sts = wait_for(
-            lambda n=name, r=replicas: (
-                (s := d.cluster.get("apps/v1", "statefulsets", Names(n).statefulset))
-                and s["status"].get("readyReplicas") == r
-                and s
-            ),
-            WAIT_S,
-            what=f"{name}: StatefulSet ready",
-        )
+        def ready_statefulset(n: str = name, r: int = replicas) -> dict[str, Any] | None:
+            s = d.cluster.get("apps/v1", "statefulsets", Names(n).statefulset)
+            return s if s and s["status"].get("readyReplicas") == r else None
+
+        sts = wait_for(ready_statefulset, WAIT_S, what=f"{name}: StatefulSet ready")
         assert sts["status"]["currentRevision"] == sts["status"]["updateRevision"]
         for pod in server_pods(d, name):
             owner = pod["metadata"]["ownerReferences"][0]
@@ -261,7 +257,7 @@ def test_real_controllers_made_the_pods_and_the_scheduler_bound_them(deployment:
             assert pod["spec"]["nodeName"] == d.cluster.node.name
             assert any(c["type"] == "PodScheduled" and c["status"] == "True" for c in pod["status"]["conditions"])
             assert pod["status"]["qosClass"] == "Burstable"  # the samples request CPU and memory
-    node = d.cluster.api.get("v1", "nodes", d.cluster.node.name)
+    node = d.cluster.api.existing("v1", "nodes", d.cluster.node.name)
     assert node["status"]["allocatable"][C.GPU_RESOURCE] == "8"
 
 
@@ -285,9 +281,9 @@ def test_one_fetch_job_and_one_download_per_checkpoint(deployment: Deployment) -
     # the cfgp=2 sample's Secret reached the fetch as a bearer token (the server refuses requests without it)
     assert {r.headers.get("Authorization") for r in d.servers[CFGP2].requests} == {"<redacted>"}
     # both pods of the dp=2 PolicyServer mount the one cache claim, of the sample's class, on one volume
-    runners = [d.cluster.node.pod(NS, p["metadata"]["name"]) for p in server_pods(d, CFGP1)]
+    runners = [d.cluster.node.runner(NS, p["metadata"]["name"]) for p in server_pods(d, CFGP1)]
     assert len(runners) == 2 and runners[0].claims == runners[1].claims == {(NS, Names(CFGP1).pvc)}
-    claim = d.cluster.get("v1", "persistentvolumeclaims", Names(CFGP1).pvc)
+    claim = d.cluster.existing("v1", "persistentvolumeclaims", Names(CFGP1).pvc)
     assert claim["status"]["phase"] == "Bound" and claim["spec"]["accessModes"] == ["ReadWriteMany"]
     assert claim["spec"]["storageClassName"] == d.docs[CFGP1]["spec"]["storage"]["storageClassName"]
 
@@ -356,7 +352,8 @@ def test_killed_rank_degrades_then_the_restarted_container_recovers(deployment: 
     # backoff (restartPolicy Always) and its readinessProbe (every 5 s, as the manifest says) passes again
     cs = wait_for(
         lambda: (
-            (c := d.cluster.get("v1", "pods", pod_name)["status"]["containerStatuses"][0])["restartCount"] == before + 1
+            (c := d.cluster.existing("v1", "pods", pod_name)["status"]["containerStatuses"][0])["restartCount"]
+            == before + 1
             and c["ready"]
             and c
         ),
@@ -384,7 +381,7 @@ def test_killed_rank_degrades_then_the_restarted_container_recovers(deployment: 
         what="the phase Events of the outage and the recovery",
     )
     # the pod kept its name and address: the StatefulSet did not replace it, the kubelet restarted the container
-    assert d.cluster.get("v1", "pods", pod_name)["metadata"]["uid"] == pod["metadata"]["uid"]
+    assert d.cluster.existing("v1", "pods", pod_name)["metadata"]["uid"] == pod["metadata"]["uid"]
 
 
 @pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
@@ -424,7 +421,7 @@ def test_kubectl_delete_collects_everything_and_the_claim_waits_for_its_pods(dep
         for n in (CFGP2, CFGP1)
     )
     assert len(pids) == expected, [p.argv for p in node.processes(NS)]
-    claims = {n: d.cluster.get("v1", "persistentvolumeclaims", Names(n).pvc) for n in (CFGP2, CFGP1)}
+    claims = {n: d.cluster.existing("v1", "persistentvolumeclaims", Names(n).pvc) for n in (CFGP2, CFGP1)}
     assert all("kubernetes.io/pvc-protection" in c["metadata"]["finalizers"] for c in claims.values())
     volumes = [c["spec"]["volumeName"] for c in claims.values()]
     gone_at: dict[str, float] = {}  # "pods <name>" / "claim <name>" -> when it left the API

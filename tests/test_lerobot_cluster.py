@@ -141,7 +141,7 @@ def test_lerobot_policyserver_fetches_what_the_checkpoint_names_and_serves_openp
     doc = lerobot_server(lc, hub, "smolvla", CKPT)
     status = lc.wait_status("smolvla", lambda s: s.get("phase") == C.PHASE_READY, "phase Ready", WAIT_S)
     assert condition(status, C.COND_AVAILABLE)["status"] == "True"
-    sts = lc.get("apps/v1", "statefulsets", "smolvla")
+    sts = lc.existing("apps/v1", "statefulsets", "smolvla")
     server = sts["spec"]["template"]["spec"]["containers"][0]
     assert server["command"][server["command"].index("--policy") + 1] == "lerobot"
     assert "--guidance" not in server["command"] and "--steps" not in server["command"]  # the policy's own

@@ -147,11 +147,13 @@ def test_node_is_registered_ready_with_gpus_and_keeps_its_lease(api: Api, node: 
     assert obj["status"]["allocatable"][C.GPU_RESOURCE] == str(GPUS)
     assert {"cpu", "memory", "pods"} <= set(obj["status"]["allocatable"])
     assert not (obj.get("spec") or {}).get("taints"), "the node-lifecycle controller tainted the node"
-    lease = api.get("coordination.k8s.io/v1", "leases", node.name, "kube-node-lease")
+    lease = api.existing("coordination.k8s.io/v1", "leases", node.name, "kube-node-lease")
     first = lease["spec"]["renewTime"]
     assert lease["spec"]["holderIdentity"] == node.name
     wait_for(
-        lambda: api.get("coordination.k8s.io/v1", "leases", node.name, "kube-node-lease")["spec"]["renewTime"] != first,
+        lambda: (
+            api.existing("coordination.k8s.io/v1", "leases", node.name, "kube-node-lease")["spec"]["renewTime"] != first
+        ),
         30,
         what="the lease renewed",
     )
@@ -256,8 +258,8 @@ def test_pod_with_an_http_server_gets_ready_through_its_probe(api: Api, node: Lo
         assert (cs["ready"], cs["started"], cs["restartCount"]) == (True, True, 0) and "running" in cs["state"]
         with urllib.request.urlopen(f"http://{status['podIP']}:{port}/", timeout=5) as r:
             facts = json.loads(r.read())
-        runner = node.pod(NS, name)
-        data = runner.volumes["data"]
+        runner = node.runner(NS, name)
+        data = runner.volume("data")
         assert facts == {
             "ip": status["podIP"],
             "name": name,
@@ -269,9 +271,9 @@ def test_pod_with_an_http_server_gets_ready_through_its_probe(api: Api, node: Lo
             "namespace_file": NS,
         }
         procs = node.processes(NS, name, "server")
-        assert len(procs) == 1 and procs[0].argv[-3:-1] == (f"{data}/facts.json", f"{runner.volumes['creds']}/token")
+        assert len(procs) == 1 and procs[0].argv[-3:-1] == (f"{data}/facts.json", f"{runner.volume('creds')}/token")
         token_volume = next(v for v in p["spec"]["volumes"] if "projected" in v)["name"]
-        assert (runner.volumes[token_volume] / "token").read_text().count(".") == 2  # a JWT from TokenRequest
+        assert (runner.volume(token_volume) / "token").read_text().count(".") == 2  # a JWT from TokenRequest
 
 
 def free_port_on_node(node: LocalNode) -> int:
@@ -345,7 +347,7 @@ def test_crashed_container_is_restarted_and_liveness_failure_kills_it(api: Api, 
     assert (last["exitCode"], last["reason"], last["signal"]) == (137, "Error", 9)
     assert "up" in node.logs(NS, "crashy", "main", run=-2) and "up" in node.logs(NS, "crashy", "main")
 
-    (node.pod(NS, "crashy").volumes["scratch"] / "unhealthy").write_text("")  # the exec probe now fails
+    (node.runner(NS, "crashy").volume("scratch") / "unhealthy").write_text("")  # the exec probe now fails
     p = wait_pod(
         api,
         node,
@@ -553,7 +555,7 @@ def test_statefulset_pods_scale_roll_and_serve_through_the_service_proxy(api: Ap
 
     s = sts(lambda st: st.get("readyReplicas") == 2, "2 ready replicas")
     assert s["status"]["currentRevision"] == s["status"]["updateRevision"]
-    pods = {n: api.get("v1", "pods", n, NS) for n in ("web-0", "web-1")}
+    pods = {n: api.existing("v1", "pods", n, NS) for n in ("web-0", "web-1")}
     assert len({p["status"]["podIP"] for p in pods.values()} | {"127.0.0.1"}) == 3
     assert pods["web-1"]["spec"]["hostname"] == "web-1"
 
@@ -563,7 +565,7 @@ def test_statefulset_pods_scale_roll_and_serve_through_the_service_proxy(api: Ap
     wait_for(lambda: len(node.proxy.backends(NS, "web")) == 2, WAIT_S, what="both pods behind the Service")
     seen = {get_through(url) for _ in range(30)}
     assert seen == {"web-0 v1", "web-1 v1"}  # random choice among the ready endpoints reaches both
-    (node.pod(NS, "web-1").volumes["flags"] / "unready").write_text("")  # web-1 fails its readiness probe
+    (node.runner(NS, "web-1").volume("flags") / "unready").write_text("")  # web-1 fails its readiness probe
     wait_pod(api, node, "web-1", lambda p: condition(p, "Ready") == "False", "web-1 not ready")
     wait_for(
         lambda: node.proxy.backends(NS, "web") == [(pods["web-0"]["status"]["podIP"], port)],
@@ -589,7 +591,7 @@ def test_statefulset_pods_scale_roll_and_serve_through_the_service_proxy(api: Ap
         ),
         "rolled",
     )
-    pod = api.get("v1", "pods", "web-0", NS)
+    pod = api.existing("v1", "pods", "web-0", NS)
     assert pod["metadata"]["labels"][C.LABEL_CONTROLLER_REVISION_HASH] == s["status"]["updateRevision"]
     assert pod["metadata"]["uid"] != pods["web-0"]["metadata"]["uid"]
     assert node.processes(NS, "web-0")[0].env["VERSION"] == "2"
@@ -624,7 +626,7 @@ def test_claim_is_provisioned_protected_while_in_use_and_released_after(api: Api
         "claim Bound",
     )
     assert claim["spec"]["storageClassName"] == STORAGE_CLASS  # the default class, set at admission
-    volume = api.get("v1", "persistentvolumes", claim["spec"]["volumeName"])
+    volume = api.existing("v1", "persistentvolumes", claim["spec"]["volumeName"])
     assert volume["metadata"]["annotations"][ANN_PROVISIONED_BY] == STORAGE_PROVISIONER
     assert volume["spec"]["claimRef"]["uid"] == claim["metadata"]["uid"]
     path = Path(volume["spec"]["local"]["path"])
@@ -649,7 +651,7 @@ def test_claim_is_provisioned_protected_while_in_use_and_released_after(api: Api
     )
     wait_pod(api, node, "user", lambda p: condition(p, "Ready") == "True", "the claim's user Ready")
     wait_for(lambda: (path / "f").exists(), WAIT_S, what="the file on the volume")
-    assert node.pod(NS, "user").claims == {(NS, "cache")}
+    assert node.runner(NS, "user").claims == {(NS, "cache")}
 
     api.delete("v1", "persistentvolumeclaims", "cache", NS)  # in use: PVC protection keeps it
     claim = wait_obj(

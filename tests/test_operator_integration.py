@@ -224,8 +224,8 @@ def test_fetch_then_serve_in_order_with_per_rank_status_and_events(cluster: Clus
         ("jobs", Names(name).job(key)),
         ("statefulsets", name),
     ]
-    job = c.lc.get("batch/v1", "jobs", Names(name).job(key))
-    sts = c.lc.get("apps/v1", "statefulsets", name)
+    job = c.lc.existing("batch/v1", "jobs", Names(name).job(key))
+    sts = c.lc.existing("apps/v1", "statefulsets", name)
     done = next(x["lastTransitionTime"] for x in job["status"]["conditions"] if x["type"] == "Complete")
     assert sts["metadata"]["creationTimestamp"] >= done
     assert sts["spec"]["replicas"] == 2 and C.GPU_RESOURCE not in json.dumps(sts["spec"]["template"])
@@ -270,7 +270,7 @@ def test_checkpoint_change_downloads_once_then_rolls_and_scale_works(cluster: Cl
     c = cluster
     name = "serve"  # the previous test's PolicyServer, Ready
     key_a = status_of(c, name)["checkpoint"]["key"]
-    sts = c.lc.get("apps/v1", "statefulsets", name)
+    sts = c.lc.existing("apps/v1", "statefulsets", name)
     hash_a = sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH]
     old_pods = {
         p["metadata"]["uid"]
@@ -314,7 +314,7 @@ def test_checkpoint_change_downloads_once_then_rolls_and_scale_works(cluster: Cl
     hash_b = sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH]
     c.lc.kubectl("scale", f"{C.PLURAL}/{name}", "--replicas=1")
     status = wait_status(c, name, lambda s: s.get("ready") == "1/1" and s.get("replicas") == 1, "scaled to 1")
-    sts = c.lc.get("apps/v1", "statefulsets", name)
+    sts = c.lc.existing("apps/v1", "statefulsets", name)
     assert sts["spec"]["replicas"] == 1 and sts["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH] == hash_b
     assert set(status["selector"].split(",")) == {f"{k}={v}" for k, v in sts["spec"]["selector"]["matchLabels"].items()}
     wait_for(
@@ -353,12 +353,16 @@ def test_delete_cascades_and_retain_on_delete_keeps_the_cache(cluster: Cluster) 
     c = cluster
     for name, retain in (("drop", False), ("keep", True)):
         apply(c, runnable(c, name, storage={"retainOnDelete": retain}))
-        wait_for(
-            lambda n=name: names_of(c, "batch/v1", "jobs", f"{C.LABEL_INSTANCE}={n}"), WAIT_S, what=f"Job of {name}"
-        )
-    keep_pvc = c.lc.get("v1", "persistentvolumeclaims", "keep-cache")
+
+        def jobs_of(n: str = name) -> list[str]:
+            return names_of(c, "batch/v1", "jobs", f"{C.LABEL_INSTANCE}={n}")
+
+        wait_for(jobs_of, WAIT_S, what=f"Job of {name}")
+    keep_pvc = c.lc.existing("v1", "persistentvolumeclaims", "keep-cache")
     assert not keep_pvc["metadata"].get("ownerReferences")
-    assert c.lc.get("v1", "persistentvolumeclaims", "drop-cache")["metadata"]["ownerReferences"][0]["name"] == "drop"
+    assert (
+        c.lc.existing("v1", "persistentvolumeclaims", "drop-cache")["metadata"]["ownerReferences"][0]["name"] == "drop"
+    )
 
     c.lc.kubectl("delete", C.SHORT_NAME, "drop", "--wait=false")
     wait_for(
@@ -376,15 +380,15 @@ def test_delete_cascades_and_retain_on_delete_keeps_the_cache(cluster: Cluster) 
     apply(c, runnable(c, "keep", storage={"retainOnDelete": False}))  # a new owner adopts the retained cache
     wait_for(
         lambda: (
-            (c.lc.get("v1", "persistentvolumeclaims", "keep-cache")["metadata"].get("ownerReferences") or [{}])[0].get(
-                "uid"
-            )
-            == c.lc.get(*PS, "keep")["metadata"]["uid"]
+            (c.lc.existing("v1", "persistentvolumeclaims", "keep-cache")["metadata"].get("ownerReferences") or [{}])[
+                0
+            ].get("uid")
+            == c.lc.existing(*PS, "keep")["metadata"]["uid"]
         ),
         WAIT_S,
         what="retained PVC adopted",
     )
-    assert c.lc.get("v1", "persistentvolumeclaims", "keep-cache")["metadata"]["uid"] == keep_pvc["metadata"]["uid"]
+    assert c.lc.existing("v1", "persistentvolumeclaims", "keep-cache")["metadata"]["uid"] == keep_pvc["metadata"]["uid"]
     assert c.recorder.created("persistentvolumeclaims", "keep") == ["keep-cache"]  # never a second keep-cache
     c.lc.kubectl("delete", C.SHORT_NAME, "keep", "--wait=false")
     wait_for(lambda: not children(c, "keep"), WAIT_S, what="keep collected with its cache")
@@ -445,7 +449,7 @@ def test_more_gpus_than_the_node_has_stays_pending_and_says_so(cluster: Cluster)
     assert available["status"] == "False" and available["reason"] == "Unschedulable", available
     assert f"Insufficient {C.GPU_RESOURCE}" in available["message"]
     assert status["phase"] == C.PHASE_PENDING and status["checkpoint"]["phase"] == "Ready"
-    pod = c.lc.get("v1", "pods", f"{name}-0")
+    pod = c.lc.existing("v1", "pods", f"{name}-0")
     assert not pod["spec"].get("nodeName") and c.lc.node.pod(NS, f"{name}-0") is None
     c.api.wait_event(NS, name, "Warning", "Unschedulable")
     delete(c, name)
@@ -522,7 +526,7 @@ def test_two_replicas_elect_one_leader_through_kopf_peering(cluster: Cluster) ->
         assert low.passes() == 0 and high.passes() > 0
         assert len([j for j in c.recorder.created("jobs", name) if j.startswith(f"{name}-fetch-")]) == 1
         assert len(c.recorder.created("persistentvolumeclaims", name)) == 1
-        peers = c.lc.get("kopf.dev/v1", "kopfpeerings", C.PEERING_NAME)["status"]
+        peers = c.lc.existing("kopf.dev/v1", "kopfpeerings", C.PEERING_NAME)["status"]
         assert sorted(p["priority"] for p in peers.values()) == [10, 20]
     finally:
         high.stop()

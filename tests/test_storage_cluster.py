@@ -81,7 +81,7 @@ class Env:
     def pods(self, name: str) -> list[dict[str, Any]]:
         return self.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
 
-    def events(self, name: str) -> set[tuple[str, str]]:
+    def events(self, name: str) -> set[tuple[str | None, str | None]]:
         return {(e.get("type"), e.get("reason")) for e in self.lc.api.events(NS, involved_name=name)}
 
     def delete(self, name: str) -> None:
@@ -178,7 +178,7 @@ def test_a_pod_disruption_budget_exists_at_two_replicas_and_not_at_one(env: Env)
     name = "pdb"
     env.apply(env.doc(name, "pdb", replicas=2, storage={"mode": "perPod"}))
     env.wait(name, lambda s: s.get("phase") == C.PHASE_READY and s.get("ready") == "2/2", "2/2 Ready")
-    owner = env.lc.get(*PS, name)
+    owner = env.lc.existing(*PS, name)
     pdb_name = Names(name).pdb
 
     def budget() -> dict[str, Any] | None:
@@ -213,19 +213,19 @@ def test_a_larger_size_grows_an_expandable_claim_and_is_refused_on_a_fixed_one(e
     for name, klass in (("grow", EXPANDABLE_CLASS), ("fixed", FIXED_CLASS)):
         env.apply(env.doc(name, "g", replicas=0, storage={"storageClassName": klass, "size": "1Gi"}))
     for name in ("grow", "fixed"):
-        wait_for(
-            lambda n=name: env.claim(f"{n}-cache").get("status", {}).get("phase") == "Bound",
-            WAIT_S,
-            what=f"{name}-cache bound",
-        )
+
+        def bound(n: str = name) -> bool:
+            return env.claim(f"{n}-cache").get("status", {}).get("phase") == "Bound"
+
+        wait_for(bound, WAIT_S, what=f"{name}-cache bound")
         env.patch(name, {"storage": {"size": "2Gi"}})
 
-    claim = wait_for(
-        lambda: (c := env.claim("grow-cache")) and storage(c, "spec") == "2Gi" and storage(c, "status") == "2Gi" and c,
-        WAIT_S,
-        what="grow-cache expanded to 2Gi",
-    )
-    pv = env.lc.api.get("v1", "persistentvolumes", claim["spec"]["volumeName"])
+    def expanded() -> dict[str, Any] | None:
+        c = env.claim("grow-cache")
+        return c if c and storage(c, "spec") == "2Gi" and storage(c, "status") == "2Gi" else None
+
+    claim = wait_for(expanded, WAIT_S, what="grow-cache expanded to 2Gi")
+    pv = env.lc.api.existing("v1", "persistentvolumes", claim["spec"]["volumeName"])
     assert pv["spec"]["capacity"]["storage"] == "2Gi"  # the resizer grew the volume, then the claim's status
     status = env.wait(
         "grow",
@@ -262,7 +262,7 @@ def test_the_old_checkpoint_leaves_the_cache_after_the_switch_and_not_before(env
     cache = env.lc.node.storage.path(NS, f"{name}-cache")
     assert (cache / key_a / C.COMPLETE_MARKER).is_file()
 
-    samples: list[tuple[bool, set[str], bool]] = []  # (a on the cache, keys of the pods in the API, cleanup Job)
+    samples: list[tuple[bool, set[str | None], bool]] = []  # (a on the cache, keys of the pods in the API, cleanup Job)
     stop = threading.Event()
 
     def watch() -> None:

@@ -252,6 +252,12 @@ class LocalNode:
         runners = [r for r in self.pods(namespace) if r.name == name]
         return max(runners, key=lambda r: r.start_time) if runners else None
 
+    def runner(self, namespace: str, name: str) -> PodRunner:
+        """``pod``, for a pod the caller expects this node to run (an AssertionError naming it when it does not)."""
+        runner = self.pod(namespace, name)
+        assert runner is not None, f"the node runs no pod {namespace}/{name}"
+        return runner
+
     def processes(
         self, namespace: str | None = None, pod: str | None = None, container: str | None = None
     ) -> list[ProcInfo]:

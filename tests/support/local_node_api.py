@@ -63,6 +63,12 @@ class Api:
         except NotFoundError:
             return None
 
+    def existing(self, group_version: str, plural: str, name: str, namespace: str | None = None) -> dict[str, Any]:
+        """``get``, for an object the caller expects to exist (an AssertionError naming it when it does not)."""
+        obj = self.get(group_version, plural, name, namespace)
+        assert obj is not None, f"no {group_version} {plural} {name}" + (f" in {namespace}" if namespace else "")
+        return obj
+
     def list(
         self,
         group_version: str,

@@ -268,6 +268,9 @@ class LocalCluster:
     def get(self, group_version: str, plural: str, name: str) -> dict[str, Any] | None:
         return self.api.get(group_version, plural, name, self.namespace)
 
+    def existing(self, group_version: str, plural: str, name: str) -> dict[str, Any]:
+        return self.api.existing(group_version, plural, name, self.namespace)
+
     def list(self, group_version: str, plural: str, selector: str | None = None) -> list[dict[str, Any]]:
         return self.api.list(group_version, plural, self.namespace, label_selector=selector)
 

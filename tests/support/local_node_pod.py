@@ -420,6 +420,11 @@ class PodRunner:
 
     # --- volumes, paths, environment ---------------------------------------------------------
 
+    def volume(self, name: str) -> Path:
+        """The host directory of volume ``name``, for tests (the volumes are set up before any container runs)."""
+        assert self.volumes is not None, f"pod {self.namespace}/{self.name}: its volumes are not set up yet"
+        return self.volumes[name]
+
     def _setup_volumes(self) -> None:
         volumes: dict[str, Path] = {}
         for v in self.spec.get("volumes") or []:
