@@ -45,7 +45,8 @@ test-fast: install  ## the unit tier (neither slow nor cluster), a few minutes
 
 # `make lint` (a prerequisite of `make test`): ruff over the tree, the formatter's check over FORMATTED; mypy and
 # import-linter (the layers contracts in pyproject.toml) over the package as it is imported (policy_operator.runtime
-# is runtime/, policy_operator.operator is operator/), laid out as links in .cache/typecheck.
+# is runtime/, policy_operator.operator is operator/), laid out as links in .cache/typecheck; mypy also checks the
+# tests (tests/, linked there too, as the package `tests` they import themselves as).
 TYPECHECK := .cache/typecheck
 # FORMATTED: the paths `ruff format` keeps (the whole tree).
 FORMATTED ?= .
@@ -56,8 +57,9 @@ lint: install  ## ruff (check; format --check over FORMATTED), mypy, import-lint
 	cp -rs $(CURDIR)/policy_operator $(TYPECHECK)/policy_operator
 	ln -s $(CURDIR)/runtime $(TYPECHECK)/policy_operator/runtime
 	ln -s $(CURDIR)/operator $(TYPECHECK)/policy_operator/operator
+	ln -s $(CURDIR)/tests $(TYPECHECK)/tests
 	cd $(TYPECHECK) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml \
-	    --cache-dir $(CURDIR)/.cache/mypy -p policy_operator
+	    --cache-dir $(CURDIR)/.cache/mypy -p policy_operator -p tests
 	cd $(TYPECHECK) && $(CURDIR)/$(VENV)/bin/lint-imports --no-logo --cache-dir $(CURDIR)/.cache/import-linter \
 	    $(CURDIR)/pyproject.toml
 
