@@ -16,8 +16,9 @@ and the same ``websockets`` server, against the same client (``runtime/client.py
 - ``spin-awake``: ``spin``, and the event loop wakes every 0.1 ms over the last 1 ms of the wait: does a loop
   kept from deep idle take the reply sooner (what a server could do knowing its warm-up's batch times)?
 
-With ``--checkpoint`` the real server (``policyserver serve``, inline front-end, ``--serve-args``) runs in the
-same rounds, and its row's "over compute" is round trip minus its own ``infer_ms``.  Rounds interleave the
+With ``--checkpoint`` the real server (``policyserver serve``, inline front-end, ``--serve-args``; one per
+``--serve-variant``) runs in the same rounds, and its row's "over compute" is round trip minus its own
+``infer_ms``.  Rounds interleave the
 servers, so the rows compare like with like.
 
     python bench/lone_floor.py --compute-ms 2 --checkpoint /tmp/ckpt --serve-args "--steps 2"
@@ -164,10 +165,16 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--checkpoint", default=None, help="also the real server on this checkpoint")
     p.add_argument("--serve-args", default="", help="more flags for the real server")
+    p.add_argument(
+        "--serve-variant",
+        action="append",
+        help="one real server per use, with these flags on top of --serve-args (default: one, with none)",
+    )
     p.add_argument("--n", type=int, default=200, help="requests per server per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="bench/results/lone-floor.md")
     args = p.parse_args()
+    args.serve_variant = args.serve_variant or [""]
     if args.serve:
         serve(args.serve, args.port, args.compute_ms)
         return
@@ -191,24 +198,13 @@ def main() -> None:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
             wait_port(port)
             servers[f"floor, {variant}"] = (f"ws://127.0.0.1:{port}", proc)
-        if args.checkpoint:
+        for variant in args.serve_variant if args.checkpoint else []:
             port = _free_port()
-            cmd = [
-                sys.executable,
-                "-m",
-                "policy_operator.cli",
-                "serve",
-                "--checkpoint",
-                args.checkpoint,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--log-level",
-                "WARNING",
-                *shlex.split(args.serve_args),
-            ]
-            servers["policyserver serve"] = (f"ws://127.0.0.1:{port}", Proc(cmd, f"http://127.0.0.1:{port}/readyz"))
+            cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", args.checkpoint]
+            cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
+            cmd += [*shlex.split(args.serve_args), *shlex.split(variant)]
+            name = f"policyserver serve {variant}".strip()
+            servers[name] = (f"ws://127.0.0.1:{port}", Proc(cmd, f"http://127.0.0.1:{port}/readyz"))
         over: dict[str, list[float]] = {name: [] for name in servers}
         compute: dict[str, list[float]] = {name: [] for name in servers}
         for url, _ in servers.values():
