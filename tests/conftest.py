@@ -69,6 +69,28 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+HUB_OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # huggingface_hub honours either
+
+
+@pytest.fixture(autouse=True)
+def _hub_access_stays_with_its_test() -> Iterator[None]:
+    """A LeRobot checkpoint loaded in this process turns its hub access off (``go_offline``: the environment and
+    huggingface_hub's flag), as a server must; a later test that runs an online fetch, or snapshots the
+    environment for a subprocess (``cli_env``), must not inherit that."""
+    saved = {name: os.environ.get(name) for name in HUB_OFFLINE_ENV}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = any(
+            (os.environ.get(name) or "").upper() in {"1", "ON", "YES", "TRUE"} for name in HUB_OFFLINE_ENV
+        )
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _kubernetes_schemas_read_once() -> Iterator[None]:
     """kubernetes-validate reads and parses a kind's schema and the 1.3 MB ``_definitions.json`` at every
