@@ -124,8 +124,10 @@ def serve(variant: str, port: int, compute_ms: float) -> None:
 class Proc:
     """One server process (a floor variant or the real server), stopped with its process group."""
 
-    def __init__(self, cmd: list[str], ready: str) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    def __init__(self, cmd: list[str], ready: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env
+        )
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -168,7 +170,8 @@ def main() -> None:
     p.add_argument(
         "--serve-variant",
         action="append",
-        help="one real server per use, with these flags on top of --serve-args (default: one, with none)",
+        help="one real server per use, with these flags on top of --serve-args, after any NAME=VALUE words for "
+        "its environment, e.g. 'PYTHONPATH=/tmp/old' for another tree (default: one, with none)",
     )
     p.add_argument("--n", type=int, default=200, help="requests per server per round")
     p.add_argument("--rounds", type=int, default=3)
@@ -199,12 +202,18 @@ def main() -> None:
             wait_port(port)
             servers[f"floor, {variant}"] = (f"ws://127.0.0.1:{port}", proc)
         for variant in args.serve_variant if args.checkpoint else []:
+            # NAME=VALUE words before the flags are the server's environment (PYTHONPATH=... : another tree)
+            words = shlex.split(variant)
+            env = dict(os.environ)
+            while words and "=" in words[0] and not words[0].startswith("-"):
+                name, _, value = words.pop(0).partition("=")
+                env[name] = value
             port = _free_port()
             cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", args.checkpoint]
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
-            cmd += [*shlex.split(args.serve_args), *shlex.split(variant)]
+            cmd += [*shlex.split(args.serve_args), *words]
             name = f"policyserver serve {variant}".strip()
-            servers[name] = (f"ws://127.0.0.1:{port}", Proc(cmd, f"http://127.0.0.1:{port}/readyz"))
+            servers[name] = (f"ws://127.0.0.1:{port}", Proc(cmd, f"http://127.0.0.1:{port}/readyz", env))
         over: dict[str, list[float]] = {name: [] for name in servers}
         compute: dict[str, list[float]] = {name: [] for name in servers}
         for url, _ in servers.values():

@@ -55,6 +55,12 @@ def run_once(checkpoint: Path, burst: int, bursts: int) -> dict[str, float]:
     from policy_operator.runtime.serving.history import SessionHistory
     from policy_operator.runtime.serving.ingress import Ingress
 
+    try:  # the heap as the model process tunes it once loaded (runtime/serving/heap.py), where the tree has it
+        from policy_operator.runtime.serving import heap
+
+        heap.keep_freed_blocks()
+    except ImportError:
+        pass
     cfg = PolicyConfig(**json.loads((checkpoint / "config.json").read_text()))
     preprocessor = ReferencePreprocessor(cfg)
     actions = np.zeros((cfg.horizon, cfg.action_dim), np.float32)

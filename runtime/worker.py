@@ -43,6 +43,7 @@ from policy_operator.exit_codes import ServeExit
 from policy_operator.fetch_progress import FetchProgress
 from policy_operator.layout import LayoutError, ParallelLayout
 from policy_operator.readyz import RankState
+from policy_operator.runtime.serving import heap
 from policy_operator.runtime.serving.event_loop import event_loop_factory
 
 if TYPE_CHECKING:  # torch: imported once the layout is known to be valid
@@ -268,6 +269,7 @@ class Runtime:
                 per_bucket,
                 saved_s,
             )
+        heap.keep_freed_blocks()  # loaded: from here on the heap keeps what one batch frees for the next
         return replica
 
 

@@ -43,7 +43,7 @@ from policy_operator.readyz import LayoutDoc, Readiness
 from policy_operator.runtime.errors import NotReady, RequestError, RequestFailed
 from policy_operator.runtime.parallel.dispatch import Reply
 from policy_operator.runtime.policy.observation import parse_seed, parse_session
-from policy_operator.runtime.serving import ipc, wire
+from policy_operator.runtime.serving import heap, ipc, wire
 from policy_operator.runtime.serving.event_loop import event_loop_factory
 from policy_operator.runtime.serving.ingress import INLINE_MAX_BYTES
 from policy_operator.runtime.serving.metrics import ServerMetrics
@@ -348,6 +348,7 @@ def main(argv: list[str]) -> int:
         format=f"%(asctime)s frontend {config.index} %(levelname)s %(name)s: %(message)s",
     )
     sys.setswitchinterval(config.gil_switch_ms / 1e3)
+    heap.keep_freed_blocks()  # every frame and prepared image is a block of the same few sizes
     # Nothing here is worth parallelizing, and an intra-op parallel op (a ``Preprocessor``'s resize or copy) would
     # wake a team of as many threads as the host has cores that spin on after it, against the model process.
     torch.set_num_threads(1)
