@@ -17,7 +17,7 @@
 #   run(command="bash bench/device_robots.sh frontends", carry=[".whl"])  # max-batch 32: inline, 1, 2, 4 front-ends
 #   run(command="bash bench/device_robots.sh rtc-static", carry=[".whl"])  # guided RTC: symbolic batch vs per size
 #   run(command="PYSPY=$(pwd)/pyspy bash bench/device_robots.sh lone", carry=[".whl", ".old", "pyspy"])  # one robot
-#   run(command="bash bench/device_robots.sh targets", carry=[".whl"])  # issue 24's open targets, one call
+#   run(command="bash bench/device_robots.sh targets", carry=[".whl", ".old"])  # issue 24's open targets, one call
 DEFAULT_BUDGET_S=585
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
@@ -231,11 +231,12 @@ if [ "${1:-}" = targets ]; then
     grep -h "^| .*max-batch\|^| 1 robot" "$OUT"/targets-*.md
     # the floor under the one-robot target: floor servers that only wait the batch-1 time, beside the real
     # server at max-batch 8 (its graphs loaded from the artifacts above) without and with --wake-ahead-ms 1,
-    # rounds interleaved
+    # and the build in .old when carried, rounds interleaved
     [ "$(left)" -gt 60 ] && PYTHONPATH=/tmp/site-new timeout $(( $(left) - 5 )) python3 "$REPO/bench/lone_floor.py" \
         --compute-ms 14.8 --checkpoint /tmp/base --n 150 --rounds 3 --out "$OUT/lone-floor.md" --serve-args \
         "--device cuda --dtype bfloat16 --steps 10 --compile reduce-overhead --max-batch 8 --compile-cache-dir /tmp/cc" \
-        --serve-variant "" --serve-variant "--wake-ahead-ms 1" >"$OUT/lone-floor.log" 2>&1
+        --serve-variant "" --serve-variant "--wake-ahead-ms 1" \
+        $( [ -d /tmp/site-old ] && echo --serve-variant PYTHONPATH=/tmp/site-old ) >"$OUT/lone-floor.log" 2>&1
     grep "^| " "$OUT/lone-floor.md" || tail -5 "$OUT/lone-floor.log"
     echo "done after $(( $(date +%s) - start )) s"
     exit 0
