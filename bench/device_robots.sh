@@ -232,12 +232,12 @@ if [ "${1:-}" = targets ]; then
         --no-in-process --server-log "$OUT/logs-mb1-8" --serve-args "--compile-cache-dir /tmp/cc"
     grep -h "^| .*max-batch\|^| 1 robot" "$OUT"/targets-*.md
     # the floor under the one-robot target: floor servers that only wait the batch-1 time, beside the real
-    # server at max-batch 8 (its graphs loaded from the artifacts above) without and with --wake-ahead-ms 1,
-    # and the build in .old when carried, rounds interleaved
+    # server at max-batch 8 (its graphs loaded from the artifacts above), and the build in .old when carried,
+    # rounds interleaved
     [ "$(left)" -gt 60 ] && PYTHONPATH=/tmp/site-new timeout $(( $(left) - 5 )) python3 "$REPO/bench/lone_floor.py" \
         --compute-ms 14.8 --checkpoint /tmp/base --n 150 --rounds 3 --out "$OUT/lone-floor.md" --serve-args \
         "--device cuda --dtype bfloat16 --steps 10 --compile reduce-overhead --max-batch 8 --compile-cache-dir /tmp/cc" \
-        --serve-variant "" --serve-variant "--wake-ahead-ms 1" \
+        --serve-variant "" \
         $( [ -d /tmp/site-old ] && echo --serve-variant PYTHONPATH=/tmp/site-old ) >"$OUT/lone-floor.log" 2>&1
     grep "^| " "$OUT/lone-floor.md" || tail -5 "$OUT/lone-floor.log"
     echo "done after $(( $(date +%s) - start )) s"

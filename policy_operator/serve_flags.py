@@ -39,7 +39,6 @@ MIN_LATENCY_BUDGET_MS: Final = 0.001
 MAX_LATENCY_BUDGET_MS: Final = 60_000.0
 DEFAULT_GIL_SWITCH_MS: Final = 5.0  # Python's own sys.getswitchinterval()
 MAX_GIL_SWITCH_MS: Final = 100.0
-MAX_WAKE_AHEAD_MS: Final = 5.0
 FRONTENDS: Final = ("inline", "process")  # --frontend; runtime/serving/frontend.py is the second
 DEFAULT_FRONTEND: Final = "inline"
 # --frontend-processes: each is an interpreter with torch (~280 MB) and a busy core under load; at the default
@@ -76,7 +75,6 @@ class ServeOptions:
     frontend: str
     frontend_processes: int
     gil_switch_ms: float
-    wake_ahead_ms: float
     max_message_bytes: int
     max_connections: int
     max_buffered_bytes: int
@@ -282,14 +280,6 @@ def _server_flags(g: argparse._ArgumentGroup) -> None:
         help="how long a thread may hold the GIL while another waits (sys.setswitchinterval): rank 0's "
         "event loop and its model thread share one interpreter (default %(default)s)",
     )
-    g.add_argument(
-        "--wake-ahead-ms",
-        type=float,
-        default=0.0,
-        help="keep rank 0's event loop polling from this long before a batch's expected end (the last batch "
-        "of its size) until its replies are in, so it takes them without a wake-up from deep idle; costs "
-        "that much of a core per batch; 0 = off (default %(default)s)",
-    )
 
 
 def _lifecycle_flags(g: argparse._ArgumentGroup) -> None:
@@ -375,8 +365,6 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(
             f"--gil-switch-ms must be in (0, {MAX_GIL_SWITCH_MS:g}] milliseconds, got {opts.gil_switch_ms}"
         )
-    if not (math.isfinite(opts.wake_ahead_ms) and 0 <= opts.wake_ahead_ms <= MAX_WAKE_AHEAD_MS):
-        raise ValueError(f"--wake-ahead-ms must be in 0..{MAX_WAKE_AHEAD_MS:g} milliseconds, got {opts.wake_ahead_ms}")
     if opts.threads is not None and opts.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {opts.threads}")
     if opts.rtc_max_delay is not None and not 0 <= opts.rtc_max_delay <= MAX_RTC_DELAY:

@@ -392,7 +392,6 @@ def build_lanes(
         "window_s": opts.batch_window_ms / 1e3,
         "arriving": ingress.expected,
         "on_batch": on_batch,
-        "wake_ahead_s": opts.wake_ahead_ms / 1e3,
     }
     lanes = [local_lane(replica, model_pool, **batching)]
     for k in range(1, rt.layout.dp):

@@ -306,46 +306,6 @@ def test_the_window_runs_from_the_latest_arrival_and_ends_when_none_comes() -> N
     )
 
 
-class SlowReplica(FakeReplica):
-    """Takes ``seconds`` per batch, and notes the loop's wake-up count when each batch ends."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.gate.set()
-        self.seconds = seconds
-
-    def call(self, batch: Batch) -> list[Reply]:
-        time.sleep(self.seconds)
-        return super().call(batch)
-
-
-@pytest.mark.parametrize("ahead_s", [0.0, 0.02])
-def test_wake_ahead_polls_the_loop_over_a_known_batchs_last_stretch_only(ahead_s: float) -> None:
-    """--wake-ahead-ms: a batch size never run has no expected end, so nothing wakes; the next batch of that
-    size keeps the loop polling over its last ``ahead_s``, not from its start, and not after its replies."""
-    replica = SlowReplica(0.2)
-
-    async def scenario(lane: Lane) -> tuple[int, int, int, int]:
-        await lane.submit(request("a"))
-        first = lane.wakes
-        started = lane.submit(request("b"))
-        await asyncio.sleep(0.1)  # half-way through b: well before its last ahead_s
-        half_way = lane.wakes
-        await started
-        ended = lane.wakes
-        await asyncio.sleep(0.1)
-        return first, half_way, ended, lane.wakes
-
-    first, half_way, ended, later = run_lane(scenario, replica, max_batch=4, wake_ahead_s=ahead_s)
-    assert first == 0, "the first batch of its size: no expected end to wake ahead of"
-    assert half_way == 0, "no wake-ups before the batch's last stretch"
-    if ahead_s:
-        assert ended > 0, "the loop polled over the batch's last stretch"
-    else:
-        assert ended == 0, "off: the loop sleeps until the replies come"
-    assert later == ended, "the polling ends with the batch"
-
-
 def test_a_failed_batch_fails_exactly_its_requests() -> None:
     replica = FakeReplica(fail_when="c")
 

@@ -210,8 +210,6 @@ def serve_cli(checkpoint: Path, *args: str, timeout: float = 45) -> subprocess.C
         (["--batch-window-ms", "-1"], "--batch-window-ms"),
         (["--gil-switch-ms", "0"], "--gil-switch-ms"),
         (["--gil-switch-ms", "inf"], "--gil-switch-ms"),
-        (["--wake-ahead-ms", "-1"], "--wake-ahead-ms"),
-        (["--wake-ahead-ms", "nan"], "--wake-ahead-ms"),
         (["--max-connections", "0"], "--max-connections"),
         (["--max-buffered-bytes", "1000"], "--max-buffered-bytes"),
         (["--frame-read-timeout-s", "0"], "--frame-read-timeout-s"),

@@ -350,11 +350,6 @@ class Lane:
     replies back with one callback that resolves every request of the batch:
     each hop between the threads costs the request a scheduler wake-up.
 
-    With ``wake_ahead_s`` the event loop keeps waking (a timer due at once, each time round) from that long
-    before the batch's expected end (the last batch of its size on this lane) until the replies are in: a loop
-    asleep in a deep-idle core takes a scheduler wake-up to take them, and a loop kept awake does not.  It
-    costs the loop's core ``wake_ahead_s`` of polling per batch; ``--wake-ahead-ms`` (off by default).
-
     While a batch runs, a *full* batch (``max_batch`` requests of one shape)
     that queued behind it goes to the replica's thread at once and waits there:
     the thread starts it the moment the running one ends, without a round trip
@@ -374,7 +369,6 @@ class Lane:
         window_s: float = 0.0,
         arriving: Callable[[], int] = lambda: 0,
         on_batch: Callable[[int, int], None] | None = None,
-        wake_ahead_s: float = 0.0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -384,9 +378,6 @@ class Lane:
         self.window_s = window_s
         self.arriving = arriving
         self.on_batch = on_batch  # (replica, batch size) of every batch it starts, on the event loop
-        self.wake_ahead_s = wake_ahead_s
-        self.wakes = 0  # the loop's wake-ups ahead of batch ends, all told (what --wake-ahead-ms costs)
-        self._took: dict[int, float] = {}  # seconds the last batch of each size took on the replica's thread
         self._call = call
         self._stop = stop
         self._queue: deque[_Queued] = deque()
@@ -478,8 +469,6 @@ class Lane:
             except Exception:  # noqa: BLE001 - a metrics hook must never stop the lane
                 log.exception("on_batch hook failed")
 
-        awake = self._wake_ahead(len(items))
-
         def run() -> None:  # on the lane's thread
             started = time.perf_counter()
             waits = [(started - item.enqueued) * 1e3 for item in items]
@@ -488,9 +477,8 @@ class Lane:
                 outcome = self._call(batch)
             except BaseException as exc:  # noqa: BLE001 - the lane's transport failed: every request of the batch
                 outcome = exc
-            took = time.perf_counter() - started
             try:
-                loop.call_soon_threadsafe(self._finish, items, outcome, waits, took, awake)
+                loop.call_soon_threadsafe(self._finish, items, outcome, waits)
             except RuntimeError:  # the loop is closed: nobody waits for these any more
                 pass
 
@@ -498,38 +486,11 @@ class Lane:
         try:
             self.executor.submit(run)
         except RuntimeError as exc:  # the executor is shut down
-            self._finish(items, exc, [0.0] * len(items), 0.0, awake)
+            self._finish(items, exc, [0.0] * len(items))
 
-    def _wake_ahead(self, size: int) -> list[bool] | None:
-        """With ``wake_ahead_s``: wake the loop from that long before a batch of ``size`` should end until it has
-        (the flag ``_finish`` clears), at most three times that long."""
-        took = self._took.get(size)
-        if self.wake_ahead_s <= 0 or took is None or self._loop is None:
-            return None
-        awake = [True]
-        stop = time.monotonic() + took + 2 * self.wake_ahead_s
-        self._loop.call_later(max(0.0, took - self.wake_ahead_s), self._wake, awake, stop)
-        return awake
-
-    def _wake(self, awake: list[bool], stop: float) -> None:
-        if awake[0] and time.monotonic() < stop and self._loop is not None:
-            self.wakes += 1
-            self._loop.call_soon(self._wake, awake, stop)
-
-    def _finish(
-        self,
-        items: list[_Queued],
-        outcome: list[Reply] | BaseException,
-        waits: list[float],
-        took: float,
-        awake: list[bool] | None,
-    ) -> None:
+    def _finish(self, items: list[_Queued], outcome: list[Reply] | BaseException, waits: list[float]) -> None:
         """On the event loop: every request of the batch gets its reply (or the failure), then the next batch."""
         self._running -= 1
-        if awake is not None:
-            awake[0] = False
-        if not isinstance(outcome, BaseException):
-            self._took[len(items)] = took
         if not isinstance(outcome, BaseException) and len(outcome) != len(items):
             outcome = RuntimeError(f"replica {self.index} answered {len(outcome)} of {len(items)} requests")
         for k, item in enumerate(items):
