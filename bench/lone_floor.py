@@ -31,30 +31,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import os
 import platform
 import shlex
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
+from runtime import free_port, stop_group, wait_ready
+
 VARIANTS = ("loop", "spin", "sleep", "spin-awake")
 AWAKE_MS = 1.0  # spin-awake: the loop ticks every TICK_MS over the last AWAKE_MS of the wait
 TICK_MS = 0.1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(variant: str, port: int, compute_ms: float) -> None:
@@ -121,34 +114,6 @@ def serve(variant: str, port: int, compute_ms: float) -> None:
             runner.run(main())
 
 
-class Proc:
-    """One server process (a floor variant or the real server), stopped with its process group."""
-
-    def __init__(self, cmd: list[str], ready: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env
-        )
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                with urllib.request.urlopen(ready, timeout=2) as r:
-                    if json.loads(r.read()).get("ready"):
-                        return
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("server not ready")
-
-    def close(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-
-
 def wait_port(port: int) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -184,10 +149,10 @@ def main() -> None:
 
     from policy_operator.runtime.client import run_client
 
-    servers: dict[str, tuple[str, Proc | subprocess.Popen[bytes]]] = {}
+    servers: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
     try:
         for variant in args.variants.split(","):
-            port = _free_port()
+            port = free_port()
             cmd = [
                 sys.executable,
                 __file__,
@@ -208,12 +173,16 @@ def main() -> None:
             while words and "=" in words[0] and not words[0].startswith("-"):
                 name, _, value = words.pop(0).partition("=")
                 env[name] = value
-            port = _free_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", args.checkpoint]
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
             cmd += [*shlex.split(args.serve_args), *words]
             name = f"policyserver serve {variant}".strip()
-            servers[name] = (f"ws://127.0.0.1:{port}", Proc(cmd, f"http://127.0.0.1:{port}/readyz", env))
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env
+            )
+            servers[name] = (f"ws://127.0.0.1:{port}", proc)
+            wait_ready(proc, port, lambda proc=proc: proc.stderr.read().decode() if proc.stderr else "")
         over: dict[str, list[float]] = {name: [] for name in servers}
         compute: dict[str, list[float]] = {name: [] for name in servers}
         for url, _ in servers.values():
@@ -227,11 +196,7 @@ def main() -> None:
                 compute[name] += [r["infer_ms"] for r in s["records"]]
     finally:
         for _, proc in servers.values():
-            if isinstance(proc, Proc):
-                proc.close()
-            else:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=30)
+            stop_group(proc)
     lines = [
         f"# One robot's round trip over the compute: floor servers against the real server ({platform.machine()}, "
         f"{os.cpu_count()} cores)",

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +53,38 @@ from report import publish  # bench/ is sys.path[0] when a benchmark runs as a s
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_ready(proc: subprocess.Popen[bytes], port: int, exited: Callable[[], str], timeout_s: float = 600) -> None:
+    """Until ``policyserver serve`` on ``port`` says ready on /readyz; ``exited()``: its last words, should the
+    process end first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {exited()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+                if json.loads(r.read())["ready"]:
+                    return
+        except Exception:  # noqa: BLE001
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("server not ready")
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the process's group (it was started with ``start_new_session``), SIGKILL after a minute."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def frontend_argv(frontend: str) -> list[str]:
@@ -78,7 +105,7 @@ class Server:
         event_loop: str = "auto",
         frontend: str = "inline",
     ) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         cmd = [
             sys.executable,
             "-m",
@@ -132,20 +159,10 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         if self.log is not None:
             err.close()  # the server writes its own copy of the descriptor
-        deadline = started + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                text = self.log.read_text() if self.log is not None else self.proc.stderr.read().decode()
-                raise RuntimeError(f"server exited: {text[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as r:
-                    if json.loads(r.read())["ready"]:
-                        break
-            except Exception:  # noqa: BLE001
-                pass
-            time.sleep(0.2)
-        else:
-            raise TimeoutError("server not ready")
+        log = self.log
+        wait_ready(
+            self.proc, self.port, lambda: log.read_text() if log is not None else self.proc.stderr.read().decode()
+        )
         self.ready_s = time.monotonic() - started  # process start to /readyz ready: load, compile, warm-up
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
             families = text_string_to_metric_families(r.read().decode())
@@ -164,11 +181,7 @@ class Server:
         )
 
     def close(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_group(self.proc)
 
 
 def fixed_seed_actions(url: str) -> np.ndarray:
