@@ -18,6 +18,7 @@
 #   run(command="bash bench/device_robots.sh rtc-static", carry=[".whl"])  # guided RTC: symbolic batch vs per size
 #   run(command="PYSPY=$(pwd)/pyspy bash bench/device_robots.sh lone", carry=[".whl", ".old", "pyspy"])  # one robot
 #   run(command="bash bench/device_robots.sh targets", carry=[".whl", ".old"])  # issue 24's open targets, one call
+#   run(command="bash bench/device_robots.sh trace", carry=[".whl"])    # max-batch 32: the turnaround, stage by stage
 DEFAULT_BUDGET_S=585
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,temperature.gpu,power.draw --format=csv,noheader
@@ -34,6 +35,17 @@ stage() {
     echo "$name rc=$? after $(( $(date +%s) - start )) s"
     grep "^| robots\|^| [0-9]" "$OUT/$name.md" 2>/dev/null || grep -E "robots|Error|error" "$OUT/$name.log" | tail -8
 }
+if [ "${1:-}" = trace ]; then
+    # where a closed loop's turnaround goes at max-batch 32 (bench/cycle_trace.py): 1, 8 and 32 robots, inline
+    # and 4 front-end processes; the second server starts from the first one's compile artifacts
+    PYTHONPATH=/tmp/site-new timeout $(( $(left) - 5 )) python3 "$REPO/bench/cycle_trace.py" --checkpoint /tmp/base \
+        --max-batch 32 --robots 1,8,32 --frontend inline,process:4 --out "$OUT/cycle-trace.md" \
+        --serve-args "--device cuda --dtype bfloat16 --compile reduce-overhead --steps 10 --guidance 3.0 \
+--cfg-mode batched --compile-cache-dir /tmp/cc" >"$OUT/cycle-trace.log" 2>&1
+    echo "trace rc=$? after $(( $(date +%s) - start )) s"
+    cat "$OUT/cycle-trace.md" 2>/dev/null || tail -20 "$OUT/cycle-trace.log"
+    exit 0
+fi
 if [ "${1:-}" = full ]; then
     # issue 24's robots table at this build (one intra-op thread per rank by default on a GPU): both front-ends,
     # max-batch 8 and 32, then one robot at max-batch 1; the compile cache is shared, so the second server of a

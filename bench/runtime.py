@@ -80,7 +80,11 @@ def wait_ready(proc: subprocess.Popen[bytes], port: int, exited: Callable[[], st
 
 def stop_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the process's group (it was started with ``start_new_session``), SIGKILL after a minute."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:  # it exited and took its group with it: nothing to stop (and its error stands)
+        proc.wait()
+        return
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:

@@ -100,6 +100,7 @@ def _session(
                 timing = msg["server_timing"]
                 out["records"].append(
                     {
+                        "sent_at": t0,  # perf_counter: the host's monotonic clock, as the server's stages have it
                         "rtt_ms": dt,
                         "infer_ms": float(timing["infer_ms"]),
                         "total_ms": float(timing.get("total_ms", "nan")),
