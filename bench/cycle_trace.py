@@ -46,7 +46,7 @@ from runtime import free_port, frontend_argv, stop_group, wait_ready
 ENV_DIR = "POLICY_CYCLE_TRACE_DIR"
 
 # Installed as ``sitecustomize`` in every process of the traced server: wraps, records, writes on request.
-SITECUSTOMIZE = r'''
+SITECUSTOMIZE = r"""
 import os
 DIR = os.environ.get("POLICY_CYCLE_TRACE_DIR")
 if DIR:
@@ -128,7 +128,7 @@ if DIR:
             listen(self, loop, marked, on_closed)
 
         ipc.Channel.listen = listening
-'''
+"""
 
 # (stage, where it happens): the rows of the table, in the order a cycle passes them
 STAGES = (

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,8 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from runtime import stop_group  # bench/ is sys.path[0] when a benchmark runs as a script
 
 REPO = Path(__file__).resolve().parents[1]
 PROJECT_DIRS = ("runtime", "policy_operator", "operator")
@@ -204,12 +205,7 @@ class TracedServer:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+            stop_group(self.proc)
         self.log.close()
 
 

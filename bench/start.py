@@ -28,8 +28,6 @@ import os
 import platform
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,14 +39,10 @@ from typing import Any
 
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
+from runtime import free_port, stop_group
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -68,7 +62,7 @@ def _metric(text: str, name: str) -> float | None:
 
 def start(checkpoint: Path, serve_args: list[str], inductor: Path, timeout_s: float) -> dict[str, Any]:
     """One server from nothing to Ready, then stopped; what it took and what its log says about the cache."""
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(inductor),
@@ -102,12 +96,7 @@ def start(checkpoint: Path, serve_args: list[str], inductor: Path, timeout_s: fl
         ready_s = time.monotonic() - started
         metrics = _get(port, "/metrics")[1]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
     text = Path(log.name).read_text()
     graphs = re.search(r"compile cache: (\d+) graph\(s\) from the cache, (\d+) compiled", text)
     return {

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from runtime import stop_group  # bench/ is sys.path[0] when a benchmark runs as a script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,8 +128,7 @@ def main() -> int:
         alive = status == 200 and rank_pids(proc.pid) == pids
         results.append(("both ranks alive, same pids, /readyz 200", alive, str(pids)))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        stop_group(proc)
     print(f"\n| check ({args.device}, cfgp=2) | result | detail |\n|---|---|---|")
     for name, ok, detail in results:
         print(f"| {name} | {'pass' if ok else 'FAIL'} | {detail} |")
