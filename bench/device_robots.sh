@@ -37,9 +37,9 @@ stage() {
 }
 if [ "${1:-}" = trace ]; then
     # where a closed loop's turnaround goes at max-batch 32 (bench/cycle_trace.py): 1, 8 and 32 robots, inline
-    # and 4 front-end processes; the second server starts from the first one's compile artifacts
+    # and 4 and 8 front-end processes (FRONTENDS); later servers start from the first one's compile artifacts
     PYTHONPATH=/tmp/site-new timeout $(( $(left) - 5 )) python3 "$REPO/bench/cycle_trace.py" --checkpoint /tmp/base \
-        --max-batch 32 --robots 1,8,32 --frontend inline,process:4 --out "$OUT/cycle-trace.md" \
+        --max-batch 32 --robots 1,8,32 --frontend "${FRONTENDS:-inline,process:4,process:8}" --out "$OUT/cycle-trace.md" \
         --serve-args "--device cuda --dtype bfloat16 --compile reduce-overhead --steps 10 --guidance 3.0 \
 --cfg-mode batched --compile-cache-dir /tmp/cc" >"$OUT/cycle-trace.log" 2>&1
     echo "trace rc=$? after $(( $(date +%s) - start )) s"
