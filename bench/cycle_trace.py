@@ -151,8 +151,9 @@ STAGES = (
 )
 
 
-def trace(checkpoint: str, args: argparse.Namespace, frontend: str, robots: list[int]) -> dict[str, Any]:
-    """One server: for each robot count, warm it and run the robots; then every process's events."""
+def trace(checkpoint: str, args: argparse.Namespace, server: str, robots: list[int]) -> dict[str, Any]:
+    """One server (``FRONTEND[ NAME=VALUE...][ FLAGS...]``): for each robot count, warm it and run the robots;
+    then every process's events."""
     from policy_operator.runtime.client import run_client
 
     with tempfile.TemporaryDirectory(prefix="cycle-trace-") as tmp:
@@ -161,14 +162,18 @@ def trace(checkpoint: str, args: argparse.Namespace, frontend: str, robots: list
         (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
         events_dir = Path(tmp, "events")
         events_dir.mkdir()
+        frontend, *words = shlex.split(server)
         env = dict(os.environ)
+        while words and "=" in words[0] and not words[0].startswith("-"):  # PYTHONPATH=...: another tree
+            name, _, value = words.pop(0).partition("=")
+            env[name] = value
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
         env[ENV_DIR] = str(events_dir)
         port = free_port()
         cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", checkpoint]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
         cmd += ["--max-batch", str(args.max_batch), "--batch-window-ms", str(args.batch_window_ms)]
-        cmd += [*frontend_argv(frontend), *shlex.split(args.serve_args)]
+        cmd += [*frontend_argv(frontend), *shlex.split(args.serve_args), *words]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env)
         runs: dict[int, dict[str, Any]] = {}
         try:
@@ -244,11 +249,19 @@ def main() -> None:
     p.add_argument("--n", type=int, default=30, help="measured requests per robot")
     p.add_argument("--warmup", type=int, default=5, help="warm-up requests per robot")
     p.add_argument("--frontend", default="inline,process:4", help="comma-separated, as bench/runtime.py takes it")
+    p.add_argument(
+        "--serve-variant",
+        action="append",
+        default=None,
+        help="each front-end also as this variant: NAME=VALUE environment words (PYTHONPATH=... for another tree), "
+        "then more flags; repeatable, an empty one is the plain server",
+    )
     p.add_argument("--out", default="bench/results/cycle-trace.md")
     args = p.parse_args()
 
     robots = [int(x) for x in args.robots.split(",")]
-    results = {fe: trace(args.checkpoint, args, fe, robots) for fe in args.frontend.split(",")}
+    servers = [f"{fe} {v}".strip() for fe in args.frontend.split(",") for v in (args.serve_variant or [""])]
+    results = {fe: trace(args.checkpoint, args, fe, robots) for fe in servers}
     columns = [(fe, count) for count in robots for fe in results]
     summaries = {
         (fe, count): cycles(results[fe]["runs"][count]["records"], results[fe]["processes"], min(count, args.max_batch))
