@@ -29,6 +29,7 @@ import pickle
 import platform
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -54,6 +55,13 @@ def run_once(checkpoint: Path, burst: int, bursts: int) -> dict[str, float]:
     from policy_operator.runtime.serving.engine_link import EngineLink
     from policy_operator.runtime.serving.history import SessionHistory
     from policy_operator.runtime.serving.ingress import Ingress
+
+    def encode(message: object) -> bytes:
+        """One frame of the channel's stream: ``ipc.frame``, or its format in a tree from before it."""
+        if hasattr(ipc, "frame"):
+            return ipc.frame(message)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return struct.pack("!Q", len(data)) + data
 
     try:  # the heap as the model process tunes it once loaded (runtime/serving/heap.py), where the tree has it
         from policy_operator.runtime.serving import heap
@@ -82,8 +90,7 @@ def run_once(checkpoint: Path, burst: int, bursts: int) -> dict[str, float]:
                     specs = ring.write_sample(slot, sample)
                     request = ipc.Request(ids, slot, specs, 0, sample.meta, None, f"robot-{slot}", None, burst)
                     ids += 1
-                    data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-                    frames.append(ipc._HEADER.pack(len(data)) + data)
+                    frames.append(encode(request))
                 theirs.sendall(b"".join(frames))
                 answered = 0
                 while answered < burst:

@@ -180,6 +180,14 @@ class Drain:
 
 # --- the socket --------------------------------------------------------------------------------------
 _HEADER = struct.Struct("!Q")  # each message: its pickled length, then the pickle
+
+
+def frame(message: object) -> bytes:
+    """``message`` as one frame of a ``Channel``'s stream: its pickle's length, then the pickle."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(data)) + data
+
+
 _READ_CHUNK = 1 << 20
 
 
@@ -205,14 +213,13 @@ class Channel:
         return self._sock.fileno()
 
     def send(self, message: object) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        frame = _HEADER.pack(len(data)) + data
+        data = frame(message)
         if self._loop is None:
-            self._sock.sendall(frame)
+            self._sock.sendall(data)
             return
         if self._closed:
             raise ConnectionError("the other process is gone")
-        self._out.append(memoryview(frame))
+        self._out.append(memoryview(data))
         if len(self._out) == 1:
             self._loop.call_soon(self._flush)  # what else this loop iteration sends goes in the same write
 
