@@ -390,6 +390,18 @@ def test_runtime_image_provides_every_command_the_operator_writes() -> None:
     assert env[C.ENV_HOME] == manifests.TMP_PATH and env[C.ENV_XDG_CACHE_HOME] == f"{manifests.TMP_PATH}/.cache"
 
 
+def test_runtime_image_has_the_compilers_torch_compile_calls() -> None:
+    """--compile needs a C compiler (Triton's launchers) and a C++ one (inductor's CPU kernels) in the pod; an image
+    without them builds, and fails at every pod's first compiled warm-up.  The build checks them after the last
+    install, so the image cannot be built without them."""
+    lines = run_lines(final_stage(RUNTIME_DOCKERFILE))
+    install = max(i for i, line in enumerate(lines) if line.startswith("pip install"))
+    checked = {line.split()[-1] for line in lines[install:] if line.startswith("command -v ")}
+    assert {"gcc", "g++"} <= checked, checked
+    installing = [line for line in lines[:install] if "apt-get install" in line]
+    assert installing and all(pkg in installing[0].split() for pkg in ("gcc", "g++", "libc6-dev")), installing
+
+
 def test_runtime_image_holds_the_bytecode_of_every_installed_module() -> None:
     """Pods cannot write bytecode (PYTHONDONTWRITEBYTECODE, read-only root filesystem): whatever the image lacks
     is compiled from source at every pod start, seconds of a second pod's start on a GPU host."""
