@@ -61,8 +61,10 @@ if DIR:
         trigger = os.path.join(DIR, "dump")
         while not os.path.exists(trigger):
             time.sleep(0.2)
-        with open(os.path.join(DIR, f"events-{os.getpid()}.json"), "w") as f:
+        path = os.path.join(DIR, f"events-{os.getpid()}.json")
+        with open(path + ".part", "w") as f:  # renamed when whole: the reader globs for the finished name only
             json.dump({"pid": os.getpid(), "argv": sys.argv, "events": events}, f)
+        os.replace(path + ".part", path)
 
     def wrap(cls, name, event, sync=True, after=False):
         original = getattr(cls, name)
