@@ -41,7 +41,7 @@ from typing import Any
 
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
-from runtime import free_port, frontend_argv, stop_group, wait_ready
+from runtime import free_port, frontend_argv, split_variant, stop_group, wait_ready
 
 ENV_DIR = "POLICY_CYCLE_TRACE_DIR"
 
@@ -164,11 +164,8 @@ def trace(checkpoint: str, args: argparse.Namespace, server: str, robots: list[i
         (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
         events_dir = Path(tmp, "events")
         events_dir.mkdir()
-        frontend, *words = shlex.split(server)
-        env = dict(os.environ)
-        while words and "=" in words[0] and not words[0].startswith("-"):  # PYTHONPATH=...: another tree
-            name, _, value = words.pop(0).partition("=")
-            env[name] = value
+        frontend, _, variant = server.partition(" ")
+        env, words = split_variant(variant)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
         env[ENV_DIR] = str(events_dir)
         port = free_port()
@@ -205,11 +202,9 @@ def cycles(
     """({stage: (median first, median last) ms after the batch's end}, cycles, median batch ms, median gap ms):
     cycles from a batch of ``full`` requests to the next such batch, within the robots' run."""
     sends = sorted(r["sent_at"] for r in records)
-    window = (sends[0], max(r["sent_at"] + r["rtt_ms"] / 1e3 for r in records))
-    by: dict[str, list[float]] = {
-        "robot-send": sends,
-        "robot-recv": sorted(r["sent_at"] + r["rtt_ms"] / 1e3 for r in records),
-    }
+    received = sorted(r["sent_at"] + r["rtt_ms"] / 1e3 for r in records)
+    window = (sends[0], received[-1])
+    by: dict[str, list[float]] = {"robot-send": sends, "robot-recv": received}
     for process in processes:
         for name, t, n in process["events"]:
             if not window[0] <= t <= window[1]:

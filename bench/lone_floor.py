@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
-from runtime import free_port, stop_group, wait_ready
+from runtime import free_port, split_variant, stop_group, wait_ready
 
 VARIANTS = ("loop", "spin", "sleep", "spin-awake")
 AWAKE_MS = 1.0  # spin-awake: the loop ticks every TICK_MS over the last AWAKE_MS of the wait
@@ -167,12 +167,7 @@ def main() -> None:
             wait_port(port)
             servers[f"floor, {variant}"] = (f"ws://127.0.0.1:{port}", proc)
         for variant in args.serve_variant if args.checkpoint else []:
-            # NAME=VALUE words before the flags are the server's environment (PYTHONPATH=... : another tree)
-            words = shlex.split(variant)
-            env = dict(os.environ)
-            while words and "=" in words[0] and not words[0].startswith("-"):
-                name, _, value = words.pop(0).partition("=")
-                env[name] = value
+            env, words = split_variant(variant)
             port = free_port()
             cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", args.checkpoint]
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]

@@ -91,6 +91,17 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def split_variant(variant: str) -> tuple[dict[str, str], list[str]]:
+    """A ``--serve-variant``: its leading NAME=VALUE words as the server's environment (``os.environ`` with them;
+    PYTHONPATH=... runs another tree), the rest as more serve flags."""
+    words = shlex.split(variant)
+    env = dict(os.environ)
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return env, words
+
+
 def frontend_argv(frontend: str) -> list[str]:
     """``inline``, ``process`` or ``process:N`` (N front-end processes) as serve flags."""
     mode, _, processes = frontend.partition(":")
