@@ -14,6 +14,7 @@ own requests, so they do not depend on test order.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import threading
 from collections.abc import Iterator
@@ -549,6 +550,56 @@ def test_auth_refuses_with_401_before_the_upgrade(
     )
     assert reply.status == 401 and "token" in reply.json()["error"]
     assert counter(auth_server, "policy_request_errors_total", kind="unauthorized") == before + 2
+
+
+def raw_upgrade(server: PolicyServerProcess, header_lines: list[bytes]) -> tuple[int, bytes]:
+    """An upgrade request written byte for byte (repeated or non-ASCII headers, which http.client will not send):
+    the status code and the body of the answer."""
+    import socket
+
+    request = b"\r\n".join(
+        [
+            b"GET / HTTP/1.1",
+            f"Host: {server.host}:{server.port}".encode(),
+            b"Connection: Upgrade",
+            b"Upgrade: websocket",
+            b"Sec-WebSocket-Version: 13",
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+            *header_lines,
+            b"",
+            b"",
+        ]
+    )
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+@pytest.mark.parametrize(
+    ("header_lines", "status"),
+    [
+        ([f"Authorization: Bearer {TOKEN}".encode()] * 2, 400),
+        ([f"Authorization: Bearer {TOKEN}".encode(), b"Authorization: Bearer wrong"], 400),
+        ([b"Authorization: Bearer \xff\xfe" + TOKEN.encode()], 401),
+        ([b"Authorization: Bearer"], 401),
+    ],
+    ids=["two-good", "good-and-bad", "non-ascii", "scheme-only"],
+)
+def test_auth_malformed_headers_are_refused_in_one_line(
+    auth_server: PolicyServerProcess, header_lines: list[bytes], status: int
+) -> None:
+    before = counter(auth_server, "policy_request_errors_total", kind="unauthorized")
+    log_before = len(auth_server.log_text())
+    code, body = raw_upgrade(auth_server, header_lines)
+    assert code == status, body
+    assert "Authorization" in json.loads(body)["error"] or "token" in json.loads(body)["error"]
+    assert counter(auth_server, "policy_request_errors_total", kind="unauthorized") == before + 1
+    new_log = auth_server.log_text()[log_before:]
+    assert "Traceback" not in new_log and "500" not in new_log, new_log
 
 
 def test_auth_openpi_client_without_key_is_refused(auth_server: PolicyServerProcess) -> None:

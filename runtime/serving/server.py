@@ -183,14 +183,28 @@ class PolicyWebSocketServer:
         self._sweeper: asyncio.Task[None] | None = None
 
     # --- HTTP before the upgrade ---------------------------------------------------------
-    def _authorized(self, request: Request) -> bool:
+    def _auth_refusal(self, request: Request) -> Response | None:
+        """None when the request may go on; else its answer: 400 for more than one ``Authorization`` header (which
+        one a proxy honours is ambiguous), 401 for a missing, malformed or wrong token.  One log line, no
+        traceback: a client that sends such headers may send many."""
         if self.config.auth_token is None:
-            return True
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() not in ("bearer", "api-key"):
-            return False
-        return hmac.compare_digest(token.strip().encode(), self.config.auth_token.encode())
+            return None
+        headers = request.headers.get_all("Authorization")
+        if len(headers) > 1:
+            self.metrics.errors.labels(ErrorKind.UNAUTHORIZED.value).inc()
+            log.info("refused an upgrade with %d Authorization headers (400)", len(headers))
+            return _json(400, {"error": "more than one Authorization header; send exactly one"})
+        scheme, _, token = (headers[0] if headers else "").partition(" ")
+        try:
+            valid = scheme.lower() in ("bearer", "api-key") and hmac.compare_digest(
+                token.strip().encode(), self.config.auth_token.encode()
+            )
+        except (TypeError, UnicodeError):  # compare_digest wants ASCII-compatible bytes; any header is refused
+            valid = False
+        if valid:
+            return None
+        self.metrics.errors.labels(ErrorKind.UNAUTHORIZED.value).inc()
+        return _json(401, {"error": "missing or invalid token (Authorization: Bearer <token> or Api-Key <token>)"})
 
     def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
@@ -204,9 +218,8 @@ class PolicyWebSocketServer:
             # ranks ready as of this scrape, not as of the last kubelet probe
             self.metrics.ranks_ready.set(self.ingress.readiness().ranks_ready)
             return _response(200, self.metrics.render(), self.metrics.content_type)
-        if not self._authorized(request):
-            self.metrics.errors.labels(ErrorKind.UNAUTHORIZED.value).inc()
-            return _json(401, {"error": "missing or invalid token (Authorization: Bearer <token> or Api-Key <token>)"})
+        if (refused := self._auth_refusal(request)) is not None:
+            return refused
         if not self.ingress.accepting:
             return _json(
                 503, {"error": "server is shutting down" if self.ingress.draining else "server is not ready yet"}
