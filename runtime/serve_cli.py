@@ -37,6 +37,7 @@ from policy_operator.exit_codes import ServeExit
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 _SIGTERM_BIT = 1 << (signal.SIGTERM - 1)  # in /proc/PID/status signal masks
 _PR_SET_PDEATHSIG = 1
+SAFE_PATH_ENV = "PYTHONSAFEPATH"  # python -P for every interpreter started with it: no cwd on sys.path
 POLL_S = 0.2  # how often the launcher looks at torchrun and at signals to pass on
 
 
@@ -85,7 +86,10 @@ def run_torchrun(argv: list[str]) -> int:
     torchrun gets a process group of its own, so a terminal's Ctrl-C reaches
     only this process, which forwards it as the kubelet's SIGTERM would be.
     """
-    child = subprocess.Popen(argv, preexec_fn=_launcher_setup)  # noqa: PLW1509 - setpgid + prctl, no locks
+    # torchrun starts each rank as ``python -u -m ...``, which would put the working directory first on sys.path
+    # (a struct.py there would replace the standard library's); PYTHONSAFEPATH leaves it off, in every rank.
+    env = {**os.environ, SAFE_PATH_ENV: "1"}
+    child = subprocess.Popen(argv, preexec_fn=_launcher_setup, env=env)  # noqa: PLW1509 - setpgid + prctl, no locks
     received: list[int] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:

@@ -77,7 +77,15 @@ class EngineLink:
         try:
             ring = ipc.SlotRing(ring_fd, config.slots, config.slot_bytes)
             proc = subprocess.Popen(
-                [sys.executable, "-m", "policy_operator.runtime.serving.frontend", str(theirs.fileno()), str(ring_fd)],
+                # -P: the working directory is not put on sys.path, so a struct.py there cannot shadow the stdlib
+                [
+                    sys.executable,
+                    "-P",
+                    "-m",
+                    "policy_operator.runtime.serving.frontend",
+                    str(theirs.fileno()),
+                    str(ring_fd),
+                ],
                 pass_fds=(theirs.fileno(), ring_fd),
                 env=env,
             )
