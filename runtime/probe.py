@@ -79,10 +79,12 @@ class ProbeResult:
     latency_ms: float | None = None
 
     def line(self) -> str:
+        """One line whatever the server sent: its policy name and layout are flattened like a reason is."""
         if not self.ok:
-            return f"FAIL {self.url}: {one_line(self.reason)}"
+            return one_line(f"FAIL {self.url}: {self.reason}")
         shape = "x".join(map(str, self.action_shape or ()))
-        return f"ok {self.url}: policy {self.policy} ({self.layout}), actions {shape} finite, {self.latency_ms:.1f} ms"
+        policy, layout = one_line(self.policy), one_line(self.layout)
+        return one_line(f"ok {self.url}: policy {policy} ({layout}), actions {shape} finite, {self.latency_ms:.1f} ms")
 
     def as_json(self) -> str:
         return json.dumps(
@@ -90,8 +92,8 @@ class ProbeResult:
                 "url": self.url,
                 "ok": self.ok,
                 "reason": one_line(self.reason),
-                "policy": self.policy,
-                "layout": self.layout,
+                "policy": one_line(self.policy),
+                "layout": one_line(self.layout),
                 "action_shape": list(self.action_shape or ()) or None,
                 "latency_ms": self.latency_ms,
             }
@@ -99,8 +101,9 @@ class ProbeResult:
 
 
 def one_line(text: str) -> str:
-    """``text`` on one line, shortened: a server's error text or body may hold newlines and any amount of bytes."""
-    flat = " ".join(str(text).split())
+    """``text`` on one line, shortened: a server's error text, body or policy name may hold newlines, other
+    control characters (a terminal's escapes) and any amount of bytes."""
+    flat = " ".join("".join(c if c.isprintable() else " " for c in str(text)).split())
     return flat if len(flat) <= MAX_REASON_CHARS else flat[: MAX_REASON_CHARS - 3] + "..."
 
 
@@ -189,22 +192,41 @@ def check_reply(reply: Any, expect: Expectation) -> np.ndarray:
     return actions
 
 
+class Deadline:
+    """The probe's one bound: ``--timeout`` seconds for connecting, the metadata, the reply and the close
+    together (after ``--retry-seconds`` of retries), so a server that stalls at any step costs at most that."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        """Seconds left; TimeoutError once none are."""
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        return left
+
+
 def _connect(url: str, headers: dict[str, str] | None, timeout: float, retry_seconds: float):
-    """Open the WebSocket, retrying refused connections and 503s (a server still loading) until the deadline."""
+    """Open the WebSocket, retrying refused connections and 503s (a server still loading) until the retry
+    deadline; the connection and what follows it get ``timeout`` from then (``Deadline``)."""
     from websockets.exceptions import InvalidStatus, InvalidURI
     from websockets.sync.client import connect
 
     deadline = time.monotonic() + retry_seconds
     while True:
+        bound = Deadline(timeout)
         try:
-            return connect(
+            ws = connect(
                 url,
                 additional_headers=headers,
                 open_timeout=timeout,
+                close_timeout=timeout,
                 max_size=None,
                 compression=None,
                 logger=_QUIET_LOG,
             )
+            return ws, bound
         except InvalidURI as exc:
             raise ProbeFailed(f"not a WebSocket URL: {exc}") from None
         except InvalidStatus as exc:
@@ -227,28 +249,9 @@ def probe(url: str, *, token: str | None = None, timeout: float = 60.0, retry_se
     result = ProbeResult(url=url, ok=False)
     headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
-        with _connect(url, headers, timeout, retry_seconds) as ws:
-            first = ws.recv(timeout=timeout)
-            if isinstance(first, str):
-                raise ProbeFailed(f"the first frame must be a binary msgpack metadata map, got a text frame: {first!r}")
-            try:
-                meta = wire.unpackb(first)
-            except wire.WireError as exc:
-                raise ProbeFailed(f"the metadata frame is not msgpack: {exc}") from None
-            expect = check_metadata(meta)
-            result.policy = str(meta.get("policy_name", "?"))
-            layout = meta.get("layout")
-            if isinstance(layout, dict):
-                result.layout = ",".join(f"{k}={layout[k]}" for k in ("cfgp", "dp") if k in layout) or "?"
-            frame = wire.packb(canned_observation(expect))
-            started = time.perf_counter()
-            ws.send(frame)
-            raw = ws.recv(timeout=timeout)
-            result.latency_ms = (time.perf_counter() - started) * 1e3
-            reply = raw if isinstance(raw, str) else wire.unpackb(raw)
-            actions = check_reply(reply, expect)
-            result.action_shape = tuple(actions.shape)
-            result.ok = True
+        ws, bound = _connect(url, headers, timeout, retry_seconds)
+        with ws:  # its exit closes, waiting for the server's close frame only as long as the deadline leaves
+            _check_session(ws, bound, result)
     except ProbeFailed as exc:
         result.reason = str(exc)
     except wire.WireError as exc:
@@ -268,6 +271,37 @@ def probe(url: str, *, token: str | None = None, timeout: float = 60.0, retry_se
     return result
 
 
+def _check_session(ws: Any, bound: Deadline, result: ProbeResult) -> None:
+    """The metadata, one request and its reply, each step within what is left of ``bound``."""
+    from policy_operator.runtime.serving import wire
+
+    try:
+        first = ws.recv(timeout=bound.left())
+        if isinstance(first, str):
+            raise ProbeFailed(f"the first frame must be a binary msgpack metadata map, got a text frame: {first!r}")
+        try:
+            meta = wire.unpackb(first)
+        except wire.WireError as exc:
+            raise ProbeFailed(f"the metadata frame is not msgpack: {exc}") from None
+        expect = check_metadata(meta)
+        result.policy = str(meta.get("policy_name", "?"))
+        layout = meta.get("layout")
+        if isinstance(layout, dict):
+            result.layout = ",".join(f"{k}={layout[k]}" for k in ("cfgp", "dp") if k in layout) or "?"
+        frame = wire.packb(canned_observation(expect))
+        started = time.perf_counter()
+        bound.left()
+        ws.send(frame)
+        raw = ws.recv(timeout=bound.left())
+        result.latency_ms = (time.perf_counter() - started) * 1e3
+        reply = raw if isinstance(raw, str) else wire.unpackb(raw)
+        actions = check_reply(reply, expect)
+        result.action_shape = tuple(actions.shape)
+        result.ok = True
+    finally:
+        ws.close_timeout = max(0.1, bound.at - time.monotonic())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", help=f"server URL, e.g. ws://policy-sample.robots.svc:{DEFAULT_PORT}")
     parser.add_argument("--token-file", default=None, help="bearer token for a server started with auth")
@@ -275,7 +309,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout",
         type=float,
         default=60.0,
-        help="seconds to wait to connect and for each reply (default %(default)s)",
+        help="seconds the whole check may take: connect, metadata, reply and close together, after any "
+        "--retry-seconds (default %(default)s)",
     )
     parser.add_argument(
         "--retry-seconds",

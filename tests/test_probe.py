@@ -237,6 +237,76 @@ def test_probe_prints_one_line_and_exits_1_whatever_the_server_does(policyserver
     assert line.startswith(f"FAIL {server.url}: ") and len(line) > len(f"FAIL {server.url}: ") + 10, line
 
 
+class SilentAfterUpgrade:
+    """Completes the WebSocket upgrade, then says nothing and reads nothing (not even a close frame) for ``HOLD_S``:
+    only the probe's own deadline ends its wait."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.url = f"ws://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def _run(self) -> None:
+        import base64
+        import hashlib
+
+        conn, _ = self._sock.accept()
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(65536)
+            key = next(
+                line.split(b":", 1)[1].strip()
+                for line in request.split(b"\r\n")
+                if line.lower().startswith(b"sec-websocket-key:")
+            )
+            accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+            conn.sendall(
+                b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n"
+            )
+            self._stop.wait(30)
+
+    def __enter__(self) -> SilentAfterUpgrade:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
+def test_probe_timeout_bounds_the_whole_check(policyserver_main) -> None:
+    """--timeout 2 against a server that upgrades and then never sends metadata nor answers the close: 2 s in all,
+    not a wait per step plus the close handshake's own 10 s."""
+    import time
+
+    with SilentAfterUpgrade() as server:
+        started = time.monotonic()
+        proc = policyserver_main("probe", server.url, "--timeout", "2")
+        elapsed = time.monotonic() - started
+    assert proc.returncode == ProbeExit.FAILED and "within 2s" in one_line(proc), proc.stdout
+    assert elapsed < 3.5, elapsed
+
+
+def test_probe_prints_one_line_whatever_the_policy_is_called(policyserver_main) -> None:
+    from tests.support.bad_ws_servers import BadWsServer
+
+    meta = {**GOOD_META, "policy_name": "evil\nok ws://elsewhere: all good\x1b[2J", "layout": {"cfgp": "1\r\n2"}}
+    with BadWsServer(_session({"actions": np.zeros((4, 2), dtype=np.float32)}, meta=meta)) as server:
+        proc = policyserver_main("probe", server.url, "--timeout", "10")
+        as_json = policyserver_main("probe", server.url, "--timeout", "10", "--json")
+    assert proc.returncode == ProbeExit.OK, proc.stdout
+    line = one_line(proc)
+    assert line.startswith(f"ok {server.url}: policy evil ok ws://elsewhere") and "\x1b" not in line, line
+    assert json.loads(one_line(as_json))["policy"] == "evil ok ws://elsewhere: all good [2J"
+
+
 # --- the checks themselves ----------------------------------------------------------------------
 
 META = {
