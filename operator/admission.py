@@ -13,22 +13,24 @@ workload declares it in ``policyoperator.io/secrets``; server pods it may
 annotate but never change.
 
 The image is the one thing of that shape a PolicyServer chooses freely, so
-the chart's ``admissionPolicy.allowedImages`` (image prefixes; empty: any
-image) is checked against every container and init container too.  A prefix
-matches at a repository boundary only: the image equals it, or continues it
-with ``/``, ``@`` or ``:`` and a tag, or the prefix itself ends in one of
-``/ : @``; so ``ghcr.io/policy-operator/`` and ``ghcr.io/policy-operator``
-both admit ``ghcr.io/policy-operator/server:1`` and neither admits
-``ghcr.io/policy-operator-evil/x``, and ``registry.example.com`` does not
-admit ``registry.example.com:5000/x`` (a colon followed by a ``/`` is a port).  The image is compared as the spec writes
-it (``busybox`` is not ``docker.io/library/busybox``).  The list is templated
+the chart's ``admissionPolicy.allowedImages`` (empty: any image) is checked
+against every container and init container too.  An entry matches exactly
+what :data:`IMAGE_ENTRY_RULES` says (docs/operator.md quotes it): an entry
+ending in ``/`` admits every repository under that path, nested ones
+included; an entry ending in ``:`` or ``@`` admits any tag or digest of that
+repository; an entry that names a tag or a digest admits that reference only
+(no digest after an allowed tag: with one, the runtime pulls the digest and
+the tag means nothing); any other entry is one repository and admits it bare,
+with a tag, a digest or both, never a repository nested under it nor another
+port's registry.  The image is compared as the spec writes it (``busybox`` is
+not ``docker.io/library/busybox``).  The list is templated
 into the policy as a CEL list literal (the ``allowedImages`` variable, from the
 value through ``toJson``) rather than read from a ``paramKind`` resource: it
 needs no second object and no ``paramRef`` on the binding, it changes only with
 the release (a params ConfigMap would be one more object whose editors widen
 the list), and it is plain ``admissionregistration.k8s.io/v1`` that any
 Kubernetes >= 1.30 accepts.  The refusal's ``messageExpression`` names the
-refused images and the allowed prefixes.
+refused images and the allowed entries.
 
 What it cannot check (CEL sees one request, not other objects): that the
 PolicyServer named in the owner reference exists, nor that its spec names the
@@ -93,13 +95,22 @@ def cel_list(items: Sequence[str]) -> str:
     return json.dumps(list(items), separators=(",", ":"))
 
 
-# an image matches a prefix at a repository boundary: equal, continued by / or @, by : and a tag (no / after the
-# colon: `registry.example.com` must not admit `registry.example.com:5000/x`, another port's registry), or the
-# prefix ends in one of / : @
+# What one entry of admissionPolicy.allowedImages admits: the docs (docs/operator.md, values.yaml) quote these lines.
+IMAGE_ENTRY_RULES: Final = (
+    "an entry ending in `/` admits every image under that path, nested repositories included",
+    "an entry ending in `:` or `@` admits that repository with any tag or digest after it",
+    "an entry that names a tag or a digest admits exactly that reference (no digest after an allowed tag)",
+    "any other entry is one repository: it admits the repository bare, with a tag, a digest or a tag and a "
+    "digest, and no repository nested under it nor another port's registry",
+)
+
+# p (an entry) admits i (an image), clause by clause as IMAGE_ENTRY_RULES reads; a tag is a `:` in the last path
+# component, so `host:5000/app` is a repository and `registry.example.com` does not admit `registry.example.com:5000/x`
 _MATCHES = (
-    "i == p || (i.startsWith(p) && (p.endsWith('/') || p.endsWith(':') || p.endsWith('@'))) || "
-    "i.startsWith(p + '/') || (i.startsWith(p + ':') && !i.substring(size(p)).contains('/')) || "
-    "i.startsWith(p + '@')"
+    "i == p || (p.endsWith('/') && i.startsWith(p)) || "
+    "((p.endsWith(':') || p.endsWith('@')) && i.startsWith(p) && !i.substring(size(p)).contains('/')) || "
+    "(!p.endsWith('/') && !p.contains('@') && !p.substring(p.lastIndexOf('/') + 1).contains(':') && "
+    "(i.startsWith(p + ':') || i.startsWith(p + '@')) && !i.substring(size(p)).contains('/'))"
 )
 
 
@@ -191,10 +202,10 @@ VALIDATIONS: tuple[Validation, ...] = (
     ),
     Validation(
         "size(variables.refusedImages) == 0",
-        f"every container's image of the operator's workloads must start with a prefix of {ALLOWED_IMAGES_VALUE}",
+        f"every container's image of the operator's workloads must be one that {ALLOWED_IMAGES_VALUE} admits",
         "'image ' + variables.refusedImages.join(', ') + ' is not allowed: "
         f"{ALLOWED_IMAGES_VALUE} is [' + variables.allowedImages.join(', ') + '] "
-        "(a prefix matches where the image continues with /, @ or a tag)'",
+        "(an entry ending in / admits the path below it; any other names one repository, tag or digest)'",
     ),
 )
 

@@ -278,8 +278,11 @@ def test_the_service_account_cannot_read_pod_logs(env: Env) -> None:
 
 
 ALLOWED = "ghcr.io/policy-operator/"  # the examples' image is under it
-HOST = "registry.example.net"  # a registry host: its repositories, not another port's
-IMAGE_RULE = f"is not allowed: admissionPolicy.allowedImages is [{ALLOWED}, {HOST}]"
+HOST = "registry.example.net/"  # a registry path: its repositories, nested ones too, not another port's
+REPOSITORY = "allowed.io/x"  # one repository: no repository nested under it (issue 40 item 14)
+PINNED = "pinned.io/app:1.0"  # one tag: no digest after it (issue 40 item 14)
+ENTRIES = (ALLOWED, HOST, REPOSITORY, PINNED)
+IMAGE_RULE = f"is not allowed: admissionPolicy.allowedImages is [{', '.join(ENTRIES)}]"
 
 
 def plain_job(name: str, owner: dict[str, Any], image: str) -> dict[str, Any]:
@@ -295,7 +298,7 @@ def test_an_image_allowlist_refuses_other_images_and_the_policyserver_says_so(en
     """Its refused PolicyServer (WRONG_IMAGE) leaves a denial in the operator's log, which the other tests'
     check of that log tells apart by name."""
     chart = helm_python.Chart.load(CHART)
-    allowlist = {**env.values, "admissionPolicy": {"allowedImages": [ALLOWED, HOST]}}
+    allowlist = {**env.values, "admissionPolicy": {"allowedImages": list(ENTRIES)}}
     env.helm.upgrade(chart, RELEASE, allowlist, namespace=NS, timeout=120)
     name = WRONG_IMAGE
     try:
@@ -303,9 +306,14 @@ def test_an_image_allowlist_refuses_other_images_and_the_policyserver_says_so(en
         evil = "ghcr.io/policy-operator-evil/policy-server:1"
         refused(env.client, plain_job("evil", env.owner, evil), f"image {evil} {IMAGE_RULE}")
         assert create_job(env.client, plain_job("ours", env.owner, f"{ALLOWED}policy-server:0.1.0")) is None
-        assert create_job(env.client, plain_job("host", env.owner, f"{HOST}/robots/server:1")) is None
-        port = f"{HOST}:5000/robots/server:1"  # the API server's own CEL: substring, contains
+        assert create_job(env.client, plain_job("host", env.owner, f"{HOST}robots/server:1")) is None
+        port = f"{HOST.rstrip('/')}:5000/robots/server:1"  # the API server's own CEL: substring, lastIndexOf
         refused(env.client, plain_job("port", env.owner, port), f"image {port} {IMAGE_RULE}")
+        # issue 40 item 14: a repository entry admits no nested repository, a tag entry no digest after it
+        for image in (f"{REPOSITORY}/y:1", f"{PINNED}@sha256:{'a' * 64}"):
+            refused(env.client, plain_job("exact", env.owner, image), f"image {image} {IMAGE_RULE}")
+        for image in (f"{REPOSITORY}:1", f"{REPOSITORY}@sha256:{'a' * 64}", PINNED):
+            assert create_job(env.client, plain_job("exact", env.owner, image)) is None, image
         assert create_job(env.lc.control_plane.api_client, plain_job("admin", env.owner, "busybox")) is None
 
         doc = copy.deepcopy(env.doc)

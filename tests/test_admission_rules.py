@@ -33,10 +33,15 @@ def _substring(text: Any, start: Any) -> Any:  # and its substring (code points,
     return celpy.celtypes.StringType(str(text)[int(start) :])
 
 
+def _last_index_of(text: Any, part: Any) -> Any:  # and its lastIndexOf (-1 when absent)
+    return celpy.celtypes.IntType(str(text).rfind(str(part)))
+
+
+_FUNCTIONS = {"split": _split, "join": _join, "substring": _substring, "lastIndexOf": _last_index_of}
+
+
 def _run(expression: str, activation: dict[str, Any]) -> Any:
-    result = _ENV.program(
-        _ENV.compile(expression), functions={"split": _split, "join": _join, "substring": _substring}
-    ).evaluate(activation)
+    result = _ENV.program(_ENV.compile(expression), functions=_FUNCTIONS).evaluate(activation)
     if isinstance(result, Exception):
         raise result
     return result
@@ -242,7 +247,7 @@ def with_images(job: dict[str, Any], *images: str, init: str | None = None) -> d
 def image_refusal(*images: str) -> str:
     return (
         f"image {', '.join(images)} is not allowed: admissionPolicy.allowedImages is [{', '.join(ALLOWED)}] "
-        "(a prefix matches where the image continues with /, @ or a tag)"
+        "(an entry ending in / admits the path below it; any other names one repository, tag or digest)"
     )
 
 
@@ -254,7 +259,7 @@ def image_refusal(*images: str) -> str:
         "registry.example.com/robots/policy-server",
         "registry.example.com/robots/policy-server:1.2",
         "registry.example.com/robots/policy-server@sha256:" + "b" * 64,
-        "registry.example.com/robots/policy-server/debug:1",
+        "registry.example.com/robots/policy-server:1.2@sha256:" + "b" * 64,
     ],
 )
 def test_an_allowed_image_is_admitted(image: str) -> None:
@@ -271,6 +276,9 @@ def test_an_allowed_image_is_admitted(image: str) -> None:
         "registry.example.com/robots/policy-serverx",
         "evil.example/ghcr.io/policy-operator/x",
         "busybox",
+        # issue 40 item 14: a repository entry admits no repository nested under it
+        "registry.example.com/robots/policy-server/debug:1",
+        "registry.example.com/robots/policy-server:1/x",
     ],
 )
 def test_an_image_outside_the_allowlist_is_refused_naming_it(image: str) -> None:
@@ -278,16 +286,38 @@ def test_an_image_outside_the_allowlist_is_refused_naming_it(image: str) -> None
     assert refusals(job, allowed_images=ALLOWED) == [image_refusal(image)]
 
 
-def test_a_host_prefix_admits_its_repositories_and_not_another_port() -> None:
-    """After a prefix, ``:`` starts a tag, unless a ``/`` follows: then it was a port (another registry)."""
+def test_an_entry_admits_exactly_what_the_docs_say() -> None:
+    """issue 40 item 14: one case per line of ``IMAGE_ENTRY_RULES``, admitted and refused."""
     job = adopted(manifests.build_fetch_job(spec_of(image="registry.example.com/robots/server:1")))
-    host, name = ("registry.example.com",), ("policy-server",)
-    admitted = [("registry.example.com/robots/server:1", host), ("policy-server:1.2", name), ("policy-server", name)]
-    for image, allowed in admitted:
-        assert refusals(with_images(job, image), allowed_images=allowed) == [], image
-    port = "registry.example.com:5000/robots/server:1"
-    (refusal,) = refusals(with_images(job, port), allowed_images=host)
-    assert refusal.startswith(f"image {port} is not allowed"), refusal
+    digest = "@sha256:" + "c" * 64
+    cases: dict[str, tuple[list[str], list[str]]] = {
+        # a path: everything under it, nested repositories too (the entry says so with its /)
+        "registry.example.com/": (
+            ["registry.example.com/robots/server:1", "registry.example.com/a/b/c" + digest],
+            ["registry.example.com:5000/robots/server:1", "registry.example.com"],
+        ),
+        # a repository's tags or digests
+        "pinned.io/app:": (["pinned.io/app:2", "pinned.io/app:2" + digest], ["pinned.io/app", "pinned.io/app:2/x"]),
+        "pinned.io/app@": (["pinned.io/app" + digest], ["pinned.io/app:1", "pinned.io/app@x/y"]),
+        # a tag or a digest: that reference only, no digest after the tag
+        "pinned.io/app:1.0": (["pinned.io/app:1.0"], ["pinned.io/app:1.0" + digest, "pinned.io/app:1.01"]),
+        "pinned.io/app" + digest: (["pinned.io/app" + digest], ["pinned.io/app:1.0" + digest, "pinned.io/app"]),
+        "host:5000/app:1": (["host:5000/app:1"], ["host:5000/app:1" + digest, "host:5000/app:2"]),
+        # one repository: bare, tag, digest, tag and digest; nothing nested, no other port, no longer name
+        "allowed.io/x": (
+            ["allowed.io/x", "allowed.io/x:1", "allowed.io/x" + digest, "allowed.io/x:1" + digest],
+            ["allowed.io/x/y:1", "allowed.io/xy:1", "allowed.io/x:1/y"],
+        ),
+        "host:5000/app": (["host:5000/app:3"], ["host:5000/app/y:1", "host:5000/apps"]),
+        "registry.example.com": (["registry.example.com:1"], ["registry.example.com:5000/robots/server:1"]),
+        "policy-server": (["policy-server", "policy-server:1.2"], ["policy-server/x"]),
+    }
+    for entry, (admitted, refused) in cases.items():
+        for image in admitted:
+            assert refusals(with_images(job, image), allowed_images=(entry,)) == [], (entry, image)
+        for image in refused:
+            (refusal,) = refusals(with_images(job, image), allowed_images=(entry,))
+            assert refusal.startswith(f"image {image} is not allowed"), (entry, refusal)
 
 
 def test_every_container_and_init_container_of_every_child_is_checked() -> None:

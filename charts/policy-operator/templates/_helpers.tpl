@@ -196,7 +196,7 @@ variables:
 - name: allowedImages
   expression: {{ .Values.admissionPolicy.allowedImages | default list | toJson | quote }}
 - name: refusedImages
-  expression: 'variables.isPod || size(variables.allowedImages) == 0 ? [] : variables.containers.map(c, has(c.image) ? c.image : '''').filter(i, !variables.allowedImages.exists(p, i == p || (i.startsWith(p) && (p.endsWith(''/'') || p.endsWith('':'') || p.endsWith(''@''))) || i.startsWith(p + ''/'') || (i.startsWith(p + '':'') && !i.substring(size(p)).contains(''/'')) || i.startsWith(p + ''@'')))'
+  expression: 'variables.isPod || size(variables.allowedImages) == 0 ? [] : variables.containers.map(c, has(c.image) ? c.image : '''').filter(i, !variables.allowedImages.exists(p, i == p || (p.endsWith(''/'') && i.startsWith(p)) || ((p.endsWith('':'') || p.endsWith(''@'')) && i.startsWith(p) && !i.substring(size(p)).contains(''/'')) || (!p.endsWith(''/'') && !p.contains(''@'') && !p.substring(p.lastIndexOf(''/'') + 1).contains('':'') && (i.startsWith(p + '':'') || i.startsWith(p + ''@'')) && !i.substring(size(p)).contains(''/''))))'
 validations:
 - expression: variables.isPod || (has(object.metadata.labels) && "app.kubernetes.io/managed-by" in object.metadata.labels && object.metadata.labels["app.kubernetes.io/managed-by"] == "policy-operator" && "policyoperator.io/policyserver" in object.metadata.labels)
   message: the operator's ServiceAccount creates only Jobs and StatefulSets labelled app.kubernetes.io/managed-by=policy-operator and policyoperator.io/policyserver
@@ -220,8 +220,8 @@ validations:
   message: every Secret the pod template names must be listed in the workload's policyoperator.io/secrets annotation (the Secrets its PolicyServer's spec names)
   reason: Forbidden
 - expression: size(variables.refusedImages) == 0
-  message: every container's image of the operator's workloads must start with a prefix of admissionPolicy.allowedImages
-  messageExpression: '''image '' + variables.refusedImages.join('', '') + '' is not allowed: admissionPolicy.allowedImages is ['' + variables.allowedImages.join('', '') + ''] (a prefix matches where the image continues with /, @ or a tag)'''
+  message: every container's image of the operator's workloads must be one that admissionPolicy.allowedImages admits
+  messageExpression: '''image '' + variables.refusedImages.join('', '') + '' is not allowed: admissionPolicy.allowedImages is ['' + variables.allowedImages.join('', '') + ''] (an entry ending in / admits the path below it; any other names one repository, tag or digest)'''
   reason: Forbidden
 {{- end }}
 {{/* END GENERATED: admission */}}
