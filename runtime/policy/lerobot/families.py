@@ -95,6 +95,14 @@ class Family(ABC):
     def action_dim(self) -> int:
         return int(self.config.output_features["action"].shape[0])
 
+    def cast(self, dtype: torch.dtype) -> None:
+        """The serving dtype: the whole policy by default; a family whose LeRobot code keeps some parts in
+        float32 (and casts its activations at their borders) keeps those."""
+        self.policy.to(dtype)
+        self.dtype = dtype
+
+    dtype = torch.float32  # what ``cast`` made the policy's weights
+
     @property
     @abstractmethod
     def chunk(self) -> int:
@@ -165,6 +173,13 @@ class SmolVLA(_Flow):
     def default_steps(self) -> int:
         return int(self.config.num_steps)
 
+    def cast(self, dtype: torch.dtype) -> None:
+        # The VLM and the action expert only, as LeRobot runs the published checkpoint (its SmolVLM loads in
+        # bfloat16, each layer casts its input to its weights' dtype); the state, action and time projections
+        # stay float32: embed_prefix concatenates the state's embedding with the images' and embed_suffix feeds
+        # the float32 noise straight into action_in_proj.
+        self.policy.model.vlm_with_expert.to(dtype)
+
     def condition(self, batch: dict[str, torch.Tensor]) -> Context:
         from lerobot.policies.common.vla_utils import make_att_2d_masks
 
@@ -205,6 +220,12 @@ class SmolVLA(_Flow):
 
 class Pi0(_Flow):
     """pi0: images and prompt in the prefix, the state in the action expert's suffix."""
+
+    def cast(self, dtype: torch.dtype) -> None:
+        if dtype == torch.bfloat16:  # LeRobot's own bfloat16 mode: the vision path and the norms stay float32
+            self.policy.model.paligemma_with_expert.to_bfloat16_for_selected_params("bfloat16")
+        else:
+            super().cast(dtype)
 
     def _prefix(
         self, images: list[torch.Tensor], img_masks: list[torch.Tensor], tokens: torch.Tensor, masks: torch.Tensor
@@ -285,10 +306,23 @@ class Diffusion(Family):
         }
         if self.config.image_features:  # [B, n_obs_steps, cameras, C, H, W], as predict_action_chunk stacks them
             batch[IMAGES_KEY] = torch.stack([batch[key] for key in self.config.image_features], dim=-4)
-        return self.policy.diffusion._prepare_global_conditioning(batch)
+        with self._autocast():
+            return self.policy.diffusion._prepare_global_conditioning(batch)
 
     def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.policy.diffusion.unet(x, t, global_cond=context)
+        with self._autocast():
+            return self.policy.diffusion.unet(x, t, global_cond=context).to(x.dtype)
+
+    def cast(self, dtype: torch.dtype) -> None:
+        # Autocast, weights kept: LeRobot's U-Net feeds its float32 timestep embedding and the observation
+        # encoders' float32 inputs straight into its layers, so cast weights fail there; the noise and the
+        # scheduler's update stay float32 as LeRobot's.
+        self.dtype = dtype
+        self.noise_dtype = torch.float32
+
+    def _autocast(self) -> Any:
+        device = next(self.policy.parameters()).device.type
+        return torch.autocast(device, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         start = int(self.config.n_obs_steps) - 1

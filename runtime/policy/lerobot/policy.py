@@ -41,13 +41,7 @@ class LeRobotPolicy(Policy):
         self._device = device
         self.dtype = dtype
         if dtype != torch.float32:
-            cast = getattr(
-                getattr(loaded.policy.model, "paligemma_with_expert", None), "to_bfloat16_for_selected_params", None
-            )
-            if cast is not None and dtype == torch.bfloat16:  # pi0/pi0.5: the vision path stays float32
-                cast("bfloat16")
-            else:
-                loaded.policy.to(dtype)
+            self.family.cast(dtype)
         self.name = f"lerobot/{loaded.type}"
         self.history = self.family.history
         self.default_steps = self.family.default_steps
@@ -79,8 +73,15 @@ class LeRobotPolicy(Policy):
         return normalizers, None
 
     @classmethod
-    def load(cls, checkpoint: str, *, device: torch.device, dtype: torch.dtype = torch.float32) -> LeRobotPolicy:
-        return cls(load_pretrained(checkpoint, device), device, dtype)
+    def load(
+        cls,
+        checkpoint: str,
+        *,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+        trust_remote_code: bool = False,
+    ) -> LeRobotPolicy:
+        return cls(load_pretrained(checkpoint, device, trust_remote_code=trust_remote_code), device, dtype)
 
     @property
     def action_shape(self) -> tuple[int, int]:
@@ -145,17 +146,16 @@ class LeRobotPolicy(Policy):
 
     def postprocess_batch(self, x: torch.Tensor, sample: Sample | None = None) -> list[np.ndarray]:
         with torch.inference_mode():
+            chunk = self.family.finish(x).float()  # the saved statistics are float32
             if self._relative is None:
-                actions = self.loaded.postprocessor(self.family.finish(x))
+                actions = self.loaded.postprocessor(chunk)
             elif sample is None or STATE_KEY not in sample.tensors:
                 raise ValueError(
                     f"{self.name} predicts actions relative to each request's state: postprocess_batch needs the "
                     "batch's prepared sample"
                 )
             else:
-                actions = self._relative.postprocess(
-                    self.loaded.postprocessor, self.family.finish(x), sample.tensors[STATE_KEY]
-                )
+                actions = self._relative.postprocess(self.loaded.postprocessor, chunk, sample.tensors[STATE_KEY])
         host = actions.float().cpu().numpy()
         return [host[i] for i in range(host.shape[0])]
 
