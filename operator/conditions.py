@@ -81,6 +81,7 @@ class Reason(str, Enum):
     DOWNLOADED = "Downloaded"
     INVALID_SOURCE = "InvalidSource"
     SOURCE_UNREACHABLE = "SourceUnreachable"
+    SOURCE_NOT_FOUND = "SourceNotFound"  # the hub has no such repository or revision (fetch exit 6): no retry
     VERIFICATION_FAILED = "VerificationFailed"
     DISK_FULL = "DiskFull"
     FETCH_FAILED = "FetchFailed"
@@ -94,6 +95,7 @@ FETCH_FAILURE_REASONS = frozenset(
     {
         Reason.INVALID_SOURCE,
         Reason.SOURCE_UNREACHABLE,
+        Reason.SOURCE_NOT_FOUND,
         Reason.VERIFICATION_FAILED,
         Reason.DISK_FULL,
         Reason.FETCH_FAILED,

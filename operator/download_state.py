@@ -58,6 +58,7 @@ class CheckpointPhase(str, Enum):
 EXIT_REASONS: dict[int, Reason] = {
     FetchExit.USAGE: Reason.INVALID_SOURCE,
     FetchExit.SOURCE: Reason.SOURCE_UNREACHABLE,
+    FetchExit.NOT_FOUND: Reason.SOURCE_NOT_FOUND,
     FetchExit.VERIFY: Reason.VERIFICATION_FAILED,
     FetchExit.DISK_FULL: Reason.DISK_FULL,
 }

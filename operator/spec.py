@@ -306,9 +306,9 @@ class FetchJob(KubeModel):
     """Settings of the fetch Job that downloads the checkpoint into the cache volume."""
 
     backoff_limit: int = Field(DEFAULT_BACKOFF_LIMIT, ge=0, le=20)
-    """Retries of a failed download. Exit codes 2 (usage), 4 (verification) and 5 (disk full) fail the Job at
-    once through podFailurePolicy, because retrying cannot fix them; a pod that was evicted or preempted
-    (DisruptionTarget) is not counted."""
+    """Retries of a failed download. Exit codes 2 (usage), 4 (verification), 5 (disk full) and 6 (hub
+    repository or revision not found) fail the Job at once through podFailurePolicy, because retrying cannot fix
+    them; a pod that was evicted or preempted (DisruptionTarget) is not counted."""
     ttl_seconds_after_finished: int = Field(DEFAULT_TTL_AFTER_FINISHED_S, ge=0)
     """How long a finished Job is kept. A finished download is recorded in status.checkpoint, so it is not
     fetched again after the Job is gone; a failed one is retried once its Job is gone (deleting the Job by hand

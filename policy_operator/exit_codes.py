@@ -35,6 +35,7 @@ class FetchExit(_ExitCode):
     SOURCE = 3, "source unreachable or auth"  # retried: a network or a registry comes back
     VERIFY = 4, "verification failed"  # a retry downloads the same bytes
     DISK_FULL = 5, "disk full"  # nothing a retry changes
+    NOT_FOUND = 6, "repository or revision not found"  # the hub said so (or hides it from this token): no retry
     INTERRUPTED = 130, "interrupted (the next run resumes)"
 
 
@@ -70,4 +71,4 @@ def describe(codes: type[_ExitCode]) -> str:
 
 
 # The fetch Job fails at once on these (podFailurePolicy FailJob) instead of burning its backoffLimit.
-FETCH_FATAL: Final = (FetchExit.USAGE, FetchExit.VERIFY, FetchExit.DISK_FULL)
+FETCH_FATAL: Final = (FetchExit.USAGE, FetchExit.VERIFY, FetchExit.DISK_FULL, FetchExit.NOT_FOUND)

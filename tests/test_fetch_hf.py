@@ -97,7 +97,8 @@ def test_hf_token_is_sent_to_the_hub_only_and_never_printed(repo_dir, tmp_path, 
         hub.add_repo(REPO, repo_dir)
         dest = tmp_path / "models"
         denied = run_fetch(hub_env(cli_env, hub, tmp_path / "home1"), f"hf://{REPO}", str(dest))
-        assert denied.returncode == FetchExit.SOURCE and "RepositoryNotFoundError" in denied.stderr
+        # the hub hides a private repository from a client without the token: as missing as one that is not there
+        assert denied.returncode == FetchExit.NOT_FOUND and "RepositoryNotFoundError" in denied.stderr
 
         hub.reset_log()
         ok = run_fetch(hub_env(cli_env, hub, tmp_path / "home2", token=TOKEN), f"hf://{REPO}", str(dest))
@@ -151,8 +152,8 @@ def test_hf_missing_repo_revision_and_bad_ids(repo_dir, tmp_path, cli_env):
         env = hub_env(cli_env, hub, tmp_path / "home")
         dest = str(tmp_path / "models")
         missing = run_fetch(env, "hf://lab/does-not-exist", dest)
-        assert missing.returncode == FetchExit.SOURCE and "RepositoryNotFoundError" in missing.stderr
+        assert missing.returncode == FetchExit.NOT_FOUND and "RepositoryNotFoundError" in missing.stderr
         bad_rev = run_fetch(env, f"hf://{REPO}@no-such-branch", dest)
-        assert bad_rev.returncode == FetchExit.SOURCE and "RevisionNotFoundError" in bad_rev.stderr
+        assert bad_rev.returncode == FetchExit.NOT_FOUND and "RevisionNotFoundError" in bad_rev.stderr
         bad_id = run_fetch(env, "hf://lab/bad id!", dest)
         assert bad_id.returncode == FetchExit.USAGE, bad_id.stderr

@@ -169,11 +169,13 @@ def test_a_repository_the_hub_does_not_have_fails_the_fetch_naming_who_asked(
         hub.add_repo(CKPT, ckpt)
         hub.add_repo(TOK, repos[1])
         res = fetch(hub_env(cli_env, hub, tmp_path / "hf-home"), f"hf://{CKPT}", str(dest), "--references")
-    assert res.returncode == FetchExit.SOURCE, res.stderr
+    # the hub's 404 (huggingface_hub's RepositoryNotFoundError) is a missing repository, failed at once (exit 6,
+    # in the fetch Job's podFailurePolicy), not an unreachable source worth the Job's retries (exit 3)
+    assert res.returncode == FetchExit.NOT_FOUND, res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith(
         "policyserver fetch: error: config.json vlm_model_name names lab/not-there, which the "
-        "server needs offline: hf://lab/not-there"
+        "server needs offline: hf://lab/not-there: not on the hub (RepositoryNotFoundError"
     ), last
     verify = policyserver_main(
         "checkpoint", "verify", str(dest / request_key(f"hf://{CKPT}")), "--require-marker", "--references"

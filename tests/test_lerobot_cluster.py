@@ -181,7 +181,8 @@ def test_a_repository_the_hub_lacks_fails_before_any_server_pod(cluster: LocalCl
     lerobot_server(lc, hub, "broken", BROKEN)
     status = lc.wait_status("broken", lambda s: s.get("phase") == C.PHASE_FAILED, "phase Failed", WAIT_S)
     ready = condition(status, C.COND_CHECKPOINT_READY)
-    assert ready["status"] == "False" and ready["reason"] == "SourceUnreachable", ready
+    # the hub's 404 fails the Job at once (fetch exit 6, podFailurePolicy), not after its retries
+    assert ready["status"] == "False" and ready["reason"] == "SourceNotFound", ready
     assert "config.json vlm_model_name names lab/not-on-the-hub, which the server needs offline" in ready["message"]
     wait_for(
         lambda: any(

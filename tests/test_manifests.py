@@ -232,7 +232,7 @@ def test_fetch_job_runs_the_fetch_cli_contract() -> None:
     assert pod["restartPolicy"] == "Never"
     assert job["spec"]["backoffLimit"] == 3 and job["spec"]["ttlSecondsAfterFinished"] == 3600
     rule = job["spec"]["podFailurePolicy"]["rules"][0]
-    assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [2, 4, 5]
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [2, 4, 5, 6]
 
 
 def test_fetch_job_key_follows_the_fetch_cli_for_inline_revisions() -> None:

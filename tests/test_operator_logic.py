@@ -263,7 +263,14 @@ def test_a_fetch_job_created_by_the_pass_reads_as_waiting_for_its_pod() -> None:
 
 @pytest.mark.parametrize(
     ("code", "reason"),
-    [(2, "InvalidSource"), (3, "SourceUnreachable"), (4, "VerificationFailed"), (5, "DiskFull"), (1, "FetchFailed")],
+    [
+        (2, "InvalidSource"),
+        (3, "SourceUnreachable"),
+        (4, "VerificationFailed"),
+        (5, "DiskFull"),
+        (6, "SourceNotFound"),
+        (1, "FetchFailed"),
+    ],
 )
 def test_failed_job_reason_comes_from_the_fetch_exit_code(code: int, reason: str) -> None:
     failed = job(

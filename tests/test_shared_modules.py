@@ -80,7 +80,8 @@ def test_inline_and_separate_revisions_are_one_checkpoint() -> None:
 
 
 def test_fetch_exit_codes_and_what_the_operator_does_with_them() -> None:
-    assert [int(c) for c in FETCH_FATAL] == [2, 4, 5]  # no retry fixes usage, a hash mismatch or a full volume
+    # no retry fixes usage, a hash mismatch, a full volume or a repository the hub does not have
+    assert [int(c) for c in FETCH_FATAL] == [2, 4, 5, 6]
     assert FetchExit.SOURCE not in FETCH_FATAL and FetchExit.ERROR not in FETCH_FATAL
     assert describe(FetchExit).startswith("0 ok, 1 other, 2 usage, 3 source unreachable or auth, 4 verification")
     assert len({int(c) for c in FetchExit}) == len(FetchExit)

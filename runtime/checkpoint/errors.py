@@ -42,6 +42,13 @@ class SourceError(FetchError):
         self.retryable = retryable
 
 
+class NotFoundError(FetchError):
+    """The hub says the repository or revision does not exist (or hides it from this token): a retry gets the
+    same 404, so the Job fails at once instead of burning its retries as an unreachable source would."""
+
+    exit_code = FetchExit.NOT_FOUND
+
+
 class VerificationError(FetchError):
     """Downloaded bytes do not match the hash or size the source promised."""
 

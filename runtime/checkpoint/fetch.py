@@ -27,7 +27,8 @@ same way, every file is written through a fresh inode (``staging.py``), and a
 tree holding one is never published.
 
 Exit codes: ``FetchExit`` in ``policy_operator/exit_codes.py`` (0 ok, 2 usage,
-3 source unreachable/auth, 4 verification failed, 5 disk full, 1 anything else).
+3 source unreachable/auth, 4 verification failed, 5 disk full, 6 hub repository or
+revision not found, 1 anything else).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Literal
 from urllib.parse import quote, unquote, urlsplit
 
 from policy_operator.constants import ENV_HF_ENDPOINT, MANIFEST_FILE
-from policy_operator.runtime.checkpoint.errors import SourceError, UsageError, redact_url
+from policy_operator.runtime.checkpoint.errors import NotFoundError, SourceError, UsageError, redact_url
 from policy_operator.runtime.checkpoint.format import CheckpointError, parse_manifest
 from policy_operator.runtime.checkpoint.http import DEFAULT_PATIENCE, Patience, download_file, fetch_small, head_size
 from policy_operator.runtime.checkpoint.progress_meter import Progress
@@ -356,7 +356,13 @@ class HfSource(Source):
 
 
 class _hub_errors:
-    """Translate huggingface_hub / httpx errors into our exit codes, at one boundary."""
+    """Translate huggingface_hub / httpx errors into our exit codes, at one boundary.
+
+    huggingface_hub's own classes decide: ``RepositoryNotFoundError`` (its ``GatedRepoError`` included: the hub
+    answers 401/404 alike for a repository that is absent or hidden from the token) and ``RevisionNotFoundError``
+    are a missing source (exit 6, failed at once); any other hub or transport error is an unreachable source
+    (exit 3, retried).
+    """
 
     def __init__(self, shown: str) -> None:
         self.shown = shown
@@ -367,12 +373,14 @@ class _hub_errors:
     def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         if exc is None:
             return False
-        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 
         if isinstance(exc, HFValidationError):
             raise UsageError(f"{self.shown}: {exc}") from None
+        first = " ".join(str(exc).split("\n\n")[:2]).replace("\n", " ").strip()
+        if isinstance(exc, (RepositoryNotFoundError, RevisionNotFoundError)):
+            raise NotFoundError(f"{self.shown}: not on the hub ({type(exc).__name__}: {first})") from None
         if _is_hub_error(exc):
-            first = " ".join(str(exc).split("\n\n")[:2]).replace("\n", " ").strip()
             raise SourceError(f"{self.shown}: {type(exc).__name__}: {first}") from None
         return False
 
