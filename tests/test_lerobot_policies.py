@@ -218,6 +218,10 @@ def test_lerobot_policies_refuse_guidance(smolvla: LeRobotPolicy) -> None:
         ({"task": None}, "missing ['task']"),
         ({"observation.state": np.zeros(7, np.float32)}, "must have shape [6], got [7]"),
         ({"observation.state": np.array([0, 0, 0, 0, 0, np.nan], np.float32)}, "NaN or inf"),
+        (
+            {"observation.state": np.array([0, 0, 0, 0, 0, -1e30], np.float32)},
+            "magnitude 1e+30; this policy takes at most 1e+06",
+        ),
         ({"observation.images.top": np.zeros((64, 48, 3), np.uint8)}, "must have shape [48, 64, 3] (HWC)"),
         ({"observation.images.top": np.full((3, 48, 64), 2.0, np.float32)}, "values in [0, 1]"),
         ({"observation.images.top": np.zeros((48, 64, 3), np.int16)}, "uint8 HWC or float CHW"),
@@ -229,6 +233,7 @@ def test_lerobot_policies_refuse_guidance(smolvla: LeRobotPolicy) -> None:
         "missing-task",
         "state-shape",
         "state-nan",
+        "state-absurd",
         "image-shape",
         "image-range",
         "image-dtype",

@@ -21,6 +21,7 @@ from policy_operator.runtime.policy.observation import (
     GRIPPER_KEY,
     IMAGE_KEY,
     JOINT_KEY,
+    MAX_ABS_STATE,
     MAX_IMAGE_SIDE,
     MAX_PROMPT_CHARS,
     parse_observation,
@@ -191,6 +192,17 @@ def test_state_is_joints_then_gripper() -> None:
     )
     assert parsed.state.dtype == np.float32 and parsed.state.tolist() == [0, 1, 2, 3, 4, 5, 6, 9]
     assert parsed.prompt == "pick up the cube"
+
+
+@pytest.mark.parametrize("value", [-1e30, 3e38, 1.0e6 * 1.01])
+def test_state_of_absurd_magnitude_is_refused_naming_the_bound(value: float) -> None:
+    """Finite, but far past any robot's reading: a policy's own bound or ``MAX_ABS_STATE`` (1e6) refuses it."""
+    joints = np.zeros(7, np.float32)
+    joints[3] = value
+    with pytest.raises(InvalidObservation, match=rf"{JOINT_KEY!r} has a value of magnitude .*at most 1e\+06"):
+        parse_observation(good(observation__joint_position=joints), joint_dim=7, gripper_dim=1, max_cameras=2)
+    joints[3] = MAX_ABS_STATE
+    assert parse_observation(good(observation__joint_position=joints), joint_dim=7, gripper_dim=1, max_cameras=2)
 
 
 # --- seed and session ---------------------------------------------------------------------

@@ -27,7 +27,10 @@ SEED_KEY = "seed"
 SESSION_KEY = "session_id"
 
 MAX_IMAGE_SIDE = 4096
-FLOAT32_MAX = float(np.finfo(np.float32).max)  # a finite float32 is within it; inf and NaN are not
+# The largest state value (joint, gripper, end-effector, environment) any policy takes unless it says less: far
+# beyond a robot's reading in radians, metres or millimetres, and small enough that normalising it and one
+# linear layer stay finite in float32.  A finite -1e30 would turn every action into NaN or inf.
+MAX_ABS_STATE = 1.0e6
 MAX_PROMPT_CHARS = 2048
 MAX_SEED = 2**63 - 1
 MAX_SESSION_BYTES = 256  # the router keeps up to 4096 sessions: each key must stay small
@@ -40,7 +43,7 @@ class Observation:
     prompt: str
 
 
-def _float_vector(obs: Mapping[str, Any], key: str, size: int, limit: float | None = None) -> np.ndarray:
+def _float_vector(obs: Mapping[str, Any], key: str, size: int, limit: float = MAX_ABS_STATE) -> np.ndarray:
     if key not in obs:
         raise InvalidObservation(f"missing key {key!r}")
     value = obs[key]
@@ -58,15 +61,19 @@ def _float_vector(obs: Mapping[str, Any], key: str, size: int, limit: float | No
     arr = arr.astype(np.float32, copy=False)
     # One pass over a handful of Python floats: the numpy reductions this replaces cost the event loop
     # ~10 us per vector.  A NaN fails ``<=``, so the slow path below only runs for a bad vector.
-    bound = FLOAT32_MAX if limit is None else limit
-    if not all(-bound <= v <= bound for v in arr.tolist()):
-        if not np.isfinite(arr).all():
-            raise InvalidObservation(f"{key!r} contains NaN or inf")
-        # finite but far outside any robot's range: the model would answer with NaN actions
-        raise InvalidObservation(
-            f"{key!r} has a value of magnitude {float(np.abs(arr).max()):.3g}; this policy takes at most {limit:g}"
-        )
+    if not all(-limit <= v <= limit for v in arr.tolist()):
+        check_state_values(key, arr, limit)
     return arr
+
+
+def check_state_values(key: str, arr: np.ndarray, limit: float = MAX_ABS_STATE) -> None:
+    """Refuse NaN, inf and values of magnitude above ``limit`` (finite but far outside any robot's range: the
+    model would answer with NaN actions), naming the key and the bound."""
+    if not np.isfinite(arr).all():
+        raise InvalidObservation(f"{key!r} contains NaN or inf")
+    largest = float(np.abs(arr).max(initial=0.0))
+    if largest > limit:
+        raise InvalidObservation(f"{key!r} has a value of magnitude {largest:.3g}; this policy takes at most {limit:g}")
 
 
 def _image(key: str, value: Any) -> np.ndarray:
@@ -83,7 +90,7 @@ def _image(key: str, value: Any) -> np.ndarray:
 
 
 def parse_observation(
-    obs: Mapping[str, Any], *, joint_dim: int, gripper_dim: int, max_cameras: int, max_abs_state: float | None = None
+    obs: Mapping[str, Any], *, joint_dim: int, gripper_dim: int, max_cameras: int, max_abs_state: float = MAX_ABS_STATE
 ) -> Observation:
     """The observation's parts, checked; ``max_abs_state`` bounds every joint and gripper value."""
     if not isinstance(obs, Mapping):

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from policy_operator.runtime.errors import InvalidObservation
+from policy_operator.runtime.policy.observation import check_state_values
 
 TASK_KEY = "task"
 OBSERVATION_PREFIX = "observation."
 MAX_TASK_CHARS = 2048
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,7 @@ def _vector(f: Feature, value: Any) -> torch.Tensor:
     if arr.shape != f.shape:
         raise InvalidObservation(f"{f.key!r} must have shape {list(f.shape)}, got {list(arr.shape)}")
     arr = arr.astype(np.float32)
-    if not np.isfinite(arr).all() or np.abs(arr).max(initial=0.0) > FLOAT32_MAX:
-        raise InvalidObservation(f"{f.key!r} contains NaN or inf")
+    check_state_values(f.key, arr)  # NaN, inf, or a magnitude above MAX_ABS_STATE (-1e30 made NaN actions)
     return torch.from_numpy(arr)
 
 
