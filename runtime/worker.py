@@ -26,6 +26,7 @@ import errno
 import logging
 import math
 import os
+import re
 import socket
 import sys
 import threading
@@ -101,6 +102,12 @@ def check_port(host: str, port: int) -> None:
                 raise ValueError(f"--host {host} --port {port}: cannot bind ({exc.strerror})") from None
 
 
+# An absolute path of two or more parts in an error text: a "/" that starts a word (not one inside a URL, a
+# relative path or a "<checkpoint>/..." already replaced), up to a space, a quote or a bracket.  One part
+# ("/readyz") is a name, not a place.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.<>~-])/[^\s'\"()\[\]{},;/]+/[^\s'\"()\[\]{},;]+")
+
+
 def public_reason(text: str, opts: serve_flags.ServeOptions) -> str:
     """``text`` for /readyz, which anyone may read: the checkpoint's and cache's paths replaced by names."""
     found = set()
@@ -112,14 +119,18 @@ def public_reason(text: str, opts: serve_flags.ServeOptions) -> str:
             found |= {(str(Path(value)), name), (str(Path(value).absolute()), name), (str(Path(value).resolve()), name)}
     for path, name in sorted(found, key=lambda p: -len(p[0])):  # longest first: a path before its own prefix
         text = text.replace(path, name)
-    return text
+    # any other absolute path (one a checkpoint's config names, where a link led): the reason stays, not the place
+    return _ABSOLUTE_PATH.sub("<path>", text)
 
 
 def resolve_checkpoint(
     opts: serve_flags.ServeOptions, on_progress: Callable[[FetchProgress], None] | None = None
 ) -> str:
     """A local directory as is; a source is fetched once (file lock + completion marker), reporting to ``on_progress``."""
+    from policy_operator.runtime.checkpoint.format import check_links_stay_inside
+
     if Path(opts.checkpoint).is_dir():
+        check_links_stay_inside(opts.checkpoint)  # a policy's load() follows links: none may lead out
         return opts.checkpoint
     if "://" not in opts.checkpoint:
         raise FileNotFoundError(f"checkpoint directory {opts.checkpoint} does not exist")

@@ -84,9 +84,26 @@ def read_manifest(directory: str | os.PathLike[str]) -> list[FileEntry]:
     return parse_manifest(path.read_bytes())
 
 
+def check_links_stay_inside(directory: str | os.PathLike[str]) -> None:
+    """Refuse a checkpoint directory holding a symbolic link that resolves outside it (a weights file linked to
+    another model's, a config linked to a secret): what is served is what the directory holds.  Links within it
+    are fine.  The error names the link by its place in the checkpoint, never where it points."""
+    root = Path(directory).resolve()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in (*dirnames, *filenames):
+            path = Path(dirpath, name)
+            if path.is_symlink() and not Path(os.path.realpath(path)).is_relative_to(root):
+                raise CheckpointError(
+                    f"{path.relative_to(root).as_posix()} is a symbolic link out of the checkpoint directory; "
+                    "copy the file into it instead"
+                )
+
+
 def verify_checkpoint(directory: str | os.PathLike[str], *, hashes: bool = True) -> list[FileEntry]:
-    """Check a checkpoint directory against its manifest (sizes, and hashes unless told not to)."""
+    """Check a checkpoint directory against its manifest (sizes, and hashes unless told not to); no link in it
+    may lead out of it (``check_links_stay_inside``)."""
     root = Path(directory)
+    check_links_stay_inside(root)
     for required in (CONFIG_FILE, WEIGHTS_FILE):
         if not (root / required).is_file():
             raise CheckpointError(f"{root} is not a checkpoint: {required} is missing")
