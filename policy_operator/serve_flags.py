@@ -49,6 +49,7 @@ MAX_RTC_DELAY: Final = 1000  # control steps; far beyond any action horizon serv
 DEFAULT_POLICY: Final = REFERENCE
 WORKER_MODULE: Final = "policy_operator.runtime.worker"  # the torchrun program, one process per rank
 SERVE_COMMAND: Final = ("policyserver", "serve")
+COMPILE_KEY_FLAG: Final = "--compile-key-file"
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class ServeOptions:
     threads: int | None
     compile: str | None
     compile_cache_dir: str | None
+    compile_key_file: str | None
     log_level: str
 
     @classmethod
@@ -136,6 +138,14 @@ def _model_flags(g: argparse._ArgumentGroup) -> None:
         metavar="DIR",
         help="with --compile: load torch's compile artifacts for this spec from DIR before warm-up, and "
         "write them there after (a later server of the same spec skips compiling); off when unset",
+    )
+    g.add_argument(
+        COMPILE_KEY_FLAG,
+        default=None,
+        metavar="PATH",
+        help="a secret key (this PolicyServer's own): artifacts in --compile-cache-dir are written with an "
+        "HMAC-SHA256 tag under it and loaded only when theirs verifies; without it they are used only in a "
+        "directory private to this user (docs/runtime.md, compile cache)",
     )
     g.add_argument(
         "--threads",

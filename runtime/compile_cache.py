@@ -17,10 +17,20 @@ are content-addressed too, so an artifact that does not fit is a miss, never
 a wrong kernel.
 
 A file is ``MAGIC``, one JSON header line (the key, the payload's size and
-sha256) and the payload (``checkpoint/compile_file.py``, torch-free: ``policyserver
-checkpoint prune`` removes a checkpoint's files with it).  One that is truncated, corrupt, of another key or
-that torch refuses is ignored with one warning and the pod compiles as if
-there were none (then writes a good one).  Writers never corrupt the file:
+sha256, an HMAC-SHA256 tag) and the payload (``checkpoint/compile_file.py``, torch-free: ``policyserver
+checkpoint prune`` removes a checkpoint's files with it).  One that is truncated, corrupt, of another key,
+untagged or tagged under another key, or that torch refuses is ignored with one warning and the pod compiles
+as if there were none (then writes a good one).
+
+The payload is a pickle (torch's ``load_cache_artifacts`` unpickles it), so
+whoever can write the directory could run code in every server that loads
+from it.  ``--compile-key-file`` names this PolicyServer's own secret key (the
+operator keeps it in a Secret only this PolicyServer's pods mount): a file is
+written with a tag under it and loaded only when its tag verifies, before
+torch sees a byte.  Without a key file, artifacts are loaded and saved only in
+a directory private to this user (owned by it, writable by no group or other
+user; created so when missing), and only files owned by it and writable by no
+one else; otherwise the cache is off, with one warning.  Writers never corrupt the file:
 each writes a temporary file of its own in the same directory and renames it
 over the final name (atomic on one filesystem), so two pods writing at once
 leave one complete file.  A read-only or full volume only costs the next pod
@@ -33,6 +43,7 @@ import contextlib
 import logging
 import os
 import platform
+import stat
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -44,6 +55,34 @@ from policy_operator import __version__
 from policy_operator.runtime.checkpoint.compile_file import ArtifactError, checkpoint_identity, decode, encode, path_for
 
 log = logging.getLogger(__name__)
+
+MIN_KEY_BYTES = 16  # an HMAC key shorter than this is a mistake, not a secret
+
+
+def read_key(path: str) -> bytes:
+    """The --compile-key-file key (surrounding whitespace stripped); ValueError (one line, no secret) otherwise."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"--compile-key-file {path}: cannot read it ({exc.strerror or exc})") from None
+    if len(secret) < MIN_KEY_BYTES:
+        raise ValueError(f"--compile-key-file {path}: the key is shorter than {MIN_KEY_BYTES} bytes")
+    return secret
+
+
+def _unshared(st: os.stat_result) -> bool:
+    """Owned by this user and writable by no group or other user."""
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def private_directory(directory: Path) -> bool:
+    """Whether only this user can put files in ``directory`` (created private when missing)."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = directory.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and _unshared(st)
 
 
 def device_kind(device: torch.device) -> str:
@@ -110,6 +149,7 @@ class CompileCache:
 
     directory: Path
     key: dict[str, str]
+    secret: bytes | None = None  # --compile-key-file's key; None: a private directory, files unshared
     loaded: bool = False
 
     @property
@@ -120,7 +160,15 @@ class CompileCache:
         """Populate torch's compile caches from the file, if there is a good one; never raises."""
         path = self.path
         try:
-            data = path.read_bytes()
+            with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW)) as f:
+                if self.secret is None and not _unshared(os.fstat(f.fileno())):
+                    log.warning(
+                        "compile cache: ignoring %s: another user owns it or may write it, and no "
+                        "--compile-key-file authenticates it; compiling",
+                        path,
+                    )
+                    return False
+                data = f.read()
         except FileNotFoundError:
             log.info("compile cache: nothing for this spec at %s yet; compiling", path)
             return False
@@ -128,7 +176,7 @@ class CompileCache:
             log.warning("compile cache: ignoring %s: cannot read it (%s); compiling", path, exc.strerror or exc)
             return False
         try:
-            payload = decode(data, self.key)
+            payload = decode(data, self.key, self.secret)
             with _quiet(TORCH_CACHE_LOGGER):  # it logs a refused payload with a traceback; one line here instead
                 info = torch.compiler.load_cache_artifacts(payload)
             if info is None:
@@ -179,13 +227,14 @@ class CompileCache:
     def write(self, payload: bytes) -> bool:
         """``payload`` as this key's file: a temporary file of this writer's own, then renamed over the final name,
         so a reader (or a second writer) never sees a partial file; never raises."""
-        data = encode(self.key, payload)
+        data = encode(self.key, payload, self.secret)
         path = self.path
         tmp: str | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.directory)
-            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide it from a pod running as another user
+            if self.secret is not None:  # tagged: a pod running as another user may read it (mkstemp made it 0600)
+                os.fchmod(fd, 0o644)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -205,12 +254,28 @@ class CompileCache:
         return True
 
 
-def open_cache(directory: str | None, **key: object) -> CompileCache | None:
-    """The cache for this spec under ``directory`` (None: no compile cache), already loaded if it had a file."""
+def open_cache(directory: str | None, *, key_file: str | None = None, **key: object) -> CompileCache | None:
+    """The cache for this spec under ``directory`` (None: no compile cache), already loaded if it had a file;
+    None with one warning when neither ``key_file`` (--compile-key-file) nor the directory's privacy
+    authenticates what it holds."""
     if not directory:
         return None
+    secret = None
+    if key_file:
+        try:
+            secret = read_key(key_file)
+        except ValueError as exc:
+            log.warning("compile cache: off (%s)", exc)
+            return None
+    elif not private_directory(Path(directory)):
+        log.warning(
+            "compile cache: off: %s is not private to this user and no --compile-key-file authenticates its "
+            "artifacts (anyone who can write there could run code in this server)",
+            directory,
+        )
+        return None
     try:
-        cache = CompileCache(Path(directory), cache_key(**key))  # type: ignore[arg-type]
+        cache = CompileCache(Path(directory), cache_key(**key), secret)  # type: ignore[arg-type]
     except OSError as exc:  # the checkpoint's files are unreadable: loading it reports that better
         log.warning("compile cache: off (%s)", exc)
         return None
@@ -227,4 +292,6 @@ __all__ = [
     "device_kind",
     "encode",
     "open_cache",
+    "private_directory",
+    "read_key",
 ]

@@ -300,6 +300,7 @@ def open_compile_cache(rt: Runtime, checkpoint: str) -> CompileCache | None:
 
     return open_cache(
         rt.opts.compile_cache_dir,
+        key_file=rt.opts.compile_key_file,
         checkpoint=checkpoint,
         policy=rt.opts.policy,
         dtype=rt.opts.dtype,

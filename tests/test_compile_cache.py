@@ -23,14 +23,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from openpi_client import msgpack_numpy
 from websockets.sync.client import connect
 
-from policy_operator.runtime.checkpoint.compile_file import ArtifactError, decode, encode
-from policy_operator.runtime.compile_cache import CompileCache
+from policy_operator.runtime.checkpoint.compile_file import LEGACY_MAGICS, MAGIC, ArtifactError, decode, encode
+from policy_operator.runtime.compile_cache import CompileCache, open_cache
 from tests.support.servers import serve_policy, session_checkpoint
 
 KEY = {"checkpoint": "abc", "device": "cpu:x86_64:AVX2", "torch": "2.11.0"}
+SECRET = b"this PolicyServer's own key, 32B"
+OTHER = b"another PolicyServer's key, 32 B"
 COMPILE = ["--compile", "default", "--max-batch", "1", "--steps", "2", "--threads", "1"]
 COMPILE_START_S = 600.0  # import torch + inductor's C++ build of every kernel, on two busy cores
 GRAPH_CACHES = ("fxgraph", "aotautograd")  # what the artifacts file refills; a new pod starts without them
@@ -53,6 +56,97 @@ def test_a_file_round_trips_and_every_kind_of_damage_is_refused() -> None:
             decode(blob, KEY)
     with pytest.raises(ArtifactError, match=r"another spec \(device, torch differ\)"):
         decode(data, {**KEY, "device": "cuda:NVIDIA H200:sm90:cuda12.8", "torch": "2.12.0"})
+
+
+def test_a_tagged_file_loads_only_under_its_own_key() -> None:
+    payload = b"artifacts" * 100
+    tagged = encode(KEY, payload, SECRET)
+    assert decode(tagged, KEY, SECRET) == payload
+    refused = {
+        "does not verify": encode(KEY, payload, OTHER),  # another PolicyServer's pod wrote it
+        "no HMAC tag": encode(KEY, payload),  # written without a key, consistent sha256 and all
+        "older format": LEGACY_MAGICS[0] + encode(KEY, payload)[len(MAGIC) :],
+        # the payload replaced and the header's sha256 and size rewritten to match, the tag kept
+        "does not verify ": _reheadered(tagged, b"planted"),
+    }
+    for reason, blob in refused.items():
+        with pytest.raises(ArtifactError, match=reason.strip()):
+            decode(blob, KEY, SECRET)
+
+
+def _reheadered(data: bytes, payload: bytes) -> bytes:
+    """``data`` with ``payload`` in place of its own, its header's size and sha256 rewritten to match."""
+    import hashlib
+    import json
+
+    end = data.index(b"\n", len(MAGIC))
+    header = json.loads(data[len(MAGIC) : end])
+    header.update(bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+    return MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload
+
+
+def _planted_payload(target: Path) -> bytes:
+    """torch's own artifacts format holding one entry that, once torch loads it, writes ``target/entry`` (where
+    a real attacker would put a pickle that a later compile unpickles, or a file anywhere the pod may write)."""
+    from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager, _serialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    serializer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    serializer.append(("precompile", [CacheArtifactFactory.create("precompile", str(target), b"planted")]))
+    return serializer.to_bytes()
+
+
+def test_the_planted_payload_runs_when_torch_loads_it(tmp_path: Path) -> None:
+    """The marker the next test watches for is real: torch writes it as soon as it loads such a payload."""
+    assert torch.compiler.load_cache_artifacts(_planted_payload(tmp_path / "marker")) is not None
+    assert (tmp_path / "marker" / "entry").is_file()
+
+
+@pytest.mark.parametrize("plant", ["another key", "untagged", "payload swapped", "group-writable, no key"])
+def test_a_planted_artifact_is_never_loaded(tmp_path: Path, caplog: pytest.LogCaptureFixture, plant: str) -> None:
+    """Issue 39: a PolicyServer that can write another's compile directory must not run code in its pods."""
+    marker = tmp_path / "marker"
+    directory = tmp_path / "cache"
+    directory.mkdir(mode=0o700)
+    secret = None if plant.endswith("no key") else SECRET
+    cache = CompileCache(directory, KEY, secret)
+    evil = _planted_payload(marker)
+    cache.path.write_bytes(
+        {
+            "another key": lambda: encode(KEY, evil, OTHER),
+            "untagged": lambda: encode(KEY, evil),
+            "payload swapped": lambda: _reheadered(encode(KEY, b"genuine", SECRET), evil),
+            "group-writable, no key": lambda: encode(KEY, evil),
+        }[plant]()
+    )
+    if plant.startswith("group-writable"):
+        cache.path.chmod(0o664)
+    with caplog.at_level(logging.INFO, logger="policy_operator.runtime.compile_cache"):
+        assert cache.load() is False
+    assert not marker.exists()
+    assert [r.levelno for r in caplog.records] == [logging.WARNING], caplog.text
+    assert IGNORED in caplog.text and not cache.loaded
+
+
+def test_without_a_key_only_a_private_directory_is_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # what any pod (or any user) may write
+    spec = {"policy": "reference", "dtype": "float32", "mode": "default", "buckets": [1], "layout": "dp1"}
+    key = {**spec, "checkpoint": str(tmp_path), "cfg_mode": "sequential", "device": torch.device("cpu")}
+    with caplog.at_level(logging.WARNING, logger="policy_operator.runtime.compile_cache"):
+        assert open_cache(str(shared), **key) is None
+    assert "not private to this user and no --compile-key-file" in caplog.text
+    assert open_cache(str(tmp_path / "new"), **key) is not None  # created private
+    assert (tmp_path / "new").stat().st_mode & 0o077 == 0
+    (tmp_path / "key").write_bytes(b"k" * 16 + b"\n")
+    assert open_cache(str(shared), key_file=str(tmp_path / "key"), **key) is not None  # tagged artifacts
+    (tmp_path / "short").write_bytes(b"k" * 8)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="policy_operator.runtime.compile_cache"):
+        assert open_cache(str(shared), key_file=str(tmp_path / "short"), **key) is None
+    assert "shorter than 16 bytes" in caplog.text and "k" * 8 not in caplog.text
 
 
 def test_a_bad_file_is_ignored_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -81,7 +175,7 @@ def test_nothing_compiled_writes_nothing(tmp_path: Path) -> None:
 
 
 def _writer(directory: str, fill: int, rounds: int) -> None:
-    cache = CompileCache(Path(directory), KEY)
+    cache = CompileCache(Path(directory), KEY, SECRET)
     for size in range(rounds):
         assert cache.write(bytes([fill]) * ((1 << 20) + 4096 * size * fill))
 
@@ -98,14 +192,16 @@ def test_two_writers_at_once_never_leave_a_partial_file(tmp_path: Path) -> None:
             data = path.read_bytes()
         except FileNotFoundError:
             continue
-        assert len(set(decode(data, KEY))) == 1  # intact (decode checks size and sha256), and one writer's bytes
+        assert (
+            len(set(decode(data, KEY, SECRET))) == 1
+        )  # intact (decode checks size and sha256), and one writer's bytes
         reads += 1
     for writer in writers:
         writer.join(30)
         assert writer.exitcode == 0
     assert reads > 0
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
-    assert path.stat().st_mode & 0o044 == 0o044  # readable by the pods of other users
+    assert path.stat().st_mode & 0o044 == 0o044  # tagged: readable by the pods of other users
 
 
 # --- real servers ---------------------------------------------------------------------
