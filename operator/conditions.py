@@ -60,6 +60,9 @@ class Reason(str, Enum):
     # Progressing
     DOWNLOADING = "Downloading"
     ROLLING_OUT = "RollingOut"
+    CRASH_LOOP_BACK_OFF = (
+        "CrashLoopBackOff"  # a pod of the current spec is restarted after failing (the kubelet's word)
+    )
     STABLE = "Stable"
     FAILED = "Failed"
     PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
@@ -113,6 +116,7 @@ WARNING_REASONS = frozenset(
         Reason.CLAIM_NOT_FOUND,
         Reason.UNSCHEDULABLE,
         Reason.FAILED_CREATE,
+        Reason.CRASH_LOOP_BACK_OFF,
         Reason.FETCH_POD_NOT_STARTING,
         Reason.PROGRESS_DEADLINE_EXCEEDED,
         *FETCH_FAILURE_REASONS,

@@ -32,6 +32,7 @@ from policy_operator.operator.kube_objects import meta_of
 from policy_operator.operator.manifests import FETCH_CONTAINER, Names
 from policy_operator.operator.pod_problems import (
     MAX_MESSAGE,
+    claims_binding,
     container_message,
     container_statuses,
     event_time,
@@ -150,16 +151,22 @@ def waiting_fetch_pod(job_pods: Sequence[V1Pod]) -> V1Pod | None:
     return max(live, key=_created_or_min)
 
 
-def start_problem(pod: V1Pod, events: Sequence[CoreV1Event] = ()) -> tuple[Reason, str] | None:
+def start_problem(
+    pod: V1Pod, events: Sequence[CoreV1Event] = (), claims: Sequence[V1PersistentVolumeClaim] = ()
+) -> tuple[Reason, str] | None:
     """Why a pod that exists does not start, in the scheduler's or the kubelet's words; None: nothing says so yet.
 
     The scheduler says it in the pod's ``PodScheduled`` condition; the
     kubelet in a container's waiting reason (a missing Secret key, an image
     it cannot pull) or, for volumes (a missing Secret or claim), only in a
     Warning Event on the pod (``FailedMount``), which ``events`` holds.
+    The scheduler's "unbound immediate PersistentVolumeClaims" while a
+    provisioner makes the volumes of ``claims`` is a wait, not a problem
+    (``pod_problems.claims_binding``): every new cache claim goes through it.
     """
     name = meta_of(pod).name or "?"
-    unschedulable = unschedulable_message(pod)
+    binding = claims_binding(pod, claims)
+    unschedulable = "" if binding else unschedulable_message(pod)
     if unschedulable:
         return Reason.UNSCHEDULABLE, f"pod {name} cannot be scheduled: {unschedulable}"
     for cs in container_statuses(pod):
@@ -177,8 +184,8 @@ def start_problem(pod: V1Pod, events: Sequence[CoreV1Event] = ()) -> tuple[Reaso
         and uid
         and e.involved_object.uid == uid
         and (t := event_time(e)) is not None
-        and not (scheduled and e.reason == "FailedScheduling")
-    ]  # the scheduler's, once it placed it
+        and not ((scheduled or binding) and e.reason == "FailedScheduling")
+    ]  # the scheduler's, once it placed it or while the claims bind
     if warnings:
         _, newest = max(warnings, key=lambda te: te[0])
         return (
@@ -203,18 +210,20 @@ def fetch_pod_waiting_state(
     job_name: str,
     events: Sequence[CoreV1Event],
     now: datetime.datetime | None,
+    claims: Sequence[V1PersistentVolumeClaim] = (),
 ) -> CheckpointState:
     """A fetch pod that exists and does not run: say why as soon as the scheduler or the kubelet does; past
     ``progressDeadlineSeconds`` from its creation it is ProgressDeadlineExceeded (Stalled), as a rollout would be."""
     name = meta_of(pod).name or "?"
-    problem = start_problem(pod, events)
+    problem = start_problem(pod, events, claims)
+    binding = claims_binding(pod, claims)
     created = _pod_created(pod)
     deadline = spec.progress_deadline_seconds
     if now is not None and created is not None and (now - created).total_seconds() > deadline:
         detail = (
             problem[1]
             if problem
-            else f"pod {name}: " + (_not_scheduled(pod) or container_message(pod) or "not running")
+            else f"pod {name}: " + (binding or _not_scheduled(pod) or container_message(pod) or "not running")
         )
         return CheckpointState(
             CheckpointPhase.FAILED,
@@ -226,7 +235,7 @@ def fetch_pod_waiting_state(
         )
     if problem is not None:
         return CheckpointState(CheckpointPhase.PENDING, problem[0], problem[1][:MAX_MESSAGE], job_name)
-    waiting = _not_scheduled(pod) or container_message(pod)
+    waiting = binding or _not_scheduled(pod) or container_message(pod)
     return CheckpointState(
         CheckpointPhase.PENDING,
         Reason.JOB_PENDING,
@@ -322,7 +331,9 @@ def checkpoint_state(
     attempts = ck.fetch_job.backoff_limit + 1
     waiting_pod = waiting_fetch_pod(job_pods) if (status.active or 0) >= 1 else None
     if waiting_pod is not None:
-        not_started = fetch_pod_waiting_state(spec, waiting_pod, job_name, job_events, now)
+        not_started = fetch_pod_waiting_state(
+            spec, waiting_pod, job_name, job_events, now, [claim] if claim is not None else []
+        )
         if not (
             failed and not_started.reason == Reason.JOB_PENDING
         ):  # a retry about to start: the last failure says more

@@ -283,11 +283,26 @@ def readable_storage_class(kube: Kube, name: str) -> V1StorageClass | None:
 
 
 def ranks(
-    kube: Kube, spec: PolicyServerSpec, statefulset: V1StatefulSet | None, *, probe_timeout: float
+    kube: Kube,
+    spec: PolicyServerSpec,
+    statefulset: V1StatefulSet | None,
+    *,
+    probe_timeout: float,
+    claims: Sequence[V1PersistentVolumeClaim] = (),
 ) -> tuple[list[V1Pod], list[PodHealth]]:
-    """The server pods and each one's per-rank readiness from its own ``/readyz`` (concurrently, bounded)."""
+    """The server pods and each one's per-rank readiness from its own ``/readyz`` (concurrently, bounded).
+
+    ``claims``: the cache claims as ``children`` read them, so that a pod waiting for its claim to bind is
+    told from one that cannot be placed."""
     if statefulset is None:
         return [], []
     pods = _pods(kube, spec.namespace, manifests.selector_labels(spec.name))
-    healths = rank_probe.poll_pods(pods, spec.service.port, spec.layout.world_size, timeout=probe_timeout)
+    healths = rank_probe.poll_pods(
+        pods, spec.service.port, spec.layout.world_size, timeout=probe_timeout, claims=claims
+    )
     return pods, healths
+
+
+def cache_claims(observed: Observed) -> list[V1PersistentVolumeClaim]:
+    """Every cache claim ``children`` read: the shared one and perPod's."""
+    return [*([observed.pvc] if observed.pvc is not None else []), *observed.cache_claims]

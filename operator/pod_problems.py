@@ -9,7 +9,11 @@ condition.  A pod the API server refuses to create (a ResourceQuota on
 exist) never shows up as a pod: the only trace is the controller's
 ``FailedCreate`` Event on the Job or StatefulSet, which ``failed_create``
 reads, so that status says why there is no pod instead of waiting for one
-forever.  Pure functions of the objects as read.
+forever.  A pod the scheduler turns away only because its new claims are not
+bound yet (``claims_binding``) is waiting, not refused: a provisioner is making
+the volumes and the scheduler retries once they bind.  A container the kubelet
+keeps restarting (``crash_loop``) is said in its own last error line, not in
+whatever it logged while shutting down.  Pure functions of the objects as read.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from kubernetes.client import CoreV1Event, V1ContainerStatus, V1Pod
+from kubernetes.client import CoreV1Event, V1ContainerStatus, V1PersistentVolumeClaim, V1Pod
 
 from policy_operator.operator.kube_objects import HasMetadata, meta_of
 
@@ -27,6 +31,9 @@ TERMINATION_TAIL_LINES = 5  # lines of a failed container's termination message 
 MAX_TERMINATION_TAIL = 1000
 MAX_MESSAGE = 600  # of a FailedCreate message, and of the checkpoint's messages in status
 FAILED_CREATE = "FailedCreate"  # the Event reason of the Job and StatefulSet controllers when a pod is refused
+# the PV controller's annotation on a claim it handed to a provisioner (set before that provisioner makes the volume)
+ANN_STORAGE_PROVISIONER = "volume.kubernetes.io/storage-provisioner"
+UNBOUND_CLAIMS = "unbound immediate PersistentVolumeClaims"  # the scheduler's words for a pod whose claims are unbound
 
 
 def unschedulable_message(pod: V1Pod) -> str:
@@ -35,6 +42,39 @@ def unschedulable_message(pod: V1Pod) -> str:
         if cond.type == "PodScheduled" and cond.status == "False":
             return str(cond.message or cond.reason or "Unschedulable")
     return ""
+
+
+def pod_claims(pod: V1Pod) -> list[str]:
+    """The names of the claims the pod mounts."""
+    volumes = (pod.spec.volumes if pod.spec else None) or []
+    return [v.persistent_volume_claim.claim_name for v in volumes if v.persistent_volume_claim is not None]
+
+
+def claims_binding(pod: V1Pod, claims: Sequence[V1PersistentVolumeClaim]) -> str:
+    """ "waiting for claim C to be bound (provisioner P)" while the scheduler turns the pod away only for claims
+    a provisioner is still making volumes for; "" when that is not the scheduler's complaint, or when a claim of
+    the pod is Pending with no provisioner to make its volume (a missing StorageClass: really unschedulable).
+
+    A new claim is unbound until its provisioner has made the volume, and the scheduler, which may look at the
+    pod first, marks it Unschedulable ("pod has unbound immediate PersistentVolumeClaims") and retries once the
+    claim binds: every new PolicyServer's first pod goes through it.  ``claims`` are the claims as read; one the
+    pod names that was not read (just created) is taken as binding, a Bound one as the scheduler's next try.
+    """
+    if UNBOUND_CLAIMS not in unschedulable_message(pod):
+        return ""
+    by_name = {meta_of(c).name: c for c in claims}
+    waiting: list[str] = []
+    for name in pod_claims(pod):
+        claim = by_name.get(name)
+        if claim is not None and (claim.status.phase if claim.status else None) == "Bound":
+            continue
+        provisioner = (meta_of(claim).annotations or {}).get(ANN_STORAGE_PROVISIONER) if claim is not None else None
+        if claim is not None and not provisioner:
+            return ""
+        waiting.append(f"claim {name}" + (f" (provisioner {provisioner})" if provisioner else ""))
+    if not waiting:
+        return "waiting for the scheduler to place it now that its claims are bound"
+    return f"waiting for {', '.join(waiting)} to be bound"
 
 
 def container_statuses(pod: V1Pod) -> list[V1ContainerStatus]:
@@ -100,18 +140,39 @@ def termination_tail(pod: V1Pod, lines: int = TERMINATION_TAIL_LINES) -> str:
     return termination(pod, lines)
 
 
+def crash_loop(pod: V1Pod, lines: int = 1) -> str:
+    """What killed a container the kubelet keeps restarting: "server exited 1 (Error), 3 restarts: <error>", or "".
+
+    A container crash-loops while its last run ended in failure and it has not
+    been ready since: waiting out the kubelet's back-off (CrashLoopBackOff), or
+    running again and not ready yet.  Its own error lines win over the last
+    ones (``failure_lines``): a server that dies at warm-up logs its shutdown
+    (websockets' "server closed") after the error.
+    """
+    for cs in container_statuses(pod):
+        last = cs.last_state.terminated if cs.last_state else None
+        if last is None or last.exit_code == 0 or cs.ready or (cs.state is not None and cs.state.terminated):
+            continue
+        restarts = cs.restart_count or 0
+        head = f"{cs.name} exited {last.exit_code} ({last.reason or 'Error'})" + (
+            f", {restarts} restart{'s' if restarts != 1 else ''}" if restarts else ""
+        )
+        return _failure_text(head, last.message or "", lines)[0]
+    return ""
+
+
 def container_message(pod: V1Pod) -> str:
     """Why a pod is not running, in the kubelet's words (init container first: it verifies the checkpoint)."""
     for cs in container_statuses(pod):
         last = cs.last_state.terminated if cs.last_state else None
         waiting = cs.state.waiting if cs.state else None
         if waiting is not None:
-            detail = ((last.message if last else None) or waiting.message or "").strip().splitlines()
+            detail = failure_lines((last.message if last else None) or waiting.message or "", 1)[0]
             reason = waiting.reason or "Waiting"
             return f"{cs.name}: {reason}" + (f": {detail[-1]}" if detail else "")
         terminated = cs.state.terminated if cs.state else None
         if terminated and terminated.exit_code != 0:
-            detail = (terminated.message or "").strip().splitlines()
+            detail = failure_lines(terminated.message or "", 1)[0]
             return f"{cs.name}: exited {terminated.exit_code} ({terminated.reason or 'Error'})" + (
                 f": {detail[-1]}" if detail else ""
             )

@@ -13,23 +13,33 @@ ready).  A pod the kubelet calls Ready then counts every rank ready and is
 flagged ``ranksKnown: false`` (``RanksUnknown`` in status), never reported as
 zero ranks.  One it does not call Ready is starting (every new pod refuses
 connections until rank 0 listens): no rank ready, and nothing unknown about it.
+
+A pod that accepts the connection and then says nothing is neither: it is
+reachable, and hung (SIGSTOPped, a wedged event loop).  It is reported as not
+answering, not ready, whatever the kubelet last said.  A pod whose container
+the kubelet keeps restarting is reported by what killed it (``crash_loop``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import urllib.error
-import urllib.request
+import http.client
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubernetes.client import V1Pod
+from kubernetes.client import V1PersistentVolumeClaim, V1Pod
 
 from policy_operator.constants import LABEL_CONTROLLER_REVISION_HASH, PORT_NAME, READYZ_PATH
 from policy_operator.operator.kube_objects import meta_of, rfc3339
-from policy_operator.operator.pod_problems import container_message, termination, unschedulable_message
+from policy_operator.operator.pod_problems import (
+    claims_binding,
+    container_message,
+    crash_loop,
+    termination,
+    unschedulable_message,
+)
 from policy_operator.readyz import Readiness
 
 PROBE_TIMEOUT_S = 2.0
@@ -102,6 +112,7 @@ class PodHealth:
     revision: str | None = None  # the pod's controller-revision-hash: which StatefulSet template it runs
     unschedulable: str = ""  # the scheduler's PodScheduled=False Unschedulable message
     termination: str = ""  # last lines of the newest failed container's termination message
+    crash_loop: str = ""  # what killed a container the kubelet keeps restarting (``pod_problems.crash_loop``)
     created: str = ""  # metadata.creationTimestamp (RFC 3339: orders as text)
     batching: Batching | None = None  # from /readyz, under --latency-budget-ms
 
@@ -163,17 +174,31 @@ class Unreachable(OSError):
     """No HTTP answer from the pod at all (refused, reset, timed out): says nothing about its ranks."""
 
 
+class NotAnswering(Unreachable):
+    """The pod accepted the connection and sent no answer in time: it is reachable and hung (a SIGSTOPped or
+    wedged process, whose listening socket the kernel still completes handshakes for), not starting and not
+    cut off by the network (which refuses or drops the connection itself)."""
+
+
 def fetch_readyz(ip: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> tuple[int, bytes]:
-    """(status code, body) of one GET /readyz; ``Unreachable`` when no HTTP answer came."""
-    url = f"http://{ip}:{port}{READYZ_PATH}"
+    """(status code, body) of one GET /readyz (a 503 still carries the per-rank body); ``NotAnswering`` when the
+    connection was made and no answer came in ``timeout``, ``Unreachable`` when there was no connection."""
+    conn = http.client.HTTPConnection(ip, port, timeout=timeout)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http to a pod IP
+        try:
+            conn.connect()
+        except OSError as exc:
+            raise Unreachable(f"{READYZ_PATH} unreachable: {exc}") from exc
+        try:
+            conn.request("GET", READYZ_PATH, headers={"Connection": "close"})
+            response = conn.getresponse()
             return response.status, response.read(MAX_BODY)
-    except urllib.error.HTTPError as exc:  # 503 still carries the per-rank body
-        with exc:
-            return exc.code, exc.read(MAX_BODY)
-    except (OSError, ValueError) as exc:
-        raise Unreachable(f"{READYZ_PATH} unreachable: {getattr(exc, 'reason', exc)}") from exc
+        except TimeoutError as exc:
+            raise NotAnswering(f"not answering {READYZ_PATH}: connected, no answer in {timeout:g}s") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise Unreachable(f"{READYZ_PATH} unreachable: {exc}") from exc
+    finally:
+        conn.close()
 
 
 def probe_readyz(ip: str, port: int, expected_world_size: int, timeout: float = PROBE_TIMEOUT_S):
@@ -203,26 +228,37 @@ def pod_port(pod: V1Pod, default: int) -> int:
     return container_port(pod, PORT_NAME) or default
 
 
-def pod_health(pod: V1Pod, port: int, world_size: int, timeout: float = PROBE_TIMEOUT_S) -> PodHealth:
+def pod_health(
+    pod: V1Pod,
+    port: int,
+    world_size: int,
+    timeout: float = PROBE_TIMEOUT_S,
+    claims: Sequence[V1PersistentVolumeClaim] = (),
+) -> PodHealth:
+    """One pod's health: what the kubelet and the scheduler say of it, then its own ``/readyz`` once it runs.
+
+    ``claims`` are the cache claims as read: a pod the scheduler turns away only until they bind is waiting
+    (``claims_binding``), not unschedulable.
+    """
     pod_meta, status = meta_of(pod), pod.status
-    name = pod_meta.name or "?"
     phase = (status.phase if status else None) or "Pending"
     ip = status.pod_ip if status else None
-    ended = termination(pod)
+    binding = claims_binding(pod, claims)
     facts = PodHealth(
-        name,
+        pod_meta.name or "?",
         ip,
         phase,
         world_size,
         revision=(pod_meta.labels or {}).get(LABEL_CONTROLLER_REVISION_HASH),
-        unschedulable=unschedulable_message(pod),
-        termination=ended,
+        unschedulable="" if binding else unschedulable_message(pod),
+        termination=termination(pod),
+        crash_loop=crash_loop(pod),
         created=rfc3339(pod_meta.creation_timestamp),
     )
     if pod_meta.deletion_timestamp:
         return dataclasses.replace(facts, phase="Terminating", message="terminating")
     if phase != "Running" or not ip:
-        return dataclasses.replace(facts, message=container_message(pod) or phase)
+        return dataclasses.replace(facts, message=_crashing(facts) or binding or container_message(pod) or phase)
     try:
         code, body = fetch_readyz(ip, pod_port(pod, port), timeout)
     except Unreachable as exc:
@@ -234,9 +270,21 @@ def pod_health(pod: V1Pod, port: int, world_size: int, timeout: float = PROBE_TI
         ranks_ready=read.ranks_ready,
         ready=read.ready,
         ranks=read.ranks,
-        message=read.message,
+        message=(_crashing(facts) or read.message) if not read.ready else read.message,
         batching=read.batching,
     )
+
+
+def _crashing(facts: PodHealth) -> str:
+    return f"crash-looping: {facts.crash_loop}" if facts.crash_loop else ""
+
+
+def _not_ready_since(pod: V1Pod) -> str:
+    """When the kubelet's readiness probe last turned the pod's Ready condition False ("" if it is not False)."""
+    for c in (pod.status.conditions if pod.status else None) or []:
+        if c.type == "Ready" and c.status == "False" and c.last_transition_time:
+            return rfc3339(c.last_transition_time)
+    return ""
 
 
 def unreachable_health(facts: PodHealth, pod: V1Pod, exc: Unreachable) -> PodHealth:
@@ -244,10 +292,17 @@ def unreachable_health(facts: PodHealth, pod: V1Pod, exc: Unreachable) -> PodHea
 
     Every new pod refuses connections until its rank 0 listens, so an
     unreachable pod that the kubelet does not call Ready is simply not
-    serving yet (0 ranks, known).  Only one the kubelet's probe of the same
-    ``/readyz`` found Ready is one the operator cannot see: its ranks count as
-    ready on the kubelet's word and are flagged unknown.
+    serving yet (0 ranks, known), or crash-looping when the kubelet restarts
+    it after a failure.  One that took the connection and never answered
+    (``NotAnswering``) is hung: not ready, whatever the kubelet last saw.
+    Only one the kubelet's probe of the same ``/readyz`` found Ready and the
+    operator cannot connect to is one the operator cannot see: its ranks count
+    as ready on the kubelet's word and are flagged unknown.
     """
+    if isinstance(exc, NotAnswering):
+        since = _not_ready_since(pod)
+        kubelet = f"; the kubelet's readiness probe fails since {since}" if since else ""
+        return dataclasses.replace(facts, ranks_ready=0, ready=False, message=f"{exc}{kubelet}")
     if kubelet_ready(pod):
         return dataclasses.replace(
             facts,
@@ -256,19 +311,27 @@ def unreachable_health(facts: PodHealth, pod: V1Pod, exc: Unreachable) -> PodHea
             ranks_known=False,
             message=f"{exc}; the kubelet reports the pod ready",
         )
+    if facts.crash_loop:
+        return dataclasses.replace(facts, ranks_ready=0, ready=False, message=_crashing(facts))
     detail = container_message(pod)
     return dataclasses.replace(
         facts, ranks_ready=0, ready=False, message=f"starting: {exc}" + (f" ({detail})" if detail else "")
     )
 
 
-def poll_pods(pods: Sequence[V1Pod], port: int, world_size: int, timeout: float = PROBE_TIMEOUT_S) -> list[PodHealth]:
+def poll_pods(
+    pods: Sequence[V1Pod],
+    port: int,
+    world_size: int,
+    timeout: float = PROBE_TIMEOUT_S,
+    claims: Sequence[V1PersistentVolumeClaim] = (),
+) -> list[PodHealth]:
     """Every pod's health, probed concurrently so one hung pod costs one timeout, not N."""
     ordered = sorted(pods, key=lambda p: _ordinal_key(meta_of(p).name or ""))
     if not ordered:
         return []
     with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_PROBES, len(ordered))) as pool:
-        return list(pool.map(lambda p: pod_health(p, port, world_size, timeout), ordered))
+        return list(pool.map(lambda p: pod_health(p, port, world_size, timeout, claims), ordered))
 
 
 def _ordinal_key(name: str) -> tuple[str, int]:

@@ -83,7 +83,7 @@ def reconcile(
     sts = typed(V1StatefulSet, written) if written is not None else observed.statefulset
     if observed.job is None and f"Job/{checkpoint.job_name}" in applied.results:
         checkpoint = download_state.waiting_for_fetch_pod(checkpoint.job_name)  # created by this pass: no pod yet
-    pods, healths = observe.ranks(kube, spec, sts, probe_timeout=probe_timeout)
+    pods, healths = observe.ranks(kube, spec, sts, probe_timeout=probe_timeout, claims=observe.cache_claims(observed))
 
     # status
     st.annotate_pods(kube, namespace, pods, healths)

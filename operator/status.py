@@ -122,11 +122,14 @@ def decide_phase(
     updated_ready: int | None = None,
     blocked: bool = False,
     deadline_exceeded: bool = False,
+    crash_looping: bool = False,
 ) -> str:
     """The one-word summary; see docs/operator.md for the table.
 
     ``ready_pods`` counts every ready pod (old template or new), ``updated_ready``
     only those of the current template: Ready needs the rollout to be done.
+    ``crash_looping``: a pod of the current template is being restarted after
+    a failure (``crash_looping``): failing, not starting.
     """
     updated_ready = ready_pods if updated_ready is None else updated_ready
     serving = workload.exists and ready_pods > 0
@@ -140,7 +143,7 @@ def decide_phase(
         return PHASE_PENDING
     if not workload.rolling and updated_ready >= workload.desired:
         return PHASE_READY
-    if deadline_exceeded:
+    if deadline_exceeded or crash_looping:
         return PHASE_DEGRADED if serving else PHASE_FAILED
     if blocked and not serving:
         return PHASE_PENDING  # no pod can be created or placed: nothing is starting
@@ -230,10 +233,15 @@ def progressing_condition(
     block: Blocker | None = None,
     deadline: str | None = None,
     updated: int = 0,
+    crash: str | None = None,
 ) -> Condition:
-    """``deadline``: the ProgressDeadlineExceeded message, once the rollout made no progress for too long."""
+    """``deadline``: the ProgressDeadlineExceeded message, once the rollout made no progress for too long.
+    ``crash``: a pod of the current template the kubelet keeps restarting (``crash_looping``): Progressing stays
+    True (the kubelet retries, the deadline still runs) with reason CrashLoopBackOff and what killed it."""
     if deadline is not None:
         return Condition(COND_PROGRESSING, FALSE, Reason.PROGRESS_DEADLINE_EXCEEDED, deadline)
+    if crash is not None and phase in (PHASE_FAILED, PHASE_DEGRADED):
+        return Condition(COND_PROGRESSING, TRUE, Reason.CRASH_LOOP_BACK_OFF, crash)
     if phase == PHASE_PENDING and workload.desired == 0 and checkpoint.phase == CheckpointPhase.READY:
         return Condition(COND_PROGRESSING, FALSE, Reason.STABLE, "scaled to zero")
     if block is not None and is_progressing(phase, block):
@@ -342,6 +350,115 @@ def invalid_status(error: Exception, *, previous: Mapping[str, Any] | None, gene
     return StatusUpdate(status, events)
 
 
+@dataclass(frozen=True)
+class PodCounts:
+    """What the pods say, counted once for the phase, the conditions and the status fields."""
+
+    ready: int  # pods with every rank ready, of any template
+    updated: list[PodHealth]  # live pods of the current template
+    updated_ready: int
+    ranks: str  # "ready/total" ranks, capped at what is desired (a surge pod serves beside the one it replaces)
+    ranks_unknown: bool  # some live pod's /readyz was unreachable: its readiness is the kubelet's
+
+    @classmethod
+    def of(cls, spec: PolicyServerSpec, workload: WorkloadState, pods: Sequence[PodHealth]) -> PodCounts:
+        updated = updated_pods(workload, pods)
+        total_ranks = workload.desired * spec.layout.world_size
+        return cls(
+            ready=sum(1 for p in pods if p.ready),
+            updated=updated,
+            updated_ready=sum(1 for p in updated if p.ready),
+            ranks=f"{min(sum(p.ranks_ready for p in pods), total_ranks)}/{total_ranks}",
+            ranks_unknown=any(not p.ranks_known for p in pods if p.phase != "Terminating"),
+        )
+
+
+def crash_looping(checkpoint: CheckpointState, workload: WorkloadState, updated: Sequence[PodHealth]) -> str | None:
+    """ "pod P: <what killed it>" for the first pod of the current template the kubelet keeps restarting, or None.
+
+    Such a pod is failing, not starting: the phase says so at once (Failed, or Degraded while other pods serve)
+    instead of Starting until ``progressDeadlineSeconds``.  Only once the checkpoint is ready (before, the pods
+    are the old template's or none) and pods are wanted."""
+    if checkpoint.phase != CheckpointPhase.READY or workload.desired == 0:
+        return None
+    pod = next((p for p in updated if p.crash_loop and not p.ready), None)
+    return f"pod {pod.name}: {pod.crash_loop}" if pod is not None else None
+
+
+def previously_available(prev_conditions: Sequence[Mapping[str, Any]]) -> bool:
+    """It served before: Available was True, or already says it no longer is (sticky for the whole outage)."""
+    return any(
+        c.get("type") == COND_AVAILABLE and (c.get("status") == TRUE or c.get("reason") == Reason.REPLICAS_UNAVAILABLE)
+        for c in prev_conditions
+    )
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The progress deadline's clock: when the rollout last moved, and the deadline's message once it passed."""
+
+    since: str | None  # status.lastProgressTime; None while nothing is starting or rolling
+    deadline: str | None  # the ProgressDeadlineExceeded message
+
+
+def rollout_progress(
+    spec: PolicyServerSpec,
+    *,
+    phase: str,
+    block: Blocker | None,
+    workload: WorkloadState,
+    counts: PodCounts,
+    pods: Sequence[PodHealth],
+    previous: Mapping[str, Any],
+    generation: int,
+    now: str,
+) -> Progress:
+    """The clock restarts whenever the rollout moves: a new spec, a new or newly ready pod of the current one."""
+    if not is_progressing(phase, block):
+        return Progress(None, None)
+    marker = {
+        "observedGeneration": generation,
+        "templateHash": workload.template_hash,
+        "updatedReplicas": len(counts.updated),
+        "updatedReadyReplicas": counts.updated_ready,
+    }
+    since = last_progress(previous, marker, now)
+    if _seconds_between(since, now) <= spec.progress_deadline_seconds:
+        return Progress(since, None)
+    detail = deadline_detail(counts.updated or pods, block)
+    return Progress(
+        since, f"no progress for {spec.progress_deadline_seconds}s (spec.progressDeadlineSeconds): {detail}"
+    )
+
+
+def valid_condition(spec: PolicyServerSpec) -> Condition:
+    return Condition(
+        COND_VALID,
+        TRUE,
+        Reason.SPEC_VALID,
+        f"layout {spec.layout.label} (world size {spec.layout.world_size}), {spec.gpus_per_pod} GPU(s) per pod",
+    )
+
+
+def phase_summary(
+    phase: str,
+    *,
+    checkpoint: CheckpointState,
+    block: Blocker | None,
+    available: Condition,
+    progressing: Condition,
+    deadline: str | None,
+) -> str:
+    """What the phase's Event says: the deadline, the crash, the download's state, or the pods' counts."""
+    if deadline is not None:
+        return deadline
+    if progressing.reason == Reason.CRASH_LOOP_BACK_OFF:
+        return progressing.message
+    if phase in (PHASE_PENDING, PHASE_DOWNLOADING, PHASE_FAILED) and block is None:
+        return checkpoint.message
+    return available.message
+
+
 def build_status(
     spec: PolicyServerSpec,
     *,
@@ -362,111 +479,84 @@ def build_status(
     ``storage`` is what planning found of the cache claims (StorageReady); None leaves StorageReady as it was.
     """
     previous = previous or {}
-    ready_pods = sum(1 for p in pods if p.ready)
-    updated = updated_pods(workload, pods)
-    updated_ready = sum(1 for p in updated if p.ready)
-    ranks_unknown = any(not p.ranks_known for p in pods if p.phase != "Terminating")
-    total_ranks = workload.desired * spec.layout.world_size
-    # a surge pod serves next to the pod it replaces for a moment: READY and RANKS count up to what is desired
-    ranks = f"{min(sum(p.ranks_ready for p in pods), total_ranks)}/{total_ranks}"
+    counts = PodCounts.of(spec, workload, pods)
     prev_conditions = previous.get("conditions") or []
-    # served before: Available was True, or already says it no longer is (sticky for the whole outage)
-    previously_available = any(
-        c.get("type") == COND_AVAILABLE and (c.get("status") == TRUE or c.get("reason") == Reason.REPLICAS_UNAVAILABLE)
-        for c in prev_conditions
-    )
     block = blocker(workload, pods) if workload.exists else None
+    crash = crash_looping(checkpoint, workload, counts.updated)
     phase_args: dict[str, Any] = dict(
         checkpoint=checkpoint,
         workload=workload,
-        ready_pods=ready_pods,
+        ready_pods=counts.ready,
         previous_phase=previous.get("phase"),
-        updated_ready=updated_ready,
+        updated_ready=counts.updated_ready,
         blocked=block is not None,
     )
-    phase = decide_phase(**phase_args)
-
-    # the progress deadline: the clock restarts whenever the rollout moves (a new spec, a new or newly ready pod)
-    marker = {
-        "observedGeneration": generation,
-        "templateHash": workload.template_hash,
-        "updatedReplicas": len(updated),
-        "updatedReadyReplicas": updated_ready,
-    }
-    progress_since = last_progress(previous, marker, now) if is_progressing(phase, block) else None
-    deadline = None
-    if progress_since is not None and _seconds_between(progress_since, now) > spec.progress_deadline_seconds:
-        deadline = (
-            f"no progress for {spec.progress_deadline_seconds}s (spec.progressDeadlineSeconds): "
-            f"{deadline_detail(updated or pods, block)}"
-        )
-        phase = decide_phase(**phase_args, deadline_exceeded=True)
-
+    progress = rollout_progress(
+        spec,
+        phase=decide_phase(**phase_args),  # the clock runs on the pods' own progress, whether or not they crash
+        block=block,
+        workload=workload,
+        counts=counts,
+        pods=pods,
+        previous=previous,
+        generation=generation,
+        now=now,
+    )
+    phase = decide_phase(**phase_args, deadline_exceeded=progress.deadline is not None, crash_looping=crash is not None)
     available = available_condition(
         checkpoint=checkpoint,
         workload=workload,
-        ready_pods=ready_pods,
-        ranks=ranks,
-        previously_available=previously_available,
+        ready_pods=counts.ready,
+        ranks=counts.ranks,
+        previously_available=previously_available(prev_conditions),
         block=block,
-        ranks_unknown=ranks_unknown and ready_pods > 0,
-        updated_ready=updated_ready if workload.rolling else None,
+        ranks_unknown=counts.ranks_unknown and counts.ready > 0,
+        updated_ready=counts.updated_ready if workload.rolling else None,
     )
     progressing = problem or progressing_condition(
-        phase, checkpoint=checkpoint, workload=workload, block=block, deadline=deadline, updated=len(updated)
+        phase,
+        checkpoint=checkpoint,
+        workload=workload,
+        block=block,
+        deadline=progress.deadline,
+        updated=len(counts.updated),
+        crash=crash,
     )
-    conditions = [
-        Condition(
-            COND_VALID,
-            TRUE,
-            Reason.SPEC_VALID,
-            f"layout {spec.layout.label} (world size {spec.layout.world_size}), {spec.gpus_per_pod} GPU(s) per pod",
-        ),
-        checkpoint_condition(checkpoint),
-        available,
-        progressing,
-    ]
+    conditions = [valid_condition(spec), checkpoint_condition(checkpoint), available, progressing]
     ready = ready_condition(phase, available=available, progressing=progressing, desired=workload.desired)
     storage_ready = [storage_condition(spec, storage)] if storage is not None else []
+    kstatus = kstatus_conditions(ready, scaled_to_zero=(workload.desired == 0 and progressing.reason == Reason.STABLE))
     status = PolicyServerStatus(
         observed_generation=generation,
         phase=phase,
         replicas=workload.current if workload.exists else 0,
-        ready_replicas=ready_pods,
-        updated_replicas=len(updated),
-        updated_ready_replicas=updated_ready,
-        ready=f"{min(ready_pods, workload.desired)}/{workload.desired}",
-        ranks_ready=ranks,
+        ready_replicas=counts.ready,
+        updated_replicas=len(counts.updated),
+        updated_ready_replicas=counts.updated_ready,
+        ready=f"{min(counts.ready, workload.desired)}/{workload.desired}",
+        ranks_ready=counts.ranks,
         layout=spec.layout.label,
         selector=selector_string(spec.name),
         endpoint=endpoint(spec) if service_exists else None,
         template_hash=workload.template_hash or None,
-        last_progress_time=progress_since,
+        last_progress_time=progress.since,
         checkpoint=checkpoint_status(spec, checkpoint, workload),
         pods=[PodStatus.model_validate(p.as_status()) for p in pods],
-        batching=batching_status(pods, updated) if spec.runtime.batching.latency_budget_ms is not None else None,
+        batching=batching_status(pods, counts.updated) if spec.runtime.batching.latency_budget_ms is not None else None,
         conditions=status_conditions(
             merge_conditions(
-                prev_conditions,
-                [
-                    ready,
-                    *kstatus_conditions(
-                        ready, scaled_to_zero=(workload.desired == 0 and progressing.reason == Reason.STABLE)
-                    ),
-                    *conditions,
-                    *storage_ready,
-                ],
-                generation=generation,
-                now=now,
+                prev_conditions, [ready, *kstatus, *conditions, *storage_ready], generation=generation, now=now
             )
         ),
     )
-    if deadline is not None:
-        summary = deadline
-    elif phase in (PHASE_PENDING, PHASE_DOWNLOADING, PHASE_FAILED) and block is None:
-        summary = checkpoint.message
-    else:
-        summary = available.message
+    summary = phase_summary(
+        phase,
+        checkpoint=checkpoint,
+        block=block,
+        available=available,
+        progressing=progressing,
+        deadline=progress.deadline,
+    )
     # Ready, Reconciling and Stalled summarise the others: their changes are told by the others' Events and the phase's
     events = (
         condition_events(prev_conditions, conditions)

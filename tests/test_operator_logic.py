@@ -429,7 +429,11 @@ def test_a_hung_pod_costs_one_timeout() -> None:
         ]
         result = rank_probe.poll_pods(pods, port, 2, timeout=0.3)
         assert [p.name for p in result] == ["ps-0", "ps-1"]
-        assert all(not p.ready and p.ranks_ready == 0 and "unreachable" in p.message for p in result)
+        # reachable and silent is hung (a SIGSTOPped server), not "starting: /readyz unreachable" (issue 40 item 13)
+        assert all(not p.ready and p.ranks_ready == 0 for p in result)
+        assert all(p.message.startswith("not answering /readyz: connected, no answer in 0.3s") for p in result), [
+            p.message for p in result
+        ]
     finally:
         listener.close()
 
@@ -451,7 +455,7 @@ def test_pod_messages_say_why_it_is_not_running() -> None:
         },
     }
     h = rank_probe.pod_health(api_object(V1Pod, init_failed), 8000, 2)
-    assert h.message == "verify-checkpoint: CrashLoopBackOff: checkpoint /models/k: .complete.json missing"
+    assert h.message == "crash-looping: verify-checkpoint exited 1 (Error): checkpoint /models/k: .complete.json missing"
     unscheduled = {
         "metadata": {"name": "ps-1"},
         "status": {

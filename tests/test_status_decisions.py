@@ -630,6 +630,220 @@ def test_a_server_that_lost_its_pods_stays_replicas_unavailable_until_one_is_bac
     assert reasons(never)[C.COND_AVAILABLE] == ("False", "NoReplicasReady")
 
 
+# --- a pod that crash-loops, a pod that hangs (issue 40 items 12 and 13) ----------------------------
+
+CRASH_LOG = """\
+loading checkpoint /models/k
+Traceback (most recent call last):
+  File "/app/runtime/worker.py", line 90, in main
+ValueError: --dtype bogus: expected one of float32, bfloat16, float16
+INFO websockets.server: server closing
+INFO websockets.server: server closed
+"""
+
+
+def server_pod(container: dict[str, Any], *, port: int, ready_condition: dict[str, Any] | None = None) -> V1Pod:
+    conditions = [ready_condition] if ready_condition else [{"type": "Ready", "status": "False"}]
+    return api_object(
+        V1Pod,
+        {
+            "metadata": {"name": "ps-0", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: "r2"}},
+            "spec": {"containers": [{"name": "server", "ports": [{"name": C.PORT_NAME, "containerPort": port}]}]},
+            "status": {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": conditions,
+                "containerStatuses": [{"name": "server", "ready": False, **container}],
+            },
+        },
+    )
+
+
+def crashed(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "restartCount": 2,
+        "state": state,
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": CRASH_LOG}},
+    }
+
+
+def test_a_crash_looping_pod_says_the_error_that_killed_it_and_the_phase_says_failing() -> None:
+    """It read "starting: /readyz unreachable (server: CrashLoopBackOff: server closed)", phase Starting and
+    Progressing RollingOut until progressDeadlineSeconds (900 s by default)."""
+    port = free_port()  # nothing listens: the server is down between restarts
+    backing_off = rank_probe.pod_health(
+        server_pod(crashed({"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}}), port=port), port, 1
+    )
+    again = rank_probe.pod_health(server_pod(crashed({"running": {}}), port=port), port, 1)  # restarted, loading
+    for health in (backing_off, again):
+        assert health.message == (
+            "crash-looping: server exited 1 (Error), 2 restarts: "
+            "ValueError: --dtype bogus: expected one of float32, bfloat16, float16"
+        ), health.message
+        assert not health.ready and "server closed" not in health.message
+    s = spec(replicas=1)
+    first = build(s, workload(desired=1, rolling=True), [backing_off], previous={"phase": C.PHASE_STARTING})
+    assert first.document["phase"] == C.PHASE_FAILED
+    assert reasons(first)[C.COND_PROGRESSING] == ("True", "CrashLoopBackOff")  # the kubelet retries; the clock runs
+    assert reasons(first)[C.COND_READY] == ("False", "CrashLoopBackOff")
+    assert (reasons(first)[C.COND_RECONCILING][0], reasons(first)[C.COND_STALLED][0]) == ("True", "False")
+    assert "--dtype bogus" in cond(first, C.COND_PROGRESSING)["message"]
+    assert "ps-0" in cond(first, C.COND_PROGRESSING)["message"]
+    warnings = {(e.reason, e.message) for e in first.events if e.type == "Warning"}
+    assert {r for r, _ in warnings} == {"CrashLoopBackOff", C.PHASE_FAILED}, warnings
+    assert all("--dtype bogus" in m for _, m in warnings), warnings
+    assert first.document["lastProgressTime"] == T0
+    # the deadline still turns it into ProgressDeadlineExceeded (Stalled), with the same error
+    late = build(s, workload(desired=1, rolling=True), [again], previous=first.document, now=at(901))
+    assert reasons(late)[C.COND_PROGRESSING] == ("False", "ProgressDeadlineExceeded")
+    assert late.document["phase"] == C.PHASE_FAILED and reasons(late)[C.COND_STALLED][0] == "True"
+    assert "--dtype bogus" in cond(late, C.COND_PROGRESSING)["message"]
+    # an old pod still serving: Degraded, not Failed
+    serving = pod("ps-0", ready=True, revision="r1")
+    mid = build(
+        s, workload(desired=1, rolling=True), [serving, dataclasses.replace(backing_off, name="ps-1")], previous=None
+    )
+    assert mid.document["phase"] == C.PHASE_DEGRADED
+    assert reasons(mid)[C.COND_PROGRESSING] == ("True", "CrashLoopBackOff")
+    assert reasons(mid)[C.COND_AVAILABLE][0] == "True"
+    # once the pod is ready it is serving, whatever its restarts were
+    fine = dataclasses.replace(again, ready=True, ranks_ready=1)
+    assert build(s, workload(desired=1), [fine], previous=first.document).document["phase"] == C.PHASE_READY
+
+
+def test_a_hung_pod_is_not_answering_rather_than_starting() -> None:
+    """A SIGSTOPped server: the kernel still completes the handshake on its listening socket and nothing answers.
+    It read "starting: /readyz unreachable" (and, before the kubelet noticed, RanksUnknown)."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # accepts connections, never answers
+    port = listener.getsockname()[1]
+    try:
+        running = {"restartCount": 0, "state": {"running": {}}}
+        unnoticed = rank_probe.pod_health(
+            server_pod(running, port=port, ready_condition={"type": "Ready", "status": "True"}), port, 1, timeout=0.3
+        )
+        noticed = rank_probe.pod_health(
+            server_pod(
+                running,
+                port=port,
+                ready_condition={"type": "Ready", "status": "False", "lastTransitionTime": at(12)},
+            ),
+            port,
+            1,
+            timeout=0.3,
+        )
+    finally:
+        listener.close()
+    for health in (unnoticed, noticed):
+        assert health.message.startswith("not answering /readyz: connected, no answer in 0.3s"), health.message
+        assert not health.ready and health.ranks_known and health.ranks_text == "0/1"
+    assert noticed.message.endswith(f"the kubelet's readiness probe fails since {at(12)}"), noticed.message
+    s = spec(replicas=1)
+    was_ready = build(s, workload(desired=1), [pod("ps-0", ready=True)])
+    hung = build(s, workload(desired=1), [unnoticed], previous=was_ready.document, now=at(15))
+    assert hung.document["phase"] == C.PHASE_DEGRADED
+    assert reasons(hung)[C.COND_AVAILABLE] == ("False", "ReplicasUnavailable")
+    assert "not answering /readyz" in hung.document["pods"][0]["message"]
+    assert "RanksUnknown" not in {e.reason for e in hung.events}
+
+
+# --- a claim that binds, a claim that cannot (issue 40 item 11) ---------------------------------------
+
+UNBOUND = (
+    "0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims. preemption: 0/1 nodes are "
+    "available: 1 Preemption is not helpful for scheduling."
+)
+PROVISIONER = "example.com/provisioner"
+
+
+def cache_claim(*, provisioner: str | None, phase: str = "Pending") -> V1PersistentVolumeClaim:
+    annotations = (
+        {"volume.kubernetes.io/storage-provisioner": provisioner} if provisioner else {}
+    )  # the PV controller's
+    return api_object(
+        V1PersistentVolumeClaim,
+        {
+            "metadata": {"name": "ps-cache", "uid": "c1", "creationTimestamp": T0, "annotations": annotations},
+            "status": {"phase": phase},
+        },
+    )
+
+
+def on_claim(pod_: dict[str, Any]) -> dict[str, Any]:
+    pod_["spec"]["volumes"] = [{"name": "cache", "persistentVolumeClaim": {"claimName": "ps-cache"}}]
+    return pod_
+
+
+def test_a_pod_waiting_for_its_new_claim_to_bind_is_no_warning_but_a_claim_nothing_provisions_is() -> None:
+    """Every new PolicyServer posted a Warning "Unschedulable: pod has unbound immediate PersistentVolumeClaims"
+    while its cache claim bound: the scheduler looks at the fetch pod before the provisioner has made the volume."""
+    s = spec()
+    scheduled_false = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": UNBOUND}]
+    fetch = on_claim(fetch_pod(conditions=scheduled_false))
+    binding = cache_claim(provisioner=PROVISIONER)
+    scheduler_said = {
+        "type": "Warning",
+        "reason": "FailedScheduling",
+        "lastTimestamp": at(1),
+        "involvedObject": {"uid": "pod-uid"},
+        "message": UNBOUND,
+    }
+
+    def state(claim: V1PersistentVolumeClaim, now: int = 5) -> CheckpointState:
+        return download_state.checkpoint_state(
+            s,
+            ACTIVE_JOB,
+            [api_object(V1Pod, fetch)],
+            None,
+            None,
+            api_objects(CoreV1Event, [scheduler_said]),
+            now=datetime.datetime.fromisoformat(at(now).replace("Z", "+00:00")),
+            claim=claim,
+        )
+
+    waiting = state(binding)
+    assert (waiting.phase, waiting.reason) == (CheckpointPhase.PENDING, Reason.JOB_PENDING), waiting
+    assert f"waiting for claim ps-cache (provisioner {PROVISIONER}) to be bound" in waiting.message
+    update = fetch_status(s, waiting)
+    assert not [e for e in update.events if e.type == "Warning"], update.events
+    assert reasons(update)[C.COND_PROGRESSING] == ("True", "Downloading")  # as any fetch pod on its way
+    bound = state(cache_claim(provisioner=PROVISIONER, phase="Bound"))  # the scheduler's next try is due
+    assert bound.reason == Reason.JOB_PENDING and "now that its claims are bound" in bound.message
+    # a claim the provisioner never makes a volume for still stalls at the deadline, saying so
+    stuck = state(binding, now=s.progress_deadline_seconds + 1)
+    assert stuck.reason == Reason.PROGRESS_DEADLINE_EXCEEDED and "waiting for claim ps-cache" in stuck.message
+
+    # a claim of a StorageClass that does not exist: the PV controller names no provisioner, nothing will bind it
+    orphan = state(cache_claim(provisioner=None))
+    assert (orphan.phase, orphan.reason) == (CheckpointPhase.PENDING, Reason.UNSCHEDULABLE)
+    assert "unbound immediate PersistentVolumeClaims" in orphan.message
+    assert ("Warning", "Unschedulable") in {(e.type, e.reason) for e in fetch_status(s, orphan).events}
+
+    # the same for a server pod on its perPod claim
+    server = api_object(
+        V1Pod,
+        on_claim(
+            {
+                "metadata": {"name": "ps-0", "labels": {C.LABEL_CONTROLLER_REVISION_HASH: "r2"}},
+                "spec": {},
+                "status": {"phase": "Pending", "conditions": scheduled_false},
+            }
+        ),
+    )
+    starting = rank_probe.pod_health(server, 8000, 1, claims=[binding])
+    assert starting.unschedulable == "" and "waiting for claim ps-cache" in starting.message
+    first = build(spec(replicas=1), workload(desired=1, rolling=True), [starting], previous={"phase": "Pending"})
+    assert first.document["phase"] == C.PHASE_STARTING
+    assert not [e for e in first.events if e.type == "Warning"], first.events
+    refused = rank_probe.pod_health(server, 8000, 1, claims=[cache_claim(provisioner=None)])
+    assert refused.unschedulable == UNBOUND
+    blocked = build(spec(replicas=1), workload(desired=1, rolling=True), [refused], previous={"phase": "Pending"})
+    assert reasons(blocked)[C.COND_AVAILABLE] == ("False", "Unschedulable")
+
+
 # --- a fetch pod that does not start ---------------------------------------------------------------
 
 
