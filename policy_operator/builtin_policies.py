@@ -11,11 +11,14 @@ classes read theirs from this table, so each fact is written once.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Final
 
+from policy_operator.constants import CONFIG_FILE
 from policy_operator.layout import LayoutError
 
 
@@ -45,6 +48,28 @@ BUILTIN_POLICIES: Final[Mapping[str, BuiltinPolicy]] = MappingProxyType(
 )
 
 
+@dataclass(frozen=True)
+class LeRobotFamily:
+    """A LeRobot policy type ``--policy lerobot`` serves, as a launch knows it before torch."""
+
+    has_unconditional: bool  # trained with a null condition: cfgp=2 and a guidance other than 1.0 can run
+    summary: str
+
+
+#: The LeRobot family registry: a type served here has a row, and its split is runtime/policy/lerobot/families.py's
+#: own class or, for a family added as one module, runtime/policy/lerobot/family_<type>.py (its split and its
+#: offline tiny config); docs/runtime.md, "Adding a LeRobot family".
+LEROBOT_FAMILIES: Final[Mapping[str, LeRobotFamily]] = MappingProxyType(
+    {
+        "smolvla": LeRobotFamily(False, "SmolVLA"),
+        "pi0": LeRobotFamily(False, "pi0"),
+        "pi05": LeRobotFamily(False, "pi0.5"),
+        "diffusion": LeRobotFamily(False, "Diffusion Policy"),
+        "lingbot_va": LeRobotFamily(True, "LingBot-VA (video guided by its empty prompt)"),
+    }
+)
+
+
 def builtin(policy: str) -> BuiltinPolicy | None:
     """The built-in ``policy`` names, or None for an import path (a plug-in)."""
     return BUILTIN_POLICIES.get(policy)
@@ -54,6 +79,24 @@ def policy_target(policy: str) -> str:
     """``pkg.module:Class`` of ``--policy``: a built-in name's class, an import path as given."""
     found = builtin(policy)
     return found.target if found is not None else policy
+
+
+def launch_has_unconditional(policy: str, checkpoint: str) -> bool | None:
+    """Whether ``--policy`` has an unconditional branch, as a launch knows it before torch: a built-in's own trait;
+    for ``lerobot``, its family's (the registry row of the type a local checkpoint's config.json names).  None when
+    only loading can tell: a plug-in, or a LeRobot checkpoint not fetched yet or of a type not served (the loaded
+    policy's own trait is checked then, and a type not served is refused)."""
+    found = builtin(policy)
+    if found is None:
+        return None
+    if policy != LEROBOT:
+        return found.has_unconditional
+    try:
+        kind = json.loads((Path(checkpoint) / CONFIG_FILE).read_text()).get("type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    family = LEROBOT_FAMILIES.get(kind) if isinstance(kind, str) else None
+    return None if family is None else family.has_unconditional
 
 
 def check_unconditional(policy: str, has_unconditional: bool, *, cfgp: int, guidance: float) -> None:

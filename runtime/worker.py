@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from policy_operator import serve_flags
-from policy_operator.builtin_policies import builtin, check_unconditional
+from policy_operator.builtin_policies import check_unconditional, launch_has_unconditional
 from policy_operator.exit_codes import ServeExit
 from policy_operator.fetch_progress import FetchProgress
 from policy_operator.layout import LayoutError, ParallelLayout
@@ -69,10 +69,11 @@ def validate_layout(opts: serve_flags.ServeOptions) -> ParallelLayout:
     world = int(os.environ.get("WORLD_SIZE", opts.cfgp * opts.dp))
     layout = ParallelLayout(opts.cfgp, opts.dp, world_size=world)
     guidance = opts.guidance
-    known = builtin(opts.policy)  # a plug-in's traits are checked when it loads (Replica)
-    if known is not None:
-        guidance = serve_flags.policy_guidance(opts.guidance, known.has_unconditional)
-        check_unconditional(opts.policy, known.has_unconditional, cfgp=opts.cfgp, guidance=guidance)
+    # a plug-in's traits, and a LeRobot checkpoint's still to fetch, are checked when it loads (Replica)
+    has_unconditional = launch_has_unconditional(opts.policy, opts.checkpoint)
+    if has_unconditional is not None:
+        guidance = serve_flags.policy_guidance(opts.guidance, has_unconditional)
+        check_unconditional(opts.policy, has_unconditional, cfgp=opts.cfgp, guidance=guidance)
     if guidance is not None:
         layout.check_guidance(guidance)
     if opts.steps is not None and opts.steps < 1:

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from policy_operator.builtin_policies import LEROBOT_FAMILIES
 from policy_operator.constants import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 from policy_operator.exit_codes import CheckpointExit
 from policy_operator.runtime.checkpoint.format import CheckpointError, verify_checkpoint
@@ -34,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lerobot",
         metavar="FAMILY",
-        choices=["smolvla", "pi0", "pi05", "diffusion"],
+        choices=list(LEROBOT_FAMILIES),
         default=None,
-        help="smolvla | pi0 | pi05 | diffusion (serve it with --policy lerobot)",
+        help=f"{' | '.join(LEROBOT_FAMILIES)} (serve it with --policy lerobot)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(_action=_init)

@@ -182,6 +182,8 @@ class Policy(ABC):
     history: int = 1
     #: --steps when the flag is not given.
     default_steps: int = DEFAULT_STEPS
+    #: --guidance when the flag is not given (e.g. a checkpoint's own guidance scale); None: the server's default.
+    default_guidance: float | None = None
 
     @classmethod
     @abstractmethod

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from policy_operator.builtin_policies import check_unconditional
+from policy_operator.layout import ParallelLayout
 from policy_operator.runtime.errors import PeerFailed, ReplicaFailed
 from policy_operator.runtime.policy.interface import Branch, Context, Integrator, Policy, Sample, context_map
 from policy_operator.runtime.policy.rtc import (
@@ -79,8 +80,11 @@ class SamplerSettings:
         unconditional branch for: ``serve`` refuses a built-in's before any
         rank starts; this catches a plug-in's when it loads.
         """
-        guidance = policy_guidance(self.guidance, policy.has_unconditional)
+        guidance = policy_guidance(
+            self.guidance if self.guidance is not None else policy.default_guidance, policy.has_unconditional
+        )
         check_unconditional(policy.name, policy.has_unconditional, cfgp=cfgp, guidance=guidance)
+        ParallelLayout(cfgp=cfgp).check_guidance(guidance)  # a checkpoint's own guidance of 1.0 under cfgp=2
         steps = policy.integrator(self.steps).steps
         return SamplerSettings(steps, guidance, self.cfg_mode, self.buckets, self.rtc, self.rtc_max_delay)
 

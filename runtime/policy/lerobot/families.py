@@ -19,12 +19,14 @@ actions back into ``x``; Diffusion Policy says why it cannot.
 from __future__ import annotations
 
 import copy
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from policy_operator.builtin_policies import LEROBOT_FAMILIES
 from policy_operator.runtime.policy.interface import Context, EulerFlow, Integrator
 
 STATE_KEY = "observation.state"
@@ -86,6 +88,13 @@ class Family(ABC):
 
     history = 1
     needs_task = True
+    #: Trained with a null condition (``unconditional`` is implemented): the server's CFG runs on it.  The
+    #: registry (builtin_policies.LEROBOT_FAMILIES) says the same before torch; a test holds them together.
+    has_unconditional = False
+    #: The guidance the checkpoint itself runs with (its config's), None: the server's default for the policy.
+    default_guidance: float | None = None
+    #: Config attributes naming other repositories; loading resolves each against the checkpoint directory.
+    references: tuple[str, ...] = ()
 
     def __init__(self, policy: Any) -> None:
         self.policy = policy
@@ -136,6 +145,23 @@ class Family(ABC):
     def rtc_unsupported(self) -> str | None:
         """Why real-time chunking cannot run on this family, or None (then ``unfinish`` is implemented)."""
         return None
+
+    def unconditional(self, batch: dict[str, torch.Tensor]) -> Context:
+        """The unconditional branch's context (a family with ``has_unconditional``)."""
+        raise ValueError(f"LeRobot policy type {self.config.type!r} has no unconditional branch")
+
+    def guided_steps(self, steps: int) -> tuple[bool, ...] | None:
+        """Which steps guidance applies to (None: all)."""
+        return None
+
+    def sample_tensors(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """More tensors ``prepare`` adds to a request's sample from the preprocessed frame (e.g. a tokenized
+        task the preprocessor leaves a string), so every rank conditions from tensors alone."""
+        return {}
+
+    def draw_noise(self, generator: torch.Generator) -> torch.Tensor:
+        """The initial x of one request from its seed's generator, as LeRobot draws it."""
+        return torch.randn(self.noise_shape, generator=generator)
 
     def unfinish(self, actions: torch.Tensor) -> torch.Tensor:
         """The inverse of ``finish``: a chunk's first h actions ``[1, h, action_dim]`` -> x's first h rows."""
@@ -338,9 +364,20 @@ class Diffusion(Family):
 FAMILIES: Mapping[str, type[Family]] = {"smolvla": SmolVLA, "pi0": Pi0, "pi05": Pi05, "diffusion": Diffusion}
 
 
+def family_module(kind: str) -> Any:
+    """The module of a family added as one module: ``family_<type>.py`` here, with ``FAMILY`` and ``tiny_config``."""
+    return importlib.import_module(f"{__package__}.family_{kind}")
+
+
+def family_class(kind: str) -> type[Family]:
+    """A served LeRobot type's split: one of this module's classes, or its own module's ``FAMILY``."""
+    if kind in FAMILIES:
+        return FAMILIES[kind]
+    if kind in LEROBOT_FAMILIES:
+        family: type[Family] = family_module(kind).FAMILY
+        return family
+    raise ValueError(f"LeRobot policy type {kind!r} is not served yet; served types: {sorted(LEROBOT_FAMILIES)}")
+
+
 def family_of(policy: Any) -> Family:
-    kind = str(policy.config.type)
-    try:
-        return FAMILIES[kind](policy)
-    except KeyError:
-        raise ValueError(f"LeRobot policy type {kind!r} is not served yet; served types: {sorted(FAMILIES)}") from None
+    return family_class(str(policy.config.type))(policy)

@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
+from policy_operator.builtin_policies import LEROBOT_FAMILIES
 from policy_operator.runtime.checkpoint.format import CheckpointError
+from policy_operator.runtime.policy.lerobot.families import family_class
 
 CONFIG_JSON = "config.json"
 PREPROCESSOR_JSON = "policy_preprocessor.json"
@@ -106,6 +108,9 @@ def load_pretrained(checkpoint: str | os.PathLike[str], device: torch.device) ->
     config.device = device.type
     if hasattr(config, "vlm_model_name"):
         config.vlm_model_name = resolve_reference(config.vlm_model_name, root)
+    if kind in LEROBOT_FAMILIES:  # a family's other repositories (LingBot-VA's VAE, text encoder and tokenizer)
+        for name in family_class(kind).references:
+            setattr(config, name, resolve_reference(getattr(config, name), root))
     if getattr(config, "pretrained_backbone_weights", None):
         # torchvision would download ImageNet weights; the checkpoint's own weights replace them anyway
         config.pretrained_backbone_weights = None

@@ -38,6 +38,8 @@ class LeRobotPolicy(Policy):
     def __init__(self, loaded: Loaded, device: torch.device, dtype: torch.dtype) -> None:
         self.loaded = loaded
         self.family: Family = family_of(loaded.policy)
+        self.has_unconditional = self.family.has_unconditional  # the family's, not the built-in's default
+        self.default_guidance = self.family.default_guidance
         self._device = device
         self.dtype = dtype
         if dtype != torch.float32:
@@ -118,12 +120,13 @@ class LeRobotPolicy(Policy):
             else:
                 batch, state = self._relative.preprocess(self.loaded.preprocessor, frame)
         tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        tensors.update(self.family.sample_tensors(batch))
         if self._relative is not None:
             tensors[STATE_KEY] = state
         return Sample(tensors)
 
     def condition(self, sample: Sample, branch: Branch) -> Context:
-        if branch is Branch.UNCOND:
+        if branch is Branch.UNCOND and not self.has_unconditional:
             raise ValueError(f"{self.name} has no unconditional branch")
         pin = self.pin_memory and self._device.type == "cuda"
         batch = {
@@ -132,7 +135,11 @@ class LeRobotPolicy(Policy):
             if k != STATE_KEY
         }
         with torch.inference_mode():
-            return self.family.condition(batch)
+            return self.family.condition(batch) if branch is Branch.COND else self.family.unconditional(batch)
+
+    def guided_steps(self, steps: int) -> tuple[bool, ...]:
+        plan = self.family.guided_steps(steps)
+        return super().guided_steps(steps) if plan is None else plan
 
     def denoise_step(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         if x.requires_grad:  # guided real-time chunking takes a vector-Jacobian product through this step
@@ -141,7 +148,7 @@ class LeRobotPolicy(Policy):
             return self._denoise(context, x, t)
 
     def init_noise(self, seed: int) -> torch.Tensor:
-        noise = torch.randn(self.family.noise_shape, generator=torch.Generator().manual_seed(seed))
+        noise = self.family.draw_noise(torch.Generator().manual_seed(seed))
         return noise.to(self._device, dtype=self.family.noise_dtype or self.dtype)
 
     def postprocess_batch(self, x: torch.Tensor, sample: Sample | None = None) -> list[np.ndarray]:

@@ -25,12 +25,14 @@ from typing import Any
 
 import torch
 
+from policy_operator.builtin_policies import LEROBOT_FAMILIES
 from policy_operator.runtime.checkpoint.format import write_manifest
+from policy_operator.runtime.policy.lerobot.families import family_module
 from policy_operator.runtime.policy.lerobot.loading import go_offline
 
 VLM_DIR = "vlm"  # the bundled VLM config + processor, named by this relative path
 TOKENIZER_DIR = "tokenizer"  # pi0's bundled tokenizer
-FAMILIES = ("smolvla", "pi0", "pi05", "diffusion")
+FAMILIES = tuple(LEROBOT_FAMILIES)  # the registry's: families.py's own and each family_<type>.py
 SIZES = ("tiny", "base")
 PROMPTS = [
     "pick up the red cube and put it in the bowl",
@@ -257,14 +259,15 @@ BUILDERS: dict[str, Callable[[Path, str], Any]] = {
 
 def tiny_config(family: str, directory: str | Path, size: str = "tiny") -> Any:
     """The LeRobot config of ``family`` at ``size``, with whatever it names written under ``directory``."""
-    if family not in BUILDERS:
-        raise ValueError(f"unknown LeRobot family {family!r}; choose one of {sorted(BUILDERS)}")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown LeRobot family {family!r}; choose one of {sorted(FAMILIES)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {list(SIZES)}")
     go_offline()
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    return BUILDERS[family](root, size)
+    build = BUILDERS[family] if family in BUILDERS else family_module(family).tiny_config  # a family_<type>.py's own
+    return build(root, size)
 
 
 @contextlib.contextmanager
