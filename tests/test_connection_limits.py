@@ -193,3 +193,19 @@ def test_a_client_that_stopped_reading_does_not_hold_the_batch_window(tmp_path_f
             stop.set()
             stuck.close()
             sender.join(10)
+
+
+def test_memory_return_trims_after_buffered_bytes_fall() -> None:
+    from policy_operator.runtime.serving.limits import TRIM_AFTER_BYTES, MemoryReturn
+
+    trims: list[int] = []
+    memory = MemoryReturn(trim=lambda: trims.append(1))
+    for total in (0, TRIM_AFTER_BYTES // 2, 0):  # never much buffered: nothing to give back
+        memory.observe(total)
+    assert not trims
+    for total in (TRIM_AFTER_BYTES * 4, TRIM_AFTER_BYTES * 2):  # high, then not yet a quarter of it
+        memory.observe(total)
+    assert not trims
+    for _ in range(4):  # fallen: trimmed on two sweeps (buffers are freed when their handlers end), then quiet
+        memory.observe(TRIM_AFTER_BYTES // 8)
+    assert len(trims) == 2 and memory.trimmed == 2

@@ -34,7 +34,7 @@ from policy_operator.runtime.errors import DrainTimeout, ErrorKind, NotReady, Re
 from policy_operator.runtime.parallel.dispatch import Reply
 from policy_operator.runtime.serving import wire
 from policy_operator.runtime.serving.backend import Backend
-from policy_operator.runtime.serving.limits import MAX_QUEUED_FRAMES, ReadBudget, bounded_connection
+from policy_operator.runtime.serving.limits import MAX_QUEUED_FRAMES, MemoryReturn, ReadBudget, bounded_connection
 from policy_operator.runtime.serving.metrics import ServerMetrics
 from policy_operator.runtime.serving.rtc_session import RtcSession
 from policy_operator.serve_flags import (
@@ -179,6 +179,7 @@ class PolicyWebSocketServer:
             config.frame_read_timeout_s,
             on_close=lambda reason: metrics.connections_closed.labels(reason).inc(),
         )
+        self.memory = MemoryReturn()  # unfinished messages' buffers back to the system once they are freed
         self._server: Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -329,12 +330,14 @@ class PolicyWebSocketServer:
         log.info("listening on ws://%s:%d", self.config.host, self.port)
 
     async def _sweep(self) -> None:
-        """Close connections whose frame is unfinished past ``--frame-read-timeout-s``; export buffered bytes."""
+        """Close connections whose message is unfinished past ``--frame-read-timeout-s``; export buffered bytes;
+        give freed buffers back to the system."""
         period = min(1.0, self.config.frame_read_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
             self.budget.expire()
             self.metrics.buffered_bytes.set(self.budget.total)
+            self.memory.observe(self.budget.total)
 
     @property
     def port(self) -> int:
