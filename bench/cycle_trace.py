@@ -8,8 +8,8 @@ records one monotonic timestamp per call -- no call tracer, so the server runs a
 
 - the lane's thread: the replica's call begins / returns (the batch's start and end on the device side);
 - rank 0's loop: ``Lane._finish`` (the batch's replies reach the loop), ``Lane.submit`` (a request queued),
-  ``Lane._start`` (a batch handed to the lane's thread); with front-end processes also ``EngineLink._request``
-  (a request read from the ring) and ``EngineLink._answered`` (an answer queued for its front-end);
+  ``Lane._start`` (a batch handed to the lane's thread); with front-end processes also ``FrontendLink._request``
+  (a request read from the ring) and ``FrontendLink._answered`` (an answer queued for its front-end);
 - the front-end (inline: the same loop): ``infer`` called (a frame decoded by ``websockets``) and the reply
   written (``PolicyWebSocketServer._send``); with front-end processes also the answer's arrival;
 - the robots: each request's send and its reply's arrival (``runtime/client.py`` records both on the same
@@ -89,7 +89,9 @@ if DIR:
 
     try:
         from policy_operator.runtime.parallel import dispatch
-        from policy_operator.runtime.serving import engine_link, ingress, ipc, server, wire
+        from policy_operator.runtime import ipc
+        from policy_operator.runtime.engine import core, link
+        from policy_operator.runtime.serving import server, wire
     except Exception:  # a process of the launcher that cannot import the runtime: nothing to trace there
         pass
     else:
@@ -109,16 +111,16 @@ if DIR:
         wrap(dispatch.Lane, "submit", "submit")
         wrap(dispatch.Lane, "_finish", "finish")
         wrap(dispatch.Lane, "_start", "start")
-        wrap(engine_link.EngineLink, "_request", "model-request")
-        wrap(engine_link.EngineLink, "_answered", "model-answer")
+        wrap(link.FrontendLink, "_request", "model-request")
+        wrap(link.FrontendLink, "_answered", "model-answer")
         # the front-end process runs frontend.py as __main__, a module of its own: only what it calls through
         # another module's attributes can be wrapped here
         wrap(server.Sessions, "request", "frame")
         wrap(wire, "decode_observation", "decode")
         wrap(ipc.SlotRing, "write_sample", "ring-write")
-        wrap(ipc.SlotRing, "write_raw", "ring-write")
+        wrap(ipc.SlotRing, "write_object", "ring-write")
         wrap(server.PolicyWebSocketServer, "_send", "sent", sync=False)
-        wrap(ingress.Ingress, "_lane_answered", "lane-answered")
+        wrap(core.Engine, "_lane_answered", "lane-answered")
         wrap(wire, "packb", "packb")
         listen = ipc.Channel.listen
 
@@ -136,7 +138,7 @@ if DIR:
 STAGES = (
     ("finish", "rank 0's loop takes the batch's replies (Lane._finish)"),
     ("lane-answered", "a request's answer is in (Ingress._lane_answered)"),
-    ("model-answer", "an answer queued for its front-end (EngineLink._answered)"),
+    ("model-answer", "an answer queued for its front-end (FrontendLink._answered)"),
     ("fe-answer", "a front-end process reads an answer"),
     ("packb", "a reply's msgpack encode begins"),
     ("sent", "its write begins (websockets' send)"),
@@ -146,7 +148,7 @@ STAGES = (
     ("frame", "the front-end's loop has the frame (whole, from websockets)"),
     ("decode", "its msgpack decode begins"),
     ("ring-write", "a front-end process writes the prepared request to the ring"),
-    ("model-request", "rank 0 reads a request from the ring (EngineLink._request)"),
+    ("model-request", "rank 0 reads a request from the ring (FrontendLink._request)"),
     ("submit", "a request queued on the lane"),
     ("start", "the next batch handed to the lane's thread"),
     ("call", "the next batch's call begins on the lane's thread"),

@@ -25,12 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from policy_operator.runtime import ipc
 from policy_operator.runtime.client import robolab_observation
-from policy_operator.runtime.parallel.dispatch import Reply
-from policy_operator.runtime.policy.interface import Sample
+from policy_operator.runtime.engine_api import PreparedRequest
 from policy_operator.runtime.policy.observation import parse_seed, parse_session
 from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePreprocessor
-from policy_operator.runtime.serving import ipc, wire
+from policy_operator.runtime.result import Result
+from policy_operator.runtime.serving import wire
 
 WARMUP = 50
 GAP_S = 0.001
@@ -54,14 +55,13 @@ def main(checkpoint: Path, n: int) -> dict[str, float]:
         slot = i % slots
         t0 = time.thread_time()
         obs = wire.decode_observation(frames[i % len(frames)])
-        sample = pre.prepare(obs)
-        specs = ring.write_sample(slot, sample)
-        request = ipc.Request(i, slot, specs, 0, sample.meta, parse_seed(obs), parse_session(obs), None, 8)
+        prepared = PreparedRequest(pre.prepare(obs), None, parse_seed(obs), parse_session(obs))
+        request = ipc.request_of(i, slot, ring, prepared, 8)
         sent = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
         t1, p1 = time.thread_time(), time.process_time()
         got = pickle.loads(sent)
-        Sample(ring.read_tensors(got.slot, got.tensors), got.meta)
-        answer = pickle.dumps(ipc.Answer(got.id, Reply("r", 1.0, actions)), protocol=pickle.HIGHEST_PROTOCOL)
+        ipc.prepared_of(got, ring)
+        answer = pickle.dumps(ipc.Answer(got.id, Result(actions, infer_ms=1.0)), protocol=pickle.HIGHEST_PROTOCOL)
         freed = pickle.dumps(ipc.Freed((got.slot,)), protocol=pickle.HIGHEST_PROTOCOL)
         t2, p2 = time.thread_time(), time.process_time()
         pickle.loads(answer)

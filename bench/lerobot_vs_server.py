@@ -56,7 +56,7 @@ def bench_family(family: str, args: argparse.Namespace, workdir: Path) -> dict[s
     from policy_operator.runtime.policy.lerobot.loading import load_pretrained
     from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint
     from policy_operator.runtime.policy.sampler import sample_actions
-    from policy_operator.runtime.serving.history import SessionHistory
+    from policy_operator.runtime.engine.history import SessionHistory
 
     device = torch.device(args.device)
     size = "tiny" if args.tiny else "base"

@@ -4,7 +4,7 @@ Under many robots on one large batch the model process's loop is what is left
 of the closed loop's turnaround (bench/results/h200-frontends.md): between
 two batches it takes every front-end request (unpickle, copy out of the ring,
 route, queue at the lane) and sends every answer back.  This runs that loop
-as the server does -- ``EngineLink`` over a socket pair, the shared-memory
+as the server does -- ``FrontendLink`` over a socket pair, the shared-memory
 ring, ``Ingress`` and a ``Lane`` whose replica answers at once on its own
 thread -- against a forked stand-in front-end that writes prepared requests
 into the ring and sends them in bursts of ``--burst`` (robots answered
@@ -47,14 +47,15 @@ def run_once(checkpoint: Path, burst: int, bursts: int) -> dict[str, float]:
 
     from policy_operator.layout import ParallelLayout
     from policy_operator.readyz import RankReadiness, RankState
+    from policy_operator.runtime import ipc
     from policy_operator.runtime.client import robolab_observation
-    from policy_operator.runtime.parallel.dispatch import Batch, Lane, Reply
+    from policy_operator.runtime.engine.core import Engine
+    from policy_operator.runtime.engine.history import SessionHistory
+    from policy_operator.runtime.engine.link import FrontendLink
+    from policy_operator.runtime.engine_api import PreparedRequest
+    from policy_operator.runtime.parallel.dispatch import Batch, Lane, Outcome
     from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePreprocessor
     from policy_operator.runtime.policy.sampler import SamplerSettings
-    from policy_operator.runtime.serving import ipc
-    from policy_operator.runtime.serving.engine_link import EngineLink
-    from policy_operator.runtime.serving.history import SessionHistory
-    from policy_operator.runtime.serving.ingress import Ingress
 
     def encode(message: object) -> bytes:
         """One frame of the channel's stream: ``ipc.frame``, or its format in a tree from before it."""
@@ -86,15 +87,14 @@ def run_once(checkpoint: Path, burst: int, bursts: int) -> dict[str, float]:
             for _ in range(bursts + WARMUP_BURSTS):
                 frames = []
                 for slot, obs in enumerate(observations):
-                    sample = preprocessor.prepare(obs)
-                    specs = ring.write_sample(slot, sample)
-                    request = ipc.Request(ids, slot, specs, 0, sample.meta, None, f"robot-{slot}", None, burst)
+                    prepared = PreparedRequest(preprocessor.prepare(obs), None, None, f"robot-{slot}")
+                    request = ipc.request_of(ids, slot, ring, prepared, burst)
                     ids += 1
                     frames.append(encode(request))
                 theirs.sendall(b"".join(frames))
                 answered = 0
                 while answered < burst:
-                    if isinstance(channel.recv(), ipc.Answer | ipc.Failure):
+                    if isinstance(channel.recv(), ipc.Answer):
                         answered += 1
         except BaseException:  # noqa: BLE001 - reported, and the parent sees the channel close
             import traceback
@@ -110,21 +110,21 @@ def run_once(checkpoint: Path, burst: int, bursts: int) -> dict[str, float]:
 
     batches: list[int] = []
 
-    def call(batch: Batch) -> list[Reply]:
+    def call(batch: Batch) -> list[Outcome]:
         batches.append(len(batch.requests))
-        return [Reply(r.request_id, 1.0, actions) for r in batch.requests]
+        return [Outcome(r.request_id, 1.0, actions) for r in batch.requests]
 
     async def main() -> dict[str, float]:
-        link = EngineLink(ipc.Channel(ours), ipc.SlotRing(ring_fd, slots, slot_bytes), None, 1.0)
-        ingress = Ingress(
+        link = FrontendLink(ipc.Channel(ours), ipc.SlotRing(ring_fd, slots, slot_bytes), None, 1.0)
+        ingress = Engine(
             ParallelLayout(),
             SamplerSettings(1, 3.0, "sequential"),
             Board(),
             request_timeout_s=60.0,
-            recent_sessions=lambda: link.recent,
+            recent_sessions=lambda: link.recent_sessions,
         )
         lane = Lane(
-            0, ThreadPoolExecutor(1), call, lambda: None, max_batch=burst, window_s=0.002, arriving=ingress.expected
+            0, ThreadPoolExecutor(1), call, lambda: None, max_batch=burst, window_s=0.002, expected=ingress.expected
         )
         ingress.lanes, ingress.policy, ingress.history = [lane], object(), SessionHistory(None)
         gone = asyncio.get_running_loop().create_future()
@@ -134,7 +134,7 @@ def run_once(checkpoint: Path, burst: int, bursts: int) -> dict[str, float]:
 
         def counting_send(message: object) -> None:
             nonlocal answers
-            if isinstance(message, ipc.Answer | ipc.Failure):
+            if isinstance(message, ipc.Answer):
                 answers += 1
                 if answers == WARMUP_BURSTS * burst:
                     start[:] = [time.perf_counter(), time.thread_time()]

@@ -125,3 +125,24 @@ class RequestFailed(RequestError):
     """The replica reported a failure; ``kind`` is the one the replica's driver saw."""
 
     kind = ErrorKind.INFERENCE_FAILED
+
+
+_BY_KIND: dict[ErrorKind, type[RequestError]] = {
+    ErrorKind.BAD_FRAME: WireError,
+    ErrorKind.INVALID_OBSERVATION: InvalidObservation,
+    ErrorKind.INVALID_RTC: InvalidRtc,
+    ErrorKind.RTC_NO_PREVIOUS_CHUNK: RtcNoPreviousChunk,
+    ErrorKind.RTC_UNSUPPORTED: RtcUnsupported,
+    ErrorKind.UNAVAILABLE: NotReady,
+    ErrorKind.NON_FINITE_ACTIONS: NonFiniteActions,
+    ErrorKind.REPLICA_FAILED: ReplicaFailed,
+    ErrorKind.REPLICA_UNAVAILABLE: ReplicaUnavailable,
+    ErrorKind.DRAIN_TIMEOUT: DrainTimeout,
+}
+
+
+def error_of(kind: ErrorKind, message: str) -> RequestError:
+    """The ``RequestError`` a ``Result`` of ``kind`` raises on the front-end: its own class where one has the
+    kind (``NotReady`` closes the session with 1001), else ``RequestFailed`` with that kind."""
+    cls = _BY_KIND.get(kind)
+    return cls(message) if cls is not None else RequestFailed(message, kind)

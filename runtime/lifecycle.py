@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, NoReturn, Protocol
 from policy_operator.exit_codes import ServeExit
 
 if TYPE_CHECKING:
-    from policy_operator.runtime.serving.ingress import Ingress
+    from policy_operator.runtime.engine.core import Engine
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class Lifecycle:
         return code
 
 
-async def stop_ranks(ingress: Ingress, *, drained: bool, kv: KV) -> None:
+async def stop_ranks(ingress: Engine, *, drained: bool, kv: KV) -> None:
     """After the sessions' drain: drained, ``Shutdown`` down every lane; either way ``STOP_KEY`` for every rank."""
     if drained:
         await asyncio.get_running_loop().run_in_executor(None, ingress.stop_lanes)

@@ -3,10 +3,11 @@
 Rank 0's life is the same in both modes (``worker.Rank0``: listen, load,
 attach, serve, drain); only where its readiness and engine metrics go and
 who drains the sessions differ.  A ``Front`` is that difference, one class per
-mode, handed to the driver when it is made.  Inline, the server reads the
-ingress on every ``/readyz`` and owns the ``ServerMetrics``; with a front-end
+mode, handed to the driver when it is made.  Inline, the server's front-end
+(``serving.admission.FrontEnd``) submits to the ``Engine`` on this event loop,
+reads it on every ``/readyz`` and owns the ``ServerMetrics``; with a front-end
 process, rank 0 pushes readiness and sends metrics as messages
-(``serving/engine_link.py``), and the front-end's exit ends rank 0
+(``engine/link.py``), and the front-end's exit ends rank 0
 (``ServeExit.FRONTEND``).
 """
 
@@ -23,16 +24,17 @@ from typing import TYPE_CHECKING, NoReturn, Protocol
 from policy_operator.exit_codes import ServeExit
 from policy_operator.fetch_progress import FetchProgress
 from policy_operator.readyz import RankState
+from policy_operator.runtime import ipc
+from policy_operator.runtime.engine.link import FrontendLink
 from policy_operator.runtime.lifecycle import Lifecycle, exit_now
 from policy_operator.runtime.parallel.heartbeat import Heartbeat
 from policy_operator.runtime.policy.interface import Policy
-from policy_operator.runtime.serving import ipc
-from policy_operator.runtime.serving.engine_link import EngineLink
+from policy_operator.runtime.serving.admission import FrontEnd
 from policy_operator.runtime.serving.metrics import ServerMetrics
 from policy_operator.runtime.serving.server import PolicyWebSocketServer, ServerConfig, Sessions, drain_sessions
 
 if TYPE_CHECKING:
-    from policy_operator.runtime.serving.ingress import Ingress
+    from policy_operator.runtime.engine.core import Engine
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +47,14 @@ class Front(Protocol):
     def recent_sessions(self) -> int:
         """Sessions that may send soon (the batch window waits for them)."""
 
-    async def open(self, ingress: Ingress) -> None:
-        """Start serving the port for ``ingress`` (before the model loads: /healthz and /readyz answer at once)."""
+    async def open(self, engine: Engine) -> None:
+        """Start serving the port for ``engine`` (before the model loads: /healthz and /readyz answer at once)."""
 
     async def listening(self) -> int:
         """The port, once it is served; a front that cannot serve it ends rank 0."""
 
     def push_readiness(self) -> None:
-        """The ingress's readiness changed (a failed replica, a load error)."""
+        """The engine's readiness changed (a failed replica, a load error)."""
 
     def observe_download(self, progress: FetchProgress) -> None:
         """The checkpoint's download progress, from the fetch's thread."""
@@ -63,7 +65,7 @@ class Front(Protocol):
         """Warm-up's time per batch bucket (--latency-budget-ms), for every replica."""
 
     def attached(self, policy: Policy, load_s: float, warmup_s: float) -> None:
-        """The model is loaded and the ingress attached: sessions may come."""
+        """The model is loaded and the engine attached: sessions may come."""
 
     async def drain(self, grace_s: float) -> bool:
         """Drain the sessions (``server.drain_sessions``) and stop serving; True when every request was answered."""
@@ -83,13 +85,13 @@ class InlineFront:
         self.dp = dp
         self.heartbeat_s = heartbeat_s
         self.sessions = Sessions()
-        self.server: PolicyWebSocketServer | None = None  # made by open(), with the ingress
+        self.server: PolicyWebSocketServer | None = None  # made by open(), with the engine
 
     def recent_sessions(self) -> int:
         return self.sessions.recent()
 
-    async def open(self, ingress: Ingress) -> None:
-        self.server = PolicyWebSocketServer(ingress, self.config, self.metrics, self.sessions)
+    async def open(self, engine: Engine) -> None:
+        self.server = PolicyWebSocketServer(FrontEnd(engine), self.config, self.metrics, self.sessions)
         await self.server.start()
 
     async def listening(self) -> int:
@@ -97,7 +99,7 @@ class InlineFront:
         return self.server.port
 
     def push_readiness(self) -> None:
-        """Nothing to push: the server asks the ingress on every request."""
+        """Nothing to push: the server asks the engine on every request."""
 
     def observe_download(self, progress: FetchProgress) -> None:
         self.metrics.observe_download(progress)
@@ -143,15 +145,15 @@ def frontend_configs(config: ipc.FrontendConfig, processes: int) -> list[ipc.Fro
     ]
 
 
-def spawn_link(config: ipc.FrontendConfig, metrics_dir: str, counts_fd: int) -> EngineLink:
-    """Start one front-end process (``EngineLink.spawn``) and hand it the pod's session counts."""
-    link = EngineLink.spawn(config, metrics_dir)
+def spawn_link(config: ipc.FrontendConfig, metrics_dir: str, counts_fd: int) -> FrontendLink:
+    """Start one front-end process (``FrontendLink.spawn``) and hand it the pod's session counts."""
+    link = FrontendLink.spawn(config, metrics_dir)
     link.channel.send_fd(counts_fd)
     return link
 
 
 class ProcessFront:
-    """``--frontend process``: front-end children serve the port; rank 0 talks to each over its ``EngineLink``.
+    """``--frontend process``: front-end children serve the port; rank 0 talks to each over its ``FrontendLink``.
 
     With ``--frontend-processes N`` there are N of them, each with its own listening socket on the port
     (SO_REUSEPORT: the kernel spreads connections over them), its own ring and its share of the buffer bound;
@@ -166,7 +168,7 @@ class ProcessFront:
 
     def __init__(
         self,
-        links: list[EngineLink],
+        links: list[FrontendLink],
         later: list[ipc.FrontendConfig],
         metrics_dir: str,
         counts_fd: int | None,
@@ -182,7 +184,7 @@ class ProcessFront:
         self.counts_fd = counts_fd
         self.heartbeat = heartbeat
         self.lifecycle = lifecycle
-        self.ingress: Ingress | None = None  # set by open()
+        self.engine: Engine | None = None  # set by open()
         if len(links) + len(later) > 1:
             self.label = f", {len(links) + len(later)} front-end processes"
 
@@ -205,12 +207,12 @@ class ProcessFront:
         return cls(links, later, metrics_dir, counts_fd if later else None, heartbeat, lifecycle)
 
     def recent_sessions(self) -> int:
-        return sum(link.recent for link in self.links)
+        return sum(link.recent_sessions for link in self.links)
 
-    async def open(self, ingress: Ingress) -> None:
-        self.ingress = ingress
+    async def open(self, engine: Engine) -> None:
+        self.engine = engine
         for link in self.links:
-            link.start(ingress, self._gone)
+            link.start(engine, self._gone)
 
     def _gone(self) -> None:
         if self.lifecycle.stopping.is_set():
@@ -240,11 +242,11 @@ class ProcessFront:
         """``--port 0``: the first front-end picked the port; the others join it."""
         if not self.later:
             return
-        assert self.ingress is not None and self.counts_fd is not None
+        assert self.engine is not None and self.counts_fd is not None
         for config in self.later:
             joined = replace(config, server=replace(config.server, port=port))
             link = spawn_link(joined, self.metrics_dir, self.counts_fd)
-            link.start(self.ingress, self._gone)
+            link.start(self.engine, self._gone)
             self.links.append(link)
         self.later = []
         os.close(self.counts_fd)  # every front-end has its copy
@@ -264,15 +266,14 @@ class ProcessFront:
         self.links[0].send(ipc.Gauges(buckets=seconds))
 
     def attached(self, policy: Policy, load_s: float, warmup_s: float) -> None:
-        assert self.ingress is not None
         self.links[0].send(ipc.Gauges(load_s=load_s, warmup_s=warmup_s))
         for link in self.links:
-            link.attach(policy, self.ingress.rtc.support)
+            link.attach()
 
     async def drain(self, grace_s: float) -> bool:
-        assert self.ingress is not None
+        assert self.engine is not None
         self.lifecycle.stopping.set()  # the front-ends' exits after their drains are expected
-        self.ingress.draining = True
+        self.engine.begin_drain()
         self.push_readiness()
         drained = await asyncio.gather(*(link.drain(grace_s) for link in self.links))
         self._close()

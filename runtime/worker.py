@@ -49,10 +49,10 @@ from policy_operator.runtime.serving.event_loop import event_loop_factory
 
 if TYPE_CHECKING:  # torch: imported once the layout is known to be valid
     from policy_operator.runtime.compile_cache import CompileCache
+    from policy_operator.runtime.engine.core import Engine
     from policy_operator.runtime.lifecycle import Lifecycle
     from policy_operator.runtime.parallel.dispatch import Lane, Replica
     from policy_operator.runtime.rank0_front import Front
-    from policy_operator.runtime.serving.ingress import Ingress
     from policy_operator.runtime.serving.server import ServerConfig
 
 log = logging.getLogger("policy_operator.runtime.worker")
@@ -347,11 +347,12 @@ def budget_max_batch(bucket_ms: dict[int, float], budget_ms: float | None, max_b
 
 def build_ingress(
     rt: Runtime, on_replica_failed: Callable[[int, str], None], recent_sessions: Callable[[], int]
-) -> Ingress:
-    """Rank 0's router, lanes' home and readiness; ``recent_sessions``: the server's count (the batch window)."""
-    from policy_operator.runtime.serving.ingress import Ingress
+) -> Engine:
+    """Rank 0's engine: router, lanes' home and readiness; ``recent_sessions``: the front-end's count (the batch
+    window)."""
+    from policy_operator.runtime.engine.core import Engine
 
-    return Ingress(
+    return Engine(
         rt.layout,
         rt.settings,
         rt.ingress_board(),
@@ -382,7 +383,7 @@ def build_lanes(
     rt: Runtime,
     replica: Replica,
     model_pool: ThreadPoolExecutor,
-    ingress: Ingress,
+    ingress: Engine,
     on_batch: Callable[[int, int], None],
     on_buckets: Callable[[dict[int, float]], None],
 ) -> list[Lane]:
@@ -403,7 +404,7 @@ def build_lanes(
     batching: dict[str, Any] = {
         "max_batch": max_batch,
         "window_s": opts.batch_window_ms / 1e3,
-        "arriving": ingress.expected,
+        "expected": ingress.expected,
         "on_batch": on_batch,
     }
     lanes = [local_lane(replica, model_pool, **batching)]
@@ -414,12 +415,12 @@ def build_lanes(
 
 
 # --- global rank 0 ------------------------------------------------------------------------
-def load_failed(rt: Runtime, ingress: Ingress, exc: Exception) -> None:
+def load_failed(rt: Runtime, ingress: Engine, exc: Exception) -> None:
     """A model that did not load: this rank's heartbeat and /readyz say why (paths hidden), the log and stderr
     say it whole; the caller keeps serving /readyz for a heartbeat period, then the pod restarts."""
     error = f"{type(exc).__name__}: {exc}"
     rt.heartbeat.set_state(RankState.FAILED, public_reason(str(exc), rt.opts))
-    ingress.load_error = public_reason(error, rt.opts)
+    ingress.load_failed(public_reason(error, rt.opts))
     log.error("loading the policy failed: %s", error)
     print(f"policyserver: error: {error}", file=sys.stderr, flush=True)
 
@@ -427,8 +428,8 @@ def load_failed(rt: Runtime, ingress: Ingress, exc: Exception) -> None:
 def make_front(rt: Runtime, lifecycle: Lifecycle) -> Front:
     """The in-process server, or the front-end process (started now: it imports torch and binds the port while
     rank 0 loads)."""
+    from policy_operator.runtime import ipc
     from policy_operator.runtime.rank0_front import InlineFront, ProcessFront
-    from policy_operator.runtime.serving import ipc
     from policy_operator.runtime.serving.metrics import ServerMetrics
 
     opts = rt.opts

@@ -20,7 +20,7 @@ import pytest
 import torch
 from websockets.sync.client import connect
 
-from policy_operator.runtime.parallel.dispatch import Batch, InferenceRequest, Lane, Reply
+from policy_operator.runtime.parallel.dispatch import Batch, InferenceRequest, Lane, Outcome, Ran
 from policy_operator.runtime.policy import Sample, collate
 from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePolicy, example_observation
 from policy_operator.runtime.policy.sampler import batch_buckets, bucket_of, sample_actions
@@ -117,7 +117,7 @@ class FakeReplica:
         self.gate = threading.Event()
         self.fail_when = fail_when
 
-    def call(self, batch: Batch) -> list[Reply]:
+    def call(self, batch: Batch) -> list[Outcome]:
         ids = [r.request_id for r in batch.requests]
         self.started.append(time.monotonic())
         self.batches.append(ids)
@@ -125,7 +125,7 @@ class FakeReplica:
             assert self.gate.wait(30), "test never released the first batch"
         if self.fail_when in ids:
             raise RuntimeError("the batched call failed")
-        return [Reply(i, 1.0, np.full((2, 2), k, np.float32)) for k, i in enumerate(ids)]
+        return [Outcome(i, 1.0, np.full((2, 2), k, np.float32)) for k, i in enumerate(ids)]
 
 
 def request(request_id: str, width: int = 4) -> InferenceRequest:
@@ -167,7 +167,7 @@ def test_requests_that_queue_while_the_replica_is_busy_run_as_one_batch() -> Non
     served = run_lane(scenario, replica, max_batch=3)
     assert replica.batches == [["a"], ["b", "c", "d"], ["e", "f"]], "oldest first, at most max_batch"
     assert [s.batch_size for s in served] == [1, 3, 3, 3, 2, 2]
-    assert [s.request_id for s in served] == list("abcdef"), "each request gets its own reply"
+    assert [s.outcome.request_id for s in served] == list("abcdef"), "each request gets its own reply"
     assert served[1].queue_ms > 0
 
 
@@ -275,7 +275,7 @@ def test_the_window_waits_only_for_requests_still_arriving() -> None:
         await asyncio.gather(first, second)
         return alone_s
 
-    alone_s = run_lane(scenario, replica, max_batch=8, window_s=10.0, arriving=lambda: arriving[0])
+    alone_s = run_lane(scenario, replica, max_batch=8, window_s=10.0, expected=lambda: arriving[0])
     assert replica.batches == [["alone"], ["a", "b"]]
     assert alone_s < 5.0, "a lone request never waits for the 10 s window"
 
@@ -289,7 +289,7 @@ def test_the_window_runs_from_the_latest_arrival_and_ends_when_none_comes() -> N
     arriving = [3]
 
     async def scenario(lane: Lane) -> float:
-        futures: list[asyncio.Future[Reply]] = []
+        futures: list[asyncio.Future[Ran]] = []
         for name in "abc":
             if futures:
                 await asyncio.sleep(0.2)  # 0.4 s from a to c: longer than one 0.3 s window
@@ -299,7 +299,7 @@ def test_the_window_runs_from_the_latest_arrival_and_ends_when_none_comes() -> N
         await asyncio.gather(*futures)
         return last
 
-    last = run_lane(scenario, replica, max_batch=8, window_s=0.3, arriving=lambda: arriving[0] + 1)
+    last = run_lane(scenario, replica, max_batch=8, window_s=0.3, expected=lambda: arriving[0] + 1)
     assert replica.batches == [["a", "b", "c"]]
     assert 0.25 <= replica.started[0] - last < 3.0, (
         "waited one window after the last arrival for the session that never came"
@@ -320,7 +320,7 @@ def test_a_failed_batch_fails_exactly_its_requests() -> None:
 
     results = run_lane(scenario, replica, max_batch=8)
     assert replica.batches == [["a"], ["b", "c"], ["d"]]
-    assert results[0].actions is not None and results[3].actions is not None
+    assert results[0].outcome.actions is not None and results[3].outcome.actions is not None
     assert all(isinstance(r, RuntimeError) for r in results[1:3])
 
 

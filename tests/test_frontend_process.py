@@ -695,9 +695,9 @@ def test_the_ring_round_trips_every_dtype_and_refuses_what_does_not_fit() -> Non
 
     import torch
 
+    from policy_operator.runtime import ipc
     from policy_operator.runtime.errors import ErrorKind, WireError
     from policy_operator.runtime.policy.interface import Sample
-    from policy_operator.runtime.serving import ipc
 
     slots, slot_bytes = ipc.ring_geometry(max_message_bytes=1000, max_buffered_bytes=10_000)
     assert (slots, slot_bytes) == (8, 1024)  # a slot holds any admitted frame; at most MAX_SLOTS
@@ -724,13 +724,23 @@ def test_the_ring_round_trips_every_dtype_and_refuses_what_does_not_fit() -> Non
         assert torch.equal(back[name], t), name
     writer.write_sample(5, Sample({"state": torch.zeros(1, 7)}, {}))  # the slot reused: the copy stays
     assert torch.equal(back["state"], tensors["state"])
-    writer.write_raw(0, b"frame")
-    assert reader.read_raw(0, 5) == b"frame"
+    # a policy without a Preprocessor: the decoded observation, its arrays out of band in the slot
+    obs: dict[str, Any] = {
+        "image": np.arange(24, dtype=np.uint8).reshape(2, 4, 3),
+        "prompt": "pick",
+        "state": np.ones(3),
+    }
+    data, buffers = writer.write_object(0, obs)
+    assert len(data) < 400 and sum(b.nbytes for b in buffers) == 24 + 24  # the bytes are in the slot
+    copied = reader.read_object(0, data, buffers)
+    writer.write_object(0, {"image": np.zeros((2, 4, 3), np.uint8)})  # the slot reused: the copy stays
+    assert copied["prompt"] == "pick" and np.array_equal(copied["image"], obs["image"])
+    assert np.array_equal(copied["state"], obs["state"]) and copied["image"].flags.writeable
     with pytest.raises(WireError) as too_big:
         writer.write_sample(1, Sample({"image": torch.zeros(1, 2000, dtype=torch.uint8)}, {}))
     assert too_big.value.kind is ErrorKind.BAD_FRAME and "--max-message-bytes" in str(too_big.value)
     with pytest.raises(WireError):
-        writer.write_raw(1, b"x" * 2000)
+        writer.write_object(1, {"image": np.zeros(2000, np.uint8)})
 
 
 def test_session_counts_add_every_frontends_slot_handed_over_the_channel() -> None:
@@ -738,7 +748,7 @@ def test_session_counts_add_every_frontends_slot_handed_over_the_channel() -> No
     mapping writes its own slot and reads the sum of all (what ``--max-connections`` compares against)."""
     import socket
 
-    from policy_operator.runtime.serving import ipc
+    from policy_operator.runtime import ipc
 
     processes = 3
     fd = ipc.create_counts_fd(processes)

@@ -33,7 +33,7 @@ from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.relative_actions import STATE_KEY  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
-from policy_operator.runtime.serving.history import SessionHistory  # noqa: E402
+from policy_operator.runtime.engine.history import SessionHistory  # noqa: E402
 from tests.support.lerobot_tiny import configure_small_pi, reduced_paligemma, write_small_pi  # noqa: E402
 from tests.support.servers import VENV_BIN, serve_policy, subprocess_env  # noqa: E402
 

@@ -30,7 +30,7 @@ from policy_operator.runtime.policy.interface import (
 )
 from policy_operator.runtime.policy.reference import ReferencePolicy
 from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions
-from policy_operator.runtime.serving.history import SessionHistory
+from policy_operator.runtime.engine.history import SessionHistory
 from tests.support.net import free_port
 from tests.support.plugins.contract_policies import (
     EarlyGuidance,

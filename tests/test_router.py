@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policy_operator.runtime.serving.router import Router
+from policy_operator.runtime.engine.router import Router
 
 
 def test_single_replica_is_degenerate() -> None:

@@ -2,11 +2,11 @@
 
 ::
 
-    rank 0 (ingress)                   driver of replica k (cfg index 0)        cfg peer (cfg index 1)
+    rank 0 (engine)                     driver of replica k (cfg index 0)        cfg peer (cfg index 1)
     Lane k --Batch------------------->  Replica.serve_driver  (k >= 1 only)
                                         Replica.execute --Batch------------->  Replica.serve_peer
                                           both: sample_actions, one all_gather per step
-    Lane k <-----------Reply per row--  postprocess (driver only)
+    Lane k <---------Outcome per row--  postprocess (driver only)
     Lane k --Shutdown---------------->  --Shutdown-------------------------->  (loops end)
 
 Replica 0's driver is global rank 0 itself: its lane calls ``Replica.answer``
@@ -19,7 +19,7 @@ message fails the replica after that long instead of holding the driver for
 ever, and a driver that froze after the wake-up fails its peer the same way.
 Messages are typed dataclasses, pickled
 by ``torch.distributed``'s object collectives.  Every loop handles one request
-in try/except and carries on: a failed request is a ``Reply`` with an error,
+in try/except and carries on: a failed request is an ``Outcome`` with an error,
 never the end of a rank -- except when a collective itself failed
 (``ReplicaFailed``: a peer died or froze past ``--pg-timeout-s``).  A failed
 communicator is never used again: the rank publishes ``failed``, its loop
@@ -34,7 +34,7 @@ while each replica stays serial, which keeps every replica's collectives in
 the same order on all of its ranks.  A lane batches: the requests that
 queued for it while its replica was busy (and, for up to ``window_s``, those
 expected soon) go down as one ``Batch`` of at most ``max_batch``
-requests of one shape (``Sample.group_key``); each gets its own ``Reply``.
+requests of one shape (``Sample.group_key``); each gets its own ``Outcome``.
 A failure of the batched computation fails exactly the requests of that
 batch; actions with NaN or inf fail only their own request.
 """
@@ -49,7 +49,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,7 +62,6 @@ from policy_operator.runtime.errors import (
     NonFiniteActions,
     ReplicaFailed,
     RequestError,
-    RequestFailed,
 )
 from policy_operator.runtime.parallel.groups import Groups
 from policy_operator.runtime.parallel.heartbeat import Heartbeat
@@ -84,33 +83,33 @@ class InferenceRequest:
     rtc: RtcConstraint | None = None  # real-time chunking: the previous chunk's tail, in the model's space
 
 
-@dataclass(frozen=True)
-class Reply:
-    """A request's answer, the one type from the replica to the WebSocket session: the actions, or why there are
-    none, and what the request cost.  The driver fills in the first fields; on rank 0 the lane adds
-    ``queue_ms``, ``batch_size`` and ``replica``, the ingress ``decode_ms`` and ``prepare_ms``."""
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a replica's driver computed for one request of a batch: the actions, or why there are none, and the
+    batch's compute time.  Crosses from a replica's driver to rank 0; the engine makes the request's ``Result``
+    of it (``runtime/result.py``) once the lane adds where and how long it waited (``Ran``)."""
 
     request_id: str
     infer_ms: float
     actions: np.ndarray | None = None
     error_kind: ErrorKind | None = None
     error: str = ""
-    queue_ms: float = 0.0  # waited for its replica: the queue and the batch window
-    batch_size: int = 1  # requests of the batch it ran in
-    replica: int = 0
-    decode_ms: float = 0.0
-    prepare_ms: float = 0.0
 
-    def unwrap(self) -> np.ndarray:
-        """The actions; ``RequestFailed`` with the replica's kind and message when it failed."""
-        if self.error_kind is not None or self.actions is None:
-            raise RequestFailed(self.error, self.error_kind or ErrorKind.INFERENCE_FAILED)
-        return self.actions
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    """A request's outcome as its lane hands it back: the replica's ``Outcome``, the wait for the replica (the
+    queue and the batch window), the batch it ran in, and the replica."""
+
+    outcome: Outcome
+    queue_ms: float
+    batch_size: int
+    replica: int
 
 
 @dataclass(frozen=True)
 class Batch:
-    """Requests a replica runs as one sampler call (one shape); answered with one Reply per request, in order."""
+    """Requests a replica runs as one sampler call (one shape); answered with one Outcome per request, in order."""
 
     requests: tuple[InferenceRequest, ...]
 
@@ -123,7 +122,7 @@ class Shutdown:
 Message = Batch | Shutdown
 
 
-def _send(message: Message | list[Reply], dst: int, group: dist.ProcessGroup) -> None:
+def _send(message: Message | list[Outcome], dst: int, group: dist.ProcessGroup) -> None:
     dist.send_object_list([message], dst=dst, group=group)
 
 
@@ -238,15 +237,15 @@ class Replica:
                 torch.cuda.synchronize(self.policy.device)
             return actions, (time.perf_counter() - start) * 1e3
 
-    def answer(self, batch: Batch) -> list[Reply]:
-        """``execute`` as one Reply per request: a failure is reported to its clients and this replica carries on.
+    def answer(self, batch: Batch) -> list[Outcome]:
+        """``execute`` as one Outcome per request: a failure is reported to its clients and this replica carries on.
 
-        Unless a collective failed: then every Reply says ``replica_failed`` and ``broken`` is set.
+        Unless a collective failed: then every Outcome says ``replica_failed`` and ``broken`` is set.
         """
         start = time.perf_counter()
         ids = [r.request_id for r in batch.requests]
         if self.broken is not None:
-            return [Reply(i, 0.0, error_kind=ErrorKind.REPLICA_FAILED, error=self.broken) for i in ids]
+            return [Outcome(i, 0.0, error_kind=ErrorKind.REPLICA_FAILED, error=self.broken) for i in ids]
         try:
             actions, infer_ms = self.execute(batch)
             if len(actions) != len(ids):
@@ -258,19 +257,19 @@ class Replica:
             else:
                 log.exception("batch of %d (%s) failed on replica %d", len(ids), ", ".join(ids), self.groups.dp_index)
             failed_ms = (time.perf_counter() - start) * 1e3
-            return [Reply(i, failed_ms, error_kind=kind, error=f"{type(exc).__name__}: {exc}") for i in ids]
+            return [Outcome(i, failed_ms, error_kind=kind, error=f"{type(exc).__name__}: {exc}") for i in ids]
         return [self._checked(i, a, infer_ms) for i, a in zip(ids, actions, strict=True)]
 
-    def _checked(self, request_id: str, actions: np.ndarray, infer_ms: float) -> Reply:
-        """The Reply of one request of a batch: its actions, unless they hold NaN or inf (only it fails)."""
+    def _checked(self, request_id: str, actions: np.ndarray, infer_ms: float) -> Outcome:
+        """The Outcome of one request of a batch: its actions, unless they hold NaN or inf (only it fails)."""
         bad = int(np.size(actions) - np.count_nonzero(np.isfinite(actions)))
         if not bad:
-            return Reply(request_id, infer_ms, actions)
+            return Outcome(request_id, infer_ms, actions)
         error = NonFiniteActions(
             f"the policy produced {bad} NaN or inf values in its {np.shape(actions)} actions; none were sent"
         )
         log.warning("request %s on replica %d: %s", request_id, self.groups.dp_index, error)
-        return Reply(request_id, infer_ms, error_kind=error.kind, error=f"{type(error).__name__}: {error}")
+        return Outcome(request_id, infer_ms, error_kind=error.kind, error=f"{type(error).__name__}: {error}")
 
     def fail(self, reason: str) -> None:
         """Take this rank's replica out of service for good: ``failed`` in /readyz, loops end, the rank exits."""
@@ -332,18 +331,18 @@ class Replica:
 class _Queued:
     request: InferenceRequest
     key: Hashable
-    future: asyncio.Future[Reply]
+    future: asyncio.Future[Ran]
     enqueued: float
 
 
 class Lane:
-    """A serial, batching path from the ingress to one replica; ``call`` and ``stop`` run on the lane's thread.
+    """A serial, batching path from the engine to one replica; ``call`` and ``stop`` run on the lane's thread.
 
     Driven by events on the event loop, with no task of its own: ``submit``,
     ``kick``, the window's timer and the end of a batch each call ``_pump``,
     which starts a batch when the replica is free -- the oldest request and
     every queued one of its shape, up to ``max_batch``.  When the batch has
-    room and ``arriving()`` says requests are expected soon (the ingress's
+    room and ``expected()`` says requests are expected soon (the engine's
     count), it waits for them, up to ``window_s`` after the latest one that
     joined; with none expected it never waits, so a lone client's request goes
     to the replica within the ``submit`` call.  The replica's thread hands the
@@ -362,21 +361,25 @@ class Lane:
         self,
         index: int,
         executor: ThreadPoolExecutor,
-        call: Callable[[Batch], list[Reply]],
+        call: Callable[[Batch], list[Outcome]],
         stop: Callable[[], None],
         *,
         max_batch: int = 1,
         window_s: float = 0.0,
-        arriving: Callable[[], int] = lambda: 0,
+        expected: Callable[[], int] = lambda: 0,
         on_batch: Callable[[int, int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``expected``: requests likely to arrive within a window (the engine's count); ``clock``: the
+        window's time, in the event loop's units (tests drive it)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.index = index
         self.executor = executor
         self.max_batch = max_batch
         self.window_s = window_s
-        self.arriving = arriving
+        self.expected = expected
+        self.clock = clock
         self.on_batch = on_batch  # (replica, batch size) of every batch it starts, on the event loop
         self._call = call
         self._stop = stop
@@ -387,7 +390,7 @@ class Lane:
         self._window: tuple[Hashable, int, float] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
-    def submit(self, request: InferenceRequest) -> asyncio.Future[Reply]:
+    def submit(self, request: InferenceRequest) -> asyncio.Future[Ran]:
         """Queue ``request`` now (on the event loop thread); the future resolves once its batch has run."""
         self._loop = loop = asyncio.get_running_loop()
         item = _Queued(request, request.sample.group_key(), loop.create_future(), time.perf_counter())
@@ -438,8 +441,8 @@ class Lane:
             if queued >= self.max_batch:
                 self._start(self._take(key, self.max_batch))
             return
-        now = time.monotonic()
-        if queued < self.max_batch and self.window_s > 0 and self.arriving() > 0:
+        now = self.clock()
+        if queued < self.max_batch and self.window_s > 0 and self.expected() > 0:
             # The window runs from the latest arrival: robots answered together come back one after the
             # other, each behind the others' decode and prepare on this one loop, so their spread grows
             # with their number.  Each extension needs a request, so the wait stays below max_batch windows.
@@ -472,7 +475,7 @@ class Lane:
         def run() -> None:  # on the lane's thread
             started = time.perf_counter()
             waits = [(started - item.enqueued) * 1e3 for item in items]
-            outcome: list[Reply] | BaseException
+            outcome: list[Outcome] | BaseException
             try:
                 outcome = self._call(batch)
             except BaseException as exc:  # noqa: BLE001 - the lane's transport failed: every request of the batch
@@ -488,7 +491,7 @@ class Lane:
         except RuntimeError as exc:  # the executor is shut down
             self._finish(items, exc, [0.0] * len(items))
 
-    def _finish(self, items: list[_Queued], outcome: list[Reply] | BaseException, waits: list[float]) -> None:
+    def _finish(self, items: list[_Queued], outcome: list[Outcome] | BaseException, waits: list[float]) -> None:
         """On the event loop: every request of the batch gets its reply (or the failure), then the next batch."""
         self._running -= 1
         if not isinstance(outcome, BaseException) and len(outcome) != len(items):
@@ -499,9 +502,7 @@ class Lane:
             if isinstance(outcome, BaseException):
                 item.future.set_exception(outcome)
             else:
-                item.future.set_result(
-                    replace(outcome[k], queue_ms=waits[k], batch_size=len(items), replica=self.index)
-                )
+                item.future.set_result(Ran(outcome[k], waits[k], len(items), self.index))
         assert self._loop is not None
         head = self._head()
         if head is not None and head[1] >= self.max_batch:
@@ -510,7 +511,7 @@ class Lane:
             self._pump()
         else:
             # after the callbacks the replies just scheduled: they release this batch's requests, so
-            # ``arriving`` counts those sessions as coming back instead of still in flight
+            # ``expected`` counts those sessions as coming back instead of still in flight
             self._loop.call_soon(self._pump)
 
     def stop(self) -> Future[None]:
@@ -528,7 +529,7 @@ def remote_lane(
 ) -> Lane:
     """Replica ``index`` >= 1: hand the batch to its driver over their dispatch group, wait for the Replies."""
 
-    def call(batch: Batch) -> list[Reply]:
+    def call(batch: Batch) -> list[Outcome]:
         _send(batch, driver, group)
         return _recv(driver, group)
 

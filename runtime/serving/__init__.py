@@ -1,1 +1,1 @@
-"""Global rank 0's front door: WebSocket + HTTP server, wire format, ingress (prepare, route, lanes), metrics."""
+"""The front-end: WebSocket + HTTP server, wire format, admission, sessions, limits and metrics (either process)."""

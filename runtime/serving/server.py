@@ -31,12 +31,12 @@ from websockets.http11 import Request, Response
 
 from policy_operator.constants import DEFAULT_PORT, HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 from policy_operator.runtime.errors import DrainTimeout, ErrorKind, NotReady, RequestError
-from policy_operator.runtime.parallel.dispatch import Reply
+from policy_operator.runtime.result import Result
+from policy_operator.runtime.rtc_session import RtcSession
 from policy_operator.runtime.serving import wire
 from policy_operator.runtime.serving.backend import Backend
 from policy_operator.runtime.serving.limits import MAX_QUEUED_FRAMES, MemoryReturn, ReadBudget, bounded_connection
 from policy_operator.runtime.serving.metrics import ServerMetrics
-from policy_operator.runtime.serving.rtc_session import RtcSession
 from policy_operator.serve_flags import (
     DEFAULT_FRAME_READ_TIMEOUT_S,
     DEFAULT_MAX_BUFFERED_BYTES,
@@ -147,7 +147,7 @@ def _json(status: int, payload: dict[str, Any]) -> Response:
     return _response(status, json.dumps(payload).encode(), "application/json")
 
 
-def reply_frame(reply: Reply, prev_total_ms: float | None, total_ms: float) -> dict[str, Any]:
+def reply_frame(reply: Result, prev_total_ms: float | None, total_ms: float) -> dict[str, Any]:
     """The actions map of docs/protocol.md; ``total_ms``: frame received -> reply ready, so what the server
     itself adds is ``total_ms - infer_ms``."""
     return {
@@ -169,7 +169,7 @@ class PolicyWebSocketServer:
     """One port: probes and metrics as plain HTTP, robots as WebSocket sessions; requests go to the ingress."""
 
     def __init__(self, ingress: Backend, config: ServerConfig, metrics: ServerMetrics, sessions: Sessions) -> None:
-        """``ingress``: the model side, in this process (``Ingress``) or behind a pipe (``EngineProxy``)."""
+        """``ingress``: the front-end (``admission.FrontEnd``) over the engine, in this process or behind a pipe."""
         self.ingress = ingress
         self.config = config
         self.metrics = metrics
@@ -246,7 +246,7 @@ class PolicyWebSocketServer:
         try:
             await ws.send(wire.packb(self.ingress.metadata()))
             prev_total_ms: float | None = None
-            rtc_session = RtcSession()  # the last chunk this connection received: the short rtc form's reference
+            rtc_session = RtcSession()  # this connection's state: its sessions' scope, the short rtc form's reference
             async for message in ws:
                 sessions.request(ws)
                 started = time.perf_counter()
@@ -357,7 +357,7 @@ class PolicyWebSocketServer:
         still open when the grace period ends are closed by ``stop()``.
         """
         deadline = time.monotonic() + grace_s
-        self.ingress.draining = True
+        self.ingress.begin_drain()
         idle = list(self.sessions.idle)
         if idle:
             log.info("draining: closing %d idle session(s) with 1001", len(idle))

@@ -2,12 +2,11 @@
 
 Rank 0 stays the model process, as it must (it is a member of the cfg group
 and of every dispatch group).  Its event loop no longer touches a socket of a
-robot: it reads requests from the front-end's socket, copies their tensors
-out of the shared-memory ring at once (and hands the slots back), and gives
-them to the ``Ingress`` -- routing, session stickiness, history, the lanes'
-batching and the replica bounds, exactly as inline -- then sends each reply
-back.  A policy without a ``Preprocessor`` gets the raw frame and prepares it
-here, on the ingress's prepare thread for large frames.
+robot: it reads requests from the front-end's socket, copies them
+out of the shared-memory ring at once (and hands the slots back), and submits
+each to the ``Engine`` -- exactly what inline mode's front-end submits: the
+same ``PreparedRequest`` -- then sends its ``Result`` back, as it is.  The
+front-end process's end of the link is ``serving.mp_client.MPClient``.
 
 Readiness is computed here (the heartbeat board, failures, load errors) and
 pushed to the front-end every ``SNAPSHOT_S`` and on every change it causes,
@@ -26,20 +25,14 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from policy_operator.constants import ENV_PROMETHEUS_MULTIPROC_DIR
 from policy_operator.fetch_progress import FetchProgress
-from policy_operator.runtime.errors import ErrorKind, NotReady, RequestError
-from policy_operator.runtime.parallel.dispatch import Reply
-from policy_operator.runtime.policy.interface import Policy, Sample
-from policy_operator.runtime.policy.rtc import RtcConstraint
-from policy_operator.runtime.serving import ipc, wire
-from policy_operator.runtime.serving.ingress import INLINE_MAX_BYTES, Ingress
-from policy_operator.runtime.serving.rtc_session import RtcSupport
+from policy_operator.runtime import ipc
+from policy_operator.runtime.engine.core import Engine
+from policy_operator.runtime.result import Result
 
 log = logging.getLogger(__name__)
 
@@ -49,25 +42,26 @@ LISTEN_TIMEOUT_S = 120.0  # the front-end imports torch and binds the port: seco
 RANK_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK")
 
 
-class EngineLink:
+class FrontendLink:
+    """The model process's end of one front-end process: its socket, its ring, the process itself."""
+
     def __init__(self, channel: ipc.Channel, ring: ipc.SlotRing, proc: subprocess.Popen[bytes], heartbeat_s: float):
         self.channel = channel
         self.ring = ring
         self.proc = proc
         self.heartbeat_s = heartbeat_s
-        self.ingress: Ingress | None = None
-        self.recent = 0  # the front-end's recently active sessions, as of its latest request
+        self.engine: Engine | None = None
+        self.recent_sessions = 0  # the front-end's recent sessions, as of its latest request or report
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listening: asyncio.Future[int] | None = None
         self._drained: asyncio.Future[bool] | None = None
         self._freed: list[int] = []
-        self._tasks: set[asyncio.Task[None]] = set()
         self._snapshots: asyncio.Task[None] | None = None
         self._on_gone: Callable[[], None] = lambda: None
         self.gone = False
 
     @classmethod
-    def spawn(cls, config: ipc.FrontendConfig, metrics_dir: str) -> EngineLink:
+    def spawn(cls, config: ipc.FrontendConfig, metrics_dir: str) -> FrontendLink:
         """Start a front-end process with its socket and its ring, and send it its configuration; it keeps its
         metrics in ``metrics_dir``, beside those of the other front-end processes."""
         ring_fd = ipc.create_ring_fd(config.slots, config.slot_bytes)
@@ -96,10 +90,10 @@ class EngineLink:
         channel.send(config)
         return cls(channel, ring, proc, config.heartbeat_s)
 
-    def start(self, ingress: Ingress, on_gone: Callable[[], None]) -> None:
+    def start(self, engine: Engine, on_gone: Callable[[], None]) -> None:
         """On rank 0's event loop: take messages, push readiness."""
         self._loop = loop = asyncio.get_running_loop()
-        self.ingress = ingress
+        self.engine = engine
         self._on_gone = on_gone
         self._listening = loop.create_future()
         self._drained = loop.create_future()
@@ -129,8 +123,8 @@ class EngineLink:
 
     def push(self) -> None:
         """The readiness as of now."""
-        assert self.ingress is not None
-        self.send(ipc.Snapshot(self.ingress.readiness(), self.ingress.accepting))
+        assert self.engine is not None
+        self.send(ipc.Snapshot(self.engine.readiness(), self.engine.accepting))
 
     async def _push_snapshots(self) -> None:
         period = min(SNAPSHOT_S, self.heartbeat_s / 4)
@@ -138,10 +132,10 @@ class EngineLink:
             self.push()
             await asyncio.sleep(period)
 
-    def attach(self, policy: Policy, rtc: RtcSupport) -> None:
-        """The model is loaded (the ingress attached): sessions may come."""
-        assert self.ingress is not None
-        self.send(ipc.Attached(self.ingress.metadata(), policy.preprocessor(), rtc, policy.action_shape))
+    def attach(self) -> None:
+        """The model is loaded (the engine attached): sessions may come."""
+        assert self.engine is not None and self.engine.admission is not None
+        self.send(ipc.Attached(self.engine.admission))
         self.push()
 
     def observe_batch(self, replica: int, size: int) -> None:
@@ -173,8 +167,8 @@ class EngineLink:
     def _on_message(self, message: Any) -> None:
         if isinstance(message, ipc.Request):
             self._request(message)
-        elif isinstance(message, ipc.Recent):
-            self.recent = message.sessions
+        elif isinstance(message, ipc.RecentSessions):
+            self.recent_sessions = message.sessions
         elif isinstance(message, ipc.Listening):
             if self._listening is not None and not self._listening.done():
                 self._listening.set_result(message.port)
@@ -185,86 +179,31 @@ class EngineLink:
             log.warning("unexpected message from the front-end: %s", type(message).__name__)
 
     def _request(self, request: ipc.Request) -> None:
-        """Copy the request out of its slot now, hand the slot back, and serve it."""
-        self.recent = request.recent
+        """Copy the request out of its slot now, hand the slot back, and submit it; its Result is sent from its
+        future's callback: no task per request."""
+        assert self.engine is not None
+        self.recent_sessions = request.recent_sessions
         try:
-            if request.tensors is not None:
-                payload: Sample | bytes = Sample(self.ring.read_tensors(request.slot, request.tensors), request.meta)
-            else:
-                payload = self.ring.read_raw(request.slot, request.raw_bytes)
+            prepared = ipc.prepared_of(request, self.ring)
+        except Exception as exc:  # noqa: BLE001 - one request fails, the server carries on
+            log.error("request %d could not be read from its slot", request.id, exc_info=exc)
+            self.send(ipc.Answer(request.id, Result.failed(exc)))
+            return
         finally:
             if not self._freed:
                 assert self._loop is not None
                 self._loop.call_soon(self._flush_freed)  # after every request this read pass took
             self._freed.append(request.slot)
-        if isinstance(payload, Sample):
-            self._dispatch(request, payload, 0.0)
-            return
-        task = asyncio.ensure_future(self._prepare_and_dispatch(request, payload))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        answer = self.engine.submit(prepared)
+        answer.add_done_callback(functools.partial(self._answered, request.id))
 
     def _flush_freed(self) -> None:
         freed, self._freed = tuple(self._freed), []
         self.send(ipc.Freed(freed))
 
-    async def _prepare_and_dispatch(self, request: ipc.Request, frame: bytes) -> None:
-        """A policy without a ``Preprocessor``: its raw frame prepared here first."""
-        assert self.ingress is not None
-        started = time.perf_counter()
-        try:
-            sample = await self._prepare(self.ingress, frame)
-        except Exception as exc:  # noqa: BLE001 - one request fails, the server carries on
-            self._failed(request.id, exc)
-            return
-        self._dispatch(request, sample, (time.perf_counter() - started) * 1e3)
-
-    def _dispatch(self, request: ipc.Request, sample: Sample, prepare_ms: float) -> None:
-        """Route the request; its answer (or failure) is sent from its future's callback: no task per request."""
-        ingress = self.ingress
-        assert ingress is not None and ingress.policy is not None
-        try:
-            rtc = None
-            if request.rtc is not None:
-                prev, delay, horizon = request.rtc
-                rtc = RtcConstraint(ingress.policy.actions_to_model(prev).float(), delay, horizon)
-            answer = ingress.dispatch(sample, request.seed, request.session, rtc)
-        except Exception as exc:  # noqa: BLE001 - one request fails, the server carries on
-            self._failed(request.id, exc)
-            return
-        answer.add_done_callback(functools.partial(self._answered, request.id, prepare_ms))
-
-    def _answered(self, request_id: int, prepare_ms: float, answer: asyncio.Future[Reply]) -> None:
+    def _answered(self, request_id: int, answer: asyncio.Future[Result]) -> None:
         if answer.cancelled():  # nothing here cancels one; were it to, the front-end still gets its answer
-            self._failed(request_id, RuntimeError("the request was cancelled in the model process"))
-            return
-        if (exc := answer.exception()) is not None:
-            self._failed(request_id, exc)
-            return
-        reply = answer.result()
-        self.send(ipc.Answer(request_id, replace(reply, prepare_ms=prepare_ms) if prepare_ms else reply))
-
-    def _failed(self, request_id: int, exc: BaseException) -> None:
-        if isinstance(exc, NotReady):
-            self.send(ipc.Failure(request_id, exc.kind, str(exc), True))
-        elif isinstance(exc, RequestError):
-            self.send(ipc.Failure(request_id, exc.kind, str(exc), False))
+            result = Result.failed(RuntimeError("the request was cancelled in the model process"))
         else:
-            log.error("request failed", exc_info=exc)
-            self.send(ipc.Failure(request_id, ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}", False))
-
-    async def _prepare(self, ingress: Ingress, frame: bytes) -> Sample:
-        """A policy without a ``Preprocessor``: its ``prepare`` here, off the loop for large frames."""
-        policy = ingress.policy
-        assert policy is not None
-
-        def prepare() -> Sample:
-            return policy.prepare(wire.decode_observation(frame))
-
-        ingress.preparing += 1
-        try:
-            if len(frame) <= INLINE_MAX_BYTES:
-                return prepare()
-            return await ingress.off_loop(prepare)
-        finally:
-            ingress.preparing -= 1
+            result = answer.result()
+        self.send(ipc.Answer(request_id, result))

@@ -1,4 +1,4 @@
-"""The ``rtc`` entry of an observation: parsed and checked on the ingress, resolved against the session's memory.
+"""The ``rtc`` entry of an observation: checked at admission, resolved against the connection's memory, mapped by the engine.
 
 Two forms (docs/protocol.md):
 
@@ -15,6 +15,7 @@ received it, whichever replica computed it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -51,11 +52,17 @@ class RtcRequest:
         return out
 
 
+_connections = itertools.count()
+
+
 class RtcSession:
-    """What a connection's short-form requests refer to: the last chunk it received (None before the first)."""
+    """A connection's own state: what its short-form requests refer to (the last chunk it received, None before
+    the first), and the number that scopes its sessions (``engine_api.scoped_session``): unique in its process
+    for the process's life, so two connections never share a session's state."""
 
     def __init__(self) -> None:
         self.last: np.ndarray | None = None
+        self.connection = next(_connections)
 
     def received(self, actions: np.ndarray) -> None:
         self.last = actions
@@ -195,7 +202,7 @@ class RtcPrepared:
 
 @dataclass(frozen=True)
 class RtcIngress:
-    """The ingress's side of real-time chunking: what it announces, and each entry checked and mapped."""
+    """The engine's side of real-time chunking: what it announces, and each checked entry mapped to the model's space."""
 
     support: RtcSupport
     policy: Policy | None = None
@@ -211,7 +218,11 @@ class RtcIngress:
     def parse(self, obs: Mapping[str, Any], session: RtcSession | None, action_shape: tuple[int, int]) -> RtcPrepared:
         """The observation's ``rtc`` entry, checked against the session's memory and mapped to the model's space."""
         self.support.check()
-        assert self.policy is not None, "check() refuses before a policy is attached"
         request = parse_rtc(obs[RTC_KEY], session, action_shape=action_shape, max_delay=self.support.max_delay)
+        return RtcPrepared(request, self.constraint(request))
+
+    def constraint(self, request: RtcRequest) -> RtcConstraint:
+        """A checked entry in the policy's model space, for the replica."""
+        assert self.policy is not None, "check() refuses before a policy is attached"
         target = self.policy.actions_to_model(request.prev_actions).float()
-        return RtcPrepared(request, RtcConstraint(target, request.delay, request.horizon))
+        return RtcConstraint(target, request.delay, request.horizon)

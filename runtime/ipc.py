@@ -5,14 +5,15 @@ Two channels, each for what it is good at:
 * **Control messages** (requests' ids, seeds, sessions, tensor specs; replies; readiness snapshots; drain
   commands) are small dataclasses, pickled over one Unix socket pair (``Channel``: length-prefixed frames,
   read and written on each side's event loop without ever blocking it).
-* **Tensor bytes** never go through pickle: the front-end writes each prepared sample (or, for a policy
-  without a ``Preprocessor``, the raw frame) into a slot of a ring of shared memory (``SlotRing``, one
-  ``memfd`` both processes map) and sends the slot and the tensors' specs; the model process copies them out
+* **Tensor bytes** never go through the socket: the front-end writes each prepared sample (or, for a policy
+  without a ``Preprocessor``, the decoded observation's arrays, as pickle's out-of-band buffers) into a slot
+  of a ring of shared memory (``SlotRing``, one ``memfd`` both processes map) and sends the slot and the
+  tensors' specs (the observation's small pickle); the model process copies them out
   at once (one ``numpy`` copy each) and hands the slot back (``Freed``), so a slot is held for
   microseconds, not for the request's life, and a few slots serve any number of sessions.
 
-A slot is ``--max-message-bytes`` (any frame the server admits fits raw); a prepared sample larger than a slot
-is refused with ``bad_frame``, never written past its slot.  The ring has at most ``MAX_SLOTS`` slots and at
+A slot is ``--max-message-bytes`` (the arrays of any frame the server admits fit); a prepared sample larger
+than a slot is refused with ``bad_frame``, never written past its slot.  The ring has at most ``MAX_SLOTS`` slots and at
 most ``--max-buffered-bytes`` in all; memory-backed pages cost only once written.
 
 Between the front-end processes themselves (``--frontend-processes``), one more piece of shared memory: each
@@ -40,10 +41,11 @@ import torch
 
 from policy_operator.layout import ParallelLayout
 from policy_operator.readyz import Readiness
-from policy_operator.runtime.errors import ErrorKind, WireError
-from policy_operator.runtime.parallel.dispatch import Reply
-from policy_operator.runtime.policy.interface import Preprocessor, Sample
-from policy_operator.runtime.serving.rtc_session import RtcSupport
+from policy_operator.runtime.engine_api import AdmissionSpec, PreparedRequest
+from policy_operator.runtime.errors import WireError
+from policy_operator.runtime.policy.interface import Sample
+from policy_operator.runtime.result import Result
+from policy_operator.runtime.rtc_session import RtcRequest
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +64,29 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class BufferSpec:
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Request:
-    """One decoded (and, with a ``Preprocessor``, prepared) request whose bytes are in ``slot``."""
+    """One admitted request (``engine_api.PreparedRequest``) whose bytes are in ``slot``: a prepared sample's
+    tensors, or (a policy without a ``Preprocessor``) the decoded observation as a pickle whose buffers are in
+    the slot."""
 
     id: int
     slot: int
-    tensors: tuple[TensorSpec, ...] | None  # a prepared sample; None: the raw frame, ``raw_bytes`` long
-    raw_bytes: int
+    tensors: tuple[TensorSpec, ...] | None  # a prepared sample; None: ``observation``
+    observation: tuple[bytes, tuple[BufferSpec, ...]] | None  # the observation's pickle, its buffers' places
     meta: dict[str, Any]
     seed: int | None
     session: str | None
-    rtc: tuple[np.ndarray, int, int] | None  # checked entry: (prev_actions in the returned space, delay, horizon)
-    recent: int  # the front-end's recently active sessions (the lanes' batch window waits for them)
+    rtc: RtcRequest | None
+    decode_ms: float
+    prepare_ms: float
+    frame_bytes: int
+    recent_sessions: int  # the front-end's recent sessions (the lanes' batch window waits for them)
 
 
 @dataclass(frozen=True)
@@ -82,8 +95,8 @@ class Listening:
 
 
 @dataclass(frozen=True)
-class Recent:
-    """The front-end's recently active sessions, when they changed without a request (a session closed or went
+class RecentSessions:
+    """The front-end's recent sessions, when they changed without a request (a session closed or went
     quiet): with several front-ends, the batch window sums every one's latest count."""
 
     sessions: int
@@ -121,12 +134,9 @@ class FrontendConfig:
 
 @dataclass(frozen=True)
 class Attached:
-    """The model is loaded: what sessions are told, and how the front-end prepares and checks ``rtc``."""
+    """The model is loaded: how the front-end admits requests (metadata, Preprocessor, ``rtc`` checks)."""
 
-    metadata: dict[str, Any]
-    preprocessor: Preprocessor | None
-    rtc: RtcSupport
-    action_shape: tuple[int, int]
+    admission: AdmissionSpec
 
 
 @dataclass(frozen=True)
@@ -140,15 +150,7 @@ class Snapshot:
 @dataclass(frozen=True)
 class Answer:
     id: int
-    reply: Reply  # actions, or the replica's error (the front-end unwraps it)
-
-
-@dataclass(frozen=True)
-class Failure:
-    id: int
-    kind: ErrorKind
-    message: str
-    not_ready: bool  # NotReady: the session is closed with 1001
+    result: Result  # actions, or the error (the front-end unwraps it)
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,49 @@ class Gauges:
 class Drain:
     grace_s: float
     heartbeat_s: float
+
+
+def request_of(id: int, slot: int, ring: SlotRing, prepared: PreparedRequest, recent_sessions: int) -> Request:
+    """``prepared``'s bytes written into ``slot`` and its description for the socket."""
+    if prepared.sample is not None:
+        tensors: tuple[TensorSpec, ...] | None = ring.write_sample(slot, prepared.sample)
+        observation, meta = None, prepared.sample.meta
+    else:
+        tensors, observation, meta = None, ring.write_object(slot, prepared.observation), {}
+    return Request(
+        id,
+        slot,
+        tensors,
+        observation,
+        meta,
+        prepared.seed,
+        prepared.session,
+        prepared.rtc,
+        prepared.decode_ms,
+        prepared.prepare_ms,
+        prepared.frame_bytes,
+        recent_sessions,
+    )
+
+
+def prepared_of(request: Request, ring: SlotRing) -> PreparedRequest:
+    """The model process's ``PreparedRequest`` of ``request``, copied out of its slot (the slot is free after)."""
+    if request.tensors is not None:
+        sample: Sample | None = Sample(ring.read_tensors(request.slot, request.tensors), request.meta)
+        observation = None
+    else:
+        assert request.observation is not None
+        sample, observation = None, ring.read_object(request.slot, *request.observation)
+    return PreparedRequest(
+        sample,
+        observation,
+        request.seed,
+        request.session,
+        request.rtc,
+        request.decode_ms,
+        request.prepare_ms,
+        request.frame_bytes,
+    )
 
 
 # --- the socket --------------------------------------------------------------------------------------
@@ -388,11 +433,32 @@ class SlotRing:
                 self._view[base + off : base + off + raw.nbytes] = raw.data
         return tuple(specs)
 
-    def write_raw(self, slot: int, data: bytes) -> None:
-        if len(data) > self.slot_bytes:
-            raise WireError(f"a frame of {len(data)} bytes is larger than a slot ({self.slot_bytes} bytes)")
+    def write_object(self, slot: int, obj: object) -> tuple[bytes, tuple[BufferSpec, ...]]:
+        """``obj`` (a decoded observation) pickled with its arrays' bytes out of band, into ``slot``: the small
+        pickle for the message, and where each buffer is.  WireError (bad_frame) when they do not fit."""
+        buffers: list[pickle.PickleBuffer] = []
+        data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
         base = slot * self.slot_bytes
-        self._view[base : base + len(data)] = data
+        specs: list[BufferSpec] = []
+        offset = 0
+        views = [b.raw() for b in buffers]
+        for view in views:  # packed: each is copied out into its own bytearray, so alignment buys nothing
+            specs.append(BufferSpec(offset, view.nbytes))
+            offset += view.nbytes
+        if offset > self.slot_bytes:
+            raise WireError(
+                f"the observation's arrays take {offset} bytes, more than the {self.slot_bytes} bytes "
+                "(--max-message-bytes) a request may hand to the model process"
+            )
+        for view, spec in zip(views, specs, strict=True):
+            self._view[base + spec.offset : base + spec.offset + spec.nbytes] = view
+        return data, tuple(specs)
+
+    def read_object(self, slot: int, data: bytes, specs: tuple[BufferSpec, ...]) -> Any:
+        """What ``write_object`` wrote, its buffers copied out: the slot may be reused as soon as this returns."""
+        base = slot * self.slot_bytes
+        buffers = [bytearray(self._view[base + spec.offset : base + spec.offset + spec.nbytes]) for spec in specs]
+        return pickle.loads(data, buffers=buffers)
 
     def read_tensors(self, slot: int, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
         """The slot's tensors, copied out: the slot may be reused as soon as this returns."""
@@ -417,10 +483,6 @@ class SlotRing:
             raw = np.frombuffer(self._map, dtype=np.uint8, count=spec.nbytes, offset=start).copy()
             tensors[spec.name] = torch.from_numpy(raw).view(dtype).reshape(spec.shape)
         return tensors
-
-    def read_raw(self, slot: int, nbytes: int) -> bytes:
-        base = slot * self.slot_bytes
-        return bytes(self._view[base : base + nbytes])
 
 
 # --- the pod's open sessions ---------------------------------------------------------------------------
