@@ -66,6 +66,7 @@ LEROBOT_FAMILIES: Final[Mapping[str, LeRobotFamily]] = MappingProxyType(
         "pi05": LeRobotFamily(False, "pi0.5"),
         "diffusion": LeRobotFamily(False, "Diffusion Policy"),
         "lingbot_va": LeRobotFamily(True, "LingBot-VA (video guided by its empty prompt)"),
+        "xvla": LeRobotFamily(False, "X-VLA"),
     }
 )
 

@@ -95,6 +95,9 @@ class Family(ABC):
     default_guidance: float | None = None
     #: Config attributes naming other repositories; loading resolves each against the checkpoint directory.
     references: tuple[str, ...] = ()
+    #: The cameras' conversion and normalization may run on the device (policy.py); False when the family's saved
+    #: preprocessor transforms images in steps of its own (X-VLA's ImageNet normalization).
+    device_preprocessing = True
 
     def __init__(self, policy: Any) -> None:
         self.policy = policy

@@ -1,0 +1,84 @@
+"""X-VLA through ``--policy lerobot``: the same actions as LeRobot's own on a tiny checkpoint written offline.
+
+runtime/policy/lerobot/family_xvla.py builds a small Florence-2 (DaViT + BART
+encoder) from config and bundles a locally trained tokenizer; the reference is
+LeRobot's ``predict_action_chunk`` with its global generator seeded with the
+request's seed (what ``generate_actions`` draws its noise from) and its
+postprocessor.  Measured: bitwise equal on this CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("lerobot")
+
+from policy_operator.layout import LayoutError  # noqa: E402
+from policy_operator.runtime.policy.interface import collate  # noqa: E402
+from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
+from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
+from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
+
+ATOL = 1e-5
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def xvla_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint("xvla", tmp_path_factory.mktemp("xvla") / "ckpt", seed=5)
+
+
+@pytest.fixture(scope="module")
+def xvla(xvla_dir: Path) -> LeRobotPolicy:
+    return LeRobotPolicy.load(str(xvla_dir), device=CPU)
+
+
+def ours(policy: LeRobotPolicy, observations: list[dict[str, Any]], seeds: list[int]) -> np.ndarray:
+    sample = collate([policy.prepare(obs) for obs in observations])
+    return np.stack(policy.postprocess_batch(sample_actions(policy, sample, seeds, guidance=1.0), sample))
+
+
+def lerobots_own(policy: LeRobotPolicy, obs: dict[str, Any], seed: int) -> np.ndarray:
+    loaded = policy.loaded
+    loaded.policy.reset()
+    batch = loaded.preprocessor(policy.spec.parse(obs))
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        return loaded.postprocessor(loaded.policy.predict_action_chunk(batch))[0].numpy()
+
+
+def test_xvla_answers_as_lerobot(xvla: LeRobotPolicy) -> None:
+    obs = xvla.example_observation(2)
+    got = ours(xvla, [obs], [13])[0]
+    assert got.shape == xvla.action_shape == (4, 6) and got.dtype == np.float32
+    np.testing.assert_allclose(got, lerobots_own(xvla, obs, 13), rtol=0, atol=ATOL)
+    assert not np.allclose(got, ours(xvla, [obs], [14])[0], atol=1e-3)  # the seed is the noise
+
+
+def test_batched_requests_equal_each_alone(xvla: LeRobotPolicy) -> None:
+    observations = [xvla.example_observation(k) for k in (1, 2, 3)]
+    observations[2]["task"] = "open the top drawer"
+    together = ours(xvla, observations, [1, 2, 3])
+    for k, obs in enumerate(observations):
+        np.testing.assert_allclose(together[k], ours(xvla, [obs], [k + 1])[0], rtol=0, atol=ATOL)
+
+
+def test_no_guidance_and_no_rtc(xvla: LeRobotPolicy) -> None:
+    assert not xvla.has_unconditional
+    assert SamplerSettings(None, None, "sequential").for_policy(xvla).guidance == 1.0
+    with pytest.raises(LayoutError, match="cfgp=2"):
+        SamplerSettings(None, None, "sequential").for_policy(xvla, cfgp=2)
+    meta = xvla.metadata()
+    assert meta["lerobot_type"] == "xvla" and meta["chunk_shape"] == [4, 6]
+    assert set(meta["observation_keys"]) == {
+        "observation.images.top",
+        "observation.images.wrist",
+        "observation.state",
+        "task",
+    }
+    assert xvla.rtc_unsupported_reason is not None and "clean chunk" in xvla.rtc_unsupported_reason
