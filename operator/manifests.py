@@ -134,7 +134,7 @@ from policy_operator.operator.spec import (
     EnvVar,
     PolicyServerSpec,
 )
-from policy_operator.serve_flags import DEFAULT_FRONTEND, managed_argv, serve_argv
+from policy_operator.serve_flags import DEFAULT_FRONTEND, TRUST_REMOTE_CODE_FLAG, managed_argv, serve_argv
 
 # The image's user is not known; any non-root uid works because the runtime
 # only reads the image's files and writes to the volumes mounted below.
@@ -613,6 +613,7 @@ def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint, *, compil
         rtc=rt.rtc.mode if rt.rtc.mode != "off" else None,
         rtc_max_delay=rt.rtc.max_inference_delay,
         auth_token_file=f"{AUTH_TOKEN_DIR}/{TOKEN_FILE}" if spec.auth.secret_ref is not None else None,
+        trust_remote_code=spec.policy.trust_remote_code,
     )
     if compile_cache:
         flags += ["--compile-cache-dir", COMPILE_CACHE_MOUNT_PATH]
@@ -755,6 +756,7 @@ def _pod_template(
             serving.path,
             "--require-marker",
             *(["--references"] if spec.policy.type == LEROBOT else []),
+            *([TRUST_REMOTE_CODE_FLAG] if spec.policy.trust_remote_code else []),
         ],
         env=_home_env(),
         volume_mounts=mounts[:2],

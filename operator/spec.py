@@ -578,6 +578,12 @@ class PolicySpec(KubeModel):
     import_path: Annotated[str, Field(max_length=MAX_IMPORT_PATH_LENGTH, pattern=IMPORT_PATH)] | None = None
     """pkg.module:Class of a Policy subclass inside the image (policy.type import only). Whether it has an
     unconditional branch is checked when a pod loads it."""
+    trust_remote_code: bool = False
+    """Let the checkpoint run its own Python code (transformers' trust_remote_code): a tokenizer or config inside
+    it whose auto_map names a Python file, and the trust_remote_code of its saved processor steps (the pods get
+    --trust-remote-code). Off (the default), such a LeRobot checkpoint fails the pods' checkpoint verification
+    naming the file or step; import paths and unregistered steps in its saved processors, pickled weights and
+    unserved policy types are refused either way."""
 
     @property
     def flag(self) -> str:

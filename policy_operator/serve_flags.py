@@ -19,10 +19,11 @@ from dataclasses import dataclass, fields
 from typing import Final
 
 from policy_operator.builtin_policies import BUILTIN_POLICIES, REFERENCE
-from policy_operator.constants import DEFAULT_GUIDANCE, DEFAULT_PORT, DEFAULT_STEPS, ENV_HOST
-from policy_operator.constants import policy_guidance as policy_guidance  # the rule serve and the operator apply
+from policy_operator.constants import DEFAULT_PORT, ENV_HOST
 from policy_operator.tokens import read_token_file
 
+DEFAULT_GUIDANCE: Final = 3.0  # a policy with an unconditional branch; one without gets 1.0 (no guidance)
+DEFAULT_STEPS: Final = 10  # a policy that does not name its own (Policy.default_steps)
 DEFAULT_DRAIN_GRACE_S: Final = 20.0
 DEFAULT_CACHE_DIR: Final = ".cache/checkpoints"
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 << 20
@@ -48,6 +49,7 @@ MAX_RTC_DELAY: Final = 1000  # control steps; far beyond any action horizon serv
 DEFAULT_POLICY: Final = REFERENCE
 WORKER_MODULE: Final = "policy_operator.runtime.worker"  # the torchrun program, one process per rank
 SERVE_COMMAND: Final = ("policyserver", "serve")
+TRUST_REMOTE_CODE_FLAG: Final = "--trust-remote-code"
 COMPILE_KEY_FLAG: Final = "--compile-key-file"
 
 
@@ -90,6 +92,7 @@ class ServeOptions:
     compile: str | None
     compile_cache_dir: str | None
     compile_key_file: str | None
+    trust_remote_code: bool
     log_level: str
 
     @classmethod
@@ -146,12 +149,24 @@ def _model_flags(g: argparse._ArgumentGroup) -> None:
         "HMAC-SHA256 tag under it and loaded only when theirs verifies; without it they are used only in a "
         "directory private to this user (docs/runtime.md, compile cache)",
     )
+    add_trust_remote_code(g)
     g.add_argument(
         "--threads",
         type=int,
         default=None,
         help="torch intra-op threads of every thread of a rank (model, event loop, prepare); default: "
         "OMP_NUM_THREADS when set, else 1 on a GPU (as torchrun sets for several ranks), else torch's own",
+    )
+
+
+def add_trust_remote_code(g: argparse._ActionsContainer) -> None:
+    """``--trust-remote-code``: ``serve`` and ``checkpoint verify`` take the same opt-in."""
+    g.add_argument(
+        TRUST_REMOTE_CODE_FLAG,
+        action="store_true",
+        help="let a LeRobot checkpoint run its own Python code (a tokenizer or config with auto_map, "
+        "trust_remote_code of its processor steps), as transformers' trust_remote_code; off: such a checkpoint "
+        "is refused, naming the file or step (import paths in its processor steps are refused either way)",
     )
 
 
@@ -399,6 +414,13 @@ def intra_op_threads(threads: int | None, device_type: str, environ: Mapping[str
     return 1 if device_type == "cuda" else None
 
 
+def policy_guidance(guidance: float | None, has_unconditional: bool) -> float:
+    """``--guidance`` as given, or the policy's own: DEFAULT_GUIDANCE with an unconditional branch, 1.0 without."""
+    if guidance is not None:
+        return guidance
+    return DEFAULT_GUIDANCE if has_unconditional else 1.0
+
+
 def read_token(path: str | None) -> str | None:
     """The --auth-token-file token; here, torch-free, so ``serve`` checks it before exec'ing torchrun."""
     return read_token_file(path, "--auth-token-file") if path else None
@@ -469,6 +491,7 @@ MANAGED: Final = (
     "drain_grace_s",
     "rtc",
     "rtc_max_delay",
+    "trust_remote_code",
 )
 MANAGED_FLAGS: Final = tuple(flag_of(name) for name in MANAGED)
 
@@ -493,6 +516,7 @@ def managed_argv(
     frontend_processes: int | None = None,
     rtc: str | None = None,
     rtc_max_delay: int | None = None,
+    trust_remote_code: bool = False,
 ) -> list[str]:
     """The worker flags the operator derives from the spec (``auth_token_file`` None: no auth; ``guidance`` or
     ``steps`` None: the policy's own; any other None: the flag's default, left off the command line)."""

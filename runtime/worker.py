@@ -221,7 +221,9 @@ class Runtime:
         before_load_s = process_age_s()
         started = time.perf_counter()
         cls = load_policy_class(self.opts.policy)
-        policy = cls.load(path, device=self.device, dtype=parse_dtype(self.opts.dtype))
+        # --trust-remote-code reaches a policy only when given: a plug-in's load() need not know the keyword
+        opt_in = {"trust_remote_code": True} if self.opts.trust_remote_code else {}
+        policy = cls.load(path, device=self.device, dtype=parse_dtype(self.opts.dtype), **opt_in)
         weights_s = time.perf_counter() - started
         cache_s = 0.0
         if self.opts.compile:

@@ -255,7 +255,11 @@ def test_example_is_accepted_and_the_crds_defaults_are_the_models(
     assert parse(defaulted) == parse(obj)
     # the apiserver fills in every scalar default the model has, no more
     assert defaulted["spec"]["runtime"].keys() >= {"drainGraceSeconds", "startupTimeoutSeconds", "device", "batching"}
-    assert defaulted["spec"]["policy"] == {"type": "reference", **obj["spec"].get("policy", {})}
+    assert defaulted["spec"]["policy"] == {
+        "type": "reference",
+        "trustRemoteCode": False,
+        **obj["spec"].get("policy", {}),
+    }
     assert defaulted["spec"]["runtime"]["batching"].keys() == {"maxBatch", "windowMs"}  # nested defaults too
 
 

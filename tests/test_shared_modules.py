@@ -115,9 +115,11 @@ def test_managed_flags_are_serve_flags_the_operator_writes() -> None:
         frontend_processes=4,
         rtc="guided",
         rtc_max_delay=4,
+        trust_remote_code=True,
     )
     opts = parse_serve(argv)
     assert (opts.rtc, opts.rtc_max_delay) == ("guided", 4)
+    assert opts.trust_remote_code is True
     assert (opts.frontend, opts.frontend_processes) == ("process", 4)
     assert opts.policy == "m.p:P"
     assert (

@@ -221,7 +221,7 @@ def test_defaults_fill_an_empty_section() -> None:
             "sha256": {},
             "fetchJob": {"backoffLimit": 3, "ttlSecondsAfterFinished": 3600, "env": []},
         },
-        "policy": {"type": "reference"},
+        "policy": {"type": "reference", "trustRemoteCode": False},
         "parallelism": {"cfgp": 1, "dp": 1},
         "replicas": 1,
         "progressDeadlineSeconds": 900,

@@ -2,7 +2,8 @@
 
 ``init`` writes the reference policy with seeded random weights; ``verify`` is
 what the serving pod's init container runs against the shared volume: it
-trusts the files, not a status flag.
+trusts the files, not a status flag, and refuses a LeRobot checkpoint that
+would run code as ``serve`` refuses it (``trusted_steps.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from policy_operator.builtin_policies import LEROBOT_FAMILIES
 from policy_operator.constants import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 from policy_operator.exit_codes import CheckpointExit
 from policy_operator.runtime.checkpoint.format import CheckpointError, verify_checkpoint
+from policy_operator.runtime.checkpoint.trusted_steps import check_lerobot_checkpoint, is_lerobot_checkpoint
+from policy_operator.serve_flags import add_trust_remote_code
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "resolvable offline (policyserver fetch --references)",
     )
     p.add_argument("--hashes", action="store_true", help="re-hash every file (default: sizes only)")
+    add_trust_remote_code(p)  # a LeRobot checkpoint is checked as serve loads it (checkpoint/trusted_steps.py)
     p.set_defaults(_action=_verify)
     p = sub.add_parser(
         "prune",
@@ -111,6 +115,8 @@ def _verify(args: argparse.Namespace) -> int:
             from policy_operator.runtime.checkpoint.references import check_references
 
             check_references(root, root.parent)
+        if is_lerobot_checkpoint(root):
+            check_lerobot_checkpoint(root, trust_remote_code=args.trust_remote_code)
     except (CheckpointError, FetchError) as exc:
         print(f"policyserver: error: {exc}", file=sys.stderr)
         return CheckpointExit.INVALID

@@ -8,12 +8,22 @@ directory of that name inside the checkpoint when there is one (how
 ``write_tiny_checkpoint`` bundles them, and how a fetched checkpoint may carry
 them), else to the offline hub cache (``HF_HUB_CACHE``), where the fetch Job
 puts them.  A missing one fails the load with the name, never a download.
+
+A checkpoint never runs code unless the user opted in by name: before
+anything of LeRobot is imported, ``checkpoint/trusted_steps.py`` checks the
+policy type against the served families, every saved processor step against
+LeRobot's registered steps (by name, never an import path), the weights for
+pickles and -- without ``trust_remote_code`` -- the checkpoint's JSON for
+``auto_map``; then the steps that take a ``trust_remote_code`` get the user's
+choice, and transformers refuses (never prompts for) any other remote code.
+Each refusal is a ``CheckpointError`` naming the file or the step.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,11 +32,16 @@ import torch
 
 from policy_operator.builtin_policies import LEROBOT_FAMILIES
 from policy_operator.runtime.checkpoint.format import CheckpointError
+from policy_operator.runtime.checkpoint.trusted_steps import (
+    POSTPROCESSOR_JSON,
+    PREPROCESSOR_JSON,
+    TrustedCheckpoint,
+    check_lerobot_checkpoint,
+    step_overrides,
+)
 from policy_operator.runtime.policy.lerobot.families import family_class
 
 CONFIG_JSON = "config.json"
-PREPROCESSOR_JSON = "policy_preprocessor.json"
-POSTPROCESSOR_JSON = "policy_postprocessor.json"
 TOKENIZER_STEP = "tokenizer_processor"
 DEVICE_STEP = "device_processor"
 
@@ -62,41 +77,65 @@ def resolve_reference(name: str, root: Path) -> str:
     return str(bundled) if name and not Path(name).is_absolute() and bundled.is_dir() else name
 
 
-def read_policy_type(root: Path) -> str:
-    """The LeRobot policy type of a checkpoint directory, with a clear error for a directory that is not one."""
-    try:
-        data = json.loads((root / CONFIG_JSON).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{root} is not a LeRobot checkpoint: {CONFIG_JSON} is missing") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{root / CONFIG_JSON} is not JSON: {exc}") from exc
-    kind = data.get("type") if isinstance(data, dict) else None
-    if not isinstance(kind, str):
-        raise CheckpointError(f"{root / CONFIG_JSON} has no LeRobot policy 'type' (smolvla, pi0, pi05, diffusion...)")
-    return kind
-
-
-def _tokenizer_overrides(root: Path) -> dict[str, Any]:
+def _tokenizer_overrides(trusted: TrustedCheckpoint) -> dict[str, Any]:
     """The saved preprocessor's tokenizer name, resolved as every other reference is."""
-    try:
-        steps = json.loads((root / PREPROCESSOR_JSON).read_text()).get("steps", [])
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{root} has no saved preprocessor ({PREPROCESSOR_JSON}); save it with "
-            "preprocessor.save_pretrained(dir) next to the policy"
-        ) from None
-    for step in steps:
-        name = step.get("config", {}).get("tokenizer_name")
-        if step.get("registry_name") == TOKENIZER_STEP and isinstance(name, str):
-            return {TOKENIZER_STEP: {"tokenizer_name": resolve_reference(name, root)}}
+    for step in trusted.steps(PREPROCESSOR_JSON):
+        name = step.config.get("tokenizer_name")
+        if step.name == TOKENIZER_STEP and isinstance(name, str):
+            return {TOKENIZER_STEP: {"tokenizer_name": resolve_reference(name, trusted.root)}}
     return {}
 
 
-def load_pretrained(checkpoint: str | os.PathLike[str], device: torch.device) -> Loaded:
-    """The policy on ``device`` (eval, no grad) and its pipelines; the preprocessor's tensors stay on the CPU."""
+@contextlib.contextmanager
+def _remote_code(trust: bool) -> Iterator[None]:
+    """Without ``trust``, transformers refuses a repository's own code where no caller said either way (it would
+    otherwise ask on a terminal for 15 s): its prompt's timeout at 0 is its own non-interactive refusal."""
+    if trust:
+        yield
+        return
+    from transformers import dynamic_module_utils
+
+    before = dynamic_module_utils.TIME_OUT_REMOTE_CODE
+    dynamic_module_utils.TIME_OUT_REMOTE_CODE = 0
+    try:
+        yield
+    finally:
+        dynamic_module_utils.TIME_OUT_REMOTE_CODE = before
+
+
+def _check_registered(trusted: TrustedCheckpoint) -> None:
+    """Every step name is one LeRobot itself registered (a name on the allowlist that some other import
+    registered, or that LeRobot no longer has, is refused before LeRobot builds the pipeline)."""
+    from lerobot.processor import ProcessorStepRegistry
+
+    for steps in trusted.pipelines.values():
+        for step in steps:
+            try:
+                cls = ProcessorStepRegistry.get(step.name)
+            except KeyError:
+                raise CheckpointError(f"{trusted.root / step.file}: {step} is not registered by LeRobot") from None
+            if not str(getattr(cls, "__module__", "")).startswith("lerobot."):
+                raise CheckpointError(
+                    f"{trusted.root / step.file}: {step} is registered by {cls.__module__}, not by LeRobot"
+                )
+
+
+def load_pretrained(
+    checkpoint: str | os.PathLike[str], device: torch.device, *, trust_remote_code: bool = False
+) -> Loaded:
+    """The policy on ``device`` (eval, no grad) and its pipelines; the preprocessor's tensors stay on the CPU.
+
+    ``trust_remote_code``: the user's opt-in (``--trust-remote-code``) to the checkpoint's own Python files.
+    """
     go_offline()
     root = Path(checkpoint)
-    kind = read_policy_type(root)
+    trusted = check_lerobot_checkpoint(root, trust_remote_code=trust_remote_code)  # before any LeRobot import
+    with _remote_code(trust_remote_code):
+        return _load(trusted, device, trust_remote_code)
+
+
+def _load(trusted: TrustedCheckpoint, device: torch.device, trust: bool) -> Loaded:
+    root, kind = trusted.root, trusted.type
     from lerobot.configs.policies import PreTrainedConfig
     from lerobot.policies.factory import get_policy_class, make_pre_post_processors
 
@@ -119,9 +158,18 @@ def load_pretrained(checkpoint: str | os.PathLike[str], device: torch.device) ->
     except OSError as exc:  # a referenced repository neither bundled nor in the offline cache
         raise CheckpointError(f"{root}: {str(exc).splitlines()[0]}") from exc
     policy.to(device).eval().requires_grad_(False)
-    preprocessor, postprocessor = make_pre_post_processors(
-        config,
-        pretrained_path=str(root),
-        preprocessor_overrides={DEVICE_STEP: {"device": "cpu"}, **_tokenizer_overrides(root)},
-    )
+    _check_registered(trusted)  # the policy's module has registered its own steps by now
+    try:
+        preprocessor, postprocessor = make_pre_post_processors(
+            config,
+            pretrained_path=str(root),
+            preprocessor_overrides={
+                DEVICE_STEP: {"device": "cpu"},
+                **_tokenizer_overrides(trusted),
+                **step_overrides(trusted.steps(PREPROCESSOR_JSON), trust_remote_code=trust),
+            },
+            postprocessor_overrides=step_overrides(trusted.steps(POSTPROCESSOR_JSON), trust_remote_code=trust),
+        )
+    except (ValueError, ImportError, OSError) as exc:  # a step refused: e.g. a tokenizer that needs remote code
+        raise CheckpointError(f"{root}: a saved processor step did not load: {str(exc).splitlines()[0]}") from exc
     return Loaded(root, config, policy, preprocessor, postprocessor)
