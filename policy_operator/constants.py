@@ -80,6 +80,18 @@ ENV_HF_ENDPOINT: Final = "HF_ENDPOINT"
 ENV_HF_HUB_OFFLINE: Final = "HF_HUB_OFFLINE"
 ENV_HF_HUB_CACHE: Final = "HF_HUB_CACHE"
 
+# --- Sampling defaults: what serve's flags default to, what the operator's spec model and the policies read --------
+DEFAULT_STEPS: Final = 10  # a policy that does not name its own (Policy.default_steps)
+DEFAULT_GUIDANCE: Final = 3.0  # a policy with an unconditional branch; one without gets 1.0 (no guidance)
+
+
+def policy_guidance(guidance: float | None, has_unconditional: bool) -> float:
+    """``--guidance`` as given, or the policy's own: DEFAULT_GUIDANCE with an unconditional branch, 1.0 without."""
+    if guidance is not None:
+        return guidance
+    return DEFAULT_GUIDANCE if has_unconditional else 1.0
+
+
 # --- Ports, paths, files --------------------------------------------------------
 DEFAULT_PORT: Final = 8000  # openpi's default serve_policy port
 PORT_NAME: Final = "ws"

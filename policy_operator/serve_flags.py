@@ -19,11 +19,10 @@ from dataclasses import dataclass, fields
 from typing import Final
 
 from policy_operator.builtin_policies import BUILTIN_POLICIES, REFERENCE
-from policy_operator.constants import DEFAULT_PORT, ENV_HOST
+from policy_operator.constants import DEFAULT_GUIDANCE, DEFAULT_PORT, DEFAULT_STEPS, ENV_HOST
+from policy_operator.constants import policy_guidance as policy_guidance  # the rule serve and the operator apply
 from policy_operator.tokens import read_token_file
 
-DEFAULT_GUIDANCE: Final = 3.0  # a policy with an unconditional branch; one without gets 1.0 (no guidance)
-DEFAULT_STEPS: Final = 10  # a policy that does not name its own (Policy.default_steps)
 DEFAULT_DRAIN_GRACE_S: Final = 20.0
 DEFAULT_CACHE_DIR: Final = ".cache/checkpoints"
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 << 20
@@ -412,13 +411,6 @@ def intra_op_threads(threads: int | None, device_type: str, environ: Mapping[str
     if environ.get("OMP_NUM_THREADS"):
         return None  # torch reads it itself
     return 1 if device_type == "cuda" else None
-
-
-def policy_guidance(guidance: float | None, has_unconditional: bool) -> float:
-    """``--guidance`` as given, or the policy's own: DEFAULT_GUIDANCE with an unconditional branch, 1.0 without."""
-    if guidance is not None:
-        return guidance
-    return DEFAULT_GUIDANCE if has_unconditional else 1.0
 
 
 def read_token(path: str | None) -> str | None:

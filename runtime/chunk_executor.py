@@ -229,7 +229,7 @@ def simulate(
     """
     from websockets.sync.client import connect
 
-    from policy_operator.runtime.client import robolab_observation
+    from policy_operator.runtime.robolab import robolab_observation
     from policy_operator.runtime.serving import wire
 
     with connect(url, additional_headers=headers, max_size=None, open_timeout=timeout, compression=None) as ws:

@@ -20,19 +20,7 @@ from typing import Any
 import numpy as np
 
 from policy_operator.constants import DEFAULT_PORT
-
-
-def robolab_observation(metadata: dict[str, Any], seed: int, *, fixed_seed: int | None = None) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    obs: dict[str, Any] = {
-        "observation/image": rng.integers(0, 256, size=(224, 224, 3), dtype=np.uint8),
-        "observation/joint_position": rng.standard_normal(int(metadata.get("joint_dim", 7))).astype(np.float32),
-        "observation/gripper_position": rng.random(int(metadata.get("gripper_dim", 1))).astype(np.float32),
-        "prompt": "put the banana in the bowl",
-    }
-    if fixed_seed is not None:
-        obs["seed"] = fixed_seed
-    return obs
+from policy_operator.runtime.robolab import robolab_observation as robolab_observation  # its callers' name
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -37,7 +37,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from policy_operator.builtin_policies import policy_target
-from policy_operator.serve_flags import DEFAULT_STEPS
+from policy_operator.constants import DEFAULT_STEPS
 
 
 class Branch(IntEnum):

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from policy_operator.builtin_policies import check_unconditional
+from policy_operator.constants import policy_guidance
 from policy_operator.layout import ParallelLayout
 from policy_operator.runtime.errors import PeerFailed, ReplicaFailed
 from policy_operator.runtime.policy.interface import Branch, Context, Integrator, Policy, Sample, context_map
@@ -55,7 +56,6 @@ from policy_operator.runtime.policy.rtc import (
     time_after,
     vjp,
 )
-from policy_operator.serve_flags import policy_guidance
 
 log = logging.getLogger(__name__)
 
