@@ -342,7 +342,10 @@ FAMILY = LingBotVA
 
 def tiny_config(root: Path, size: str) -> Any:
     """A LingBot-VA config of ``size`` with its frozen parts (a Wan2.2-shaped VAE, a UMT5 encoder, a T5
-    tokenizer over a small vocabulary) written under ``root/wan`` with seeded random weights, offline."""
+    tokenizer over a small vocabulary) written under ``root/wan`` with seeded random weights, offline.
+
+    ``base``: the published transformer and VAE (bfloat16); the UMT5-XXL encoder at its published width (the
+    transformer's text projection takes it) with 2 of its 24 layers and the small vocabulary."""
     import diffusers
     import transformers
     from lerobot.configs.types import FeatureType, PolicyFeature
@@ -361,6 +364,7 @@ def tiny_config(root: Path, size: str) -> Any:
     text_dim = 32 if tiny else 4096
     wan_vae(
         base_dim=8 if tiny else 160,
+        decoder_base_dim=None if tiny else 256,
         z_dim=LATENT_CHANNELS,
         dim_mult=[1, 2, 2, 2] if tiny else [1, 2, 4, 4],
         num_res_blocks=1 if tiny else 2,
@@ -380,7 +384,7 @@ def tiny_config(root: Path, size: str) -> Any:
             d_model=text_dim,
             d_kv=8 if tiny else 64,
             d_ff=64 if tiny else 10240,
-            num_layers=1 if tiny else 24,
+            num_layers=1 if tiny else 2,  # published: 24; it runs once per request, outside the denoising loop
             num_heads=2 if tiny else 64,
         )
     ).save_pretrained(wan / "text_encoder")
