@@ -21,6 +21,7 @@ import http
 import json
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -37,6 +38,7 @@ from policy_operator.runtime.serving import wire
 from policy_operator.runtime.serving.backend import Backend
 from policy_operator.runtime.serving.limits import MAX_QUEUED_FRAMES, MemoryReturn, ReadBudget, bounded_connection
 from policy_operator.runtime.serving.metrics import ServerMetrics
+from policy_operator.runtime.serving.probe_cache import ProbePacer, Recomputed
 from policy_operator.serve_flags import (
     DEFAULT_FRAME_READ_TIMEOUT_S,
     DEFAULT_MAX_BUFFERED_BYTES,
@@ -45,6 +47,9 @@ from policy_operator.serve_flags import (
 )
 
 log = logging.getLogger(__name__)
+CONNECTION_LOG = logging.getLogger("policy_operator.runtime.serving.connections")  # websockets' own records
+HEALTHZ_BODY = b'{"status": "ok"}'
+PROBE_PATHS = frozenset({HEALTHZ_PATH, READYZ_PATH, METRICS_PATH})
 
 ErrorFormat = Literal["text", "dict"]
 GOING_AWAY = 1001  # the close code of a draining server: clients reconnect, through the Service, to a ready pod
@@ -180,6 +185,10 @@ class PolicyWebSocketServer:
             on_close=lambda reason: metrics.connections_closed.labels(reason).inc(),
         )
         self.memory = MemoryReturn()  # unfinished messages' buffers back to the system once they are freed
+        # a probe or scrape flood gets the same bytes again instead of the loop's time (probe_cache.py)
+        self._readyz_answer = Recomputed(self._readyz)
+        self._metrics_answer = Recomputed(self._scrape)
+        self._pacer = ProbePacer()
         self._server: Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -207,18 +216,28 @@ class PolicyWebSocketServer:
         self.metrics.errors.labels(ErrorKind.UNAUTHORIZED.value).inc()
         return _json(401, {"error": "missing or invalid token (Authorization: Bearer <token> or Api-Key <token>)"})
 
-    def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = request.path.split("?", 1)[0]
+    def _readyz(self) -> tuple[int, bytes]:
+        readiness = self.ingress.readiness()
+        self.metrics.ranks_ready.set(readiness.ranks_ready)
+        return 200 if readiness.ready else 503, readiness.to_json()
+
+    def _scrape(self) -> bytes:
+        # ranks ready as of this scrape, not as of the last kubelet probe
+        self.metrics.ranks_ready.set(self.ingress.readiness().ranks_ready)
+        return self.metrics.render()
+
+    def _probe_answer(self, path: str) -> Response:
         if path == HEALTHZ_PATH:
-            return _json(200, {"status": "ok"})
+            return _response(200, HEALTHZ_BODY, "application/json")
         if path == READYZ_PATH:
-            readiness = self.ingress.readiness()
-            self.metrics.ranks_ready.set(readiness.ranks_ready)
-            return _response(200 if readiness.ready else 503, readiness.to_json(), "application/json")
-        if path == METRICS_PATH:
-            # ranks ready as of this scrape, not as of the last kubelet probe
-            self.metrics.ranks_ready.set(self.ingress.readiness().ranks_ready)
-            return _response(200, self.metrics.render(), self.metrics.content_type)
+            status, body = self._readyz_answer.get()
+            return _response(status, body, "application/json")
+        return _response(200, self._metrics_answer.get(), self.metrics.content_type)
+
+    def process_request(self, connection: ServerConnection, request: Request) -> Response | Awaitable[Response] | None:
+        path = request.path.split("?", 1)[0]
+        if path in PROBE_PATHS:  # at once, or a moment later during a flood (probe_cache.ProbePacer)
+            return self._pacer.pace(lambda: self._probe_answer(path))
         if (refused := self._auth_refusal(request)) is not None:
             return refused
         if not self.ingress.accepting:
@@ -325,6 +344,12 @@ class PolicyWebSocketServer:
             compression=None,
             create_connection=bounded_connection(self.budget),
             reuse_port=self.config.reuse_port,
+            logger=CONNECTION_LOG,
+        )
+        # websockets logs two INFO lines per connection, a probe's too (398k lines under a probe flood): they show
+        # with --log-level DEBUG only; its warnings and errors always do
+        CONNECTION_LOG.setLevel(
+            logging.DEBUG if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else logging.WARNING
         )
         self._sweeper = asyncio.ensure_future(self._sweep())
         log.info("listening on ws://%s:%d", self.config.host, self.port)
