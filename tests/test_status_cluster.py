@@ -99,6 +99,15 @@ def test_a_rollout_watched_throughout_never_reads_ready_while_an_old_pod_serves(
     env.apply(env.doc(name))
     first = env.wait(name, lambda s: s.get("phase") == C.PHASE_READY, "first Ready")
     assert cond(first, C.COND_READY)["status"] == "True" and cond(first, C.COND_READY)["reason"] == "ReplicasReady"
+    # the happy path raises no alarm: the fetch pod waited for its new cache claim to bind (the scheduler said
+    # "pod has unbound immediate PersistentVolumeClaims"), which is no Unschedulable Warning (issue 40 item 11)
+    env.lc.operator.settle()  # kopf posts a pass's Events after its status
+    warnings = [
+        (e.get("reason"), e.get("message"))
+        for e in env.lc.api.events(NS, involved_name=name)
+        if e.get("type") == "Warning" and (e.get("involvedObject") or {}).get("kind") == C.KIND
+    ]  # (the endpoints controllers' own Warnings about the Service of the same name: loopback pod IPs, see e2e.md)
+    assert not warnings, f"Warnings on the happy path: {warnings}"
     old_revision = first["pods"][0]["revision"]
 
     seen: list[dict[str, Any]] = []
@@ -192,6 +201,62 @@ def test_a_crashing_template_reaches_the_progress_deadline_with_the_ranks_error(
     assert cond(status, C.COND_READY)["reason"] == "ProgressDeadlineExceeded"
     assert status["checkpoint"]["phase"] == "Ready"  # the download was fine; the pods are not
     env.lc.api.wait_event(NS, name, "Warning", "ProgressDeadlineExceeded")
+    env.delete(name)
+
+
+def server_pods(env: Env, name: str) -> list[dict[str, Any]]:
+    return env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={name},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+
+
+def test_a_crash_looping_pod_is_failing_at_once_with_the_error_that_killed_it(env: Env) -> None:
+    """The default progressDeadlineSeconds (900 s): the phase read Starting (Progressing RollingOut) all that time
+    and the pod's message was its last log line, not its error (issue 40 item 12)."""
+    name = "crashloop"
+    doc = env.doc(name)
+    doc["spec"]["runtime"]["extraArgs"] = ["--dtype", "bogus"]
+    env.apply(doc)
+    status = env.wait(
+        name,
+        lambda s: s.get("phase") == C.PHASE_FAILED and cond(s, C.COND_PROGRESSING).get("reason") == "CrashLoopBackOff",
+        "phase Failed, Progressing CrashLoopBackOff, long before the progress deadline",
+    )
+    progressing = cond(status, C.COND_PROGRESSING)
+    assert progressing["status"] == "True" and "bogus" in progressing["message"], progressing
+    assert cond(status, C.COND_READY)["reason"] == "CrashLoopBackOff"
+    assert cond(status, C.COND_STALLED)["status"] == "False"  # the kubelet keeps restarting it
+    message = status["pods"][0].get("message", "")
+    assert message.startswith("crash-looping: server exited") and "bogus" in message, message
+    assert "server closed" not in message
+    env.lc.api.wait_event(NS, name, "Warning", "CrashLoopBackOff", message="bogus")
+    env.delete(name)
+
+
+def test_a_hung_pod_is_reported_as_not_answering(env: Env) -> None:
+    """Every process of a serving pod SIGSTOPped: the kernel still accepts connections on its socket and nothing
+    answers.  It read "starting: /readyz unreachable" (issue 40 item 13)."""
+    import signal
+
+    from tests.support.local_node_proc import signal_processes
+
+    name = "hung"
+    env.apply(env.doc(name))
+    env.wait(name, lambda s: s.get("phase") == C.PHASE_READY, "Ready")
+    pod = server_pods(env, name)[0]["metadata"]["name"]
+    procs = env.lc.node.processes(NS, pod, "server")
+    assert procs, f"no process of {pod}"
+    signal_processes(procs, signal.SIGSTOP)
+    try:
+        status = env.wait(
+            name,
+            lambda s: any(p.get("message", "").startswith("not answering /readyz") for p in s.get("pods") or []),
+            "the pod reported as not answering",
+            timeout=60,
+        )
+    finally:
+        signal_processes(procs, signal.SIGCONT)
+    entry = status["pods"][0]
+    assert not entry["ready"] and entry["ranksReady"] == "0/1" and "ranksKnown" not in entry, entry
+    assert "starting" not in entry["message"] and cond(status, C.COND_AVAILABLE).get("reason") != "RanksUnknown"
     env.delete(name)
 
 
