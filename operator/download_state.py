@@ -286,49 +286,79 @@ def checkpoint_state(
     record of another claim's uid, is a checkpoint the pods will not find
     (``verify-checkpoint``: "checkpoint not fetched"), so it is fetched again.
     """
-    ck = spec.checkpoint
-    job_name = Names(spec.name).job(ck.key)
-    recorded = recorded or {}
+    job_name = Names(spec.name).job(spec.checkpoint.key)
     if spec.storage.per_pod:  # no fetch Job: each pod's init container fetches into its own claim
         return CheckpointState(
             CheckpointPhase.READY,
             Reason.FETCHED_BY_PODS,
-            f"each pod fetches {ck.source} into {ck.path} on its own claim before it serves",
+            f"each pod fetches {spec.checkpoint.source} into {spec.checkpoint.path} on its own claim before it serves",
             job_name,
         )
-    claim_uid = meta_of(claim).uid
-    claim_name = meta_of(claim).name
     if job is None:
-        return without_job(spec, job_name, recorded, claim)
+        return without_job(spec, job_name, recorded or {}, claim)
+    return finished_job_state(spec, job, job_pods, job_name, claim) or running_job_state(
+        spec, job, job_pods, job_name, fetch_progress, job_events, now=now, claim=claim
+    )
+
+
+def finished_job_state(
+    spec: PolicyServerSpec,
+    job: V1Job,
+    job_pods: Sequence[V1Pod],
+    job_name: str,
+    claim: V1PersistentVolumeClaim | None,
+) -> CheckpointState | None:
+    """A Job that is done: Ready (on the claim there is now), Failed (with what its exit code means), stale (it
+    wrote to a claim that is gone), or None while it still runs."""
     if ran_on_older_claim(job, claim) and job_condition(job, "Complete"):
         return CheckpointState(
             CheckpointPhase.PENDING,
             Reason.JOB_PENDING,
-            f"fetch Job {job_name} wrote to a cache claim that is gone ({claim_name} was made "
+            f"fetch Job {job_name} wrote to a cache claim that is gone ({meta_of(claim).name} was made "
             f"after it): deleting it to fetch again",
             job_name,
             stale_job=True,
         )
-    status = job.status or V1JobStatus()
-    if job_condition(job, "Complete") or (status.succeeded or 0) >= 1:
+    if job_condition(job, "Complete") or ((job.status.succeeded if job.status else None) or 0) >= 1:
         return CheckpointState(
-            CheckpointPhase.READY, Reason.DOWNLOADED, f"{ck.path} is complete", job_name, claim_uid=claim_uid
+            CheckpointPhase.READY,
+            Reason.DOWNLOADED,
+            f"{spec.checkpoint.path} is complete",
+            job_name,
+            claim_uid=meta_of(claim).uid,
         )
-    failed = status.failed or 0
+    if not job_condition(job, "Failed"):
+        return None
+    cond = _conditions(job)["Failed"]
     exit_code, last_line = _fetch_termination(job_pods)
-    if job_condition(job, "Failed"):
-        cond = _conditions(job)["Failed"]
-        # the Job's deadline, else what the fetch's exit code means (policy_operator/exit_codes.py)
-        reason = (
-            Reason.DEADLINE_EXCEEDED
-            if cond.reason == "DeadlineExceeded"
-            else EXIT_REASONS.get(exit_code or 0, Reason.FETCH_FAILED)
-        )
-        detail = last_line or cond.message or cond.reason or "the fetch Job failed"
-        return CheckpointState(
-            CheckpointPhase.FAILED, reason, f"fetch Job {job_name} failed: {detail}"[:MAX_MESSAGE], job_name
-        )
-    attempts = ck.fetch_job.backoff_limit + 1
+    # the Job's deadline, else what the fetch's exit code means (policy_operator/exit_codes.py)
+    reason = (
+        Reason.DEADLINE_EXCEEDED
+        if cond.reason == "DeadlineExceeded"
+        else EXIT_REASONS.get(exit_code or 0, Reason.FETCH_FAILED)
+    )
+    detail = last_line or cond.message or cond.reason or "the fetch Job failed"
+    return CheckpointState(
+        CheckpointPhase.FAILED, reason, f"fetch Job {job_name} failed: {detail}"[:MAX_MESSAGE], job_name
+    )
+
+
+def running_job_state(
+    spec: PolicyServerSpec,
+    job: V1Job,
+    job_pods: Sequence[V1Pod],
+    job_name: str,
+    fetch_progress: str | None,
+    job_events: Sequence[CoreV1Event],
+    *,
+    now: datetime.datetime | None,
+    claim: V1PersistentVolumeClaim | None,
+) -> CheckpointState:
+    """A Job that still runs: its pod not started (and why), downloading (with its progress and the last
+    failure), between attempts, or refused its pod (FailedCreate)."""
+    status = job.status or V1JobStatus()
+    failed = status.failed or 0
+    _, last_line = _fetch_termination(job_pods)
     waiting_pod = waiting_fetch_pod(job_pods) if (status.active or 0) >= 1 else None
     if waiting_pod is not None:
         not_started = fetch_pod_waiting_state(
@@ -338,10 +368,11 @@ def checkpoint_state(
             failed and not_started.reason == Reason.JOB_PENDING
         ):  # a retry about to start: the last failure says more
             return not_started
+    attempts = spec.checkpoint.fetch_job.backoff_limit + 1
     if (status.active or 0) >= 1:
         progress = last_progress(fetch_progress) if fetch_progress else None
         message = (
-            f"downloading {ck.source}"
+            f"downloading {spec.checkpoint.source}"
             + (f": {progress.text}" if progress else "")
             + f" (attempt {failed + 1}/{attempts})"
         )

@@ -94,6 +94,9 @@ def plan_claim(
     return None, None
 
 
+Problem = tuple[Reason, str]  # a reason of StorageReady=False and its message
+
+
 def _bytes(quantity: Any) -> Any:
     from kubernetes.utils import parse_quantity
 
@@ -121,105 +124,130 @@ def check_storage(
     when their StorageClass allows expansion; a smaller one never shrinks a
     claim.  An existingClaim is the user's: only read.
     """
-    storage = spec.storage
-    problems: list[tuple[Reason, str]] = []
+    problems = [*mode_change(spec, sts), *terminating(claims)]
     grows: list[Write] = []
-    if sts is not None:
-        has_templates = bool(sts.spec.volume_claim_templates if sts.spec else None)
-        if has_templates != storage.per_pod:
-            was = "perPod" if has_templates else "shared"
-            problems.append(
-                (
-                    Reason.IMMUTABLE_CHANGE,
-                    f"storage.mode {storage.mode} cannot replace {was} on an existing PolicyServer (a "
-                    f"StatefulSet's volumeClaimTemplates are immutable); the pods are left as they are: set "
-                    f"it back to {was}, or delete and recreate the PolicyServer",
-                )
-            )
-    for claim in claims:
-        meta = meta_of(claim)
-        if meta.deletion_timestamp:
-            problems.append(
-                (
-                    Reason.CLAIM_TERMINATING,
-                    f"PersistentVolumeClaim {meta.name} is being deleted: it goes once no pod uses it "
-                    f"(kubernetes.io/pvc-protection), then a new, empty claim is made and the checkpoint is "
-                    f"fetched again",
-                )
-            )
-    if not storage.existing_claim:
-        want = _bytes(storage.size)
+    if not spec.storage.existing_claim:
         for claim in claims:
-            name = str(meta_of(claim).name)
-            claim_spec = claim.spec or V1PersistentVolumeClaimSpec()
-            modes = sorted(claim_spec.access_modes or [])
-            if storage.access_modes and modes != sorted(storage.access_modes):
-                problems.append(
-                    (
-                        Reason.IMMUTABLE_CHANGE,
-                        f"PersistentVolumeClaim {name} has access modes {modes}, the spec asks for "
-                        f"{sorted(storage.access_modes)}: access modes cannot change after creation; "
-                        f"delete the claim (the checkpoint downloads again) or restore the spec",
-                    )
-                )
-            if storage.storage_class_name and claim_spec.storage_class_name != storage.storage_class_name:
-                problems.append(
-                    (
-                        Reason.IMMUTABLE_CHANGE,
-                        f"PersistentVolumeClaim {name} has StorageClass {claim_spec.storage_class_name}, "
-                        f"the spec asks for {storage.storage_class_name}: a claim's class cannot change; "
-                        f"delete the claim (the checkpoint downloads again) or restore the spec",
-                    )
-                )
-            requested = manifests.claim_storage(claim)
-            have = _bytes(requested)
-            if have is None or want == have:
-                continue
-            if want < have:
-                problems.append(
-                    (
-                        Reason.IMMUTABLE_CHANGE,
-                        f"PersistentVolumeClaim {name} requests {requested}"
-                        f"; storage.size {storage.size} is smaller and a claim never shrinks",
-                    )
-                )
-            elif _expandable(storage_class) is False:
-                problems.append(
-                    (
-                        Reason.EXPANSION_NOT_ALLOWED,
-                        f"PersistentVolumeClaim {name} stays at {requested}"
-                        f": StorageClass {meta_of(storage_class).name} does not "
-                        f"allow volume expansion (allowVolumeExpansion is not true)",
-                    )
-                )
-            else:
-                grows.append(
-                    Write(
-                        Verb.PATCH,
-                        "PersistentVolumeClaim",
-                        name,
-                        manifests.grown_claim_patch(storage.size),
-                        Event(
-                            "Normal",
-                            "Expanding",
-                            f"PersistentVolumeClaim {name}: {requested} -> {storage.size}",
-                        ),
-                    )
-                )
-        shared_claim = claims[0] if claims and not storage.per_pod else None
-        if shared_claim is not None and spec.replicas > 1:
-            modes = (shared_claim.spec.access_modes if shared_claim.spec else None) or []
-            if not manifests.cache_is_shared(modes):
-                problems.append(
-                    (
-                        Reason.CACHE_NOT_SHARED,
-                        f"{spec.replicas} replicas share the ReadWriteOnce cache "
-                        f"{meta_of(shared_claim).name}: a pod affinity keeps them all "
-                        f"on one node (they fit only if one node has room for all of them); use "
-                        f"ReadWriteMany storage or storage.mode perPod",
-                    )
-                )
+            problems += immutable_changes(spec, claim)
+            size_problem, grow = growth(spec, claim, storage_class)
+            problems += size_problem
+            grows += grow
+        problems += cache_not_shared(spec, claims)
     return StorageCheck(tuple(problems), tuple(w.name for w in grows)), grows
+
+
+def mode_change(spec: PolicyServerSpec, sts: V1StatefulSet | None) -> list[Problem]:
+    """storage.mode changed under an existing StatefulSet, whose volumeClaimTemplates cannot change."""
+    if sts is None:
+        return []
+    has_templates = bool(sts.spec.volume_claim_templates if sts.spec else None)
+    if has_templates == spec.storage.per_pod:
+        return []
+    was = "perPod" if has_templates else "shared"
+    return [
+        (
+            Reason.IMMUTABLE_CHANGE,
+            f"storage.mode {spec.storage.mode} cannot replace {was} on an existing PolicyServer (a "
+            f"StatefulSet's volumeClaimTemplates are immutable); the pods are left as they are: set "
+            f"it back to {was}, or delete and recreate the PolicyServer",
+        )
+    ]
+
+
+def terminating(claims: Sequence[V1PersistentVolumeClaim]) -> list[Problem]:
+    """Cache claims being deleted: the checkpoint goes with them."""
+    return [
+        (
+            Reason.CLAIM_TERMINATING,
+            f"PersistentVolumeClaim {meta_of(claim).name} is being deleted: it goes once no pod uses it "
+            f"(kubernetes.io/pvc-protection), then a new, empty claim is made and the checkpoint is "
+            f"fetched again",
+        )
+        for claim in claims
+        if meta_of(claim).deletion_timestamp
+    ]
+
+
+def immutable_changes(spec: PolicyServerSpec, claim: V1PersistentVolumeClaim) -> list[Problem]:
+    """An explicit accessModes or storageClassName the claim, made with others, cannot take."""
+    storage, name = spec.storage, str(meta_of(claim).name)
+    claim_spec = claim.spec or V1PersistentVolumeClaimSpec()
+    modes = sorted(claim_spec.access_modes or [])
+    problems: list[Problem] = []
+    if storage.access_modes and modes != sorted(storage.access_modes):
+        problems.append(
+            (
+                Reason.IMMUTABLE_CHANGE,
+                f"PersistentVolumeClaim {name} has access modes {modes}, the spec asks for "
+                f"{sorted(storage.access_modes)}: access modes cannot change after creation; "
+                f"delete the claim (the checkpoint downloads again) or restore the spec",
+            )
+        )
+    if storage.storage_class_name and claim_spec.storage_class_name != storage.storage_class_name:
+        problems.append(
+            (
+                Reason.IMMUTABLE_CHANGE,
+                f"PersistentVolumeClaim {name} has StorageClass {claim_spec.storage_class_name}, "
+                f"the spec asks for {storage.storage_class_name}: a claim's class cannot change; "
+                f"delete the claim (the checkpoint downloads again) or restore the spec",
+            )
+        )
+    return problems
+
+
+def growth(
+    spec: PolicyServerSpec, claim: V1PersistentVolumeClaim, storage_class: V1StorageClass | None
+) -> tuple[list[Problem], list[Write]]:
+    """storage.size against what the claim requests: grow it (its class allowing), or say why it stays."""
+    storage, name = spec.storage, str(meta_of(claim).name)
+    requested = manifests.claim_storage(claim)
+    want, have = _bytes(storage.size), _bytes(requested)
+    if have is None or want == have:
+        return [], []
+    if want < have:
+        return [
+            (
+                Reason.IMMUTABLE_CHANGE,
+                f"PersistentVolumeClaim {name} requests {requested}"
+                f"; storage.size {storage.size} is smaller and a claim never shrinks",
+            )
+        ], []
+    if _expandable(storage_class) is False:
+        return [
+            (
+                Reason.EXPANSION_NOT_ALLOWED,
+                f"PersistentVolumeClaim {name} stays at {requested}"
+                f": StorageClass {meta_of(storage_class).name} does not "
+                f"allow volume expansion (allowVolumeExpansion is not true)",
+            )
+        ], []
+    grow = Write(
+        Verb.PATCH,
+        "PersistentVolumeClaim",
+        name,
+        manifests.grown_claim_patch(storage.size),
+        Event("Normal", "Expanding", f"PersistentVolumeClaim {name}: {requested} -> {storage.size}"),
+    )
+    return [], [grow]
+
+
+def cache_not_shared(spec: PolicyServerSpec, claims: Sequence[V1PersistentVolumeClaim]) -> list[Problem]:
+    """Several replicas on one ReadWriteOnce shared cache: they fit only on one node."""
+    shared_claim = claims[0] if claims and not spec.storage.per_pod else None
+    if shared_claim is None or spec.replicas <= 1:
+        return []
+    modes = (shared_claim.spec.access_modes if shared_claim.spec else None) or []
+    if manifests.cache_is_shared(modes):
+        return []
+    return [
+        (
+            Reason.CACHE_NOT_SHARED,
+            f"{spec.replicas} replicas share the ReadWriteOnce cache "
+            f"{meta_of(shared_claim).name}: a pod affinity keeps them all "
+            f"on one node (they fit only if one node has room for all of them); use "
+            f"ReadWriteMany storage or storage.mode perPod",
+        )
+    ]
 
 
 def cache_modes(spec: PolicyServerSpec, pvc: V1PersistentVolumeClaim | None) -> tuple[str, ...]:

@@ -369,90 +369,152 @@ def download_file(
     killed run leaves just the ``.part`` for the next run to continue.  A size
     that disagrees with ``size`` (the listing's) is a VerificationError.
     """
-    part = target.with_name(target.name + ".part")
-    meta = target.with_name(target.name + ".part.json")
-    shown = redact_url(url)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    offset, validator, hasher = _resume_point(part, meta, size, progress)
+    return _Download(url, target, size=size, token=token, progress=progress, patience=patience).run()
 
-    def wrong_size(message: str) -> VerificationError:
-        part.unlink(missing_ok=True)  # bytes of another size than promised: nothing worth resuming
-        meta.unlink(missing_ok=True)
-        return VerificationError(f"verification failed: {message}")
 
-    most = offset  # the most this file ever held: growing past it is progress, anything else is not
-    without_progress = attempts = 0
-    why = "no attempt made"
-    while True:
-        attempts += 1
-        if attempts > patience.max_attempts:
-            raise SourceError(f"{shown}: gave up after {patience.max_attempts} attempts at byte {offset} ({why})")
-        headers = {}
-        if offset:
-            headers["Range"] = f"bytes={offset}-"
-            if validator:
-                headers["If-Range"] = validator
-        try:
-            resp = open_url(url, token=token, headers=headers, timeout=min(TIMEOUT_S, patience.stall_timeout_s))
-        except _RangeNotSatisfiable:
-            if size is not None and offset == size:
-                break  # every byte was already there
-            part.unlink(missing_ok=True)
-            progress.advance(-offset)
-            offset, hasher = 0, hashlib.sha256()
-            continue
-        except SourceError as exc:
-            without_progress += 1
-            if not exc.retryable or without_progress >= patience.attempts_without_progress:
-                raise
-            why = str(exc)
-            time.sleep(patience.backoff_s(without_progress))
-            continue
-        with resp:
-            restarted = bool(offset) and resp.status == 200
-            if restarted:  # validator changed or Range ignored: start over
-                progress.advance(-offset)
-                offset, hasher = 0, hashlib.sha256()
-            elif resp.status == 206:
-                match = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
-                if not match or int(match.group(1)) != offset:
-                    raise SourceError(
-                        f"{shown}: server answered Range {offset}- with "
-                        f"Content-Range {resp.headers.get('Content-Range')!r}"
-                    )
-            validator = _validator(resp)
-            with create_new(meta) as m:
-                m.write(json.dumps({"url": shown, "validator": validator}).encode())
-            length = resp.headers.get("Content-Length")
-            expected_end = offset + int(length) if length and length.isdigit() else None
-            if size is not None and expected_end is not None and expected_end != size:
-                raise wrong_size(f"{shown}: the server says {expected_end} bytes, the listing says {size}")
-            opened = create_new(part) if offset == 0 else open_own(part)
-            if opened is None:
-                raise FetchError(
-                    f"{part} was replaced while downloading (a link planted?); the next run starts it afresh"
-                )
-            with opened as f:
-                received, dropped = _copy_body(resp, f, hasher, patience, progress)
-                offset += received
-            end = expected_end if expected_end is not None else size
-            if end is None or offset >= end:
-                break
-            if offset > most:
-                most, without_progress = offset, 0
-            else:
-                without_progress += 1
-            ignored = " (the server ignores Range: every attempt starts at byte 0)" if restarted else ""
-            why = (
-                f"connection {'stalled' if isinstance(dropped, (_Stalled, TimeoutError)) else 'dropped'} "
-                f"at byte {offset} of {end}{ignored}"
+class _Download:
+    """One file's download across its attempts: where it stands (offset, validator, hash so far) and how much
+    patience is left (attempts, attempts without progress).  Each step of an attempt is a method of its own:
+    opening with ``Range``, checking where the server starts, copying the body, counting progress."""
+
+    def __init__(
+        self, url: str, target: Path, *, size: int | None, token: str | None, progress: Progress, patience: Patience
+    ) -> None:
+        self.url, self.target, self.size, self.token = url, target, size, token
+        self.progress, self.patience = progress, patience
+        self.part = target.with_name(target.name + ".part")
+        self.meta = target.with_name(target.name + ".part.json")
+        self.shown = redact_url(url)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.offset, self.validator, self.hasher = _resume_point(self.part, self.meta, size, progress)
+        self.most = self.offset  # the most this file ever held: growing past it is progress, anything else is not
+        self.without_progress = self.attempts = 0
+        self.why = "no attempt made"
+
+    def run(self) -> str:
+        while not self._attempt():
+            pass
+        if self.size is not None and self.offset != self.size:
+            raise self._wrong_size(f"{self.shown}: got {self.offset} bytes, the listing says {self.size}")
+        os.replace(self.part, self.target)
+        self.meta.unlink(missing_ok=True)
+        return self.hasher.hexdigest()
+
+    def _attempt(self) -> bool:
+        """One request for the bytes still missing; True once every byte is there."""
+        self.attempts += 1
+        if self.attempts > self.patience.max_attempts:
+            raise SourceError(
+                f"{self.shown}: gave up after {self.patience.max_attempts} attempts at byte {self.offset} ({self.why})"
             )
-            if without_progress >= patience.attempts_without_progress:
-                raise SourceError(f"{shown}: no progress in {without_progress} attempts: {why}")
-            time.sleep(patience.backoff_s(without_progress))
+        try:
+            resp = open_url(
+                self.url,
+                token=self.token,
+                headers=self._range_headers(),
+                timeout=min(TIMEOUT_S, self.patience.stall_timeout_s),
+            )
+        except _RangeNotSatisfiable:
+            return self._range_past_the_end()
+        except SourceError as exc:
+            self._not_opened(exc)
+            return False
+        with resp:
+            return self._receive(resp)
 
-    if size is not None and offset != size:
-        raise wrong_size(f"{shown}: got {offset} bytes, the listing says {size}")
-    os.replace(part, target)
-    meta.unlink(missing_ok=True)
-    return hasher.hexdigest()
+    def _range_headers(self) -> dict[str, str]:
+        headers = {}
+        if self.offset:
+            headers["Range"] = f"bytes={self.offset}-"
+            if self.validator:
+                headers["If-Range"] = self.validator
+        return headers
+
+    def _range_past_the_end(self) -> bool:
+        """416: every byte was already there, or the part is not this file's: start over."""
+        if self.size is not None and self.offset == self.size:
+            return True
+        self.part.unlink(missing_ok=True)
+        self._restart()
+        return False
+
+    def _restart(self) -> None:
+        self.progress.advance(-self.offset)
+        self.offset, self.hasher = 0, hashlib.sha256()
+
+    def _not_opened(self, exc: SourceError) -> None:
+        """A request that failed before any body: retried (with a pause) while it is worth it."""
+        self.without_progress += 1
+        if not exc.retryable or self.without_progress >= self.patience.attempts_without_progress:
+            raise exc
+        self.why = str(exc)
+        time.sleep(self.patience.backoff_s(self.without_progress))
+
+    def _receive(self, resp: http.client.HTTPResponse) -> bool:
+        """Append one response's body to the part; True once every byte is there."""
+        restarted = self._check_start(resp)
+        self._record_validator(resp)
+        expected_end = self._expected_end(resp)
+        opened = create_new(self.part) if self.offset == 0 else open_own(self.part)
+        if opened is None:
+            raise FetchError(
+                f"{self.part} was replaced while downloading (a link planted?); the next run starts it afresh"
+            )
+        with opened as f:
+            received, dropped = _copy_body(resp, f, self.hasher, self.patience, self.progress)
+            self.offset += received
+        end = expected_end if expected_end is not None else self.size
+        if end is None or self.offset >= end:
+            return True
+        self._count_progress(end, restarted, dropped)
+        return False
+
+    def _check_start(self, resp: http.client.HTTPResponse) -> bool:
+        """Whether the server starts over (200 to a Range: validator changed or Range ignored); a 206 must start
+        where the part ends."""
+        restarted = bool(self.offset) and resp.status == 200
+        if restarted:
+            self._restart()
+        elif resp.status == 206:
+            match = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
+            if not match or int(match.group(1)) != self.offset:
+                raise SourceError(
+                    f"{self.shown}: server answered Range {self.offset}- with "
+                    f"Content-Range {resp.headers.get('Content-Range')!r}"
+                )
+        return restarted
+
+    def _record_validator(self, resp: http.client.HTTPResponse) -> None:
+        """The server's validator next to the part, so that the next run may resume it (If-Range)."""
+        self.validator = _validator(resp)
+        with create_new(self.meta) as m:
+            m.write(json.dumps({"url": self.shown, "validator": self.validator}).encode())
+
+    def _expected_end(self, resp: http.client.HTTPResponse) -> int | None:
+        """Where the body ends by its Content-Length; a file of another size than the listing's is refused."""
+        length = resp.headers.get("Content-Length")
+        expected_end = self.offset + int(length) if length and length.isdigit() else None
+        if self.size is not None and expected_end is not None and expected_end != self.size:
+            raise self._wrong_size(f"{self.shown}: the server says {expected_end} bytes, the listing says {self.size}")
+        return expected_end
+
+    def _count_progress(self, end: int, restarted: bool, dropped: BaseException | None) -> None:
+        """A body that ended early: progress only past the most the part ever held; give up after too many
+        attempts without, else pause before the next."""
+        if self.offset > self.most:
+            self.most, self.without_progress = self.offset, 0
+        else:
+            self.without_progress += 1
+        ignored = " (the server ignores Range: every attempt starts at byte 0)" if restarted else ""
+        self.why = (
+            f"connection {'stalled' if isinstance(dropped, (_Stalled, TimeoutError)) else 'dropped'} "
+            f"at byte {self.offset} of {end}{ignored}"
+        )
+        if self.without_progress >= self.patience.attempts_without_progress:
+            raise SourceError(f"{self.shown}: no progress in {self.without_progress} attempts: {self.why}")
+        time.sleep(self.patience.backoff_s(self.without_progress))
+
+    def _wrong_size(self, message: str) -> VerificationError:
+        self.part.unlink(missing_ok=True)  # bytes of another size than promised: nothing worth resuming
+        self.meta.unlink(missing_ok=True)
+        return VerificationError(f"verification failed: {message}")
