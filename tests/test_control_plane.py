@@ -26,7 +26,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -725,6 +724,16 @@ class OperatorProcess:
         with urllib.request.urlopen(self.liveness, timeout=2):
             return True
 
+    def passes(self) -> int:
+        """Reconcile passes so far, from the liveness endpoint's own count."""
+        with urllib.request.urlopen(self.liveness, timeout=2) as response:
+            return int(json.loads(response.read())["reconciler"]["passes"])
+
+    def settle(self, passes: int = 3, timeout: float = 60.0) -> None:
+        """Wait (bounded) until the resync timer has run ``passes`` more full passes."""
+        start = self.passes()
+        wait_for(lambda: self.passes() >= start + passes, timeout, what=f"{passes} reconcile passes (log: {self.log})")
+
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
@@ -744,8 +753,10 @@ def test_the_operator_as_its_service_account_reconciles_the_minimal_example(
     """Everything up to the fetch pod, which stays Pending: no node can take it here."""
     example = yaml.safe_load((REPO / "examples" / "policyserver-minimal.yaml").read_text())
     name, ns = example["metadata"]["name"], release.namespace
-    # keep the fetch pod off any node another test may have registered in this session
+    # keep the fetch pod off any node another test may have registered in this session, and its claim unbound by
+    # any provisioner one left behind (a claim a provisioner is binding is a wait, not Unschedulable)
     example["spec"]["nodeSelector"] = {"policyoperator.io/test": "no-such-node"}
+    example["spec"]["storage"] = {**example["spec"].get("storage", {}), "storageClassName": "no-such-class"}
     operator = OperatorProcess(release.kubeconfig, ns, tmp_path / "operator.log", cluster.env)
     try:
         apply_stdin(cluster, ns, example)
@@ -808,7 +819,7 @@ def test_the_operator_as_its_service_account_reconciles_the_minimal_example(
             RECONCILE_S,
             what="a Warning Event about the unschedulable fetch pod",
         )
-        time.sleep(3)  # a few more resync passes: any later RBAC failure would show in the log
+        operator.settle()  # a few more resync passes: any later RBAC failure would show in the log
         assert [
             (e.reason, e.count or 1)
             for e in core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items

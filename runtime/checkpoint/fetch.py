@@ -283,6 +283,27 @@ def _links_under(root: Path) -> list[Path]:
 def _download(
     src: Source, shown: str, rev: str | None, key: str, overrides: dict[str, str], staging: Path, final: Path, log: _Log
 ) -> None:
+    _prepare_staging(final, staging, log)
+    files = _listing(src, shown, overrides, log)
+    digests, progress = _fetch_missing(src, shown, staging, files, overrides, log)
+    records = _verify_staged(staging, files, digests, overrides, shown)
+    _check_manifest(staging, records)
+    _prune(staging, set(records))
+    planted = _links_under(staging)
+    if planted:  # appeared while we held the lock: someone else writes here
+        raise FetchError(f"refusing to publish {staging}: {planted[0]} is a symlink, a hard link or a special file")
+    _fsync_tree(staging, records)
+    write_marker(
+        staging,
+        make_marker(key=key, source=shown, revision=rev, resolved_revision=src.resolved_revision, files=records),
+    )
+    os.rename(staging, final)
+    fsync_path(final.parent)
+    log(progress.summary(len(files), final))
+
+
+def _prepare_staging(final: Path, staging: Path, log: _Log) -> None:
+    """The staging directory, holding whatever an earlier run left that may still be good, and no link out."""
     for path in (final, staging):
         why = _not_a_real_dir(path)
         if why:  # e.g. a file left by hand where the checkpoint directory belongs: every rerun would fail on it
@@ -306,6 +327,9 @@ def _download(
             f"{', '.join(str(p.relative_to(staging)) for p in planted[:5])}"
         )
 
+
+def _listing(src: Source, shown: str, overrides: dict[str, str], log: _Log) -> list[RemoteFile]:
+    """What the source holds, each name once, and every --sha256 naming one of them."""
     files = src.list_files()
     names = {f.name for f in files}
     if len(names) != len(files):
@@ -321,7 +345,13 @@ def _download(
             log(
                 f"warning: nothing vouches for {f.name}'s content (no manifest, no --sha256); recording its sha256 as found"
             )
+    return files
 
+
+def _fetch_missing(
+    src: Source, shown: str, staging: Path, files: list[RemoteFile], overrides: dict[str, str], log: _Log
+) -> tuple[dict[str, str], Progress]:
+    """Download what staging does not already hold verified: (sha256 of each file known so far, the progress)."""
     digests, needed = _reuse_staged(staging, files, overrides, log)
     partial = sum(_part_size(staging / f.name) for f in needed)
     present = sum(f.size or 0 for f in files if f.name in digests) + partial
@@ -335,20 +365,7 @@ def _download(
     ) as progress:
         if needed:
             digests.update(src.download(staging, needed, progress))
-    records = _verify_staged(staging, files, digests, overrides, shown)
-    _check_manifest(staging, records)
-    _prune(staging, set(records))
-    planted = _links_under(staging)
-    if planted:  # appeared while we held the lock: someone else writes here
-        raise FetchError(f"refusing to publish {staging}: {planted[0]} is a symlink, a hard link or a special file")
-    _fsync_tree(staging, records)
-    write_marker(
-        staging,
-        make_marker(key=key, source=shown, revision=rev, resolved_revision=src.resolved_revision, files=records),
-    )
-    os.rename(staging, final)
-    fsync_path(final.parent)
-    log(progress.summary(len(files), final))
+    return digests, progress
 
 
 def _fsync_tree(staging: Path, records: dict[str, dict[str, object]]) -> None:
