@@ -20,6 +20,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -133,8 +134,8 @@ def test_without_a_key_only_a_private_directory_is_used(tmp_path: Path, caplog: 
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)  # what any pod (or any user) may write
-    spec = {"policy": "reference", "dtype": "float32", "mode": "default", "buckets": [1], "layout": "dp1"}
-    key = {**spec, "checkpoint": str(tmp_path), "cfg_mode": "sequential", "device": torch.device("cpu")}
+    key: dict[str, Any] = {"policy": "reference", "dtype": "float32", "mode": "default", "buckets": [1]}
+    key.update(layout="dp1", checkpoint=str(tmp_path), cfg_mode="sequential", device=torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="policy_operator.runtime.compile_cache"):
         assert open_cache(str(shared), **key) is None
     assert "not private to this user and no --compile-key-file" in caplog.text
@@ -227,10 +228,12 @@ def _actions(server, seeds=OBS_SEEDS) -> list[np.ndarray]:
     return out
 
 
-def _serve(checkpoint: Path, cache: Path, inductor: Path):
+def _serve(checkpoint: Path, cache: Path, inductor: Path, *extra: str):
     """A server with the inductor cache directory ``inductor`` of its own."""
     env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton")}
-    return serve_policy(checkpoint, *COMPILE, "--compile-cache-dir", str(cache), env=env, timeout=COMPILE_START_S)
+    return serve_policy(
+        checkpoint, *COMPILE, "--compile-cache-dir", str(cache), *extra, env=env, timeout=COMPILE_START_S
+    )
 
 
 def _fresh_pod_inductor(first: Path, target: Path) -> Path:
@@ -299,6 +302,33 @@ def test_a_corrupt_artifact_file_is_ignored_and_replaced(first_server, tmp_path)
     assert not any(LOADED in line for line in lines), lines
     assert any("compile cache: saved" in line for line in lines), lines  # compiled, then wrote a good file
     assert decode(path.read_bytes(), _header_key(path))  # intact again
+    for a, b in zip(actions, first_actions, strict=True):
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(COMPILE_START_S + 300)
+def test_a_planted_artifact_never_runs_and_the_server_still_comes_up(first_server, tmp_path) -> None:
+    """Issue 39: another PolicyServer rewrote this one's artifacts file under its own key.  The server (with its
+    --compile-key-file) refuses it with one warning, compiles, answers as the first server did, and leaves a file
+    tagged under its own key; the file the planted payload would have written never appears."""
+    checkpoint, cache_written, inductor, first_actions = first_server
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_written, cache)
+    (path,) = cache.glob("*.artifacts")
+    key, marker = _header_key(path), tmp_path / "marker"
+    path.write_bytes(encode(key, _planted_payload(marker), OTHER))
+    (tmp_path / "key").write_bytes(SECRET)
+    inductor_dir = _fresh_pod_inductor(inductor, tmp_path / "inductor")
+    with _serve(checkpoint, cache, inductor_dir, "--compile-key-file", str(tmp_path / "key")) as server:
+        actions = _actions(server)
+        log = server.log_text()
+    assert not marker.exists()
+    lines = _cache_lines(log)
+    ignored = [line for line in lines if IGNORED in line]
+    assert len(ignored) == 1 and "does not verify" in ignored[0], lines
+    assert not any(LOADED in line for line in lines) and any("compile cache: saved" in line for line in lines), lines
+    assert decode(path.read_bytes(), key, SECRET)  # replaced by this server's own, tagged
     for a, b in zip(actions, first_actions, strict=True):
         assert a.tobytes() == b.tobytes()
 
