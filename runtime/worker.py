@@ -245,7 +245,9 @@ class Runtime:
         self.load_s = time.perf_counter() - started
         if self.groups.cfg_index == 0:
             started = time.perf_counter()
-            warm = policy.prepare(policy.example_observation(0))
+            # a session's request, as serving builds it: a policy with a history (Diffusion Policy's n_obs_steps)
+            # takes its last observations stacked, a first request's padded with the one it has
+            warm = policy.stack_history([policy.prepare(policy.example_observation(0))] * policy.history)
             rtc = warmup_constraint(policy, self.settings.rtc)  # constrained rows: a compiled guided backward too
             per_bucket: dict[int, float] = {}
             for size in self.settings.buckets or (1,):  # every shape serving will run: no compile after /readyz
