@@ -107,7 +107,7 @@ def test_guidance_one_never_computes_the_unconditional_branch(lingbot: LeRobotPo
         branches.append(branch)
         return condition(sample, branch)
 
-    lingbot.condition = spy
+    lingbot.condition = spy  # type: ignore[method-assign]
     try:
         ours(lingbot, [lingbot.example_observation(0)], [1], guidance=1.0, mode="batched")
     finally:

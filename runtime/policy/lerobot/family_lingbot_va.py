@@ -105,6 +105,7 @@ class LingBotVA(Family):
             raise ValueError("LingBot-VA is served with camera_layout width_concat and video_exec_step -1 only")
         policy._ensure_frozen_modules()  # noqa: SLF001 - the VAE, text encoder and tokenizer, loaded once
         self.default_guidance = float(cfg.guidance_scale)
+        self.noise_dtype = policy.dtype  # the transformer's (the config's), whatever the serving dtype
         self.latent_hw = policy._latent_hw  # noqa: SLF001
         h, w = self.latent_hw
         f = int(cfg.frame_chunk_size)
@@ -129,10 +130,6 @@ class LingBotVA(Family):
     @property
     def noise_shape(self) -> tuple[int, ...]:
         return (1, self.split + int(torch.Size(self.action_shape).numel()))
-
-    @property
-    def noise_dtype(self) -> torch.dtype | None:
-        return self.policy.dtype
 
     def draw_noise(self, generator: torch.Generator) -> torch.Tensor:
         dtype = self.policy.dtype

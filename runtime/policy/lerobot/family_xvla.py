@@ -45,7 +45,8 @@ class XVLA(Family):
         super().__init__(policy)
         self.model = policy.model
         self.dim = int(self.model.dim_action)
-        self.target_dtype = self.model._get_target_dtype()  # noqa: SLF001
+        self.target_dtype: torch.dtype = self.model._get_target_dtype()  # noqa: SLF001
+        self.noise_dtype = self.target_dtype  # drawn in it by draw_noise, kept in it
 
     @property
     def chunk(self) -> int:
@@ -54,10 +55,6 @@ class XVLA(Family):
     @property
     def noise_shape(self) -> tuple[int, ...]:
         return (1, self.chunk, 2 * self.dim)
-
-    @property
-    def noise_dtype(self) -> torch.dtype | None:
-        return self.target_dtype  # type: ignore[no-any-return]
 
     def draw_noise(self, generator: torch.Generator) -> torch.Tensor:
         x1 = torch.randn((1, self.chunk, self.dim), generator=generator, dtype=self.target_dtype)
@@ -90,7 +87,8 @@ class XVLA(Family):
         return torch.cat([torch.zeros_like(x1), new], dim=-1)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.action_space.postprocess(x[..., self.dim :])  # type: ignore[no-any-return]
+        actions: torch.Tensor = self.model.action_space.postprocess(x[..., self.dim :])
+        return actions
 
     def rtc_unsupported(self) -> str | None:
         return (
