@@ -110,6 +110,7 @@ from policy_operator.constants import (
     LABEL_NAME,
     LABEL_PART_OF,
     LABEL_POLICYSERVER,
+    LEROBOT_GRPC_PORT_NAME,
     MANAGED_BY,
     PORT_NAME,
     READYZ_PATH,
@@ -225,6 +226,12 @@ def claim_name(spec: PolicyServerSpec) -> str:
 
 def endpoint(spec: PolicyServerSpec) -> str:
     return f"ws://{Names(spec.name).service}.{spec.namespace}.svc:{spec.service.port}"
+
+
+def lerobot_grpc_endpoint(spec: PolicyServerSpec) -> str | None:
+    """LeRobot's robot_client ``--server_address`` (host:port, no scheme), or None without the gRPC port."""
+    port = spec.service.lerobot_grpc_port
+    return None if port is None else f"{Names(spec.name).service}.{spec.namespace}.svc:{port}"
 
 
 def _pod_security_context() -> V1PodSecurityContext:
@@ -598,6 +605,7 @@ def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint, *, compil
         checkpoint=serving.path,
         policy=spec.policy.flag,
         port=spec.service.port,
+        lerobot_grpc_port=spec.service.lerobot_grpc_port,
         cfgp=layout.cfgp,
         dp=layout.dp,
         guidance=rt.guidance,
@@ -704,7 +712,6 @@ def _pod_template(
     spec: PolicyServerSpec, serving: ServingCheckpoint, cache_modes: Sequence[str] | None = None
 ) -> V1PodTemplateSpec:
     """The server pod: (perPod: fetch, prune) verify, then torchrun; ``cache_modes`` are the shared claim's."""
-    port = spec.service.port
     rt = spec.runtime
     per_pod = spec.storage.per_pod
     compile_cache = compile_cache_writable(per_pod, spec.access_modes if cache_modes is None else cache_modes)
@@ -731,7 +738,7 @@ def _pod_template(
         name=SERVER_CONTAINER,
         image=spec.image,
         command=worker_command(spec, serving, compile_cache=compile_cache),
-        ports=[V1ContainerPort(name=PORT_NAME, container_port=port, protocol="TCP")],
+        ports=_container_ports(spec),
         env=_server_env(spec),
         volume_mounts=mounts + [passthrough(V1VolumeMount, m) for m in spec.volume_mounts],
         resources=_server_resources(spec),
@@ -887,7 +894,28 @@ def build_pdb(spec: PolicyServerSpec) -> dict[str, Any]:
 
 
 def _service_ports(spec: PolicyServerSpec) -> list[V1ServicePort]:
-    return [V1ServicePort(name=PORT_NAME, port=spec.service.port, target_port=PORT_NAME, protocol="TCP")]
+    ports = [V1ServicePort(name=PORT_NAME, port=spec.service.port, target_port=PORT_NAME, protocol="TCP")]
+    grpc_port = spec.service.lerobot_grpc_port
+    if grpc_port is not None:
+        ports.append(
+            V1ServicePort(
+                name=LEROBOT_GRPC_PORT_NAME,
+                port=grpc_port,
+                target_port=LEROBOT_GRPC_PORT_NAME,
+                protocol="TCP",
+                app_protocol="grpc",
+            )
+        )
+    return ports
+
+
+def _container_ports(spec: PolicyServerSpec) -> list[V1ContainerPort]:
+    """The server container's ports: the WebSocket/HTTP one, and LeRobot's gRPC service when it is on."""
+    ports = [V1ContainerPort(name=PORT_NAME, container_port=spec.service.port, protocol="TCP")]
+    grpc_port = spec.service.lerobot_grpc_port
+    if grpc_port is not None:
+        ports.append(V1ContainerPort(name=LEROBOT_GRPC_PORT_NAME, container_port=grpc_port, protocol="TCP"))
+    return ports
 
 
 def build_service(spec: PolicyServerSpec) -> dict[str, Any]:

@@ -180,6 +180,9 @@ class PolicyServerStatus(KubeModel):
     """Label selector of the server pods (for the scale subresource and HPAs)."""
     endpoint: str | None = None
     """WebSocket URL of the Service, ws://NAME.NAMESPACE.svc:PORT, once the Service exists."""
+    lerobot_grpc_endpoint: str | None = None
+    """Address of LeRobot's AsyncInference gRPC service, NAME.NAMESPACE.svc:PORT (robot_client's --server_address),
+    once the Service exists and spec.service.lerobotGrpcPort is set."""
     template_hash: str | None = None
     """Hash of the pod template the StatefulSet runs (annotation policyoperator.io/template-hash)."""
     last_progress_time: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None

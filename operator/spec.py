@@ -18,7 +18,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import AfterValidator, Field, PrivateAttr, ValidationError, model_validator
 
-from policy_operator.builtin_policies import BUILTIN_POLICIES, REFERENCE, builtin, check_unconditional
+from policy_operator.builtin_policies import BUILTIN_POLICIES, LEROBOT, REFERENCE, builtin, check_unconditional
 from policy_operator.constants import (
     AUTH_TOKEN_DIR,
     CACHE_MOUNT_PATH,
@@ -516,6 +516,14 @@ class StorageSpec(KubeModel):
 class ServiceSpec(KubeModel):
     """The Service in front of the pods."""
 
+    cel_rules = (
+        Rule(
+            "!has(self.lerobotGrpcPort) || self.lerobotGrpcPort != self.port",
+            "service.lerobotGrpcPort must differ from service.port: LeRobot's gRPC service has a listener of its own",
+            field_path=".lerobotGrpcPort",
+        ),
+    )
+
     type: Literal[SERVICE_TYPES] = "ClusterIP"  # type: ignore[valid-type]
     """Type of the Service <name>."""
     port: int = Field(DEFAULT_PORT, ge=1, le=65535)
@@ -523,6 +531,10 @@ class ServiceSpec(KubeModel):
     container."""
     annotations: dict[str, str] = Field(default_factory=dict)
     """Annotations of the Service, e.g. for a cloud load balancer."""
+    lerobot_grpc_port: int | None = Field(None, ge=1, le=65535)
+    """Also serve LeRobot's AsyncInference gRPC service on this port (--lerobot-grpc-port), on the Service and in
+    the container: LeRobot's own robot_client (lerobot.async_inference) connects to <name>:<port> unchanged, each
+    client its own session, batched with the WebSocket robots. policy.type lerobot only; unset: no gRPC port."""
 
 
 ExtraArg = Annotated[
@@ -706,6 +718,13 @@ class PolicyServerSpec(KubeModel):
             f"policy.type {'/'.join(UNGUIDED_POLICIES)} has no unconditional branch (it was not trained for "
             "classifier-free guidance): runtime.guidance must be 1.0 or unset",
             field_path=".runtime.guidance",
+        ),
+        Rule(
+            "!has(self.service) || !has(self.service.lerobotGrpcPort) || "
+            f"(has(self.policy) && has(self.policy.type) && self.policy.type == '{LEROBOT}')",
+            f"service.lerobotGrpcPort serves LeRobot's robot_client, which describes a LeRobot policy: it needs "
+            f"policy.type {LEROBOT}",
+            field_path=".service.lerobotGrpcPort",
         ),
         Rule(
             "self.runtime.device != 'cuda' || self.parallelism.cfgp * self.parallelism.dp <= self.maxGpusPerPod",

@@ -57,7 +57,7 @@ from policy_operator.operator.conditions import (
 from policy_operator.operator.download_state import CheckpointPhase, CheckpointState
 from policy_operator.operator.kube import Kube, NotFound, Rejected
 from policy_operator.operator.kube_objects import meta_of
-from policy_operator.operator.manifests import VOL_CACHE, claim_name, endpoint, selector_string
+from policy_operator.operator.manifests import VOL_CACHE, claim_name, endpoint, lerobot_grpc_endpoint, selector_string
 from policy_operator.operator.rank_probe import PodHealth
 from policy_operator.operator.resource import (
     BatchingStatus,
@@ -538,6 +538,7 @@ def build_status(
         layout=spec.layout.label,
         selector=selector_string(spec.name),
         endpoint=endpoint(spec) if service_exists else None,
+        lerobot_grpc_endpoint=lerobot_grpc_endpoint(spec) if service_exists else None,
         template_hash=workload.template_hash or None,
         last_progress_time=progress.since,
         checkpoint=checkpoint_status(spec, checkpoint, workload),

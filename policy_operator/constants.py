@@ -95,6 +95,7 @@ def policy_guidance(guidance: float | None, has_unconditional: bool) -> float:
 # --- Ports, paths, files --------------------------------------------------------
 DEFAULT_PORT: Final = 8000  # openpi's default serve_policy port
 PORT_NAME: Final = "ws"
+LEROBOT_GRPC_PORT_NAME: Final = "lerobot-grpc"  # spec.service.lerobotGrpcPort on the container and the Service
 CACHE_MOUNT_PATH: Final = "/models"
 # <cache>/.compile: torch compile artifacts the server pods write and load (runtime/compile_cache.py), mounted
 # writable at COMPILE_CACHE_MOUNT_PATH while the checkpoints stay read-only at CACHE_MOUNT_PATH

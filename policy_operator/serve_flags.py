@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Final
 
-from policy_operator.builtin_policies import BUILTIN_POLICIES, REFERENCE
+from policy_operator.builtin_policies import BUILTIN_POLICIES, LEROBOT, REFERENCE
 from policy_operator.constants import DEFAULT_GUIDANCE, DEFAULT_PORT, DEFAULT_STEPS, ENV_HOST
 from policy_operator.constants import policy_guidance as policy_guidance  # the rule serve and the operator apply
 from policy_operator.tokens import read_token_file
@@ -47,6 +47,7 @@ RTC_MODES: Final = ("off", "inpaint", "guided")  # --rtc; runtime/policy/rtc.py 
 MAX_RTC_DELAY: Final = 1000  # control steps; far beyond any action horizon served
 DEFAULT_POLICY: Final = REFERENCE
 WORKER_MODULE: Final = "policy_operator.runtime.worker"  # the torchrun program, one process per rank
+LEROBOT_GRPC_PORT_FLAG: Final = "--lerobot-grpc-port"  # runtime/serving/lerobot_grpc.py; spec.service.lerobotGrpcPort
 SERVE_COMMAND: Final = ("policyserver", "serve")
 TRUST_REMOTE_CODE_FLAG: Final = "--trust-remote-code"
 COMPILE_KEY_FLAG: Final = "--compile-key-file"
@@ -60,6 +61,7 @@ class ServeOptions:
     policy: str
     host: str
     port: int
+    lerobot_grpc_port: int | None
     device: str
     dtype: str
     cfgp: int
@@ -242,6 +244,14 @@ def _server_flags(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument("--port", type=int, default=DEFAULT_PORT)
     g.add_argument(
+        LEROBOT_GRPC_PORT_FLAG,
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve LeRobot's AsyncInference gRPC service (lerobot.async_inference.robot_client, unchanged) "
+        "on PORT (0: any free port), with --policy lerobot; off when unset (docs/protocol.md, gRPC)",
+    )
+    g.add_argument(
         "--max-message-bytes",
         type=int,
         default=DEFAULT_MAX_MESSAGE_BYTES,
@@ -348,6 +358,7 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(f"--drain-grace-s must be 0 or more seconds, got {opts.drain_grace_s}")
     if not 0 <= opts.port <= 65535:
         raise ValueError(f"--port must be in 0..65535 (0: any free port), got {opts.port}")
+    _check_lerobot_grpc_port(opts)
     if opts.max_message_bytes < 1:
         raise ValueError(f"--max-message-bytes must be at least 1, got {opts.max_message_bytes}")
     if not 1 <= opts.max_connections <= MAX_MAX_CONNECTIONS:
@@ -392,6 +403,22 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(f"--threads must be at least 1, got {opts.threads}")
     if opts.rtc_max_delay is not None and not 0 <= opts.rtc_max_delay <= MAX_RTC_DELAY:
         raise ValueError(f"--rtc-max-delay must be in 0..{MAX_RTC_DELAY} control steps, got {opts.rtc_max_delay}")
+
+
+def _check_lerobot_grpc_port(opts: ServeOptions) -> None:
+    """LeRobot's gRPC service needs a port of its own and a LeRobot policy (its client describes one)."""
+    grpc_port = opts.lerobot_grpc_port
+    if grpc_port is None:
+        return
+    if not 0 <= grpc_port <= 65535:
+        raise ValueError(f"{LEROBOT_GRPC_PORT_FLAG} must be in 0..65535 (0: any free port), got {grpc_port}")
+    if grpc_port and grpc_port == opts.port:
+        raise ValueError(f"{LEROBOT_GRPC_PORT_FLAG} must differ from --port ({opts.port}): each is its own listener")
+    if opts.policy != LEROBOT:
+        raise ValueError(
+            f"{LEROBOT_GRPC_PORT_FLAG} serves LeRobot's robot_client, which describes a LeRobot policy: it needs "
+            f"--policy {LEROBOT}, got --policy {opts.policy}"
+        )
 
 
 def intra_op_threads(threads: int | None, device_type: str, environ: Mapping[str, str]) -> int | None:
@@ -468,6 +495,7 @@ MANAGED: Final = (
     "checkpoint",
     "policy",
     "port",
+    "lerobot_grpc_port",
     "cfgp",
     "dp",
     "guidance",
@@ -508,6 +536,7 @@ def managed_argv(
     frontend_processes: int | None = None,
     rtc: str | None = None,
     rtc_max_delay: int | None = None,
+    lerobot_grpc_port: int | None = None,
     trust_remote_code: bool = False,
 ) -> list[str]:
     """The worker flags the operator derives from the spec (``auth_token_file`` None: no auth; ``guidance`` or

@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # torch: imported once the layout is known to be valid
     from policy_operator.runtime.lifecycle import Lifecycle
     from policy_operator.runtime.parallel.dispatch import Lane, Replica
     from policy_operator.runtime.rank0_front import Front
+    from policy_operator.runtime.serving.lerobot_grpc import LeRobotGrpcFront
     from policy_operator.runtime.serving.server import ServerConfig
 
 log = logging.getLogger("policy_operator.runtime.worker")
@@ -452,6 +453,15 @@ def make_front(rt: Runtime, lifecycle: Lifecycle) -> Front:
     return ProcessFront.spawn(config, opts.frontend_processes, rt.heartbeat, lifecycle)
 
 
+def make_lerobot_grpc(opts: serve_flags.ServeOptions) -> LeRobotGrpcFront | None:
+    """LeRobot's AsyncInference service on ``--lerobot-grpc-port`` (started once the policy is loaded), or None."""
+    if opts.lerobot_grpc_port is None:
+        return None
+    from policy_operator.runtime.serving.lerobot_grpc import LeRobotGrpcFront
+
+    return LeRobotGrpcFront(opts.host, opts.lerobot_grpc_port, opts.max_message_bytes)
+
+
 class Rank0:
     """Global rank 0 from the port's opening to its exit code, the same under either ``--frontend``: serve the
     port, load the model (or report why it did not load), attach the lanes, serve until SIGTERM or a failed
@@ -470,7 +480,11 @@ class Rank0:
         self.front = front
         self.code = ServeExit.OK
         self.stop = asyncio.Event()  # SIGTERM once loaded (Lifecycle.serving), or a failed replica
-        self.ingress = build_ingress(rt, self._replica_failed, front.recent_sessions)
+        self.lerobot_grpc = make_lerobot_grpc(rt.opts)
+        grpc = self.lerobot_grpc
+        # the batch window waits for the robots of both protocols
+        recent = front.recent_sessions if grpc is None else (lambda: front.recent_sessions() + grpc.recent())
+        self.ingress = build_ingress(rt, self._replica_failed, recent)
 
     def _replica_failed(self, index: int, reason: str) -> None:
         if self.lifecycle.stopping.is_set():  # a replica ended by the shutdown itself: no reason to restart the pod
@@ -508,6 +522,12 @@ class Rank0:
             await front.close()
             return ServeExit.LOAD
         lanes = build_lanes(rt, replica, model_pool, ingress, front.observe_batch, front.observe_buckets)
+        if self.lerobot_grpc is not None:  # before attach: the metadata every session gets names its port
+            from policy_operator.runtime.serving.lerobot_grpc import METADATA_KEY
+
+            grpc_port = self.lerobot_grpc.start(ingress, replica.policy, loop)
+            ingress.extra_metadata[METADATA_KEY] = grpc_port
+            print(f"policyserver: LeRobot AsyncInference gRPC on {opts.host}:{grpc_port}", flush=True)
         ingress.attach(replica.policy, lanes, rt.bucket_ms)
         front.attached(replica.policy, rt.load_s, rt.warmup_s)
         print("policyserver: ready", flush=True)
@@ -522,6 +542,8 @@ class Rank0:
                 "a replica failed: draining the others up to %.1fs, then exiting %d", opts.drain_grace_s, self.code
             )
         drained = await front.drain(opts.drain_grace_s)
+        if self.lerobot_grpc is not None:  # its requests were refused (draining) or answered by now
+            await loop.run_in_executor(None, self.lerobot_grpc.stop)
         await stop_ranks(ingress, drained=drained, kv=rt.kv_factory())
         rt.heartbeat.stop()
         log.info("rank 0 exiting %d (%s)", self.code, "drained" if drained else "grace period over")

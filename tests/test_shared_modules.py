@@ -116,10 +116,12 @@ def test_managed_flags_are_serve_flags_the_operator_writes() -> None:
         rtc="guided",
         rtc_max_delay=4,
         trust_remote_code=True,
+        lerobot_grpc_port=8080,
     )
     opts = parse_serve(argv)
     assert (opts.rtc, opts.rtc_max_delay) == ("guided", 4)
     assert opts.trust_remote_code is True
+    assert opts.lerobot_grpc_port == 8080
     assert (opts.frontend, opts.frontend_processes) == ("process", 4)
     assert opts.policy == "m.p:P"
     assert (

@@ -110,6 +110,8 @@ class Engine:
         self.rtc = RtcIngress.off()  # what ``rtc`` entries get: refused until the policy is attached
         self.history = SessionHistory(None)  # each session's past observations (Policy.history), set by attach
         self.load_error: str | None = None
+        # what else this pod serves, for every session's first frame (the LeRobot gRPC port); set before attach
+        self.extra_metadata: dict[str, Any] = {}
         self.bucket_ms: dict[int, float] | None = None  # set by attach under --latency-budget-ms
         self._admission: AdmissionSpec | None = None
         self._draining = False
@@ -173,6 +175,7 @@ class Engine:
                 "guidance": settings.guidance,
                 "action_shape": list(self.policy.action_shape),
                 "rtc": self.rtc.support.metadata(),
+                **self.extra_metadata,
             }
         )
         return meta

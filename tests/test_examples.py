@@ -1,0 +1,130 @@
+"""examples/: every file is a PolicyServer the CRD admits, and every hub repository it names exists.
+
+A new user's first ``kubectl apply`` of an example must neither be refused nor
+download something that is not there: each ``hf://`` source is a row of
+``policy_operator.public_checkpoints`` (the one documented list, rendered
+into docs/examples.md), gated ones carry ``checkpoint.secretRef``, and each
+served LeRobot family has an example with the gRPC port for LeRobot's
+robot_client and the robot-side commands in its comments.  The ``cluster``
+test hands all of them to the real apiserver in one server-side dry run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from policy_operator import constants as C
+from policy_operator.builtin_policies import LEROBOT
+from policy_operator.operator.spec import parse_spec
+from policy_operator.public_checkpoints import PUBLIC_CHECKPOINTS, render_table
+from policy_operator.source_uri import HF_SCHEME
+from tests.support.net import wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE_FILES = sorted((REPO / "examples").glob("*.yaml"))
+DOC = REPO / "docs" / "examples.md"
+SERVED_FAMILIES = ("smolvla", "pi05", "pi0", "diffusion")  # issue 41: an example for each family served
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def policyservers() -> list[tuple[Path, dict[str, Any]]]:
+    return [(p, d) for p in EXAMPLE_FILES for d in documents(p) if d.get("kind") == C.KIND]
+
+
+def test_every_example_file_holds_policyservers_only() -> None:
+    assert len(EXAMPLE_FILES) >= 8
+    for path in EXAMPLE_FILES:
+        docs = documents(path)
+        assert docs and all(d.get("apiVersion") == C.API_VERSION and d.get("kind") == C.KIND for d in docs), path
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
+def test_example_passes_the_crds_model(path: Path) -> None:
+    """The typed model the CRD is generated from, its CEL rules included (a refused field names itself)."""
+    for doc in documents(path):
+        spec = parse_spec(doc["spec"], name=doc["metadata"]["name"], namespace="default")
+        assert spec.image.startswith("ghcr.io/policy-operator/")
+
+
+def test_every_hub_source_is_a_documented_public_repository() -> None:
+    hub = [(p, d) for p, d in policyservers() if d["spec"]["checkpoint"]["source"].startswith(HF_SCHEME)]
+    assert hub
+    for path, doc in hub:
+        repo = doc["spec"]["checkpoint"]["source"].removeprefix(HF_SCHEME).split("@")[0]
+        assert repo in PUBLIC_CHECKPOINTS, f"{path.name}: {repo} is not in policy_operator/public_checkpoints.py"
+        row = PUBLIC_CHECKPOINTS[repo]
+        spec = doc["spec"]
+        assert spec["policy"]["type"] == LEROBOT, path.name
+        if row.gated:  # the fetch Job needs a token of an account that accepted the gated repository's licence
+            assert spec["checkpoint"]["secretRef"]["name"], path.name
+            assert "kubectl create secret generic" in path.read_text(), path.name
+        else:
+            assert "secretRef" not in spec["checkpoint"], path.name
+
+
+def test_each_served_family_has_a_fast_gpu_example_with_both_robot_sides() -> None:
+    by_type = {}
+    for path, doc in policyservers():
+        source = doc["spec"]["checkpoint"]["source"]
+        if source.startswith(HF_SCHEME):
+            by_type[PUBLIC_CHECKPOINTS[source.removeprefix(HF_SCHEME)].lerobot_type] = (path, doc)
+    assert set(SERVED_FAMILIES) <= set(by_type)
+    for family in SERVED_FAMILIES:
+        path, doc = by_type[family]
+        spec, text = doc["spec"], path.read_text()
+        parsed = parse_spec(spec, name=doc["metadata"]["name"], namespace="default")
+        assert parsed.runtime.device == "cuda" and parsed.gpus_per_pod >= 1, path.name
+        assert any(t.get("key") == "nvidia.com/gpu" for t in spec["tolerations"]), path.name
+        assert any(a.startswith("--compile") for a in parsed.runtime.extra_args), path.name
+        assert parsed.runtime.batching.max_batch > 1 and parsed.runtime.batching.latency_budget_ms, path.name
+        if family != "diffusion":
+            assert "--dtype=bfloat16" in parsed.runtime.extra_args, path.name
+        assert parsed.service.lerobot_grpc_port is not None, path.name
+        name = doc["metadata"]["name"]
+        assert f"policyserver client --url ws://{name}.default.svc:{parsed.service.port}" in text, path.name
+        assert f"lerobot.async_inference.robot_client --server_address={name}.default.svc:" in text, path.name
+        assert f"--policy_type={family} " in text, path.name
+        assert f"kubectl apply -f examples/{path.name}" in text, path.name
+
+
+def test_docs_show_the_public_repositories_as_the_module_lists_them() -> None:
+    assert render_table() in DOC.read_text(), (
+        "docs/examples.md is stale: .venv/bin/python -m policy_operator.public_checkpoints docs/examples.md"
+    )
+    for path in EXAMPLE_FILES:
+        assert f"examples/{path.name}" in DOC.read_text(), path.name
+
+
+@pytest.mark.cluster
+def test_every_example_passes_admission_on_the_real_control_plane(control_plane: Any) -> None:
+    """All example files in one server-side dry run: the apiserver's schema, defaulting and CEL rules (nothing is
+    created, so no Secret or node is needed)."""
+    crd = REPO / "crds" / "policyservers.yaml"
+    control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
+
+    def established() -> bool:
+        stored = json.loads(control_plane.kubectl("get", f"crd/{C.PLURAL}.{C.GROUP}", "-o", "json").stdout)
+        return any(
+            c["type"] == "Established" and c["status"] == "True"
+            for c in stored.get("status", {}).get("conditions") or []
+        )
+
+    wait_for(established, 60, interval=0.5, what="the CRD Established")
+    control_plane.create_namespace("examples-dry-run")
+    try:
+        args = [arg for path in EXAMPLE_FILES for arg in ("-f", str(path))]
+        result = control_plane.kubectl("apply", "-n", "examples-dry-run", "--dry-run=server", "--server-side", *args)
+        applied = [line for line in result.stdout.splitlines() if "serverside-applied" in line]
+        assert len(applied) == len(policyservers()), result.stdout
+    finally:
+        control_plane.kubectl(
+            "delete", "namespace", "examples-dry-run", "--wait=false", "--ignore-not-found", check=False
+        )
