@@ -54,15 +54,26 @@ import yaml
 
 from policy_operator.constants import (
     ANNOTATION_SECRETS,
+    CHECKPOINT_TOKEN_DIR,
     ENTRYPOINT,
+    ENV_HF_TOKEN,
     GROUP,
     KIND,
     LABEL_MANAGED_BY,
     LABEL_POLICYSERVER,
     MANAGED_BY,
+    PLURAL,
 )
 from policy_operator.operator import rbac
-from policy_operator.operator.spec import REFUSED_VOLUME_SOURCES
+from policy_operator.operator.manifests import TOKEN_FILE
+from policy_operator.operator.spec import (
+    OPERATOR_ENV,
+    REFUSED_VOLUME_SOURCES,
+    RESERVED_ENV_TEXT,
+    RESERVED_MOUNT_PATHS,
+    SERVER_HUB_ENV,
+    reserved_env_cel,
+)
 
 # the subcommands the operator's containers run: fetch (the fetch Job, perPod init), checkpoint (verify, prune), serve
 SUBCOMMANDS: Final = ("fetch", "checkpoint", "serve")
@@ -155,6 +166,27 @@ def variables(allowed_images: str = cel_list(())) -> tuple[Variable, ...]:
 
 
 _DECLARED = "variables.declaredSecrets"
+_ENV_PAIRS = [f"{k}={v}" for k, v in {**OPERATOR_ENV, **SERVER_HUB_ENV}.items()]
+_CHECKPOINT_TOKEN = f"{CHECKPOINT_TOKEN_DIR}/{TOKEN_FILE}"
+
+
+def reserved_mount_cel(path: str) -> str:
+    """CEL: the mount path expression ``path`` is at, under or above one of ``spec.RESERVED_MOUNT_PATHS``."""
+    return (
+        f"({path} == '/' || {json.dumps(list(RESERVED_MOUNT_PATHS))}.exists(r, {path} == r || "
+        f"{path}.startsWith(r + '/') || r.startsWith({path}.endsWith('/') ? {path} : {path} + '/')))"
+    )
+
+
+_CONTAINER_CONTEXT = (
+    "has(c.securityContext) && has(c.securityContext.allowPrivilegeEscalation) && "
+    "!c.securityContext.allowPrivilegeEscalation && "
+    "(!has(c.securityContext.privileged) || !c.securityContext.privileged) && "
+    "(!has(c.securityContext.runAsUser) || c.securityContext.runAsUser != 0) && "
+    "has(c.securityContext.capabilities) && !has(c.securityContext.capabilities.add) && "
+    "has(c.securityContext.capabilities.drop) && 'ALL' in c.securityContext.capabilities.drop && "
+    "(!has(c.ports) || c.ports.all(p, !has(p.hostPort)))"
+)
 
 VALIDATIONS: tuple[Validation, ...] = (
     Validation(
@@ -201,6 +233,48 @@ VALIDATIONS: tuple[Validation, ...] = (
         "(the Secrets its PolicyServer's spec names)",
     ),
     Validation(
+        "variables.isPod || ("
+        "!(has(variables.podSpec.hostNetwork) && variables.podSpec.hostNetwork) && "
+        "!(has(variables.podSpec.hostPID) && variables.podSpec.hostPID) && "
+        "!(has(variables.podSpec.hostIPC) && variables.podSpec.hostIPC) && "
+        "!(has(variables.podSpec.hostUsers) && variables.podSpec.hostUsers) && !has(variables.podSpec.nodeName) && "
+        "has(variables.podSpec.securityContext) && has(variables.podSpec.securityContext.runAsNonRoot) && "
+        "variables.podSpec.securityContext.runAsNonRoot && "
+        "(!has(variables.podSpec.securityContext.runAsUser) || variables.podSpec.securityContext.runAsUser != 0) && "
+        "(!has(variables.podSpec.tolerations) || variables.podSpec.tolerations.all(t, has(t.key) && t.key != '')) && "
+        f"variables.containers.all(c, {_CONTAINER_CONTEXT}))",
+        "the operator's workloads share no host namespace, name no node, tolerate no taint by an empty key, run as "
+        "non-root, and every container drops ALL capabilities, adds none, is not privileged, cannot escalate and "
+        "opens no host port",
+    ),
+    Validation(
+        "variables.isPod || (variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || "
+        "v.projected.sources.all(s, !has(s.serviceAccountToken))) && "
+        f"variables.volumes.all(v, !has(v.csi) || !has(v.csi.nodePublishSecretRef) || "
+        f"v.csi.nodePublishSecretRef.name in {_DECLARED}))",
+        "the operator's workloads mount no projected serviceAccountToken source, and a csi volume's nodePublishSecretRef "
+        f"must be listed in the {ANNOTATION_SECRETS} annotation",
+    ),
+    Validation(
+        "variables.isPod || variables.containers.all(c, (!has(c.env) || c.env.all(e, "
+        f"!{reserved_env_cel('e.name')} || (has(e.value) && (e.name + '=' + e.value) in {json.dumps(_ENV_PAIRS)}) || "
+        f"(e.name == {json.dumps(ENV_HF_TOKEN)} && has(e.valueFrom)))) && "
+        "(!has(c.volumeMounts) || c.volumeMounts.all(m, "
+        f"!{reserved_mount_cel('m.mountPath')})))",
+        f"the operator's containers set no environment name the interpreter or loader reads ({RESERVED_ENV_TEXT}) "
+        "other than the operator's own values, and mount nothing at, under or above "
+        f"{', '.join(RESERVED_MOUNT_PATHS)}",
+    ),
+    Validation(
+        "variables.isPod || variables.containers.all(c, !has(c.command) || ("
+        "c.command.all(w, !w.startsWith('--token-file') || w == '--token-file') && "
+        "size(c.command.filter(w, w == '--token-file')) <= 1 && "
+        f"(!('--token-file' in c.command) || {json.dumps(_CHECKPOINT_TOKEN)} in c.command) && "
+        "(size(c.command) < 3 || c.command[1] != 'checkpoint' || c.command[2] in ['verify', 'prune'])))",
+        f"the operator's commands pass --token-file only once, as `--token-file {_CHECKPOINT_TOKEN}` (the checkpoint "
+        "Secret's mount) and run `policyserver checkpoint verify|prune` only",
+    ),
+    Validation(
         "size(variables.refusedImages) == 0",
         f"every container's image of the operator's workloads must be one that {ALLOWED_IMAGES_VALUE} admits",
         "'image ' + variables.refusedImages.join(', ') + ' is not allowed: "
@@ -208,6 +282,168 @@ VALIDATIONS: tuple[Validation, ...] = (
         "(an entry ending in / admits the path below it; any other names one repository, tag or digest)'",
     ),
 )
+
+
+# --- PolicyServer authors -------------------------------------------------------------------------
+#
+# The second policy: on every PolicyServer created, or updated with a new spec, by anyone (the operator never
+# changes a spec), unless the chart says authors are trusted (admissionPolicy.trustedAuthors).  It refuses what
+# would give the author more than creating a pod would: another ServiceAccount's identity, a Secret they could not
+# read themselves (the API server's own authorizer answers for the requesting user), their own text written as a
+# file into the pod, another PolicyServer's cache, a mount over the interpreter's code.
+
+TRUSTED_AUTHORS_VALUE: Final = "admissionPolicy.trustedAuthors"
+SERVICE_ACCOUNTS_VALUE: Final = "admissionPolicy.allowedServiceAccounts"
+_SERVICE_ACCOUNTS_SLOT: Final = "ALLOWED_SERVICE_ACCOUNTS_FROM_VALUES"
+_SERVICE_ACCOUNTS_TEMPLATE: Final = f"{{{{ .Values.{SERVICE_ACCOUNTS_VALUE} | default list | toJson | quote }}}}"
+CACHE_CLAIM_SUFFIX: Final = "-cache"  # manifests.Names.pvc: a shared cache claim is <name>-cache
+PER_POD_CLAIM_PREFIX: Final = "checkpoint-cache-"  # a perPod claim: <volumeClaimTemplate>-<name>-<ordinal>
+
+
+def _readable(name: str) -> str:
+    """CEL: the requesting user may get the Secret ``name`` (an expression) in the request's namespace."""
+    return f"authorizer.group('').resource('secrets').namespace(request.namespace).name({name}).check('get').allowed()"
+
+
+def _unreadable_volume(v: str) -> str:
+    return (
+        f"(has({v}.secret) && has({v}.secret.secretName) && !{_readable(f'{v}.secret.secretName')}) || "
+        f"(has({v}.projected) && has({v}.projected.sources) && {v}.projected.sources.exists(s, has(s.secret) && "
+        f"has(s.secret.name) && !{_readable('s.secret.name')})) || "
+        f"(has({v}.csi) && has({v}.csi.nodePublishSecretRef) && !{_readable(f'{v}.csi.nodePublishSecretRef.name')})"
+    )
+
+
+def _author_text_as_file(items: str) -> str:
+    return (
+        f"{items}.exists(i, has(i.fieldRef) && (i.fieldRef.fieldPath.startsWith('metadata.annotations') || "
+        "i.fieldRef.fieldPath.startsWith('metadata.labels')))"
+    )
+
+
+_SPEC = "object.spec"
+
+AUTHOR_VARIABLES: tuple[Variable, ...] = (
+    Variable("volumes", f"has({_SPEC}.volumes) ? {_SPEC}.volumes : []"),
+    Variable("mounts", f"has({_SPEC}.volumeMounts) ? {_SPEC}.volumeMounts : []"),
+    Variable(
+        "env",
+        f"(has({_SPEC}.runtime) && has({_SPEC}.runtime.env) ? {_SPEC}.runtime.env : []) + "
+        f"(has({_SPEC}.checkpoint.fetchJob) && has({_SPEC}.checkpoint.fetchJob.env) ? "
+        f"{_SPEC}.checkpoint.fetchJob.env : [])",
+    ),
+    Variable(
+        "refSecrets",
+        f"(has({_SPEC}.checkpoint.secretRef) ? [{_SPEC}.checkpoint.secretRef.name] : []) + "
+        f"(has({_SPEC}.auth) && has({_SPEC}.auth.secretRef) ? [{_SPEC}.auth.secretRef.name] : []) + "
+        f"(has({_SPEC}.imagePullSecrets) ? {_SPEC}.imagePullSecrets.map(r, r.name) : [])",
+    ),
+)
+
+
+def author_variables(allowed_service_accounts: str = cel_list(())) -> tuple[Variable, ...]:
+    return (Variable("allowedServiceAccounts", allowed_service_accounts), *AUTHOR_VARIABLES, *UNREADABLE_VARIABLES)
+
+
+_WHO = "request.userInfo.username"
+
+# the Secrets the requesting user may not get (authorizer is not available to a messageExpression: the
+# messages are fixed texts naming the fields)
+UNREADABLE_VARIABLES: tuple[Variable, ...] = (
+    Variable("unreadableRefs", f"variables.refSecrets.filter(n, !{_readable('n')})"),
+    Variable(
+        "unreadableEnv",
+        "variables.env.filter(e, has(e.valueFrom) && has(e.valueFrom.secretKeyRef) && "
+        f"!{_readable('e.valueFrom.secretKeyRef.name')}).map(e, e.name)",
+    ),
+    Variable("unreadableVolumes", f"variables.volumes.filter(v, {_unreadable_volume('v')}).map(v, v.name)"),
+)
+
+AUTHOR_VALIDATIONS: tuple[Validation, ...] = (
+    Validation(
+        f"!has({_SPEC}.serviceAccountName) || {_SPEC}.serviceAccountName in variables.allowedServiceAccounts",
+        f"spec.serviceAccountName: the pods run as the namespace's default ServiceAccount unless "
+        f"{SERVICE_ACCOUNTS_VALUE} lists the one named (a PolicyServer must not lend its author another identity)",
+        f"'spec.serviceAccountName: ' + {_SPEC}.serviceAccountName + ' is not in {SERVICE_ACCOUNTS_VALUE} [' + "
+        "variables.allowedServiceAccounts.join(', ') + ']: a PolicyServer must not lend its author the identity of "
+        "another ServiceAccount'",
+    ),
+    Validation(
+        "size(variables.unreadableRefs) == 0",
+        "spec.checkpoint.secretRef, spec.auth.secretRef, spec.imagePullSecrets: a Secret the requesting user may "
+        "not get themselves",
+    ),
+    Validation(
+        "size(variables.unreadableEnv) == 0",
+        "spec.runtime.env, spec.checkpoint.fetchJob.env: valueFrom.secretKeyRef of a Secret the requesting user "
+        "may not get themselves",
+    ),
+    Validation(
+        "size(variables.unreadableVolumes) == 0",
+        "spec.volumes: a secret, projected secret or csi nodePublishSecretRef the requesting user may not get "
+        "themselves",
+    ),
+    Validation(
+        "!variables.volumes.exists(v, (has(v.downwardAPI) && has(v.downwardAPI.items) && "
+        f"{_author_text_as_file('v.downwardAPI.items')}) || (has(v.projected) && has(v.projected.sources) && "
+        "v.projected.sources.exists(s, has(s.downwardAPI) && has(s.downwardAPI.items) && "
+        f"{_author_text_as_file('s.downwardAPI.items')})))",
+        "spec.volumes: a downwardAPI file of the pod's annotations or labels: the PolicyServer's author writes them "
+        "(podAnnotations, podLabels), and their text must not become a file the pod can be told to run",
+    ),
+    Validation(
+        "variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || "
+        "v.projected.sources.all(s, !has(s.serviceAccountToken)))",
+        "spec.volumes: a projected serviceAccountToken: the pods need no API access, and a token would lend the "
+        "PolicyServer's author the ServiceAccount's identity",
+    ),
+    Validation(
+        "variables.volumes.all(v, !has(v.persistentVolumeClaim) || "
+        f"!(v.persistentVolumeClaim.claimName.endsWith({json.dumps(CACHE_CLAIM_SUFFIX)}) || "
+        f"v.persistentVolumeClaim.claimName.startsWith({json.dumps(PER_POD_CLAIM_PREFIX)}))) && "
+        f"(!has({_SPEC}.storage) || !has({_SPEC}.storage.existingClaim) || "
+        f"{_SPEC}.storage.existingClaim == object.metadata.name + {json.dumps(CACHE_CLAIM_SUFFIX)} || "
+        f"!({_SPEC}.storage.existingClaim.endsWith({json.dumps(CACHE_CLAIM_SUFFIX)}) || "
+        f"{_SPEC}.storage.existingClaim.startsWith({json.dumps(PER_POD_CLAIM_PREFIX)})))",
+        f"spec.volumes[].persistentVolumeClaim, spec.storage.existingClaim: a claim named like a PolicyServer's "
+        f"cache (<name>{CACHE_CLAIM_SUFFIX}, {PER_POD_CLAIM_PREFIX}*) holds another PolicyServer's checkpoints and "
+        "compile artifacts: rename your own claim",
+    ),
+    Validation(
+        f"!variables.mounts.exists(m, {reserved_mount_cel('m.mountPath')})",
+        "spec.volumeMounts: a mount at, under or above a directory the interpreter or the loader reads code from "
+        f"({', '.join(RESERVED_MOUNT_PATHS)})",
+    ),
+)
+
+
+def _author_body(allowed_service_accounts: str) -> dict[str, object]:
+    return {
+        "matchConstraints": {
+            "resourceRules": [
+                {
+                    "apiGroups": [GROUP],
+                    "apiVersions": ["*"],
+                    "resources": [PLURAL],
+                    "operations": ["CREATE", "UPDATE"],
+                }
+            ]
+        },
+        # a metadata-only update (kopf's finalizer, labels) changes no pod: only a new spec is checked
+        "matchConditions": [
+            {
+                "name": "spec-changes",
+                "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec",
+            }
+        ],
+        "variables": [{"name": v.name, "expression": v.expression} for v in author_variables(allowed_service_accounts)],
+        "validations": [_validation(v) for v in AUTHOR_VALIDATIONS],
+    }
+
+
+def author_policy_body(allowed_service_accounts: Sequence[str] = ()) -> dict[str, object]:
+    """The PolicyServer authors' policy for this ServiceAccount allowlist."""
+    return _author_body(cel_list(allowed_service_accounts))
 
 
 # --- the chart's copy ------------------------------------------------------------------------------
@@ -255,7 +491,14 @@ def chart_section() -> str:
             f"the allowlist's slot must appear once in the policy, not {body.count(_ALLOWED_IMAGES_SLOT)}"
         )
     body = body.replace(_ALLOWED_IMAGES_SLOT, _ALLOWED_IMAGES_TEMPLATE)
-    return f'{{{{- define "policy-operator.admission.spec" -}}}}\n{body}{{{{- end }}}}\n'
+    authors = yaml.safe_dump(_author_body(_SERVICE_ACCOUNTS_SLOT), sort_keys=False, width=100000)
+    if authors.count(_SERVICE_ACCOUNTS_SLOT) != 1:
+        raise AssertionError("the ServiceAccount allowlist's slot must appear once in the authors' policy")
+    authors = authors.replace(_SERVICE_ACCOUNTS_SLOT, _SERVICE_ACCOUNTS_TEMPLATE)
+    return (
+        f'{{{{- define "policy-operator.admission.spec" -}}}}\n{body}{{{{- end }}}}\n'
+        f'{{{{- define "policy-operator.admission.authors" -}}}}\n{authors}{{{{- end }}}}\n'
+    )
 
 
 def render_chart_helpers(text: str) -> str:

@@ -94,14 +94,11 @@ from policy_operator.constants import (
     COMPONENT_CACHE_GC,
     COMPONENT_FETCH,
     COMPONENT_SERVER,
-    ENV_HF_HUB_CACHE,
-    ENV_HF_HUB_OFFLINE,
     ENV_HF_TOKEN,
     FETCH_PROGRESS_PORT,
     FETCH_PROGRESS_PORT_NAME,
     GPU_RESOURCE,
     HEALTHZ_PATH,
-    HUB_VIEW_DIR,
     LABEL_CACHE_CLAIM,
     LABEL_CHECKPOINT_KEY,
     LABEL_COMPONENT,
@@ -124,6 +121,7 @@ from policy_operator.operator.spec import (
     DEFAULT_MEMORY_PER_FRONTEND,
     DEFAULT_MEMORY_PER_RANK,
     OPERATOR_ENV,
+    SERVER_HUB_ENV,
     SHARED_ACCESS_MODES,
     SHM_PATH,
     TMP_PATH,
@@ -265,11 +263,8 @@ def _user_env(env: Sequence[EnvVar]) -> list[V1EnvVar]:
 
 def _server_env(spec: PolicyServerSpec) -> list[V1EnvVar]:
     """The server container's environment: no hub, the cache's view of the fetched repositories, then the user's
-    (a name the user sets replaces the operator's: one entry per name)."""
-    own = {ENV_HF_HUB_OFFLINE: "1", ENV_HF_HUB_CACHE: f"{CACHE_MOUNT_PATH}/{HUB_VIEW_DIR}"}
-    user = _user_env(spec.runtime.env)
-    taken = {e.name for e in user}
-    return _home_env() + [V1EnvVar(name=k, value=v) for k, v in own.items() if k not in taken] + user
+    (whose names never repeat these: spec.RESERVED_ENV_NAMES)."""
+    return _home_env() + [V1EnvVar(name=k, value=v) for k, v in SERVER_HUB_ENV.items()] + _user_env(spec.runtime.env)
 
 
 def _secret_volume(volume: str, secret: str, key: str) -> V1Volume:

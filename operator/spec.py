@@ -24,9 +24,13 @@ from policy_operator.constants import (
     CACHE_MOUNT_PATH,
     CHECKPOINT_TOKEN_DIR,
     DEFAULT_PORT,
+    ENV_HF_HUB_CACHE,
+    ENV_HF_HUB_OFFLINE,
+    ENV_HF_TOKEN,
     ENV_HOME,
     ENV_XDG_CACHE_HOME,
     GPU_RESOURCE,
+    HUB_VIEW_DIR,
     LABEL_CACHE_CLAIM,
     LABEL_CHECKPOINT_KEY,
     LABEL_COMPONENT,
@@ -66,6 +70,7 @@ from policy_operator.serve_flags import (
     MAX_MAX_BATCH,
     MAX_MAX_CONNECTIONS,
     MAX_RTC_DELAY,
+    MAX_SESSION_IDLE_TIMEOUT_S,
     MIN_LATENCY_BUDGET_MS,
     RTC_MODES,
     policy_guidance,
@@ -174,7 +179,76 @@ OPERATOR_MOUNT_PATHS: Final = (CACHE_MOUNT_PATH, TMP_PATH, SHM_PATH, CHECKPOINT_
 # the environment the operator sets in every container it makes; a user env entry of the same name would be a
 # duplicate key of the container's env list, which server-side apply refuses (500 "duplicate entries")
 OPERATOR_ENV: Final = {ENV_HOME: TMP_PATH, ENV_XDG_CACHE_HOME: f"{TMP_PATH}/.cache"}
+# Environment names an interpreter, loader or compiler in the pods reads to find code to run, or that point the
+# runtime at its cache and hub (issue 39: PYTHONPATH + a downwardAPI file ran the author's code in the server pod;
+# HF_HUB_OFFLINE=0 sends it to the hub).  The one list: the CRD's CEL (EnvVar below), the chart's admission policy
+# on the operator's ServiceAccount (operator/admission.py) and docs/operator.md ("Threat model") read it from here.
+RESERVED_ENV_NAMES: Final = (
+    *OPERATOR_ENV,
+    "PATH",  # which torchrun / python / cc runs
+    ENV_HF_HUB_OFFLINE,
+    ENV_HF_HUB_CACHE,
+    ENV_HF_TOKEN,
+    "HF_HOME",
+    "HF_MODULES_CACHE",  # where trust_remote_code modules are imported from
+    "HF_TOKEN_PATH",
+    "TRANSFORMERS_CACHE",
+    "TRANSFORMERS_OFFLINE",
+    "BASH_ENV",  # a shell's start-up file
+    "ENV",
+    "GCONV_PATH",  # glibc loads iconv modules from it
+    "LOCPATH",
+    "CC",  # Triton and torch's C++ extensions build with these
+    "CXX",
+    "CUDA_HOME",
+    "CUDA_PATH",
+    "NCCL_NET_PLUGIN",  # shared libraries NCCL loads
+    "NCCL_TUNER_PLUGIN",
+    "NCCL_PROFILER_PLUGIN",
+    "NCCL_ENV_PLUGIN",
+)
+# every name starting with one of these: PYTHONPATH, PYTHONSTARTUP, PYTHONHOME, PYTHONBREAKPOINT..., LD_PRELOAD,
+# LD_LIBRARY_PATH..., TORCH_*/TORCHINDUCTOR_* (cache and extension directories), TRITON_* (its kernel cache)
+RESERVED_ENV_PREFIXES: Final = ("PYTHON", "LD_", "TORCH", "TRITON_")
+# Directories of the image the interpreter and the dynamic loader read code or their configuration from: no
+# extra volume is mounted at, under or above them (an author's file there is code; /etc/ld.so.preload is read by
+# every process).  Checked by the operator (like the operator's own paths) and by the chart's admission policy.
+RESERVED_MOUNT_PATHS: Final = (
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/usr",
+    "/opt",
+    "/src",
+    "/root",
+    "/home",
+    "/etc/ld.so.preload",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/ld.so.cache",
+)
+# what the server container gets besides OPERATOR_ENV: no hub, and the cache's view of the fetched repositories
+SERVER_HUB_ENV: Final = {ENV_HF_HUB_OFFLINE: "1", ENV_HF_HUB_CACHE: f"{CACHE_MOUNT_PATH}/{HUB_VIEW_DIR}"}
 MAX_ENV_NAME: Final = 256
+
+
+def reserved_env(name: str) -> bool:
+    """Whether ``name`` is one the pods' interpreters and loaders read (``RESERVED_ENV_NAMES``/``_PREFIXES``)."""
+    return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
+
+
+def reserved_env_cel(name: str) -> str:
+    """The CEL of ``reserved_env`` on the string expression ``name``."""
+    prefixes = " || ".join(f"{name}.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES)
+    return f"({name} in {list(RESERVED_ENV_NAMES)} || {prefixes})"
+
+
+RESERVED_ENV_TEXT: Final = (
+    f"{', '.join(RESERVED_ENV_NAMES)} and every name starting with {', '.join(RESERVED_ENV_PREFIXES)}"
+)
 LABEL_VALUE: Final = named_pattern(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$", "a label value")
 
 DEFAULT_REPLICAS: Final = 1
@@ -230,6 +304,11 @@ OPERATOR_ONLY_CHECKS: Final = {
     "/dev/shm...); Kubernetes' schema of Volume has no "
     "length bound on names, so a CEL rule comparing them "
     "would exceed the apiserver's cost budget",
+    "spec.volumeMounts[].mountPath (interpreter paths), spec.volumes[].projected": "no extra volume is mounted "
+    "at, under or above a directory the interpreter or the loader reads code from (RESERVED_MOUNT_PATHS: /usr, /opt, "
+    "/etc/ld.so.preload...), and no projected source is a serviceAccountToken; the operator refuses both, and the "
+    "chart's admission policy on PolicyServers refuses them at admission (operator/admission.py): a CEL rule over "
+    "Kubernetes' unbounded Volume and VolumeMount schemas would exceed the CRD's cost budget",
     "spec.storage.mode": "the mode cannot change on an existing PolicyServer (a StatefulSet's "
     "volumeClaimTemplates are immutable): the operator keeps the pods as they are and reports "
     "StorageReady=False ImmutableChange",
@@ -277,6 +356,13 @@ class EnvVar(KubeModel):
             f"point at the writable {TMP_PATH}) and cannot be set here",
             field_path=".name",
         ),
+        Rule(
+            f"!{reserved_env_cel('self.name')}",
+            f"names the interpreter, loader or runtime reads to find code or its cache are reserved "
+            f"({RESERVED_ENV_TEXT}): a PolicyServer's author may not choose what the pods import or load",
+            field_path=".name",
+            reason="FieldValueForbidden",
+        ),
     )
 
     name: Annotated[str, Field(min_length=1, max_length=MAX_ENV_NAME, pattern=ENV_NAME)]
@@ -287,7 +373,9 @@ class EnvVar(KubeModel):
     """Source of the value (core/v1 EnvVarSource, e.g. secretKeyRef)."""
 
 
-EnvList = Annotated[list[EnvVar], Field(json_schema_extra=list_map("name"))]
+# a bound the CEL rules on each name need (the apiserver's cost estimate multiplies by the list's largest size)
+MAX_ENV_VARS: Final = 128
+EnvList = Annotated[list[EnvVar], Field(max_length=MAX_ENV_VARS, json_schema_extra=list_map("name"))]
 
 
 class ResourceRequirements(KubeModel):
@@ -672,6 +760,10 @@ class RuntimeSpec(KubeModel):
     """WebSocket connections one pod accepts at once (--max-connections), whichever of its front-end processes
     holds them; more get HTTP 503 before the upgrade and are counted in
     policy_connections_closed_total{reason="max_connections"}."""
+    session_idle_timeout_seconds: int | None = Field(None, ge=0, le=MAX_SESSION_IDLE_TIMEOUT_S)
+    """A session that sends no frame this long after its last reply is closed with 1001, so idle sockets cannot
+    hold maxConnections (--session-idle-timeout-s); unset: the server's default, 30 s (three times a slow
+    policy's 10 s chunk); 0: never."""
     frontend: FrontendSpec = Field(default_factory=FrontendSpec)
 
 
@@ -689,6 +781,18 @@ ExtraVolume = Annotated[
         " && ".join(f"!has(self.{source})" for source in REFUSED_VOLUME_SOURCES),
         f"only {', '.join(ALLOWED_VOLUME_SOURCES)} volumes may be added: hostPath and the other "
         f"sources reach the node or storage by address, which a PolicyServer must not hand out",
+        reason="FieldValueForbidden",
+    ),
+]
+
+
+ScopedToleration = Annotated[
+    Toleration,
+    Rule(
+        "has(self.key) && self.key != ''",
+        "a toleration names the taint's key: one without a key tolerates every taint, a DaemonSet's pattern that "
+        "would put the PolicyServer's pods on nodes kept for others (control plane, dedicated pools)",
+        field_path=".key",
         reason="FieldValueForbidden",
     ),
 ]
@@ -763,7 +867,7 @@ class PolicyServerSpec(KubeModel):
     resources: ServerResources = Field(default_factory=ServerResources)
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node labels the pods (server and fetch Job) must match."""
-    tolerations: list[Toleration] = Field(default_factory=list)
+    tolerations: list[ScopedToleration] = Field(default_factory=list)
     """Tolerations of the pods (core/v1 Toleration), e.g. for nvidia.com/gpu:NoSchedule."""
     affinity: Affinity | None = None
     """Affinity of the pods (core/v1 Affinity)."""
@@ -826,9 +930,23 @@ class PolicyServerSpec(KubeModel):
                 f"volumes: {', '.join(map(str, taken))} is a volume the operator adds itself; "
                 f"rename it (taken: {', '.join(OPERATOR_VOLUMES)})"
             )
+        for index, volume in enumerate(self.volumes):
+            sources = (volume.get("projected") or {}).get("sources") or []
+            if any(isinstance(s, dict) and "serviceAccountToken" in s for s in sources):
+                raise ValueError(
+                    f"volumes[{index}].projected.sources: a serviceAccountToken is never mounted: the pods need no "
+                    "API access, and a token would lend the PolicyServer's author the ServiceAccount's identity"
+                )
         names = {v.get("name") for v in self.volumes}
         for m in self.volume_mounts:
             path = str(m.get("mountPath", "")).rstrip("/") or "/"
+            if path == "/" or any(
+                path == p or p.startswith(path + "/") or path.startswith(p + "/") for p in RESERVED_MOUNT_PATHS
+            ):
+                raise ValueError(
+                    f"volumeMounts: {path} overlaps a directory the interpreter or the loader reads code from "
+                    f"({', '.join(RESERVED_MOUNT_PATHS)}); mount it elsewhere"
+                )
             if path in OPERATOR_MOUNT_PATHS or any(
                 p.startswith(path + "/") or path.startswith(p + "/") for p in OPERATOR_MOUNT_PATHS
             ):

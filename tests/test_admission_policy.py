@@ -346,3 +346,151 @@ def test_an_image_allowlist_refuses_other_images_and_the_policyserver_says_so(en
         interval=0.5,
         what="any image admitted again without the allowlist",
     )
+
+
+DEV = "dev"  # an ordinary user of the namespace: PolicyServers only, no pods, no Secrets
+
+
+def as_dev(env: Env, doc: dict[str, Any]) -> str:
+    """``doc`` applied by ``dev`` as a server-side dry run: the API server's refusal ('' when admitted)."""
+    done = env.lc.kubectl("apply", f"--as={DEV}", "--dry-run=server", "-f", "-", input=yaml.safe_dump(doc), check=False)
+    return "" if done.returncode == 0 else done.stderr
+
+
+def test_issue_39_attacks_are_refused_at_admission_naming_the_field(env: Env) -> None:
+    """issue 39 items 1 and 4 replayed on the API server: ``dev``'s PolicyServer that ran code as another
+    ServiceAccount, field by field (the authors' policy answers with dev's own rights; the CRD refuses a reserved
+    environment name), then the operator's ServiceAccount's node-escape shapes (its policy) and a privileged pod
+    in a namespace labelled for PodSecurity restricted (PSA): each refused, naming what it refuses."""
+    rbac = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": DEV, "namespace": NS},
+        "rules": [{"apiGroups": [C.GROUP], "resources": [C.PLURAL], "verbs": ["*"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": DEV, "namespace": NS},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": DEV},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": DEV}],
+    }
+    env.lc.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([rbac, binding]))
+    base = copy.deepcopy(env.doc)
+    base["metadata"] = {"name": "attack", "namespace": NS}
+    for field in ("volumes", "volumeMounts"):
+        base["spec"].pop(field)
+    base["spec"]["checkpoint"].pop("secretRef")
+    wait_for(lambda: as_dev(env, base) == "", POLICY_SYNC_S, interval=0.5, what="dev may apply a plain one")
+    authors = f"{RELEASE}-policy-operator-authors.{NS}"
+    code = {"path": "sitecustomize.py", "fieldRef": {"fieldPath": "metadata.annotations['code']"}}
+    attacks: dict[str, tuple[dict[str, Any], str]] = {
+        "serviceAccountName": ({"serviceAccountName": "ci-deployer"}, "spec.serviceAccountName: ci-deployer"),
+        "downwardAPI": (
+            {
+                "podAnnotations": {"code": "open('/tmp/pwned', 'w')"},
+                "volumes": [{"name": "py", "downwardAPI": {"items": [code]}}],
+                "volumeMounts": [{"name": "py", "mountPath": "/py"}],
+            },
+            "spec.volumes: a downwardAPI file of the pod's annotations",
+        ),
+        "projected token": (
+            {
+                "volumes": [{"name": "t", "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]}}],
+                "volumeMounts": [{"name": "t", "mountPath": "/t"}],
+            },
+            "spec.volumes: a projected serviceAccountToken",
+        ),
+        "secretKeyRef": (
+            {
+                "runtime": {
+                    "env": [
+                        {"name": "S", "valueFrom": {"secretKeyRef": {"name": "not-for-the-operator", "key": "token"}}}
+                    ]
+                }
+            },
+            "spec.runtime.env, spec.checkpoint.fetchJob.env: valueFrom.secretKeyRef of a Secret the requesting",
+        ),
+        "secret volume": (
+            {
+                "volumes": [{"name": "s", "secret": {"secretName": "extra-config"}}],
+                "volumeMounts": [{"name": "s", "mountPath": "/s"}],
+            },
+            "spec.volumes: a secret, projected secret or csi nodePublishSecretRef the requesting user",
+        ),
+        "checkpoint secretRef": (
+            {"checkpoint": {**base["spec"]["checkpoint"], "secretRef": {"name": "fetch-token"}}},
+            "spec.checkpoint.secretRef, spec.auth.secretRef, spec.imagePullSecrets: a Secret the requesting",
+        ),
+        "another's cache": (
+            {
+                "volumes": [{"name": "c", "persistentVolumeClaim": {"claimName": f"{NAME}-cache"}}],
+                "volumeMounts": [{"name": "c", "mountPath": "/c"}],
+            },
+            "spec.volumes[].persistentVolumeClaim, spec.storage.existingClaim: a claim named like",
+        ),
+        "PYTHONPATH": (
+            {"runtime": {"env": [{"name": "PYTHONPATH", "value": "/py"}]}},
+            "spec.runtime.env[0].name: Forbidden: names the interpreter",
+        ),
+    }
+    for what, (fields, expected) in attacks.items():
+        doc = copy.deepcopy(base)
+        doc["spec"].update(fields)
+        refusal = as_dev(env, doc)
+        assert expected in refusal, (what, refusal)
+        if what != "PYTHONPATH":  # the CRD's own rule; the rest are the authors' policy's
+            assert f"ValidatingAdmissionPolicy '{authors}'" in refusal, (what, refusal)
+    # the admin, who may read those Secrets, is refused nothing of theirs: the policy asks the requesting user's rights
+    admin = copy.deepcopy(base)
+    admin["spec"].update(attacks["secret volume"][0])
+    assert env.lc.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(admin)).returncode == 0
+
+    # the operator's ServiceAccount: host namespaces, privilege, host ports, node name, root, tolerate-all
+    shapes = {
+        "hostNetwork": lambda p: p.update(hostNetwork=True),
+        "hostPID": lambda p: p.update(hostPID=True),
+        "nodeName": lambda p: p.update(nodeName="node-1"),
+        "tolerate-all": lambda p: p.update(tolerations=[{"operator": "Exists"}]),
+        # (the API server's own validation refuses privilege with allowPrivilegeEscalation false: both set)
+        "privileged": lambda p: p["containers"][0]["securityContext"].update(
+            privileged=True, allowPrivilegeEscalation=True
+        ),
+        "SYS_ADMIN": lambda p: p["containers"][0]["securityContext"].update(
+            allowPrivilegeEscalation=True, capabilities={"add": ["SYS_ADMIN"]}
+        ),
+        "hostPort": lambda p: p["containers"][0].update(ports=[{"containerPort": 80, "hostPort": 80}]),
+    }
+    for what, change in shapes.items():
+        job = plain_job("escape", env.owner, "busybox")
+        pod = job["spec"]["template"]["spec"]
+        pod["securityContext"] = {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
+        pod["containers"][0]["securityContext"] = {
+            "allowPrivilegeEscalation": False,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        assert create_job(env.client, job) is None, f"{what}: the unchanged shape is the operator's"
+        change(pod)
+        refused(env.client, job, message_of("host namespace"))
+
+    # and the namespace's PodSecurity level refuses the privileged pod a second time, whoever sends it
+    label = "pod-security.kubernetes.io/enforce"
+    env.lc.kubectl("label", "namespace", NS, f"{label}=restricted", "--overwrite")
+    try:
+        (server,) = env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={NAME},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "psa-check", "namespace": NS},
+            "spec": {k: v for k, v in server["spec"].items() if k != "nodeName"},
+        }
+        core = CoreV1Api(env.lc.control_plane.api_client)
+        core.create_namespaced_pod(NS, pod, dry_run="All")  # type: ignore[arg-type]  # the operator's shape passes
+        pod["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+        with pytest.raises(ApiException) as denied:
+            core.create_namespaced_pod(NS, pod, dry_run="All")  # type: ignore[arg-type]
+        assert denied.value.status == 403, denied.value
+        assert 'violates PodSecurity "restricted' in json.loads(str(denied.value.body))["message"], denied.value.body
+    finally:
+        env.lc.kubectl("label", "namespace", NS, f"{label}-")

@@ -202,10 +202,16 @@ def rendered(values: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def operator_policy(kinds: dict[str, list[dict[str, Any]]], kind: str = "ValidatingAdmissionPolicy") -> dict[str, Any]:
+    """The policy (or binding) on the operator's ServiceAccount, not the authors' one."""
+    (policy,) = [p for p in kinds[kind] if "-authors." not in p["metadata"]["name"]]
+    return policy
+
+
 def test_the_chart_renders_this_policy_for_its_service_account() -> None:
     kinds = rendered({})
-    (policy,) = kinds["ValidatingAdmissionPolicy"]
-    (binding,) = kinds["ValidatingAdmissionPolicyBinding"]
+    policy = operator_policy(kinds)
+    binding = operator_policy(kinds, "ValidatingAdmissionPolicyBinding")
     (account,) = kinds["ServiceAccount"]
     body = admission.policy_body()
     assert {k: policy["spec"][k] for k in body} == body
@@ -224,7 +230,7 @@ def test_the_chart_renders_this_policy_for_its_service_account() -> None:
 
 def test_the_chart_renders_its_image_allowlist_into_the_policy() -> None:
     prefixes = ["ghcr.io/policy-operator/", "registry.example.com/robots/policy-server", 'odd"\\x/']
-    (policy,) = rendered({"admissionPolicy": {"allowedImages": prefixes}})["ValidatingAdmissionPolicy"]
+    policy = operator_policy(rendered({"admissionPolicy": {"allowedImages": prefixes}}))
     body = admission.policy_body(prefixes)
     assert {k: policy["spec"][k] for k in body} == body
     (variable,) = [v for v in policy["spec"]["variables"] if v["name"] == "allowedImages"]
@@ -340,3 +346,198 @@ def test_every_container_and_init_container_of_every_child_is_checked() -> None:
     pod["spec"] = copy.deepcopy(template["spec"])
     pod["spec"]["containers"][0]["image"] = "evil/a:1"
     assert refusals(pod, old=pod, allowed_images=ALLOWED) == []
+
+
+def test_the_operators_service_account_cannot_make_a_node_escape_or_exfiltration_shape() -> None:
+    """issue 39 item 4: each shape the server-side dry runs admitted on b826365 is refused, naming the rule."""
+    job = adopted(manifests.build_fetch_job(spec_of(**SPECS["hf-token"])))
+    pins, tokens, env_rule, words = (
+        message("host namespace"),
+        message("projected serviceAccountToken"),
+        message("environment name"),
+        message("--token-file only once"),
+    )
+
+    def broken(change: Any) -> dict[str, Any]:
+        copied = copy.deepcopy(job)
+        change(copied["spec"]["template"]["spec"], copied["spec"]["template"]["spec"]["containers"][0])
+        return copied
+
+    context = "securityContext"
+    cases = {
+        "hostNetwork": (lambda p, c: p.update(hostNetwork=True), pins),
+        "hostPID": (lambda p, c: p.update(hostPID=True), pins),
+        "hostIPC": (lambda p, c: p.update(hostIPC=True), pins),
+        "nodeName": (lambda p, c: p.update(nodeName="n1"), pins),
+        "tolerate-all": (lambda p, c: p.update(tolerations=[{"operator": "Exists"}]), pins),
+        "pod runAsUser 0": (lambda p, c: p[context].update(runAsUser=0), pins),
+        "privileged": (lambda p, c: c[context].update(privileged=True), pins),
+        "SYS_ADMIN": (lambda p, c: c[context]["capabilities"].update(add=["SYS_ADMIN"]), pins),
+        "runAsUser 0": (lambda p, c: c[context].update(runAsUser=0), pins),
+        "hostPort": (lambda p, c: c.update(ports=[{"containerPort": 1, "hostPort": 1}]), pins),
+        "projected token": (
+            lambda p, c: p["volumes"].append(
+                {"name": "t", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}}
+            ),
+            tokens,
+        ),
+        "csi secret": (
+            lambda p, c: p["volumes"].append(
+                {"name": "c", "csi": {"driver": "d", "nodePublishSecretRef": {"name": "not-declared"}}}
+            ),
+            tokens,
+        ),
+        "PYTHONPATH": (lambda p, c: c["env"].append({"name": "PYTHONPATH", "value": "/x"}), env_rule),
+        "HF_HUB_OFFLINE=0": (lambda p, c: c["env"].append({"name": "HF_HUB_OFFLINE", "value": "0"}), env_rule),
+        "LD_PRELOAD": (lambda p, c: c["env"].append({"name": "LD_PRELOAD", "value": "/x.so"}), env_rule),
+        "site-packages mount": (
+            lambda p, c: c["volumeMounts"].append({"name": "tmp", "mountPath": "/opt/conda/lib"}),
+            env_rule,
+        ),
+        "token to another file": (lambda p, c: c["command"].extend(["--token-file", "/tmp/x"]), words),
+        "--token-file=": (lambda p, c: c["command"].append("--token-file=/x"), words),
+        "checkpoint init": (lambda p, c: c.update(command=["policyserver", "checkpoint", "init", "/x"]), words),
+    }
+    for what, (change, expected) in cases.items():
+        assert refusals(broken(change)) == [expected], what
+
+
+class _Authorizer:
+    """Kubernetes' ``authorizer`` CEL library for cel-python: ``readable`` are the Secrets the user may get."""
+
+    def __init__(self, readable: set[str]) -> None:
+        self.readable = readable
+
+    def functions(self) -> dict[str, Any]:
+        def step(key: str) -> Any:
+            def call(target: Any, value: Any) -> Any:
+                state = dict(target) if isinstance(target, celpy.celtypes.MapType) else {}
+                state[celpy.celtypes.StringType(key)] = celpy.celtypes.StringType(str(value))
+                return celpy.celtypes.MapType(state)
+
+            return call
+
+        def allowed(target: Any) -> Any:
+            state = {str(k): str(v) for k, v in dict(target).items()}
+            ok = state["resource"] == "secrets" and state["verb"] == "get" and state["name"] in self.readable
+            return celpy.celtypes.BoolType(ok)
+
+        return {
+            "group": step("group"),
+            "resource": step("resource"),
+            "namespace": step("namespace"),
+            "name": step("name"),
+            "check": step("verb"),
+            "allowed": allowed,
+        }
+
+
+def author_refusals(
+    spec: dict[str, Any],
+    *,
+    readable: set[str] = frozenset(),
+    service_accounts: tuple[str, ...] = (),  # type: ignore[assignment]
+) -> list[str]:
+    """The authors' policy on a PolicyServer created by ``dev``, who may get the Secrets ``readable``."""
+    authorizer = _Authorizer(set(readable))
+    functions = {**_FUNCTIONS, **authorizer.functions()}
+    obj = {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": "ps", "namespace": NS}, "spec": spec}
+    activation: dict[str, Any] = {
+        "object": celpy.json_to_cel(obj),
+        "request": celpy.json_to_cel({"operation": "CREATE", "namespace": NS, "userInfo": {"username": "dev"}}),
+        "authorizer": celpy.celtypes.MapType({}),
+    }
+
+    def run(expression: str) -> Any:
+        result = _ENV.program(_ENV.compile(expression), functions=functions).evaluate(activation)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    variables: dict[str, Any] = {}
+    for variable in admission.author_variables(admission.cel_list(service_accounts)):
+        activation["variables"] = celpy.celtypes.MapType(
+            {celpy.celtypes.StringType(k): v for k, v in variables.items()}
+        )
+        variables[variable.name] = run(variable.expression)
+    activation["variables"] = celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in variables.items()})
+    return [
+        str(run(v.message_expression)) if v.message_expression else v.message
+        for v in admission.AUTHOR_VALIDATIONS
+        if not bool(run(v.expression))
+    ]
+
+
+BASE = {"image": "registry.example/policy:1", "checkpoint": {"source": "hf://org/policy"}}
+
+
+def test_a_policyserver_author_gets_nothing_a_pod_of_theirs_would_not() -> None:
+    """issue 39 item 1: the attack's every field refused, naming it; what the author may use admitted."""
+    attack = {
+        **BASE,
+        "podAnnotations": {"code": "import os; os.system('touch /tmp/pwned')"},
+        "serviceAccountName": "ci-deployer",
+        "volumes": [
+            {
+                "name": "py",
+                "downwardAPI": {
+                    "items": [{"path": "sitecustomize.py", "fieldRef": {"fieldPath": "metadata.annotations['code']"}}]
+                },
+            },
+            {"name": "tok", "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]}},
+            {"name": "other", "persistentVolumeClaim": {"claimName": "victim-cache"}},
+            {"name": "s", "secret": {"secretName": "admin-creds"}},
+        ],
+        "volumeMounts": [{"name": "py", "mountPath": "/opt/conda/lib/python3.11/site-packages/x"}],
+        "runtime": {"env": [{"name": "STOLEN", "valueFrom": {"secretKeyRef": {"name": "admin-creds", "key": "k"}}}]},
+    }
+    found = author_refusals(attack)
+    assert len(found) == 7, found
+    for field in (
+        "spec.serviceAccountName: ci-deployer is not in",
+        "spec.runtime.env, spec.checkpoint.fetchJob.env: valueFrom.secretKeyRef",
+        "spec.volumes: a secret",
+        "downwardAPI file",
+        "projected serviceAccountToken",
+        "spec.storage.existingClaim",
+        "spec.volumeMounts",
+    ):
+        assert any(field in f for f in found), (field, found)
+    assert author_refusals({**BASE, "checkpoint": {"source": "hf://o/p", "secretRef": {"name": "hf"}}}) == [
+        message_of_author("spec.checkpoint.secretRef")
+    ]
+    assert author_refusals({**BASE, "storage": {"existingClaim": "victim-cache"}}) == [
+        message_of_author("existingClaim")
+    ]
+    # what the author may do: their own Secrets, an allowed ServiceAccount, a downwardAPI of the pod's name, their claim
+    fine = {
+        **BASE,
+        "checkpoint": {"source": "hf://o/p", "secretRef": {"name": "mine"}},
+        "serviceAccountName": "s3-reader",
+        "volumes": [
+            {"name": "py", "downwardAPI": {"items": [{"path": "name", "fieldRef": {"fieldPath": "metadata.name"}}]}},
+            {"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}},
+            {"name": "s", "secret": {"secretName": "mine"}},
+        ],
+        "volumeMounts": [{"name": "s", "mountPath": "/etc/mine"}],
+        "storage": {"existingClaim": "ps-cache"},
+    }
+    assert author_refusals(fine, readable={"mine"}, service_accounts=("s3-reader",)) == []
+
+
+def message_of_author(fragment: str) -> str:
+    (validation,) = [v for v in admission.AUTHOR_VALIDATIONS if fragment in v.message]
+    return validation.message
+
+
+def test_the_chart_renders_the_authors_policy_unless_authors_are_trusted() -> None:
+    kinds = rendered({"watchNamespaces": [NS, "other"], "admissionPolicy": {"allowedServiceAccounts": ["s3"]}})
+    (policy,) = [p for p in kinds["ValidatingAdmissionPolicy"] if "-authors." in p["metadata"]["name"]]
+    (binding,) = [b for b in kinds["ValidatingAdmissionPolicyBinding"] if "-authors." in b["metadata"]["name"]]
+    body = admission.author_policy_body(["s3"])
+    assert {k: policy["spec"][k] for k in body} == body
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"] == [NS, "other"]
+    trusted = rendered({"admissionPolicy": {"trustedAuthors": True}})
+    assert [p["metadata"]["name"] for p in trusted["ValidatingAdmissionPolicy"]] == [
+        operator_policy(trusted)["metadata"]["name"]
+    ]

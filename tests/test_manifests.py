@@ -21,7 +21,7 @@ from kubernetes.client import V1Service
 from policy_operator import constants as C
 from policy_operator import serve_flags
 from policy_operator.operator import manifests as M
-from policy_operator.operator.spec import PolicyServerSpec, parse_spec
+from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
 from policy_operator.source_uri import checkpoint_key, request_key
 from tests.support.api_objects import api_object
 from tests.support.serve_options import parse_serve
@@ -83,7 +83,7 @@ VARIANTS = {
     "lerobot-per-pod": base(
         policy={"type": "lerobot"},
         storage={"mode": "perPod"},
-        runtime={"env": [{"name": C.ENV_HF_HUB_OFFLINE, "value": "0"}]},
+        runtime={"env": [{"name": "LEROBOT_LOG_LEVEL", "value": "debug"}]},
     ),
     "import": base(policy={"type": "import", "importPath": "my_robot.policies:Mine"}, runtime={"guidance": 2.0}),
 }
@@ -434,10 +434,9 @@ def test_policy_type_flows_into_the_fetch_the_init_container_and_the_server() ->
     per_pod = spec_of(base(policy={"type": "lerobot"}, storage={"mode": "perPod"}))
     init = M.build_statefulset(per_pod)["spec"]["template"]["spec"]["initContainers"]
     assert "--references" in init[0]["command"] and "--references" in init[-1]["command"]
-    # a name the user sets replaces the operator's: one entry per name (server-side apply refuses duplicates)
-    spec = spec_of(base(runtime={"env": [{"name": C.ENV_HF_HUB_OFFLINE, "value": "0"}]}))
-    env = M.build_statefulset(spec)["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert [e.get("value") for e in env if e["name"] == C.ENV_HF_HUB_OFFLINE] == ["0"]
+    # the user may not set it (issue 39: HF_HUB_OFFLINE=0 sent the pods to the hub): a reserved name
+    with pytest.raises(SpecError, match=r"spec\.runtime\.env\[0\]\.name: .*reserved"):
+        spec_of(base(runtime={"env": [{"name": C.ENV_HF_HUB_OFFLINE, "value": "0"}]}))
 
 
 def test_probes_lifecycle_and_volumes() -> None:

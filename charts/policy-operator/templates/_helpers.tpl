@@ -219,9 +219,80 @@ validations:
 - expression: variables.isPod || variables.volumes.all(v, !has(v.secret) || v.secret.secretName in variables.declaredSecrets) && variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || v.projected.sources.all(s, !has(s.secret) || s.secret.name in variables.declaredSecrets)) && variables.containers.all(c, (!has(c.env) || c.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef) || e.valueFrom.secretKeyRef.name in variables.declaredSecrets)) && (!has(c.envFrom) || c.envFrom.all(f, !has(f.secretRef) || f.secretRef.name in variables.declaredSecrets)))
   message: every Secret the pod template names must be listed in the workload's policyoperator.io/secrets annotation (the Secrets its PolicyServer's spec names)
   reason: Forbidden
+- expression: variables.isPod || (!(has(variables.podSpec.hostNetwork) && variables.podSpec.hostNetwork) && !(has(variables.podSpec.hostPID) && variables.podSpec.hostPID) && !(has(variables.podSpec.hostIPC) && variables.podSpec.hostIPC) && !(has(variables.podSpec.hostUsers) && variables.podSpec.hostUsers) && !has(variables.podSpec.nodeName) && has(variables.podSpec.securityContext) && has(variables.podSpec.securityContext.runAsNonRoot) && variables.podSpec.securityContext.runAsNonRoot && (!has(variables.podSpec.securityContext.runAsUser) || variables.podSpec.securityContext.runAsUser != 0) && (!has(variables.podSpec.tolerations) || variables.podSpec.tolerations.all(t, has(t.key) && t.key != '')) && variables.containers.all(c, has(c.securityContext) && has(c.securityContext.allowPrivilegeEscalation) && !c.securityContext.allowPrivilegeEscalation && (!has(c.securityContext.privileged) || !c.securityContext.privileged) && (!has(c.securityContext.runAsUser) || c.securityContext.runAsUser != 0) && has(c.securityContext.capabilities) && !has(c.securityContext.capabilities.add) && has(c.securityContext.capabilities.drop) && 'ALL' in c.securityContext.capabilities.drop && (!has(c.ports) || c.ports.all(p, !has(p.hostPort)))))
+  message: the operator's workloads share no host namespace, name no node, tolerate no taint by an empty key, run as non-root, and every container drops ALL capabilities, adds none, is not privileged, cannot escalate and opens no host port
+  reason: Forbidden
+- expression: variables.isPod || (variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || v.projected.sources.all(s, !has(s.serviceAccountToken))) && variables.volumes.all(v, !has(v.csi) || !has(v.csi.nodePublishSecretRef) || v.csi.nodePublishSecretRef.name in variables.declaredSecrets))
+  message: the operator's workloads mount no projected serviceAccountToken source, and a csi volume's nodePublishSecretRef must be listed in the policyoperator.io/secrets annotation
+  reason: Forbidden
+- expression: 'variables.isPod || variables.containers.all(c, (!has(c.env) || c.env.all(e, !(e.name in [''HOME'', ''XDG_CACHE_HOME'', ''PATH'', ''HF_HUB_OFFLINE'', ''HF_HUB_CACHE'', ''HF_TOKEN'', ''HF_HOME'', ''HF_MODULES_CACHE'', ''HF_TOKEN_PATH'', ''TRANSFORMERS_CACHE'', ''TRANSFORMERS_OFFLINE'', ''BASH_ENV'', ''ENV'', ''GCONV_PATH'', ''LOCPATH'', ''CC'', ''CXX'', ''CUDA_HOME'', ''CUDA_PATH'', ''NCCL_NET_PLUGIN'', ''NCCL_TUNER_PLUGIN'', ''NCCL_PROFILER_PLUGIN'', ''NCCL_ENV_PLUGIN''] || e.name.startsWith(''PYTHON'') || e.name.startsWith(''LD_'') || e.name.startsWith(''TORCH'') || e.name.startsWith(''TRITON_'')) || (has(e.value) && (e.name + ''='' + e.value) in ["HOME=/tmp", "XDG_CACHE_HOME=/tmp/.cache", "HF_HUB_OFFLINE=1", "HF_HUB_CACHE=/models/.hub"]) || (e.name == "HF_TOKEN" && has(e.valueFrom)))) && (!has(c.volumeMounts) || c.volumeMounts.all(m, !(m.mountPath == ''/'' || ["/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/opt", "/src", "/root", "/home", "/etc/ld.so.preload", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/ld.so.cache"].exists(r, m.mountPath == r || m.mountPath.startsWith(r + ''/'') || r.startsWith(m.mountPath.endsWith(''/'') ? m.mountPath : m.mountPath + ''/''))))))'
+  message: the operator's containers set no environment name the interpreter or loader reads (HOME, XDG_CACHE_HOME, PATH, HF_HUB_OFFLINE, HF_HUB_CACHE, HF_TOKEN, HF_HOME, HF_MODULES_CACHE, HF_TOKEN_PATH, TRANSFORMERS_CACHE, TRANSFORMERS_OFFLINE, BASH_ENV, ENV, GCONV_PATH, LOCPATH, CC, CXX, CUDA_HOME, CUDA_PATH, NCCL_NET_PLUGIN, NCCL_TUNER_PLUGIN, NCCL_PROFILER_PLUGIN, NCCL_ENV_PLUGIN and every name starting with PYTHON, LD_, TORCH, TRITON_) other than the operator's own values, and mount nothing at, under or above /bin, /sbin, /lib, /lib32, /lib64, /libx32, /usr, /opt, /src, /root, /home, /etc/ld.so.preload, /etc/ld.so.conf, /etc/ld.so.conf.d, /etc/ld.so.cache
+  reason: Forbidden
+- expression: variables.isPod || variables.containers.all(c, !has(c.command) || (c.command.all(w, !w.startsWith('--token-file') || w == '--token-file') && size(c.command.filter(w, w == '--token-file')) <= 1 && (!('--token-file' in c.command) || "/var/run/secrets/policy-checkpoint/token" in c.command) && (size(c.command) < 3 || c.command[1] != 'checkpoint' || c.command[2] in ['verify', 'prune'])))
+  message: the operator's commands pass --token-file only once, as `--token-file /var/run/secrets/policy-checkpoint/token` (the checkpoint Secret's mount) and run `policyserver checkpoint verify|prune` only
+  reason: Forbidden
 - expression: size(variables.refusedImages) == 0
   message: every container's image of the operator's workloads must be one that admissionPolicy.allowedImages admits
   messageExpression: '''image '' + variables.refusedImages.join('', '') + '' is not allowed: admissionPolicy.allowedImages is ['' + variables.allowedImages.join('', '') + ''] (an entry ending in / admits the path below it; any other names one repository, tag or digest)'''
+  reason: Forbidden
+{{- end }}
+{{- define "policy-operator.admission.authors" -}}
+matchConstraints:
+  resourceRules:
+  - apiGroups:
+    - policyoperator.io
+    apiVersions:
+    - '*'
+    resources:
+    - policyservers
+    operations:
+    - CREATE
+    - UPDATE
+matchConditions:
+- name: spec-changes
+  expression: request.operation == 'CREATE' || object.spec != oldObject.spec
+variables:
+- name: allowedServiceAccounts
+  expression: {{ .Values.admissionPolicy.allowedServiceAccounts | default list | toJson | quote }}
+- name: volumes
+  expression: 'has(object.spec.volumes) ? object.spec.volumes : []'
+- name: mounts
+  expression: 'has(object.spec.volumeMounts) ? object.spec.volumeMounts : []'
+- name: env
+  expression: '(has(object.spec.runtime) && has(object.spec.runtime.env) ? object.spec.runtime.env : []) + (has(object.spec.checkpoint.fetchJob) && has(object.spec.checkpoint.fetchJob.env) ? object.spec.checkpoint.fetchJob.env : [])'
+- name: refSecrets
+  expression: '(has(object.spec.checkpoint.secretRef) ? [object.spec.checkpoint.secretRef.name] : []) + (has(object.spec.auth) && has(object.spec.auth.secretRef) ? [object.spec.auth.secretRef.name] : []) + (has(object.spec.imagePullSecrets) ? object.spec.imagePullSecrets.map(r, r.name) : [])'
+- name: unreadableRefs
+  expression: variables.refSecrets.filter(n, !authorizer.group('').resource('secrets').namespace(request.namespace).name(n).check('get').allowed())
+- name: unreadableEnv
+  expression: variables.env.filter(e, has(e.valueFrom) && has(e.valueFrom.secretKeyRef) && !authorizer.group('').resource('secrets').namespace(request.namespace).name(e.valueFrom.secretKeyRef.name).check('get').allowed()).map(e, e.name)
+- name: unreadableVolumes
+  expression: variables.volumes.filter(v, (has(v.secret) && has(v.secret.secretName) && !authorizer.group('').resource('secrets').namespace(request.namespace).name(v.secret.secretName).check('get').allowed()) || (has(v.projected) && has(v.projected.sources) && v.projected.sources.exists(s, has(s.secret) && has(s.secret.name) && !authorizer.group('').resource('secrets').namespace(request.namespace).name(s.secret.name).check('get').allowed())) || (has(v.csi) && has(v.csi.nodePublishSecretRef) && !authorizer.group('').resource('secrets').namespace(request.namespace).name(v.csi.nodePublishSecretRef.name).check('get').allowed())).map(v, v.name)
+validations:
+- expression: '!has(object.spec.serviceAccountName) || object.spec.serviceAccountName in variables.allowedServiceAccounts'
+  message: 'spec.serviceAccountName: the pods run as the namespace''s default ServiceAccount unless admissionPolicy.allowedServiceAccounts lists the one named (a PolicyServer must not lend its author another identity)'
+  messageExpression: '''spec.serviceAccountName: '' + object.spec.serviceAccountName + '' is not in admissionPolicy.allowedServiceAccounts ['' + variables.allowedServiceAccounts.join('', '') + '']: a PolicyServer must not lend its author the identity of another ServiceAccount'''
+  reason: Forbidden
+- expression: size(variables.unreadableRefs) == 0
+  message: 'spec.checkpoint.secretRef, spec.auth.secretRef, spec.imagePullSecrets: a Secret the requesting user may not get themselves'
+  reason: Forbidden
+- expression: size(variables.unreadableEnv) == 0
+  message: 'spec.runtime.env, spec.checkpoint.fetchJob.env: valueFrom.secretKeyRef of a Secret the requesting user may not get themselves'
+  reason: Forbidden
+- expression: size(variables.unreadableVolumes) == 0
+  message: 'spec.volumes: a secret, projected secret or csi nodePublishSecretRef the requesting user may not get themselves'
+  reason: Forbidden
+- expression: '!variables.volumes.exists(v, (has(v.downwardAPI) && has(v.downwardAPI.items) && v.downwardAPI.items.exists(i, has(i.fieldRef) && (i.fieldRef.fieldPath.startsWith(''metadata.annotations'') || i.fieldRef.fieldPath.startsWith(''metadata.labels'')))) || (has(v.projected) && has(v.projected.sources) && v.projected.sources.exists(s, has(s.downwardAPI) && has(s.downwardAPI.items) && s.downwardAPI.items.exists(i, has(i.fieldRef) && (i.fieldRef.fieldPath.startsWith(''metadata.annotations'') || i.fieldRef.fieldPath.startsWith(''metadata.labels''))))))'
+  message: 'spec.volumes: a downwardAPI file of the pod''s annotations or labels: the PolicyServer''s author writes them (podAnnotations, podLabels), and their text must not become a file the pod can be told to run'
+  reason: Forbidden
+- expression: variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || v.projected.sources.all(s, !has(s.serviceAccountToken)))
+  message: 'spec.volumes: a projected serviceAccountToken: the pods need no API access, and a token would lend the PolicyServer''s author the ServiceAccount''s identity'
+  reason: Forbidden
+- expression: variables.volumes.all(v, !has(v.persistentVolumeClaim) || !(v.persistentVolumeClaim.claimName.endsWith("-cache") || v.persistentVolumeClaim.claimName.startsWith("checkpoint-cache-"))) && (!has(object.spec.storage) || !has(object.spec.storage.existingClaim) || object.spec.storage.existingClaim == object.metadata.name + "-cache" || !(object.spec.storage.existingClaim.endsWith("-cache") || object.spec.storage.existingClaim.startsWith("checkpoint-cache-")))
+  message: 'spec.volumes[].persistentVolumeClaim, spec.storage.existingClaim: a claim named like a PolicyServer''s cache (<name>-cache, checkpoint-cache-*) holds another PolicyServer''s checkpoints and compile artifacts: rename your own claim'
+  reason: Forbidden
+- expression: '!variables.mounts.exists(m, (m.mountPath == ''/'' || ["/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/opt", "/src", "/root", "/home", "/etc/ld.so.preload", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/ld.so.cache"].exists(r, m.mountPath == r || m.mountPath.startsWith(r + ''/'') || r.startsWith(m.mountPath.endsWith(''/'') ? m.mountPath : m.mountPath + ''/''))))'
+  message: 'spec.volumeMounts: a mount at, under or above a directory the interpreter or the loader reads code from (/bin, /sbin, /lib, /lib32, /lib64, /libx32, /usr, /opt, /src, /root, /home, /etc/ld.so.preload, /etc/ld.so.conf, /etc/ld.so.conf.d, /etc/ld.so.cache)'
   reason: Forbidden
 {{- end }}
 {{/* END GENERATED: admission */}}
