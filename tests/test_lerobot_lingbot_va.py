@@ -24,6 +24,8 @@ pytest.importorskip("lerobot")
 from openpi_client.websocket_client_policy import WebsocketClientPolicy  # noqa: E402
 
 from policy_operator.builtin_policies import LEROBOT_FAMILIES, launch_has_unconditional  # noqa: E402
+from policy_operator.cli import main as policyserver  # noqa: E402
+from policy_operator.exit_codes import CheckpointExit  # noqa: E402
 from policy_operator.layout import LayoutError  # noqa: E402
 from policy_operator.runtime.policy.interface import Branch, collate  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
@@ -163,3 +165,12 @@ def test_cfgp2_serves_the_same_actions_as_cfgp1(lingbot_dir: Path, lingbot: LeRo
             answers[name] = np.asarray(client.infer(dict(obs))["actions"])
     assert np.array_equal(answers["cfgp2"], answers["cfgp1"]), np.abs(answers["cfgp2"] - answers["cfgp1"]).max()
     np.testing.assert_allclose(answers["cfgp1"], lerobots_own(lingbot, obs, 9, 5.0), rtol=0, atol=ATOL)
+
+
+def test_checkpoint_init_writes_the_family_and_it_verifies(lingbot_dir: Path, tmp_path: Path) -> None:
+    """``policyserver checkpoint init --lerobot lingbot_va`` writes the fixture's bytes, and ``checkpoint verify`` (the
+    pods' init container: manifest, hashes, the trusted-steps checks) accepts it."""
+    written = tmp_path / "ckpt"
+    assert policyserver(["checkpoint", "init", "--lerobot", "lingbot_va", "--seed", "4", str(written)]) == 0
+    assert (written / "model.safetensors").read_bytes() == (lingbot_dir / "model.safetensors").read_bytes()
+    assert policyserver(["checkpoint", "verify", str(written), "--hashes"]) == CheckpointExit.OK

@@ -18,6 +18,8 @@ import torch
 
 pytest.importorskip("lerobot")
 
+from policy_operator.cli import main as policyserver  # noqa: E402
+from policy_operator.exit_codes import CheckpointExit  # noqa: E402
 from policy_operator.layout import LayoutError  # noqa: E402
 from policy_operator.runtime.policy.interface import collate  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
@@ -82,3 +84,12 @@ def test_no_guidance_and_no_rtc(xvla: LeRobotPolicy) -> None:
         "task",
     }
     assert xvla.rtc_unsupported_reason is not None and "clean chunk" in xvla.rtc_unsupported_reason
+
+
+def test_checkpoint_init_writes_the_family_and_it_verifies(xvla_dir: Path, tmp_path: Path) -> None:
+    """``policyserver checkpoint init --lerobot xvla`` writes the fixture's bytes, and ``checkpoint verify`` (the
+    pods' init container: manifest, hashes, the trusted-steps checks) accepts it."""
+    written = tmp_path / "ckpt"
+    assert policyserver(["checkpoint", "init", "--lerobot", "xvla", "--seed", "5", str(written)]) == 0
+    assert (written / "model.safetensors").read_bytes() == (xvla_dir / "model.safetensors").read_bytes()
+    assert policyserver(["checkpoint", "verify", str(written), "--hashes"]) == CheckpointExit.OK
