@@ -203,3 +203,14 @@ def test_the_spec_field_is_the_pods_opt_in_and_only_it_is() -> None:
         assert parse_serve(pod["containers"][0]["command"][2:]).trust_remote_code is trust
     with pytest.raises(SpecError, match=r"extraArgs must not set .*--trust-remote-code"):
         spec_of(base(policy={"type": "lerobot"}, runtime={"extraArgs": ["--trust-remote-code"]}))
+
+
+def test_the_reference_policy_refuses_the_opt_in_before_anything_starts() -> None:
+    from policy_operator import serve_flags
+    from tests.support.serve_options import parse_serve
+
+    serve_flags.check_values(parse_serve(["--checkpoint", "x", "--policy", "lerobot", "--trust-remote-code"]))
+    with pytest.raises(
+        ValueError, match="--trust-remote-code lets a LeRobot checkpoint .* --policy reference loads none"
+    ):
+        serve_flags.check_values(parse_serve(["--checkpoint", "x", "--trust-remote-code"]))
