@@ -611,6 +611,7 @@ def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint, *, compil
         drain_grace_s=rt.drain_grace_seconds,
         latency_budget_ms=rt.batching.latency_budget_ms,
         max_connections=rt.max_connections,
+        session_idle_timeout_s=rt.session_idle_timeout_seconds,
         frontend=rt.frontend.mode if rt.frontend.mode != DEFAULT_FRONTEND else None,
         frontend_processes=rt.frontend.processes if rt.frontend.processes != 1 else None,
         rtc=rt.rtc.mode if rt.rtc.mode != "off" else None,

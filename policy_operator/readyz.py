@@ -71,6 +71,9 @@ class Readiness(BaseModel):
     # under --latency-budget-ms: warm-up's measured time of one batch of each bucket size, in ms (JSON keys are
     # strings); None without a budget
     batch_buckets_ms: dict[int, float] | None = None
+    # every --max-connections slot is taken: a new robot gets 503 until a session ends (or idles out); the
+    # server still serves the sessions it has, so this is a signal, not unreadiness
+    connections_full: bool = False
 
     def to_json(self) -> bytes:
         """The body as served: the optional fields only when set."""

@@ -34,6 +34,10 @@ DEFAULT_MAX_CONNECTIONS: Final = 512
 MAX_MAX_CONNECTIONS: Final = 65536
 DEFAULT_MAX_BUFFERED_BYTES: Final = 256 << 20  # unfinished frames across all connections
 DEFAULT_FRAME_READ_TIMEOUT_S: Final = 15.0
+# A robot sends its next frame within a control period (20 ms to 2 s; a slow chunked policy's chunk, 10 s at most):
+# a session silent three times the longest of them holds a --max-connections slot for nobody.
+DEFAULT_SESSION_IDLE_TIMEOUT_S: Final = 30.0
+MAX_SESSION_IDLE_TIMEOUT_S: Final = 86_400
 MIN_LATENCY_BUDGET_MS: Final = 0.001
 MAX_LATENCY_BUDGET_MS: Final = 60_000.0
 DEFAULT_GIL_SWITCH_MS: Final = 5.0  # Python's own sys.getswitchinterval()
@@ -82,6 +86,7 @@ class ServeOptions:
     max_connections: int
     max_buffered_bytes: int
     frame_read_timeout_s: float
+    session_idle_timeout_s: float
     error_format: str
     auth_token_file: str | None
     heartbeat_s: float
@@ -278,6 +283,13 @@ def _server_flags(g: argparse._ArgumentGroup) -> None:
         "1008 (default %(default)s)",
     )
     g.add_argument(
+        "--session-idle-timeout-s",
+        type=float,
+        default=DEFAULT_SESSION_IDLE_TIMEOUT_S,
+        help="a session that sends no frame this long after its last reply (or its connect) is closed with 1001, "
+        "so idle sockets cannot hold --max-connections; 0 = never (default %(default)s)",
+    )
+    g.add_argument(
         "--error-format",
         choices=["text", "dict"],
         default="text",
@@ -377,6 +389,11 @@ def check_values(opts: ServeOptions) -> None:
             f"--max-buffered-bytes must be at least --max-message-bytes ({opts.max_message_bytes}) times "
             f"--frontend-processes ({opts.frontend_processes}), got {opts.max_buffered_bytes}"
         )
+    if not (0 <= opts.session_idle_timeout_s <= MAX_SESSION_IDLE_TIMEOUT_S):  # NaN fails too
+        raise ValueError(
+            f"--session-idle-timeout-s must be in 0..{MAX_SESSION_IDLE_TIMEOUT_S} seconds (0: never), "
+            f"got {opts.session_idle_timeout_s}"
+        )
     if not (math.isfinite(opts.frame_read_timeout_s) and opts.frame_read_timeout_s > 0):
         raise ValueError(
             f"--frame-read-timeout-s must be a positive number of seconds, got {opts.frame_read_timeout_s}"
@@ -403,11 +420,6 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(f"--threads must be at least 1, got {opts.threads}")
     if opts.rtc_max_delay is not None and not 0 <= opts.rtc_max_delay <= MAX_RTC_DELAY:
         raise ValueError(f"--rtc-max-delay must be in 0..{MAX_RTC_DELAY} control steps, got {opts.rtc_max_delay}")
-    if opts.trust_remote_code and opts.policy == REFERENCE:
-        raise ValueError(
-            f"{TRUST_REMOTE_CODE_FLAG} lets a LeRobot checkpoint (or a plug-in's) run its own code; "
-            f"--policy {REFERENCE} loads none"
-        )
 
 
 def _check_lerobot_grpc_port(opts: ServeOptions) -> None:
@@ -509,6 +521,7 @@ MANAGED: Final = (
     "batch_window_ms",
     "latency_budget_ms",
     "max_connections",
+    "session_idle_timeout_s",
     "frontend",
     "frontend_processes",
     "device",
@@ -537,6 +550,7 @@ def managed_argv(
     drain_grace_s: float,
     latency_budget_ms: float | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    session_idle_timeout_s: float | None = None,
     frontend: str | None = None,
     frontend_processes: int | None = None,
     rtc: str | None = None,

@@ -381,6 +381,7 @@ def server_config(opts: serve_flags.ServeOptions) -> ServerConfig:
         opts.max_connections,
         opts.max_buffered_bytes,
         opts.frame_read_timeout_s,
+        session_idle_timeout_s=opts.session_idle_timeout_s,
     )
 
 

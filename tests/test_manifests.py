@@ -384,6 +384,17 @@ def test_latency_budget_and_connection_cap_flow_into_the_command() -> None:
     assert (opts.latency_budget_ms, opts.max_connections) == (40.0, 64)
 
 
+def test_session_idle_timeout_flows_into_the_command_and_unset_writes_nothing() -> None:
+    assert "--session-idle-timeout-s" not in _server(M.build_statefulset(spec_of(base())))["command"]
+    spec = spec_of(base(runtime={"maxConnections": 16, "sessionIdleTimeoutSeconds": 45}))
+    command = _server(M.build_statefulset(spec))["command"]
+    at = command.index("--max-connections")
+    assert command[at : at + 4] == ["--max-connections", "16", "--session-idle-timeout-s", "45"]
+    opts = parse_serve(command[2:])
+    serve_flags.check_values(opts)
+    assert opts.session_idle_timeout_s == 45.0
+
+
 def test_rtc_flows_into_the_command_and_off_writes_nothing() -> None:
     assert "--rtc" not in _server(M.build_statefulset(spec_of(base())))["command"]
     spec = spec_of(base(runtime={"rtc": {"mode": "guided", "maxInferenceDelay": 6}}))

@@ -78,11 +78,17 @@ class ServerMetrics:
             multiprocess_mode="max",  # every front-end process bounds the pod's sessions: each sets the same limit
             registry=self.registry,
         )
+        self.connections_full = Gauge(
+            "policy_connections_full",
+            "1 while every --max-connections slot is taken (a new robot gets HTTP 503), else 0",
+            multiprocess_mode="max",
+            registry=self.registry,
+        )
         self.connections_closed = Counter(
             "policy_connections_closed",
             "Connections refused or closed by a bound: max_connections (HTTP 503 before the upgrade), buffer_full "
             "(1009: unfinished frames past --max-buffered-bytes), frame_timeout (1008: a frame unfinished past "
-            "--frame-read-timeout-s)",
+            "--frame-read-timeout-s), idle_timeout (1001: no frame for --session-idle-timeout-s)",
             ["reason"],
             registry=self.registry,
         )
@@ -145,7 +151,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.max_connections.set(max_connections)
-        for reason in ("max_connections", "buffer_full", "frame_timeout"):
+        for reason in ("max_connections", "buffer_full", "frame_timeout", "idle_timeout"):
             self.connections_closed.labels(reason)
         self.world_size.set(layout.world_size)
         self.dp_replicas.set(layout.dp)

@@ -29,6 +29,7 @@ import websockets
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
+from websockets.protocol import State
 
 from policy_operator.constants import DEFAULT_PORT, HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 from policy_operator.runtime.errors import DrainTimeout, ErrorKind, NotReady, RequestError
@@ -44,6 +45,7 @@ from policy_operator.serve_flags import (
     DEFAULT_MAX_BUFFERED_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_SESSION_IDLE_TIMEOUT_S,
 )
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class ServerConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     frame_read_timeout_s: float = DEFAULT_FRAME_READ_TIMEOUT_S
+    session_idle_timeout_s: float = DEFAULT_SESSION_IDLE_TIMEOUT_S  # 0: never
     reuse_port: bool = False  # several front-end processes serve one port (SO_REUSEPORT)
 
 
@@ -109,10 +112,12 @@ class Sessions:
         self.sending: set[ServerConnection] = set()
         # monotonic time of each session's last frame or delivered reply: a robot's next frame follows its reply
         self.last_active: dict[ServerConnection, float] = {}
+        self.opened_at: dict[ServerConnection, float] = {}  # when each session opened (idle before its first frame)
 
     def opened(self, ws: ServerConnection) -> None:
         self.open.add(ws)
         self.idle.add(ws)
+        self.opened_at[ws] = time.monotonic()
         if self.shared is not None:
             self.shared.set(len(self.open))
 
@@ -128,12 +133,17 @@ class Sessions:
         for group in (self.open, self.idle, self.sending):
             group.discard(ws)
         self.last_active.pop(ws, None)
+        self.opened_at.pop(ws, None)
         if self.shared is not None:
             self.shared.set(len(self.open))
 
     def counted(self) -> int:
         """The sessions ``--max-connections`` bounds: this server's, or with ``shared`` those of its port."""
         return len(self.open) if self.shared is None else self.shared.total()
+
+    def idle_since(self, before: float) -> list[ServerConnection]:
+        """Sessions between requests whose last frame or reply (or whose connect) was before ``before``."""
+        return [ws for ws in self.idle if self.last_active.get(ws, self.opened_at.get(ws, before)) < before]
 
     def busy(self) -> set[ServerConnection]:
         return self.open - self.idle
@@ -219,11 +229,14 @@ class PolicyWebSocketServer:
     def _readyz(self) -> tuple[int, bytes]:
         readiness = self.ingress.readiness()
         self.metrics.ranks_ready.set(readiness.ranks_ready)
+        if self.connections_full():
+            readiness = readiness.model_copy(update={"connections_full": True})
         return 200 if readiness.ready else 503, readiness.to_json()
 
     def _scrape(self) -> bytes:
-        # ranks ready as of this scrape, not as of the last kubelet probe
+        # ranks ready and the cap as of this scrape, not as of the last kubelet probe or sweep
         self.metrics.ranks_ready.set(self.ingress.readiness().ranks_ready)
+        self.metrics.connections_full.set(self.connections_full())
         return self.metrics.render()
 
     def _probe_answer(self, path: str) -> Response:
@@ -355,14 +368,36 @@ class PolicyWebSocketServer:
         log.info("listening on ws://%s:%d", self.config.host, self.port)
 
     async def _sweep(self) -> None:
-        """Close connections whose message is unfinished past ``--frame-read-timeout-s``; export buffered bytes;
-        give freed buffers back to the system."""
+        """Close connections whose message is unfinished past ``--frame-read-timeout-s`` and sessions idle past
+        ``--session-idle-timeout-s``; export buffered bytes and whether the cap is full; give freed buffers back
+        to the system."""
         period = min(1.0, self.config.frame_read_timeout_s / 4)
+        if self.config.session_idle_timeout_s > 0:
+            period = min(period, self.config.session_idle_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
             self.budget.expire()
             self.metrics.buffered_bytes.set(self.budget.total)
             self.memory.observe(self.budget.total)
+            self._close_idle()
+            self.metrics.connections_full.set(self.connections_full())
+
+    def connections_full(self) -> bool:
+        """Every ``--max-connections`` slot taken: the next robot would get 503."""
+        return self.sessions.counted() >= self.config.max_connections
+
+    def _close_idle(self) -> None:
+        """Close, with 1001, sessions silent past ``--session-idle-timeout-s`` since their last reply (or their
+        connect): idle sockets must not hold the connection cap.  A session with a request in flight is not idle."""
+        timeout = self.config.session_idle_timeout_s
+        if timeout <= 0 or self.ingress.draining:
+            return
+        for ws in self.sessions.idle_since(time.monotonic() - timeout):
+            if ws.protocol.state is not State.OPEN:
+                continue  # already closing
+            self.metrics.connections_closed.labels("idle_timeout").inc()
+            log.info("closing a session idle for %gs (--session-idle-timeout-s)", timeout)
+            asyncio.ensure_future(ws.close(GOING_AWAY, f"idle for {timeout:g}s (--session-idle-timeout-s); reconnect"))
 
     @property
     def port(self) -> int:
