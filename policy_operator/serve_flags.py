@@ -420,6 +420,11 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(f"--threads must be at least 1, got {opts.threads}")
     if opts.rtc_max_delay is not None and not 0 <= opts.rtc_max_delay <= MAX_RTC_DELAY:
         raise ValueError(f"--rtc-max-delay must be in 0..{MAX_RTC_DELAY} control steps, got {opts.rtc_max_delay}")
+    if opts.trust_remote_code and opts.policy == REFERENCE:
+        raise ValueError(
+            f"{TRUST_REMOTE_CODE_FLAG} lets a LeRobot checkpoint (or a plug-in's) run its own code; "
+            f"--policy {REFERENCE} loads none"
+        )
 
 
 def _check_lerobot_grpc_port(opts: ServeOptions) -> None:
