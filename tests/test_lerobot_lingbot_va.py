@@ -130,6 +130,25 @@ def test_guidance_is_the_checkpoints_unless_the_flag_says_otherwise(lingbot: LeR
     assert launch_has_unconditional("lerobot", "hf://org/not-fetched-yet") is None  # the pod decides on load
 
 
+def test_a_launch_accepts_cfgp2_for_a_cfg_family_only(lingbot_dir: Path, tmp_path: Path) -> None:
+    """``serve``'s checks before torch (runtime/worker.py validate_layout): the local checkpoint's family decides."""
+    from policy_operator.runtime.worker import validate_layout
+    from tests.support.serve_options import parse_serve
+
+    def launch(checkpoint: Path, *flags: str) -> None:
+        validate_layout(parse_serve(["--checkpoint", str(checkpoint), "--policy", "lerobot", *flags]))
+
+    launch(lingbot_dir, "--cfgp", "2")  # its own guidance, 5.0
+    launch(lingbot_dir, "--cfgp", "2", "--guidance", "2.0")
+    with pytest.raises(LayoutError, match="cfgp=2 needs classifier-free guidance"):
+        launch(lingbot_dir, "--cfgp", "2", "--guidance", "1.0")
+    unguided = tmp_path / "smolvla"
+    unguided.mkdir()
+    (unguided / "config.json").write_text('{"type": "smolvla"}')
+    with pytest.raises(LayoutError, match="no unconditional branch"):
+        launch(unguided, "--cfgp", "2")
+
+
 def test_metadata_names_keys_chunk_guidance_and_rtc(lingbot: LeRobotPolicy) -> None:
     meta = lingbot.metadata()
     assert meta["lerobot_type"] == "lingbot_va" and meta["chunk_shape"] == [4, 6]
