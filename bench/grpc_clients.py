@@ -1,0 +1,222 @@
+"""LeRobot's robot_client protocol against one server: N clients at once vs one (issue 41's target: 8 >= 4x one).
+
+Starts ``policyserver serve --policy lerobot --lerobot-grpc-port 0`` on a
+tiny SmolVLA written offline (``--checkpoint`` for another), then runs each
+client count for ``--seconds``: every client is a thread with its own gRPC
+connection, driving LeRobot's stub exactly as ``RobotClient`` does (Ready,
+pickled ``RemotePolicyConfig``, then a loop of ``SendObservations`` with a
+must-go ``TimedObservation`` in LeRobot's chunks and ``GetActions``).  A
+request is one observation answered with its chunk.  LeRobot's own
+``policy_server`` serves one client at a time (each ``Ready`` resets it), so
+its N-client rate is its one-client rate at best; here the clients' requests
+share the replica's batches (``--max-batch``).  Writes a markdown table to
+``--out`` (default bench/results/grpc-clients-<device>.md).
+
+    python bench/grpc_clients.py --clients 1,8 --seconds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from runtime import stop_group, wait_ready  # noqa: E402
+
+GRPC_LINE = re.compile(r"LeRobot AsyncInference gRPC on [0-9.]+:(\d+)")
+WS_LINE = re.compile(r"listening on ws://[0-9.]+:(\d+)")
+
+
+def start_server(checkpoint: Path, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes], int, int]:
+    cmd = [
+        str(Path(sys.executable).parent / "policyserver"),
+        "serve",
+        "--checkpoint",
+        str(checkpoint),
+        "--policy",
+        "lerobot",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--lerobot-grpc-port",
+        "0",
+        "--device",
+        args.device,
+        "--max-batch",
+        str(args.max_batch),
+        *args.serve_args.split(),
+    ]
+    out = log.open("wb")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 600
+    ws = grpc_port = None
+    while time.monotonic() < deadline and (ws is None or grpc_port is None):
+        text = log.read_text(errors="replace")
+        ws = ws or (int(m.group(1)) if (m := WS_LINE.search(text)) else None)
+        grpc_port = grpc_port or (int(m.group(1)) if (m := GRPC_LINE.search(text)) else None)
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {text[-2000:]}")
+        time.sleep(0.2)
+    if ws is None or grpc_port is None:
+        raise TimeoutError("server did not start")
+    wait_ready(proc, ws, lambda: log.read_text(errors="replace"))
+    return proc, ws, grpc_port
+
+
+class Client:
+    """One robot: LeRobot's stub on its own connection, as RobotClient drives it."""
+
+    def __init__(self, address: str, features: dict[str, Any], raw: dict[str, Any], chunk: int) -> None:
+        import grpc
+        from lerobot.async_inference.helpers import RemotePolicyConfig
+        from lerobot.transport import services_pb2, services_pb2_grpc
+        from lerobot.transport.utils import grpc_channel_options
+
+        self.pb = services_pb2
+        options = [*grpc_channel_options(), ("grpc.use_local_subchannel_pool", 1)]  # a connection per robot
+        self.channel = grpc.insecure_channel(address, options)
+        self.stub = services_pb2_grpc.AsyncInferenceStub(self.channel)
+        self.stub.Ready(services_pb2.Empty())
+        config = RemotePolicyConfig("smolvla", "lerobot/smolvla_base", features, chunk)
+        self.stub.SendPolicyInstructions(services_pb2.PolicySetup(data=pickle.dumps(config)))
+        self.raw = raw
+        self.latencies: list[float] = []
+
+    def one(self, step: int) -> None:
+        from lerobot.async_inference.helpers import TimedObservation
+        from lerobot.transport.utils import send_bytes_in_chunks
+
+        started = time.perf_counter()
+        obs = TimedObservation(timestamp=time.time(), timestep=step, observation=self.raw, must_go=True)
+        self.stub.SendObservations(send_bytes_in_chunks(pickle.dumps(obs), self.pb.Observation))
+        reply = self.stub.GetActions(self.pb.Empty(), timeout=120)
+        if not reply.data or not pickle.loads(reply.data):
+            raise RuntimeError("GetActions answered empty")
+        self.latencies.append(time.perf_counter() - started)
+
+
+def run(
+    address: str, clients: int, seconds: float, features: dict[str, Any], raw: dict[str, Any], chunk: int
+) -> dict[str, float]:
+    robots = [Client(address, features, raw, chunk) for _ in range(clients)]
+    for robot in robots:  # warm-up: one request each
+        robot.one(0)
+        robot.latencies.clear()
+    stop = time.monotonic() + seconds
+    errors: list[BaseException] = []
+
+    def loop(robot: Client) -> None:
+        step = 1
+        try:
+            while time.monotonic() < stop:
+                robot.one(step)
+                step += 1
+        except BaseException as exc:  # noqa: BLE001 - reported after the run
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(r,)) for r in robots]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - started
+    for robot in robots:
+        robot.channel.close()
+    if errors:
+        raise errors[0]
+    lat = [x for r in robots for x in r.latencies]
+    return {
+        "requests": len(lat),
+        "req_s": len(lat) / elapsed,
+        "p50_ms": float(np.percentile(lat, 50)) * 1e3,
+        "p99_ms": float(np.percentile(lat, 99)) * 1e3,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", default=None, help="a LeRobot SmolVLA directory (default: a tiny one written here)")
+    p.add_argument("--clients", default="1,8")
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--serve-args", default="--threads 1", help="more serve flags, e.g. '--dtype bfloat16 --compile'")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="grpc-clients-"))
+    os.chdir(work)  # LeRobot's async_inference modules open log files under ./logs
+    from lerobot.utils.feature_utils import hw_to_dataset_features
+
+    from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint
+
+    checkpoint = Path(args.checkpoint) if args.checkpoint else write_tiny_checkpoint("smolvla", work / "ckpt", seed=1)
+    config = __import__("json").loads((checkpoint / "config.json").read_text())
+    inputs = config["input_features"]
+    state_dim = inputs["observation.state"]["shape"][0]
+    cameras = {k.removeprefix("observation.images."): v["shape"] for k, v in inputs.items() if "images" in k}
+    chunk = int(config.get("n_action_steps") or config["chunk_size"])
+    motors = [f"joint{i}.pos" for i in range(state_dim)]
+    hw: dict[str, Any] = {**dict.fromkeys(motors, float), **{k: (s[1], s[2], s[0]) for k, s in cameras.items()}}
+    features = hw_to_dataset_features(hw, "observation")
+    rng = np.random.default_rng(0)
+    raw: dict[str, Any] = {m: float(v) for m, v in zip(motors, rng.standard_normal(state_dim), strict=True)}
+    raw.update({k: rng.integers(0, 256, (s[1], s[2], s[0]), dtype=np.uint8) for k, s in cameras.items()})
+    raw["task"] = "pick up the cube"
+
+    proc, _, grpc_port = start_server(checkpoint, args, work / "server.log")
+    rows = []
+    try:
+        for n in [int(c) for c in args.clients.split(",")]:
+            result = run(f"127.0.0.1:{grpc_port}", n, args.seconds, features, raw, chunk)
+            rows.append((n, result))
+            print(n, {k: round(v, 2) for k, v in result.items()}, flush=True)
+    finally:
+        stop_group(proc)
+    base = rows[0][1]["req_s"]
+    lines = [
+        "# LeRobot's robot_client protocol (gRPC AsyncInference): N clients at once vs one",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores; device {args.device}; checkpoint "
+        f"{'a tiny SmolVLA written offline' if not args.checkpoint else args.checkpoint}; --max-batch {args.max_batch} "
+        f"{args.serve_args}; {args.seconds:g} s per row; each client its own gRPC connection, one observation "
+        "(must_go) then GetActions per request, as RobotClient sends them. LeRobot's own policy_server serves one "
+        "client at a time (every Ready resets it).",
+        "",
+        "| clients | requests | req/s | x one client | p50 ms | p99 ms |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, r in rows:
+        lines.append(
+            f"| {n} | {r['requests']:.0f} | {r['req_s']:.1f} | {r['req_s'] / base:.2f} | {r['p50_ms']:.1f} | "
+            f"{r['p99_ms']:.1f} |"
+        )
+    lines += [
+        "",
+        "Target (issue 41): 8 clients >= 4x one client's req/s.",
+        "",
+        f"Reproduce: `python bench/grpc_clients.py --clients {args.clients} --seconds {args.seconds:g}`",
+    ]
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"grpc-clients-{args.device}.md"
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
