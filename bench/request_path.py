@@ -24,6 +24,17 @@ are used, so the same script measures any version of the code::
 
     python bench/request_path.py            # prints both paths
     python bench/request_path.py --json out.json
+    python bench/request_path.py --front-end   # one rank, --frontend inline and process
+
+``--front-end`` measures the path issue 38 set targets for: one rank
+(``--cfgp 1 --dp 1``), the request from the WebSocket frame to the actions
+through the front-end and the engine, with ``--frontend inline`` and with
+``--frontend process`` (the front-end child is traced too).  It counts the
+serving side only: the model thread's computation below ``dispatch.py`` and
+the server's periodic chores that run inside the window (readiness pushes,
+heartbeats, the replica watch, the frame sweep, and what only they call) are
+left out.
+tests/test_request_path.py holds docs/architecture.md's numbers to it.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,7 +56,7 @@ import numpy as np
 
 from runtime import stop_group  # bench/ is sys.path[0] when a benchmark runs as a script
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # the tree measured (--root: another one, e.g. a git archive)
 PROJECT_DIRS = ("runtime", "policy_operator", "operator")
 SKIPPED_THREADS = re.compile(r"^(heartbeat-\d+|watchdog|request-path-watch)$")
 SKIPPED_FUNCTIONS = re.compile(r"<(genexpr|listcomp|dictcomp|setcomp|lambda)>$")
@@ -114,8 +126,24 @@ def _get(url: str) -> int:
         return 0
 
 
+HERE = REPO
+
+
+def import_root(work: Path) -> Path:
+    """A folder where ``policy_operator`` is REPO's, laid out as the import names (``runtime/`` and ``operator/``
+    as ``policy_operator.runtime`` and ``policy_operator.operator``), as ``make lint`` lays it out."""
+    root = work / "import-root"
+    if not root.exists():
+        package = root / "policy_operator"
+        shutil.copytree(REPO / "policy_operator", package, symlinks=True)
+        (package / "runtime").symlink_to(REPO / "runtime")
+        (package / "operator").symlink_to(REPO / "operator")
+    return root
+
+
 class TracedServer:
-    def __init__(self, work: Path, ranks: int) -> None:
+    def __init__(self, work: Path, ranks: int, frontend: str = "inline") -> None:
+        """``ranks``: 4 (cfgp=2, dp=2) or 1; ``frontend``: inline or process."""
         self.work, self.ranks = work, ranks
         site, self.out, self.trigger = work / "site", work / "trace", work / "trace-on"
         site.mkdir()
@@ -130,10 +158,14 @@ class TracedServer:
         )
         env = {
             **os.environ,
-            "PYTHONPATH": str(site),
+            # another tree (--root): its import root goes first, laid out as the import names (see import_root)
+            "PYTHONPATH": os.pathsep.join([str(site), *([str(import_root(work))] if REPO != HERE else [])]),
             "REQUEST_PATH_TRIGGER": str(self.trigger),
             "REQUEST_PATH_OUT": str(self.out),
-            "REQUEST_PATH_ROOTS": os.pathsep.join(str(REPO / d) + os.sep for d in PROJECT_DIRS),
+            "REQUEST_PATH_ROOTS": os.pathsep.join(
+                [str(REPO / d) + os.sep for d in PROJECT_DIRS]
+                + ([str(import_root(work) / "policy_operator") + os.sep] if REPO != HERE else [])
+            ),
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         }
         self.log = open(work / "server.log", "w+")  # noqa: SIM115 - closed in stop()
@@ -150,9 +182,11 @@ class TracedServer:
                 "--port",
                 "0",
                 "--cfgp",
-                "2",
+                "2" if ranks > 1 else "1",
                 "--dp",
-                str(ranks // 2),
+                str(max(1, ranks // 2)),
+                "--frontend",
+                frontend,
                 "--steps",
                 "2",
                 "--device",
@@ -167,6 +201,7 @@ class TracedServer:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        self.processes = ranks + 2 if ranks > 1 else 1 + (frontend == "process")
         self.port = self._wait_port()
         deadline = time.monotonic() + 300
         while _get(f"http://127.0.0.1:{self.port}/readyz") != 200:
@@ -197,7 +232,9 @@ class TracedServer:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             files = sorted(self.out.glob(f"window{window}-pid*.json"))
-            if len(files) >= self.ranks + 2:  # policyserver/torchrun launcher + every rank (+ none else)
+            # policyserver/torchrun launcher + every rank (one rank: the policyserver process itself, and its
+            # front-end child with --frontend process)
+            if len(files) >= self.processes:
                 break
             time.sleep(0.1)
         time.sleep(0.5)
@@ -217,8 +254,34 @@ def _project(path: str) -> str | None:
     return rel.as_posix() if rel.parts[0] in PROJECT_DIRS else None
 
 
-def reduce_path(dumps: list[dict]) -> dict[str, object]:
-    """The hop list, files and module crossings of one traced request (see the module docstring)."""
+# The front-end path (``--front-end``): what runs for the request on the serving side, not the model's work nor
+# the server's periodic chores that happen to run inside the window.
+MODEL_THREAD = re.compile(r"^model")  # the replica's computation; only dispatch.py's part of it is serving
+BACKGROUND_ROOTS = re.compile(
+    r"(_push_snapshots|FrontendLink\.push|report_recent_sessions|Engine\._watch|_sweep|^Heartbeat\.|^Board\.|"
+    r"^BoardWatcher\.)"
+)
+
+
+def _background(events: list[tuple]) -> set[tuple[str, str]]:
+    """(file, function) of the server's periodic chores: the roots, and whatever only they called."""
+    callers: dict[tuple[str, str], set[tuple[str | None, str]]] = {}
+    for _ts, _rank, _thread, callee, func, caller, caller_func in events:
+        callers.setdefault((callee, func), set()).add((caller, caller_func))
+    background = {key for key in callers if BACKGROUND_ROOTS.search(key[1])}
+    grew = True
+    while grew:
+        grew = False
+        for key, by in callers.items():
+            if key not in background and by and all(c in background for c in by):
+                background.add(key)
+                grew = True
+    return background
+
+
+def reduce_path(dumps: list[dict], serving_only: bool = False) -> dict[str, object]:
+    """The hop list, files and module crossings of one traced request (see the module docstring); ``serving_only``:
+    without the model's computation and the server's periodic chores (the front-end path)."""
     events = []
     for dump in dumps:
         for ts, thread, file, func, caller_file, caller_func in dump["records"]:
@@ -233,10 +296,21 @@ def reduce_path(dumps: list[dict]) -> dict[str, object]:
                 (ts, int(dump["rank"]) if dump["rank"].isdigit() else -1, thread, callee, func, caller, caller_func)
             )
     events.sort()
+    if serving_only:
+        background = _background(events)
+        events = [
+            e
+            for e in events
+            if (e[3], e[4]) not in background
+            and not (MODEL_THREAD.match(e[2]) and not e[3].endswith("parallel/dispatch.py"))
+        ]
     hops, seen, crossings = [], set(), 0
+    entered: set[tuple[int, str, str]] = set()  # functions entered from another file (or from no project code)
     for _ts, rank, thread, callee, func, caller, caller_func in events:
         if caller is not None and caller != callee:
             crossings += 1
+        if caller != callee:
+            entered.add((rank, callee, func))
         # A loop that was already waiting when the window opened (a driver or peer loop) made no "call"
         # event; it shows up as the caller of what it runs, so it is listed where it first acts.
         for key, hop in (
@@ -250,10 +324,15 @@ def reduce_path(dumps: list[dict]) -> dict[str, object]:
                 continue
             if hop.get("waiting") and Path(key[1]).name in MODEL_FILES:
                 continue
+            if serving_only and hop.get("waiting") and (key[1], key[2]) in background:
+                continue
             seen.add(key)
             hops.append(hop)
     return {
         "hops": len(hops),
+        # what a reader follows from module to module: the hops entered from another file, a file's own helpers
+        # (a decoder's hooks, a parser's checks) folded into the function that called them
+        "module_hops": sum(1 for h in hops if (h["rank"], h["file"], h["function"]) in entered),
         "files": sorted({h["file"] for h in hops}),
         "module_crossings": crossings,
         "ranks": sorted({h["rank"] for h in hops}),
@@ -263,20 +342,50 @@ def reduce_path(dumps: list[dict]) -> dict[str, object]:
 
 def print_path(title: str, result: dict[str, object]) -> None:
     print(
-        f"\n## {title}: {result['hops']} hops in {len(result['files'])} files, "
-        f"{result['module_crossings']} module crossings, ranks {result['ranks']}"
+        f"\n## {title}: {result['hops']} hops ({result['module_hops']} entered from another file) in "
+        f"{len(result['files'])} files, {result['module_crossings']} module crossings, ranks {result['ranks']}"
     )
     for i, hop in enumerate(result["path"], 1):  # type: ignore[arg-type]
         waiting = "  (already waiting when the request came)" if hop.get("waiting") else ""
         print(f"{i:3d}. rank {hop['rank']} {hop['thread']:<12} {hop['file']}:{hop['function']}{waiting}")
 
 
+def front_end_paths(client_factory) -> dict[str, dict[str, object]]:  # noqa: ANN001 - the openpi client class
+    """One rank's request path with ``--frontend inline`` and with ``--frontend process`` (issue 38's targets)."""
+    results = {}
+    for frontend in ("inline", "process"):
+        with tempfile.TemporaryDirectory(prefix="request-path-") as tmp:
+            server = TracedServer(Path(tmp), ranks=1, frontend=frontend)
+            try:
+                client = client_factory("127.0.0.1", server.port)
+                client.infer(observation(0))  # untraced: the first request's one-time work
+                _, dumps = server.traced(client, observation(1), 1)
+                results[frontend] = reduce_path(dumps, serving_only=True)
+            finally:
+                server.stop()
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--root", type=Path, help="measure this tree instead (e.g. an older commit's git archive)")
+    parser.add_argument(
+        "--front-end", action="store_true", help="one rank, --frontend inline and process (issue 38's targets)"
+    )
     args = parser.parse_args()
+    if args.root is not None:
+        global REPO
+        REPO = args.root.resolve()
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
+    if args.front_end:
+        results = front_end_paths(WebsocketClientPolicy)
+        for name, result in results.items():
+            print_path(f"--frontend {name}, one rank", result)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+        return 0
     results = {}
     with tempfile.TemporaryDirectory(prefix="request-path-") as tmp:
         server = TracedServer(Path(tmp), ranks=4)

@@ -81,12 +81,8 @@ class EngineClient(Protocol):
     def accepting(self) -> bool:
         """Whether a new session or request is taken now (loaded, not draining, nothing failed)."""
 
-    @property
-    def draining(self) -> bool: ...
-
-    @property
-    def admission(self) -> AdmissionSpec | None:
-        """How requests are admitted; None until the model is loaded."""
+    draining: bool  # read-only for the front-end: begin_drain and drain set it
+    admission: AdmissionSpec | None  # how requests are admitted; None until the model is loaded
 
     def readiness(self) -> Readiness:
         """The ``/readyz`` document, as of now."""

@@ -113,8 +113,8 @@ class Engine:
         # what else this pod serves, for every session's first frame (the LeRobot gRPC port); set before attach
         self.extra_metadata: dict[str, Any] = {}
         self.bucket_ms: dict[int, float] | None = None  # set by attach under --latency-budget-ms
-        self._admission: AdmissionSpec | None = None
-        self._draining = False
+        self.admission: AdmissionSpec | None = None  # set by attach: how the front-end admits requests
+        self.draining = False  # set by begin_drain / drain only
         self.failed: dict[int, str] = {}  # replica -> why its communicator failed; out of service for good
         self._preparing = 0  # requests in ``prepare`` off the loop: not routed yet
         # routed requests whose lane has not answered, by the lane's future
@@ -140,7 +140,7 @@ class Engine:
         self.lanes = lanes
         self.bucket_ms = {size: round(ms, 3) for size, ms in bucket_ms.items()} if bucket_ms else None
         self.rtc = RtcIngress.of(policy, self.settings.rtc, self.settings.rtc_max_delay)
-        self._admission = AdmissionSpec(self.metadata(), policy.preprocessor(), self.rtc.support, policy.action_shape)
+        self.admission = AdmissionSpec(self.metadata(), policy.preprocessor(), self.rtc.support, policy.action_shape)
 
     def load_failed(self, reason: str) -> None:
         """The model did not load: /readyz says why, and no session is admitted."""
@@ -151,16 +151,8 @@ class Engine:
         return max(self._preparing, self._recent_sessions() - self.router.total_in_flight())
 
     @property
-    def admission(self) -> AdmissionSpec | None:
-        return self._admission
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    @property
     def accepting(self) -> bool:
-        return self.policy is not None and not self._draining and self.load_error is None and not self.failed
+        return self.policy is not None and not self.draining and self.load_error is None and not self.failed
 
     def metadata(self) -> dict[str, Any]:
         assert self.policy is not None
@@ -197,7 +189,7 @@ class Engine:
             ranks_ready=sum(1 for r in ranks if r.ready),
             ranks=ranks,
             in_flight=self.router.total_in_flight(),
-            draining=self._draining,
+            draining=self.draining,
             error=self.load_error or failed or None,
             max_batch=self.lanes[0].max_batch if self.lanes else None,
             batch_buckets_ms=self.bucket_ms,
@@ -243,7 +235,7 @@ class Engine:
         answer: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         if not self.accepting:
             answer.set_result(
-                Result.failed(NotReady("server is shutting down" if self._draining else "server is not ready yet"))
+                Result.failed(NotReady("server is shutting down" if self.draining else "server is not ready yet"))
             )
             return answer
         if request.sample is not None:
@@ -417,11 +409,11 @@ class Engine:
         return len(waiting)
 
     def begin_drain(self) -> None:
-        self._draining = True
+        self.draining = True
 
     async def drain(self, grace_s: float) -> bool:
         """Take no new request and wait for in-flight ones; True when all finished in time."""
-        self._draining = True
+        self.draining = True
         deadline = self.clock() + grace_s
         while self.router.total_in_flight() and self.clock() < deadline:
             await asyncio.sleep(0.05)

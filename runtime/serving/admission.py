@@ -1,7 +1,7 @@
 """The front-end's one admission step, and the server's backend in both ``--frontend`` modes.
 
 ``admit`` turns a frame into an ``engine_api.PreparedRequest``: decode, seed,
-session (scoped to its connection: ``engine_api.scoped_session``), the
+session (scoped to its connection), the
 policy's ``Preprocessor`` where it has one, and the ``rtc`` entry checked
 against the connection's memory.  It is written once: inline the server calls
 it on rank 0's event loop, with ``--frontend process`` in the front-end
@@ -38,7 +38,7 @@ def admit(spec: AdmissionSpec, scope: str, message: bytes | str, connection: Rtc
     """``message`` decoded, checked and (with a ``Preprocessor``) prepared; raises its ``RequestError``.
 
     ``scope``: this front-end's share of the connection numbers (several front-end processes each count their
-    own), ``connection``: the connection the frame came on, whose sessions are its own."""
+    own), ``connection``: the connection the frame came on, whose sessions are its own (``scoped_session``)."""
     t0 = time.perf_counter()
     obs = wire.decode_observation(message)
     t1 = time.perf_counter()
@@ -91,31 +91,29 @@ class FrontEnd:
     def readiness(self) -> Readiness:
         return self.engine.readiness()
 
-    async def admit(self, message: bytes | str, connection: RtcSession) -> PreparedRequest:
-        """``admit`` on the event loop, or on the admission thread for a large frame."""
-        spec = self.engine.admission
-        if spec is None or not self.engine.accepting:
-            raise NotReady("server is shutting down" if self.engine.draining else "server is not ready yet")
-        if len(message) <= INLINE_MAX_BYTES:
-            return admit(spec, self.scope, message, connection)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                1,
-                thread_name_prefix="admit",
-                initializer=self._thread_init if self._thread_init is not None else (lambda: None),
-            )
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, admit, spec, self.scope, message, connection
-        )
-
     async def infer(self, message: bytes | str, connection: RtcSession | None = None) -> Result:
         """One frame in, its Result out (``actions`` set); any failure raises its ``RequestError``.
 
         ``connection``: the connection's state (the last chunk it received, which the short ``rtc`` form refers
-        to, updated here; the scope of its sessions).  None: a connection of its own for this one request."""
+        to, updated here; the scope of its sessions).  None: a connection of its own for this one request.
+        A frame above ``INLINE_MAX_BYTES`` is admitted on the admission thread."""
+        spec = self.engine.admission
+        if spec is None:
+            raise NotReady("server is shutting down" if self.engine.draining else "server is not ready yet")
         connection = RtcSession() if connection is None else connection
-        prepared = await self.admit(message, connection)
-        result = await self.engine.submit(prepared)
+        if len(message) <= INLINE_MAX_BYTES:
+            prepared = admit(spec, self.scope, message, connection)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    1,
+                    thread_name_prefix="admit",
+                    initializer=self._thread_init if self._thread_init is not None else (lambda: None),
+                )
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self._pool, admit, spec, self.scope, message, connection
+            )
+        result = await self.engine.submit(prepared)  # the engine refuses it (NotReady) when it takes none now
         connection.received(result.unwrap())
         return result
 

@@ -51,8 +51,8 @@ class MPClient:
         self.metrics = metrics
         self._recent_sessions = recent_sessions
         self._recent_reported = 0  # the count the model process has, from a request or a RecentSessions
-        self._draining = False
-        self.attached: ipc.Attached | None = None
+        self.draining = False  # set by begin_drain, drain, or the model process's Drain only
+        self.admission: AdmissionSpec | None = None  # from the model process's Attached
         self.snapshot: tuple[float, ipc.Snapshot] | None = None  # (monotonic time received, snapshot)
         # a snapshot comes every quarter heartbeat period at most: older than this, the model process is stuck
         self.stale_after = max(1.0, 2 * config.heartbeat_s)
@@ -70,20 +70,12 @@ class MPClient:
         return self.snapshot[1]
 
     @property
-    def draining(self) -> bool:
-        return self._draining
-
-    @property
     def accepting(self) -> bool:
         snapshot = self._fresh()
-        return self.attached is not None and not self._draining and snapshot is not None and snapshot.accepting
-
-    @property
-    def admission(self) -> AdmissionSpec | None:
-        return self.attached.admission if self.attached is not None else None
+        return self.admission is not None and not self.draining and snapshot is not None and snapshot.accepting
 
     def begin_drain(self) -> None:
-        self._draining = True
+        self.draining = True
 
     def readiness(self) -> Readiness:
         snapshot = self._fresh()
@@ -97,7 +89,7 @@ class MPClient:
                 ranks_ready=0,
                 ranks=last.ranks if last is not None else [],
                 in_flight=len(self._pending),
-                draining=self._draining,
+                draining=self.draining,
                 error=(last.error if last is not None and last.error else None)
                 or (f"the model process sent no readiness for {self.stale_after:g}s" if last is not None else None),
                 max_batch=last.max_batch if last is not None else None,
@@ -106,8 +98,8 @@ class MPClient:
         doc = snapshot.readiness
         return doc.model_copy(
             update={
-                "ready": doc.ready and not self._draining,
-                "draining": self._draining,
+                "ready": doc.ready and not self.draining,
+                "draining": self.draining,
                 # requests sent and not answered: fresher than the snapshot's, and the pod's when it is the only
                 # front-end; with several, the model process's count (at most a snapshot period old) is the pod's
                 "in_flight": len(self._pending) if self.config.processes == 1 else doc.in_flight,
@@ -119,6 +111,10 @@ class MPClient:
         """Write ``request`` into a free slot and send it; the future of its Result.  With every slot held by
         the model process, it waits for one (bounded by the request timeout) first."""
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        if not self.accepting:
+            reason = "server is shutting down" if self.draining else "server is not ready yet"
+            future.set_result(Result.failed(NotReady(reason)))
+            return future
         request_id = next(self._ids)
         self._pending[request_id] = future
         future.add_done_callback(lambda _: self._pending.pop(request_id, None))
@@ -186,7 +182,7 @@ class MPClient:
                     return  # the model process is gone: serve() ends
 
     async def drain(self, grace_s: float) -> bool:
-        self._draining = True
+        self.draining = True
         deadline = time.monotonic() + grace_s
         while self._pending and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -211,11 +207,11 @@ class MPClient:
         elif isinstance(message, ipc.Snapshot):
             self.snapshot = (time.monotonic(), message)
         elif isinstance(message, ipc.Attached):
-            self.attached = message
+            self.admission = message.admission
         elif isinstance(message, ipc.Gauges):
             self._gauges(message)
         elif isinstance(message, ipc.Drain):
-            self._draining = True
+            self.draining = True
             if self.on_drain is not None:
                 self.on_drain(message)
         else:
