@@ -326,15 +326,21 @@ def type_text(node: dict[str, Any]) -> str:
     return str(kind)
 
 
-def constraints_text(node: dict[str, Any]) -> str:
-    out = []
+def range_text(node: dict[str, Any]) -> list[str]:
+    """A number's bounds: "1–20", "≥ 1", "≤ 20"."""
     low, high = node.get("minimum"), node.get("maximum")
     if low is not None and high is not None:
-        out.append(f"{low}–{high}")
-    elif low is not None:
-        out.append(f"≥ {low}")
-    elif high is not None:
-        out.append(f"≤ {high}")
+        return [f"{low}–{high}"]
+    if low is not None:
+        return [f"≥ {low}"]
+    if high is not None:
+        return [f"≤ {high}"]
+    return []
+
+
+def constraints_text(node: dict[str, Any]) -> str:
+    """A field's schema constraints in words, for docs/crd.md's field table."""
+    out = range_text(node)
     if node.get("minLength") == 1:
         out.append("non-empty")
     if "maxLength" in node:

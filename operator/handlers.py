@@ -140,40 +140,61 @@ def _owner_name(body: kopf.Body) -> str | None:
     return None
 
 
-def register(
-    registry: kopf.OperatorRegistry, config: OperatorConfig, kube_factory: Callable[[], Kube] = Kube.from_environment
-) -> None:
-    """Register the operator's handlers on ``registry``."""
-    locks = ObjectLocks()
-    stats = Stats()
-    clients: list[Kube] = []
+class Reconciler:
+    """What every handler shares: the API client (made on first use), one lock per PolicyServer, the liveness
+    counts, and the pass itself with kopf's retry semantics for its failures."""
 
-    def kube() -> Kube:
-        if not clients:
-            clients.append(kube_factory())
-        return clients[0]
+    def __init__(self, config: OperatorConfig, kube_factory: Callable[[], Kube]) -> None:
+        self.config, self._kube_factory = config, kube_factory
+        self.locks = ObjectLocks()
+        self.stats = Stats()
+        self.clients: list[Kube] = []
 
-    def run(namespace: str | None, name: str | None, logger: Logger) -> Outcome | None:
+    def kube(self) -> Kube:
+        if not self.clients:
+            self.clients.append(self._kube_factory())
+        return self.clients[0]
+
+    def run(self, namespace: str | None, name: str | None, logger: Logger) -> Outcome | None:
         assert namespace and name, "PolicyServers are namespaced"
-        with locks.hold(namespace, name):
+        with self.locks.hold(namespace, name):
             try:
-                outcome = reconcile(kube(), namespace, name, post_event=_post, probe_timeout=config.probe_timeout)
+                outcome = reconcile(
+                    self.kube(), namespace, name, post_event=_post, probe_timeout=self.config.probe_timeout
+                )
             except TransientError as exc:
-                with stats.lock:
-                    stats.failures += 1
-                    stats.last_error = str(exc)
-                raise kopf.TemporaryError(f"transient API error, retrying: {exc}", delay=config.retry_delay) from exc
+                self._failed(exc)
+                raise kopf.TemporaryError(
+                    f"transient API error, retrying: {exc}", delay=self.config.retry_delay
+                ) from exc
             except KubeError as exc:
-                with stats.lock:
-                    stats.failures += 1
-                    stats.last_error = str(exc)
-                raise kopf.TemporaryError(f"API error: {exc}", delay=config.retry_delay * 6) from exc
-        with stats.lock:
-            stats.passes += 1
-            stats.last_pass = time.time()
+                self._failed(exc)
+                raise kopf.TemporaryError(f"API error: {exc}", delay=self.config.retry_delay * 6) from exc
+        with self.stats.lock:
+            self.stats.passes += 1
+            self.stats.last_pass = time.time()
         if outcome is not None:
             logger.debug(f"reconciled: phase={outcome.status.phase} ready={outcome.status.ready}")
         return outcome
+
+    def _failed(self, exc: Exception) -> None:
+        with self.stats.lock:
+            self.stats.failures += 1
+            self.stats.last_error = str(exc)
+
+    def seen(self, kind: str, namespace: str | None, body: kopf.Body) -> None:
+        """What kopf's watch just delivered is at least as new as the operator's own watch of it."""
+        client = self.kube()
+        if client.informer is not None and namespace:
+            client.informer.put(kind, namespace, copy.deepcopy(dict(cast(dict[str, Any], body))))
+
+
+def register(
+    registry: kopf.OperatorRegistry, config: OperatorConfig, kube_factory: Callable[[], Kube] = Kube.from_environment
+) -> None:
+    """Register the operator's handlers on ``registry``: each is a line or two over one ``Reconciler``."""
+    reconciler = Reconciler(config, kube_factory)
+    run, seen = reconciler.run, reconciler.seen
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -183,19 +204,13 @@ def register(
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, logger: Logger, **_: Any) -> None:
         configure_settings(settings, config)
-        kube()
+        reconciler.kube()
         logger.info(f"policy-operator reconciling {PLURAL}.{GROUP}/{VERSION} every {config.resync_seconds}s")
 
     @kopf.on.cleanup(registry=registry)
     def cleanup(**_: Any) -> None:
-        for client in clients:
+        for client in reconciler.clients:
             client.close()
-
-    def seen(kind: str, namespace: str | None, body: kopf.Body) -> None:
-        """What kopf's watch just delivered is at least as new as the operator's own watch of it."""
-        client = kube()
-        if client.informer is not None and namespace:
-            client.informer.put(kind, namespace, copy.deepcopy(dict(cast(dict[str, Any], body))))
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")
@@ -236,5 +251,5 @@ def register(
 
     @kopf.on.probe(id="reconciler", registry=registry)
     def reconciler_probe(**_: Any) -> dict[str, Any]:
-        with stats.lock:
-            return stats.as_dict()
+        with reconciler.stats.lock:
+            return reconciler.stats.as_dict()

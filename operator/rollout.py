@@ -181,50 +181,90 @@ def plan_rollout(
     old = sorted((p for p in live if revision(p) != update), key=lambda p: ordinal(p) or 0)
     if not surging:
         return Rollout(replicas, start, delete=_in_place(replicas, start, by_ordinal, old) if old else ())
-    extra = by_ordinal.get(start + replicas)
-    if not old or old == [extra]:
-        if old and extra is not None and not _terminating(extra):  # a surge pod of an older template
-            return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}", delete=(extra_name,))
-        if current_replicas > replicas:  # perPod: every pod replaced in place; the surge pod goes
-            return Rollout(
-                replicas,
-                start,
-                event=Event(
-                    "Normal", "SurgeComplete", f"every pod runs the new template; removing the extra pod {extra_name}"
-                ),
-            )
-        return Rollout(replicas, start)
-    if extra is not None and revision(extra) != update and not _terminating(extra):
-        return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}", delete=(extra_name,))  # an older surge pod
+    return _surge_step(
+        _Surge(replicas, start, want_hash, name, by_ordinal, old, update, current_replicas), retire_by_ordinal
+    )
+
+
+@dataclass(frozen=True)
+class _Surge:
+    """A surge under way, as read: the StatefulSet's pods by ordinal, those not on its update revision."""
+
+    replicas: int
+    start: int
+    want_hash: str
+    name: str
+    by_ordinal: Mapping[int, V1Pod]
+    old: list[V1Pod]
+    update: str
+    current_replicas: int
+
+    @property
+    def extra_name(self) -> str:
+        return f"{self.name}-{self.start + self.replicas}"
+
+    @property
+    def extra(self) -> V1Pod | None:
+        """The surge pod (ordinal start + replicas)."""
+        return self.by_ordinal.get(self.start + self.replicas)
+
+    def step(self, *, start: int | None = None, delete: tuple[str, ...] = ()) -> Rollout:
+        """N+1 pods surging (``start`` moved one up, or not), deleting ``delete``."""
+        return Rollout(
+            self.replicas + 1, self.start if start is None else start, f"{self.want_hash}/{SURGE}", delete=delete
+        )
+
+
+def _surge_step(s: _Surge, retire_by_ordinal: bool) -> Rollout:
+    """The next step of a surge: start the surge pod, wait for it, retire or replace an old pod, or finish."""
+    extra = s.extra
+    if not s.old or s.old == [extra]:
+        return _surge_done(s)
+    if extra is not None and revision(extra) != s.update and not _terminating(extra):
+        return s.step(delete=(s.extra_name,))  # an older surge pod
     why = unschedulable(extra)
     if why is not None:
         return Rollout(
-            replicas,
-            start,
+            s.replicas,
+            s.start,
             event=Event(
                 "Warning",
                 "SurgeUnschedulable",
-                f"{extra_name} does not fit ({why}); replacing the pod(s) in place "
+                f"{s.extra_name} does not fit ({why}); replacing the pod(s) in place "
                 f"instead: each stops before its successor is Ready",
             ),
         )
     if extra is None or not _ready(extra):
-        return Rollout(replicas + 1, start, f"{want_hash}/{SURGE}")  # the surge pod is starting
-    lowest = by_ordinal.get(start)
-    if retire_by_ordinal and lowest is not None and lowest in old:
-        if len(old) == 1:  # the last old pod: the pod that serves its clients now is the one that stays
+        return s.step()  # the surge pod is starting
+    lowest = s.by_ordinal.get(s.start)
+    if retire_by_ordinal and lowest is not None and lowest in s.old:
+        if len(s.old) == 1:  # the last old pod: the pod that serves its clients now is the one that stays
             return Rollout(
-                replicas,
-                start + 1,
+                s.replicas,
+                s.start + 1,
                 event=Event(
-                    "Normal", "SurgeComplete", f"{extra_name} is Ready with the new template; {name}-{start} goes"
+                    "Normal",
+                    "SurgeComplete",
+                    f"{s.extra_name} is Ready with the new template; {s.name}-{s.start} goes",
                 ),
             )
         # one old pod goes, the next surge pod starts: never more than N+1 pods, never fewer than N Ready
-        return Rollout(replicas + 1, start + 1, f"{want_hash}/{SURGE}")
-    return Rollout(
-        replicas + 1,
-        start,
-        f"{want_hash}/{SURGE}",
-        delete=_in_place(replicas + 1, start, by_ordinal, [p for p in old if p is not extra]),
-    )
+        return s.step(start=s.start + 1)
+    return s.step(delete=_in_place(s.replicas + 1, s.start, s.by_ordinal, [p for p in s.old if p is not extra]))
+
+
+def _surge_done(s: _Surge) -> Rollout:
+    """No old pod left but, perhaps, the surge pod itself: remove a surge pod of an older template, or the
+    extra pod once every pod was replaced in place (perPod)."""
+    extra = s.extra
+    if s.old and extra is not None and not _terminating(extra):  # a surge pod of an older template
+        return s.step(delete=(s.extra_name,))
+    if s.current_replicas > s.replicas:  # perPod: every pod replaced in place; the surge pod goes
+        return Rollout(
+            s.replicas,
+            s.start,
+            event=Event(
+                "Normal", "SurgeComplete", f"every pod runs the new template; removing the extra pod {s.extra_name}"
+            ),
+        )
+    return Rollout(s.replicas, s.start)
