@@ -86,7 +86,18 @@ def _class_in_the_checkpoint(root: Path, marker: Path) -> None:
 def _remote_code_tokenizer(root: Path, marker: Path) -> None:
     """LeRobot's own registered action tokenizer step (trust_remote_code defaults to True there), pointed at a
     processor directory of the checkpoint whose auto_map names a Python file of its own."""
-    bundled = root / REMOTE_DIR
+    _add_step(root, _action_tokenizer_step(_remote_code_processor(root / REMOTE_DIR, marker)))
+
+
+def _action_tokenizer_step(directory: Path) -> dict[str, Any]:
+    return {
+        "registry_name": "action_tokenizer_processor",
+        "config": {"action_tokenizer_name": str(directory), "trust_remote_code": True},
+    }
+
+
+def _remote_code_processor(bundled: Path, marker: Path) -> Path:
+    """A transformers processor directory whose auto_map names its own Python file (which writes ``marker``)."""
     bundled.mkdir()
     (bundled / "processing_planted.py").write_text(
         f"from pathlib import Path\nPath({str(marker)!r}).touch()\n\n"
@@ -100,13 +111,7 @@ def _remote_code_tokenizer(root: Path, marker: Path) -> None:
             }
         )
     )
-    _add_step(
-        root,
-        {
-            "registry_name": "action_tokenizer_processor",
-            "config": {"action_tokenizer_name": str(bundled), "trust_remote_code": True},
-        },
-    )
+    return bundled
 
 
 def _pickled_weights(root: Path, marker: Path) -> None:
@@ -147,6 +152,19 @@ def test_a_checkpoint_that_would_run_code_is_refused_before_it_runs(
     assert policyserver(["checkpoint", "verify", str(checkpoint), "--hashes"]) == CheckpointExit.INVALID
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and re.search(message, err[0]), err
+    assert not marker.exists()
+
+
+def test_remote_code_outside_the_checkpoint_is_refused_naming_the_step(checkpoint: Path, tmp_path: Path) -> None:
+    """The action tokenizer in a directory the static checks do not see (the hub cache's view, a path elsewhere):
+    the loader gives the step the user's trust_remote_code (off), so transformers refuses it; the load fails
+    naming the step and the planted module never runs."""
+    marker = tmp_path / "marker"
+    _add_step(checkpoint, _action_tokenizer_step(_remote_code_processor(tmp_path / "elsewhere", marker)))
+    write_manifest(checkpoint)
+    assert check_lerobot_checkpoint(checkpoint).type == "diffusion"  # nothing of the checkpoint asks for it
+    with pytest.raises(CheckpointError, match=r"a saved processor step did not load: .*action_tokenizer_processor"):
+        load_pretrained(checkpoint, CPU)
     assert not marker.exists()
 
 
