@@ -516,6 +516,7 @@ class Rank0:
             os._exit(ServeExit.OK)
         try:
             replica = load.result()
+            replica.stopping = self.lifecycle.stopping.is_set
         except Exception as exc:  # noqa: BLE001 - a broken checkpoint must restart the pod, with a reason
             load_failed(rt, ingress, exc)
             front.push_readiness()
@@ -589,6 +590,7 @@ def _watchdog(rt: Runtime, lifecycle: Lifecycle) -> None:
 def _serve_other(rt: Runtime, lifecycle: Lifecycle) -> int:
     threading.Thread(target=_watchdog, args=(rt, lifecycle), name="watchdog", daemon=True).start()
     replica = rt.load()
+    replica.stopping = lifecycle.stopping.is_set
     # serve signals every rank; only rank 0's Shutdown (or STOP_KEY, read by the watchdog) ends this one
     lifecycle.serving(lambda: log.info("rank %d: waiting for rank 0's shutdown", rt.rank))
     try:

@@ -121,3 +121,22 @@ def test_sigterm_as_the_ranks_start_exits_0(tiny_checkpoint) -> None:
         log = server.log_text()
     assert code == 0, log[-4000:]
     assert exited_s <= 30.0, (exited_s, log[-4000:])  # the ranks' start-up, then they exit at once
+
+
+def test_a_grace_period_that_ends_inside_cfg_collectives_logs_no_error(tiny_checkpoint) -> None:
+    """cfgp=2 computing a long request (2000 denoising steps, each with its collectives) when the grace period
+    ends: the request gets drain_timeout, the ranks stop inside its collectives, the pod exits 0, and that
+    collective's failure is logged as the shutdown's (INFO), not as an ERROR about a failed replica."""
+    args = ["--cfgp", "2", "--threads", "1", "--steps", "2000", "--heartbeat-s", "0.5"]
+    with serve_policy(tiny_checkpoint, *args, "--drain-grace-s", "1", "--error-format", "dict") as server:
+        with connect(server.url, compression=None, max_size=None, open_timeout=30) as ws:
+            ws.send(wire.packb(robolab_observation(wire.unpackb(ws.recv(timeout=30)), 3, fixed_seed=5)))
+            server.wait_until(lambda: server.readyz().json()["in_flight"] == 1, timeout=60, what="request in flight")
+            server.send_signal(signal.SIGTERM)
+            reply = wire.unpackb(ws.recv(timeout=30))
+            assert reply.get("type") == "error" and reply["error"]["kind"] == "drain_timeout", reply
+        code = server.wait_exit(timeout=40)
+        log = server.log_text()
+    assert code == 0, log[-4000:]
+    errors = [line for line in log.splitlines() if " ERROR " in line or "Traceback" in line]
+    assert not errors, errors

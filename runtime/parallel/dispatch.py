@@ -182,6 +182,8 @@ class Replica:
         # A plug-in written before ``postprocess_batch`` took the batch's sample keeps its one-argument form.
         self._postprocess_takes_sample = "sample" in inspect.signature(policy.postprocess_batch).parameters
         self.broken: str | None = None  # why a collective of this replica failed; set once, never cleared
+        # the worker's: whether the pod is shutting down, when a peer leaving mid-collective is expected
+        self.stopping: Callable[[], bool] = lambda: False
         self._cfg: CfgGroup | None = None
         if groups.layout.cfgp == 2:
             assert groups.cfg is not None, "a cfgp=2 replica has a cfg group"
@@ -275,10 +277,13 @@ class Replica:
         """Take this rank's replica out of service for good: ``failed`` in /readyz, loops end, the rank exits."""
         if self.broken is None:
             self.broken = reason
-            log.error(
-                "rank %d: replica %d is out of service, its communicator is never used again: %s",
+            # a drain whose grace period ended mid-request stops the ranks inside that request's collectives:
+            # its failure is the shutdown's, no error (the request already got drain_timeout)
+            (log.info if self.stopping() else log.error)(
+                "rank %d: replica %d is out of service, its communicator is never used again%s: %s",
                 self.groups.rank,
                 self.groups.dp_index,
+                " (the pod is shutting down)" if self.stopping() else "",
                 reason,
             )
         self.heartbeat.set_state(RankState.FAILED, reason)
