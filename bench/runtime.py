@@ -35,60 +35,21 @@ import math
 import os
 import platform
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import free_port, stop_group, wait_ready  # bench/ is sys.path[0] when a benchmark runs as a script
 from prometheus_client.parser import text_string_to_metric_families
-from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
+from report import publish
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(proc: subprocess.Popen[bytes], port: int, exited: Callable[[], str], timeout_s: float = 600) -> None:
-    """Until ``policyserver serve`` on ``port`` says ready on /readyz; ``exited()``: its last words, should the
-    process end first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {exited()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-                if json.loads(r.read())["ready"]:
-                    return
-        except Exception:  # noqa: BLE001
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("server not ready")
-
-
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to the process's group (it was started with ``start_new_session``), SIGKILL after a minute."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:  # it exited and took its group with it: nothing to stop (and its error stands)
-        proc.wait()
-        return
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def split_variant(variant: str) -> tuple[dict[str, str], list[str]]:

@@ -30,6 +30,7 @@ from policy_operator.runtime.errors import RequestError
 from policy_operator.runtime.policy.interface import Preprocessor, Sample
 from policy_operator.runtime.result import Result
 from policy_operator.runtime.rtc_session import RtcRequest, RtcSupport
+from policy_operator.runtime.rtc_session import scoped_session as scoped_session  # a session's key, for callers
 
 # A frame of at most this many bytes is decoded and prepared on the event loop itself: a 224x224 camera frame
 # costs ~0.05 ms to decode and ~0.1 ms to prepare, less than the two thread switches of handing it to a
@@ -38,15 +39,6 @@ from policy_operator.runtime.rtc_session import RtcRequest, RtcSupport
 # limits) never holds the loop that answers every other session and /healthz, /readyz for longer than one GIL
 # switch interval.
 INLINE_MAX_BYTES = 1 << 19
-
-
-def scoped_session(connection: str, session_id: str | None) -> str | None:
-    """The key of a session's state (history, replica stickiness): its connection and the id the client chose.
-
-    A session belongs to the connection that names it: another connection sending the same ``session_id``
-    gets a session of its own, never the first one's history.  A reconnect is a new connection, so its
-    session starts afresh (docs/protocol.md, "Sessions")."""
-    return None if session_id is None else f"{connection}\x00{session_id}"
 
 
 @dataclass(frozen=True, slots=True)

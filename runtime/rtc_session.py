@@ -55,9 +55,18 @@ class RtcRequest:
 _connections = itertools.count()
 
 
+def scoped_session(connection: str, session_id: str | None) -> str | None:
+    """The key of a session's state (history, replica stickiness): its connection and the id the client chose.
+
+    A session belongs to the connection that names it: another connection sending the same ``session_id``
+    gets a session of its own, never the first one's history.  A reconnect is a new connection, so its
+    session starts afresh (docs/protocol.md, "Sessions")."""
+    return None if session_id is None else f"{connection}\x00{session_id}"
+
+
 class RtcSession:
     """A connection's own state: what its short-form requests refer to (the last chunk it received, None before
-    the first), and the number that scopes its sessions (``engine_api.scoped_session``): unique in its process
+    the first), and the number that scopes its sessions (``scoped_session``): unique in its process
     for the process's life, so two connections never share a session's state."""
 
     def __init__(self) -> None:

@@ -105,6 +105,7 @@ class Engine:
         self._recent_sessions = recent_sessions
         self._on_replica_failed = on_replica_failed
         self.router = Router(layout.dp)
+        self._members = [frozenset(layout.replica_ranks(k)) for k in range(layout.dp)]  # each replica's ranks
         self.lanes: list[Lane] = []
         self.policy: Policy | None = None
         self.rtc = RtcIngress.off()  # what ``rtc`` entries get: refused until the policy is attached
@@ -213,8 +214,7 @@ class Engine:
             if k in self.failed:
                 problems.append(f"replica {k} failed")
                 continue
-            members = set(self.layout.replica_ranks(k))
-            waiting = [f"rank {r.rank} {r.state.value}" for r in ranks if r.rank in members and not r.ready]
+            waiting = [f"rank {r.rank} {r.state.value}" for r in ranks if r.rank in self._members[k] and not r.ready]
             problems.append(f"replica {k}: {', '.join(waiting)}" if waiting else None)
         return problems
 

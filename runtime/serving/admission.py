@@ -20,17 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from policy_operator.readyz import Readiness
-from policy_operator.runtime.engine_api import (
-    INLINE_MAX_BYTES,
-    AdmissionSpec,
-    EngineClient,
-    PreparedRequest,
-    scoped_session,
-)
+from policy_operator.runtime.engine_api import INLINE_MAX_BYTES, AdmissionSpec, EngineClient, PreparedRequest
 from policy_operator.runtime.errors import NotReady, RequestError
 from policy_operator.runtime.policy.observation import parse_seed, parse_session
 from policy_operator.runtime.result import Result
-from policy_operator.runtime.rtc_session import RTC_KEY, RtcSession, parse_rtc
+from policy_operator.runtime.rtc_session import RTC_KEY, RtcSession, parse_rtc, scoped_session
 from policy_operator.runtime.serving import wire
 
 
