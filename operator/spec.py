@@ -666,6 +666,12 @@ class PolicySpec(KubeModel):
             f"policy.importPath (pkg.module:Class) is set with policy.type {POLICY_IMPORT}, and only then",
             field_path=".importPath",
         ),
+        Rule(
+            f"!has(self.trustRemoteCode) || !self.trustRemoteCode || (has(self.type) && self.type != '{REFERENCE}')",
+            f"policy.trustRemoteCode lets a LeRobot checkpoint (or an import's) run its own code; policy.type "
+            f"{REFERENCE} loads none",
+            field_path=".trustRemoteCode",
+        ),
     )
 
     type: Literal[POLICY_TYPES] = REFERENCE  # type: ignore[valid-type]

@@ -232,3 +232,12 @@ def test_the_reference_policy_refuses_the_opt_in_before_anything_starts() -> Non
         ValueError, match="--trust-remote-code lets a LeRobot checkpoint .* --policy reference loads none"
     ):
         serve_flags.check_values(parse_serve(["--checkpoint", "x", "--trust-remote-code"]))
+
+
+def test_the_spec_refuses_the_opt_in_for_the_reference_policy() -> None:
+    from policy_operator.operator.spec import SpecError
+    from tests.test_manifests import base, spec_of
+
+    assert spec_of(base(policy={"type": "lerobot", "trustRemoteCode": True})).policy.trust_remote_code
+    with pytest.raises(SpecError, match=r"policy.trustRemoteCode lets a LeRobot checkpoint .* reference loads none"):
+        spec_of(base(policy={"trustRemoteCode": True}))
