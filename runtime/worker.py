@@ -82,8 +82,9 @@ def validate_layout(opts: serve_flags.ServeOptions) -> ParallelLayout:
     return layout
 
 
-def check_port(host: str, port: int) -> None:
-    """Bind ``host:port`` once as the server will (SO_REUSEADDR), so a taken port fails before any rank starts."""
+def check_port(host: str, port: int, flag: str = "--port") -> None:
+    """Bind ``host:port`` once as the server will (SO_REUSEADDR), so a taken port fails before any rank starts;
+    ``flag``: the port's flag, named in the error."""
     if port == 0:
         return
     try:
@@ -100,8 +101,8 @@ def check_port(host: str, port: int) -> None:
                 probe.bind(address)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    raise ValueError(f"--port {port}: {host}:{port} is already in use") from None
-                raise ValueError(f"--host {host} --port {port}: cannot bind ({exc.strerror})") from None
+                    raise ValueError(f"{flag} {port}: {host}:{port} is already in use") from None
+                raise ValueError(f"--host {host} {flag} {port}: cannot bind ({exc.strerror})") from None
 
 
 # An absolute path of two or more parts in an error text: a "/" that starts a word (not one inside a URL, a
@@ -624,6 +625,8 @@ def preflight(opts: serve_flags.ServeOptions) -> ParallelLayout:
     serve_flags.read_token(opts.auth_token_file)  # missing or empty: a usage error, not a traceback after loading
     if int(os.environ.get("RANK", "0")) == 0:
         check_port(opts.host, opts.port)
+        if opts.lerobot_grpc_port:
+            check_port(opts.host, opts.lerobot_grpc_port, serve_flags.LEROBOT_GRPC_PORT_FLAG)
     return layout
 
 

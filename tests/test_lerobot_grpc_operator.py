@@ -1,4 +1,5 @@
-"""spec.service.lerobotGrpcPort on the operator's side: the flag, the container port, the Service port, the status.
+"""--lerobot-grpc-port / spec.service.lerobotGrpcPort outside the service: the flag's checks, the container port,
+the Service port, the status.
 
 The runtime's side (the service itself) is tests/test_lerobot_grpc.py; the CRD's two rules (a LeRobot policy
 only, a port of its own) are docs/crd.md's refused examples, which tests/test_crd.py runs.
@@ -6,6 +7,7 @@ only, a port of its own) are docs/crd.md's refused examples, which tests/test_cr
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -13,7 +15,9 @@ import pytest
 from policy_operator.constants import LEROBOT_GRPC_PORT_NAME, PORT_NAME
 from policy_operator.operator import manifests as M
 from policy_operator.operator.spec import SpecError, parse_spec
-from policy_operator.serve_flags import LEROBOT_GRPC_PORT_FLAG
+from policy_operator.runtime.worker import check_port
+from policy_operator.serve_flags import LEROBOT_GRPC_PORT_FLAG, check_values
+from tests.support.serve_options import parse_serve
 
 SMOLVLA = {
     "image": "ghcr.io/policy-operator/policy-server:0.1.0",
@@ -69,3 +73,26 @@ def test_the_model_refuses_what_the_runtime_would(service: dict[str, Any], more:
 def test_extra_args_may_not_set_the_port() -> None:
     with pytest.raises(SpecError, match="lerobot-grpc-port"):
         spec_with({"port": 8000}, runtime={"extraArgs": ["--lerobot-grpc-port=9000"]})
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--lerobot-grpc-port", "8080"], "needs --policy lerobot, got --policy reference"),
+        (["--policy", "lerobot", "--port", "8000", "--lerobot-grpc-port", "8000"], "must differ from --port"),
+        (["--policy", "lerobot", "--lerobot-grpc-port", "70000"], r"must be in 0\.\.65535"),
+    ],
+)
+def test_serve_refuses_a_grpc_port_it_cannot_serve(flags: list[str], words: str) -> None:
+    with pytest.raises(ValueError, match=f"{LEROBOT_GRPC_PORT_FLAG}.*{words}"):
+        check_values(parse_serve(["--checkpoint", "/models/k", *flags]))
+    check_values(parse_serve(["--checkpoint", "/models/k", "--policy", "lerobot", "--lerobot-grpc-port", "0"]))
+
+
+def test_a_taken_grpc_port_is_refused_before_any_rank_starts() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"{LEROBOT_GRPC_PORT_FLAG} {port}: 127.0.0.1:{port} is already in use"):
+            check_port("127.0.0.1", port, LEROBOT_GRPC_PORT_FLAG)

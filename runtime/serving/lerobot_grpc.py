@@ -151,6 +151,13 @@ def check_instructions(config: Any, served: Served) -> Instructions:
         raise InstructionsRefused(
             f"actions_per_chunk must be in 1..{served.chunk} (the served policy's chunk), got {apc!r}"
         )
+    features = _renamed_features(config)
+    _check_features(features, served)
+    return Instructions(apc, features, str(config.pretrained_name_or_path))
+
+
+def _renamed_features(config: Any) -> dict[str, dict[str, Any]]:
+    """The robot's observation features, under the policy's keys (``rename_map``)."""
     rename = config.rename_map if isinstance(config.rename_map, Mapping) else {}
     if not isinstance(config.lerobot_features, Mapping):
         raise InstructionsRefused("lerobot_features must be a dict of the robot's features")
@@ -162,6 +169,11 @@ def check_instructions(config: Any, served: Served) -> Instructions:
         if not isinstance(target, str) or not isinstance(feature, Mapping):
             raise InstructionsRefused(f"feature {key!r} must be LeRobot's feature dict (dtype, shape, names)")
         features[target] = dict(feature)
+    return features
+
+
+def _check_features(features: Mapping[str, Any], served: Served) -> None:
+    """The robot's features are the policy's: its state of the same shape, its cameras (any size, same channels)."""
     expected = {k for k, (kind, _) in served.features.items() if kind in ("VISUAL", "STATE")}
     others = sorted(k for k, (kind, _) in served.features.items() if kind not in ("VISUAL", "STATE"))
     if others:
@@ -182,7 +194,6 @@ def check_instructions(config: Any, served: Served) -> Instructions:
                 f"camera {key!r} must be height x width x {shape[0]} (any size: it is resized to {list(shape[1:])}), "
                 f"got {list(given)}"
             )
-    return Instructions(apc, features, str(config.pretrained_name_or_path))
 
 
 def frame_of(raw: Any, instructions: Instructions, served: Served) -> tuple[dict[str, Any], int | None]:
