@@ -6,11 +6,20 @@ here once: the commands return these members, ``policyserver fetch --help``
 lists them, the fetch Job's ``podFailurePolicy`` fails at once on
 ``FETCH_FATAL``, and the operator maps each ``FetchExit`` to the reason of its
 ``CheckpointReady`` condition (``operator/download_state.py``).
+
+Under torchrun (cfgp x dp > 1) torchrun itself exits 1 whichever rank failed
+and why, so each rank notes its non-zero code (``note_rank_exit``) in the
+directory ``serve`` names in ``ENV_RANK_EXIT_DIR``, and ``serve`` exits with
+the code of the rank that failed first (``first_rank_exit``): the front-end
+process killed under cfgp=2 is 6 there as on one rank, not 1.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from enum import IntEnum
+from pathlib import Path
 from typing import Final
 
 
@@ -72,3 +81,34 @@ def describe(codes: type[_ExitCode]) -> str:
 
 # The fetch Job fails at once on these (podFailurePolicy FailJob) instead of burning its backoffLimit.
 FETCH_FATAL: Final = (FetchExit.USAGE, FetchExit.VERIFY, FetchExit.DISK_FULL, FetchExit.NOT_FOUND)
+
+
+# serve sets it for torchrun's ranks: the directory where each rank notes the code it exits with
+ENV_RANK_EXIT_DIR: Final = "POLICY_RANK_EXIT_DIR"
+
+
+def note_rank_exit(code: int) -> None:
+    """A rank about to exit ``code``: under ``serve``'s torchrun, note it and when (the host's monotonic clock,
+    the same in every rank) where ``serve`` reads it.  Nothing for 0 or outside torchrun."""
+    directory, rank = os.environ.get(ENV_RANK_EXIT_DIR), os.environ.get("RANK")
+    if not directory or rank is None or int(code) == 0:
+        return
+    try:
+        Path(directory, f"rank{int(rank)}").write_text(f"{time.monotonic_ns()} {int(code)}\n")
+    except (OSError, ValueError):  # a note lost costs only the precise code: torchrun's 1 stands
+        pass
+
+
+def first_rank_exit(directory: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """(rank, code) of the rank that noted a non-zero exit first, or None when none did."""
+    noted: list[tuple[int, int, int]] = []
+    for path in Path(directory).glob("rank*"):
+        try:
+            at, code = path.read_text().split()
+            noted.append((int(at), int(path.name.removeprefix("rank")), int(code)))
+        except (OSError, ValueError):
+            continue
+    if not noted:
+        return None
+    _, rank, code = min(noted)
+    return rank, code

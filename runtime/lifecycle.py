@@ -36,7 +36,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
-from policy_operator.exit_codes import ServeExit
+from policy_operator.exit_codes import ServeExit, note_rank_exit
 
 if TYPE_CHECKING:
     from policy_operator.runtime.engine.core import Engine
@@ -55,7 +55,9 @@ class KV(Protocol):
 
 
 def exit_now(code: int) -> NoReturn:
-    """Leave the process at once with ``code`` (threads stuck in a batch or a collective included)."""
+    """Leave the process at once with ``code`` (threads stuck in a batch or a collective included); under
+    ``serve``'s torchrun the code is noted first, so ``serve`` exits with the first failed rank's code."""
+    note_rank_exit(code)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

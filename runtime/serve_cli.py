@@ -27,12 +27,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import FrameType
 
 from policy_operator import serve_flags
-from policy_operator.exit_codes import ServeExit
+from policy_operator.exit_codes import ENV_RANK_EXIT_DIR, ServeExit, first_rank_exit
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 _SIGTERM_BIT = 1 << (signal.SIGTERM - 1)  # in /proc/PID/status signal masks
@@ -80,7 +81,7 @@ def _launcher_setup() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def run_torchrun(argv: list[str]) -> int:
+def run_torchrun(argv: list[str], extra_env: dict[str, str] | None = None) -> int:
     """Run torchrun as a child, forward SIGTERM/SIGINT to its ranks, return its exit code (0: every rank exited 0).
 
     torchrun gets a process group of its own, so a terminal's Ctrl-C reaches
@@ -88,7 +89,7 @@ def run_torchrun(argv: list[str]) -> int:
     """
     # torchrun starts each rank as ``python -u -m ...``, which would put the working directory first on sys.path
     # (a struct.py there would replace the standard library's); PYTHONSAFEPATH leaves it off, in every rank.
-    env = {**os.environ, SAFE_PATH_ENV: "1"}
+    env = {**os.environ, SAFE_PATH_ENV: "1", **(extra_env or {})}
     child = subprocess.Popen(argv, preexec_fn=_launcher_setup, env=env)  # noqa: PLW1509 - setpgid + prctl, no locks
     received: list[int] = []
 
@@ -156,6 +157,19 @@ def main(args: argparse.Namespace) -> int:
     exe = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     sys.stdout.flush()
     started = time.monotonic()
-    code = run_torchrun([exe, *cmd[1:]])
-    print(f"policyserver: torchrun exited {code} after {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
-    return code
+    with tempfile.TemporaryDirectory(prefix="policyserver-exits-") as exits:
+        code = run_torchrun([exe, *cmd[1:]], {ENV_RANK_EXIT_DIR: exits})
+        first = first_rank_exit(exits) if code != ServeExit.OK else None
+    took = f"after {time.monotonic() - started:.0f}s"
+    if first is None:
+        print(f"policyserver: torchrun exited {code} {took}", file=sys.stderr, flush=True)
+        return code
+    # torchrun exits 1 whichever rank failed: the pod's exit code is the first failed rank's, as on one rank
+    rank, rank_code = first
+    meaning = ServeExit(rank_code).meaning if rank_code in ServeExit._value2member_map_ else "?"
+    print(
+        f"policyserver: torchrun exited {code} {took}; rank {rank} failed first, exiting {rank_code} ({meaning})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return rank_code

@@ -590,7 +590,11 @@ def _watchdog(rt: Runtime, lifecycle: Lifecycle) -> None:
 
 def _serve_other(rt: Runtime, lifecycle: Lifecycle) -> int:
     threading.Thread(target=_watchdog, args=(rt, lifecycle), name="watchdog", daemon=True).start()
-    replica = rt.load()
+    try:
+        replica = rt.load()
+    except Exception as exc:  # noqa: BLE001 - one line: rank 0 reports the same failure in /readyz
+        log.error("rank %d: loading the policy failed: %s: %s", rt.rank, type(exc).__name__, exc)
+        return lifecycle.exit_code(ServeExit.LOAD, "loading failed")
     replica.stopping = lifecycle.stopping.is_set
     # serve signals every rank; only rank 0's Shutdown (or STOP_KEY, read by the watchdog) ends this one
     lifecycle.serving(lambda: log.info("rank %d: waiting for rank 0's shutdown", rt.rank))
@@ -599,10 +603,13 @@ def _serve_other(rt: Runtime, lifecycle: Lifecycle) -> int:
             replica.serve_driver()
         else:
             replica.serve_peer()
-    except Exception:  # a receive from rank 0 failed: rank 0 is gone
-        if lifecycle.exit_code(ServeExit.REPLICA_FAILED, "rank 0 left") != ServeExit.OK:
-            raise
-        return ServeExit.OK
+    except Exception as exc:  # noqa: BLE001 - a receive from rank 0 failed: rank 0 is gone
+        if lifecycle.exit_code(ServeExit.WATCHDOG, "rank 0 left") == ServeExit.OK:
+            return ServeExit.OK
+        # rank 0 exited with its own code (noted first: serve exits with it); this rank's is that it gave up on it
+        first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        log.error("rank %d: rank 0 left (%s); exiting %d", rt.rank, first, ServeExit.WATCHDOG)
+        return ServeExit.WATCHDOG
     if replica.broken is not None and lifecycle.exit_code(ServeExit.REPLICA_FAILED, replica.broken) == ServeExit.OK:
         return ServeExit.OK
     if replica.broken is not None:
@@ -637,7 +644,7 @@ def run(opts: serve_flags.ServeOptions) -> int:
         print(f"policyserver: error: {exc}", file=sys.stderr)
         return ServeExit.LAYOUT
     rank = int(os.environ.get("RANK", "0"))
-    from policy_operator.runtime.lifecycle import Lifecycle
+    from policy_operator.runtime.lifecycle import Lifecycle, exit_now
 
     lifecycle = Lifecycle(rank, opts.drain_grace_s, opts.heartbeat_s).install()  # before torch starts threads
     _setup_logging(opts.log_level, rank)
@@ -648,9 +655,7 @@ def run(opts: serve_flags.ServeOptions) -> int:
             code = runner.run(serve_rank0(rt, lifecycle))
     else:
         code = _serve_other(rt, lifecycle)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown: process groups and pools hold no state worth flushing
+    exit_now(code)  # skip interpreter teardown: process groups and pools hold no state worth flushing
 
 
 def main(argv: list[str] | None = None) -> int:
