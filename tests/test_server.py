@@ -32,9 +32,9 @@ from websockets.sync.client import ClientConnection, connect
 
 from policy_operator import __version__
 from policy_operator.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
+from policy_operator.runtime.engine_api import INLINE_MAX_BYTES
 from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePolicy, example_observation
 from policy_operator.runtime.policy.sampler import sample_actions
-from policy_operator.runtime.engine_api import INLINE_MAX_BYTES
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.openpi import OpenpiSession
 from tests.support.plugins.held_policy import hold_prompt
