@@ -65,7 +65,7 @@ from policy_operator.constants import (
     PLURAL,
 )
 from policy_operator.operator import rbac
-from policy_operator.operator.manifests import TOKEN_FILE
+from policy_operator.operator.manifests import COMPILE_KEY_DATA, TOKEN_FILE, Names
 from policy_operator.operator.spec import (
     OPERATOR_ENV,
     REFUSED_VOLUME_SOURCES,
@@ -79,7 +79,12 @@ from policy_operator.operator.spec import (
 SUBCOMMANDS: Final = ("fetch", "checkpoint", "serve")
 
 # (API group, version, resource) the policy matches; CREATE and UPDATE (a server-side apply is either)
-RESOURCES: Final = (("batch", "v1", "jobs"), ("apps", "v1", "statefulsets"), ("", "v1", "pods"))
+RESOURCES: Final = (
+    ("batch", "v1", "jobs"),
+    ("apps", "v1", "statefulsets"),
+    ("", "v1", "pods"),
+    ("", "v1", "secrets"),  # create only (RBAC): a PolicyServer's compile key
+)
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,8 @@ _NO_HOST_SOURCE = " && ".join(f"!has(v.{source})" for source in REFUSED_VOLUME_S
 
 _SHAPE_VARIABLES: tuple[Variable, ...] = (
     Variable("isPod", "object.kind == 'Pod'"),
+    Variable("isSecret", "object.kind == 'Secret'"),
+    Variable("noTemplate", "variables.isPod || variables.isSecret"),
     Variable("template", "variables.isPod ? object : object.spec.template"),
     Variable("podSpec", "variables.template.spec"),
     Variable(
@@ -153,7 +160,7 @@ def _image_variables(allowed_images: str) -> tuple[Variable, ...]:
         Variable("allowedImages", allowed_images),
         Variable(
             "refusedImages",
-            "variables.isPod || size(variables.allowedImages) == 0 ? [] : "
+            "variables.noTemplate || size(variables.allowedImages) == 0 ? [] : "
             "variables.containers.map(c, has(c.image) ? c.image : '')"
             f".filter(i, !variables.allowedImages.exists(p, {_MATCHES}))",
         ),
@@ -166,6 +173,7 @@ def variables(allowed_images: str = cel_list(())) -> tuple[Variable, ...]:
 
 
 _DECLARED = "variables.declaredSecrets"
+COMPILE_KEY_SUFFIX: Final = Names("").compile_key  # "-compile-key"
 _ENV_PAIRS = [f"{k}={v}" for k, v in {**OPERATOR_ENV, **SERVER_HUB_ENV}.items()]
 _CHECKPOINT_TOKEN = f"{CHECKPOINT_TOKEN_DIR}/{TOKEN_FILE}"
 
@@ -192,7 +200,7 @@ VALIDATIONS: tuple[Validation, ...] = (
     Validation(
         f"variables.isPod || ({_labels} && object.metadata.labels[{json.dumps(LABEL_MANAGED_BY)}] "
         f"== {json.dumps(MANAGED_BY)} && {json.dumps(LABEL_POLICYSERVER)} in object.metadata.labels)",
-        f"the operator's ServiceAccount creates only Jobs and StatefulSets labelled {LABEL_MANAGED_BY}={MANAGED_BY} "
+        f"the operator's ServiceAccount creates only Jobs, StatefulSets and Secrets labelled {LABEL_MANAGED_BY}={MANAGED_BY} "
         f"and {LABEL_POLICYSERVER}",
     ),
     Validation(
@@ -200,30 +208,38 @@ VALIDATIONS: tuple[Validation, ...] = (
         f"r.apiVersion.startsWith({json.dumps(GROUP + '/')}) && r.kind == {json.dumps(KIND)} && "
         "has(r.controller) && r.controller && "
         f"r.name == object.metadata.labels[{json.dumps(LABEL_POLICYSERVER)}]))",
-        f"the operator's ServiceAccount creates only Jobs and StatefulSets controlled by the {KIND} their "
+        f"the operator's ServiceAccount creates only Jobs, StatefulSets and Secrets controlled by the {KIND} their "
         f"{LABEL_POLICYSERVER} label names",
+    ),
+    Validation(
+        f"!variables.isSecret || (object.metadata.name == object.metadata.labels[{json.dumps(LABEL_POLICYSERVER)}] + "
+        f"{json.dumps(COMPILE_KEY_SUFFIX)} && object.type == 'Opaque' && "
+        f"(!has(object.data) || object.data.all(k, k == {json.dumps(COMPILE_KEY_DATA)})) && "
+        f"(!has(object.stringData) || object.stringData.all(k, k == {json.dumps(COMPILE_KEY_DATA)})))",
+        f"the operator's ServiceAccount creates only Opaque Secrets named <policyserver>{COMPILE_KEY_SUFFIX} holding "
+        f"one key, {COMPILE_KEY_DATA} (a PolicyServer's compile key)",
     ),
     Validation(
         "!variables.isPod || (request.operation == 'UPDATE' && object.spec == oldObject.spec)",
         "the operator's ServiceAccount never creates a pod and never changes a pod's spec (it only annotates them)",
     ),
     Validation(
-        "variables.isPod || "
+        "variables.noTemplate || "
         f"variables.containers.all(c, has(c.command) && size(c.command) >= 2 && c.command[0] == {json.dumps(ENTRYPOINT)}"
         f" && c.command[1] in {json.dumps(list(SUBCOMMANDS))} && (!has(c.args) || size(c.args) == 0))",
         f"every container of the operator's workloads runs `{ENTRYPOINT} {'|'.join(SUBCOMMANDS)}` (command, no args)",
     ),
     Validation(
-        f"variables.isPod || variables.volumes.all(v, {_NO_HOST_SOURCE})",
+        f"variables.noTemplate || variables.volumes.all(v, {_NO_HOST_SOURCE})",
         "the operator's workloads mount no hostPath and no other volume that reaches the node or storage by address",
     ),
     Validation(
-        "variables.isPod || (has(variables.podSpec.automountServiceAccountToken) && "
+        "variables.noTemplate || (has(variables.podSpec.automountServiceAccountToken) && "
         "!variables.podSpec.automountServiceAccountToken)",
         "the operator's workloads mount no ServiceAccount token (automountServiceAccountToken: false)",
     ),
     Validation(
-        f"variables.isPod || variables.volumes.all(v, !has(v.secret) || v.secret.secretName in {_DECLARED}) && "
+        f"variables.noTemplate || variables.volumes.all(v, !has(v.secret) || v.secret.secretName in {_DECLARED}) && "
         "variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || v.projected.sources.all(s, "
         f"!has(s.secret) || s.secret.name in {_DECLARED})) && "
         "variables.containers.all(c, (!has(c.env) || c.env.all(e, !has(e.valueFrom) || "
@@ -233,7 +249,7 @@ VALIDATIONS: tuple[Validation, ...] = (
         "(the Secrets its PolicyServer's spec names)",
     ),
     Validation(
-        "variables.isPod || ("
+        "variables.noTemplate || ("
         "!(has(variables.podSpec.hostNetwork) && variables.podSpec.hostNetwork) && "
         "!(has(variables.podSpec.hostPID) && variables.podSpec.hostPID) && "
         "!(has(variables.podSpec.hostIPC) && variables.podSpec.hostIPC) && "
@@ -248,7 +264,7 @@ VALIDATIONS: tuple[Validation, ...] = (
         "opens no host port",
     ),
     Validation(
-        "variables.isPod || (variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || "
+        "variables.noTemplate || (variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || "
         "v.projected.sources.all(s, !has(s.serviceAccountToken))) && "
         f"variables.volumes.all(v, !has(v.csi) || !has(v.csi.nodePublishSecretRef) || "
         f"v.csi.nodePublishSecretRef.name in {_DECLARED}))",
@@ -256,7 +272,7 @@ VALIDATIONS: tuple[Validation, ...] = (
         f"must be listed in the {ANNOTATION_SECRETS} annotation",
     ),
     Validation(
-        "variables.isPod || variables.containers.all(c, (!has(c.env) || c.env.all(e, "
+        "variables.noTemplate || variables.containers.all(c, (!has(c.env) || c.env.all(e, "
         f"!{reserved_env_cel('e.name')} || (has(e.value) && (e.name + '=' + e.value) in {json.dumps(_ENV_PAIRS)}) || "
         f"(e.name == {json.dumps(ENV_HF_TOKEN)} && has(e.valueFrom)))) && "
         "(!has(c.volumeMounts) || c.volumeMounts.all(m, "
@@ -266,7 +282,7 @@ VALIDATIONS: tuple[Validation, ...] = (
         f"{', '.join(RESERVED_MOUNT_PATHS)}",
     ),
     Validation(
-        "variables.isPod || variables.containers.all(c, !has(c.command) || ("
+        "variables.noTemplate || variables.containers.all(c, !has(c.command) || ("
         "c.command.all(w, !w.startsWith('--token-file') || w == '--token-file') && "
         "size(c.command.filter(w, w == '--token-file')) <= 1 && "
         f"(!('--token-file' in c.command) || {json.dumps(_CHECKPOINT_TOKEN)} in c.command) && "

@@ -34,6 +34,8 @@ def apply(kube: Kube, plan: Plan, namespace: str) -> Applied:
                 answer = kube.merge_patch(write.kind, namespace, write.name, write.body)
             elif write.verb is Verb.DELETE:
                 answer = kube.delete(write.kind, namespace, write.name) or {}
+            elif write.verb is Verb.CREATE:
+                answer = kube.create(write.body)
             else:  # APPLY and APPLY_MISSING: both a server-side apply of the whole object
                 answer = kube.apply(write.body)
         except Rejected as exc:

@@ -47,6 +47,7 @@ KINDS: dict[str, str] = {
     "Event": "v1",  # read only: the Job's and StatefulSet's FailedCreate (kopf posts the operator's own)
     "PodDisruptionBudget": "policy/v1",
     "StorageClass": "storage.k8s.io/v1",  # read only, cluster-scoped: allowVolumeExpansion
+    "Secret": "v1",  # create only: a PolicyServer's compile key (never read, listed or changed)
 }
 
 
@@ -297,6 +298,22 @@ class Kube:
         if self.informer is not None:
             self.informer.put(kind, namespace, answer)
         return answer
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """POST ``obj``, never overwriting: an object of that name already there is kept as it is. For what the
+        operator may create but never read or change (a compile key Secret); the answer is not kept (it would
+        hold the Secret's data)."""
+        meta = obj["metadata"]
+        kind, namespace, name = obj["kind"], meta["namespace"], meta["name"]
+        try:
+            self._call(
+                f"create {kind} {namespace}/{name}", self._resource(kind).create, body=dict(obj), namespace=namespace
+            )
+        except TransientError as exc:
+            if exc.status != 409:  # AlreadyExists: made by an earlier pass
+                raise
+            return {"kind": kind, "metadata": {"name": name, "namespace": namespace}, "existed": True}
+        return {"kind": kind, "metadata": {"name": name, "namespace": namespace}}
 
     def merge_patch(
         self, kind: str, namespace: str, name: str, patch: Mapping[str, Any], *, subresource: str | None = None

@@ -59,6 +59,7 @@ from kubernetes.client import (
     V1Probe,
     V1ResourceRequirements,
     V1SeccompProfile,
+    V1Secret,
     V1SecretKeySelector,
     V1SecretVolumeSource,
     V1SecurityContext,
@@ -116,6 +117,7 @@ from policy_operator.constants import (
 from policy_operator.exit_codes import FETCH_FATAL
 from policy_operator.operator.kube_objects import api_json, meta_of, passthrough, typed
 from policy_operator.operator.spec import (
+    COMPILE_KEY_DIR,
     DEFAULT_CPU_PER_FRONTEND,
     DEFAULT_CPU_PER_RANK,
     DEFAULT_MEMORY_PER_FRONTEND,
@@ -128,17 +130,25 @@ from policy_operator.operator.spec import (
     VOL_AUTH_TOKEN,
     VOL_CACHE,
     VOL_CHECKPOINT_TOKEN,
+    VOL_COMPILE_KEY,
     VOL_SHM,
     VOL_TMP,
     EnvVar,
     PolicyServerSpec,
 )
-from policy_operator.serve_flags import DEFAULT_FRONTEND, TRUST_REMOTE_CODE_FLAG, managed_argv, serve_argv
+from policy_operator.serve_flags import (
+    COMPILE_KEY_FLAG,
+    DEFAULT_FRONTEND,
+    TRUST_REMOTE_CODE_FLAG,
+    managed_argv,
+    serve_argv,
+)
 
 # The image's user is not known; any non-root uid works because the runtime
 # only reads the image's files and writes to the volumes mounted below.
 RUN_AS_USER = 1000
 TOKEN_FILE = SECRET_TOKEN_KEY
+COMPILE_KEY_DATA = "key"  # the compile key Secret's one data key
 PRESTOP_SLEEP_S = 5  # long enough for endpoint controllers to drop the pod before SIGTERM
 TORCHRUN_KILL_S = 30  # torchrun SIGKILLs ranks this long after forwarding SIGTERM
 GRACE_MARGIN_S = 10
@@ -173,6 +183,11 @@ class Names:
     @property
     def pdb(self) -> str:
         return self.policyserver
+
+    @property
+    def compile_key(self) -> str:
+        """The Secret of the PolicyServer's compile-artifacts key."""
+        return f"{self.policyserver}-compile-key"
 
     def job(self, key: str) -> str:
         return f"{self.policyserver}-fetch-{key}"
@@ -620,8 +635,34 @@ def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint, *, compil
         trust_remote_code=spec.policy.trust_remote_code,
     )
     if compile_cache:
-        flags += ["--compile-cache-dir", COMPILE_CACHE_MOUNT_PATH]
+        flags += ["--compile-cache-dir", COMPILE_CACHE_MOUNT_PATH, COMPILE_KEY_FLAG, f"{COMPILE_KEY_DIR}/{TOKEN_FILE}"]
     return serve_argv([*flags, *rt.extra_args])
+
+
+def compile_subpath(spec: PolicyServerSpec) -> str:
+    """The PolicyServer's own directory of compile artifacts on its cache volume: the only one its pods mount, so
+    a PolicyServer sharing the claim (an existingClaim) can neither read nor plant another's."""
+    return f"{COMPILE_CACHE_DIR}/{spec.name}"
+
+
+def build_compile_key_secret(spec: PolicyServerSpec, key: str) -> dict[str, Any]:
+    """The Secret of the PolicyServer's compile-artifacts key (``key``: hex, fresh from ``secrets.token_hex``).
+
+    Created once (``Verb.CREATE``: a POST that never overwrites) and never
+    read back: the operator holds no ``get`` on Secrets; owned by the
+    PolicyServer, so it goes with it.  Only the server pods mount it
+    (``--compile-key-file``): the fetch and cleanup Jobs, which also mount the
+    cache, cannot tag an artifact the servers would load.
+    """
+    return api_json(
+        V1Secret(
+            api_version="v1",
+            kind="Secret",
+            metadata=_owned_meta(spec, Names(spec.name).compile_key, COMPONENT_SERVER),
+            type="Opaque",
+            string_data={COMPILE_KEY_DATA: key},
+        )
+    )
 
 
 def compile_cache_writable(per_pod: bool, cache_modes: Sequence[str]) -> bool:
@@ -717,7 +758,7 @@ def _pod_template(
         _mount(VOL_SHM, SHM_PATH),
     ]
     if compile_cache:  # the kubelet creates the directory with the volume root's mode (group-writable: fsGroup)
-        mounts.append(_mount(VOL_CACHE, COMPILE_CACHE_MOUNT_PATH, sub_path=COMPILE_CACHE_DIR))
+        mounts.append(_mount(VOL_CACHE, COMPILE_CACHE_MOUNT_PATH, sub_path=compile_subpath(spec)))
     # perPod: the cache volume is the StatefulSet's volumeClaimTemplate, not a pod volume; the checkpoints stay
     # read-only through their mount when the volume itself is writable
     volumes = [] if per_pod else _cache_volumes(spec, read_only=not compile_cache)[:1]
@@ -729,6 +770,9 @@ def _pod_template(
     if spec.auth.secret_ref is not None:
         volumes.append(_secret_volume(VOL_AUTH_TOKEN, spec.auth.secret_ref.name, spec.auth.secret_ref.key))
         mounts.append(_mount(VOL_AUTH_TOKEN, AUTH_TOKEN_DIR, read_only=True))
+    if compile_cache:  # the key that authenticates the artifacts: this PolicyServer's server pods only
+        volumes.append(_secret_volume(VOL_COMPILE_KEY, Names(spec.name).compile_key, COMPILE_KEY_DATA))
+        mounts.append(_mount(VOL_COMPILE_KEY, COMPILE_KEY_DIR, read_only=True))
     startup_period = 5
     server = V1Container(
         name=SERVER_CONTAINER,

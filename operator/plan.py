@@ -19,6 +19,7 @@ checkpoint, a cleanup Job prunes the old ones from the shared cache.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,6 +132,23 @@ def _plan_job(
         )
 
 
+def _compile_key(
+    spec: PolicyServerSpec, owner: Mapping[str, Any], sts: V1StatefulSet | None, desired: Mapping[str, Any]
+) -> list[Write]:
+    """The compile key Secret, created (never overwritten: the operator cannot read it) before the first template
+    that mounts it; later passes send nothing, so a pass at rest stays free of requests."""
+    name = Names(spec.name).compile_key
+    wanted = any(v.get("secret", {}).get("secretName") == name for v in desired["spec"]["template"]["spec"]["volumes"])
+    template = sts.spec.template.spec if sts is not None and sts.spec is not None else None
+    has = any(
+        v.secret is not None and v.secret.secret_name == name for v in (template.volumes if template else None) or []
+    )
+    if not wanted or has:
+        return []
+    secret = adopted(manifests.build_compile_key_secret(spec, secrets.token_hex(32)), owner)
+    return [Write(Verb.CREATE, "Secret", name, secret)]
+
+
 def _plan_statefulset(
     plan: Plan,
     spec: PolicyServerSpec,
@@ -143,6 +161,7 @@ def _plan_statefulset(
     assert plan.serving is not None
     desired = adopted(manifests.build_statefulset(spec, plan.serving, cache_modes(spec, pvc)), owner)
     want_hash = desired["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH]
+    plan.writes += _compile_key(spec, owner, sts, desired)
     if sts is None:
         plan.writes.append(
             Write(

@@ -3,7 +3,8 @@
 Each rule says why it exists.  ``rules(all_namespaces=False)`` fits a
 namespaced Role (kopf's namespace/CRD scanning is disabled in that mode);
 ``all_namespaces=True`` adds the cluster-scoped reads kopf then performs.
-The operator never reads Secrets (it only names them in pod specs) nor any
+The operator never reads Secrets (it only names them in pod specs, and creates
+each PolicyServer's compile key without reading it back) nor any
 pod's log (``pods/log``): with the right to create Jobs, reading logs would
 read any Secret.  What it may create is narrowed further by the chart's
 admission policy (``admission.py``).
@@ -85,6 +86,14 @@ RULES: tuple[Rule, ...] = (
         "messages, annotate rank readiness; "
         "replace a server pod in a rollout (the StatefulSet's updateStrategy is OnDelete); delete the pods of "
         "completed fetch and cleanup Jobs (they would keep a deleted cache claim alive)",
+    ),
+    Rule(
+        "",
+        "secrets",
+        ("create",),
+        "create each PolicyServer's compile key Secret once (a POST; an existing one is kept): never get, list, "
+        "watch, update or patch, so no Secret of the namespace is read or changed; the admission policy admits only "
+        "that Secret's shape",
     ),
     Rule(
         "",

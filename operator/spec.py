@@ -23,6 +23,7 @@ from policy_operator.constants import (
     AUTH_TOKEN_DIR,
     CACHE_MOUNT_PATH,
     CHECKPOINT_TOKEN_DIR,
+    COMPILE_CACHE_MOUNT_PATH,
     DEFAULT_PORT,
     ENV_HF_HUB_CACHE,
     ENV_HF_HUB_OFFLINE,
@@ -173,9 +174,19 @@ MAX_KEEP_CHECKPOINTS: Final = 10
 TMP_PATH: Final = "/tmp"
 SHM_PATH: Final = "/dev/shm"
 VOL_CACHE, VOL_TMP, VOL_SHM = "checkpoint-cache", "tmp", "dshm"
-VOL_CHECKPOINT_TOKEN, VOL_AUTH_TOKEN = "checkpoint-token", "auth-token"
-OPERATOR_VOLUMES: Final = (VOL_CACHE, VOL_TMP, VOL_SHM, VOL_CHECKPOINT_TOKEN, VOL_AUTH_TOKEN)
-OPERATOR_MOUNT_PATHS: Final = (CACHE_MOUNT_PATH, TMP_PATH, SHM_PATH, CHECKPOINT_TOKEN_DIR, AUTH_TOKEN_DIR)
+VOL_CHECKPOINT_TOKEN, VOL_AUTH_TOKEN, VOL_COMPILE_KEY = "checkpoint-token", "auth-token", "compile-key"
+# the PolicyServer's own compile-artifacts key (a Secret the operator creates), read-only in its server pods only
+COMPILE_KEY_DIR: Final = "/var/run/secrets/policy-compile"
+OPERATOR_VOLUMES: Final = (VOL_CACHE, VOL_TMP, VOL_SHM, VOL_CHECKPOINT_TOKEN, VOL_AUTH_TOKEN, VOL_COMPILE_KEY)
+OPERATOR_MOUNT_PATHS: Final = (
+    CACHE_MOUNT_PATH,
+    TMP_PATH,
+    SHM_PATH,
+    CHECKPOINT_TOKEN_DIR,
+    AUTH_TOKEN_DIR,
+    COMPILE_KEY_DIR,
+    COMPILE_CACHE_MOUNT_PATH,
+)
 # the environment the operator sets in every container it makes; a user env entry of the same name would be a
 # duplicate key of the container's env list, which server-side apply refuses (500 "duplicate entries")
 OPERATOR_ENV: Final = {ENV_HOME: TMP_PATH, ENV_XDG_CACHE_HOME: f"{TMP_PATH}/.cache"}

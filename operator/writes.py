@@ -18,6 +18,7 @@ class Verb(StrEnum):
 
     APPLY = "apply"  # server-side apply, every pass (a hand edit is put back)
     APPLY_MISSING = "create"  # server-side apply too, planned only while the object is missing (claims, Jobs)
+    CREATE = "create once"  # a POST that never overwrites (a compile key Secret, which the operator cannot read)
     PATCH = "patch"  # a merge patch of a few fields
     DELETE = "delete"  # an owned child the spec no longer asks for
 

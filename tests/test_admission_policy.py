@@ -171,6 +171,17 @@ def dressed_as_the_operators(job: dict[str, Any], owner: dict[str, Any]) -> dict
     pod["metadata"] = {"labels": labels}
     pod["spec"]["automountServiceAccountToken"] = False
     pod["spec"]["containers"][0]["command"] = [C.ENTRYPOINT, "fetch", "file:///s/token", "/tmp"]
+    # the operator's security contexts (the policy pins them: non-root, no privilege, every capability dropped)
+    pod["spec"]["securityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    pod["spec"]["containers"][0]["securityContext"] = {
+        "allowPrivilegeEscalation": False,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
     return job
 
 
@@ -240,7 +251,13 @@ def test_the_operators_own_children_were_admitted_and_declare_their_secrets(env:
     assert job["metadata"]["annotations"][C.ANNOTATION_SECRETS] == "fetch-token"
     assert (job.get("status") or {}).get("succeeded") == 1
     sts = env.lc.get("apps/v1", "statefulsets", NAME)
-    assert sts is not None and sts["metadata"]["annotations"][C.ANNOTATION_SECRETS] == "extra-config"
+    declared = sts["metadata"]["annotations"][C.ANNOTATION_SECRETS] if sts is not None else None
+    assert declared == f"extra-config,{NAME}-compile-key", declared  # the compile key: created by the operator
+    secret = env.lc.get("v1", "secrets", f"{NAME}-compile-key")  # (as the admin: the operator cannot read it)
+    assert secret is not None and secret["metadata"]["ownerReferences"][0]["uid"] == env.owner["metadata"]["uid"]
+    with pytest.raises(ApiException) as denied:
+        CoreV1Api(env.client).read_namespaced_secret(f"{NAME}-compile-key", NS)
+    assert denied.value.status == 403, denied.value
     assert env.lc.status(NAME)["phase"] == C.PHASE_READY
     # no refusal of this PolicyServer's children: the only ones in the log are the allowlist test's own
     # PolicyServer (WRONG_IMAGE), whichever order the tests ran in
@@ -464,12 +481,6 @@ def test_issue_39_attacks_are_refused_at_admission_naming_the_field(env: Env) ->
     for what, change in shapes.items():
         job = plain_job("escape", env.owner, "busybox")
         pod = job["spec"]["template"]["spec"]
-        pod["securityContext"] = {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
-        pod["containers"][0]["securityContext"] = {
-            "allowPrivilegeEscalation": False,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        }
         assert create_job(env.client, job) is None, f"{what}: the unchanged shape is the operator's"
         change(pod)
         refused(env.client, job, message_of("host namespace"))

@@ -62,7 +62,12 @@ def refusals(
         activation["variables"] = celpy.celtypes.MapType(
             {celpy.celtypes.StringType(k): v for k, v in variables.items()}
         )
-        variables[variable.name] = _run(variable.expression, activation)
+        # kept as an error value, not raised: the API server evaluates variables lazily, so an unused one (a
+        # Secret has no spec.template) fails nothing, and CEL's || and && absorb an error the other side decides
+        try:
+            variables[variable.name] = _run(variable.expression, activation)
+        except celpy.CELEvalError as exc:
+            variables[variable.name] = exc
     activation["variables"] = celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in variables.items()})
     return [
         str(_run(v.message_expression, activation)) if v.message_expression else v.message
@@ -133,7 +138,7 @@ def test_every_child_the_operator_builds_is_admitted(name: str) -> None:
 def test_the_declared_secrets_are_the_ones_the_template_names() -> None:
     spec = spec_of(**SPECS["secret-volume-and-env"])
     sts = manifests.build_statefulset(spec)
-    assert sts["metadata"]["annotations"][C.ANNOTATION_SECRETS] == "api,cfg,proj"
+    assert sts["metadata"]["annotations"][C.ANNOTATION_SECRETS] == "api,cfg,proj,ps-compile-key"
     assert manifests.build_fetch_job(spec)["metadata"]["annotations"][C.ANNOTATION_SECRETS] == "s3"
     assert C.ANNOTATION_SECRETS not in manifests.build_fetch_job(spec_of())["metadata"]["annotations"]
 
@@ -541,3 +546,22 @@ def test_the_chart_renders_the_authors_policy_unless_authors_are_trusted() -> No
     assert [p["metadata"]["name"] for p in trusted["ValidatingAdmissionPolicy"]] == [
         operator_policy(trusted)["metadata"]["name"]
     ]
+
+
+def test_the_service_account_creates_only_the_compile_key_secret() -> None:
+    """issue 39 item 3: the one Secret the operator makes is admitted; any other Secret shape refused."""
+    spec = spec_of()
+    secret = adopted(manifests.build_compile_key_secret(spec, "0" * 64))
+    assert refusals(secret) == []
+    only = message("Opaque Secrets")
+    other_name = copy.deepcopy(secret)
+    other_name["metadata"]["name"] = "ci-deployer-token"
+    token = copy.deepcopy(secret)
+    token["type"] = "kubernetes.io/service-account-token"
+    two_keys = copy.deepcopy(secret)
+    two_keys["stringData"]["token"] = "x"
+    for shape in (other_name, token, two_keys):
+        assert refusals(shape) == [only]
+    unowned = copy.deepcopy(secret)
+    unowned["metadata"].pop("ownerReferences")
+    assert refusals(unowned) == [message("controlled by")]

@@ -21,7 +21,7 @@ from kubernetes.client import V1Service
 from policy_operator import constants as C
 from policy_operator import serve_flags
 from policy_operator.operator import manifests as M
-from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
+from policy_operator.operator.spec import COMPILE_KEY_DIR, PolicyServerSpec, SpecError, parse_spec
 from policy_operator.source_uri import checkpoint_key, request_key
 from tests.support.api_objects import api_object
 from tests.support.serve_options import parse_serve
@@ -328,6 +328,8 @@ def test_gpus_and_command_follow_the_layout(cfgp: int, dp: int) -> None:
         "20",
         "--compile-cache-dir",
         C.COMPILE_CACHE_MOUNT_PATH,
+        serve_flags.COMPILE_KEY_FLAG,
+        f"{COMPILE_KEY_DIR}/{M.TOKEN_FILE}",
     ]
 
 
@@ -471,7 +473,7 @@ def test_probes_lifecycle_and_volumes() -> None:
     assert mounts[C.COMPILE_CACHE_MOUNT_PATH] == {
         "name": M.VOL_CACHE,
         "mountPath": C.COMPILE_CACHE_MOUNT_PATH,
-        "subPath": C.COMPILE_CACHE_DIR,
+        "subPath": f"{C.COMPILE_CACHE_DIR}/{spec.name}",
     }
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
     assert sts["spec"]["serviceName"] == M.Names("ps").headless_service
@@ -629,3 +631,29 @@ def test_a_passed_through_field_the_client_does_not_know_is_refused_not_dropped(
     spec = spec_of(base(tolerations=[{"key": "gpu", "operator": "Exists", "fromTheFuture": True}]))
     with pytest.raises(ValueError, match="V1Toleration"):
         M.build_statefulset(spec)
+
+
+def test_the_compile_directory_and_key_are_the_policyservers_own() -> None:
+    """issue 39 item 3: each PolicyServer's server pods mount only its own compile directory and its own key, read
+    only; the fetch and cleanup Jobs mount neither; the key Secret is created once, never read."""
+    spec = spec_of(base())
+    pod = M.build_statefulset(spec)["spec"]["template"]["spec"]
+    server = pod["containers"][0]
+    mounts = {m["mountPath"]: m for m in server["volumeMounts"]}
+    assert mounts[C.COMPILE_CACHE_MOUNT_PATH]["subPath"] == f"{C.COMPILE_CACHE_DIR}/{spec.name}"
+    key = mounts[COMPILE_KEY_DIR]
+    assert key["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == key["name"]]
+    assert volume["secret"]["secretName"] == f"{spec.name}-compile-key"
+    command = server["command"]
+    assert command[command.index(serve_flags.COMPILE_KEY_FLAG) + 1] == f"{COMPILE_KEY_DIR}/{M.TOKEN_FILE}"
+    for job in (M.build_fetch_job(spec), M.build_gc_job(spec, spec.checkpoint.key)):
+        job_pod = job["spec"]["template"]["spec"]
+        assert all("compile" not in v["name"] for v in job_pod["volumes"]), job_pod["volumes"]
+    secret = M.build_compile_key_secret(spec, "ab" * 32)
+    assert secret["type"] == "Opaque" and secret["stringData"] == {M.COMPILE_KEY_DATA: "ab" * 32}
+    assert secret["metadata"]["name"] == volume["secret"]["secretName"]
+    # a read-only-many shared claim gets no compile mount, and then no key either
+    ro = spec_of(base(storage={"accessModes": ["ReadOnlyMany"]}, replicas=2))
+    ro_pod = M.build_statefulset(ro)["spec"]["template"]["spec"]
+    assert all("compile" not in v["name"] for v in ro_pod["volumes"])

@@ -79,7 +79,8 @@ def test_per_pod_mode_gives_each_pod_its_claim_and_its_own_fetch() -> None:
     # no shared claim, no fetch Job; the checkpoint counts as ready (the pods fetch it)
     state = download_state.checkpoint_state(s, None, [], None)
     result = pl.plan(s, OWNER, observed_of(), state)
-    assert [(w.kind, w.name) for w in result.writes][:1] == [("StatefulSet", "ps")]
+    # the compile key Secret first (created once, before the first template that mounts it), then the pods
+    assert [(w.kind, w.name) for w in result.writes][:2] == [("Secret", "ps-compile-key"), ("StatefulSet", "ps")]
     assert not [w for w in result.writes if w.kind in ("Job", "PersistentVolumeClaim")]
 
 

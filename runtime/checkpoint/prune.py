@@ -119,7 +119,7 @@ def prune_artifacts(dest: Path, log: Callable[[str], None] = print) -> list[Path
         checkpoint_identity(p) for p in dest.iterdir() if p.is_dir() and p.name != WORK_DIR and _finished(p) is not None
     }
     removed = []
-    for path in sorted(directory.glob(f"*{SUFFIX}")):
+    for path in sorted(directory.glob(f"**/*{SUFFIX}")):  # each PolicyServer's own directory under it too
         checkpoint = stored_checkpoint(path)
         if checkpoint is None or checkpoint in present:
             continue

@@ -116,6 +116,10 @@ The operator's API access: "namespaced" is what a Role in each watched namespace
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, patch, delete]
+# create each PolicyServer's compile key Secret once (a POST; an existing one is kept): never get, list, watch, update or patch, so no Secret of the namespace is read or changed; the admission policy admits only that Secret's shape
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
 # post Events on every transition (kopf.event); list the Job's and StatefulSet's FailedCreate Events (a pod refused by a ResourceQuota, PodSecurity or a missing PriorityClass) to say so in status
 - apiGroups: [""]
   resources: [events]
@@ -180,9 +184,22 @@ matchConstraints:
     operations:
     - CREATE
     - UPDATE
+  - apiGroups:
+    - ''
+    apiVersions:
+    - v1
+    resources:
+    - secrets
+    operations:
+    - CREATE
+    - UPDATE
 variables:
 - name: isPod
   expression: object.kind == 'Pod'
+- name: isSecret
+  expression: object.kind == 'Secret'
+- name: noTemplate
+  expression: variables.isPod || variables.isSecret
 - name: template
   expression: 'variables.isPod ? object : object.spec.template'
 - name: podSpec
@@ -196,39 +213,42 @@ variables:
 - name: allowedImages
   expression: {{ .Values.admissionPolicy.allowedImages | default list | toJson | quote }}
 - name: refusedImages
-  expression: 'variables.isPod || size(variables.allowedImages) == 0 ? [] : variables.containers.map(c, has(c.image) ? c.image : '''').filter(i, !variables.allowedImages.exists(p, i == p || (p.endsWith(''/'') && i.startsWith(p)) || ((p.endsWith('':'') || p.endsWith(''@'')) && i.startsWith(p) && !i.substring(size(p)).contains(''/'')) || (!p.endsWith(''/'') && !p.contains(''@'') && !p.substring(p.lastIndexOf(''/'') + 1).contains('':'') && (i.startsWith(p + '':'') || i.startsWith(p + ''@'')) && !i.substring(size(p)).contains(''/''))))'
+  expression: 'variables.noTemplate || size(variables.allowedImages) == 0 ? [] : variables.containers.map(c, has(c.image) ? c.image : '''').filter(i, !variables.allowedImages.exists(p, i == p || (p.endsWith(''/'') && i.startsWith(p)) || ((p.endsWith('':'') || p.endsWith(''@'')) && i.startsWith(p) && !i.substring(size(p)).contains(''/'')) || (!p.endsWith(''/'') && !p.contains(''@'') && !p.substring(p.lastIndexOf(''/'') + 1).contains('':'') && (i.startsWith(p + '':'') || i.startsWith(p + ''@'')) && !i.substring(size(p)).contains(''/''))))'
 validations:
 - expression: variables.isPod || (has(object.metadata.labels) && "app.kubernetes.io/managed-by" in object.metadata.labels && object.metadata.labels["app.kubernetes.io/managed-by"] == "policy-operator" && "policyoperator.io/policyserver" in object.metadata.labels)
-  message: the operator's ServiceAccount creates only Jobs and StatefulSets labelled app.kubernetes.io/managed-by=policy-operator and policyoperator.io/policyserver
+  message: the operator's ServiceAccount creates only Jobs, StatefulSets and Secrets labelled app.kubernetes.io/managed-by=policy-operator and policyoperator.io/policyserver
   reason: Forbidden
 - expression: variables.isPod || (has(object.metadata.ownerReferences) && object.metadata.ownerReferences.exists_one(r, r.apiVersion.startsWith("policyoperator.io/") && r.kind == "PolicyServer" && has(r.controller) && r.controller && r.name == object.metadata.labels["policyoperator.io/policyserver"]))
-  message: the operator's ServiceAccount creates only Jobs and StatefulSets controlled by the PolicyServer their policyoperator.io/policyserver label names
+  message: the operator's ServiceAccount creates only Jobs, StatefulSets and Secrets controlled by the PolicyServer their policyoperator.io/policyserver label names
+  reason: Forbidden
+- expression: '!variables.isSecret || (object.metadata.name == object.metadata.labels["policyoperator.io/policyserver"] + "-compile-key" && object.type == ''Opaque'' && (!has(object.data) || object.data.all(k, k == "key")) && (!has(object.stringData) || object.stringData.all(k, k == "key")))'
+  message: the operator's ServiceAccount creates only Opaque Secrets named <policyserver>-compile-key holding one key, key (a PolicyServer's compile key)
   reason: Forbidden
 - expression: '!variables.isPod || (request.operation == ''UPDATE'' && object.spec == oldObject.spec)'
   message: the operator's ServiceAccount never creates a pod and never changes a pod's spec (it only annotates them)
   reason: Forbidden
-- expression: variables.isPod || variables.containers.all(c, has(c.command) && size(c.command) >= 2 && c.command[0] == "policyserver" && c.command[1] in ["fetch", "checkpoint", "serve"] && (!has(c.args) || size(c.args) == 0))
+- expression: variables.noTemplate || variables.containers.all(c, has(c.command) && size(c.command) >= 2 && c.command[0] == "policyserver" && c.command[1] in ["fetch", "checkpoint", "serve"] && (!has(c.args) || size(c.args) == 0))
   message: every container of the operator's workloads runs `policyserver fetch|checkpoint|serve` (command, no args)
   reason: Forbidden
-- expression: variables.isPod || variables.volumes.all(v, !has(v.awsElasticBlockStore) && !has(v.azureDisk) && !has(v.azureFile) && !has(v.cephfs) && !has(v.cinder) && !has(v.fc) && !has(v.flexVolume) && !has(v.flocker) && !has(v.gcePersistentDisk) && !has(v.gitRepo) && !has(v.glusterfs) && !has(v.hostPath) && !has(v.image) && !has(v.iscsi) && !has(v.nfs) && !has(v.photonPersistentDisk) && !has(v.portworxVolume) && !has(v.quobyte) && !has(v.rbd) && !has(v.scaleIO) && !has(v.storageos) && !has(v.vsphereVolume))
+- expression: variables.noTemplate || variables.volumes.all(v, !has(v.awsElasticBlockStore) && !has(v.azureDisk) && !has(v.azureFile) && !has(v.cephfs) && !has(v.cinder) && !has(v.fc) && !has(v.flexVolume) && !has(v.flocker) && !has(v.gcePersistentDisk) && !has(v.gitRepo) && !has(v.glusterfs) && !has(v.hostPath) && !has(v.image) && !has(v.iscsi) && !has(v.nfs) && !has(v.photonPersistentDisk) && !has(v.portworxVolume) && !has(v.quobyte) && !has(v.rbd) && !has(v.scaleIO) && !has(v.storageos) && !has(v.vsphereVolume))
   message: the operator's workloads mount no hostPath and no other volume that reaches the node or storage by address
   reason: Forbidden
-- expression: variables.isPod || (has(variables.podSpec.automountServiceAccountToken) && !variables.podSpec.automountServiceAccountToken)
+- expression: variables.noTemplate || (has(variables.podSpec.automountServiceAccountToken) && !variables.podSpec.automountServiceAccountToken)
   message: 'the operator''s workloads mount no ServiceAccount token (automountServiceAccountToken: false)'
   reason: Forbidden
-- expression: variables.isPod || variables.volumes.all(v, !has(v.secret) || v.secret.secretName in variables.declaredSecrets) && variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || v.projected.sources.all(s, !has(s.secret) || s.secret.name in variables.declaredSecrets)) && variables.containers.all(c, (!has(c.env) || c.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef) || e.valueFrom.secretKeyRef.name in variables.declaredSecrets)) && (!has(c.envFrom) || c.envFrom.all(f, !has(f.secretRef) || f.secretRef.name in variables.declaredSecrets)))
+- expression: variables.noTemplate || variables.volumes.all(v, !has(v.secret) || v.secret.secretName in variables.declaredSecrets) && variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || v.projected.sources.all(s, !has(s.secret) || s.secret.name in variables.declaredSecrets)) && variables.containers.all(c, (!has(c.env) || c.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef) || e.valueFrom.secretKeyRef.name in variables.declaredSecrets)) && (!has(c.envFrom) || c.envFrom.all(f, !has(f.secretRef) || f.secretRef.name in variables.declaredSecrets)))
   message: every Secret the pod template names must be listed in the workload's policyoperator.io/secrets annotation (the Secrets its PolicyServer's spec names)
   reason: Forbidden
-- expression: variables.isPod || (!(has(variables.podSpec.hostNetwork) && variables.podSpec.hostNetwork) && !(has(variables.podSpec.hostPID) && variables.podSpec.hostPID) && !(has(variables.podSpec.hostIPC) && variables.podSpec.hostIPC) && !(has(variables.podSpec.hostUsers) && variables.podSpec.hostUsers) && !has(variables.podSpec.nodeName) && has(variables.podSpec.securityContext) && has(variables.podSpec.securityContext.runAsNonRoot) && variables.podSpec.securityContext.runAsNonRoot && (!has(variables.podSpec.securityContext.runAsUser) || variables.podSpec.securityContext.runAsUser != 0) && (!has(variables.podSpec.tolerations) || variables.podSpec.tolerations.all(t, has(t.key) && t.key != '')) && variables.containers.all(c, has(c.securityContext) && has(c.securityContext.allowPrivilegeEscalation) && !c.securityContext.allowPrivilegeEscalation && (!has(c.securityContext.privileged) || !c.securityContext.privileged) && (!has(c.securityContext.runAsUser) || c.securityContext.runAsUser != 0) && has(c.securityContext.capabilities) && !has(c.securityContext.capabilities.add) && has(c.securityContext.capabilities.drop) && 'ALL' in c.securityContext.capabilities.drop && (!has(c.ports) || c.ports.all(p, !has(p.hostPort)))))
+- expression: variables.noTemplate || (!(has(variables.podSpec.hostNetwork) && variables.podSpec.hostNetwork) && !(has(variables.podSpec.hostPID) && variables.podSpec.hostPID) && !(has(variables.podSpec.hostIPC) && variables.podSpec.hostIPC) && !(has(variables.podSpec.hostUsers) && variables.podSpec.hostUsers) && !has(variables.podSpec.nodeName) && has(variables.podSpec.securityContext) && has(variables.podSpec.securityContext.runAsNonRoot) && variables.podSpec.securityContext.runAsNonRoot && (!has(variables.podSpec.securityContext.runAsUser) || variables.podSpec.securityContext.runAsUser != 0) && (!has(variables.podSpec.tolerations) || variables.podSpec.tolerations.all(t, has(t.key) && t.key != '')) && variables.containers.all(c, has(c.securityContext) && has(c.securityContext.allowPrivilegeEscalation) && !c.securityContext.allowPrivilegeEscalation && (!has(c.securityContext.privileged) || !c.securityContext.privileged) && (!has(c.securityContext.runAsUser) || c.securityContext.runAsUser != 0) && has(c.securityContext.capabilities) && !has(c.securityContext.capabilities.add) && has(c.securityContext.capabilities.drop) && 'ALL' in c.securityContext.capabilities.drop && (!has(c.ports) || c.ports.all(p, !has(p.hostPort)))))
   message: the operator's workloads share no host namespace, name no node, tolerate no taint by an empty key, run as non-root, and every container drops ALL capabilities, adds none, is not privileged, cannot escalate and opens no host port
   reason: Forbidden
-- expression: variables.isPod || (variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || v.projected.sources.all(s, !has(s.serviceAccountToken))) && variables.volumes.all(v, !has(v.csi) || !has(v.csi.nodePublishSecretRef) || v.csi.nodePublishSecretRef.name in variables.declaredSecrets))
+- expression: variables.noTemplate || (variables.volumes.all(v, !has(v.projected) || !has(v.projected.sources) || v.projected.sources.all(s, !has(s.serviceAccountToken))) && variables.volumes.all(v, !has(v.csi) || !has(v.csi.nodePublishSecretRef) || v.csi.nodePublishSecretRef.name in variables.declaredSecrets))
   message: the operator's workloads mount no projected serviceAccountToken source, and a csi volume's nodePublishSecretRef must be listed in the policyoperator.io/secrets annotation
   reason: Forbidden
-- expression: 'variables.isPod || variables.containers.all(c, (!has(c.env) || c.env.all(e, !(e.name in [''HOME'', ''XDG_CACHE_HOME'', ''PATH'', ''HF_HUB_OFFLINE'', ''HF_HUB_CACHE'', ''HF_TOKEN'', ''HF_HOME'', ''HF_MODULES_CACHE'', ''HF_TOKEN_PATH'', ''TRANSFORMERS_CACHE'', ''TRANSFORMERS_OFFLINE'', ''BASH_ENV'', ''ENV'', ''GCONV_PATH'', ''LOCPATH'', ''CC'', ''CXX'', ''CUDA_HOME'', ''CUDA_PATH'', ''NCCL_NET_PLUGIN'', ''NCCL_TUNER_PLUGIN'', ''NCCL_PROFILER_PLUGIN'', ''NCCL_ENV_PLUGIN''] || e.name.startsWith(''PYTHON'') || e.name.startsWith(''LD_'') || e.name.startsWith(''TORCH'') || e.name.startsWith(''TRITON_'')) || (has(e.value) && (e.name + ''='' + e.value) in ["HOME=/tmp", "XDG_CACHE_HOME=/tmp/.cache", "HF_HUB_OFFLINE=1", "HF_HUB_CACHE=/models/.hub"]) || (e.name == "HF_TOKEN" && has(e.valueFrom)))) && (!has(c.volumeMounts) || c.volumeMounts.all(m, !(m.mountPath == ''/'' || ["/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/opt", "/src", "/root", "/home", "/etc/ld.so.preload", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/ld.so.cache"].exists(r, m.mountPath == r || m.mountPath.startsWith(r + ''/'') || r.startsWith(m.mountPath.endsWith(''/'') ? m.mountPath : m.mountPath + ''/''))))))'
+- expression: 'variables.noTemplate || variables.containers.all(c, (!has(c.env) || c.env.all(e, !(e.name in [''HOME'', ''XDG_CACHE_HOME'', ''PATH'', ''HF_HUB_OFFLINE'', ''HF_HUB_CACHE'', ''HF_TOKEN'', ''HF_HOME'', ''HF_MODULES_CACHE'', ''HF_TOKEN_PATH'', ''TRANSFORMERS_CACHE'', ''TRANSFORMERS_OFFLINE'', ''BASH_ENV'', ''ENV'', ''GCONV_PATH'', ''LOCPATH'', ''CC'', ''CXX'', ''CUDA_HOME'', ''CUDA_PATH'', ''NCCL_NET_PLUGIN'', ''NCCL_TUNER_PLUGIN'', ''NCCL_PROFILER_PLUGIN'', ''NCCL_ENV_PLUGIN''] || e.name.startsWith(''PYTHON'') || e.name.startsWith(''LD_'') || e.name.startsWith(''TORCH'') || e.name.startsWith(''TRITON_'')) || (has(e.value) && (e.name + ''='' + e.value) in ["HOME=/tmp", "XDG_CACHE_HOME=/tmp/.cache", "HF_HUB_OFFLINE=1", "HF_HUB_CACHE=/models/.hub"]) || (e.name == "HF_TOKEN" && has(e.valueFrom)))) && (!has(c.volumeMounts) || c.volumeMounts.all(m, !(m.mountPath == ''/'' || ["/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/opt", "/src", "/root", "/home", "/etc/ld.so.preload", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/ld.so.cache"].exists(r, m.mountPath == r || m.mountPath.startsWith(r + ''/'') || r.startsWith(m.mountPath.endsWith(''/'') ? m.mountPath : m.mountPath + ''/''))))))'
   message: the operator's containers set no environment name the interpreter or loader reads (HOME, XDG_CACHE_HOME, PATH, HF_HUB_OFFLINE, HF_HUB_CACHE, HF_TOKEN, HF_HOME, HF_MODULES_CACHE, HF_TOKEN_PATH, TRANSFORMERS_CACHE, TRANSFORMERS_OFFLINE, BASH_ENV, ENV, GCONV_PATH, LOCPATH, CC, CXX, CUDA_HOME, CUDA_PATH, NCCL_NET_PLUGIN, NCCL_TUNER_PLUGIN, NCCL_PROFILER_PLUGIN, NCCL_ENV_PLUGIN and every name starting with PYTHON, LD_, TORCH, TRITON_) other than the operator's own values, and mount nothing at, under or above /bin, /sbin, /lib, /lib32, /lib64, /libx32, /usr, /opt, /src, /root, /home, /etc/ld.so.preload, /etc/ld.so.conf, /etc/ld.so.conf.d, /etc/ld.so.cache
   reason: Forbidden
-- expression: variables.isPod || variables.containers.all(c, !has(c.command) || (c.command.all(w, !w.startsWith('--token-file') || w == '--token-file') && size(c.command.filter(w, w == '--token-file')) <= 1 && (!('--token-file' in c.command) || "/var/run/secrets/policy-checkpoint/token" in c.command) && (size(c.command) < 3 || c.command[1] != 'checkpoint' || c.command[2] in ['verify', 'prune'])))
+- expression: variables.noTemplate || variables.containers.all(c, !has(c.command) || (c.command.all(w, !w.startsWith('--token-file') || w == '--token-file') && size(c.command.filter(w, w == '--token-file')) <= 1 && (!('--token-file' in c.command) || "/var/run/secrets/policy-checkpoint/token" in c.command) && (size(c.command) < 3 || c.command[1] != 'checkpoint' || c.command[2] in ['verify', 'prune'])))
   message: the operator's commands pass --token-file only once, as `--token-file /var/run/secrets/policy-checkpoint/token` (the checkpoint Secret's mount) and run `policyserver checkpoint verify|prune` only
   reason: Forbidden
 - expression: size(variables.refusedImages) == 0
