@@ -104,8 +104,8 @@ def first_rank_exit(directory: str | os.PathLike[str]) -> tuple[int, int] | None
     noted: list[tuple[int, int, int]] = []
     for path in Path(directory).glob("rank*"):
         try:
-            at, code = path.read_text().split()
-            noted.append((int(at), int(path.name.removeprefix("rank")), int(code)))
+            at, noted_code = path.read_text().split()
+            noted.append((int(at), int(path.name.removeprefix("rank")), int(noted_code)))
         except (OSError, ValueError):
             continue
     if not noted:

@@ -166,7 +166,7 @@ def main(args: argparse.Namespace) -> int:
         return code
     # torchrun exits 1 whichever rank failed: the pod's exit code is the first failed rank's, as on one rank
     rank, rank_code = first
-    meaning = ServeExit(rank_code).meaning if rank_code in ServeExit._value2member_map_ else "?"
+    meaning = next((c.meaning for c in ServeExit if c == rank_code), "?")
     print(
         f"policyserver: torchrun exited {code} {took}; rank {rank} failed first, exiting {rank_code} ({meaning})",
         file=sys.stderr,
