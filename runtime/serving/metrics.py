@@ -33,6 +33,24 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._multiprocess_dir = multiprocess_dir
         self._replicas: list[tuple[Counter, Histogram, Histogram]] = []  # per replica: its labelled series
+        self._request_series()
+        self._connection_series()
+        self._replica_series()
+        self._download_series()
+        self.max_connections.set(max_connections)
+        for reason in ("max_connections", "buffer_full", "frame_timeout", "idle_timeout"):
+            self.connections_closed.labels(reason)
+        self.world_size.set(layout.world_size)
+        self.dp_replicas.set(layout.dp)
+        # every replica's series exists from the first scrape: rate() and the dashboard read 0, not "no data",
+        # before a replica's first batch; kept, so a request does not look its labels up again
+        self._replicas = [
+            (self.requests.labels(k), self.infer.labels(k), self.batch_size.labels(k))
+            for k in map(str, range(layout.dp))
+        ]
+
+    def _request_series(self) -> None:
+        """Requests: their latency, queueing, batches, errors and the robots' network round trip."""
         self.latency = Histogram(
             "policy_request_latency_seconds",
             "Receive-to-reply time of a successful request",
@@ -69,6 +87,17 @@ class ServerMetrics:
             multiprocess_mode="livesum",
             registry=self.registry,
         )
+        # what the client sees on top of policy_request_latency_seconds: the WebSocket keepalive's round trip
+        # on the robots' own connections, sampled with every request
+        self.network_rtt = Histogram(
+            "policy_network_rtt_seconds",
+            "Round trip of the WebSocket keepalive ping of the connection a request came on",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def _connection_series(self) -> None:
+        """WebSocket connections: how many, the bound on them, what closed them, the bytes of unfinished frames."""
         self.connections = Gauge(
             "policy_connections", "Open WebSocket connections", multiprocess_mode="livesum", registry=self.registry
         )
@@ -98,6 +127,9 @@ class ServerMetrics:
             multiprocess_mode="livesum",
             registry=self.registry,
         )
+
+    def _replica_series(self) -> None:
+        """The pod's ranks and replicas: its layout, readiness, load and warm-up times, warm-up's batch times."""
         self.bucket_seconds = Gauge(
             "policy_batch_bucket_seconds",
             "Measured time of one batch of each padded size (bucket) at warm-up: what "
@@ -118,14 +150,6 @@ class ServerMetrics:
             multiprocess_mode="max",
             registry=self.registry,
         )
-        # what the client sees on top of policy_request_latency_seconds: the WebSocket keepalive's round trip
-        # on the robots' own connections, sampled with every request
-        self.network_rtt = Histogram(
-            "policy_network_rtt_seconds",
-            "Round trip of the WebSocket keepalive ping of the connection a request came on",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
         self.load_seconds = Gauge(
             "policy_load_seconds",
             "Seconds rank 0 spent loading the policy onto its device (download excluded)",
@@ -138,6 +162,9 @@ class ServerMetrics:
             multiprocess_mode="mostrecent",
             registry=self.registry,
         )
+
+    def _download_series(self) -> None:
+        """The checkpoint a server downloads itself (serve --checkpoint URL)."""
         self.download_done = Gauge(
             "policy_checkpoint_downloaded_bytes",
             "Bytes of the checkpoint this server is downloading itself (serve --checkpoint URL)",
@@ -150,17 +177,6 @@ class ServerMetrics:
             multiprocess_mode="mostrecent",
             registry=self.registry,
         )
-        self.max_connections.set(max_connections)
-        for reason in ("max_connections", "buffer_full", "frame_timeout", "idle_timeout"):
-            self.connections_closed.labels(reason)
-        self.world_size.set(layout.world_size)
-        self.dp_replicas.set(layout.dp)
-        # every replica's series exists from the first scrape: rate() and the dashboard read 0, not "no data",
-        # before a replica's first batch; kept, so a request does not look its labels up again
-        self._replicas = [
-            (self.requests.labels(k), self.infer.labels(k), self.batch_size.labels(k))
-            for k in map(str, range(layout.dp))
-        ]
 
     def observe_request(self, replica: int, infer_s: float, queue_s: float) -> None:
         """A request answered with actions: on the event loop, once per request."""
