@@ -67,6 +67,7 @@ LEROBOT_FAMILIES: Final[Mapping[str, LeRobotFamily]] = MappingProxyType(
         "diffusion": LeRobotFamily(False, "Diffusion Policy"),
         "lingbot_va": LeRobotFamily(True, "LingBot-VA (video guided by its empty prompt)"),
         "xvla": LeRobotFamily(False, "X-VLA"),
+        "groot": LeRobotFamily(False, "GR00T N1.7 (served without remote code)"),
     }
 )
 

@@ -191,5 +191,10 @@ def test_checkpoint_init_writes_the_family_and_it_verifies(lingbot_dir: Path, tm
     pods' init container: manifest, hashes, the trusted-steps checks) accepts it."""
     written = tmp_path / "ckpt"
     assert policyserver(["checkpoint", "init", "--lerobot", "lingbot_va", "--seed", "4", str(written)]) == 0
-    assert (written / "model.safetensors").read_bytes() == (lingbot_dir / "model.safetensors").read_bytes()
+    for name in (
+        "model.safetensors",
+        "wan/vae/diffusion_pytorch_model.safetensors",
+        "wan/text_encoder/model.safetensors",
+    ):
+        assert (written / name).read_bytes() == (lingbot_dir / name).read_bytes(), name
     assert policyserver(["checkpoint", "verify", str(written), "--hashes"]) == CheckpointExit.OK

@@ -42,9 +42,10 @@ PREPROCESSOR_JSON: Final = "policy_preprocessor.json"
 POSTPROCESSOR_JSON: Final = "policy_postprocessor.json"
 PROCESSOR_FILES: Final = (PREPROCESSOR_JSON, POSTPROCESSOR_JSON)
 
-# The LeRobot policy types this server serves, checked from config.json before anything loads.  pi0_fast and
-# groot, which load their tokenizers and backbones with trust_remote_code=True whatever the checkpoint says, are
-# not among them; a family that does so must not be added without passing the user's choice through.
+# The LeRobot policy types this server serves, checked from config.json before anything loads.  pi0_fast, which
+# loads its tokenizer with trust_remote_code=True whatever the checkpoint says, is not among them; a family that
+# does so must not be added without passing the user's choice through (groot is served with its backbone and
+# processor built by family_groot.py with trust_remote_code=False).
 SERVED_TYPES: Final = tuple(LEROBOT_FAMILIES)  # the family registry (policy_operator/builtin_policies.py)
 
 # Registry names of the steps LeRobot 0.6's processor factories of the served types write, and nothing else.
@@ -65,6 +66,10 @@ TRUSTED_STEPS: Final = frozenset(
         "xvla_image_to_float",
         "xvla_imagenet_normalize",
         "xvla_add_domain_id",
+        "groot_n1_7_pack_inputs_v1",
+        "groot_n1_7_vlm_encode_v1",
+        "groot_n1_7_action_decode_v1",
+        "groot_action_unpack_unnormalize_v2",
     }
 )
 # Trusted steps that load a transformers processor with a ``trust_remote_code`` argument of their own (LeRobot's

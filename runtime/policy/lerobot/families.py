@@ -18,10 +18,12 @@ actions back into ``x``; Diffusion Policy says why it cannot.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,6 +100,16 @@ class Family(ABC):
     #: The cameras' conversion and normalization may run on the device (policy.py); False when the family's saved
     #: preprocessor transforms images in steps of its own (X-VLA's ImageNet normalization).
     device_preprocessing = True
+
+    @classmethod
+    def loading(cls, root: Path) -> contextlib.AbstractContextManager[None]:
+        """Entered while LeRobot builds the policy of the checkpoint at ``root`` (GR00T: its bundled backbone, no
+        remote code)."""
+        return contextlib.nullcontext()
+
+    @classmethod
+    def pipelines_loaded(cls, preprocessor: Any, root: Path) -> None:  # noqa: B027 - optional: nothing by default
+        """After the saved pipelines loaded: what their steps need from the checkpoint at ``root``."""
 
     def __init__(self, policy: Any) -> None:
         self.policy = policy

@@ -147,14 +147,16 @@ def _load(trusted: TrustedCheckpoint, device: torch.device, trust: bool) -> Load
     config.device = device.type
     if hasattr(config, "vlm_model_name"):
         config.vlm_model_name = resolve_reference(config.vlm_model_name, root)
-    if kind in LEROBOT_FAMILIES:  # a family's other repositories (LingBot-VA's VAE, text encoder and tokenizer)
-        for name in family_class(kind).references:
+    family = family_class(kind) if kind in LEROBOT_FAMILIES else None
+    if family is not None:  # a family's other repositories (LingBot-VA's VAE, text encoder and tokenizer)
+        for name in family.references:
             setattr(config, name, resolve_reference(getattr(config, name), root))
     if getattr(config, "pretrained_backbone_weights", None):
         # torchvision would download ImageNet weights; the checkpoint's own weights replace them anyway
         config.pretrained_backbone_weights = None
     try:
-        policy = cls.from_pretrained(str(root), config=config)
+        with family.loading(root) if family is not None else contextlib.nullcontext():
+            policy = cls.from_pretrained(str(root), config=config)
     except OSError as exc:  # a referenced repository neither bundled nor in the offline cache
         raise CheckpointError(f"{root}: {str(exc).splitlines()[0]}") from exc
     policy.to(device).eval().requires_grad_(False)
@@ -172,4 +174,6 @@ def _load(trusted: TrustedCheckpoint, device: torch.device, trust: bool) -> Load
         )
     except (ValueError, ImportError, OSError) as exc:  # a step refused: e.g. a tokenizer that needs remote code
         raise CheckpointError(f"{root}: a saved processor step did not load: {str(exc).splitlines()[0]}") from exc
+    if family is not None:
+        family.pipelines_loaded(preprocessor, root)
     return Loaded(root, config, policy, preprocessor, postprocessor)

@@ -27,7 +27,7 @@ import torch
 
 from policy_operator.builtin_policies import LEROBOT_FAMILIES
 from policy_operator.runtime.checkpoint.format import write_manifest
-from policy_operator.runtime.policy.lerobot.families import family_module
+from policy_operator.runtime.policy.lerobot.families import family_class, family_module
 from policy_operator.runtime.policy.lerobot.loading import go_offline
 
 VLM_DIR = "vlm"  # the bundled VLM config + processor, named by this relative path
@@ -309,22 +309,35 @@ def write_tiny_checkpoint(
     from lerobot.policies.factory import get_policy_class, make_pre_post_processors
 
     root = Path(directory)
+    torch.manual_seed(seed)  # what a family bundles is seeded too (LingBot-VA's VAE and text encoder, GR00T's base)
     config = tiny_config(family, root, size)
     if configure is not None:
         configure(config)
     vlm = getattr(config, "vlm_model_name", None)
     if vlm == VLM_DIR:  # built from the bundled directory; saved under its relative name
         config.vlm_model_name = str(root / VLM_DIR)
+    kind = family_class(family)
+    bundled = {  # a family's references to directories it bundled: absolute while building, saved relative
+        name: getattr(config, name) for name in kind.references if (root / str(getattr(config, name))).is_dir()
+    }
+    for name, relative in bundled.items():
+        setattr(config, name, str(root / relative))
     torch.manual_seed(seed)
-    policy = build(config) if build is not None else get_policy_class(family)(config)
+    with kind.loading(root):
+        policy = build(config) if build is not None else get_policy_class(family)(config)
     stats = _stats(config, torch.Generator().manual_seed(seed))
     with _bundled_tokenizer(root / TOKENIZER_DIR if (root / TOKENIZER_DIR).is_dir() else None):
         preprocessor, postprocessor = make_pre_post_processors(config, dataset_stats=stats)
     if vlm == VLM_DIR:
         config.vlm_model_name = VLM_DIR
+    for name, relative in bundled.items():
+        setattr(config, name, relative)
     for step in preprocessor.steps:  # the tokenizer is named by its path relative to the checkpoint
         if getattr(step, "tokenizer_name", None):
             step.tokenizer_name = VLM_DIR if vlm else TOKENIZER_DIR
+    bundle = None if family in BUILDERS else getattr(family_module(family), "bundle", None)
+    if bundle is not None:  # a family module's own renaming of what its steps name (GR00T's Qwen3-VL step)
+        bundle(preprocessor)
     policy.save_pretrained(root)
     preprocessor.save_pretrained(root)
     postprocessor.save_pretrained(root)
