@@ -67,6 +67,7 @@ from policy_operator.constants import (
 from policy_operator.operator import rbac
 from policy_operator.operator.manifests import COMPILE_KEY_DATA, TOKEN_FILE, Names
 from policy_operator.operator.spec import (
+    COMPILE_KEY_DIR,
     OPERATOR_ENV,
     REFUSED_VOLUME_SOURCES,
     RESERVED_ENV_TEXT,
@@ -74,6 +75,7 @@ from policy_operator.operator.spec import (
     SERVER_HUB_ENV,
     reserved_env_cel,
 )
+from policy_operator.serve_flags import COMPILE_KEY_FLAG
 
 # the subcommands the operator's containers run: fetch (the fetch Job, perPod init), checkpoint (verify, prune), serve
 SUBCOMMANDS: Final = ("fetch", "checkpoint", "serve")
@@ -176,6 +178,23 @@ _DECLARED = "variables.declaredSecrets"
 COMPILE_KEY_SUFFIX: Final = Names("").compile_key  # "-compile-key"
 _ENV_PAIRS = [f"{k}={v}" for k, v in {**OPERATOR_ENV, **SERVER_HUB_ENV}.items()]
 _CHECKPOINT_TOKEN = f"{CHECKPOINT_TOKEN_DIR}/{TOKEN_FILE}"
+# the flags that name a Secret's file, and the one file each may name (a stolen token must not point the checkpoint
+# token or the compile key at a file of its choosing)
+# (flag, the shortest prefix argparse would take for it, the file): serve and fetch have no other flag so starting
+_KEY_FILES = (
+    ("--token-file", "--to", _CHECKPOINT_TOKEN),
+    (COMPILE_KEY_FLAG, COMPILE_KEY_FLAG[:11], f"{COMPILE_KEY_DIR}/{TOKEN_FILE}"),
+)
+
+
+def _key_file_once(flag: str, prefix: str, path: str) -> str:
+    """CEL on container ``c``: ``flag`` never as ``flag=...`` nor an abbreviation, at most once, with ``path``."""
+    stem = json.dumps(prefix)
+    return (
+        f"c.command.all(w, !w.startsWith({stem}) || w == {json.dumps(flag)}) && "
+        f"size(c.command.filter(w, w == {json.dumps(flag)})) <= 1 && "
+        f"(!({json.dumps(flag)} in c.command) || {json.dumps(path)} in c.command)"
+    )
 
 
 def reserved_mount_cel(path: str) -> str:
@@ -283,12 +302,11 @@ VALIDATIONS: tuple[Validation, ...] = (
     ),
     Validation(
         "variables.noTemplate || variables.containers.all(c, !has(c.command) || ("
-        "c.command.all(w, !w.startsWith('--token-file') || w == '--token-file') && "
-        "size(c.command.filter(w, w == '--token-file')) <= 1 && "
-        f"(!('--token-file' in c.command) || {json.dumps(_CHECKPOINT_TOKEN)} in c.command) && "
-        "(size(c.command) < 3 || c.command[1] != 'checkpoint' || c.command[2] in ['verify', 'prune'])))",
-        f"the operator's commands pass --token-file only once, as `--token-file {_CHECKPOINT_TOKEN}` (the checkpoint "
-        "Secret's mount) and run `policyserver checkpoint verify|prune` only",
+        + " && ".join(_key_file_once(*key_file) for key_file in _KEY_FILES)
+        + " && (size(c.command) < 3 || c.command[1] != 'checkpoint' || c.command[2] in ['verify', 'prune'])))",
+        "the operator's commands pass "
+        + " and ".join(f"{flag} only once, as `{flag} {path}`" for flag, _, path in _KEY_FILES)
+        + " (the operator's own Secret mounts) and run `policyserver checkpoint verify|prune` only",
     ),
     Validation(
         "size(variables.refusedImages) == 0",

@@ -59,6 +59,7 @@ from policy_operator.operator.kube_model import (
     named_pattern,
 )
 from policy_operator.serve_flags import (
+    COMPILE_KEY_FLAG,
     DEFAULT_BATCH_WINDOW_MS,
     DEFAULT_FRONTEND,
     DEFAULT_MAX_BATCH,
@@ -640,6 +641,12 @@ ExtraArg = Annotated[
     str,
     Field(max_length=MAX_EXTRA_ARG_LENGTH),
     Rule(
+        f"!self.startsWith('{COMPILE_KEY_FLAG[:11]}')",
+        f"runtime.extraArgs must not set {COMPILE_KEY_FLAG} (nor an abbreviation of it): the operator passes the "
+        f"PolicyServer's own key; another key would let whoever holds it plant compile artifacts the pods load",
+        reason="FieldValueForbidden",
+    ),
+    Rule(
         f"!self.matches('{MANAGED_FLAG_PATTERN}')",
         f"runtime.extraArgs must not set {', '.join(MANAGED_FLAGS)} (nor an abbreviation of one): the operator "
         f"sets them from the spec; change the corresponding field instead",
@@ -803,13 +810,17 @@ ExtraVolume = Annotated[
 ]
 
 
-ScopedToleration = Annotated[
-    Toleration,
+MAX_TOLERATIONS: Final = 64  # a bound the rule below needs (the apiserver's cost estimate)
+# a toleration without a key tolerates every taint: checked over the list (an item rule on Kubernetes' unbounded
+# Toleration.key string would exceed the CRD's cost budget)
+Tolerations = Annotated[
+    list[Toleration],
+    Field(max_length=MAX_TOLERATIONS),
     Rule(
-        "has(self.key) && self.key != ''",
-        "a toleration names the taint's key: one without a key tolerates every taint, a DaemonSet's pattern that "
-        "would put the PolicyServer's pods on nodes kept for others (control plane, dedicated pools)",
-        field_path=".key",
+        "self.all(t, has(t.key) && t.key != '')",
+        "spec.tolerations: every toleration names the taint's key: one without a key tolerates every taint, a "
+        "DaemonSet's pattern that would put the PolicyServer's pods on nodes kept for others (control plane, "
+        "dedicated pools)",
         reason="FieldValueForbidden",
     ),
 ]
@@ -884,7 +895,7 @@ class PolicyServerSpec(KubeModel):
     resources: ServerResources = Field(default_factory=ServerResources)
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node labels the pods (server and fetch Job) must match."""
-    tolerations: list[ScopedToleration] = Field(default_factory=list)
+    tolerations: Tolerations = Field(default_factory=list)
     """Tolerations of the pods (core/v1 Toleration), e.g. for nvidia.com/gpu:NoSchedule."""
     affinity: Affinity | None = None
     """Affinity of the pods (core/v1 Affinity)."""

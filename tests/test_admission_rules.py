@@ -402,6 +402,8 @@ def test_the_operators_service_account_cannot_make_a_node_escape_or_exfiltration
         "token to another file": (lambda p, c: c["command"].extend(["--token-file", "/tmp/x"]), words),
         "--token-file=": (lambda p, c: c["command"].append("--token-file=/x"), words),
         "checkpoint init": (lambda p, c: c.update(command=["policyserver", "checkpoint", "init", "/x"]), words),
+        "--token abbreviated": (lambda p, c: c["command"].extend(["--token", "/x"]), words),
+        "another compile key": (lambda p, c: c["command"].extend(["--compile-k", "/etc/mine/key"]), words),
     }
     for what, (change, expected) in cases.items():
         assert refusals(broken(change)) == [expected], what

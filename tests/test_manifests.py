@@ -653,6 +653,10 @@ def test_the_compile_directory_and_key_are_the_policyservers_own() -> None:
     secret = M.build_compile_key_secret(spec, "ab" * 32)
     assert secret["type"] == "Opaque" and secret["stringData"] == {M.COMPILE_KEY_DATA: "ab" * 32}
     assert secret["metadata"]["name"] == volume["secret"]["secretName"]
+    # extraArgs cannot name another key (whoever held it could plant artifacts the pods load)
+    for arg in (f"{serve_flags.COMPILE_KEY_FLAG}=/etc/mine/key", "--compile-k"):
+        with pytest.raises(SpecError, match=r"spec\.runtime\.extraArgs\[0\]: .*--compile-key-file"):
+            spec_of(base(runtime={"extraArgs": [arg]}))
     # a read-only-many shared claim gets no compile mount, and then no key either
     ro = spec_of(base(storage={"accessModes": ["ReadOnlyMany"]}, replicas=2))
     ro_pod = M.build_statefulset(ro)["spec"]["template"]["spec"]
