@@ -19,6 +19,8 @@ import torch
 
 pytest.importorskip("lerobot")
 
+from openpi_client.websocket_client_policy import WebsocketClientPolicy  # noqa: E402
+
 from policy_operator.cli import main as policyserver  # noqa: E402
 from policy_operator.exit_codes import CheckpointExit  # noqa: E402
 from policy_operator.layout import LayoutError  # noqa: E402
@@ -26,6 +28,7 @@ from policy_operator.runtime.policy.interface import collate  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
+from tests.support.servers import serve_policy  # noqa: E402
 
 ATOL = 1e-5
 CPU = torch.device("cpu")
@@ -111,3 +114,19 @@ def test_checkpoint_init_writes_the_family_and_it_verifies(groot_dir: Path, tmp_
     for name in ("model.safetensors", "base/model.safetensors"):
         assert (written / name).read_bytes() == (groot_dir / name).read_bytes(), name
     assert policyserver(["checkpoint", "verify", str(written), "--hashes"]) == CheckpointExit.OK
+
+
+@pytest.mark.slow
+def test_served_from_a_front_end_process_as_in_process(groot_dir: Path, groot: LeRobotPolicy) -> None:
+    """Over the WebSocket with ``--frontend process`` (the front-end prepares: Qwen3-VL's patches cross to the
+    model process with their batch dimension): the metadata names the keys, chunk, guidance and RTC, and the
+    answer is the in-process one."""
+    obs = groot.example_observation(4)
+    with serve_policy(groot_dir, "--policy", "lerobot", "--threads", "1", "--frontend", "process") as server:
+        client = WebsocketClientPolicy(server.url)
+        meta = client.get_server_metadata()
+        assert (meta["lerobot_type"], meta["chunk_shape"], meta["guidance"]) == ("groot", [4, 6], 1.0)
+        assert meta["rtc"]["mode"] == "off"
+        assert set(meta["observation_keys"]) == {"observation.images.top", "observation.state", "task"}
+        actions = np.asarray(client.infer({**obs, "seed": 8})["actions"])
+    np.testing.assert_allclose(actions, ours(groot, [obs], [8])[0], rtol=0, atol=ATOL)
