@@ -745,13 +745,9 @@ def _http_probe(path: str, period: int, failures: int) -> V1Probe:
     )
 
 
-def _pod_template(
-    spec: PolicyServerSpec, serving: ServingCheckpoint, cache_modes: Sequence[str] | None = None
-) -> V1PodTemplateSpec:
-    """The server pod: (perPod: fetch, prune) verify, then torchrun; ``cache_modes`` are the shared claim's."""
-    rt = spec.runtime
-    per_pod = spec.storage.per_pod
-    compile_cache = compile_cache_writable(per_pod, spec.access_modes if cache_modes is None else cache_modes)
+def _server_storage(spec: PolicyServerSpec, compile_cache: bool) -> tuple[list[V1Volume], list[V1VolumeMount]]:
+    """The server pod's own volumes and the server container's mounts (the verify container takes the first two):
+    the checkpoints read-only, /tmp, /dev/shm, the PolicyServer's compile directory and key, the clients' token."""
     mounts = [
         _mount(VOL_CACHE, CACHE_MOUNT_PATH, read_only=True),
         _mount(VOL_TMP, TMP_PATH),
@@ -761,7 +757,7 @@ def _pod_template(
         mounts.append(_mount(VOL_CACHE, COMPILE_CACHE_MOUNT_PATH, sub_path=compile_subpath(spec)))
     # perPod: the cache volume is the StatefulSet's volumeClaimTemplate, not a pod volume; the checkpoints stay
     # read-only through their mount when the volume itself is writable
-    volumes = [] if per_pod else _cache_volumes(spec, read_only=not compile_cache)[:1]
+    volumes = [] if spec.storage.per_pod else _cache_volumes(spec, read_only=not compile_cache)[:1]
     volumes += [
         V1Volume(name=VOL_TMP, empty_dir=V1EmptyDirVolumeSource()),
         # NCCL moves tensors between local ranks through /dev/shm; the runtime's 64 MiB default is too small
@@ -773,8 +769,15 @@ def _pod_template(
     if compile_cache:  # the key that authenticates the artifacts: this PolicyServer's server pods only
         volumes.append(_secret_volume(VOL_COMPILE_KEY, Names(spec.name).compile_key, COMPILE_KEY_DATA))
         mounts.append(_mount(VOL_COMPILE_KEY, COMPILE_KEY_DIR, read_only=True))
+    return volumes, mounts
+
+
+def _server_container(
+    spec: PolicyServerSpec, serving: ServingCheckpoint, mounts: list[V1VolumeMount], *, compile_cache: bool
+) -> V1Container:
+    """``policyserver serve`` with its probes, drain and resources; the user's extra mounts after the operator's."""
     startup_period = 5
-    server = V1Container(
+    return V1Container(
         name=SERVER_CONTAINER,
         image=spec.image,
         command=worker_command(spec, serving, compile_cache=compile_cache),
@@ -785,7 +788,7 @@ def _pod_template(
         security_context=_container_security_context(),
         # model load + warm-up can take minutes: liveness only starts once the process answers
         startup_probe=_http_probe(
-            HEALTHZ_PATH, startup_period, max(1, -(-rt.startup_timeout_seconds // startup_period))
+            HEALTHZ_PATH, startup_period, max(1, -(-spec.runtime.startup_timeout_seconds // startup_period))
         ),
         liveness_probe=_http_probe(HEALTHZ_PATH, 10, 3),
         readiness_probe=_http_probe(READYZ_PATH, 5, 2),
@@ -793,7 +796,11 @@ def _pod_template(
         termination_message_policy="FallbackToLogsOnError",
         image_pull_policy=spec.image_pull_policy or None,
     )
-    verify = V1Container(
+
+
+def _verify_container(spec: PolicyServerSpec, serving: ServingCheckpoint, mounts: list[V1VolumeMount]) -> V1Container:
+    """The init container that refuses a checkpoint whose completion marker or hashes do not match."""
+    return V1Container(
         name=VERIFY_CONTAINER,
         image=spec.image,
         command=[
@@ -812,9 +819,20 @@ def _pod_template(
         resources=_small_resources(),
         image_pull_policy=spec.image_pull_policy or None,
     )
-    volumes += [passthrough(V1Volume, v) for v in spec.volumes]
+
+
+def _server_pod_spec(
+    spec: PolicyServerSpec,
+    serving: ServingCheckpoint,
+    server: V1Container,
+    verify: V1Container,
+    volumes: list[V1Volume],
+) -> V1PodSpec:
+    """The pod around the containers: (perPod: fetch, prune) then verify as init containers, the user's volumes,
+    scheduling and the pod's security."""
+    volumes = volumes + [passthrough(V1Volume, v) for v in spec.volumes]
     init_containers = [verify]
-    if per_pod:
+    if spec.storage.per_pod:
         # one download per pod into its own claim, with the fetch Job's command (same lock and marker), then
         # the old checkpoints of this claim go: nothing else mounts it, and this pod no longer serves them
         fetch, secret_volumes = _fetch_container(spec)
@@ -835,12 +853,24 @@ def _pod_template(
         pod_spec.topology_spread_constraints = [
             passthrough(V1TopologySpreadConstraint, c) for c in spec.topology_spread_constraints
         ]
+    return pod_spec
+
+
+def _pod_template(
+    spec: PolicyServerSpec, serving: ServingCheckpoint, cache_modes: Sequence[str] | None = None
+) -> V1PodTemplateSpec:
+    """The server pod: (perPod: fetch, prune) verify, then torchrun; ``cache_modes`` are the shared claim's."""
+    modes = spec.access_modes if cache_modes is None else cache_modes
+    compile_cache = compile_cache_writable(spec.storage.per_pod, modes)
+    volumes, mounts = _server_storage(spec, compile_cache)
+    server = _server_container(spec, serving, mounts, compile_cache=compile_cache)
+    pod_spec = _server_pod_spec(spec, serving, server, _verify_container(spec, serving, mounts), volumes)
     annotations = {ANNOTATION_CHECKPOINT_SOURCE: serving.source}
     if serving.revision is not None:
         annotations[ANNOTATION_CHECKPOINT_REVISION] = serving.revision
     pod_labels = {**labels(spec.name, COMPONENT_SERVER), LABEL_CHECKPOINT_KEY: serving.key}
-    if not per_pod:
-        _colocate(pod_spec, pod_labels, spec, spec.access_modes if cache_modes is None else cache_modes)
+    if not spec.storage.per_pod:
+        _colocate(pod_spec, pod_labels, spec, modes)
     meta = _pod_metadata(spec, pod_labels, annotations)
     template = V1PodTemplateSpec(metadata=meta, spec=pod_spec)
     meta.annotations = {**(meta.annotations or {}), ANNOTATION_TEMPLATE_HASH: template_hash(api_json(template))}
