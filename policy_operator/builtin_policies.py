@@ -42,7 +42,7 @@ BUILTIN_POLICIES: Final[Mapping[str, BuiltinPolicy]] = MappingProxyType(
         LEROBOT: BuiltinPolicy(
             "policy_operator.runtime.policy.lerobot:LeRobotPolicy",
             False,
-            "a LeRobot pretrained directory: SmolVLA, pi0, pi0.5, Diffusion Policy",
+            "a LeRobot pretrained directory of a type in LEROBOT_FAMILIES (below)",
         ),
     }
 )

@@ -1,4 +1,8 @@
-"""LeRobot policies (SmolVLA, pi0, pi0.5, Diffusion Policy) served from their pretrained directories: ``--policy lerobot``.
+"""LeRobot policies served from their pretrained directories: ``--policy lerobot``.
+
+The served types are the family registry's (``builtin_policies.LEROBOT_FAMILIES``): SmolVLA, pi0, pi0.5 and
+Diffusion Policy split in ``families``, and one module per family added since (``family_<type>``: LingBot-VA,
+X-VLA, GR00T N1.7).
 
 ``loading`` (offline load of config, weights and saved processors), ``wire``
 (LeRobot's observation keys), ``families`` (each family's condition / denoise
