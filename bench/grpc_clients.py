@@ -148,6 +148,42 @@ def run(
     }
 
 
+def run_websocket(url: str, clients: int, seconds: float) -> dict[str, float]:
+    """The same load from openpi WebSocket clients (the robots of the other protocol), for comparison on the same
+    server and machine: one ``infer`` per request, each client its own connection and session."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from policy_operator.runtime.robolab import robolab_observation
+
+    robots = [WebsocketClientPolicy(url) for _ in range(clients)]
+    obs = robolab_observation(robots[0].get_server_metadata(), 0)
+    for robot in robots:
+        robot.infer(obs)
+    latencies: list[list[float]] = [[] for _ in robots]
+    stop = time.monotonic() + seconds
+
+    def loop(k: int) -> None:
+        while time.monotonic() < stop:
+            started = time.perf_counter()
+            robots[k].infer(obs)
+            latencies[k].append(time.perf_counter() - started)
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(clients)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - started
+    lat = [x for per in latencies for x in per]
+    return {
+        "requests": len(lat),
+        "req_s": len(lat) / elapsed,
+        "p50_ms": float(np.percentile(lat, 50)) * 1e3,
+        "p99_ms": float(np.percentile(lat, 99)) * 1e3,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", default=None, help="a LeRobot SmolVLA directory (default: a tiny one written here)")
@@ -156,6 +192,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--serve-args", default="--threads 1", help="more serve flags, e.g. '--dtype bfloat16 --compile'")
+    p.add_argument("--websocket", action="store_true", help="also the same client counts over the WebSocket port")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -179,16 +216,20 @@ def main() -> int:
     raw.update({k: rng.integers(0, 256, (s[1], s[2], s[0]), dtype=np.uint8) for k, s in cameras.items()})
     raw["task"] = "pick up the cube"
 
-    proc, _, grpc_port = start_server(checkpoint, args, work / "server.log")
+    proc, ws_port, grpc_port = start_server(checkpoint, args, work / "server.log")
     rows = []
     try:
         for n in [int(c) for c in args.clients.split(",")]:
-            result = run(f"127.0.0.1:{grpc_port}", n, args.seconds, features, raw, chunk)
-            rows.append((n, result))
-            print(n, {k: round(v, 2) for k, v in result.items()}, flush=True)
+            for protocol in ("gRPC (LeRobot)", "WebSocket (openpi)") if args.websocket else ("gRPC (LeRobot)",):
+                if protocol.startswith("gRPC"):
+                    result = run(f"127.0.0.1:{grpc_port}", n, args.seconds, features, raw, chunk)
+                else:
+                    result = run_websocket(f"ws://127.0.0.1:{ws_port}", n, args.seconds)
+                rows.append((protocol, n, result))
+                print(protocol, n, {k: round(v, 2) for k, v in result.items()}, flush=True)
     finally:
         stop_group(proc)
-    base = rows[0][1]["req_s"]
+    base = {protocol: r["req_s"] for protocol, n, r in reversed(rows)}  # each protocol's first (fewest clients) row
     lines = [
         "# LeRobot's robot_client protocol (gRPC AsyncInference): N clients at once vs one",
         "",
@@ -198,13 +239,13 @@ def main() -> int:
         "(must_go) then GetActions per request, as RobotClient sends them. LeRobot's own policy_server serves one "
         "client at a time (every Ready resets it).",
         "",
-        "| clients | requests | req/s | x one client | p50 ms | p99 ms |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| protocol | clients | requests | req/s | x one client | p50 ms | p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for n, r in rows:
+    for protocol, n, r in rows:
         lines.append(
-            f"| {n} | {r['requests']:.0f} | {r['req_s']:.1f} | {r['req_s'] / base:.2f} | {r['p50_ms']:.1f} | "
-            f"{r['p99_ms']:.1f} |"
+            f"| {protocol} | {n} | {r['requests']:.0f} | {r['req_s']:.1f} | {r['req_s'] / base[protocol]:.2f} | "
+            f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} |"
         )
     lines += [
         "",

@@ -528,7 +528,7 @@ class Rank0:
         if self.lerobot_grpc is not None:  # before attach: the metadata every session gets names its port
             from policy_operator.runtime.serving.lerobot_grpc import METADATA_KEY
 
-            grpc_port = self.lerobot_grpc.start(ingress, replica.policy, loop)
+            grpc_port = await self.lerobot_grpc.start(ingress, replica.policy)
             ingress.extra_metadata[METADATA_KEY] = grpc_port
             print(f"policyserver: LeRobot AsyncInference gRPC on {opts.host}:{grpc_port}", flush=True)
         ingress.attach(replica.policy, lanes, rt.bucket_ms)
@@ -546,7 +546,7 @@ class Rank0:
             )
         drained = await front.drain(opts.drain_grace_s)
         if self.lerobot_grpc is not None:  # its requests were refused (draining) or answered by now
-            await loop.run_in_executor(None, self.lerobot_grpc.stop)
+            await self.lerobot_grpc.stop()
         await stop_ranks(ingress, drained=drained, kv=rt.kv_factory())
         rt.heartbeat.stop()
         log.info("rank 0 exiting %d (%s)", self.code, "drained" if drained else "grace period over")
