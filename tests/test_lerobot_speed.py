@@ -1,5 +1,11 @@
 """``--policy lerobot`` in its fast serving forms against LeRobot's own float32 answer, on tiny configs.
 
+The batched, device-staged path: each request's cameras travel uint8 as the
+robot sent them and are converted and normalized for the whole batch where
+the model runs (staging.py), the tokenizer's answers cached per text; a batch
+of robots, padded to a bucket, answers each robot what LeRobot's own
+per-request pipeline answers (within ``ATOL``, as tests/test_lerobot_policies.py).
+
 ``--dtype bfloat16`` for every family: the actions differ from LeRobot's
 float32 ones by rounding only, bounded relative to the action scale (the
 largest |action| of LeRobot's answer).  The bounds are measured on these
@@ -21,12 +27,14 @@ import torch
 
 pytest.importorskip("lerobot")
 
+from policy_operator.runtime.policy.interface import collate  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import sample_actions  # noqa: E402
 from tests.support.lerobot_tiny import reduced_paligemma, write_small_pi  # noqa: E402
 
 CPU = torch.device("cpu")
+ATOL = 1e-5
 SEEDS = (0, 1, 2)
 # max |bf16 - LeRobot fp32| / max |LeRobot fp32| over SEEDS, measured on this CPU: smolvla 0.0016, pi0 0.0025,
 # pi05 0.0014, diffusion 0.0096 (its DDIM steps through a ResNet-18 encoder under autocast)
@@ -66,3 +74,34 @@ def test_bfloat16_stays_within_its_bound_of_lerobots_float32_actions(checkpoint:
         worst = max(worst, float(np.abs(ours - reference).max() / np.abs(reference).max()))
     print(f"{family}: bf16 vs fp32 max relative difference {worst:.2g}")
     assert 0 < worst <= BF16_BOUND[family], f"{family}: {worst:.3g} of the action scale"
+
+
+def lerobots_own(policy: LeRobotPolicy, obs: dict[str, Any], seed: int) -> np.ndarray:
+    """LeRobot's answer to a session's first request: its preprocessor (the CPU path), its queue of
+    ``n_obs_steps`` copies of the frame, ``predict_action_chunk`` with the request's noise, its postprocessor."""
+    loaded, n = policy.loaded, policy.history
+    batch = dict(loaded.preprocessor(policy.spec.parse(obs)))
+    if n > 1:
+        batch.update({k: torch.stack([v] * n, dim=1) for k, v in batch.items() if isinstance(v, torch.Tensor)})
+    noise = torch.randn(policy.family.noise_shape, generator=torch.Generator().manual_seed(seed))
+    loaded.policy.reset()
+    with torch.inference_mode():
+        return loaded.postprocessor(loaded.policy.predict_action_chunk(batch, noise=noise))[0].numpy()
+
+
+def test_a_device_staged_batch_answers_each_robot_as_lerobot(checkpoint: tuple[str, Path]) -> None:
+    family, root = checkpoint
+    policy = LeRobotPolicy.load(str(root), device=CPU)
+    assert policy._staging is not None  # noqa: SLF001 - every family's saved preprocessor is reproduced
+    observations = [policy.example_observation(k) for k in range(3)]
+    seeds = [21, 22, 23]
+    samples = [policy.stack_history([policy.prepare(obs)] * policy.history) for obs in observations]
+    cameras = [f.key for f in policy.spec.features if f.kind == "VISUAL"]
+    for key in cameras:  # the frames travel as the robot sent them: uint8, a quarter of float32's bytes
+        assert all(s.tensors[key].dtype == torch.uint8 for s in samples)
+    padded = collate([*samples, samples[-1]])  # a bucket of 4: the copy's row is dropped
+    rows = policy.postprocess_batch(sample_actions(policy, padded, [*seeds, seeds[-1]], guidance=1.0), padded)[:3]
+    for obs, seed, row in zip(observations, seeds, rows, strict=True):
+        np.testing.assert_allclose(row, lerobots_own(policy, obs, seed), rtol=0, atol=ATOL)
+    if policy.spec.needs_task:  # the same task string tokenized once, for every robot
+        assert policy._tokens and all(t._cached.cache_info().hits >= 2 for t in policy._tokens)  # noqa: SLF001

@@ -126,6 +126,11 @@ class Family(ABC):
         self.dtype = dtype
 
     dtype = torch.float32  # what ``cast`` made the policy's weights
+    #: ``LeRobotPolicy.compile`` compiles ``condition`` (vision tower + VLM prefix) per batch bucket too.  Off
+    #: where it was not measured to pay: SmolVLA's prefix did not finish compiling within 200 s on an H100
+    #: (transformers' SmolVLM vision embeddings index positions with a boolean mask: a graph break and a host
+    #: sync per call), so its warm-up would outlast a pod's start; Diffusion Policy's is a ResNet, not measured.
+    compile_prefix = False
 
     @property
     @abstractmethod
@@ -261,6 +266,8 @@ class SmolVLA(_Flow):
 
 class Pi0(_Flow):
     """pi0: images and prompt in the prefix, the state in the action expert's suffix."""
+
+    compile_prefix = True  # pi0.5 on an H100 (2 x 224², bf16): 25 ms at batch 1 compiled, its capture 11 s
 
     def cast(self, dtype: torch.dtype) -> None:
         if dtype == torch.bfloat16:  # LeRobot's own bfloat16 mode: the vision path and the norms stay float32

@@ -15,6 +15,7 @@ unconditional branch (``has_unconditional`` False): guidance stays 1.0.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Callable, Mapping
@@ -24,16 +25,24 @@ import numpy as np
 import torch
 
 from policy_operator.builtin_policies import BUILTIN_POLICIES, LEROBOT
-from policy_operator.runtime.policy.interface import Branch, Context, Integrator, Policy, Sample
+from policy_operator.runtime.policy.interface import Branch, Context, Integrator, Policy, Sample, context_map
 from policy_operator.runtime.policy.lerobot.families import Family, family_of
 from policy_operator.runtime.policy.lerobot.loading import Loaded, load_pretrained
 from policy_operator.runtime.policy.lerobot.relative_actions import STATE_KEY, RelativeActions
+from policy_operator.runtime.policy.lerobot.staging import DeviceStaging, TokenCache
 from policy_operator.runtime.policy.lerobot.wire import ObservationSpec
 
 
 class LeRobotPolicy(Policy):
     has_unconditional = BUILTIN_POLICIES[LEROBOT].has_unconditional
     pin_memory = False  # per-request pinning cost 7-9 ms of host time on the H200: see ReferencePolicy
+    #: cameras converted and normalized on the device for the whole batch (staging.py); False: LeRobot's CPU path
+    device_preprocessing = True
+    #: ``compile`` compiles the prefix (vision tower, VLM: ``Family.condition``) per batch bucket too, for the
+    #: families whose ``compile_prefix`` says so
+    compile_prefix = True
+    #: ``load`` builds the modules on the serving GPU (under its device context), never on the host first
+    build_on_device = True
 
     def __init__(self, loaded: Loaded, device: torch.device, dtype: torch.dtype) -> None:
         self.loaded = loaded
@@ -44,11 +53,20 @@ class LeRobotPolicy(Policy):
         self.dtype = dtype
         if dtype != torch.float32:
             self.family.cast(dtype)
+            if device.type == "cuda":
+                # what stays float32 in a reduced-precision model (pi0/pi0.5's SigLIP tower, LeRobot keeps it so)
+                # multiplies on the tensor cores as TF32, within the bfloat16 bound: at float32's full precision
+                # the tower was about half of pi0.5's prefix at batch 8 on an H100
+                torch.backends.cuda.matmul.allow_tf32 = True
         self.name = f"lerobot/{loaded.type}"
         self.history = self.family.history
         self.default_steps = self.family.default_steps
         self.spec = ObservationSpec(loaded.config.input_features, needs_task=self.family.needs_task)
         self._denoise: Callable[[Context, torch.Tensor, torch.Tensor], torch.Tensor] = self.family.denoise
+        self._prefix: Callable[[dict[str, torch.Tensor]], Context] = self.family.condition
+        staged = self.device_preprocessing and self.family.device_preprocessing
+        self._staging = DeviceStaging.of(self.spec, loaded.preprocessor) if staged else None
+        self._tokens = TokenCache.install(loaded.preprocessor)
         self._integrator = functools.lru_cache(maxsize=8)(self.family.integrator)
         self._relative = RelativeActions.of(loaded.preprocessor, loaded.postprocessor)
         self._normalizers, self.rtc_unsupported_reason = self._rtc_back()
@@ -83,7 +101,12 @@ class LeRobotPolicy(Policy):
         dtype: torch.dtype = torch.float32,
         trust_remote_code: bool = False,
     ) -> LeRobotPolicy:
-        return cls(load_pretrained(checkpoint, device, trust_remote_code=trust_remote_code), device, dtype)
+        # Built where it serves: LeRobot initialises the policy's modules (random weights, replaced by the
+        # checkpoint's) where torch's default device says, and reads model.safetensors straight onto the
+        # config's device, so nothing of the model passes through host memory
+        with torch.device(device) if device.type == "cuda" and cls.build_on_device else contextlib.nullcontext():
+            loaded = load_pretrained(checkpoint, device, trust_remote_code=trust_remote_code)
+        return cls(loaded, device, dtype)
 
     @property
     def action_shape(self) -> tuple[int, int]:
@@ -113,13 +136,15 @@ class LeRobotPolicy(Policy):
 
     # --- serving split ----------------------------------------------------------
     def prepare(self, obs: Mapping[str, Any]) -> Sample:
-        frame = self.spec.parse(obs)
+        frame = self.spec.parse(obs, raw_images=self._staging is not None)
+        images = self._staging.take(frame) if self._staging is not None else {}
         with torch.inference_mode():
             if self._relative is None:
                 batch = self.loaded.preprocessor(frame)
             else:
                 batch, state = self._relative.preprocess(self.loaded.preprocessor, frame)
         tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        tensors.update(images)
         tensors.update(self.family.sample_tensors(batch))
         if self._relative is not None:
             tensors[STATE_KEY] = state
@@ -135,7 +160,9 @@ class LeRobotPolicy(Policy):
             if k != STATE_KEY
         }
         with torch.inference_mode():
-            return self.family.condition(batch) if branch is Branch.COND else self.family.unconditional(batch)
+            if self._staging is not None:
+                batch = self._staging.finish(batch)
+            return self._prefix(batch) if branch is Branch.COND else self.family.unconditional(batch)
 
     def guided_steps(self, steps: int) -> tuple[bool, ...]:
         plan = self.family.guided_steps(steps)
@@ -185,3 +212,9 @@ class LeRobotPolicy(Policy):
             self.family.denoise, mode=mode, dynamic=False
         )
         self._denoise = (lambda c, x, t: compiled(c, x, t).clone()) if mode == "reduce-overhead" else compiled
+        if self.compile_prefix and self.family.compile_prefix:  # per bucket too; its context outlives the next replay
+            prefix: Callable[[dict[str, torch.Tensor]], Context] = torch.compile(
+                self.family.condition, mode=mode, dynamic=False
+            )
+            graphs = mode == "reduce-overhead"
+            self._prefix = (lambda b: context_map(torch.clone, prefix(b))) if graphs else prefix

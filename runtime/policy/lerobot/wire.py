@@ -66,8 +66,10 @@ class ObservationSpec:
         parts += [f"unexpected {unexpected}"] if unexpected else []
         return InvalidObservation(f"{'; '.join(parts)}: this policy takes exactly {sorted(self.keys)}")
 
-    def parse(self, obs: Any) -> dict[str, Any]:
-        """LeRobot's unbatched frame (CPU tensors, the task string); InvalidObservation naming what is wrong."""
+    def parse(self, obs: Any, *, raw_images: bool = False) -> dict[str, Any]:
+        """LeRobot's unbatched frame (CPU tensors, the task string); InvalidObservation naming what is wrong.
+
+        ``raw_images``: a uint8 camera frame stays uint8 HWC (the device converts it: staging.py)."""
         if not isinstance(obs, Mapping):
             raise InvalidObservation(f"observation must be a dict, got {type(obs).__name__}")
         error = self._key_error(obs)
@@ -75,7 +77,7 @@ class ObservationSpec:
             raise error
         frame: dict[str, Any] = {}
         for f in self.features:
-            frame[f.key] = _image(f, obs[f.key]) if f.kind == "VISUAL" else _vector(f, obs[f.key])
+            frame[f.key] = _image(f, obs[f.key], raw_images) if f.kind == "VISUAL" else _vector(f, obs[f.key])
         if self.needs_task:
             task = obs[TASK_KEY]
             if not isinstance(task, str):
@@ -114,14 +116,15 @@ def _vector(f: Feature, value: Any) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def _image(f: Feature, value: Any) -> torch.Tensor:
+def _image(f: Feature, value: Any, raw: bool = False) -> torch.Tensor:
     c, h, w = f.shape
     if not isinstance(value, np.ndarray):
         raise InvalidObservation(f"{f.key!r} must be an image array, got {type(value).__name__}")
     if value.dtype == np.uint8:
         if value.shape != (h, w, c):
             raise InvalidObservation(f"{f.key!r} (uint8) must have shape {[h, w, c]} (HWC), got {list(value.shape)}")
-        return torch.from_numpy(value.copy()).permute(2, 0, 1).float().div_(255.0)
+        image = torch.from_numpy(value.copy())
+        return image if raw else image.permute(2, 0, 1).float().div_(255.0)
     if value.dtype.kind == "f":
         if value.shape != (c, h, w):
             raise InvalidObservation(f"{f.key!r} (float) must have shape {[c, h, w]} (CHW), got {list(value.shape)}")
