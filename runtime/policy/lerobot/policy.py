@@ -55,8 +55,9 @@ class LeRobotPolicy(Policy):
             self.family.cast(dtype)
             if device.type == "cuda":
                 # what stays float32 in a reduced-precision model (pi0/pi0.5's SigLIP tower, LeRobot keeps it so)
-                # multiplies on the tensor cores as TF32, within the bfloat16 bound: at float32's full precision
-                # the tower was about half of pi0.5's prefix at batch 8 on an H100
+                # multiplies on the tensor cores as TF32, within the bfloat16 bound.  By its FLOPs (~0.4 TFLOP per
+                # robot at full float32's ~50 TFLOP/s) the tower is about half of pi0.5's 135 ms prefix at batch 8
+                # on an H100; the gain is not measured yet (docs/benchmarks.md)
                 torch.backends.cuda.matmul.allow_tf32 = True
         self.name = f"lerobot/{loaded.type}"
         self.history = self.family.history
