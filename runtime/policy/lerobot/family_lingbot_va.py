@@ -114,7 +114,10 @@ class LingBotVA(Family):
         self.split = LATENT_CHANNELS * f * h * w
         p = cfg.patch_size
         self.latent_tokens = (f * h * w) // (p[0] * p[1] * p[2])
-        self.slots = (int(cfg.attn_window) // 2) * (self.latent_tokens + f * int(cfg.action_per_frame))
+        # A first chunk holds the clean latents' keys (the cache write) and one step's own keys at a time (each
+        # step writes them into free slots and frees them again): LeRobot's pool is attn_window // 2 chunks deep
+        # for its stream, but its first chunk uses these slots, in this order, and no more.
+        self.slots = self.latent_tokens + max(self.latent_tokens, f * int(cfg.action_per_frame))
         self._negative: torch.Tensor | None = None
         self._two_stage = self._schedules()
 
