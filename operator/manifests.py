@@ -140,6 +140,7 @@ from policy_operator.serve_flags import (
     COMPILE_KEY_FLAG,
     DEFAULT_FRONTEND,
     TRUST_REMOTE_CODE_FLAG,
+    lerobot_gpu_defaults,
     managed_argv,
     serve_argv,
 )
@@ -636,6 +637,7 @@ def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint, *, compil
     )
     if compile_cache:
         flags += ["--compile-cache-dir", COMPILE_CACHE_MOUNT_PATH, COMPILE_KEY_FLAG, f"{COMPILE_KEY_DIR}/{TOKEN_FILE}"]
+    flags += lerobot_gpu_defaults(spec.policy.flag, rt.device, rt.extra_args)  # extraArgs may set them otherwise
     return serve_argv([*flags, *rt.extra_args])
 
 

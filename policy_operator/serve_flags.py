@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Final
 
@@ -55,6 +55,12 @@ LEROBOT_GRPC_PORT_FLAG: Final = "--lerobot-grpc-port"  # runtime/serving/lerobot
 SERVE_COMMAND: Final = ("policyserver", "serve")
 TRUST_REMOTE_CODE_FLAG: Final = "--trust-remote-code"
 COMPILE_KEY_FLAG: Final = "--compile-key-file"
+#: The flags a LeRobot policy (``spec.policy.type: lerobot``) is served with on a GPU unless extraArgs set them
+#: (issue 37, measured in docs/benchmarks.md): each family in LeRobot's own bfloat16 mode, and CUDA graphs per
+#: batch bucket (1, 2, 4 ... maxBatch, default DEFAULT_MAX_BATCH) for the step loop and, for pi0 / pi0.5, the
+#: VLM prefix.  extraArgs ``--dtype=float32`` (LeRobot's fp32 answers within 1e-5) or ``--compile=default``
+#: replace either.
+LEROBOT_GPU_DEFAULTS: Final = (("--dtype", "bfloat16"), ("--compile", "reduce-overhead"))
 
 
 @dataclass(frozen=True)
@@ -567,3 +573,12 @@ def managed_argv(
     ``steps`` None: the policy's own; any other None: the flag's default, left off the command line)."""
     given = locals()
     return argv_of({name: given[name] for name in MANAGED})
+
+
+def lerobot_gpu_defaults(policy: str, device: str, extra_args: Sequence[str]) -> list[str]:
+    """``LEROBOT_GPU_DEFAULTS``' flags a LeRobot policy on CUDA gets, less those ``extra_args`` set itself (as
+    ``--flag value`` or ``--flag=value``); nothing for another policy or device."""
+    if policy != LEROBOT or device != "cuda":
+        return []
+    given = {arg.split("=", 1)[0] for arg in extra_args if arg.startswith("--")}
+    return [word for flag, value in LEROBOT_GPU_DEFAULTS if flag not in given for word in (flag, value)]
