@@ -92,6 +92,7 @@ class TwoStage(Integrator):
 class LingBotVA(Family):
     has_unconditional = True
     references = ("wan_pretrained_path",)
+    compile_prefix = False  # condition runs the streaming VAE (a Python list of cached features) row by row
 
     def __init__(self, policy: Any) -> None:
         super().__init__(policy)
