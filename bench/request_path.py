@@ -40,21 +40,18 @@ tests/test_request_path.py holds docs/architecture.md's numbers to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
-
-from runtime import stop_group  # bench/ is sys.path[0] when a benchmark runs as a script
+from harness import import_root, serve  # bench/ is sys.path[0] when a benchmark runs as a script
 
 REPO = Path(__file__).resolve().parents[1]  # the tree measured (--root: another one, e.g. a git archive)
 PROJECT_DIRS = ("runtime", "policy_operator", "operator")
@@ -116,29 +113,7 @@ def observation(seed: int) -> dict[str, object]:
     }
 
 
-def _get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - loopback
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
-
-
 HERE = REPO
-
-
-def import_root(work: Path) -> Path:
-    """A folder where ``policy_operator`` is REPO's, laid out as the import names (``runtime/`` and ``operator/``
-    as ``policy_operator.runtime`` and ``policy_operator.operator``), as ``make lint`` lays it out."""
-    root = work / "import-root"
-    if not root.exists():
-        package = root / "policy_operator"
-        shutil.copytree(REPO / "policy_operator", package, symlinks=True)
-        (package / "runtime").symlink_to(REPO / "runtime")
-        (package / "operator").symlink_to(REPO / "operator")
-    return root
 
 
 class TracedServer:
@@ -159,68 +134,33 @@ class TracedServer:
         env = {
             **os.environ,
             # another tree (--root): its import root goes first, laid out as the import names (see import_root)
-            "PYTHONPATH": os.pathsep.join([str(site), *([str(import_root(work))] if REPO != HERE else [])]),
+            "PYTHONPATH": os.pathsep.join([str(site), *([str(import_root(REPO, work))] if REPO != HERE else [])]),
             "REQUEST_PATH_TRIGGER": str(self.trigger),
             "REQUEST_PATH_OUT": str(self.out),
             "REQUEST_PATH_ROOTS": os.pathsep.join(
                 [str(REPO / d) + os.sep for d in PROJECT_DIRS]
-                + ([str(import_root(work) / "policy_operator") + os.sep] if REPO != HERE else [])
+                + ([str(import_root(REPO, work) / "policy_operator") + os.sep] if REPO != HERE else [])
             ),
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         }
-        self.log = open(work / "server.log", "w+")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "policy_operator.cli",
-                "serve",
-                "--checkpoint",
-                str(checkpoint),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--cfgp",
-                "2" if ranks > 1 else "1",
-                "--dp",
-                str(max(1, ranks // 2)),
-                "--frontend",
-                frontend,
-                "--steps",
-                "2",
-                "--device",
-                "cpu",
-                "--threads",
-                "1",
-                "--heartbeat-s",
-                "1",
-            ],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
         self.processes = ranks + 2 if ranks > 1 else 1 + (frontend == "process")
-        self.port = self._wait_port()
-        deadline = time.monotonic() + 300
-        while _get(f"http://127.0.0.1:{self.port}/readyz") != 200:
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"server not ready:\n{self._log_tail()}")
-            time.sleep(0.2)
-
-    def _log_tail(self) -> str:
-        self.log.flush()
-        return (self.work / "server.log").read_text()[-3000:]
-
-    def _wait_port(self) -> int:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            match = re.search(r"listening on ws://[0-9.]+:(\d+)", (self.work / "server.log").read_text())
-            if match:
-                return int(match.group(1))
-            time.sleep(0.1)
-        raise RuntimeError(f"server did not start:\n{self._log_tail()}")
+        self._stack = contextlib.ExitStack()
+        served = self._stack.enter_context(
+            serve(
+                checkpoint,
+                env=env,
+                log=work / "server.log",
+                ready_timeout_s=300,
+                cfgp=2 if ranks > 1 else 1,
+                dp=max(1, ranks // 2),
+                frontend=frontend,
+                steps=2,
+                device="cpu",
+                threads=1,
+                heartbeat_s=1,
+            )
+        )
+        self.port = served.port
 
     def traced(self, client, obs: dict[str, object], window: int) -> tuple[dict[str, object], list[dict]]:
         """One request inside a trace window; its reply and every process's records."""
@@ -241,9 +181,7 @@ class TracedServer:
         return reply, [json.loads(f.read_text()) for f in sorted(self.out.glob(f"window{window}-pid*.json"))]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            stop_group(self.proc)
-        self.log.close()
+        self._stack.close()  # the harness stops the server's process group
 
 
 def _project(path: str) -> str | None:

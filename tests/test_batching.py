@@ -257,27 +257,36 @@ def test_a_batch_holds_one_shape_and_the_others_keep_their_order() -> None:
     assert replica.batches == [["a"], ["b", "d"], ["c", "e"]]
 
 
-def test_the_window_waits_only_for_requests_still_arriving() -> None:
-    """With nothing in prepare a request starts at once; with one on the way the lane waits for it."""
+class Clock:
+    """A lane's window clock that moves only when the test says: its own timer (real seconds) finds the same
+    state a ``kick`` does, so the outcome never depends on how fast the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_window_waits_only_for_requests_still_expected() -> None:
+    """With nothing expected a request starts at once (its window is an hour); with one on the way the lane waits
+    for it, however long, and the two run together."""
     replica = FakeReplica()
     replica.gate.set()
-    arriving = [0]
+    expected, clock = [0], Clock()
 
-    async def scenario(lane: Lane) -> float:
-        started = time.monotonic()
-        await lane.submit(request("alone"))
-        alone_s = time.monotonic() - started
-        arriving[0] = 1  # a request is still in prepare ...
+    async def scenario(lane: Lane) -> None:
+        await lane.submit(request("alone"))  # done: it never waited for the hour-long window
+        expected[0] = 1  # a request is still in prepare ...
         first = lane.submit(request("a"))
-        await asyncio.sleep(0.2)  # ... and lands well inside the window
-        arriving[0] = 0
+        assert lane._running == 0, "a waits for the request on its way"
+        clock.now += 1800.0  # ... and lands well inside the window
+        expected[0] = 0
         second = lane.submit(request("b"))
         await asyncio.gather(first, second)
-        return alone_s
 
-    alone_s = run_lane(scenario, replica, max_batch=8, window_s=10.0, expected=lambda: arriving[0])
+    run_lane(scenario, replica, max_batch=8, window_s=3600.0, expected=lambda: expected[0], clock=clock)
     assert replica.batches == [["alone"], ["a", "b"]]
-    assert alone_s < 5.0, "a lone request never waits for the 10 s window"
 
 
 def test_the_window_runs_from_the_latest_arrival_and_ends_when_none_comes() -> None:
@@ -286,24 +295,26 @@ def test_the_window_runs_from_the_latest_arrival_and_ends_when_none_comes() -> N
     never comes holds the batch for one window after the last arrival, not longer."""
     replica = FakeReplica()
     replica.gate.set()
-    arriving = [3]
+    expected, clock = [3], Clock()
 
-    async def scenario(lane: Lane) -> float:
+    async def scenario(lane: Lane) -> list[Ran]:
         futures: list[asyncio.Future[Ran]] = []
         for name in "abc":
             if futures:
-                await asyncio.sleep(0.2)  # 0.4 s from a to c: longer than one 0.3 s window
-            arriving[0] -= 1  # expected until it arrives; one session never does
+                clock.now += 0.25  # 0.5 s from a to c: longer than one 0.375 s window
+            expected[0] -= 1  # expected until it arrives; one session never does
             futures.append(lane.submit(request(name)))
-        last = time.monotonic()
-        await asyncio.gather(*futures)
-        return last
+        last = clock.now
+        clock.now = last + 0.375 - 0.0625  # within one window of the last arrival: still waiting
+        lane.kick()
+        assert lane._running == 0 and not replica.batches, "the window runs from c's arrival"
+        clock.now = last + 0.375  # one window after it: the batch goes
+        lane.kick()
+        return await asyncio.gather(*futures)
 
-    last = run_lane(scenario, replica, max_batch=8, window_s=0.3, expected=lambda: arriving[0] + 1)
+    served = run_lane(scenario, replica, max_batch=8, window_s=0.375, expected=lambda: expected[0] + 1, clock=clock)
     assert replica.batches == [["a", "b", "c"]]
-    assert 0.25 <= replica.started[0] - last < 3.0, (
-        "waited one window after the last arrival for the session that never came"
-    )
+    assert [s.batch_size for s in served] == [3, 3, 3]
 
 
 def test_a_failed_batch_fails_exactly_its_requests() -> None:

@@ -576,10 +576,14 @@ def test_sigterm_drains_both_frontends_and_removes_the_metrics_folder(tiny_check
                 # /readyz's in_flight is the pod's through either front-end (the model process's count), not the
                 # answering front-end's own 1: each scrape is hashed anew, all 8 to one front-end is 2 * 2**-8
                 wait_for(lambda: server.readyz().json()["in_flight"] == 2, timeout=10, interval=0.05, what="2")
-                # each front-end's copy is the model process's latest push (every quarter heartbeat): one more
-                # push period, and both have one from after the requests were routed
-                time.sleep(2 * 0.5 / 4 + 0.1)
-                assert [server.readyz().json()["in_flight"] for _ in range(8)] == [2] * 8
+                # each front-end's copy is the model process's latest push (every quarter heartbeat): within a
+                # push period both have one from after the requests were routed, and every scrape says 2
+                wait_for(
+                    lambda: [server.readyz().json()["in_flight"] for _ in range(8)] == [2] * 8,
+                    timeout=10,
+                    interval=0.05,
+                    what="both front-ends' in_flight 2",
+                )
                 server.send_signal(signal.SIGTERM)
                 wait_for(lambda: server.readyz().status == 503, timeout=10, interval=0.02, what="/readyz 503")
                 assert server.alive  # the held requests keep it up
