@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The H200 calls of round three (issues 22, 24, 25), each stage bounded so a slow one leaves the others' tables.
+# On the H200: SmolVLA and pi0.5 against LeRobot's own, issue 24's robots table, a second pod's start and RTC's cost (issues 22, 24, 25), each stage bounded so a slow one leaves the others' tables.
 # Wheels the device image lacks travel in .whl/ (lerobot 0.6.1 and the versions it pins, websockets, pydantic...;
 # docs/benchmarks.md lists them); they and the project are installed with --no-deps into /tmp/site.
-#   run(command="bash bench/device_round3.sh a", carry=[".whl"])   # SmolVLA vs LeRobot; issue 24's robots table
-#   run(command="bash bench/device_round3.sh b", carry=[".whl"])   # pi0.5 vs LeRobot; fast start; RTC cost
+#   run(command="bash bench/device_lerobot_start_rtc.sh a", carry=[".whl"])   # SmolVLA vs LeRobot; issue 24's robots table
+#   run(command="bash bench/device_lerobot_start_rtc.sh b", carry=[".whl"])   # pi0.5 vs LeRobot; fast start; RTC cost
 set -u
 REPO=$(pwd)
 OUT=${OUT:-/tmp/out}
