@@ -189,9 +189,14 @@ def test_a_crashing_template_reaches_the_progress_deadline_with_the_ranks_error(
     doc["spec"]["runtime"]["extraArgs"] = ["--dtype", "bogus"]
     env.apply(doc)
     # the deadline may pass while the pod still imports torch; once the rank has died its error is the detail
+    # (before the deadline the phase is already Failed, Progressing CrashLoopBackOff: the next test's subject)
     status = env.wait(
         name,
-        lambda s: s.get("phase") == C.PHASE_FAILED and "bogus" in cond(s, C.COND_PROGRESSING).get("message", ""),
+        lambda s: (
+            s.get("phase") == C.PHASE_FAILED
+            and cond(s, C.COND_PROGRESSING).get("reason") == "ProgressDeadlineExceeded"
+            and "bogus" in cond(s, C.COND_PROGRESSING).get("message", "")
+        ),
         "phase Failed after the deadline, with the rank's error",
         timeout=150,
     )
