@@ -162,6 +162,9 @@ def test_robot_client_gets_the_actions_lerobots_own_server_gives(
         assert [a.get_timestep() for a in mine] == [a.get_timestep() for a in theirs] == list(range(step, step + CHUNK))
         assert [a.get_timestamp() for a in mine] == pytest.approx([a.get_timestamp() for a in theirs])
         np.testing.assert_allclose(chunk_of(mine), chunk_of(theirs), rtol=0, atol=ATOL)
+        # what robot_client does with them: torch tensors on a device it can move them from
+        assert all(type(a.get_action()) is torch.Tensor and a.get_action().device.type == "cpu" for a in mine)
+        assert {a.get_action().dtype for a in mine} == {a.get_action().dtype for a in theirs} == {torch.float32}
     # the WebSocket side of the same pod names the gRPC port in its metadata
     meta = WebsocketClientPolicy(srv.url).get_server_metadata()
     assert meta[METADATA_KEY] == int(address.rsplit(":", 1)[1])

@@ -37,6 +37,7 @@ observation above ``INLINE_MAX_BYTES`` is unpickled and converted on a thread.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import pickle
 import threading
@@ -226,6 +227,24 @@ def frame_of(raw: Any, instructions: Instructions, served: Served) -> tuple[dict
         if task is not None:
             frame[TASK_KEY] = task
     return frame, seed
+
+
+class _TensorsAsArrays(pickle.Pickler):
+    """Pickles a CPU tensor as ``torch.from_numpy`` of its numpy array: the client unpickles the same float32
+    tensor, where a tensor's own pickle is a ``torch.save`` archive per tensor (0.38 ms to write a 5-action answer
+    and 0.58 ms to read it, against 0.03 and 0.015: on both ends, per request)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
+            return (torch.from_numpy, (obj.numpy().copy(),))
+        return NotImplemented
+
+
+def answer_pickle(actions: list[Any]) -> bytes:
+    """GetActions' answer: LeRobot's list of ``TimedAction`` as robot_client unpickles it (``pickle.loads``)."""
+    out = io.BytesIO()
+    _TensorsAsArrays(out, protocol=pickle.HIGHEST_PROTOCOL).dump(actions)
+    return out.getvalue()
 
 
 # --- one client ---------------------------------------------------------------------------
@@ -433,7 +452,7 @@ class AsyncInferenceService(services_pb2_grpc.AsyncInferenceServicer):
             )
             for i, row in enumerate(rows)
         ]
-        return services_pb2.Actions(data=pickle.dumps(timed))
+        return services_pb2.Actions(data=answer_pickle(timed))
 
 
 class LeRobotGrpcFront:
