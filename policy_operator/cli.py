@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("policy_operator.runtime.serve_cli", "serve a policy over the openpi WebSocket protocol"),
     "client": ("policy_operator.runtime.client", "send RoboLab-shaped observations and print latency"),
     "probe": ("policy_operator.runtime.probe", "check a server like a robot: metadata, one request, finite actions"),
-    "checkpoint": ("policy_operator.runtime.checkpoint.cli", "create or verify checkpoint directories"),
+    "checkpoint": ("policy_operator.runtime.checkpoint_cmd", "create or verify checkpoint directories"),
     "fetch": ("policy_operator.runtime.checkpoint.fetch", "download a checkpoint once into a shared volume"),
     "demo": ("policy_operator.runtime.demo", "serve a tiny checkpoint on 1 and 2 ranks and compare"),
     "operator": ("policy_operator.operator.main", "run the kopf operator that reconciles PolicyServers"),

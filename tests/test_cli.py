@@ -79,8 +79,9 @@ def test_runtime_subcommand_parsers_import_no_torch() -> None:
     code = (
         "import argparse, sys\n"
         "from policy_operator.runtime import client, serve_cli\n"
+        "from policy_operator.runtime import checkpoint_cmd\n"
         "from policy_operator.runtime.checkpoint import cli as checkpoint_cli\n"
-        "for m in (serve_cli, client, checkpoint_cli):\n"
+        "for m in (serve_cli, client, checkpoint_cli, checkpoint_cmd):\n"
         "    m.add_arguments(argparse.ArgumentParser())\n"
         "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.')))\n"
     )

@@ -1,7 +1,7 @@
 """Create or verify checkpoint directories (config.json + model.safetensors + manifest.json).
 
-``init`` writes the reference policy with seeded random weights; ``verify`` is
-what the serving pod's init container runs against the shared volume: it
+``verify`` is what the serving pod's init container runs against the shared
+volume (``init``, which writes policies, is ``runtime/checkpoint_cmd.py``): it
 trusts the files, not a status flag, and refuses a LeRobot checkpoint that
 would run code as ``serve`` refuses it (``trusted_steps.py``).
 """
@@ -12,7 +12,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from policy_operator.builtin_policies import LEROBOT_FAMILIES
 from policy_operator.constants import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 from policy_operator.exit_codes import CheckpointExit
 from policy_operator.runtime.checkpoint.format import CheckpointError, verify_checkpoint
@@ -21,29 +20,12 @@ from policy_operator.serve_flags import add_trust_remote_code
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
-    p = sub.add_parser(
-        "init",
-        help="write a reference-policy (or LeRobot) checkpoint with seeded random weights",
-        description="Write a reference-policy checkpoint with seeded random weights; with --lerobot, "
-        "a LeRobot pretrained directory of that family, written without any hub.",
-    )
-    p.add_argument("directory")
-    p.add_argument(
-        "--size",
-        choices=["tiny", "small", "base"],
-        default="tiny",
-        help="tiny | small | base; a LeRobot family has tiny and base (its published size)",
-    )
-    p.add_argument(
-        "--lerobot",
-        metavar="FAMILY",
-        choices=list(LEROBOT_FAMILIES),
-        default=None,
-        help=f"{' | '.join(LEROBOT_FAMILIES)} (serve it with --policy lerobot)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(_action=_init)
+    """``verify`` and ``prune`` (what the pods run); ``policyserver checkpoint`` adds ``init``
+    (``runtime/checkpoint_cmd.py``: it writes policies, which this torch-free package never imports)."""
+    add_subcommands(parser.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True))
+
+
+def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "verify",
         help="check a checkpoint against its manifest (and completion marker)",
@@ -75,24 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     prune.add_arguments(p)
     p.set_defaults(_action=prune.main)
-
-
-def _init(args: argparse.Namespace) -> int:
-    if args.lerobot:
-        from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint
-
-        try:
-            path = write_tiny_checkpoint(args.lerobot, args.directory, size=args.size, seed=args.seed)
-        except ValueError as exc:
-            print(f"policyserver: error: {exc}", file=sys.stderr)
-            return 2
-        print(path)
-        return 0
-    from policy_operator.runtime.policy.reference import init_checkpoint
-
-    path = init_checkpoint(args.directory, args.size, args.seed)
-    print(path)
-    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
