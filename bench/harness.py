@@ -36,7 +36,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(proc: subprocess.Popen[bytes], port: int, exited: Callable[[], str], timeout_s: float = 600) -> None:
+def wait_ready(
+    proc: subprocess.Popen[bytes], port: int, exited: Callable[[], str], timeout_s: float = 600, poll_s: float = 0.2
+) -> None:
     """Until ``policyserver serve`` on ``port`` says ready on /readyz; ``exited()``: its last words, should the
     process end first."""
     deadline = time.monotonic() + timeout_s
@@ -49,7 +51,7 @@ def wait_ready(proc: subprocess.Popen[bytes], port: int, exited: Callable[[], st
                     return
         except Exception:  # noqa: BLE001 - not up yet
             pass
-        time.sleep(0.2)
+        time.sleep(poll_s)
     raise TimeoutError("server not ready")
 
 
@@ -101,6 +103,7 @@ def serve(
     log: Path | None = None,
     flags: list[str] | None = None,
     ready_timeout_s: float = 600,
+    poll_s: float = 0.2,
     **options: Any,
 ) -> Iterator[Served]:
     """``policyserver serve --checkpoint CHECKPOINT --host 127.0.0.1 --port PORT`` plus ``options`` (ServeOptions
@@ -109,6 +112,7 @@ def serve(
     port = free_port() if port is None else port
     argv = [
         sys.executable,
+        "-P",  # the working directory (often the repository root, whose ./operator/ is not the stdlib's) off sys.path
         "-m",
         "policy_operator.cli",
         "serve",
@@ -125,7 +129,7 @@ def serve(
             out.close()  # the server writes its own copy
     served = Served(proc, port, log)
     try:
-        wait_ready(proc, port, served.log_text, ready_timeout_s)
+        wait_ready(proc, port, served.log_text, ready_timeout_s, poll_s)
         yield served
     finally:
         stop_group(proc)

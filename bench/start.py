@@ -28,7 +28,6 @@ import os
 import platform
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,9 +36,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from harness import serve
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
-
-from runtime import free_port, stop_group
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -62,42 +60,18 @@ def _metric(text: str, name: str) -> float | None:
 
 def start(checkpoint: Path, serve_args: list[str], inductor: Path, timeout_s: float) -> dict[str, Any]:
     """One server from nothing to Ready, then stopped; what it took and what its log says about the cache."""
-    port = free_port()
     env = {
-        **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(inductor),
         "TRITON_CACHE_DIR": str(inductor / "triton"),
         "PYTHONUNBUFFERED": "1",
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     }
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    # -P: the repository root (cwd) must not shadow the standard library's ``operator`` with ./operator/
-    cmd = [
-        sys.executable,
-        "-P",
-        "-m",
-        "policy_operator.cli",
-        "serve",
-        "--checkpoint",
-        str(checkpoint),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *serve_args,
-    ]
-    log = tempfile.NamedTemporaryFile("w+", prefix="bench-start-", suffix=".log", delete=False)  # noqa: SIM115
+    log = Path(tempfile.NamedTemporaryFile(prefix="bench-start-", suffix=".log", delete=False).name)
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=REPO)
-    try:
-        while _get(port, "/readyz")[0] != 200:
-            if proc.poll() is not None or time.monotonic() - started > timeout_s:
-                raise RuntimeError(f"server did not become ready ({shlex.join(cmd)}); log: {log.name}")
-            time.sleep(0.05)
+    with serve(checkpoint, env=env, log=log, flags=serve_args, ready_timeout_s=timeout_s, poll_s=0.05) as server:
         ready_s = time.monotonic() - started
-        metrics = _get(port, "/metrics")[1]
-    finally:
-        stop_group(proc)
-    text = Path(log.name).read_text()
+        metrics = _get(server.port, "/metrics")[1]
+    text = log.read_text()
     graphs = re.search(r"compile cache: (\d+) graph\(s\) from the cache, (\d+) compiled", text)
     return {
         "ready_s": ready_s,
