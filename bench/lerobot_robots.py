@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import serve
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
-
-from runtime import free_port, stop_group, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("decode_ms", "prepare_ms", "queue_ms", "infer_ms")
@@ -100,17 +99,6 @@ def drive(url: str, robots: int, n: int, warmup: int) -> dict[str, float]:
     return row
 
 
-def serve(checkpoint: str, flags: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str, float]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--policy", "lerobot", "--checkpoint", checkpoint]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "INFO", *flags]
-    started = time.monotonic()
-    with log.open("wb") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    wait_ready(proc, port, log.read_text, timeout_s=1200)
-    return proc, f"ws://127.0.0.1:{port}", time.monotonic() - started
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True)
@@ -124,17 +112,18 @@ def main() -> int:
     args = p.parse_args()
     robots = [int(r) for r in args.robots.split(",")]
     rows = []
-    for variant in args.variant:
+    for index, variant in enumerate(args.variant):
         name, _, flags = variant.partition("=")
-        log = Path(args.logs) / f"serve-{name.replace(' ', '_')}.log"
-        proc, url, ready_s = serve(args.checkpoint, shlex.split(flags), log)
-        try:
+        log = Path(args.logs) / f"serve-{index}.log"
+        started = time.monotonic()
+        with serve(
+            args.checkpoint, policy="lerobot", log_level="INFO", flags=shlex.split(flags), log=log, ready_timeout_s=1200
+        ) as served:
+            ready_s = time.monotonic() - started
             for r in robots:
-                row = drive(url, r, args.n, args.warmup) | {"variant": name, "robots": r, "ready_s": ready_s}
+                row = drive(served.url, r, args.n, args.warmup) | {"variant": name, "robots": r, "ready_s": ready_s}
                 rows.append(row)
                 print(row, flush=True)
-        finally:
-            stop_group(proc)
         start = [line.split("warmed up ", 1)[1] for line in log.read_text().splitlines() if "warmed up" in line]
         rows[-1]["start_line"] = start[0] if start else ""
     gpu = ""
