@@ -34,6 +34,10 @@ FAILED_CREATE = "FailedCreate"  # the Event reason of the Job and StatefulSet co
 # the PV controller's annotation on a claim it handed to a provisioner (set before that provisioner makes the volume)
 ANN_STORAGE_PROVISIONER = "volume.kubernetes.io/storage-provisioner"
 UNBOUND_CLAIMS = "unbound immediate PersistentVolumeClaims"  # the scheduler's words for a pod whose claims are unbound
+# A loop is failures in a row: one crash (a killed rank, an OOM) is a restart a pod recovers from, and the kubelet
+# itself forgets a container's failures once it has run 10 minutes (its crash-loop back-off resets).
+CRASH_LOOP_RESTARTS = 2
+BACKOFF_RESET_S = 600.0
 
 
 def unschedulable_message(pod: V1Pod) -> str:
@@ -143,22 +147,30 @@ def termination_tail(pod: V1Pod, lines: int = TERMINATION_TAIL_LINES) -> str:
 def crash_loop(pod: V1Pod, lines: int = 1) -> str:
     """What killed a container the kubelet keeps restarting: "server exited 1 (Error), 3 restarts: <error>", or "".
 
-    A container crash-loops while its last run ended in failure and it has not
-    been ready since: waiting out the kubelet's back-off (CrashLoopBackOff), or
-    running again and not ready yet.  Its own error lines win over the last
-    ones (``failure_lines``): a server that dies at warm-up logs its shutdown
-    (websockets' "server closed") after the error.
+    A container crash-loops while its last run ended in failure, it has not
+    been ready since (waiting out the kubelet's back-off, CrashLoopBackOff, or
+    running again and not ready yet), it was restarted at least
+    ``CRASH_LOOP_RESTARTS`` times, and its last run was shorter than the
+    kubelet's back-off reset (``BACKOFF_RESET_S``).  Its own error lines win
+    over the last ones (``failure_lines``): a server that dies at warm-up logs
+    its shutdown (websockets' "server closed") after the error.
     """
     for cs in container_statuses(pod):
         last = cs.last_state.terminated if cs.last_state else None
         if last is None or last.exit_code == 0 or cs.ready or (cs.state is not None and cs.state.terminated):
             continue
         restarts = cs.restart_count or 0
-        head = f"{cs.name} exited {last.exit_code} ({last.reason or 'Error'})" + (
-            f", {restarts} restart{'s' if restarts != 1 else ''}" if restarts else ""
-        )
+        if restarts < CRASH_LOOP_RESTARTS or _ran_for(last.started_at, last.finished_at) >= BACKOFF_RESET_S:
+            continue
+        head = f"{cs.name} exited {last.exit_code} ({last.reason or 'Error'}), {restarts} restarts"
         return _failure_text(head, last.message or "", lines)[0]
     return ""
+
+
+def _ran_for(started: Any, finished: Any) -> float:
+    """Seconds between two Kubernetes timestamps; 0 when either is unknown (a run of unknown length counts short)."""
+    start, end = timestamp(started), timestamp(finished)
+    return (end - start).total_seconds() if start is not None and end is not None else 0.0
 
 
 def container_message(pod: V1Pod) -> str:

@@ -455,9 +455,7 @@ def test_pod_messages_say_why_it_is_not_running() -> None:
         },
     }
     h = rank_probe.pod_health(api_object(V1Pod, init_failed), 8000, 2)
-    assert (
-        h.message == "crash-looping: verify-checkpoint exited 1 (Error): checkpoint /models/k: .complete.json missing"
-    )
+    assert h.message == "verify-checkpoint: CrashLoopBackOff: checkpoint /models/k: .complete.json missing"
     unscheduled = {
         "metadata": {"name": "ps-1"},
         "status": {

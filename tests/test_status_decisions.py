@@ -659,11 +659,12 @@ def server_pod(container: dict[str, Any], *, port: int, ready_condition: dict[st
     )
 
 
-def crashed(state: dict[str, Any]) -> dict[str, Any]:
+def crashed(state: dict[str, Any], *, restarts: int = 2, ran_s: int = 8) -> dict[str, Any]:
+    run = {"startedAt": at(100), "finishedAt": at(100 + ran_s)}
     return {
-        "restartCount": 2,
+        "restartCount": restarts,
         "state": state,
-        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": CRASH_LOG}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": CRASH_LOG, **run}},
     }
 
 
@@ -709,6 +710,25 @@ def test_a_crash_looping_pod_says_the_error_that_killed_it_and_the_phase_says_fa
     # once the pod is ready it is serving, whatever its restarts were
     fine = dataclasses.replace(again, ready=True, ranks_ready=1)
     assert build(s, workload(desired=1), [fine], previous=first.document).document["phase"] == C.PHASE_READY
+
+
+def test_one_crash_or_a_failure_after_a_long_run_is_a_restart_not_a_loop() -> None:
+    """A rank killed once (tests/test_e2e.py) restarts and recovers: Degraded, not Failed; nor is a container that
+    ran longer than the kubelet's back-off reset (10 minutes) before it failed, whatever its restart count."""
+    port = free_port()
+    once = rank_probe.pod_health(
+        server_pod(crashed({"waiting": {"reason": "CrashLoopBackOff"}}, restarts=1), port=port), port, 1
+    )
+    long_run = rank_probe.pod_health(server_pod(crashed({"running": {}}, restarts=5, ran_s=3600), port=port), port, 1)
+    s = spec(replicas=1)
+    was_ready = build(s, workload(desired=1), [pod("ps-0", ready=True)])
+    for health in (once, long_run):
+        assert health.crash_loop == "" and not health.message.startswith("crash-looping"), health.message
+        update = build(s, workload(desired=1), [health], previous=was_ready.document, now=at(5))
+        assert update.document["phase"] == C.PHASE_DEGRADED
+        assert reasons(update)[C.COND_AVAILABLE] == ("False", "ReplicasUnavailable")
+        assert "CrashLoopBackOff" not in {e.reason for e in update.events}
+    assert "--dtype bogus" in once.message  # the error line the kubelet kept, not "server closed"
 
 
 def test_a_hung_pod_is_not_answering_rather_than_starting() -> None:
