@@ -272,3 +272,44 @@ def test_get_actions_without_an_observation_answers_empty_as_lerobot_does(
             )
         )
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "wrist" in raised.value.details()
+
+
+def test_grpc_and_websocket_robots_share_a_batch(checkpoint: Path, robot_client_class: Any) -> None:
+    """A LeRobot client's request and an openpi client's, queued while the replica computes a third, run as one
+    batch of two (each protocol's requests go to the same engine and lanes)."""
+    from tests.support.net import wait_for
+
+    args = ("--policy", "lerobot", "--lerobot-grpc-port", "0", "--threads", "1", "--steps", "1000")
+    with serve_policy(checkpoint, *args, "--drain-grace-s", "0") as srv:
+        address = f"127.0.0.1:{srv.wait_for_log(GRPC_LINE).group(1)}"
+        lerobot, busy, openpi = (
+            robot_client(robot_client_class, address),
+            WebsocketClientPolicy(srv.url),
+            WebsocketClientPolicy(srv.url),
+        )
+        frame = raw_ws_observation({**busy.get_server_metadata(), "seed": 1})
+
+        def in_flight(n: int) -> bool:
+            return srv.readyz().json()["in_flight"] >= n
+
+        with futures.ThreadPoolExecutor(3) as pool:
+            first = pool.submit(busy.infer, frame)  # 1000 steps: seconds of work
+            wait_for(lambda: in_flight(1), 60, what="the first request computing")
+            queued = timed(0, 5)
+            queued.observation["task"] = frame["task"]  # the same prompt: the same token count, one batch shape
+            assert lerobot.send_observation(queued)
+            grpc_answer = pool.submit(get_actions, lerobot.stub)
+            wait_for(lambda: in_flight(2), 60, what="the LeRobot request queued")
+            ws_answer = pool.submit(openpi.infer, frame)
+            wait_for(lambda: in_flight(3), 60, what="the openpi request queued")
+            assert not first.done(), "the first request finished before both others queued: nothing to batch"
+            assert first.result()["server_timing"]["batch_size"] == 1
+            assert ws_answer.result()["server_timing"]["batch_size"] == 2  # with the LeRobot client's request
+            assert len(grpc_answer.result()) == CHUNK
+
+
+def raw_ws_observation(meta: dict[str, Any]) -> dict[str, Any]:
+    """An openpi frame of the keys the metadata lists (uint8 cameras, float vectors, the task)."""
+    from policy_operator.runtime.robolab import robolab_observation
+
+    return robolab_observation(meta, 0, fixed_seed=meta.get("seed"))

@@ -208,8 +208,8 @@ def frame_of(raw: Any, instructions: Instructions, served: Served) -> tuple[dict
     seed = raw.pop(SEED_KEY, None)
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
         raise InvalidObservation(f"{SEED_KEY!r} must be an integer in 0..2**63-1, got {seed!r}")
-    try:
-        converted = helpers.raw_observation_to_observation(raw, instructions.lerobot_features, served.image_features)
+    try:  # LeRobot's own conversion (raw_observation_to_observation), less its last step, which the policy does
+        converted = helpers.prepare_raw_observation(raw, instructions.lerobot_features, served.image_features)
     except Exception as exc:  # noqa: BLE001 - whatever LeRobot's conversion trips on is this observation's fault
         raise InvalidObservation(
             f"the observation does not match the robot's features sent in its policy instructions: "
@@ -221,7 +221,12 @@ def frame_of(raw: Any, instructions: Instructions, served: Served) -> tuple[dict
             continue
         if not isinstance(value, torch.Tensor):
             raise InvalidObservation(f"{key!r} is not an array")
-        frame[key] = value[0].numpy() if value.ndim > 1 else value.numpy()
+        if served.features.get(key, ("", ()))[0] == "VISUAL" and value.dtype == torch.uint8:
+            # a camera's bytes, resized, as a WebSocket robot sends them (HWC): the policy scales them to [0, 1]
+            # as LeRobot's prepare_image does, and the two protocols' requests share one batch shape
+            frame[key] = value.permute(1, 2, 0).contiguous().numpy()
+        else:
+            frame[key] = value[0].numpy() if value.ndim > 1 and key not in served.image_features else value.numpy()
     if served.needs_task:
         task = raw.get(TASK_KEY)
         if task is not None:
