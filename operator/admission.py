@@ -54,6 +54,7 @@ import yaml
 
 from policy_operator.constants import (
     ANNOTATION_SECRETS,
+    API_VERSION,
     CHECKPOINT_TOKEN_DIR,
     ENTRYPOINT,
     ENV_HF_TOKEN,
@@ -480,6 +481,97 @@ def author_policy_body(allowed_service_accounts: Sequence[str] = ()) -> dict[str
     return _author_body(cel_list(allowed_service_accounts))
 
 
+# --- the PolicyServer a child names ----------------------------------------------------------------
+#
+# A second policy on the operator's ServiceAccount reads its Jobs and StatefulSets against the PolicyServer their
+# label names, its param (paramKind PolicyServer; the binding selects every PolicyServer of the request's
+# namespace and each is one evaluation, so each rule below holds trivially for all but the one named).  A policy of
+# its own: a binding with params finds none in a namespace without PolicyServers, and there it must admit
+# (parameterNotFoundAction Allow) while the first policy still checks every request.  CEL over the request alone cannot tell where a fetch sends its token nor whose Secrets a
+# workload declares; with the PolicyServer it can: the fetch's source is the PolicyServer's own (the token goes
+# nowhere else), every declared Secret is one its spec names (or its compile key), every toleration one it lists,
+# every environment entry one it sets.
+
+_MINE = (
+    f"has(object.metadata.labels) && {json.dumps(LABEL_POLICYSERVER)} in object.metadata.labels && "
+    f"object.metadata.labels[{json.dumps(LABEL_POLICYSERVER)}] == params.metadata.name"
+)
+_PS = "params.spec"
+
+
+def _names_secret(n: str) -> str:
+    """CEL: the param PolicyServer's spec names the Secret ``n`` (or it is its compile key)."""
+    return (
+        f"{n} == params.metadata.name + {json.dumps(COMPILE_KEY_SUFFIX)} || "
+        f"(has({_PS}.checkpoint.secretRef) && {_PS}.checkpoint.secretRef.name == {n}) || "
+        f"(has({_PS}.auth) && has({_PS}.auth.secretRef) && {_PS}.auth.secretRef.name == {n}) || "
+        f"variables.psVolumes.exists(v, (has(v.secret) && has(v.secret.secretName) && v.secret.secretName == {n}) || "
+        f"(has(v.projected) && has(v.projected.sources) && v.projected.sources.exists(s, has(s.secret) && "
+        f"has(s.secret.name) && s.secret.name == {n})) || (has(v.csi) && has(v.csi.nodePublishSecretRef) && "
+        f"v.csi.nodePublishSecretRef.name == {n})) || "
+        f"variables.psEnv.exists(e, has(e.valueFrom) && has(e.valueFrom.secretKeyRef) && "
+        f"e.valueFrom.secretKeyRef.name == {n})"
+    )
+
+
+PARAM_VARIABLES: tuple[Variable, ...] = (
+    Variable("mine", f"!variables.noTemplate && {_MINE}"),
+    Variable("psVolumes", f"has({_PS}.volumes) ? {_PS}.volumes : []"),
+    Variable(
+        "psEnv",
+        f"(has({_PS}.runtime) && has({_PS}.runtime.env) ? {_PS}.runtime.env : []) + "
+        f"(has({_PS}.checkpoint.fetchJob) && has({_PS}.checkpoint.fetchJob.env) ? {_PS}.checkpoint.fetchJob.env : [])",
+    ),
+)
+
+PARAM_VALIDATIONS: tuple[Validation, ...] = (
+    Validation(
+        "!variables.mine || (has(object.metadata.ownerReferences) && object.metadata.ownerReferences.exists(r, "
+        "has(r.controller) && r.controller && r.uid == params.metadata.uid))",
+        f"the operator's workloads are controlled by the {KIND} their {LABEL_POLICYSERVER} label names (its uid)",
+    ),
+    Validation(
+        "!variables.mine || variables.containers.all(c, !has(c.command) || size(c.command) < 3 || "
+        f"c.command[1] != 'fetch' || c.command[2] == {_PS}.checkpoint.source)",
+        f"a fetch downloads the {KIND}'s own spec.checkpoint.source (its token goes to no other host)",
+    ),
+    Validation(
+        f"!variables.mine || variables.declaredSecrets.all(n, {_names_secret('n')})",
+        f"every Secret a workload declares ({ANNOTATION_SECRETS}) is one its {KIND}'s spec names, or its compile key",
+    ),
+    Validation(
+        "!variables.mine || !has(variables.podSpec.tolerations) || variables.podSpec.tolerations.all(t, "
+        f"has({_PS}.tolerations) && {_PS}.tolerations.exists(p, p == t))",
+        f"every toleration of the operator's workloads is one its {KIND}'s spec.tolerations lists",
+    ),
+    Validation(
+        "!variables.mine || variables.containers.all(c, !has(c.env) || c.env.all(e, "
+        f"{reserved_env_cel('e.name')} || variables.psEnv.exists(p, p.name == e.name && "
+        "(has(p.value) ? has(e.value) && p.value == e.value : !has(e.value)))))",
+        f"every environment entry of the operator's workloads is the operator's own or one its {KIND}'s spec sets "
+        "(runtime.env, checkpoint.fetchJob.env)",
+    ),
+)
+
+
+def param_policy_body() -> dict[str, object]:
+    """The children policy: the operator's Jobs and StatefulSets read against their PolicyServer (the chart adds
+    the ServiceAccount's matchCondition and a binding that selects every PolicyServer of the namespace; with none
+    there, nothing is read and the first policy still holds)."""
+    return {
+        "paramKind": {"apiVersion": API_VERSION, "kind": KIND},
+        "matchConstraints": {
+            "resourceRules": [
+                {"apiGroups": [g], "apiVersions": [v], "resources": [r], "operations": ["CREATE", "UPDATE"]}
+                for g, v, r in RESOURCES
+                if r in ("jobs", "statefulsets")
+            ]
+        },
+        "variables": [{"name": v.name, "expression": v.expression} for v in (*_SHAPE_VARIABLES, *PARAM_VARIABLES)],
+        "validations": [_validation(v) for v in PARAM_VALIDATIONS],
+    }
+
+
 # --- the chart's copy ------------------------------------------------------------------------------
 
 _GENERATED: Final = re.compile(
@@ -529,9 +621,11 @@ def chart_section() -> str:
     if authors.count(_SERVICE_ACCOUNTS_SLOT) != 1:
         raise AssertionError("the ServiceAccount allowlist's slot must appear once in the authors' policy")
     authors = authors.replace(_SERVICE_ACCOUNTS_SLOT, _SERVICE_ACCOUNTS_TEMPLATE)
+    params = yaml.safe_dump(param_policy_body(), sort_keys=False, width=100000)
     return (
         f'{{{{- define "policy-operator.admission.spec" -}}}}\n{body}{{{{- end }}}}\n'
         f'{{{{- define "policy-operator.admission.authors" -}}}}\n{authors}{{{{- end }}}}\n'
+        f'{{{{- define "policy-operator.admission.children" -}}}}\n{params}{{{{- end }}}}\n'
     )
 
 

