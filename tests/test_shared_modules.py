@@ -111,6 +111,7 @@ def test_managed_flags_are_serve_flags_the_operator_writes() -> None:
         drain_grace_s=20,
         latency_budget_ms=40.0,
         max_connections=64,
+        session_idle_timeout_s=45.0,
         frontend="process",
         frontend_processes=4,
         rtc="guided",
@@ -123,6 +124,7 @@ def test_managed_flags_are_serve_flags_the_operator_writes() -> None:
     assert opts.trust_remote_code is True
     assert opts.lerobot_grpc_port == 8080
     assert (opts.frontend, opts.frontend_processes) == ("process", 4)
+    assert opts.session_idle_timeout_s == 45.0
     assert opts.policy == "m.p:P"
     assert (
         opts.checkpoint,
