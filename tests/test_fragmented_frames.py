@@ -128,7 +128,7 @@ def test_the_read_deadline_covers_every_fragment(server: PolicyServerProcess) ->
     finally:
         ws.close()
     assert code == 1008
-    assert TIMEOUT_S <= elapsed < 2.5 * TIMEOUT_S
+    assert TIMEOUT_S <= elapsed < 3 * TIMEOUT_S  # the sweep runs every quarter of the timeout; a busy machine
     assert closed(server, "frame_timeout") == late + 1
 
 
