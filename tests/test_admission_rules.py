@@ -450,8 +450,8 @@ class _Authorizer:
 def author_refusals(
     spec: dict[str, Any],
     *,
-    readable: set[str] = frozenset(),
-    service_accounts: tuple[str, ...] = (),  # type: ignore[assignment]
+    readable: frozenset[str] = frozenset(),
+    service_accounts: tuple[str, ...] = (),
 ) -> list[str]:
     """The authors' policy on a PolicyServer created by ``dev``, who may get the Secrets ``readable``."""
     authorizer = _Authorizer(set(readable))
@@ -537,7 +537,7 @@ def test_a_policyserver_author_gets_nothing_a_pod_of_theirs_would_not() -> None:
         "volumeMounts": [{"name": "s", "mountPath": "/etc/mine"}],
         "storage": {"existingClaim": "ps-cache"},
     }
-    assert author_refusals(fine, readable={"mine"}, service_accounts=("s3-reader",)) == []
+    assert author_refusals(fine, readable=frozenset({"mine"}), service_accounts=("s3-reader",)) == []
 
 
 def message_of_author(fragment: str) -> str:
