@@ -46,6 +46,8 @@ def write_checkpoint(root: Path, vlm: str = VLM, tokenizer: str = TOK) -> Path:
             }
         )
     )
+    # a saved LeRobot pipeline is both processors (checkpoint verify checks them as serve would load them)
+    (root / "policy_postprocessor.json").write_text(json.dumps({"name": "policy_postprocessor", "steps": []}))
     (root / "model.safetensors").write_bytes(os.urandom(1 << 16))
     write_manifest(root)
     return root
@@ -233,7 +235,7 @@ def test_a_checkpoint_without_a_manifest_verifies_against_the_fetch_marker(polic
         return policyserver_main("checkpoint", "verify", str(dest / request_key(str(ckpt))), *flags)
 
     marked = verify("--require-marker")
-    assert marked.returncode == CheckpointExit.OK and "3 files verified" in marked.stdout, marked.stderr
+    assert marked.returncode == CheckpointExit.OK and "4 files verified" in marked.stdout, marked.stderr
     assert verify().returncode == CheckpointExit.INVALID  # without the marker nothing vouches for the files
     (dest / request_key(str(ckpt)) / "model.safetensors").write_bytes(b"truncated")
     assert verify("--require-marker").returncode == CheckpointExit.INVALID
