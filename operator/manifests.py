@@ -615,6 +615,7 @@ def worker_command(spec: PolicyServerSpec, serving: ServingCheckpoint, *, compil
     flags = managed_argv(
         checkpoint=serving.path,
         policy=spec.policy.flag,
+        lerobot_family=spec.policy.family,
         port=spec.service.port,
         lerobot_grpc_port=spec.service.lerobot_grpc_port,
         cfgp=layout.cfgp,

@@ -18,7 +18,15 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import AfterValidator, Field, PrivateAttr, ValidationError, model_validator
 
-from policy_operator.builtin_policies import BUILTIN_POLICIES, LEROBOT, REFERENCE, builtin, check_unconditional
+from policy_operator.builtin_policies import (
+    BUILTIN_POLICIES,
+    LEROBOT,
+    LEROBOT_CFG_FAMILIES,
+    LEROBOT_FAMILIES,
+    REFERENCE,
+    builtin,
+    check_unconditional,
+)
 from policy_operator.constants import (
     AUTH_TOKEN_DIR,
     CACHE_MOUNT_PATH,
@@ -111,6 +119,17 @@ POLICY_IMPORT: Final = "import"
 POLICY_TYPES: Final = (*BUILTIN_POLICIES, POLICY_IMPORT)
 # built-in policies trained without a null condition: classifier-free guidance has no branch to run
 UNGUIDED_POLICIES: Final = tuple(name for name, p in BUILTIN_POLICIES.items() if not p.has_unconditional)
+LEROBOT_TYPES: Final = tuple(LEROBOT_FAMILIES)  # spec.policy.family: the registry's types
+# CEL: the policy runs classifier-free guidance (a built-in trained for it, a LeRobot family that is, or an import,
+# which its pods check): the spec may then ask for cfgp=2 or a guidance other than 1.0
+GUIDED_POLICY_CEL: Final = (
+    f"!has(self.policy.type) || !(self.policy.type in {list(UNGUIDED_POLICIES)}) || "
+    f"(self.policy.type == '{LEROBOT}' && has(self.policy.family) && self.policy.family in {list(LEROBOT_CFG_FAMILIES)})"
+)
+UNGUIDED_TEXT: Final = (
+    f"policy.type {'/'.join(UNGUIDED_POLICIES)} has no unconditional branch unless policy.family names a LeRobot "
+    f"family trained for classifier-free guidance ({', '.join(LEROBOT_CFG_FAMILIES)})"
+)
 
 SERVICE_TYPES: Final = ("ClusterIP", "NodePort", "LoadBalancer")
 ACCESS_MODES: Final = ("ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod")
@@ -690,15 +709,29 @@ class PolicySpec(KubeModel):
             f"{REFERENCE} loads none",
             field_path=".trustRemoteCode",
         ),
+        Rule(
+            f"!has(self.family) || (has(self.type) && self.type == '{LEROBOT}')",
+            f"policy.family names a LeRobot checkpoint's type: it needs policy.type {LEROBOT}",
+            field_path=".family",
+        ),
     )
 
     type: Literal[POLICY_TYPES] = REFERENCE  # type: ignore[valid-type]
     """reference: the runtime's reference flow-matching policy (a checkpoint made by policyserver checkpoint init).
-    lerobot: a LeRobot pretrained directory (SmolVLA, pi0, pi0.5, Diffusion Policy: config.json, model.safetensors
+    lerobot: a LeRobot pretrained directory (SmolVLA, pi0, pi0.5, Diffusion Policy, LingBot-VA, X-VLA, GR00T:
+    config.json, model.safetensors
     and the saved processors); the fetch Job also downloads every hub repository it names (a VLM config, a
-    tokenizer) into the cache, and the pods load them with HF_HUB_OFFLINE=1. It has no unconditional branch, so
-    parallelism.cfgp must be 1 and runtime.guidance 1.0 or unset. import: a Policy class the image can import,
-    named by importPath."""
+    tokenizer) into the cache, and the pods load them with HF_HUB_OFFLINE=1. Only a family trained for
+    classifier-free guidance (LingBot-VA) has an unconditional branch: parallelism.cfgp 2 and a runtime.guidance
+    other than 1.0 need policy.family naming it. import: a Policy class the image can import, named by
+    importPath."""
+    family: Literal[LEROBOT_TYPES] | None = None  # type: ignore[valid-type]
+    """The LeRobot policy type of the checkpoint (the "type" its config.json names), as KServe's
+    modelFormat.name names a model's format; policy.type lerobot only. The operator cannot read the checkpoint
+    before admitting the spec, so a family trained for classifier-free guidance (lingbot_va) is what admits
+    parallelism.cfgp 2 and a runtime.guidance other than 1.0 for lerobot, and guidance unset is then the
+    checkpoint's own (LingBot-VA's guidance_scale, 5.0). The pods refuse a checkpoint of another type before
+    loading it (exit 2, naming both types). Unset: any served type, without classifier-free guidance."""
     import_path: Annotated[str, Field(max_length=MAX_IMPORT_PATH_LENGTH, pattern=IMPORT_PATH)] | None = None
     """pkg.module:Class of a Policy subclass inside the image (policy.type import only). Whether it has an
     unconditional branch is checked when a pod loads it."""
@@ -716,9 +749,18 @@ class PolicySpec(KubeModel):
 
     @property
     def has_unconditional(self) -> bool | None:
-        """Whether classifier-free guidance can run; None for an import, which only a pod can tell."""
+        """Whether classifier-free guidance can run; None for an import, which only a pod can tell. A LeRobot
+        checkpoint has its declared family's trait (none declared: the built-in's, no unconditional branch)."""
+        if self.type == LEROBOT and self.family is not None:
+            return LEROBOT_FAMILIES[self.family].has_unconditional
         found = builtin(self.type)
         return None if found is None else found.has_unconditional
+
+    @property
+    def own_guidance(self) -> bool:
+        """The pods' guidance unset is the checkpoint's own (a LeRobot CFG family's config), not a default the
+        operator can know."""
+        return self.type == LEROBOT and bool(self.has_unconditional)
 
 
 class RtcSpec(KubeModel):
@@ -760,8 +802,9 @@ class RuntimeSpec(KubeModel):
     """How the policy runs."""
 
     guidance: float | None = Field(None, ge=0)
-    """Classifier-free guidance scale. Unset: the policy's own (3.0 for the reference policy, 1.0 = no guidance
-    for a policy without an unconditional branch, such as lerobot). 1.0 turns CFG off, and then parallelism.cfgp
+    """Classifier-free guidance scale. Unset: the policy's own (3.0 for the reference policy, the checkpoint's for
+    a LeRobot family trained for guidance (policy.family lingbot_va: 5.0), 1.0 = no guidance for a policy without
+    an unconditional branch, such as the other LeRobot families). 1.0 turns CFG off, and then parallelism.cfgp
     must be 1."""
     steps: int | None = Field(None, ge=1, le=1000)
     """Flow-matching / diffusion integration steps per action chunk. Unset: the policy's own (a LeRobot config's
@@ -838,17 +881,14 @@ class PolicyServerSpec(KubeModel):
             field_path=".parallelism.cfgp",
         ),
         Rule(
-            f"!has(self.policy.type) || !(self.policy.type in {list(UNGUIDED_POLICIES)}) || self.parallelism.cfgp != 2",
-            f"policy.type {'/'.join(UNGUIDED_POLICIES)} has no unconditional branch (it was not trained for "
-            "classifier-free guidance), so cfgp=2 would have nothing to run on its second rank; use "
-            "parallelism.cfgp 1",
+            f"{GUIDED_POLICY_CEL} || self.parallelism.cfgp != 2",
+            f"{UNGUIDED_TEXT}, so cfgp=2 would have nothing to run on its second rank; use parallelism.cfgp 1 "
+            "(or set policy.family to the checkpoint's CFG family)",
             field_path=".parallelism.cfgp",
         ),
         Rule(
-            f"!has(self.policy.type) || !(self.policy.type in {list(UNGUIDED_POLICIES)}) || "
-            "!has(self.runtime.guidance) || self.runtime.guidance == 1.0",
-            f"policy.type {'/'.join(UNGUIDED_POLICIES)} has no unconditional branch (it was not trained for "
-            "classifier-free guidance): runtime.guidance must be 1.0 or unset",
+            f"{GUIDED_POLICY_CEL} || !has(self.runtime.guidance) || self.runtime.guidance == 1.0",
+            f"{UNGUIDED_TEXT}: runtime.guidance must be 1.0 or unset",
             field_path=".runtime.guidance",
         ),
         Rule(
@@ -1005,9 +1045,10 @@ class PolicyServerSpec(KubeModel):
 
     @property
     def guidance(self) -> float | None:
-        """The guidance the pods run with: runtime.guidance, else the policy's own (None: an import decides)."""
+        """The guidance the pods run with: runtime.guidance, else the policy's own (None: an import or a LeRobot
+        CFG family's checkpoint decides)."""
         has_unconditional = self.policy.has_unconditional
-        if has_unconditional is None:
+        if has_unconditional is None or self.policy.own_guidance:
             return self.runtime.guidance
         return policy_guidance(self.runtime.guidance, has_unconditional)
 

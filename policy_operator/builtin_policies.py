@@ -72,6 +72,10 @@ LEROBOT_FAMILIES: Final[Mapping[str, LeRobotFamily]] = MappingProxyType(
 )
 
 
+#: The LeRobot types trained with a null condition: the only ones ``spec.policy.family`` admits cfgp=2 for.
+LEROBOT_CFG_FAMILIES: Final = tuple(kind for kind, row in LEROBOT_FAMILIES.items() if row.has_unconditional)
+
+
 def builtin(policy: str) -> BuiltinPolicy | None:
     """The built-in ``policy`` names, or None for an import path (a plug-in)."""
     return BUILTIN_POLICIES.get(policy)
@@ -83,22 +87,42 @@ def policy_target(policy: str) -> str:
     return found.target if found is not None else policy
 
 
-def launch_has_unconditional(policy: str, checkpoint: str) -> bool | None:
+def launch_has_unconditional(policy: str, checkpoint: str, family: str | None = None) -> bool | None:
     """Whether ``--policy`` has an unconditional branch, as a launch knows it before torch: a built-in's own trait;
-    for ``lerobot``, its family's (the registry row of the type a local checkpoint's config.json names).  None when
-    only loading can tell: a plug-in, or a LeRobot checkpoint not fetched yet or of a type not served (the loaded
-    policy's own trait is checked then, and a type not served is refused)."""
+    for ``lerobot``, its family's (the registry row of the type a local checkpoint's config.json names, else of
+    ``family``, the type declared with ``--lerobot-family``).  None when only loading can tell: a plug-in, or a
+    LeRobot checkpoint not fetched yet of no declared type or of a type not served (the loaded policy's own trait
+    is checked then, and a type not served is refused).  A local checkpoint of another type than the declared one
+    is refused (LayoutError, naming both)."""
     found = builtin(policy)
     if found is None:
         return None
     if policy != LEROBOT:
         return found.has_unconditional
+    kind = checkpoint_type(checkpoint)
+    check_family(family, kind)
+    row = LEROBOT_FAMILIES.get(kind if kind is not None else family or "")
+    return None if row is None else row.has_unconditional
+
+
+def checkpoint_type(checkpoint: str) -> str | None:
+    """The ``type`` a local LeRobot checkpoint's config.json names; None for a source not fetched yet."""
     try:
         kind = json.loads((Path(checkpoint) / CONFIG_FILE).read_text()).get("type")
     except (OSError, ValueError, AttributeError):
         return None
-    family = LEROBOT_FAMILIES.get(kind) if isinstance(kind, str) else None
-    return None if family is None else family.has_unconditional
+    return kind if isinstance(kind, str) else None
+
+
+def check_family(declared: str | None, found: str | None) -> None:
+    """Refuse a LeRobot checkpoint of another type than the PolicyServer declared (``spec.policy.family``): the
+    operator admitted its layout and guidance for the declared family, one line naming both."""
+    if declared is not None and found is not None and found != declared:
+        raise LayoutError(
+            f"--lerobot-family {declared} (spec.policy.family) declares a {declared} checkpoint, but its "
+            f"{CONFIG_FILE} names type {found}: set policy.family to {found} or point the checkpoint at a "
+            f"{declared} one"
+        )
 
 
 def check_unconditional(policy: str, has_unconditional: bool, *, cfgp: int, guidance: float) -> None:

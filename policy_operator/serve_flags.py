@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Final
 
-from policy_operator.builtin_policies import BUILTIN_POLICIES, LEROBOT, REFERENCE
+from policy_operator.builtin_policies import BUILTIN_POLICIES, LEROBOT, LEROBOT_FAMILIES, REFERENCE
 from policy_operator.constants import DEFAULT_GUIDANCE, DEFAULT_PORT, DEFAULT_STEPS, ENV_HOST
 from policy_operator.constants import policy_guidance as policy_guidance  # the rule serve and the operator apply
 from policy_operator.tokens import read_token_file
@@ -54,6 +54,7 @@ WORKER_MODULE: Final = "policy_operator.runtime.worker"  # the torchrun program,
 LEROBOT_GRPC_PORT_FLAG: Final = "--lerobot-grpc-port"  # runtime/serving/lerobot_grpc.py; spec.service.lerobotGrpcPort
 SERVE_COMMAND: Final = ("policyserver", "serve")
 TRUST_REMOTE_CODE_FLAG: Final = "--trust-remote-code"
+LEROBOT_FAMILY_FLAG: Final = "--lerobot-family"  # spec.policy.family
 COMPILE_KEY_FLAG: Final = "--compile-key-file"
 #: The flags a LeRobot policy (``spec.policy.type: lerobot``) is served with on a GPU unless extraArgs set them
 #: (issue 37, measured in docs/benchmarks.md): each family in LeRobot's own bfloat16 mode, and CUDA graphs per
@@ -69,6 +70,7 @@ class ServeOptions:
     revision: str | None
     cache_dir: str
     policy: str
+    lerobot_family: str | None  # the LeRobot type the checkpoint must be (spec.policy.family); None: any served
     host: str
     port: int
     lerobot_grpc_port: int | None
@@ -160,6 +162,14 @@ def _model_flags(g: argparse._ArgumentGroup) -> None:
         help="a secret key (this PolicyServer's own): artifacts in --compile-cache-dir are written with an "
         "HMAC-SHA256 tag under it and loaded only when theirs verifies; without it they are used only in a "
         "directory private to this user (docs/runtime.md, compile cache)",
+    )
+    g.add_argument(
+        LEROBOT_FAMILY_FLAG,
+        choices=tuple(LEROBOT_FAMILIES),
+        default=None,
+        metavar="TYPE",
+        help=f"with --policy {LEROBOT}: the type the checkpoint's config.json must name "
+        f"({', '.join(LEROBOT_FAMILIES)}); another type is refused before loading. Unset: any served type",
     )
     add_trust_remote_code(g)
     g.add_argument(
@@ -377,6 +387,7 @@ def check_values(opts: ServeOptions) -> None:
     if not 0 <= opts.port <= 65535:
         raise ValueError(f"--port must be in 0..65535 (0: any free port), got {opts.port}")
     _check_lerobot_grpc_port(opts)
+    _check_lerobot_family(opts)
     if opts.max_message_bytes < 1:
         raise ValueError(f"--max-message-bytes must be at least 1, got {opts.max_message_bytes}")
     if not 1 <= opts.max_connections <= MAX_MAX_CONNECTIONS:
@@ -430,6 +441,15 @@ def check_values(opts: ServeOptions) -> None:
         raise ValueError(
             f"{TRUST_REMOTE_CODE_FLAG} lets a LeRobot checkpoint (or a plug-in's) run its own code; "
             f"--policy {REFERENCE} loads none"
+        )
+
+
+def _check_lerobot_family(opts: ServeOptions) -> None:
+    """``--lerobot-family`` names a LeRobot checkpoint's type: another policy has none."""
+    if opts.lerobot_family is not None and opts.policy != LEROBOT:
+        raise ValueError(
+            f"{LEROBOT_FAMILY_FLAG} names a LeRobot checkpoint's type: it needs --policy {LEROBOT}, "
+            f"got --policy {opts.policy}"
         )
 
 
@@ -522,6 +542,7 @@ def torchrun_argv(nproc: int, worker_args: list[str]) -> list[str]:
 MANAGED: Final = (
     "checkpoint",
     "policy",
+    "lerobot_family",
     "port",
     "lerobot_grpc_port",
     "cfgp",
@@ -568,6 +589,7 @@ def managed_argv(
     rtc_max_delay: int | None = None,
     lerobot_grpc_port: int | None = None,
     trust_remote_code: bool = False,
+    lerobot_family: str | None = None,
 ) -> list[str]:
     """The worker flags the operator derives from the spec (``auth_token_file`` None: no auth; ``guidance`` or
     ``steps`` None: the policy's own; any other None: the flag's default, left off the command line)."""

@@ -39,7 +39,13 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from policy_operator import serve_flags
-from policy_operator.builtin_policies import check_unconditional, launch_has_unconditional
+from policy_operator.builtin_policies import (
+    LEROBOT,
+    check_family,
+    check_unconditional,
+    checkpoint_type,
+    launch_has_unconditional,
+)
 from policy_operator.exit_codes import ServeExit
 from policy_operator.fetch_progress import FetchProgress
 from policy_operator.layout import LayoutError, ParallelLayout
@@ -70,8 +76,9 @@ def validate_layout(opts: serve_flags.ServeOptions) -> ParallelLayout:
     world = int(os.environ.get("WORLD_SIZE", opts.cfgp * opts.dp))
     layout = ParallelLayout(opts.cfgp, opts.dp, world_size=world)
     guidance = opts.guidance
-    # a plug-in's traits, and a LeRobot checkpoint's still to fetch, are checked when it loads (Replica)
-    has_unconditional = launch_has_unconditional(opts.policy, opts.checkpoint)
+    # a plug-in's traits, and a LeRobot checkpoint's still to fetch, are checked when it loads (Replica); a local
+    # LeRobot checkpoint of another type than --lerobot-family is refused here
+    has_unconditional = launch_has_unconditional(opts.policy, opts.checkpoint, opts.lerobot_family)
     if has_unconditional is not None:
         guidance = serve_flags.policy_guidance(opts.guidance, has_unconditional)
         check_unconditional(opts.policy, has_unconditional, cfgp=opts.cfgp, guidance=guidance)
@@ -214,6 +221,8 @@ class Runtime:
         if self.rank == 0:
             self.heartbeat.set_state(RankState.LOADING, "resolving checkpoint")
             path = resolve_checkpoint(self.opts, on_progress)
+            if self.opts.policy == LEROBOT:  # a source serve fetched itself: its type is known only now
+                check_family(self.opts.lerobot_family, checkpoint_type(path))
         if self.layout.world_size > 1:
             box = [path]
             dist.broadcast_object_list(box, src=0, group=self.groups.world_ctrl)

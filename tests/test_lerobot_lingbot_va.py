@@ -147,6 +147,16 @@ def test_a_launch_accepts_cfgp2_for_a_cfg_family_only(lingbot_dir: Path, tmp_pat
     (unguided / "config.json").write_text('{"type": "smolvla"}')
     with pytest.raises(LayoutError, match="no unconditional branch"):
         launch(unguided, "--cfgp", "2")
+    # the family a PolicyServer declared (spec.policy.family -> --lerobot-family) is the checkpoint's, or no start
+    launch(lingbot_dir, "--cfgp", "2", "--lerobot-family", "lingbot_va")
+    with pytest.raises(LayoutError, match="--lerobot-family lingbot_va .* names type smolvla"):
+        launch(unguided, "--lerobot-family", "lingbot_va")
+    with pytest.raises(LayoutError, match="--lerobot-family smolvla .* names type lingbot_va"):
+        launch(lingbot_dir, "--lerobot-family", "smolvla")
+    # a source still to fetch: the declared family decides before torch (and the fetched type is checked on load)
+    launch(tmp_path / "not-fetched", "--cfgp", "2", "--lerobot-family", "lingbot_va")
+    with pytest.raises(LayoutError, match="no unconditional branch"):
+        launch(tmp_path / "not-fetched", "--cfgp", "2", "--lerobot-family", "xvla")
 
 
 def test_metadata_names_keys_chunk_guidance_and_rtc(lingbot: LeRobotPolicy) -> None:

@@ -98,7 +98,8 @@ def test_managed_flags_are_serve_flags_the_operator_writes() -> None:
     assert set(serve_flags.MANAGED) <= fields
     argv = serve_flags.managed_argv(
         checkpoint="/models/k",
-        policy="m.p:P",
+        policy="lerobot",
+        lerobot_family="lingbot_va",
         port=8000,
         cfgp=2,
         dp=1,
@@ -125,7 +126,7 @@ def test_managed_flags_are_serve_flags_the_operator_writes() -> None:
     assert opts.lerobot_grpc_port == 8080
     assert (opts.frontend, opts.frontend_processes) == ("process", 4)
     assert opts.session_idle_timeout_s == 45.0
-    assert opts.policy == "m.p:P"
+    assert (opts.policy, opts.lerobot_family) == ("lerobot", "lingbot_va")
     assert (
         opts.checkpoint,
         opts.port,

@@ -17,7 +17,7 @@ import pytest
 
 from policy_operator import constants as C
 from policy_operator import serve_flags
-from policy_operator.builtin_policies import BUILTIN_POLICIES, check_unconditional
+from policy_operator.builtin_policies import BUILTIN_POLICIES, LEROBOT_FAMILIES, check_unconditional
 from policy_operator.layout import LayoutError, ParallelLayout
 from policy_operator.operator import spec as S
 from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
@@ -124,6 +124,10 @@ INVALID = [
     (base(runtime={"extraArgs": ["--policy", "m:C"]}), "spec.runtime.extraArgs[0]"),  # spec.policy says it
     (base(policy={"type": "lerobot"}, parallelism={"cfgp": 2}), "spec.parallelism.cfgp"),
     (base(policy={"type": "lerobot"}, runtime={"guidance": 3.0}), "spec.runtime.guidance"),
+    (base(policy={"type": "lerobot", "family": "smolvla"}, parallelism={"cfgp": 2}), "spec.parallelism.cfgp"),
+    (base(policy={"type": "lerobot", "family": "openvla"}), "spec.policy.family"),  # not a served type
+    (base(policy={"type": "reference", "family": "lingbot_va"}), "spec.policy.family"),
+    (base(policy={"family": "lingbot_va"}, parallelism={"cfgp": 2}), "spec.policy.family"),  # type reference
     (base(policy={"type": "import"}), "spec.policy.importPath"),
     (base(policy={"type": "reference", "importPath": "m.p:P"}), "spec.policy.importPath"),
     (base(policy={"type": "import", "importPath": "m/p.py"}), "spec.policy.importPath"),
@@ -425,20 +429,30 @@ def test_the_runtime_defaults_are_the_specs() -> None:
     assert parse(base()).policy.flag == args.policy
 
 
-@pytest.mark.parametrize("policy", BUILTIN_POLICIES)
+POLICIES = [(name, None) for name in BUILTIN_POLICIES] + [("lerobot", family) for family in LEROBOT_FAMILIES]
+
+
+@pytest.mark.parametrize(("policy", "family"), POLICIES, ids=[f"{p}-{f}" for p, f in POLICIES])
 @pytest.mark.parametrize("cfgp", [1, 2])
 @pytest.mark.parametrize("guidance", [None, 0.0, 1.0, 3.0])
-def test_policy_guidance_rules_are_the_runtimes_checks(policy: str, cfgp: int, guidance: float | None) -> None:
-    """Admission refuses exactly the (policy, cfgp, guidance) a pod would refuse at start, guidance unset included."""
-    effective = serve_flags.policy_guidance(guidance, BUILTIN_POLICIES[policy].has_unconditional)
+def test_policy_guidance_rules_are_the_runtimes_checks(
+    policy: str, family: str | None, cfgp: int, guidance: float | None
+) -> None:
+    """Admission refuses exactly the (policy, family, cfgp, guidance) a pod would refuse at start (a LeRobot
+    checkpoint of the declared family), guidance unset included."""
+    has_unconditional = BUILTIN_POLICIES[policy].has_unconditional
+    if family is not None:
+        has_unconditional = LEROBOT_FAMILIES[family].has_unconditional
+    effective = serve_flags.policy_guidance(guidance, has_unconditional)
     try:
         ParallelLayout(cfgp=cfgp).check_guidance(effective)
-        check_unconditional(policy, BUILTIN_POLICIES[policy].has_unconditional, cfgp=cfgp, guidance=effective)
+        check_unconditional(policy, has_unconditional, cfgp=cfgp, guidance=effective)
         runs = True
     except LayoutError:
         runs = False
+    policy_doc = {"type": policy} if family is None else {"type": policy, "family": family}
     doc = {
-        "policy": {"type": policy},
+        "policy": policy_doc,
         "parallelism": {"cfgp": cfgp, "dp": 1},
         "runtime": {} if guidance is None else {"guidance": guidance},
     }
@@ -449,9 +463,11 @@ def test_policy_guidance_rules_are_the_runtimes_checks(policy: str, cfgp: int, g
     ]
     assert len(rules) == 3
     assert all(r.holds(doc) for r in rules) == runs
-    spec = base(policy={"type": policy}, parallelism={"cfgp": cfgp}, runtime=doc["runtime"])
+    spec = base(policy=policy_doc, parallelism={"cfgp": cfgp}, runtime=doc["runtime"])
     if runs:
-        assert parse(spec).guidance == effective
+        # a LeRobot CFG family's guidance unset is its checkpoint's own (LingBot-VA: 5.0), not the reference's 3.0
+        own = policy == "lerobot" and has_unconditional and guidance is None
+        assert parse(spec).guidance == (None if own else effective)
     else:
         with pytest.raises(SpecError):
             parse(spec)
@@ -463,6 +479,29 @@ def test_policy_type_is_the_pods_policy_flag() -> None:
     spec = parse(base(policy={"type": "import", "importPath": "my_robot.policies:Mine"}, parallelism={"cfgp": 2}))
     assert spec.policy.flag == "my_robot.policies:Mine" and spec.policy.has_unconditional is None
     assert spec.guidance is None  # an import's own: only a pod can tell whether it has an unconditional branch
+
+
+def test_a_lerobot_cfg_family_is_served_with_cfgp2_and_the_checkpoints_guidance() -> None:
+    """policy.family lingbot_va admits cfgp=2 for lerobot; its pods get --lerobot-family and no --guidance (the
+    checkpoint's 5.0, not the reference's 3.0), unless runtime.guidance says otherwise."""
+    from policy_operator.operator.manifests import ServingCheckpoint, worker_command
+
+    def command(**runtime: Any) -> list[str]:
+        spec = parse(base(policy={"type": "lerobot", "family": "lingbot_va"}, parallelism={"cfgp": 2}, runtime=runtime))
+        assert spec.policy.has_unconditional is True
+        return worker_command(spec, ServingCheckpoint.of(spec))
+
+    argv = command()
+    assert argv[argv.index("--lerobot-family") + 1] == "lingbot_va" and argv[argv.index("--cfgp") + 1] == "2"
+    assert "--guidance" not in argv
+    argv = command(guidance=2.0)
+    assert argv[argv.index("--guidance") + 1] == "2.0"
+    unguided = parse(base(policy={"type": "lerobot"}))
+    assert "--lerobot-family" not in worker_command(unguided, ServingCheckpoint.of(unguided))
+    refusal = refused(base(policy={"type": "lerobot"}, parallelism={"cfgp": 2}))
+    assert "unless policy.family names a LeRobot family trained for classifier-free guidance (lingbot_va)" in str(
+        refusal
+    )
 
 
 @pytest.mark.parametrize(
