@@ -3,7 +3,9 @@ admission and the local node's kubelet decide; the operator's status must say wh
 
 One operator and one local node for the module (short resync, tiny checkpoint, 2 CPU steps).  What is
 pinned down: a rollout watched throughout never reads Ready while a pod of the old template serves, nor
-RanksUnknown while the new pod starts; a template that crashes (``--dtype bogus``) reaches
+RanksUnknown while the new pod starts, and the happy path posts no Warning (the cache claim binding is a
+wait); a crash-looping pod is Failed at once with the error that killed it; a SIGSTOPped pod is "not
+answering /readyz"; a template that crashes (``--dtype bogus``) reaches
 ProgressDeadlineExceeded with the rank's own error (from its termination message: the operator reads no
 log); a ResourceQuota on ``requests.nvidia.com/gpu`` shows up as FailedCreate instead of an endless Starting; a fetch pod that cannot start says why and stalls at the
 deadline; an apply the apiserver always refuses is Stalled, not retried; and a PolicyServer at rest costs the
