@@ -148,6 +148,17 @@ def test_build_status_counts_pods_and_ranks() -> None:
     available = next(c for c in st["conditions"] if c["type"] == C.COND_AVAILABLE)
     assert (available["status"], available["reason"]) == ("True", "PartiallyReady")
     assert {e.reason for e in update.events} >= {"SpecValid", "PartiallyReady", C.PHASE_STARTING}
+    assert "lerobotGrpcEndpoint" not in st  # no gRPC port in the spec
+
+
+def test_build_status_reports_the_lerobot_grpc_address() -> None:
+    """robot_client's --server_address, once the Service exists (spec.service.lerobotGrpcPort)."""
+    s = spec(policy={"type": "lerobot"}, service={"port": 8000, "lerobotGrpcPort": 8080})
+    common: dict[str, Any] = {"checkpoint": CK["Ready"], "workload": workload(), "pods": [], "previous": None}
+    built = status_step.build_status(s, service_exists=True, generation=1, now=NOW, **common).document
+    assert built["lerobotGrpcEndpoint"] == "ps.ns.svc:8080" and built["endpoint"] == "ws://ps.ns.svc:8000"
+    before = status_step.build_status(s, service_exists=False, generation=1, now=NOW, **common).document
+    assert "lerobotGrpcEndpoint" not in before
 
 
 def test_losing_every_ready_pod_is_a_warning() -> None:
@@ -615,7 +626,8 @@ def test_the_status_keys_a_full_write_may_drop_are_the_schemas() -> None:
     """build_status returns the CRD's own status model; its fields are the keys a full write owns."""
     assert set(status_step.STATUS_FIELDS) == {
         *("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "updatedReadyReplicas"),
-        *("ready", "ranksReady", "layout", "selector", "endpoint", "templateHash", "lastProgressTime"),
+        *("ready", "ranksReady", "layout", "selector", "endpoint", "lerobotGrpcEndpoint", "templateHash"),
+        "lastProgressTime",
         *("checkpoint", "pods", "batching", "conditions"),
     }
     update = status_step.invalid_status(ValueError("bad"), previous=None, generation=1, now=NOW)
