@@ -105,3 +105,37 @@ def test_a_device_staged_batch_answers_each_robot_as_lerobot(checkpoint: tuple[s
         np.testing.assert_allclose(row, lerobots_own(policy, obs, seed), rtol=0, atol=ATOL)
     if policy.spec.needs_task:  # the same task string tokenized once, for every robot
         assert policy._tokens and all(t._cached.cache_info().hits >= 2 for t in policy._tokens)  # noqa: SLF001
+
+
+def test_the_prefix_traces_as_one_graph_with_no_host_sync(checkpoint: tuple[str, Path]) -> None:
+    """What ``--compile`` captures per bucket: the staged cameras through the vision tower and the VLM prefix in
+    one graph, nothing in it that waits for the device (a data-dependent shape would break it)."""
+    family, root = checkpoint
+    policy = LeRobotPolicy.load(str(root), device=CPU)
+    sample = policy.stack_history([policy.prepare(policy.example_observation(0))] * policy.history)
+    batch = policy._staging.finish(dict(sample.tensors)) if policy._staging is not None else dict(sample.tensors)  # noqa: SLF001
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(policy.family.condition)(batch)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]
+
+
+def test_smolvlm_positions_without_the_mask_assignment_are_transformers_own() -> None:
+    """smolvlm_positions.py: the same embeddings as transformers' forward, for full and partial patch masks."""
+    from transformers.models.smolvlm.configuration_smolvlm import SmolVLMVisionConfig
+    from transformers.models.smolvlm.modeling_smolvlm import SmolVLMVisionEmbeddings
+
+    from policy_operator.runtime.policy.lerobot.smolvlm_positions import mask_free_positions
+
+    torch.manual_seed(0)
+    config: Any = SmolVLMVisionConfig()  # its fields are keyword arguments of PreTrainedConfig's own
+    config.hidden_size, config.image_size, config.patch_size, config.num_channels = 32, 64, 16, 3
+    ours, theirs = SmolVLMVisionEmbeddings(config), SmolVLMVisionEmbeddings(config)
+    theirs.load_state_dict(ours.state_dict())
+    mask_free_positions(ours)
+    pixels = torch.rand(3, 3, 64, 64)
+    full = torch.ones(3, 4, 4, dtype=torch.bool)
+    partial = full.clone()
+    partial[1, 3:, :] = False  # a shorter image in the batch
+    partial[2, :, 2:] = False  # a narrower one
+    for mask in (full, partial):
+        assert torch.equal(ours(pixels, mask), theirs(pixel_values=pixels, patch_attention_mask=mask))

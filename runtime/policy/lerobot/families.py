@@ -128,8 +128,9 @@ class Family(ABC):
     dtype = torch.float32  # what ``cast`` made the policy's weights
     #: ``LeRobotPolicy.compile`` compiles ``condition`` (vision tower + VLM prefix) per batch bucket too.  Off
     #: where it was not measured to pay: SmolVLA's prefix did not finish compiling within 200 s on an H100
-    #: (transformers' SmolVLM vision embeddings index positions with a boolean mask: a graph break and a host
-    #: sync per call), so its warm-up would outlast a pod's start; Diffusion Policy's is a ResNet, not measured.
+    #: (then broken into 9 graphs by transformers' boolean-mask positions, one graph since smolvlm_positions.py;
+    #: not measured again), so its warm-up would outlast a pod's start; Diffusion Policy's is a ResNet, not
+    #: measured.
     compile_prefix = False
 
     @property
@@ -215,6 +216,13 @@ class _Flow(Family):
 
 
 class SmolVLA(_Flow):
+    def __init__(self, policy: Any) -> None:
+        super().__init__(policy)
+        from policy_operator.runtime.policy.lerobot.smolvlm_positions import mask_free_positions
+
+        # the same positions without a host sync (or a graph break) per camera in the prefix
+        mask_free_positions(policy.model.vlm_with_expert.get_vlm_model().vision_model.embeddings)
+
     @property
     def default_steps(self) -> int:
         return int(self.config.num_steps)
