@@ -359,27 +359,38 @@ def one_request(server: PolicyServerProcess, obs: dict[str, Any]) -> Any:
 
 
 def queue_behind_a_held_request(
-    server: PolicyServerProcess, gate: Path, queued: list[dict[str, Any]], session: str | None = None
+    server: PolicyServerProcess,
+    gate: Path,
+    queued: list[dict[str, Any]],
+    session: str | None = None,
+    replicas: int = 1,
 ) -> tuple[Client, list[Client]]:
-    """A held request, then ``queued`` requests waiting behind it; the gate opens once all are in flight."""
+    """A held request on each of ``replicas`` replicas (least in flight first: one each), then ``queued`` requests
+    waiting behind them, spread evenly over the held lanes by the router (each connection's session is its own);
+    the gate opens once all are in flight.  The first held request's client, and the queued ones'."""
     extra = {"session_id": session} if session else {}
-    held = Client(server, observation(0, prompt=hold_prompt(gate), seed=1, **extra))
-    held.start()
-    server.wait_until(lambda: server.readyz().json()["in_flight"] == 1, timeout=60, what="the held request")
+    held = [Client(server, observation(0, prompt=hold_prompt(gate), seed=1 + k, **extra)) for k in range(replicas)]
+    for k, h in enumerate(held):
+        h.start()
+        server.wait_until(
+            lambda k=k: server.readyz().json()["in_flight"] == k + 1, timeout=60, what="the held request(s)"
+        )
     clients = [Client(server, {**obs, **extra}) for obs in queued]
     for c in clients:
         c.start()
     try:
         # /readyz counts routed requests, i.e. queued at a lane (the metric also counts those still in prepare)
         server.wait_until(
-            lambda: server.readyz().json()["in_flight"] == 1 + len(queued), timeout=60, what="the queued requests"
+            lambda: server.readyz().json()["in_flight"] == replicas + len(queued),
+            timeout=60,
+            what="the queued requests",
         )
     finally:
         gate.touch()
-    for c in [held, *clients]:
+    for c in [*held, *clients]:
         c.join(RECV_TIMEOUT_S)
         assert not c.is_alive(), "a request was never answered"
-    return held, clients
+    return held[0], clients
 
 
 @pytest.fixture(scope="module")
@@ -507,8 +518,8 @@ def test_a_latency_budget_caps_batches_at_the_largest_measured_size_that_fits(
             abs=1e-3,  # all are (asserted above)
         )
         held, clients = queue_behind_a_held_request(
-            s, tmp_path / "go", [observation(i) for i in range(1, 4)], session="robot-1"
-        )  # one session: every request in one replica's lane, where they would otherwise batch
+            s, tmp_path / "go", [observation(i) for i in range(1, 4)], replicas=dp
+        )  # every replica held: the queued requests wait in its lanes, where they would otherwise batch
         assert [c.result["server_timing"]["batch_size"] for c in clients] == [1, 1, 1]
         assert s.readyz().json()["ranks_ready"] == cfgp * dp, "every rank still serves"
 
@@ -517,8 +528,9 @@ def test_a_latency_budget_caps_batches_at_the_largest_measured_size_that_fits(
 @pytest.mark.parametrize("cfgp,dp", [(2, 1), (1, 2)])
 def test_batches_cross_the_ranks_of_every_layout(tiny_checkpoint: Path, tmp_path: Path, cfgp: int, dp: int) -> None:
     """cfgp=2: both ranks run their branch for B rows and the per-step all_gather carries B rows; dp=2: the batch
-    goes to replica k's driver over the dispatch group and B Replies come back.  One session pins every request
-    to one replica, so the queued ones meet in its lane."""
+    goes to replica k's driver over the dispatch group and B Outcomes come back.  Every replica holds a request
+    while three more per replica queue behind it (the router spreads them evenly: each connection's session is its
+    own), so each lane's three meet in one batch."""
     with serve_policy(
         tiny_checkpoint,
         "--steps",
@@ -537,12 +549,15 @@ def test_batches_cross_the_ranks_of_every_layout(tiny_checkpoint: Path, tmp_path
         "1",
     ) as s:
         queued = [observation(1, seed=21), observation(2, prompt=NAN_PROMPT), observation(3, seed=22)]
-        held, clients = queue_behind_a_held_request(s, tmp_path / "go", queued, session="robot-1")
-        replica = held.result["server_timing"]["replica"]
-        good, nan_row, good2 = (c.result for c in clients)
-        assert nan_row["error"]["kind"] == "non_finite_actions", nan_row
-        for obs, reply in ((queued[0], good), (queued[2], good2)):
-            assert reply["server_timing"]["batch_size"] == 3 and reply["server_timing"]["replica"] == replica
+        queued += [observation(3 + k, seed=22 + k) for k in range(1, 3 * dp - 2)]  # three per replica
+        held, clients = queue_behind_a_held_request(s, tmp_path / "go", queued, session="robot-1", replicas=dp)
+        replies = [c.result for c in clients]
+        assert replies[1]["error"]["kind"] == "non_finite_actions", replies[1]
+        assert {r["server_timing"]["replica"] for r in replies if "server_timing" in r} == set(range(dp))
+        for obs, reply in zip(queued, replies, strict=True):
+            if obs is queued[1]:
+                continue
+            assert reply["server_timing"]["batch_size"] == 3, reply["server_timing"]
             again = one_request(s, {**obs, "session_id": "robot-1"})
             assert again["server_timing"]["batch_size"] == 1
             assert float(np.abs(reply["actions"] - again["actions"]).max()) <= TOLERANCE

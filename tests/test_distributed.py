@@ -92,7 +92,13 @@ def layout_actions(tiny_checkpoint):
                 t.start()
             for t in threads:
                 t.join(120)
-            sticky = [answered(server.url, seed=1, session="robot-7")["server_timing"]["replica"] for _ in range(3)]
+            # a session sticks within its connection (a session is its connection's: docs/protocol.md, "Sessions")
+            with connect(server.url, compression=None, open_timeout=30) as ws:
+                meta = wire.unpackb(ws.recv(timeout=30))
+                sticky = []
+                for _ in range(3):
+                    ws.send(wire.packb({**robolab_observation(meta, 3, fixed_seed=1), "session_id": "robot-7"}))
+                    sticky.append(wire.unpackb(ws.recv(timeout=120))["server_timing"]["replica"])
             out[(cfgp, dp)] = {
                 "ready": ready,
                 "first": first,
