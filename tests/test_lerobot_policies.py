@@ -24,6 +24,7 @@ pytest.importorskip("lerobot")
 from openpi_client.websocket_client_policy import WebsocketClientPolicy  # noqa: E402
 
 from policy_operator.layout import LayoutError, ParallelLayout  # noqa: E402
+from policy_operator.runtime.engine.history import SessionHistory  # noqa: E402
 from policy_operator.runtime.errors import InvalidObservation  # noqa: E402
 from policy_operator.runtime.parallel.dispatch import Batch, InferenceRequest, Replica  # noqa: E402
 from policy_operator.runtime.parallel.groups import Groups  # noqa: E402
@@ -33,7 +34,6 @@ from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.relative_actions import STATE_KEY  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
-from policy_operator.runtime.engine.history import SessionHistory  # noqa: E402
 from tests.support.lerobot_tiny import configure_small_pi, reduced_paligemma, write_small_pi  # noqa: E402
 from tests.support.servers import VENV_BIN, serve_policy, subprocess_env  # noqa: E402
 

@@ -36,8 +36,8 @@ from policy_operator.runtime.policy.rtc import (  # noqa: E402
     rtc_unsupported,
 )
 from policy_operator.runtime.policy.sampler import sample_actions  # noqa: E402
-from policy_operator.runtime.serving import wire  # noqa: E402
 from policy_operator.runtime.rtc_session import RTC_KEY, RtcIngress, RtcSession  # noqa: E402
+from policy_operator.runtime.serving import wire  # noqa: E402
 from tests.support.lerobot_tiny import reduced_paligemma, write_small_pi  # noqa: E402
 from tests.support.servers import serve_policy  # noqa: E402
 

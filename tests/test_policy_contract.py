@@ -17,6 +17,7 @@ import torch
 
 from policy_operator.builtin_policies import BUILTIN_POLICIES, LEROBOT, REFERENCE
 from policy_operator.layout import LayoutError
+from policy_operator.runtime.engine.history import SessionHistory
 from policy_operator.runtime.policy.interface import (
     Branch,
     EulerFlow,
@@ -30,7 +31,6 @@ from policy_operator.runtime.policy.interface import (
 )
 from policy_operator.runtime.policy.reference import ReferencePolicy
 from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions
-from policy_operator.runtime.engine.history import SessionHistory
 from tests.support.net import free_port
 from tests.support.plugins.contract_policies import (
     EarlyGuidance,

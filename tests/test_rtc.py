@@ -24,8 +24,8 @@ from policy_operator.runtime.policy import collate
 from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePolicy, example_observation
 from policy_operator.runtime.policy.rtc import RtcConstraint, RtcMode, prefix_weights, rtc_unsupported
 from policy_operator.runtime.policy.sampler import CfgMode, sample_actions
-from policy_operator.runtime.serving import wire
 from policy_operator.runtime.rtc_session import RtcSession, RtcSupport, parse_rtc
+from policy_operator.runtime.serving import wire
 from tests.support.servers import PolicyServerProcess, serve_policy
 
 SHAPE = (16, 8)  # the tiny reference policy's (horizon, action_dim)

@@ -279,8 +279,8 @@ def test_frontend_configs_give_each_process_its_share_and_a_ring_that_fits_it(pr
     from dataclasses import replace
 
     from policy_operator.layout import ParallelLayout
-    from policy_operator.runtime.rank0_front import frontend_configs
     from policy_operator.runtime import ipc
+    from policy_operator.runtime.rank0_front import frontend_configs
     from policy_operator.runtime.serving.server import ServerConfig
 
     server = ServerConfig(
