@@ -646,3 +646,18 @@ def test_the_service_account_creates_only_the_compile_key_secret() -> None:
     unowned = copy.deepcopy(secret)
     unowned["metadata"].pop("ownerReferences")
     assert refusals(unowned) == [message("controlled by")]
+
+
+def test_the_threat_model_quotes_the_reserved_lists() -> None:
+    """docs/operator.md names every reserved environment name, prefix and mount path (spec.py has the one list)."""
+    from pathlib import Path
+
+    from policy_operator.operator import spec as S
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "operator.md").read_text()
+    model = text[text.index("## Threat model") : text.index("## Security: what the operator")]
+    missing = [name for name in S.RESERVED_ENV_NAMES if f"`{name}`" not in model]
+    missing += [prefix for prefix in S.RESERVED_ENV_PREFIXES if f"`{prefix.rstrip('_')}" not in model]
+    assert not missing, missing
+    for path in ("/usr", "/opt", "/etc/ld.so.preload"):
+        assert path in model and path in S.RESERVED_MOUNT_PATHS
