@@ -32,9 +32,15 @@ the list), and it is plain ``admissionregistration.k8s.io/v1`` that any
 Kubernetes >= 1.30 accepts.  The refusal's ``messageExpression`` names the
 refused images and the allowed entries.
 
-What it cannot check (CEL sees one request, not other objects): that the
-PolicyServer named in the owner reference exists, nor that its spec names the
-Secrets declared.  docs/operator.md ("Security") says what that leaves.
+CEL sees one request, so a second policy on the same ServiceAccount
+(``PARAM_VALIDATIONS``) reads each Job and StatefulSet against the PolicyServer
+its label names, as the policy's param: its uid, its checkpoint source (where a
+fetch sends its token), the Secrets, tolerations and environment its spec names.
+A third policy (``AUTHOR_VALIDATIONS``, unless the chart's
+``admissionPolicy.trustedAuthors``) holds every PolicyServer author, whoever
+they are, to what creating a pod would give them, asking the API server's
+``authorizer`` with the requesting user's rights.  docs/operator.md ("Threat
+model", "Security") says who may do what and what that leaves.
 
 The chart's policy (``charts/policy-operator/templates/_helpers.tpl``, between
 the ``BEGIN GENERATED: admission`` markers) is rendered from ``VALIDATIONS`` by
