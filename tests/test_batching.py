@@ -12,6 +12,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +359,10 @@ def one_request(server: PolicyServerProcess, obs: dict[str, Any]) -> Any:
     return client.result
 
 
+def in_flight_is(server: PolicyServerProcess, n: int) -> bool:
+    return server.readyz().json()["in_flight"] == n
+
+
 def queue_behind_a_held_request(
     server: PolicyServerProcess,
     gate: Path,
@@ -370,11 +375,9 @@ def queue_behind_a_held_request(
     the gate opens once all are in flight.  The first held request's client, and the queued ones'."""
     extra = {"session_id": session} if session else {}
     held = [Client(server, observation(0, prompt=hold_prompt(gate), seed=1 + k, **extra)) for k in range(replicas)]
-    for k, h in enumerate(held):
+    for k, h in enumerate(held, 1):
         h.start()
-        server.wait_until(
-            lambda k=k: server.readyz().json()["in_flight"] == k + 1, timeout=60, what="the held request(s)"
-        )
+        server.wait_until(partial(in_flight_is, server, k), timeout=60, what="the held request(s)")
     clients = [Client(server, {**obs, **extra}) for obs in queued]
     for c in clients:
         c.start()
