@@ -32,16 +32,16 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from harness import serve
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
-from runtime import free_port, frontend_argv, split_variant, stop_group, wait_ready
+from runtime import frontend_argv, split_variant
 
 ENV_DIR = "POLICY_CYCLE_TRACE_DIR"
 
@@ -137,7 +137,7 @@ if DIR:
 # (stage, where it happens): the rows of the table, in the order a cycle passes them
 STAGES = (
     ("finish", "rank 0's loop takes the batch's replies (Lane._finish)"),
-    ("lane-answered", "a request's answer is in (Ingress._lane_answered)"),
+    ("lane-answered", "a request's answer is in (Engine._lane_answered)"),
     ("model-answer", "an answer queued for its front-end (FrontendLink._answered)"),
     ("fe-answer", "a front-end process reads an answer"),
     ("packb", "a reply's msgpack encode begins"),
@@ -170,16 +170,17 @@ def trace(checkpoint: str, args: argparse.Namespace, server: str, robots: list[i
         env, words = split_variant(variant)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
         env[ENV_DIR] = str(events_dir)
-        port = free_port()
-        cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", checkpoint]
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
-        cmd += ["--max-batch", str(args.max_batch), "--batch-window-ms", str(args.batch_window_ms)]
-        cmd += [*frontend_argv(frontend), *shlex.split(args.serve_args), *words]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env)
         runs: dict[int, dict[str, Any]] = {}
-        try:
-            wait_ready(proc, port, lambda: proc.stderr.read().decode() if proc.stderr else "")
-            url = f"ws://127.0.0.1:{port}"
+        with serve(
+            checkpoint,
+            env=env,
+            log=Path(tmp, "server.log"),
+            flags=[*frontend_argv(frontend), *shlex.split(args.serve_args), *words],
+            log_level="WARNING",
+            max_batch=args.max_batch,
+            batch_window_ms=args.batch_window_ms,
+        ) as server_:
+            url = server_.url
             for count in robots:
                 run_client(url, args.warmup, count, timeout=600)
                 s = run_client(url, args.n, count, timeout=600)
@@ -193,8 +194,6 @@ def trace(checkpoint: str, args: argparse.Namespace, server: str, robots: list[i
                 time.sleep(0.2)  # every traced process writes its events within a poll period
             time.sleep(0.5)
             processes = [json.loads(p.read_text()) for p in events_dir.glob("events-*.json")]
-        finally:
-            stop_group(proc)
     return {"runs": runs, "processes": processes}
 
 
