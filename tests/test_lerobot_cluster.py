@@ -10,7 +10,10 @@ endpoint and loads with HF_HUB_OFFLINE=1 from the cache.  The operator, the
 Job and StatefulSet controllers and kubectl are real; the pods are local
 processes (the local node).  An openpi client then asks for actions in
 LeRobot's keys, as a robot would.  A second PolicyServer names a repository
-the hub does not have: it must fail before any server pod exists.
+the hub does not have: it must fail before any server pod exists.  A third
+serves a tiny LingBot-VA (``policy.family: lingbot_va``) with its two
+guidance branches on two gloo ranks (cfgp=2), and answers bitwise as a
+one-rank server of the same checkpoint.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[1]
 NS = "lerobot-it"
 CKPT, BROKEN, VLM = "lab/tiny-smolvla", "lab/smolvla-missing-vlm", "lab/tiny-smolvlm"
+LINGBOT = "lab/tiny-lingbot-va"
 WAIT_S = 300.0
 
 
@@ -94,7 +98,7 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
     assert "Traceback" not in lc.operator.log.read_text(), f"the operator crashed; see {lc.operator.log}"
 
 
-def lerobot_server(lc: LocalCluster, hub: Hub, name: str, repo: str) -> dict[str, Any]:
+def lerobot_server(lc: LocalCluster, hub: Hub, name: str, repo: str, **spec_fields: Any) -> dict[str, Any]:
     sample = yaml.safe_load((REPO / "examples" / "policyserver-minimal.yaml").read_text())
     port = free_port_on(["127.0.0.1", *lc.node.ips(16)])
     doc = for_local_node(sample, source=f"hf://{repo}", port=port)
@@ -110,6 +114,7 @@ def lerobot_server(lc: LocalCluster, hub: Hub, name: str, repo: str) -> dict[str
             {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
         ],
     }
+    spec.update(spec_fields)
     lc.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
     return doc
 
@@ -197,3 +202,54 @@ def test_a_repository_the_hub_lacks_fails_before_any_server_pod(cluster: LocalCl
     )
     assert lc.get("apps/v1", "statefulsets", "broken") is None
     assert not lc.list("v1", "pods", f"{C.LABEL_INSTANCE}=broken,{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+
+
+def test_a_lingbot_va_policyserver_with_cfgp2_answers_as_cfgp1(cluster: LocalCluster, hub: Hub, tmp_path: Path) -> None:
+    """Issue 42: policy.family admits cfgp=2 for a LeRobot CFG family; the pod runs the two branches on two ranks
+    with the checkpoint's own guidance (5.0) and answers a robot in LeRobot's keys as one rank does, bitwise."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from policy_operator.cli import main as policyserver
+    from tests.support.openpi import session_at
+    from tests.support.servers import serve_policy
+
+    lc = cluster
+    ckpt = tmp_path / "lingbot"
+    assert (
+        policyserver(["checkpoint", "init", "--lerobot", "lingbot_va", "--size", "tiny", "--seed", "4", str(ckpt)]) == 0
+    )
+    # cfgp=1 on one rank, sequential CFG: what cfgp=2 must equal (both on CPU, one thread each)
+    with serve_policy(ckpt, "--policy", "lerobot", "--threads", "1", "--cfg-mode", "sequential") as one_rank:
+        client = WebsocketClientPolicy(one_rank.url)
+        meta = client.get_server_metadata()
+        obs = {**observation(meta, seed=3), "seed": 9}
+        expected = np.asarray(client.infer(dict(obs))["actions"])
+
+    hub.stub.add_repo(LINGBOT, ckpt)
+    doc = lerobot_server(
+        lc, hub, "lingbot", LINGBOT, policy={"type": "lerobot", "family": "lingbot_va"}, parallelism={"cfgp": 2}
+    )
+    status = lc.wait_status("lingbot", lambda s: s.get("phase") == C.PHASE_READY, "phase Ready", WAIT_S)
+    assert condition(status, C.COND_AVAILABLE)["status"] == "True"
+    sts = lc.existing("apps/v1", "statefulsets", "lingbot")
+    command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert (
+        command[command.index("--cfgp") + 1] == "2" and command[command.index("--lerobot-family") + 1] == "lingbot_va"
+    )
+    assert "--guidance" not in command  # the checkpoint's own, not the reference policy's 3.0
+    (pod,) = lc.list("v1", "pods", f"{C.LABEL_INSTANCE}=lingbot,{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+    try:
+        with session_at(pod["status"]["podIP"], doc["spec"]["service"]["port"]) as robot:
+            meta = robot.get_server_metadata()
+            assert meta["lerobot_type"] == "lingbot_va" and meta["guidance"] == 5.0
+            assert set(meta["observation_keys"]) == {
+                "observation.images.top",
+                "observation.images.wrist",
+                "observation.state",
+                "task",
+            }
+            actions = np.asarray(robot.infer(dict(obs))["actions"])
+    finally:
+        lc.kubectl("delete", "policyserver", "lingbot", "--wait=false")
+    assert actions.shape == tuple(meta["chunk_shape"]) and np.isfinite(actions).all()
+    assert np.array_equal(actions, expected), np.abs(actions - expected).max()
