@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import os
 import platform
@@ -41,9 +42,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from harness import free_port, stop_group
+from harness import serve as serve_policy
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
-from runtime import free_port, split_variant, stop_group, wait_ready
+from runtime import split_variant
 
 VARIANTS = ("loop", "spin", "sleep", "spin-awake")
 AWAKE_MS = 1.0  # spin-awake: the loop ticks every TICK_MS over the last AWAKE_MS of the wait
@@ -149,49 +152,48 @@ def main() -> None:
 
     from policy_operator.runtime.client import run_client
 
-    servers: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
-    try:
-        for variant in args.variants.split(","):
-            port = free_port()
-            cmd = [
-                sys.executable,
-                __file__,
-                "--serve",
-                variant,
-                "--port",
-                str(port),
-                "--compute-ms",
-                str(args.compute_ms),
-            ]
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
-            wait_port(port)
-            servers[f"floor, {variant}"] = (f"ws://127.0.0.1:{port}", proc)
-        for variant in args.serve_variant if args.checkpoint else []:
-            env, words = split_variant(variant)
-            port = free_port()
-            cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", args.checkpoint]
-            cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
-            cmd += [*shlex.split(args.serve_args), *words]
-            name = f"policyserver serve {variant}".strip()
-            proc = subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env
-            )
-            servers[name] = (f"ws://127.0.0.1:{port}", proc)
-            wait_ready(proc, port, lambda proc=proc: proc.stderr.read().decode() if proc.stderr else "")
-        over: dict[str, list[float]] = {name: [] for name in servers}
-        compute: dict[str, list[float]] = {name: [] for name in servers}
-        for url, _ in servers.values():
-            run_client(url, 20)  # warm: the connection path, the real server's graphs
-        for _ in range(args.rounds):
-            for name, (url, _) in servers.items():
-                s = run_client(url, args.n)
-                if s["errors"]:
-                    raise RuntimeError(f"{name}: {s['errors'][:3]}")
-                over[name] += [r["rtt_ms"] - r["infer_ms"] for r in s["records"]]
-                compute[name] += [r["infer_ms"] for r in s["records"]]
-    finally:
-        for _, proc in servers.values():
-            stop_group(proc)
+    urls: dict[str, str] = {}  # every server, floors and real ones, by name
+    floors: list[subprocess.Popen[bytes]] = []
+    with contextlib.ExitStack() as real_servers:
+        try:
+            for variant in args.variants.split(","):
+                port = free_port()
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--serve",
+                    variant,
+                    "--port",
+                    str(port),
+                    "--compute-ms",
+                    str(args.compute_ms),
+                ]
+                floors.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True))
+                wait_port(port)
+                urls[f"floor, {variant}"] = f"ws://127.0.0.1:{port}"
+            for variant in args.serve_variant if args.checkpoint else []:
+                env, words = split_variant(variant)
+                name = f"policyserver serve {variant}".strip()
+                served = real_servers.enter_context(
+                    serve_policy(
+                        args.checkpoint, env=env, flags=[*shlex.split(args.serve_args), *words], log_level="WARNING"
+                    )
+                )
+                urls[name] = served.url
+            over: dict[str, list[float]] = {name: [] for name in urls}
+            compute: dict[str, list[float]] = {name: [] for name in urls}
+            for url in urls.values():
+                run_client(url, 20)  # warm: the connection path, the real server's graphs
+            for _ in range(args.rounds):
+                for name, url in urls.items():
+                    s = run_client(url, args.n)
+                    if s["errors"]:
+                        raise RuntimeError(f"{name}: {s['errors'][:3]}")
+                    over[name] += [r["rtt_ms"] - r["infer_ms"] for r in s["records"]]
+                    compute[name] += [r["infer_ms"] for r in s["records"]]
+        finally:
+            for proc in floors:
+                stop_group(proc)
     lines = [
         f"# One robot's round trip over the compute: floor servers against the real server ({platform.machine()}, "
         f"{os.cpu_count()} cores)",
@@ -203,7 +205,7 @@ def main() -> None:
         "| server | compute p50 ms | over compute p50 ms | p10 | p90 |",
         "|---|---:|---:|---:|---:|",
     ]
-    for name in servers:
+    for name in urls:
         o = np.asarray(over[name])
         lines.append(
             f"| {name} | {np.percentile(compute[name], 50):.2f} | {np.percentile(o, 50):.3f} | "
