@@ -190,7 +190,8 @@ def test_a_repository_the_hub_lacks_fails_before_any_server_pod(cluster: LocalCl
     assert ready["status"] == "False" and ready["reason"] == "SourceNotFound", ready
     assert "config.json vlm_model_name names lab/not-on-the-hub, which the server needs offline" in ready["message"]
     job = lc.get("batch/v1", "jobs", status["checkpoint"]["jobName"]) or {}
-    failed = next((c for c in (job.get("status") or {}).get("conditions") or [] if c.get("type") == "Failed"), {})
+    conditions = (job.get("status") or {}).get("conditions") or []
+    failed: dict[str, Any] = next((c for c in conditions if c.get("type") == "Failed"), {})
     assert failed.get("reason") == "PodFailurePolicy", job.get("status")  # exit 6 is FETCH_FATAL: the Job's own rule
     wait_for(
         lambda: any(
