@@ -30,6 +30,7 @@ fair baseline when each rank owns one core; a GPU run compares one GPU per rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -42,10 +43,12 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from harness import free_port, stop_group, wait_ready  # bench/ is sys.path[0] when a benchmark runs as a script
+from harness import free_port as free_port  # the scripts that still take these from here
+from harness import serve  # bench/ is sys.path[0] when a benchmark runs as a script
+from harness import stop_group as stop_group
+from harness import wait_ready as wait_ready
 from prometheus_client.parser import text_string_to_metric_families
 from report import publish
 
@@ -81,64 +84,38 @@ class Server:
         event_loop: str = "auto",
         frontend: str = "inline",
     ) -> None:
-        self.port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "policy_operator.cli",
-            "serve",
-            "--checkpoint",
-            str(checkpoint),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--cfgp",
-            str(cfgp),
-            "--dp",
-            str(dp),
-            "--steps",
-            str(args.steps),
-            "--guidance",
-            "3.0",
-            "--device",
-            args.device,
-            "--dtype",
-            args.dtype,
-            "--cfg-mode",
-            cfg_mode,
-            "--log-level",
-            "INFO" if args.server_log else "WARNING",
-            "--max-batch",
-            str(max_batch),
-            "--batch-window-ms",
-            str(args.batch_window_ms),
-            "--event-loop",
-            event_loop,
-            *frontend_argv(frontend),
-        ]
-        if args.device == "cpu":
-            cmd += ["--threads", "1"]
-        if args.compile:
-            cmd += ["--compile", args.compile]
-        if args.backend != "auto":
-            cmd += ["--backend", args.backend]
-        if args.share_gpu:
-            cmd += ["--share-gpu"]
-        cmd += shlex.split(args.serve_args)
         started = time.monotonic()
-        # --server-log: the server's INFO log (its start phases) in a file; nothing else reads a pipe this long
-        self.log = Path(args.server_log) / f"server-{self.port}.log" if args.server_log else None
+        port = free_port()
+        # --server-log: the server's INFO log (its start phases) in a file; else its last words, should it fail
+        self.log = Path(args.server_log) / f"server-{port}.log" if args.server_log else None
         if self.log is not None:
             self.log.parent.mkdir(parents=True, exist_ok=True)
-        err: Any = self.log.open("wb") if self.log is not None else subprocess.PIPE
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-        if self.log is not None:
-            err.close()  # the server writes its own copy of the descriptor
-        log = self.log
-        wait_ready(
-            self.proc, self.port, lambda: log.read_text() if log is not None else self.proc.stderr.read().decode()
+        log = self.log or Path(tempfile.mkdtemp(prefix="bench-server-")) / "server.log"
+        self._stack = contextlib.ExitStack()
+        served = self._stack.enter_context(
+            serve(
+                checkpoint,
+                port=port,
+                log=log,
+                flags=[*frontend_argv(frontend), *shlex.split(args.serve_args)],
+                cfgp=cfgp,
+                dp=dp,
+                steps=args.steps,
+                guidance=3.0,
+                device=args.device,
+                dtype=args.dtype,
+                cfg_mode=cfg_mode,
+                log_level="INFO" if args.server_log else "WARNING",
+                max_batch=max_batch,
+                batch_window_ms=args.batch_window_ms,
+                event_loop=event_loop,
+                threads=1 if args.device == "cpu" else None,
+                compile=args.compile,
+                backend=None if args.backend == "auto" else args.backend,
+                share_gpu=args.share_gpu,
+            )
         )
+        self.proc, self.port = served.proc, served.port
         self.ready_s = time.monotonic() - started  # process start to /readyz ready: load, compile, warm-up
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
             families = text_string_to_metric_families(r.read().decode())
@@ -157,7 +134,7 @@ class Server:
         )
 
     def close(self) -> None:
-        stop_group(self.proc)
+        self._stack.close()  # the harness stops the server's process group
 
 
 def fixed_seed_actions(url: str) -> np.ndarray:
