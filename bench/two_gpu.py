@@ -15,9 +15,9 @@ request that fails inside one rank's compute leave both cfgp=2 ranks alive.  On 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,8 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-
-from runtime import stop_group  # bench/ is sys.path[0] when a benchmark runs as a script
+from harness import serve  # bench/ is sys.path[0] when a benchmark runs as a script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,37 +74,26 @@ def main() -> int:
         NCCL_NVLS_ENABLE="0",
         PYTHONPATH=str(REPO / "tests" / "support"),
     )  # the planted-failure policy
-    cmd = [
-        sys.executable,
-        "-m",
-        "policy_operator.cli",
-        "serve",
-        "--checkpoint",
-        str(ckpt),
-        "--cfgp",
-        "2",
-        "--device",
-        args.device,
-        "--pg-timeout-s",
-        str(args.pg_timeout_s),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.port),
-        "--policy",
-        "faulty_policy:FaultyPolicy",
-        "--log-level",
-        "WARNING",
-    ]
-    proc = subprocess.Popen(cmd, env=env, cwd=tempfile.gettempdir(), start_new_session=True)
     results: list[tuple[str, bool, str]] = []
-    try:
-        deadline = time.monotonic() + 300
-        while readyz(args.port)[0] != 200:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                print("server did not become ready", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(
+                serve(
+                    ckpt,
+                    port=args.port,
+                    env=env,
+                    ready_timeout_s=300,
+                    cfgp=2,
+                    device=args.device,
+                    pg_timeout_s=args.pg_timeout_s,
+                    policy="faulty_policy:FaultyPolicy",
+                    log_level="WARNING",
+                )
+            )
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"server did not become ready: {exc}", file=sys.stderr)
+            return 1
+        proc = server.proc
         sys.path.insert(0, str(REPO))
         from tests.support.servers import rank_pids  # /readyz publishes no PIDs: read them from the processes
 
@@ -127,8 +115,6 @@ def main() -> int:
         status, _ = readyz(args.port)
         alive = status == 200 and rank_pids(proc.pid) == pids
         results.append(("both ranks alive, same pids, /readyz 200", alive, str(pids)))
-    finally:
-        stop_group(proc)
     print(f"\n| check ({args.device}, cfgp=2) | result | detail |\n|---|---|---|")
     for name, ok, detail in results:
         print(f"| {name} | {'pass' if ok else 'FAIL'} | {detail} |")
