@@ -28,6 +28,7 @@ class Result:
     replica: int = 0
     decode_ms: float = 0.0
     prepare_ms: float = 0.0
+    stages: tuple[tuple[str, float], ...] = ()  # its batch's compute by stage, seconds (Policy.stage_seconds)
 
     @classmethod
     def failed(cls, exc: BaseException) -> Result:

@@ -139,3 +139,38 @@ def test_smolvlm_positions_without_the_mask_assignment_are_transformers_own() ->
     partial[2, :, 2:] = False  # a narrower one
     for mask in (full, partial):
         assert torch.equal(ours(pixels, mask), theirs(pixel_values=pixels, patch_attention_mask=mask))
+
+
+def test_a_batch_reports_its_stages_to_the_replicas_outcome_and_metrics(checkpoint: tuple[str, Path]) -> None:
+    """/metrics' policy_stage_seconds: each request's Outcome carries its batch's prefix, denoise and postprocess
+    time from the policy, and the server's histogram takes them (with decode, prepare and reply)."""
+    from policy_operator.layout import ParallelLayout
+    from policy_operator.runtime.parallel.dispatch import Batch, InferenceRequest, Replica
+    from policy_operator.runtime.parallel.groups import Groups
+    from policy_operator.runtime.parallel.heartbeat import Heartbeat, MemoryKV
+    from policy_operator.runtime.policy.sampler import SamplerSettings
+    from policy_operator.runtime.serving.metrics import ServerMetrics
+
+    family, root = checkpoint
+    policy = LeRobotPolicy.load(str(root), device=CPU)
+    assert policy.stage_seconds() == {}  # no batch ran yet
+    replica = Replica(
+        policy,
+        Groups(ParallelLayout(1, 1), 0),
+        SamplerSettings(steps=None, guidance=None, cfg_mode="sequential", buckets=(2,)),
+        Heartbeat(MemoryKV, 0, 1.0),  # never started: nothing is published
+    )
+    requests = tuple(
+        InferenceRequest(f"robot-{k}", policy.stack_history([policy.prepare(policy.example_observation(k))] * n), k)
+        for k, n in enumerate([policy.history] * 2)
+    )
+    outcomes = replica.answer(Batch(requests))
+    stages = dict(outcomes[0].stages)
+    assert list(stages) == ["prefix", "denoise", "postprocess"] and all(v > 0 for v in stages.values())
+    assert outcomes[1].stages == outcomes[0].stages  # the batch's, for each of its requests
+    assert sum(stages.values()) <= outcomes[0].infer_ms / 1e3
+    metrics = ServerMetrics(ParallelLayout(1, 1))
+    metrics.observe_stages({"decode": 1e-4, **stages})
+    text = metrics.render().decode()
+    for stage in ("decode", "prefix", "denoise", "postprocess"):
+        assert f'policy_stage_seconds_count{{stage="{stage}"}} 1.0' in text

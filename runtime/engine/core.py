@@ -357,6 +357,7 @@ class Engine:
                 ran.replica,
                 routed.request.decode_ms,
                 routed.request.prepare_ms + routed.prepare_ms,
+                outcome.stages,
             )
         )
 

@@ -94,6 +94,7 @@ class Outcome:
     actions: np.ndarray | None = None
     error_kind: ErrorKind | None = None
     error: str = ""
+    stages: tuple[tuple[str, float], ...] = ()  # the batch's compute by stage, seconds (Policy.stage_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,13 +261,24 @@ class Replica:
                 log.exception("batch of %d (%s) failed on replica %d", len(ids), ", ".join(ids), self.groups.dp_index)
             failed_ms = (time.perf_counter() - start) * 1e3
             return [Outcome(i, failed_ms, error_kind=kind, error=f"{type(exc).__name__}: {exc}") for i in ids]
-        return [self._checked(i, a, infer_ms) for i, a in zip(ids, actions, strict=True)]
+        stages = self._stages()
+        return [self._checked(i, a, infer_ms, stages) for i, a in zip(ids, actions, strict=True)]
 
-    def _checked(self, request_id: str, actions: np.ndarray, infer_ms: float) -> Outcome:
+    def _stages(self) -> tuple[tuple[str, float], ...]:
+        """The policy's split of the batch it just ran; none when it has none or cannot say (never a failure)."""
+        try:
+            return tuple((str(k), float(v)) for k, v in self.policy.stage_seconds().items())
+        except Exception:  # noqa: BLE001 - a timing, not an answer: the request keeps its actions
+            log.warning("policy %s: stage_seconds failed", self.policy.name, exc_info=True)
+            return ()
+
+    def _checked(
+        self, request_id: str, actions: np.ndarray, infer_ms: float, stages: tuple[tuple[str, float], ...] = ()
+    ) -> Outcome:
         """The Outcome of one request of a batch: its actions, unless they hold NaN or inf (only it fails)."""
         bad = int(np.size(actions) - np.count_nonzero(np.isfinite(actions)))
         if not bad:
-            return Outcome(request_id, infer_ms, actions)
+            return Outcome(request_id, infer_ms, actions, stages=stages)
         error = NonFiniteActions(
             f"the policy produced {bad} NaN or inf values in its {np.shape(actions)} actions; none were sent"
         )

@@ -274,6 +274,12 @@ class Policy(ABC):
         host = x.cpu()
         return [self.postprocess(host[i : i + 1]) for i in range(host.shape[0])]
 
+    def stage_seconds(self) -> Mapping[str, float]:
+        """Optional: the last batch's compute split by stage name (e.g. ``prefix``, ``denoise``,
+        ``postprocess``), read once ``postprocess_batch`` returned; /metrics' ``policy_stage_seconds`` shows
+        them.  Empty by default."""
+        return {}
+
     def compile(self, mode: str = "default") -> None:  # noqa: B027 - optional: the default compiles nothing
         """Optional speed-up hook (``--compile``), e.g. torch.compile of the denoiser."""
 

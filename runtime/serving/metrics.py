@@ -13,6 +13,8 @@ and tests/test_autoscaling.py fail when a query names one that is not here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -22,6 +24,7 @@ from policy_operator.layout import ParallelLayout
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the serve flag --max-batch is at most 256
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, *LATENCY_BUCKETS[:-2])  # decode and prepare take tens of microseconds
 
 
 class ServerMetrics:
@@ -75,6 +78,14 @@ class ServerMetrics:
             "Requests per batch a replica ran (one sampler call)",
             ["replica"],
             buckets=BATCH_SIZE_BUCKETS,
+            registry=self.registry,
+        )
+        self.stages = Histogram(
+            "policy_stage_seconds",
+            "Where an answered request's time went, by stage: decode and prepare (its own), prefix, denoise and "
+            "postprocess (its batch's compute, as the policy splits it), reply (writing its answer)",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
             registry=self.registry,
         )
         self.errors = Counter("policy_request_errors", "Failed requests by kind", ["kind"], registry=self.registry)
@@ -184,6 +195,11 @@ class ServerMetrics:
         requests.inc()
         infer.observe(infer_s)
         self.queue.observe(queue_s)
+
+    def observe_stages(self, seconds: Mapping[str, float]) -> None:
+        """An answered request's stages (policy_stage_seconds): on the event loop, once per request."""
+        for stage, value in seconds.items():
+            self.stages.labels(stage).observe(value)
 
     def observe_batch(self, replica: int, size: int) -> None:
         self._replicas[replica][2].observe(size)

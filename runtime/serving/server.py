@@ -302,10 +302,15 @@ class PolicyWebSocketServer:
                 finally:
                     self.metrics.in_flight.dec()
                 self.metrics.observe_request(reply.replica, reply.infer_ms / 1e3, reply.queue_ms / 1e3)
-                frame = reply_frame(reply, prev_total_ms, (time.perf_counter() - started) * 1e3)
+                replying = time.perf_counter()
+                frame = reply_frame(reply, prev_total_ms, (replying - started) * 1e3)
                 if not await self._send(ws, wire.packb(frame)):
                     return
                 prev_total_ms = (time.perf_counter() - started) * 1e3
+                self.metrics.observe_stages(
+                    {"decode": reply.decode_ms / 1e3, "prepare": reply.prepare_ms / 1e3, **dict(reply.stages)}
+                    | {"reply": time.perf_counter() - replying}
+                )
                 self.metrics.latency.observe(prev_total_ms / 1e3)
                 if ws.latency > 0:  # 0 until the first keepalive ping of this connection came back
                     self.metrics.network_rtt.observe(ws.latency)

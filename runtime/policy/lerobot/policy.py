@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +32,8 @@ from policy_operator.runtime.policy.lerobot.loading import Loaded, load_pretrain
 from policy_operator.runtime.policy.lerobot.relative_actions import STATE_KEY, RelativeActions
 from policy_operator.runtime.policy.lerobot.staging import DeviceStaging, TokenCache
 from policy_operator.runtime.policy.lerobot.wire import ObservationSpec
+
+STAGES = ("prefix", "denoise", "postprocess")  # stage_seconds' names, in order
 
 
 class LeRobotPolicy(Policy):
@@ -68,6 +71,7 @@ class LeRobotPolicy(Policy):
         staged = self.device_preprocessing and self.family.device_preprocessing
         self._staging = DeviceStaging.of(self.spec, loaded.preprocessor) if staged else None
         self._tokens = TokenCache.install(loaded.preprocessor)
+        self._marks: list[torch.cuda.Event | float] = []  # the running batch's stage boundaries (stage_seconds)
         self._integrator = functools.lru_cache(maxsize=8)(self.family.integrator)
         self._relative = RelativeActions.of(loaded.preprocessor, loaded.postprocessor)
         self._normalizers, self.rtc_unsupported_reason = self._rtc_back()
@@ -161,9 +165,39 @@ class LeRobotPolicy(Policy):
             if k != STATE_KEY
         }
         with torch.inference_mode():
+            if branch is Branch.COND:
+                self._marks = [self._mark()]
             if self._staging is not None:
                 batch = self._staging.finish(batch)
-            return self._prefix(batch) if branch is Branch.COND else self.family.unconditional(batch)
+            if branch is not Branch.COND:
+                return self.family.unconditional(batch)
+            context = self._prefix(batch)
+            self._marks.append(self._mark())
+            return context
+
+    def _mark(self) -> torch.cuda.Event | float:
+        """A point in the batch's device work (stage_seconds): a CUDA event on a GPU, read once the batch's
+        answer is on the host (no sync of its own), else the host clock."""
+        if self._device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stage_seconds(self) -> dict[str, float]:
+        """The last batch's prefix (cameras staged + vision tower + VLM prefix, or the family's conditioning),
+        denoise (the step loop) and postprocess (unnormalize + the copy to the host)."""
+        marks = self._marks
+        if len(marks) != 4:
+            return {}
+
+        def seconds(a: torch.cuda.Event | float, b: torch.cuda.Event | float) -> float:
+            if isinstance(a, float) and isinstance(b, float):
+                return b - a
+            assert isinstance(a, torch.cuda.Event) and isinstance(b, torch.cuda.Event)
+            return float(a.elapsed_time(b)) / 1e3
+
+        return {stage: seconds(marks[i], marks[i + 1]) for i, stage in enumerate(STAGES)}
 
     def guided_steps(self, steps: int) -> tuple[bool, ...]:
         plan = self.family.guided_steps(steps)
@@ -180,6 +214,8 @@ class LeRobotPolicy(Policy):
         return noise.to(self._device, dtype=self.family.noise_dtype or self.dtype)
 
     def postprocess_batch(self, x: torch.Tensor, sample: Sample | None = None) -> list[np.ndarray]:
+        if len(self._marks) == 2:  # the step loop's end
+            self._marks.append(self._mark())
         with torch.inference_mode():
             chunk = self.family.finish(x).float()  # the saved statistics are float32
             if self._relative is None:
@@ -192,6 +228,11 @@ class LeRobotPolicy(Policy):
             else:
                 actions = self._relative.postprocess(self.loaded.postprocessor, chunk, sample.tensors[STATE_KEY])
         host = actions.float().cpu().numpy()
+        if len(self._marks) == 3:
+            end = self._mark()
+            if isinstance(end, torch.cuda.Event):
+                end.synchronize()  # recorded after the copy that already waited: nothing left to wait for
+            self._marks.append(end)
         return [host[i] for i in range(host.shape[0])]
 
     def postprocess(self, x: torch.Tensor) -> np.ndarray:
