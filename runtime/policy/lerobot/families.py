@@ -107,8 +107,8 @@ class Family(ABC):
         remote code)."""
         return contextlib.nullcontext()
 
-    @classmethod
-    def pipelines_loaded(cls, preprocessor: Any, root: Path) -> None:  # noqa: B027 - optional: nothing by default
+    @classmethod  # noqa: B027 - optional: nothing by default
+    def pipelines_loaded(cls, preprocessor: Any, root: Path) -> None:
         """After the saved pipelines loaded: what their steps need from the checkpoint at ``root``."""
 
     def __init__(self, policy: Any) -> None:
