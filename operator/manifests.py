@@ -386,7 +386,12 @@ def _fetch_container(spec: PolicyServerSpec) -> tuple[V1Container, list[V1Volume
     """The fetch container and the volumes it needs besides the cache and /tmp (the checkpoint token)."""
     ck = spec.checkpoint
     env = _home_env()
-    mounts = [_mount(VOL_CACHE, CACHE_MOUNT_PATH), _mount(VOL_TMP, TMP_PATH)]
+    mounts = [
+        _mount(VOL_CACHE, CACHE_MOUNT_PATH),
+        # the compile artifacts are the server pods' (issue 39): the download cannot write them
+        _mount(VOL_CACHE, f"{CACHE_MOUNT_PATH}/{COMPILE_CACHE_DIR}", read_only=True, sub_path=COMPILE_CACHE_DIR),
+        _mount(VOL_TMP, TMP_PATH),
+    ]
     volumes: list[V1Volume] = []
     if ck.secret_ref is not None:
         volumes.append(_secret_volume(VOL_CHECKPOINT_TOKEN, ck.secret_ref.name, ck.secret_ref.key))

@@ -650,6 +650,12 @@ def test_the_compile_directory_and_key_are_the_policyservers_own() -> None:
     for job in (M.build_fetch_job(spec), M.build_gc_job(spec, spec.checkpoint.key)):
         job_pod = job["spec"]["template"]["spec"]
         assert all("compile" not in v["name"] for v in job_pod["volumes"]), job_pod["volumes"]
+    # the download cannot write the compile directory, in the fetch Job nor in a perPod pod's fetch init container
+    per_pod = M.build_statefulset(spec_of(base(storage={"mode": "perPod"})))["spec"]["template"]["spec"]
+    for fetch in (M.build_fetch_job(spec)["spec"]["template"]["spec"]["containers"][0], per_pod["initContainers"][0]):
+        assert fetch["name"] == M.FETCH_CONTAINER
+        (over,) = [m for m in fetch["volumeMounts"] if m["mountPath"] == f"{C.CACHE_MOUNT_PATH}/{C.COMPILE_CACHE_DIR}"]
+        assert over == {**over, "readOnly": True, "subPath": C.COMPILE_CACHE_DIR}, over
     secret = M.build_compile_key_secret(spec, "ab" * 32)
     assert secret["type"] == "Opaque" and secret["stringData"] == {M.COMPILE_KEY_DATA: "ab" * 32}
     assert secret["metadata"]["name"] == volume["secret"]["secretName"]
