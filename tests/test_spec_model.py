@@ -329,6 +329,9 @@ def test_extra_args_refuse_every_managed_flag_and_abbreviation_and_nothing_else(
             forms += [flag[:n] for n in range(3, len(flag))] + [f"{flag[:n]}=1" for n in range(3, len(flag))]
             for form in forms:
                 assert refused(base(runtime={"extraArgs": [form]})).path == "spec.runtime.extraArgs[0]", form
+        elif flag == serve_flags.COMPILE_KEY_FLAG:  # not a spec field, the operator's own key: refused too
+            for form in [*forms, "--compile-k", "--compile-key=/x"]:
+                assert refused(base(runtime={"extraArgs": [form]})).path == "spec.runtime.extraArgs[0]", form
         else:
             for form in forms:
                 parse(base(runtime={"extraArgs": [form]}))
