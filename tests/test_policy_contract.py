@@ -7,6 +7,7 @@ CFG and batched rows run other GEMM shapes (``ATOL``, as in test_batching).
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -218,8 +219,12 @@ def test_builtin_declarations_match_their_classes() -> None:
 def test_serve_refuses_guidance_for_a_policy_without_an_unconditional_branch(
     policyserver_main, tmp_path: Path, flags: list[str], words: str
 ) -> None:
+    # A local checkpoint of a family with no unconditional branch: the launch reads its type before torch (for a
+    # source not fetched yet and no --lerobot-family, only the loaded policy can tell, and it is checked then).
+    (tmp_path / "smolvla").mkdir()
+    (tmp_path / "smolvla" / "config.json").write_text(json.dumps({"type": "smolvla"}))
     result = policyserver_main(
-        "serve", "--checkpoint", str(tmp_path / "none"), "--host", "127.0.0.1", "--port", "0", *flags
+        "serve", "--checkpoint", str(tmp_path / "smolvla"), "--host", "127.0.0.1", "--port", "0", *flags
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
