@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
@@ -43,9 +44,9 @@ class Front(Protocol):
     """Rank 0's side of whoever serves the port."""
 
     label: str  # after the layout in the "listening on" line
-
-    def recent_sessions(self) -> int:
-        """Sessions that may send soon (the batch window waits for them)."""
+    # Bound to whoever counts or records them, so the request path calls the counter itself (no forwarding hop).
+    recent_sessions: Callable[[], int]  # sessions that may send soon (the batch window waits for them)
+    observe_batch: Callable[[int, int], None]  # (replica, size) of a batch as its lane starts it
 
     async def open(self, engine: Engine) -> None:
         """Start serving the port for ``engine`` (before the model loads: /healthz and /readyz answer at once)."""
@@ -58,8 +59,6 @@ class Front(Protocol):
 
     def observe_download(self, progress: FetchProgress) -> None:
         """The checkpoint's download progress, from the fetch's thread."""
-
-    def observe_batch(self, replica: int, size: int) -> None: ...
 
     def observe_buckets(self, seconds: dict[int, float]) -> None:
         """Warm-up's time per batch bucket (--latency-budget-ms), for every replica."""
@@ -86,9 +85,8 @@ class InlineFront:
         self.heartbeat_s = heartbeat_s
         self.sessions = Sessions()
         self.server: PolicyWebSocketServer | None = None  # made by open(), with the engine
-
-    def recent_sessions(self) -> int:
-        return self.sessions.recent()
+        self.recent_sessions = self.sessions.recent
+        self.observe_batch = metrics.observe_batch
 
     async def open(self, engine: Engine) -> None:
         self.server = PolicyWebSocketServer(FrontEnd(engine), self.config, self.metrics, self.sessions)
@@ -103,9 +101,6 @@ class InlineFront:
 
     def observe_download(self, progress: FetchProgress) -> None:
         self.metrics.observe_download(progress)
-
-    def observe_batch(self, replica: int, size: int) -> None:
-        self.metrics.observe_batch(replica, size)
 
     def observe_buckets(self, seconds: dict[int, float]) -> None:
         for k in range(self.dp):
@@ -185,6 +180,7 @@ class ProcessFront:
         self.heartbeat = heartbeat
         self.lifecycle = lifecycle
         self.engine: Engine | None = None  # set by open()
+        self.observe_batch = links[0].observe_batch  # the first front-end process's metrics count the batches
         if len(links) + len(later) > 1:
             self.label = f", {len(links) + len(later)} front-end processes"
 
@@ -206,7 +202,7 @@ class ProcessFront:
                 os.close(counts_fd)
         return cls(links, later, metrics_dir, counts_fd if later else None, heartbeat, lifecycle)
 
-    def recent_sessions(self) -> int:
+    def recent_sessions(self) -> int:  # every front-end process's latest count
         return sum(link.recent_sessions for link in self.links)
 
     async def open(self, engine: Engine) -> None:
@@ -258,9 +254,6 @@ class ProcessFront:
 
     def observe_download(self, progress: FetchProgress) -> None:
         self.links[0].observe_download(progress)
-
-    def observe_batch(self, replica: int, size: int) -> None:
-        self.links[0].observe_batch(replica, size)
 
     def observe_buckets(self, seconds: dict[int, float]) -> None:
         self.links[0].send(ipc.Gauges(buckets=seconds))

@@ -41,7 +41,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -149,7 +149,7 @@ class Engine:
 
     def expected(self) -> int:
         """Requests likely to arrive within a batch window: recent sessions with nothing routed, or in prepare."""
-        return max(self._preparing, self._recent_sessions() - self.router.total_in_flight())
+        return max(self._preparing, self._recent_sessions() - sum(self.router.in_flight))
 
     @property
     def accepting(self) -> bool:
@@ -173,15 +173,9 @@ class Engine:
         )
         return meta
 
-    def _ranks(self, fresh: bool = False) -> list[RankReadiness]:
-        """The board, read at most ``ROUTING_SNAPSHOT_S`` ago (``fresh``: now)."""
-        now = self.clock()
-        if fresh or self._snapshot is None or now - self._snapshot[0] > ROUTING_SNAPSHOT_S:
-            self._snapshot = (now, self.board.snapshot())
-        return self._snapshot[1]
-
     def readiness(self) -> Readiness:
-        ranks = self._ranks(fresh=True)
+        ranks = self.board.snapshot()
+        self._snapshot = (self.clock(), ranks)  # the routing snapshot too: it is the freshest there is
         failed = "; ".join(f"replica {k} failed: {why}" for k, why in sorted(self.failed.items()))
         return Readiness(
             ready=all_ranks_ready(ranks, self.layout.world_size) and self.accepting,
@@ -199,16 +193,16 @@ class Engine:
     def replica_problems(self) -> list[str | None]:
         """Per replica, why it may not take a request now (a failure, a rank not fresh and warm), or None.
 
-        Of the routing snapshot, computed once per snapshot (and per failure).
+        Of the routing snapshot (the board, read at most ``ROUTING_SNAPSHOT_S`` ago), computed once per snapshot
+        (and per failure).
         """
-        ranks = self._ranks()
-        assert self._snapshot is not None
-        key = (self._snapshot[0], len(self.failed))
-        if self._problems is None or self._problems[0] != key:
-            self._problems = (key, self._problems_of(ranks))
-        return self._problems[1]
-
-    def _problems_of(self, ranks: Sequence[RankReadiness]) -> list[str | None]:
+        now = self.clock()
+        if self._snapshot is None or now - self._snapshot[0] > ROUTING_SNAPSHOT_S:
+            self._snapshot = (now, self.board.snapshot())
+        taken, ranks = self._snapshot
+        key = (taken, len(self.failed))
+        if self._problems is not None and self._problems[0] == key:
+            return self._problems[1]
         problems: list[str | None] = []
         for k in range(self.layout.dp):
             if k in self.failed:
@@ -216,6 +210,7 @@ class Engine:
                 continue
             waiting = [f"rank {r.rank} {r.state.value}" for r in ranks if r.rank in self._members[k] and not r.ready]
             problems.append(f"replica {k}: {', '.join(waiting)}" if waiting else None)
+        self._problems = (key, problems)
         return problems
 
     def _replica_failed(self, index: int, reason: str) -> None:

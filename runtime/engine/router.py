@@ -43,7 +43,7 @@ class Router:
 
         ``usable[i]`` False keeps replica ``i`` out; at least one must be usable (ValueError).
         """
-        n = self.replicas
+        n = len(self.in_flight)
         allowed = [i for i in range(n) if usable is None or usable[i]]
         if not allowed:
             raise ValueError("no usable replica")

@@ -261,29 +261,25 @@ class Replica:
                 log.exception("batch of %d (%s) failed on replica %d", len(ids), ", ".join(ids), self.groups.dp_index)
             failed_ms = (time.perf_counter() - start) * 1e3
             return [Outcome(i, failed_ms, error_kind=kind, error=f"{type(exc).__name__}: {exc}") for i in ids]
-        stages = self._stages()
-        return [self._checked(i, a, infer_ms, stages) for i, a in zip(ids, actions, strict=True)]
-
-    def _stages(self) -> tuple[tuple[str, float], ...]:
-        """The policy's split of the batch it just ran; none when it has none or cannot say (never a failure)."""
-        try:
-            return tuple((str(k), float(v)) for k, v in self.policy.stage_seconds().items())
-        except Exception:  # noqa: BLE001 - a timing, not an answer: the request keeps its actions
+        try:  # the policy's split of the batch it just ran: a timing, never a failure of the answer
+            stages = tuple((str(k), float(v)) for k, v in self.policy.stage_seconds().items())
+        except Exception:  # noqa: BLE001 - a timing, not an answer: the requests keep their actions
             log.warning("policy %s: stage_seconds failed", self.policy.name, exc_info=True)
-            return ()
-
-    def _checked(
-        self, request_id: str, actions: np.ndarray, infer_ms: float, stages: tuple[tuple[str, float], ...] = ()
-    ) -> Outcome:
-        """The Outcome of one request of a batch: its actions, unless they hold NaN or inf (only it fails)."""
-        bad = int(np.size(actions) - np.count_nonzero(np.isfinite(actions)))
-        if not bad:
-            return Outcome(request_id, infer_ms, actions, stages=stages)
-        error = NonFiniteActions(
-            f"the policy produced {bad} NaN or inf values in its {np.shape(actions)} actions; none were sent"
-        )
-        log.warning("request %s on replica %d: %s", request_id, self.groups.dp_index, error)
-        return Outcome(request_id, infer_ms, error_kind=error.kind, error=f"{type(error).__name__}: {error}")
+            stages = ()
+        outcomes: list[Outcome] = []
+        for request_id, chunk in zip(ids, actions, strict=True):  # only a request whose actions hold NaN/inf fails
+            bad = int(np.size(chunk) - np.count_nonzero(np.isfinite(chunk)))
+            if not bad:
+                outcomes.append(Outcome(request_id, infer_ms, chunk, stages=stages))
+                continue
+            error = NonFiniteActions(
+                f"the policy produced {bad} NaN or inf values in its {np.shape(chunk)} actions; none were sent"
+            )
+            log.warning("request %s on replica %d: %s", request_id, self.groups.dp_index, error)
+            outcomes.append(
+                Outcome(request_id, infer_ms, error_kind=error.kind, error=f"{type(error).__name__}: {error}")
+            )
+        return outcomes
 
     def fail(self, reason: str) -> None:
         """Take this rank's replica out of service for good: ``failed`` in /readyz, loops end, the rank exits."""

@@ -142,14 +142,13 @@ class BoundedConnection(ServerConnection):
     _completed = False  # a data frame with FIN (a whole message) arrived in the chunk being processed
 
     def data_received(self, data: bytes) -> None:
+        """The chunk parsed, then the budget told the bytes of the message being received: the fragments already
+        parsed (websockets counts them for its own ``max_size``; None between messages) and the partial frame in
+        the parser's buffer."""
         self._completed = False
         super().data_received(data)
-        self.budget.update(self, self.unfinished_bytes(), self._completed)
-
-    def unfinished_bytes(self) -> int:
-        """Bytes of the message being received: the fragments already parsed (websockets counts them for its
-        own ``max_size``; None between messages) and the partial frame in the parser's buffer."""
-        return (self.protocol.current_size or 0) + len(self.protocol.reader.buffer)
+        unfinished = (self.protocol.current_size or 0) + len(self.protocol.reader.buffer)
+        self.budget.update(self, unfinished, self._completed)
 
     def process_event(self, event: Event) -> None:
         if isinstance(event, Frame) and event.fin and event.opcode in DATA_OPCODES:

@@ -145,7 +145,8 @@ class MPClient:
 
     def _send(self, request_id: int, slot: int, request: PreparedRequest, future: asyncio.Future[Result]) -> None:
         try:
-            message = ipc.request_of(request_id, slot, self.ring, request, self._reported(self._recent_sessions()))
+            self._recent_reported = recent = self._recent_sessions()  # the count the model process will have
+            message = ipc.request_of(request_id, slot, self.ring, request, recent)
         except Exception as exc:  # noqa: BLE001 - one request fails (a sample larger than a slot), the server carries on
             self._release([slot])
             if not future.done():
@@ -164,10 +165,6 @@ class MPClient:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _reported(self, recent: int) -> int:
-        self._recent_reported = recent
-        return recent
-
     async def report_recent_sessions(self) -> None:
         """Tell the model process when this process's recent sessions changed between requests.  Each request
         carries the count; but a session that closed, or went quiet, sends none, and with several front-ends
@@ -176,8 +173,9 @@ class MPClient:
             await asyncio.sleep(RECENT_REPORT_S)
             recent = self._recent_sessions()
             if recent != self._recent_reported:
+                self._recent_reported = recent
                 try:
-                    self.channel.send(ipc.RecentSessions(self._reported(recent)))
+                    self.channel.send(ipc.RecentSessions(recent))
                 except ConnectionError:
                     return  # the model process is gone: serve() ends
 

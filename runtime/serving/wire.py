@@ -38,115 +38,100 @@ MAX_DEPTH = 16  # maps and lists inside each other
 MAX_STR_LEN = 1 << 20  # one string (keys, prompts); prompts are capped much lower by validation
 
 
-def _check_dtype(dtype: np.dtype) -> None:
-    if dtype.kind in _REFUSED_KINDS:
-        raise WireError(f"unsupported dtype {dtype.str!r} ({_REFUSED_KINDS[dtype.kind]} arrays are refused)")
-
-
-def _pack_default(obj: Any) -> Any:
-    if isinstance(obj, (np.ndarray, np.generic)):
-        _check_dtype(obj.dtype)
-    if isinstance(obj, np.ndarray):
-        return {
-            b"__ndarray__": True,
-            b"data": np.ascontiguousarray(obj).tobytes(),
-            b"dtype": obj.dtype.str,
-            b"shape": obj.shape,
-        }
-    if isinstance(obj, np.generic):
-        return {b"__npgeneric__": True, b"data": obj.item(), b"dtype": obj.dtype.str}
-    raise TypeError(f"cannot serialize {type(obj).__name__}")
-
-
-def _get(obj: dict, key: str) -> Any:
-    # openpi packs with bin keys (b"data"); other msgpack writers use str keys.
-    if key.encode() in obj:
-        return obj[key.encode()]
-    if key in obj:
-        return obj[key]
-    raise WireError(f"array map without {key!r}")
-
-
-def _wire_dtype(obj: dict, what: str) -> np.dtype:
+def _dtype(value: Any, what: str) -> np.dtype:
+    """``value`` as a dtype, refused where the wire carries no such arrays (object, void, complex)."""
     try:
-        dtype = np.dtype(_get(obj, "dtype"))
+        dtype = np.dtype(value)
     except TypeError as exc:
         raise WireError(f"bad dtype in {what}: {exc}") from exc
-    _check_dtype(dtype)
+    if dtype.kind in _REFUSED_KINDS:
+        raise WireError(f"unsupported dtype {dtype.str!r} ({_REFUSED_KINDS[dtype.kind]} arrays are refused)")
     return dtype
 
 
-def _unpack_hook(obj: dict) -> Any:
-    if b"__ndarray__" in obj or "__ndarray__" in obj:
-        dtype = _wire_dtype(obj, "array")
-        shape = _get(obj, "shape")
-        data = _get(obj, "data")
-        if (
-            not isinstance(shape, (list, tuple))
-            or len(shape) > MAX_NDIM
-            or not all(isinstance(d, int) and d >= 0 for d in shape)
-        ):
-            raise WireError(f"bad array shape {shape!r}")
-        if not isinstance(data, (bytes, bytearray)):
-            raise WireError("array data must be bytes")
-        expected = math.prod(shape) * dtype.itemsize
-        if len(data) != expected:
-            raise WireError(
-                f"array of shape {tuple(shape)} and dtype {dtype.str} needs {expected} bytes, got {len(data)}"
-            )
-        return np.ndarray(buffer=data, dtype=dtype, shape=tuple(shape))
-    if b"__npgeneric__" in obj or "__npgeneric__" in obj:
-        return _wire_dtype(obj, "scalar").type(_get(obj, "data"))
-    return obj
+def _pack_default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        dtype = _dtype(obj.dtype, "array")
+        return {
+            b"__ndarray__": True,
+            b"data": np.ascontiguousarray(obj).tobytes(),
+            b"dtype": dtype.str,
+            b"shape": obj.shape,
+        }
+    if isinstance(obj, np.generic):
+        return {b"__npgeneric__": True, b"data": obj.item(), b"dtype": _dtype(obj.dtype, "scalar").str}
+    raise TypeError(f"cannot serialize {type(obj).__name__}")
 
 
 packb = functools.partial(msgpack.packb, default=_pack_default, use_bin_type=True)
 
+_MISSING = object()
+_ARRAY_FIELDS = ("dtype", "shape", "data")
+_SCALAR_FIELDS = ("dtype", "data")
 
-class _Budget:
-    """Counts the maps and lists of one frame as msgpack builds them (its hooks run bottom-up, once each)."""
 
-    __slots__ = ("left",)
+def _array(obj: dict, fields: tuple[str, ...]) -> Any:
+    """An array map (``fields`` == ``_ARRAY_FIELDS``) or a numpy scalar map as its value.  openpi packs with bin
+    keys (``b"data"``); other msgpack writers use str keys."""
+    values = []
+    for key in fields:
+        value = obj.get(key.encode(), obj.get(key, _MISSING))
+        if value is _MISSING:
+            raise WireError(f"array map without {key!r}")
+        values.append(value)
+    if fields is _SCALAR_FIELDS:
+        return _dtype(values[0], "scalar").type(values[1])
+    dtype, shape, data = _dtype(values[0], "array"), values[1], values[2]
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) > MAX_NDIM
+        or not all(isinstance(d, int) and d >= 0 for d in shape)
+    ):
+        raise WireError(f"bad array shape {shape!r}")
+    if not isinstance(data, (bytes, bytearray)):
+        raise WireError("array data must be bytes")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise WireError(f"array of shape {tuple(shape)} and dtype {dtype.str} needs {expected} bytes, got {len(data)}")
+    return np.ndarray(buffer=data, dtype=dtype, shape=tuple(shape))
 
-    def __init__(self) -> None:
-        self.left = MAX_CONTAINERS
 
-    def _spend(self) -> None:
+class _Frame:
+    """msgpack's hooks for one frame: they count its maps and lists as msgpack builds them (bottom-up, once
+    each) and turn array and scalar maps into numpy values."""
+
+    left = MAX_CONTAINERS  # the instance's own count shadows this on the first container
+
+    def map(self, obj: dict) -> Any:
         self.left -= 1
         if self.left < 0:
             raise WireError(f"frame holds more than {MAX_CONTAINERS} maps and lists")
-
-    def map(self, obj: dict) -> Any:
-        self._spend()
-        return _unpack_hook(obj)
+        if b"__ndarray__" in obj or "__ndarray__" in obj:
+            return _array(obj, _ARRAY_FIELDS)
+        if b"__npgeneric__" in obj or "__npgeneric__" in obj:
+            return _array(obj, _SCALAR_FIELDS)
+        return obj
 
     def list(self, obj: list) -> Any:
-        self._spend()
+        self.left -= 1
+        if self.left < 0:
+            raise WireError(f"frame holds more than {MAX_CONTAINERS} maps and lists")
         return obj
 
 
-def _check_depth(obj: Any) -> None:
-    """Nesting at most ``MAX_DEPTH``: an explicit stack (at most MAX_CONTAINERS entries), never recursion, so
-    whatever later walks the frame recursively stays far from Python's recursion limit."""
-    stack = [(obj, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise WireError(f"frame nests maps and lists more than {MAX_DEPTH} deep")
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-
-
 def unpackb(data: bytes | str) -> Any:
-    """Decode one frame; any malformed input, a text frame included, raises WireError (never another type)."""
+    """Decode one frame; any malformed input, a text frame included, raises WireError (never another type).
+
+    Nesting is checked after msgpack built the frame (at most ``MAX_CONTAINERS`` containers) with an explicit
+    stack, never recursion, so whatever later walks the frame recursively stays far from the recursion limit."""
     if isinstance(data, str):
         raise WireError("expected a binary msgpack frame, got a text frame")
-    budget = _Budget()
+    frame = _Frame()
     try:
         obj = msgpack.unpackb(
             data,
-            object_hook=budget.map,
-            list_hook=budget.list,
+            object_hook=frame.map,
+            list_hook=frame.list,
             strict_map_key=False,
             max_map_len=MAX_MAP_LEN,
             max_array_len=MAX_ARRAY_LEN,
@@ -167,8 +152,13 @@ def unpackb(data: bytes | str) -> Any:
     ) as exc:
         # OverflowError: a scalar whose value does not fit its dtype ({"__npgeneric__", "dtype": "<i8", "data": 2**64-1})
         raise WireError(f"frame is not valid msgpack: {str(exc)[:200]}") from None
-    if isinstance(obj, (dict, list)):
-        _check_depth(obj)
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise WireError(f"frame nests maps and lists more than {MAX_DEPTH} deep")
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return obj
 
 
