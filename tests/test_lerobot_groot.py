@@ -21,16 +21,19 @@ pytest.importorskip("lerobot")
 
 from openpi_client.websocket_client_policy import WebsocketClientPolicy  # noqa: E402
 
-from policy_operator.cli import main as policyserver  # noqa: E402
-from policy_operator.exit_codes import CheckpointExit  # noqa: E402
 from policy_operator.layout import LayoutError  # noqa: E402
-from policy_operator.runtime.policy.interface import collate  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
-from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
+from policy_operator.runtime.policy.sampler import SamplerSettings  # noqa: E402
+from tests.support.lerobot_equality import (  # noqa: E402
+    ATOL,
+    assert_batched_rows_equal_each_alone,
+    assert_checkpoint_init_writes,
+    lerobots_own_global_seed,
+    ours,
+)
 from tests.support.servers import serve_policy  # noqa: E402
 
-ATOL = 1e-5
 CPU = torch.device("cpu")
 
 
@@ -44,25 +47,11 @@ def groot(groot_dir: Path) -> LeRobotPolicy:
     return LeRobotPolicy.load(str(groot_dir), device=CPU)
 
 
-def ours(policy: LeRobotPolicy, observations: list[dict[str, Any]], seeds: list[int]) -> np.ndarray:
-    sample = collate([policy.prepare(obs) for obs in observations])
-    return np.stack(policy.postprocess_batch(sample_actions(policy, sample, seeds, guidance=1.0), sample))
-
-
-def lerobots_own(policy: LeRobotPolicy, obs: dict[str, Any], seed: int) -> np.ndarray:
-    loaded = policy.loaded
-    loaded.policy.reset()
-    batch = loaded.preprocessor(policy.spec.parse(obs))
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        return loaded.postprocessor(loaded.policy.predict_action_chunk(batch))[0].numpy()
-
-
 def test_groot_answers_as_lerobot(groot: LeRobotPolicy) -> None:
     obs = groot.example_observation(2)
     got = ours(groot, [obs], [17])[0]
     assert got.shape == groot.action_shape == (4, 6) and got.dtype == np.float32
-    np.testing.assert_allclose(got, lerobots_own(groot, obs, 17), rtol=0, atol=ATOL)
+    np.testing.assert_allclose(got, lerobots_own_global_seed(groot, obs, 17), rtol=0, atol=ATOL)
     assert not np.allclose(got, ours(groot, [obs], [18])[0], atol=1e-3)  # the seed is the noise
     other = {**obs, "task": "open the top drawer"}
     assert not np.array_equal(got, ours(groot, [other], [17])[0])  # the prompt reaches the backbone
@@ -71,9 +60,7 @@ def test_groot_answers_as_lerobot(groot: LeRobotPolicy) -> None:
 def test_batched_requests_equal_each_alone(groot: LeRobotPolicy) -> None:
     """Rows of one prompt length batch (Qwen3-VL's patches and grids collate with them); each row is its own."""
     observations = [groot.example_observation(k) for k in (1, 2, 3)]
-    together = ours(groot, observations, [1, 2, 3])
-    for k, obs in enumerate(observations):
-        np.testing.assert_allclose(together[k], ours(groot, [obs], [k + 1])[0], rtol=0, atol=ATOL)
+    assert_batched_rows_equal_each_alone(groot, observations)
 
 
 def test_no_guidance_and_no_rtc(groot: LeRobotPolicy) -> None:
@@ -109,11 +96,9 @@ def test_loads_without_remote_code(groot_dir: Path, monkeypatch: pytest.MonkeyPa
 def test_checkpoint_init_writes_the_family_and_it_verifies(groot_dir: Path, tmp_path: Path) -> None:
     """The CLI writes the fixture's bytes for the same seed (the bundled base model is seeded too), and the pods'
     ``checkpoint verify`` accepts it."""
-    written = tmp_path / "ckpt"
-    assert policyserver(["checkpoint", "init", "--lerobot", "groot", "--seed", "6", str(written)]) == 0
-    for name in ("model.safetensors", "base/model.safetensors"):
-        assert (written / name).read_bytes() == (groot_dir / name).read_bytes(), name
-    assert policyserver(["checkpoint", "verify", str(written), "--hashes"]) == CheckpointExit.OK
+    assert_checkpoint_init_writes(
+        "groot", 6, groot_dir, tmp_path / "ckpt", ("model.safetensors", "base/model.safetensors")
+    )
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ postprocessor.  Measured: bitwise equal on this CPU.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,15 +17,18 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from policy_operator.cli import main as policyserver  # noqa: E402
-from policy_operator.exit_codes import CheckpointExit  # noqa: E402
 from policy_operator.layout import LayoutError  # noqa: E402
-from policy_operator.runtime.policy.interface import collate  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
-from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
+from policy_operator.runtime.policy.sampler import SamplerSettings  # noqa: E402
+from tests.support.lerobot_equality import (  # noqa: E402
+    ATOL,
+    assert_batched_rows_equal_each_alone,
+    assert_checkpoint_init_writes,
+    lerobots_own_global_seed,
+    ours,
+)
 
-ATOL = 1e-5
 CPU = torch.device("cpu")
 
 
@@ -40,34 +42,18 @@ def xvla(xvla_dir: Path) -> LeRobotPolicy:
     return LeRobotPolicy.load(str(xvla_dir), device=CPU)
 
 
-def ours(policy: LeRobotPolicy, observations: list[dict[str, Any]], seeds: list[int]) -> np.ndarray:
-    sample = collate([policy.prepare(obs) for obs in observations])
-    return np.stack(policy.postprocess_batch(sample_actions(policy, sample, seeds, guidance=1.0), sample))
-
-
-def lerobots_own(policy: LeRobotPolicy, obs: dict[str, Any], seed: int) -> np.ndarray:
-    loaded = policy.loaded
-    loaded.policy.reset()
-    batch = loaded.preprocessor(policy.spec.parse(obs))
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        return loaded.postprocessor(loaded.policy.predict_action_chunk(batch))[0].numpy()
-
-
 def test_xvla_answers_as_lerobot(xvla: LeRobotPolicy) -> None:
     obs = xvla.example_observation(2)
     got = ours(xvla, [obs], [13])[0]
     assert got.shape == xvla.action_shape == (4, 6) and got.dtype == np.float32
-    np.testing.assert_allclose(got, lerobots_own(xvla, obs, 13), rtol=0, atol=ATOL)
+    np.testing.assert_allclose(got, lerobots_own_global_seed(xvla, obs, 13), rtol=0, atol=ATOL)
     assert not np.allclose(got, ours(xvla, [obs], [14])[0], atol=1e-3)  # the seed is the noise
 
 
 def test_batched_requests_equal_each_alone(xvla: LeRobotPolicy) -> None:
     observations = [xvla.example_observation(k) for k in (1, 2, 3)]
     observations[2]["task"] = "open the top drawer"
-    together = ours(xvla, observations, [1, 2, 3])
-    for k, obs in enumerate(observations):
-        np.testing.assert_allclose(together[k], ours(xvla, [obs], [k + 1])[0], rtol=0, atol=ATOL)
+    assert_batched_rows_equal_each_alone(xvla, observations)
 
 
 def test_no_guidance_and_no_rtc(xvla: LeRobotPolicy) -> None:
@@ -89,7 +75,4 @@ def test_no_guidance_and_no_rtc(xvla: LeRobotPolicy) -> None:
 def test_checkpoint_init_writes_the_family_and_it_verifies(xvla_dir: Path, tmp_path: Path) -> None:
     """``policyserver checkpoint init --lerobot xvla`` writes the fixture's bytes, and ``checkpoint verify`` (the
     pods' init container: manifest, hashes, the trusted-steps checks) accepts it."""
-    written = tmp_path / "ckpt"
-    assert policyserver(["checkpoint", "init", "--lerobot", "xvla", "--seed", "5", str(written)]) == 0
-    assert (written / "model.safetensors").read_bytes() == (xvla_dir / "model.safetensors").read_bytes()
-    assert policyserver(["checkpoint", "verify", str(written), "--hashes"]) == CheckpointExit.OK
+    assert_checkpoint_init_writes("xvla", 5, xvla_dir, tmp_path / "ckpt", ("model.safetensors",))
