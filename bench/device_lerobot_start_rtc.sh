@@ -4,29 +4,8 @@
 # docs/benchmarks.md lists them); they and the project are installed with --no-deps into /tmp/site.
 #   run(command="bash bench/device_lerobot_start_rtc.sh a", carry=[".whl"])   # SmolVLA vs LeRobot; issue 24's robots table
 #   run(command="bash bench/device_lerobot_start_rtc.sh b", carry=[".whl"])   # pi0.5 vs LeRobot; fast start; RTC cost
-set -u
-REPO=$(pwd)
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-SITE=/tmp/site
-start=$(date +%s)
-left() { echo $(( ${BUDGET_S:-575} - ($(date +%s) - start) )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$REPO"/.whl/*.whl \
-    >"$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
-python3 -m pip install -q --no-deps --no-build-isolation --target "$SITE" "$REPO" >>"$OUT/install.log" 2>&1 \
-    || { tail -5 "$OUT/install.log"; exit 1; }
-export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
-cd /tmp
-python3 -c "import torch, lerobot, transformers; print('torch', torch.__version__, torch.cuda.get_device_name(), 'lerobot', lerobot.__version__, 'transformers', transformers.__version__)"
-echo "installed after $(( $(date +%s) - start )) s"
-# stage NAME SECONDS_TO_LEAVE_OVER CMD...: runs CMD until that many seconds of the budget are left
-stage() {
-    local name=$1 spare=$2
-    shift 2
-    timeout $(( $(left) - spare )) "$@" >"$OUT/$name.log" 2>&1
-    echo "$name rc=$? after $(( $(date +%s) - start )) s"
-    grep '^|' "$OUT/$name.md" 2>/dev/null || tail -4 "$OUT/$name.log"
-}
+DEFAULT_BUDGET_S=575
+source "$(dirname "$0")/device_lib.sh"
 base() { [ -d /tmp/base ] || python3 -m policy_operator.cli checkpoint init /tmp/base --size base >/dev/null; }
 COMMON=(--device cuda --size base --steps 10 --dtype bfloat16 --compile reduce-overhead --checkpoint /tmp/base)
 case "${1:-a}" in
