@@ -285,9 +285,9 @@ class Channel:
             self._close()
             return
         if self._out:
-            self._loop.add_writer(self.fileno(), self._flush)
+            self._loop.add_writer(self._sock.fileno(), self._flush)
         else:
-            self._loop.remove_writer(self.fileno())
+            self._loop.remove_writer(self._sock.fileno())
 
     def finish(self) -> None:
         """Write what is still queued, blocking (the process is about to exit)."""

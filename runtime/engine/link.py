@@ -165,8 +165,24 @@ class FrontendLink:
 
     # --- requests -------------------------------------------------------------------------------------
     def _on_message(self, message: Any) -> None:
+        """A request is copied out of its slot at once, the slot handed back, and the request submitted; its
+        Result is sent from its future's callback: no task per request."""
         if isinstance(message, ipc.Request):
-            self._request(message)
+            assert self.engine is not None
+            self.recent_sessions = message.recent_sessions
+            try:
+                prepared = ipc.prepared_of(message, self.ring)
+            except Exception as exc:  # noqa: BLE001 - one request fails, the server carries on
+                log.error("request %d could not be read from its slot", message.id, exc_info=exc)
+                self.send(ipc.Answer(message.id, Result.failed(exc)))
+                return
+            finally:
+                if not self._freed:
+                    assert self._loop is not None
+                    self._loop.call_soon(self._flush_freed)  # after every request this read pass took
+                self._freed.append(message.slot)
+            answer = self.engine.submit(prepared)
+            answer.add_done_callback(functools.partial(self._answered, message.id))
         elif isinstance(message, ipc.RecentSessions):
             self.recent_sessions = message.sessions
         elif isinstance(message, ipc.Listening):
@@ -177,25 +193,6 @@ class FrontendLink:
                 self._drained.set_result(message.drained)
         else:
             log.warning("unexpected message from the front-end: %s", type(message).__name__)
-
-    def _request(self, request: ipc.Request) -> None:
-        """Copy the request out of its slot now, hand the slot back, and submit it; its Result is sent from its
-        future's callback: no task per request."""
-        assert self.engine is not None
-        self.recent_sessions = request.recent_sessions
-        try:
-            prepared = ipc.prepared_of(request, self.ring)
-        except Exception as exc:  # noqa: BLE001 - one request fails, the server carries on
-            log.error("request %d could not be read from its slot", request.id, exc_info=exc)
-            self.send(ipc.Answer(request.id, Result.failed(exc)))
-            return
-        finally:
-            if not self._freed:
-                assert self._loop is not None
-                self._loop.call_soon(self._flush_freed)  # after every request this read pass took
-            self._freed.append(request.slot)
-        answer = self.engine.submit(prepared)
-        answer.add_done_callback(functools.partial(self._answered, request.id))
 
     def _flush_freed(self) -> None:
         freed, self._freed = tuple(self._freed), []

@@ -70,35 +70,10 @@ _ARRAY_FIELDS = ("dtype", "shape", "data")
 _SCALAR_FIELDS = ("dtype", "data")
 
 
-def _array(obj: dict, fields: tuple[str, ...]) -> Any:
-    """An array map (``fields`` == ``_ARRAY_FIELDS``) or a numpy scalar map as its value.  openpi packs with bin
-    keys (``b"data"``); other msgpack writers use str keys."""
-    values = []
-    for key in fields:
-        value = obj.get(key.encode(), obj.get(key, _MISSING))
-        if value is _MISSING:
-            raise WireError(f"array map without {key!r}")
-        values.append(value)
-    if fields is _SCALAR_FIELDS:
-        return _dtype(values[0], "scalar").type(values[1])
-    dtype, shape, data = _dtype(values[0], "array"), values[1], values[2]
-    if (
-        not isinstance(shape, (list, tuple))
-        or len(shape) > MAX_NDIM
-        or not all(isinstance(d, int) and d >= 0 for d in shape)
-    ):
-        raise WireError(f"bad array shape {shape!r}")
-    if not isinstance(data, (bytes, bytearray)):
-        raise WireError("array data must be bytes")
-    expected = math.prod(shape) * dtype.itemsize
-    if len(data) != expected:
-        raise WireError(f"array of shape {tuple(shape)} and dtype {dtype.str} needs {expected} bytes, got {len(data)}")
-    return np.ndarray(buffer=data, dtype=dtype, shape=tuple(shape))
-
-
 class _Frame:
-    """msgpack's hooks for one frame: they count its maps and lists as msgpack builds them (bottom-up, once
-    each) and turn array and scalar maps into numpy values."""
+    """msgpack's object and list hooks for one frame: they count its maps and lists as msgpack builds them
+    (bottom-up, once each), and turn array and numpy scalar maps into numpy values.  openpi packs those maps
+    with bin keys (``b"data"``); other msgpack writers use str keys."""
 
     left = MAX_CONTAINERS  # the instance's own count shadows this on the first container
 
@@ -107,10 +82,34 @@ class _Frame:
         if self.left < 0:
             raise WireError(f"frame holds more than {MAX_CONTAINERS} maps and lists")
         if b"__ndarray__" in obj or "__ndarray__" in obj:
-            return _array(obj, _ARRAY_FIELDS)
-        if b"__npgeneric__" in obj or "__npgeneric__" in obj:
-            return _array(obj, _SCALAR_FIELDS)
-        return obj
+            fields = _ARRAY_FIELDS
+        elif b"__npgeneric__" in obj or "__npgeneric__" in obj:
+            fields = _SCALAR_FIELDS
+        else:
+            return obj
+        values = []
+        for key in fields:
+            value = obj.get(key.encode(), obj.get(key, _MISSING))
+            if value is _MISSING:
+                raise WireError(f"array map without {key!r}")
+            values.append(value)
+        if fields is _SCALAR_FIELDS:
+            return _dtype(values[0], "scalar").type(values[1])
+        dtype, shape, data = _dtype(values[0], "array"), values[1], values[2]
+        if (
+            not isinstance(shape, (list, tuple))
+            or len(shape) > MAX_NDIM
+            or not all(isinstance(d, int) and d >= 0 for d in shape)
+        ):
+            raise WireError(f"bad array shape {shape!r}")
+        if not isinstance(data, (bytes, bytearray)):
+            raise WireError("array data must be bytes")
+        expected = math.prod(shape) * dtype.itemsize
+        if len(data) != expected:
+            raise WireError(
+                f"array of shape {tuple(shape)} and dtype {dtype.str} needs {expected} bytes, got {len(data)}"
+            )
+        return np.ndarray(buffer=data, dtype=dtype, shape=tuple(shape))
 
     def list(self, obj: list) -> Any:
         self.left -= 1
