@@ -44,9 +44,15 @@ class Front(Protocol):
     """Rank 0's side of whoever serves the port."""
 
     label: str  # after the layout in the "listening on" line
+
     # Bound to whoever counts or records them, so the request path calls the counter itself (no forwarding hop).
-    recent_sessions: Callable[[], int]  # sessions that may send soon (the batch window waits for them)
-    observe_batch: Callable[[int, int], None]  # (replica, size) of a batch as its lane starts it
+    @property
+    def recent_sessions(self) -> Callable[[], int]:
+        """Sessions that may send soon (the batch window waits for them)."""
+
+    @property
+    def observe_batch(self) -> Callable[[int, int], None]:
+        """(replica, size) of a batch as its lane starts it."""
 
     async def open(self, engine: Engine) -> None:
         """Start serving the port for ``engine`` (before the model loads: /healthz and /readyz answer at once)."""
@@ -85,8 +91,8 @@ class InlineFront:
         self.heartbeat_s = heartbeat_s
         self.sessions = Sessions()
         self.server: PolicyWebSocketServer | None = None  # made by open(), with the engine
-        self.recent_sessions = self.sessions.recent
-        self.observe_batch = metrics.observe_batch
+        self.recent_sessions: Callable[[], int] = self.sessions.recent
+        self.observe_batch: Callable[[int, int], None] = metrics.observe_batch
 
     async def open(self, engine: Engine) -> None:
         self.server = PolicyWebSocketServer(FrontEnd(engine), self.config, self.metrics, self.sessions)
@@ -180,7 +186,9 @@ class ProcessFront:
         self.heartbeat = heartbeat
         self.lifecycle = lifecycle
         self.engine: Engine | None = None  # set by open()
-        self.observe_batch = links[0].observe_batch  # the first front-end process's metrics count the batches
+        self.observe_batch: Callable[[int, int], None] = links[
+            0
+        ].observe_batch  # the first front-end process's metrics count the batches
         if len(links) + len(later) > 1:
             self.label = f", {len(links) + len(later)} front-end processes"
 

@@ -66,8 +66,8 @@ def _pack_default(obj: Any) -> Any:
 packb = functools.partial(msgpack.packb, default=_pack_default, use_bin_type=True)
 
 _MISSING = object()
-_ARRAY_FIELDS = ("dtype", "shape", "data")
-_SCALAR_FIELDS = ("dtype", "data")
+_ARRAY_FIELDS: tuple[str, ...] = ("dtype", "shape", "data")
+_SCALAR_FIELDS: tuple[str, ...] = ("dtype", "data")
 
 
 class _Frame:
