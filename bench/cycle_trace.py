@@ -8,8 +8,8 @@ records one monotonic timestamp per call -- no call tracer, so the server runs a
 
 - the lane's thread: the replica's call begins / returns (the batch's start and end on the device side);
 - rank 0's loop: ``Lane._finish`` (the batch's replies reach the loop), ``Lane.submit`` (a request queued),
-  ``Lane._start`` (a batch handed to the lane's thread); with front-end processes also ``FrontendLink._request``
-  (a request read from the ring) and ``FrontendLink._answered`` (an answer queued for its front-end);
+  ``Lane._start`` (a batch handed to the lane's thread); with front-end processes also ``FrontendLink._on_message``
+  (its Request branch: a request read from the ring) and ``FrontendLink._answered`` (an answer queued for its front-end);
 - the front-end (inline: the same loop): ``infer`` called (a frame decoded by ``websockets``) and the reply
   written (``PolicyWebSocketServer._send``); with front-end processes also the answer's arrival;
 - the robots: each request's send and its reply's arrival (``runtime/client.py`` records both on the same
@@ -111,7 +111,14 @@ if DIR:
         wrap(dispatch.Lane, "submit", "submit")
         wrap(dispatch.Lane, "_finish", "finish")
         wrap(dispatch.Lane, "_start", "start")
-        wrap(link.FrontendLink, "_request", "model-request")
+        on_message = link.FrontendLink._on_message  # a request is read from the ring in its Request branch
+
+        def model_message(self, message):
+            if isinstance(message, ipc.Request):
+                mark("model-request")
+            on_message(self, message)
+
+        link.FrontendLink._on_message = model_message
         wrap(link.FrontendLink, "_answered", "model-answer")
         # the front-end process runs frontend.py as __main__, a module of its own: only what it calls through
         # another module's attributes can be wrapped here
@@ -148,7 +155,7 @@ STAGES = (
     ("frame", "the front-end's loop has the frame (whole, from websockets)"),
     ("decode", "its msgpack decode begins"),
     ("ring-write", "a front-end process writes the prepared request to the ring"),
-    ("model-request", "rank 0 reads a request from the ring (FrontendLink._request)"),
+    ("model-request", "rank 0 reads a request from the ring (FrontendLink._on_message)"),
     ("submit", "a request queued on the lane"),
     ("start", "the next batch handed to the lane's thread"),
     ("call", "the next batch's call begins on the lane's thread"),
