@@ -2,7 +2,7 @@
 
 Starts ``policyserver serve --policy lerobot --lerobot-grpc-port 0`` on a
 tiny SmolVLA written offline (``--checkpoint`` for another), then runs each
-client count for ``--seconds``: every client is a thread with its own gRPC
+client count for ``--seconds``: every client is a process of its own with its own gRPC
 connection, driving LeRobot's stub exactly as ``RobotClient`` does (Ready,
 pickled ``RemotePolicyConfig``, then a loop of ``SendObservations`` with a
 must-go ``TimedObservation`` in LeRobot's chunks and ``GetActions``).  A
@@ -18,6 +18,7 @@ share the replica's batches (``--max-batch``).  Writes a markdown table to
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import pickle
 import platform
@@ -109,40 +110,50 @@ class Client:
         self.latencies.append(time.perf_counter() - started)
 
 
+def _robot_process(
+    address: str, seconds: float, features: dict[str, Any], raw: dict[str, Any], chunk: int, barrier: Any, out: Any
+) -> None:
+    """One robot_client in a process of its own (as LeRobot runs one per robot): connect, one warm-up request, wait
+    for the others, then a closed loop for ``seconds``; its latencies go back through ``out``."""
+    try:
+        robot = Client(address, features, raw, chunk)
+        robot.one(0)
+        robot.latencies.clear()
+        barrier.wait(timeout=300)
+        stop = time.monotonic() + seconds
+        step = 1
+        while time.monotonic() < stop:
+            robot.one(step)
+            step += 1
+        robot.channel.close()
+        out.put(robot.latencies)
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        out.put(repr(exc))
+
+
 def run(
     address: str, clients: int, seconds: float, features: dict[str, Any], raw: dict[str, Any], chunk: int
 ) -> dict[str, float]:
-    robots = [Client(address, features, raw, chunk) for _ in range(clients)]
-    for robot in robots:  # warm-up: one request each
-        robot.one(0)
-        robot.latencies.clear()
-    stop = time.monotonic() + seconds
-    errors: list[BaseException] = []
-
-    def loop(robot: Client) -> None:
-        step = 1
-        try:
-            while time.monotonic() < stop:
-                robot.one(step)
-                step += 1
-        except BaseException as exc:  # noqa: BLE001 - reported after the run
-            errors.append(exc)
-
-    threads = [threading.Thread(target=loop, args=(r,)) for r in robots]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.monotonic() - started
-    for robot in robots:
-        robot.channel.close()
+    """``clients`` robot_clients at once, each in its own process (threads of one process would share its GIL, and
+    the clients' pickling would bound the rate, not the server)."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(clients), ctx.Queue()
+    procs = [
+        ctx.Process(target=_robot_process, args=(address, seconds, features, raw, chunk, barrier, out))
+        for _ in range(clients)
+    ]
+    for proc in procs:
+        proc.start()
+    results = [out.get(timeout=seconds + 600) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    errors = [r for r in results if isinstance(r, str)]
     if errors:
-        raise errors[0]
-    lat = [x for r in robots for x in r.latencies]
+        raise RuntimeError(f"a robot_client failed: {errors[0]}")
+    lat = [x for per in results for x in per]
     return {
         "requests": len(lat),
-        "req_s": len(lat) / elapsed,
+        "req_s": len(lat) / seconds,
         "p50_ms": float(np.percentile(lat, 50)) * 1e3,
         "p99_ms": float(np.percentile(lat, 99)) * 1e3,
     }
@@ -236,7 +247,7 @@ def main() -> int:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores; device {args.device}; checkpoint "
         f"{'a tiny SmolVLA written offline' if not args.checkpoint else args.checkpoint}; --max-batch {args.max_batch} "
         f"{args.serve_args}; {args.seconds:g} s per row; each client its own gRPC connection, one observation "
-        "(must_go) then GetActions per request, as RobotClient sends them. LeRobot's own policy_server serves one "
+        "(must_go) then GetActions per request, as RobotClient sends them, one process per client. LeRobot's own policy_server serves one "
         "client at a time (every Ready resets it).",
         "",
         "| protocol | clients | requests | req/s | x one client | p50 ms | p99 ms |",
