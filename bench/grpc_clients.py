@@ -22,8 +22,6 @@ import multiprocessing
 import os
 import pickle
 import platform
-import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,47 +33,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from runtime import stop_group, wait_ready  # noqa: E402
-
-GRPC_LINE = re.compile(r"LeRobot AsyncInference gRPC on [0-9.]+:(\d+)")
-WS_LINE = re.compile(r"listening on ws://[0-9.]+:(\d+)")
-
-
-def start_server(checkpoint: Path, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes], int, int]:
-    cmd = [
-        str(Path(sys.executable).parent / "policyserver"),
-        "serve",
-        "--checkpoint",
-        str(checkpoint),
-        "--policy",
-        "lerobot",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--lerobot-grpc-port",
-        "0",
-        "--device",
-        args.device,
-        "--max-batch",
-        str(args.max_batch),
-        *args.serve_args.split(),
-    ]
-    out = log.open("wb")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 600
-    ws = grpc_port = None
-    while time.monotonic() < deadline and (ws is None or grpc_port is None):
-        text = log.read_text(errors="replace")
-        ws = ws or (int(m.group(1)) if (m := WS_LINE.search(text)) else None)
-        grpc_port = grpc_port or (int(m.group(1)) if (m := GRPC_LINE.search(text)) else None)
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {text[-2000:]}")
-        time.sleep(0.2)
-    if ws is None or grpc_port is None:
-        raise TimeoutError("server did not start")
-    wait_ready(proc, ws, lambda: log.read_text(errors="replace"))
-    return proc, ws, grpc_port
+from harness import free_port, serve  # noqa: E402
 
 
 class Client:
@@ -227,9 +185,11 @@ def main() -> int:
     raw.update({k: rng.integers(0, 256, (s[1], s[2], s[0]), dtype=np.uint8) for k, s in cameras.items()})
     raw["task"] = "pick up the cube"
 
-    proc, ws_port, grpc_port = start_server(checkpoint, args, work / "server.log")
+    grpc_port = free_port()
+    options = {"policy": "lerobot", "lerobot_grpc_port": grpc_port, "device": args.device, "max_batch": args.max_batch}
     rows = []
-    try:
+    with serve(checkpoint, log=work / "server.log", flags=args.serve_args.split(), **options) as server:
+        ws_port = server.port
         for n in [int(c) for c in args.clients.split(",")]:
             for protocol in ("gRPC (LeRobot)", "WebSocket (openpi)") if args.websocket else ("gRPC (LeRobot)",):
                 if protocol.startswith("gRPC"):
@@ -238,8 +198,6 @@ def main() -> int:
                     result = run_websocket(f"ws://127.0.0.1:{ws_port}", n, args.seconds)
                 rows.append((protocol, n, result))
                 print(protocol, n, {k: round(v, 2) for k, v in result.items()}, flush=True)
-    finally:
-        stop_group(proc)
     base = {protocol: r["req_s"] for protocol, n, r in reversed(rows)}  # each protocol's first (fewest clients) row
     lines = [
         "# LeRobot's robot_client protocol (gRPC AsyncInference): N clients at once vs one",

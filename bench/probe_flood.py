@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import free_port, serve
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
-from runtime import free_port, split_variant, stop_group, wait_ready
+from runtime import frontend_argv, split_variant
 
 
 def _robot(url: str, n: int, warmup: int, out: Any) -> None:
@@ -112,22 +113,15 @@ def serve_phases(
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """One server: the quiet phase, then a flood of each path; the rows and each phase's new log lines."""
     port = free_port()
-    cmd = [sys.executable, "-m", "policy_operator.cli", "serve", "--checkpoint", checkpoint]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--steps", str(args.steps), "--threads", "1"]
-    cmd += ["--frontend", args.frontend, *shlex.split(args.serve_args), *flags]
     log_path = tmp / f"server-{port}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=tmp)
     rows, log_lines = [], {}
-    try:
-        wait_ready(proc, port, log_path.read_text)
-        url = f"ws://127.0.0.1:{port}"
+    options = {"steps": args.steps, "threads": 1}
+    extra = [*frontend_argv(args.frontend), *shlex.split(args.serve_args), *flags]
+    with serve(checkpoint, port=port, env=env, log=log_path, flags=extra, **options) as server:
         for path in [None, *args.paths.split(",")]:
             before = len(log_path.read_text().splitlines())
-            rows.append(phase(url, port, path, args))
+            rows.append(phase(server.url, port, path, args))
             log_lines[rows[-1]["path"]] = len(log_path.read_text().splitlines()) - before
-    finally:
-        stop_group(proc)
     return rows, log_lines
 
 
