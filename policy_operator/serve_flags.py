@@ -378,16 +378,45 @@ def check_values(opts: ServeOptions) -> None:
     let ``/readyz`` turn ready; a port out of range would fail only after every
     rank loaded the model.
     """
+    _check_times(opts)
+    _check_connections(opts)
+    _check_batching(opts)
+    _check_lerobot_grpc_port(opts)
+    _check_lerobot_family(opts)
+    if opts.threads is not None and opts.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {opts.threads}")
+    if opts.rtc_max_delay is not None and not 0 <= opts.rtc_max_delay <= MAX_RTC_DELAY:
+        raise ValueError(f"--rtc-max-delay must be in 0..{MAX_RTC_DELAY} control steps, got {opts.rtc_max_delay}")
+    if opts.trust_remote_code and opts.policy == REFERENCE:
+        raise ValueError(
+            f"{TRUST_REMOTE_CODE_FLAG} lets a LeRobot checkpoint (or a plug-in's) run its own code; "
+            f"--policy {REFERENCE} loads none"
+        )
+
+
+def _check_times(opts: ServeOptions) -> None:
+    """Periods, deadlines and grace times: finite, and positive where zero would spin or never fire."""
     for name in ("heartbeat_s", "pg_timeout_s"):
         value = getattr(opts, name)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{flag_of(name)} must be a positive number of seconds, got {value}")
     if not (math.isfinite(opts.drain_grace_s) and opts.drain_grace_s >= 0):
         raise ValueError(f"--drain-grace-s must be 0 or more seconds, got {opts.drain_grace_s}")
+    if not (0 <= opts.session_idle_timeout_s <= MAX_SESSION_IDLE_TIMEOUT_S):  # NaN fails too
+        raise ValueError(
+            f"--session-idle-timeout-s must be in 0..{MAX_SESSION_IDLE_TIMEOUT_S} seconds (0: never), "
+            f"got {opts.session_idle_timeout_s}"
+        )
+    if not (math.isfinite(opts.frame_read_timeout_s) and opts.frame_read_timeout_s > 0):
+        raise ValueError(
+            f"--frame-read-timeout-s must be a positive number of seconds, got {opts.frame_read_timeout_s}"
+        )
+
+
+def _check_connections(opts: ServeOptions) -> None:
+    """The port, what one message and all connections may hold, and the front-end processes sharing it."""
     if not 0 <= opts.port <= 65535:
         raise ValueError(f"--port must be in 0..65535 (0: any free port), got {opts.port}")
-    _check_lerobot_grpc_port(opts)
-    _check_lerobot_family(opts)
     if opts.max_message_bytes < 1:
         raise ValueError(f"--max-message-bytes must be at least 1, got {opts.max_message_bytes}")
     if not 1 <= opts.max_connections <= MAX_MAX_CONNECTIONS:
@@ -406,15 +435,10 @@ def check_values(opts: ServeOptions) -> None:
             f"--max-buffered-bytes must be at least --max-message-bytes ({opts.max_message_bytes}) times "
             f"--frontend-processes ({opts.frontend_processes}), got {opts.max_buffered_bytes}"
         )
-    if not (0 <= opts.session_idle_timeout_s <= MAX_SESSION_IDLE_TIMEOUT_S):  # NaN fails too
-        raise ValueError(
-            f"--session-idle-timeout-s must be in 0..{MAX_SESSION_IDLE_TIMEOUT_S} seconds (0: never), "
-            f"got {opts.session_idle_timeout_s}"
-        )
-    if not (math.isfinite(opts.frame_read_timeout_s) and opts.frame_read_timeout_s > 0):
-        raise ValueError(
-            f"--frame-read-timeout-s must be a positive number of seconds, got {opts.frame_read_timeout_s}"
-        )
+
+
+def _check_batching(opts: ServeOptions) -> None:
+    """The batch size, window and budget a replica batches requests with, and the GIL switch it runs under."""
     if opts.latency_budget_ms is not None and not (
         math.isfinite(opts.latency_budget_ms)
         and MIN_LATENCY_BUDGET_MS <= opts.latency_budget_ms <= MAX_LATENCY_BUDGET_MS
@@ -432,15 +456,6 @@ def check_values(opts: ServeOptions) -> None:
     if not (math.isfinite(opts.gil_switch_ms) and 0 < opts.gil_switch_ms <= MAX_GIL_SWITCH_MS):
         raise ValueError(
             f"--gil-switch-ms must be in (0, {MAX_GIL_SWITCH_MS:g}] milliseconds, got {opts.gil_switch_ms}"
-        )
-    if opts.threads is not None and opts.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {opts.threads}")
-    if opts.rtc_max_delay is not None and not 0 <= opts.rtc_max_delay <= MAX_RTC_DELAY:
-        raise ValueError(f"--rtc-max-delay must be in 0..{MAX_RTC_DELAY} control steps, got {opts.rtc_max_delay}")
-    if opts.trust_remote_code and opts.policy == REFERENCE:
-        raise ValueError(
-            f"{TRUST_REMOTE_CODE_FLAG} lets a LeRobot checkpoint (or a plug-in's) run its own code; "
-            f"--policy {REFERENCE} loads none"
         )
 
 
