@@ -12,6 +12,7 @@ tree, laid out by ``import_root``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -71,7 +72,8 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
 def import_root(tree: Path, work: Path) -> Path:
     """A folder under ``work`` where ``policy_operator`` is ``tree``'s (a git archive of another commit), laid out
     as the import names as ``make lint`` lays them out: put it first on PYTHONPATH to serve that tree."""
-    root = work / f"import-root-{abs(hash(str(tree)))}"
+    # named by the tree's path, the same in every process (``hash`` of a str is salted per process)
+    root = work / f"import-root-{hashlib.sha256(str(tree.resolve()).encode()).hexdigest()[:16]}"
     if not root.exists():
         package = root / "policy_operator"
         shutil.copytree(tree / "policy_operator", package, symlinks=True)
