@@ -40,6 +40,16 @@ def lerobots_own_global_seed(policy: LeRobotPolicy, obs: dict[str, Any], seed: i
         return loaded.postprocessor(loaded.policy.predict_action_chunk(batch))[0].numpy()
 
 
+def assert_answers_as_lerobot(policy: LeRobotPolicy, obs: dict[str, Any], seed: int) -> np.ndarray:
+    """One request answers LeRobot's own chunk for a global-seed family (float32, the policy's action shape), and
+    another seed answers otherwise (the seed is the noise); returns the answer for the family's own checks."""
+    got = ours(policy, [obs], [seed])[0]
+    assert got.shape == policy.action_shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, lerobots_own_global_seed(policy, obs, seed), rtol=0, atol=ATOL)
+    assert not np.allclose(got, ours(policy, [obs], [seed + 1])[0], atol=1e-3)
+    return got
+
+
 def assert_batched_rows_equal_each_alone(policy: LeRobotPolicy, observations: list[dict[str, Any]]) -> None:
     """A batch answers each row what that request alone answers (seeds 1, 2, ... by row)."""
     seeds = list(range(1, len(observations) + 1))
