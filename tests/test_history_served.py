@@ -33,7 +33,7 @@ def test_a_stock_checkpoint_with_history_serves_a_session(tmp_path: Path, family
     import torch
 
     from policy_operator.runtime.policy.lerobot import LeRobotPolicy
-    from tests.test_lerobot_policies import lerobots_own
+    from tests.support.lerobot_equality import lerobots_own
 
     ckpt = tmp_path / "ckpt"
     init = subprocess.run(

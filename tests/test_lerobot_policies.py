@@ -34,6 +34,7 @@ from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.relative_actions import STATE_KEY  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
+from tests.support.lerobot_equality import lerobots_own  # noqa: E402
 from tests.support.lerobot_tiny import configure_small_pi, reduced_paligemma, write_small_pi  # noqa: E402
 from tests.support.servers import VENV_BIN, serve_policy, subprocess_env  # noqa: E402
 
@@ -93,23 +94,6 @@ def served(policy: LeRobotPolicy, observations: list[dict[str, Any]], seed: int)
     for obs in observations:
         sample = history.extend("robot", policy.prepare(obs))
     return policy.postprocess(sample_actions(policy, sample, [seed], guidance=1.0))
-
-
-def lerobots_own(policy: LeRobotPolicy, observations: list[dict[str, Any]], seed: int) -> np.ndarray:
-    """LeRobot's answer to the same: its preprocessor per frame, its queue of the last n_obs_steps frames (the
-    first one repeated while fewer came), predict_action_chunk with the request's noise, its postprocessor."""
-    loaded, n = policy.loaded, policy.history
-    frames = [loaded.preprocessor(policy.spec.parse(obs)) for obs in observations][-n:]
-    frames = [frames[0]] * (n - len(frames)) + frames
-    batch = dict(frames[-1])
-    if n > 1:
-        batch.update(
-            {k: torch.stack([f[k] for f in frames], dim=1) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        )
-    noise = torch.randn(policy.family.noise_shape, generator=torch.Generator().manual_seed(seed))
-    loaded.policy.reset()
-    with torch.inference_mode():
-        return loaded.postprocessor(loaded.policy.predict_action_chunk(batch, noise=noise))[0].numpy()
 
 
 # --- the same actions as LeRobot ---------------------------------------------------------------

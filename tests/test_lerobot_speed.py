@@ -31,6 +31,7 @@ from policy_operator.runtime.policy.interface import collate  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import sample_actions  # noqa: E402
+from tests.support.lerobot_equality import lerobots_own  # noqa: E402
 from tests.support.lerobot_tiny import reduced_paligemma, write_small_pi  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -76,19 +77,6 @@ def test_bfloat16_stays_within_its_bound_of_lerobots_float32_actions(checkpoint:
     assert 0 < worst <= BF16_BOUND[family], f"{family}: {worst:.3g} of the action scale"
 
 
-def lerobots_own(policy: LeRobotPolicy, obs: dict[str, Any], seed: int) -> np.ndarray:
-    """LeRobot's answer to a session's first request: its preprocessor (the CPU path), its queue of
-    ``n_obs_steps`` copies of the frame, ``predict_action_chunk`` with the request's noise, its postprocessor."""
-    loaded, n = policy.loaded, policy.history
-    batch = dict(loaded.preprocessor(policy.spec.parse(obs)))
-    if n > 1:
-        batch.update({k: torch.stack([v] * n, dim=1) for k, v in batch.items() if isinstance(v, torch.Tensor)})
-    noise = torch.randn(policy.family.noise_shape, generator=torch.Generator().manual_seed(seed))
-    loaded.policy.reset()
-    with torch.inference_mode():
-        return loaded.postprocessor(loaded.policy.predict_action_chunk(batch, noise=noise))[0].numpy()
-
-
 def test_a_device_staged_batch_answers_each_robot_as_lerobot(checkpoint: tuple[str, Path]) -> None:
     family, root = checkpoint
     policy = LeRobotPolicy.load(str(root), device=CPU)
@@ -102,7 +90,7 @@ def test_a_device_staged_batch_answers_each_robot_as_lerobot(checkpoint: tuple[s
     padded = collate([*samples, samples[-1]])  # a bucket of 4: the copy's row is dropped
     rows = policy.postprocess_batch(sample_actions(policy, padded, [*seeds, seeds[-1]], guidance=1.0), padded)[:3]
     for obs, seed, row in zip(observations, seeds, rows, strict=True):
-        np.testing.assert_allclose(row, lerobots_own(policy, obs, seed), rtol=0, atol=ATOL)
+        np.testing.assert_allclose(row, lerobots_own(policy, [obs], seed), rtol=0, atol=ATOL)
     if policy.spec.needs_task:  # the same task string tokenized once, for every robot
         assert policy._tokens and all(t._cached.cache_info().hits >= 2 for t in policy._tokens)  # noqa: SLF001
 

@@ -29,6 +29,24 @@ def ours(policy: LeRobotPolicy, observations: list[dict[str, Any]], seeds: list[
     return np.stack(policy.postprocess_batch(sample_actions(policy, sample, seeds, **kwargs), sample))
 
 
+def lerobots_own(policy: LeRobotPolicy, observations: list[dict[str, Any]], seed: int) -> np.ndarray:
+    """LeRobot's answer to a session's ``observations`` for a family that takes its noise as an argument (SmolVLA,
+    pi0, pi0.5, Diffusion Policy): its preprocessor per frame, its queue of the last n_obs_steps frames (the first
+    one repeated while fewer came), predict_action_chunk with the request's noise, its postprocessor."""
+    loaded, n = policy.loaded, policy.history
+    frames = [loaded.preprocessor(policy.spec.parse(obs)) for obs in observations][-n:]
+    frames = [frames[0]] * (n - len(frames)) + frames
+    batch = dict(frames[-1])
+    if n > 1:
+        batch.update(
+            {k: torch.stack([f[k] for f in frames], dim=1) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        )
+    noise = torch.randn(policy.family.noise_shape, generator=torch.Generator().manual_seed(seed))
+    loaded.policy.reset()
+    with torch.inference_mode():
+        return loaded.postprocessor(loaded.policy.predict_action_chunk(batch, noise=noise))[0].numpy()
+
+
 def lerobots_own_global_seed(policy: LeRobotPolicy, obs: dict[str, Any], seed: int) -> np.ndarray:
     """LeRobot's first chunk for a family that draws its noise from the global generator: its preprocessor,
     ``predict_action_chunk`` after ``reset()`` with ``torch.manual_seed(seed)``, its postprocessor."""
