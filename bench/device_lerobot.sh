@@ -20,3 +20,11 @@ pi05 | smolvla)  # in one call: in-process against LeRobot eager, over the WebSo
         --workdir /tmp/ck --reps 10 --lerobot-compile-only --out "$OUT/lerobot-compiled-$fam.md"
     ;;
 esac
+case "${1:-pi05}" in
+kernels)  # where the prefix and a step spend the GPU per variant, then as served (bench/lerobot_kernels.py)
+    stage "kernels-pi05" "${SPARE_PI05:-240}" python3 "$REPO/bench/lerobot_kernels.py" --family pi05 --compile \
+        --workdir /tmp/ck --out "$OUT/kernels-pi05.md"
+    stage "kernels-smolvla" 10 python3 "$REPO/bench/lerobot_kernels.py" --family smolvla --variants tf32 --compile \
+        --compile-prefix --workdir /tmp/ck --out "$OUT/kernels-smolvla.md"
+    ;;
+esac

@@ -276,10 +276,20 @@ class Pi0(_Flow):
     """pi0: images and prompt in the prefix, the state in the action expert's suffix."""
 
     compile_prefix = True  # pi0.5 on an H100 (2 x 224², bf16): 25 ms at batch 1 compiled, its capture 11 s
+    #: LeRobot's bfloat16 mode keeps the SigLIP tower and its projector float32 (for training: the optimizer
+    #: never sees a dtype toggle).  False: they run in the serving dtype too, casting the pixels to the patch
+    #: embedding's dtype as SigLIP itself does; the features leave the tower in LeRobot's dtype either way
+    float32_vision = True
 
     def cast(self, dtype: torch.dtype) -> None:
         if dtype == torch.bfloat16:  # LeRobot's own bfloat16 mode: the vision path and the norms stay float32
-            self.policy.model.paligemma_with_expert.to_bfloat16_for_selected_params("bfloat16")
+            paligemma_with_expert = self.policy.model.paligemma_with_expert
+            paligemma_with_expert.to_bfloat16_for_selected_params("bfloat16")
+            if not self.float32_vision:
+                paligemma = paligemma_with_expert.paligemma.model
+                paligemma.vision_tower.to(dtype)
+                paligemma.multi_modal_projector.to(dtype)
+            self.dtype = dtype
         else:
             super().cast(dtype)
 

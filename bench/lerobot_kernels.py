@@ -1,0 +1,205 @@
+"""Where a LeRobot flow family's prefix and denoising step spend the GPU, per variant: the next lever, measured.
+
+One process, one published-size random-weight checkpoint (as
+bench/lerobot_vs_server.py writes it), ``--policy lerobot``'s own
+``LeRobotPolicy`` in bfloat16.  For each variant and batch size: the prefix
+(cameras staged, vision tower, VLM prefix: ``condition``) and one denoising
+step, median device time over ``--reps`` (CUDA events), eager and -- with
+``--compile`` -- as served (``--compile reduce-overhead``, one graph per
+bucket, its compile time); then, eager, the profiler's heaviest kernels of
+one prefix and one step and the share of matrix products, attention and the
+rest.  Variants:
+
+- ``lerobot``: LeRobot's own bfloat16 mode: the vision tower and projector
+  float32, matrix products in full float32 (TF32 off);
+- ``tf32``: the same weights, float32 products on the tensor cores as TF32;
+- ``vision-bf16``: the vision tower and projector in bfloat16 as well
+  (``Pi0.float32_vision = False``).
+
+    python bench/lerobot_kernels.py --family pi05 --workdir /tmp/ck --compile   # on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
+
+VARIANTS = ("lerobot", "tf32", "vision-bf16")
+
+
+def device_ms(fn: Callable[[], Any], reps: int) -> float:
+    import torch
+
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    if any(k in low for k in ("gemm", "cutlass", "sm90_xmma", "matmul", "ampere_", "sm80_", "nvjet", "_mm_")):
+        return "matmul"
+    if any(k in low for k in ("fmha", "flash", "attention", "softmax", "sdpa")):
+        return "attention/softmax"
+    if "conv" in low:
+        return "conv"
+    return "other"
+
+
+def kernels(fn: Callable[[], Any], top: int) -> tuple[list[tuple[str, float]], dict[str, float], float]:
+    """The heaviest kernels of one call (ms), the time per kind, and the total device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if event.device_type.name == "CUDA" and event.device_time_total > 0:
+            per[event.name] += event.device_time_total / 1e3
+    kinds: collections.Counter[str] = collections.Counter()
+    for name, ms in per.items():
+        kinds[kind_of(name)] += ms
+    return per.most_common(top), dict(kinds), sum(per.values())
+
+
+def split(kinds: dict[str, float]) -> str:
+    main = ("matmul", "attention/softmax")
+    rest = sum(v for k, v in kinds.items() if k not in main)
+    return " / ".join(f"{kinds.get(k, 0.0):.2f}" for k in main) + f" / {rest:.2f}"
+
+
+def measure(policy: Any, b: int, reps: int, top: int) -> tuple[str, list[str]]:
+    """One variant at batch ``b``, eager: the table row's cells after the batch, and the heaviest kernels."""
+    import torch
+
+    from policy_operator.runtime.policy.interface import Branch, collate
+
+    integ = policy.integrator()
+    batch = collate([policy.prepare(policy.example_observation(i)) for i in range(b)])
+    x = torch.cat([policy.init_noise(100 + i) for i in range(b)])
+    t = integ.time(0, b, policy.device)
+    with torch.inference_mode():
+        context = policy.condition(batch, Branch.COND)
+        policy.denoise_step(context, x, t)
+        prefix_ms = device_ms(lambda: policy.condition(batch, Branch.COND), reps)
+        step_ms = device_ms(lambda: policy.denoise_step(context, x, t), reps)
+        ptop, pkinds, _ = kernels(lambda: policy.condition(batch, Branch.COND), top)
+        stop, skinds, _ = kernels(lambda: policy.denoise_step(context, x, t), top)
+    listed = [f"- prefix {ms:.2f} {name[:110]}" for name, ms in ptop]
+    listed += [f"- step {ms:.2f} {name[:110]}" for name, ms in stop]
+    return f"{prefix_ms:.2f} | {step_ms:.2f} | {split(pkinds)} | {split(skinds)}", listed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", default="pi05", choices=["pi05", "pi0", "smolvla"])
+    p.add_argument("--workdir", default="/tmp/ck")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--top", type=int, default=8)
+    p.add_argument("--compile", action="store_true", help="also time the last variant as served (reduce-overhead)")
+    p.add_argument("--compile-prefix", action="store_true", help="compile the prefix too where the family does not")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    import torch
+
+    from policy_operator.runtime.policy.interface import Branch, collate
+    from policy_operator.runtime.policy.lerobot import LeRobotPolicy
+    from policy_operator.runtime.policy.lerobot.families import Pi0, family_class
+    from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint
+
+    device = torch.device("cuda")
+    out = args.out or f"/tmp/lerobot-kernels-{args.family}.md"
+    root = Path(args.workdir) / args.family
+    t0 = time.perf_counter()
+    if not (root / "config.json").exists():
+        from lerobot.policies.factory import get_policy_class
+
+        def build(config: Any) -> Any:
+            with torch.device(device):
+                return get_policy_class(args.family)(config)
+
+        write_tiny_checkpoint(args.family, root, size="base", seed=0, build=build)
+    print(f"checkpoint {time.perf_counter() - t0:.1f} s", flush=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    lines = [
+        f"# {args.family}: prefix and one denoising step per variant ({torch.cuda.get_device_name()}, torch "
+        f"{torch.__version__}), bfloat16, eager unless said",
+        "",
+        "| variant | batch | prefix ms | step ms | prefix: matmul / attention / other ms | step: matmul / attention "
+        "/ other ms |",
+        "|---|---:|---:|---:|---|---|",
+    ]
+    tops: list[str] = []
+    policy: Any = None
+    for variant in args.variants.split(","):
+        policy = None
+        torch.cuda.empty_cache()
+        Pi0.float32_vision = variant != "vision-bf16"
+        policy = LeRobotPolicy.load(str(root), device=device, dtype=torch.bfloat16)
+        torch.backends.cuda.matmul.allow_tf32 = variant != "lerobot"
+        for b in batches:
+            row, top = measure(policy, b, args.reps, args.top)
+            lines.append(f"| {variant} | {b} | {row} |")
+            print(lines[-1], flush=True)
+            Path(out).write_text("\n".join(lines) + "\n")  # what a stage cut short by its bound leaves
+            tops.append(f"\n{variant}, batch {b}, the prefix's and then one step's heaviest kernels (ms):")
+            tops += top
+    if args.compile and policy is not None:
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+        if args.compile_prefix:
+            family_class(args.family).compile_prefix = True
+        policy.compile("reduce-overhead")
+        integ = policy.integrator()
+        lines += ["", "As served (`--compile reduce-overhead`, the last variant):", ""]
+        lines += ["| batch | compile + capture s | prefix ms | 10 steps ms |", "|---:|---:|---:|---:|"]
+        for b in batches:
+            batch = collate([policy.prepare(policy.example_observation(i)) for i in range(b)])
+            x0 = torch.cat([policy.init_noise(100 + i) for i in range(b)])
+
+            def steps(context: Any, x: Any = x0, b: int = b) -> Any:
+                for i in range(integ.steps):
+                    x = integ.step(x, policy.denoise_step(context, x, integ.time(i, b, device)), i)
+                return x
+
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for _ in range(3):
+                    steps(policy.condition(batch, Branch.COND))
+                torch.cuda.synchronize()
+                warm = time.perf_counter() - t0
+                context = policy.condition(batch, Branch.COND)
+                prefix_ms = device_ms(lambda batch=batch: policy.condition(batch, Branch.COND), args.reps)
+                steps_ms = device_ms(lambda c=context: steps(c), args.reps)
+            lines.append(f"| {b} | {warm:.1f} | {prefix_ms:.2f} | {steps_ms:.2f} |")
+            print(lines[-1], flush=True)
+            Path(out).write_text("\n".join(lines) + "\n")
+    lines += tops
+    lines += ["", f"Reproduce: `python bench/lerobot_kernels.py {' '.join(sys.argv[1:])}`"]
+    publish(lines, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
