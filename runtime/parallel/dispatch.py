@@ -424,41 +424,22 @@ class Lane:
         key = self._queue[0].key
         return key, sum(1 for item in self._queue if item.key == key and not item.future.done())
 
-    def _take(self, key: Hashable, room: int) -> list[_Queued]:
-        """Up to ``room`` queued requests of shape ``key``, oldest first; others stay."""
-        taken: list[_Queued] = []
-        kept: deque[_Queued] = deque()
-        while self._queue:
-            item = self._queue.popleft()
-            if item.future.done():  # its caller gave up before it ran
-                continue
-            if len(taken) < room and item.key == key:
-                taken.append(item)
-            else:
-                kept.append(item)
-        self._queue = kept
-        return taken
-
     def _pump(self) -> None:
         """Start the next batch if the replica is free and the batch need not wait, or queue a full one behind
         the running batch (any number of calls is fine)."""
         if self._running > 1 or self._loop is None:
             return
         head = self._head()
-        if head is None:
-            if not self._running:
-                self._close_window()
+        if head is not None and self._running:
+            if head[1] >= self.max_batch:
+                self._start(head[0])
             return
-        key, queued = head
-        if self._running:
-            if queued >= self.max_batch:
-                self._start(self._take(key, self.max_batch))
-            return
-        now = self.clock()
-        if queued < self.max_batch and self.window_s > 0 and self.expected() > 0:
+        if head is not None and head[1] < self.max_batch and self.window_s > 0 and self.expected() > 0:
             # The window runs from the latest arrival: robots answered together come back one after the
             # other, each behind the others' decode and prepare on this one loop, so their spread grows
             # with their number.  Each extension needs a request, so the wait stays below max_batch windows.
+            key, queued = head
+            now = self.clock()
             if self._window is None or self._window[0] != key or queued > self._window[1]:
                 self._window = (key, queued, now + self.window_s)
             remaining = self._window[2] - now
@@ -467,17 +448,29 @@ class Lane:
                     self._timer.cancel()
                 self._timer = self._loop.call_later(remaining, self._pump)
                 return
-        self._close_window()
-        self._start(self._take(key, self.max_batch))
-
-    def _close_window(self) -> None:
+        # the window ends: nothing is queued, or the batch starts now (with a batch running, none is open)
         self._window = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if head is not None:
+            self._start(head[0])
 
-    def _start(self, items: list[_Queued]) -> None:
+    def _start(self, key: Hashable) -> None:
+        """Take up to ``max_batch`` queued requests of shape ``key``, oldest first (others stay), and hand them to
+        the replica's thread as one batch."""
         assert self._loop is not None
+        items: list[_Queued] = []
+        kept: deque[_Queued] = deque()
+        while self._queue:
+            item = self._queue.popleft()
+            if item.future.done():  # its caller gave up before it ran
+                continue
+            if len(items) < self.max_batch and item.key == key:
+                items.append(item)
+            else:
+                kept.append(item)
+        self._queue = kept
         loop, batch = self._loop, Batch(tuple(item.request for item in items))
         if self.on_batch is not None:
             try:
