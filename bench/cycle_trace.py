@@ -11,7 +11,7 @@ records one monotonic timestamp per call -- no call tracer, so the server runs a
   ``Lane._start`` (a batch handed to the lane's thread); with front-end processes also ``FrontendLink._on_message``
   (its Request branch: a request read from the ring) and ``FrontendLink._answered`` (an answer queued for its front-end);
 - the front-end (inline: the same loop): ``infer`` called (a frame decoded by ``websockets``) and the reply
-  written (``PolicyWebSocketServer._send``); with front-end processes also the answer's arrival;
+  written (``PolicyWebSocketServer._reply``); with front-end processes also the answer's arrival;
 - the robots: each request's send and its reply's arrival (``runtime/client.py`` records both on the same
   clock, ``time.perf_counter``: CLOCK_MONOTONIC, one per host).
 
@@ -126,7 +126,9 @@ if DIR:
         wrap(wire, "decode_observation", "decode")
         wrap(ipc.SlotRing, "write_sample", "ring-write")
         wrap(ipc.SlotRing, "write_object", "ring-write")
-        wrap(server.PolicyWebSocketServer, "_send", "sent", sync=False)
+        # the reply written (``_reply``; ``_send`` in a tree from before it)
+        writes = "_reply" if hasattr(server.PolicyWebSocketServer, "_reply") else "_send"
+        wrap(server.PolicyWebSocketServer, writes, "sent", sync=False)
         wrap(core.Engine, "_lane_answered", "lane-answered")
         wrap(wire, "packb", "packb")
         listen = ipc.Channel.listen

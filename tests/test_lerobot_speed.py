@@ -31,6 +31,7 @@ from policy_operator.runtime.policy.interface import collate  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import sample_actions  # noqa: E402
+from policy_operator.runtime.result import Result  # noqa: E402
 from tests.support.lerobot_equality import lerobots_own  # noqa: E402
 from tests.support.lerobot_tiny import reduced_paligemma, write_small_pi  # noqa: E402
 
@@ -158,7 +159,7 @@ def test_a_batch_reports_its_stages_to_the_replicas_outcome_and_metrics(checkpoi
     assert outcomes[1].stages == outcomes[0].stages  # the batch's, for each of its requests
     assert sum(stages.values()) <= outcomes[0].infer_ms / 1e3
     metrics = ServerMetrics(ParallelLayout(1, 1))
-    metrics.observe_stages({"decode": 1e-4, **stages})
+    metrics.observe_answer(Result(decode_ms=0.1, stages=tuple(stages.items())), (0.01, 0.001), 0.0)
     text = metrics.render().decode()
     for stage in ("decode", "prefix", "denoise", "postprocess"):
         assert f'policy_stage_seconds_count{{stage="{stage}"}} 1.0' in text

@@ -13,14 +13,13 @@ and tests/test_autoscaling.py fail when a query names one that is not here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from policy_operator.fetch_progress import FetchProgress
 from policy_operator.layout import ParallelLayout
+from policy_operator.runtime.result import Result
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the serve flag --max-batch is at most 256
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -189,17 +188,25 @@ class ServerMetrics:
             registry=self.registry,
         )
 
-    def observe_request(self, replica: int, infer_s: float, queue_s: float) -> None:
-        """A request answered with actions: on the event loop, once per request."""
-        requests, infer, _ = self._replicas[replica]
+    def observe_answer(self, answer: Result, written: tuple[float, float] | None, network_rtt: float) -> None:
+        """A request answered with actions, on the event loop once per request: its replica's count, compute time
+        and wait; once its reply was written (``written``: receive-to-reply-written seconds, the write's seconds;
+        None when the connection closed first), its stages and round trip, and its connection's keepalive round
+        trip (``network_rtt``, websockets' ``latency``: 0 until the first ping came back)."""
+        requests, infer, _ = self._replicas[answer.replica]
         requests.inc()
-        infer.observe(infer_s)
-        self.queue.observe(queue_s)
-
-    def observe_stages(self, seconds: Mapping[str, float]) -> None:
-        """An answered request's stages (policy_stage_seconds): on the event loop, once per request."""
-        for stage, value in seconds.items():
+        infer.observe(answer.infer_ms / 1e3)
+        self.queue.observe(answer.queue_ms / 1e3)
+        if written is None:
+            return
+        total_s, reply_s = written
+        stages = {"decode": answer.decode_ms / 1e3, "prepare": answer.prepare_ms / 1e3, **dict(answer.stages)}
+        stages["reply"] = reply_s
+        for stage, value in stages.items():
             self.stages.labels(stage).observe(value)
+        self.latency.observe(total_s)
+        if network_rtt > 0:
+            self.network_rtt.observe(network_rtt)
 
     def observe_batch(self, replica: int, size: int) -> None:
         self._replicas[replica][2].observe(size)

@@ -162,24 +162,6 @@ def _json(status: int, payload: dict[str, Any]) -> Response:
     return _response(status, json.dumps(payload).encode(), "application/json")
 
 
-def reply_frame(reply: Result, prev_total_ms: float | None, total_ms: float) -> dict[str, Any]:
-    """The actions map of docs/protocol.md; ``total_ms``: frame received -> reply ready, so what the server
-    itself adds is ``total_ms - infer_ms``."""
-    return {
-        "actions": reply.actions,
-        "server_timing": {
-            "infer_ms": reply.infer_ms,
-            "queue_ms": reply.queue_ms,
-            "decode_ms": reply.decode_ms,
-            "prepare_ms": reply.prepare_ms,
-            "replica": reply.replica,
-            "batch_size": reply.batch_size,
-            "prev_total_ms": prev_total_ms,
-            "total_ms": total_ms,
-        },
-    }
-
-
 class PolicyWebSocketServer:
     """One port: probes and metrics as plain HTTP, robots as WebSocket sessions; requests go to the ingress."""
 
@@ -296,53 +278,73 @@ class PolicyWebSocketServer:
                     elif kind is ErrorKind.BAD_FRAME:
                         log.info("bad frame: %s", exc)  # one line: whoever sends these may send many
                     self.metrics.errors.labels(kind.value).inc()
-                    if not await self._send(ws, self._error_frame(ws, kind, str(exc))) or not await self._answered(ws):
+                    if await self._reply(ws, self._error_frame(ws, kind, str(exc))) is None:
                         return
                     continue
                 finally:
                     self.metrics.in_flight.dec()
-                self.metrics.observe_request(reply.replica, reply.infer_ms / 1e3, reply.queue_ms / 1e3)
                 replying = time.perf_counter()
-                frame = reply_frame(reply, prev_total_ms, (replying - started) * 1e3)
-                if not await self._send(ws, wire.packb(frame)):
+                # the actions map of docs/protocol.md; total_ms: frame received -> reply ready, so what the server
+                # itself adds is total_ms - infer_ms
+                frame = {
+                    "actions": reply.actions,
+                    "server_timing": {
+                        "infer_ms": reply.infer_ms,
+                        "queue_ms": reply.queue_ms,
+                        "decode_ms": reply.decode_ms,
+                        "prepare_ms": reply.prepare_ms,
+                        "replica": reply.replica,
+                        "batch_size": reply.batch_size,
+                        "prev_total_ms": prev_total_ms,
+                        "total_ms": (replying - started) * 1e3,
+                    },
+                }
+                sent = await self._reply(ws, wire.packb(frame), reply, started, replying)
+                if sent is None:
                     return
-                prev_total_ms = (time.perf_counter() - started) * 1e3
-                self.metrics.observe_stages(
-                    {"decode": reply.decode_ms / 1e3, "prepare": reply.prepare_ms / 1e3, **dict(reply.stages)}
-                    | {"reply": time.perf_counter() - replying}
-                )
-                self.metrics.latency.observe(prev_total_ms / 1e3)
-                if ws.latency > 0:  # 0 until the first keepalive ping of this connection came back
-                    self.metrics.network_rtt.observe(ws.latency)
-                if not await self._answered(ws):
-                    return
+                prev_total_ms = (sent - started) * 1e3
         except websockets.ConnectionClosed:
             pass
         finally:
             sessions.closed(ws)
             self.metrics.connections.dec()
 
-    async def _send(self, ws: ServerConnection, frame: bytes | str) -> bool:
-        """Write one frame; while it is written the session is *sending* (not coming back). False when closed."""
+    async def _reply(
+        self,
+        ws: ServerConnection,
+        frame: bytes | str,
+        answered: Result | None = None,
+        started: float = 0.0,
+        replying: float = 0.0,
+    ) -> float | None:
+        """Write one reply, actions or error, and move the session on; when it was written (``perf_counter``),
+        or None when the session ended.
+
+        While it is written the session is *sending* (not coming back).  An error's text frame (openpi's) closes
+        the connection.  ``answered``: the request answered with actions, received at ``started`` and its reply
+        ready at ``replying`` (``perf_counter``): its metrics, with the write's time and the whole round trip once
+        written (its count and compute time alone when the connection closed while it was written).  After any
+        reply the session is between requests (what a drain closes at once, what the batch window counts as coming
+        back), or closed with 1001 when draining."""
         self.sessions.sending.add(ws)
+        sent = None
         try:
             await ws.send(frame)
+            sent = time.perf_counter()
         finally:
             self.sessions.sending.discard(ws)
+            if answered is not None:
+                written = None if sent is None else (sent - started, sent - replying)
+                self.metrics.observe_answer(answered, written, ws.latency)
         if isinstance(frame, str):  # openpi's error reply: a text frame, then the connection closes
             # A close reason may hold 123 bytes of UTF-8; cut by bytes, not characters, or close() itself raises.
             await ws.close(1011, frame.encode()[:123].decode("utf-8", "ignore"))
-            return False
-        return True
-
-    async def _answered(self, ws: ServerConnection) -> bool:
-        """After any reply, actions or error: the session is between requests (what a drain closes at once, what
-        the batch window counts as coming back), or closed with 1001 when draining.  False when closed."""
+            return None
         if self.ingress.draining:  # this session's request is answered: send it to a ready pod
             await ws.close(GOING_AWAY, DRAIN_REASON)
-            return False
+            return None
         self.sessions.answered(ws)
-        return True
+        return sent
 
     def _error_frame(self, ws: ServerConnection, kind: ErrorKind, message: str) -> bytes | str:
         """``--error-format dict``: the documented error map (the connection stays); text: openpi's text frame."""
