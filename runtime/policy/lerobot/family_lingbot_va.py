@@ -43,20 +43,60 @@ which this module does not do yet (docs/runtime.md says so).
 from __future__ import annotations
 
 import string
+from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from policy_operator.runtime.policy.interface import Context, Integrator
+from policy_operator.runtime.policy.interface import Branch, Context, Integrator
 from policy_operator.runtime.policy.lerobot.families import Family
+from policy_operator.runtime.policy.session_state import SESSION_TAG
 
 WAN_DIR = "wan"  # the bundled VAE, text encoder and tokenizer (what ``wan_pretrained_path`` names)
 CACHE = "pos"  # the transformer's cache name in LeRobot's code
 TOKENS_KEY = "lingbot_va.task_tokens"  # the task, tokenized by prepare on the CPU
 TOKEN_MASK_KEY = "lingbot_va.task_mask"
 LATENT_CHANNELS = 48  # LeRobot draws the latents with 48 channels whatever the config (the Wan2.2 VAE's z_dim)
+# Sessions a replica keeps the memory of (the least recently used go first).  At the published size one
+# session's caches are LeRobot's whole pool for both branches: 30 layers x (keys, values) x 2160 slots x 24 heads
+# x 128 x 2 bytes x 2 branches = 1.6 GB of bfloat16, so 8 sessions hold 12.7 GB next to the 5B model.
+MAX_SESSIONS = 8
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+@dataclass
+class Stream:
+    """One row's memory across its chunks: a request's alone, or its session's (kept by the family).
+
+    ``layout`` is LeRobot's per-slot bookkeeping (ids, mask, is-predicted flags), one for both branches as
+    LeRobot's CFG batch shares it; ``kv`` each branch's keys and values per layer ``[1, slots, heads, dim]``."""
+
+    layout: dict[str, torch.Tensor]
+    kv: dict[Branch, tuple[tuple[torch.Tensor, torch.Tensor], ...]]
+    text: dict[Branch, torch.Tensor]
+    first: torch.Tensor | None = None  # the first observation's latent: frame 0 of the first chunk, then fed back
+    vae: list[Any] = field(default_factory=list)  # the streaming VAE's causal cache after the stream's last frames
+    frame_st_id: int = 0  # latent frames fed back so far (LeRobot's ``_frame_st_id``): 0 during a first chunk
+    executed: torch.Tensor | None = None  # the last chunk's actions as LeRobot feeds them back
+    chunks: int = 0  # chunks answered
+
+    def copy(self) -> Stream:
+        return Stream(
+            {k: v.clone() for k, v in self.layout.items()},
+            {b: tuple((k.clone(), v.clone()) for k, v in layers) for b, layers in self.kv.items()},
+            dict(self.text),
+            _clone(self.first),
+            [_clone(v) for v in self.vae],
+            self.frame_st_id,
+            _clone(self.executed),
+            self.chunks,
+        )
 
 
 class TwoStage(Integrator):
@@ -121,6 +161,10 @@ class LingBotVA(Family):
         self.slots = self.latent_tokens + max(self.latent_tokens, f * int(cfg.action_per_frame))
         self._negative: torch.Tensor | None = None
         self._two_stage = self._schedules()
+        self.max_sessions = MAX_SESSIONS
+        self._sessions: OrderedDict[int, Stream] = OrderedDict()  # session key -> its stream, on this rank
+        self._batch: list[Stream] = []  # the running batch's rows (``denoise`` and ``finish`` read them)
+        self._pending = False  # ``condition`` made this batch's streams; ``unconditional`` takes them
 
     # --- shapes and steps --------------------------------------------------------
     @property
@@ -202,49 +246,180 @@ class LingBotVA(Family):
         row = embeds[0, :length]
         return torch.cat([row, row.new_zeros(ids.shape[1] - length, row.shape[1])])[None]
 
-    def _first_latent(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Each row's first-frame latent, encoded alone by a fresh streaming VAE, as the first chunk is."""
-        policy = self.policy
-        rows = []
-        for r in range(next(iter(batch.values())).shape[0]):
-            policy._frozen["streaming_vae"].clear_cache()  # noqa: SLF001
-            rows.append(policy._encode_frames([{k: batch[k][r : r + 1] for k in self.config.obs_cam_keys}]))  # noqa: SLF001
-        return torch.cat(rows).to(policy.dtype)
+    # --- each row's stream: a request's own, or its session's -------------------------------------------
+    def keyframes(self, chunk: int) -> int:
+        """The observations LeRobot's ``select_action`` buffers while chunk ``chunk - 1`` runs: one every
+        ``max(1, action_per_frame // 4)`` actions of each frame, over F - 1 frames after a first chunk, F after."""
+        cfg = self.config
+        apf = int(cfg.action_per_frame)
+        frames = int(cfg.frame_chunk_size) - (1 if chunk == 1 else 0)
+        return frames * (apf // max(1, apf // 4))
 
-    def _context(self, text: torch.Tensor, first: torch.Tensor) -> Context:
+    def _pool(self, session: bool) -> int:
+        """A session's cache holds LeRobot's whole pool (``attn_window // 2`` chunks of latent and action tokens,
+        the oldest evicted first, as its ``allocate_slots`` does); a request alone needs its first chunk's slots."""
+        if not session:
+            return self.slots
+        f, apf = int(self.config.frame_chunk_size), int(self.config.action_per_frame)
+        return (int(self.config.attn_window) // 2) * (self.latent_tokens + f * apf)
+
+    def _new_stream(self, text: torch.Tensor | None, session: bool, device: torch.device) -> Stream:
         transformer = self.policy.transformer
-        rows = text.shape[0]
-        shape = (rows, self.slots, transformer.num_attention_heads, transformer.attention_head_dim)
-        layers = tuple(
-            (
-                torch.zeros(shape, dtype=self.policy.dtype, device=text.device),
-                torch.zeros(shape, dtype=self.policy.dtype, device=text.device),
+        slots = self._pool(session)
+        shape = (1, slots, transformer.num_attention_heads, transformer.attention_head_dim)
+
+        def empty() -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+            return tuple(
+                (
+                    torch.zeros(shape, dtype=self.policy.dtype, device=device),
+                    torch.zeros(shape, dtype=self.policy.dtype, device=device),
+                )
+                for _ in transformer.blocks
             )
-            for _ in transformer.blocks
+
+        layout = {
+            "id": torch.full((slots,), -1, dtype=torch.long, device=device),
+            "mask": torch.zeros((slots,), dtype=torch.bool, device=device),
+            "is_pred": torch.zeros((slots,), dtype=torch.bool, device=device),
+        }
+        texts = {Branch.UNCOND: self._negative_text(device)}
+        if text is not None:
+            texts[Branch.COND] = text
+        return Stream(layout, {Branch.COND: empty(), Branch.UNCOND: empty()}, texts)
+
+    def _encode(self, stream: Stream, frames: list[dict[str, torch.Tensor]], *, fresh: bool) -> torch.Tensor:
+        """``frames`` encoded by LeRobot's own ``_encode_frames`` through the streaming VAE holding ``stream``'s
+        causal cache (a fresh one for a first observation), which it keeps for the stream's next frames."""
+        vae = self.policy._frozen["streaming_vae"]  # noqa: SLF001
+        if fresh:
+            vae.clear_cache()
+        else:
+            vae.feat_cache = stream.vae
+        try:
+            return self.policy._encode_frames(frames).to(self.policy.dtype)  # noqa: SLF001
+        finally:
+            stream.vae = vae.feat_cache
+            vae.clear_cache()
+
+    def _rows(self, batch: Mapping[str, torch.Tensor], *, store: bool, cond: bool = True) -> list[Stream]:
+        """Each row's stream: a first chunk's new one (kept as its session's when the row is tagged and ``store``),
+        or a continuation's session stream with the keyframes and last chunk's actions fed back into its cache.
+        Every row is checked before any state changes, so a refused batch leaves every session as it was."""
+        cams = self.config.obs_cam_keys
+        rows = batch[cams[0]].shape[0]
+        continuing = batch[cams[0]].dim() == 5  # [B, K, C, H, W]: the keyframes of a continuation
+        tags = batch.get(SESSION_TAG)
+        keys = [None if tags is None else (int(tags[r, 0]), int(tags[r, 1])) for r in range(rows)]
+        if continuing:
+            for key in keys:
+                if key is None:
+                    raise ValueError("LingBot-VA keyframes arrived without a session tag (the ingress adds it)")
+                stream = self._sessions.get(key[0])
+                if stream is None or stream.chunks != key[1]:
+                    self._sessions.pop(key[0], None)
+                    raise ValueError(
+                        f"LingBot-VA has no state of chunk {key[1]} for this session on this replica "
+                        f"({'none' if stream is None else f'it answered {stream.chunks} chunks'}); the session "
+                        "must start again with a first chunk"
+                    )
+        tokens = batch[TOKENS_KEY] if batch[TOKENS_KEY].dim() == 2 else batch[TOKENS_KEY][:, -1]
+        masks = batch[TOKEN_MASK_KEY] if batch[TOKEN_MASK_KEY].dim() == 2 else batch[TOKEN_MASK_KEY][:, -1]
+        out: list[Stream] = []
+        done: dict[int, Stream] = {}  # a session's stream before this batch, for a padded copy of its row
+        for r, key in enumerate(keys):
+            if not continuing:
+                text = self._embed(tokens[r : r + 1], masks[r : r + 1]) if cond else None
+                stream = self._new_stream(text, key is not None, tokens.device)
+                stream.first = self._encode(stream, [{k: batch[k][r : r + 1] for k in cams}], fresh=True)
+                if key is not None and store and key[0] not in done:
+                    self._keep(key[0], stream)
+                    done[key[0]] = stream
+                out.append(stream)
+                continue
+            assert key is not None
+            if key[0] in done:  # a bucket's padding repeats the last row: it runs on a copy, never stored
+                out.append(done[key[0]].copy())
+                continue
+            stream = self._sessions[key[0]]
+            self._sessions.move_to_end(key[0])
+            if keys.count(key) > 1:
+                done[key[0]] = stream.copy()
+            frames = [{k: batch[k][r : r + 1, j] for k in cams} for j in range(batch[cams[0]].shape[1])]
+            self._feed_back(stream, self._encode(stream, frames, fresh=False))
+            out.append(stream)
+        return out
+
+    def _keep(self, key: int, stream: Stream) -> None:
+        self._sessions.pop(key, None)  # a session's new first chunk starts its episode afresh
+        self._sessions[key] = stream
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def _feed_back(self, stream: Stream, latents: torch.Tensor) -> None:
+        """LeRobot's ``_compute_kv_cache``: its predictions leave the cache, then the observed keyframes' latents
+        (after the first observation's, the first time) and the actions executed are written into both branches'
+        caches as one batch of two, as LeRobot's CFG batch writes them."""
+        from lerobot.policies.lingbot_va.utils import get_mesh_id
+
+        p = self.config.patch_size
+        layout = stream.layout
+        layout["mask"][layout["is_pred"]] = False
+        if stream.frame_st_id == 0:
+            latents = torch.cat([stream.first, latents], dim=2)
+        assert stream.executed is not None
+        actions = stream.executed.to(latents)
+        actions[:, ~self.policy._action_mask] *= 0  # noqa: SLF001
+        device = latents.device
+        grid = get_mesh_id(
+            latents.shape[-3] // p[0], latents.shape[-2] // p[1], latents.shape[-1] // p[2], 0, 1, stream.frame_st_id
         )
+        video = {
+            "noisy_latents": latents.repeat(2, 1, 1, 1, 1),
+            "timesteps": torch.zeros([2, latents.shape[2]], dtype=torch.float32, device=device),
+            "grid_id": grid.to(device)[None].repeat(2, 1, 1),
+            "text_emb": None,  # each row's branch's (``_forward``)
+        }
+        grid = get_mesh_id(
+            actions.shape[-3], actions.shape[-2], actions.shape[-1], 1, 1, stream.frame_st_id, action=True
+        )
+        action = {
+            "noisy_latents": actions.repeat(2, 1, 1, 1, 1),
+            "timesteps": torch.zeros([2, actions.shape[2]], dtype=torch.float32, device=device),
+            "grid_id": grid.to(device)[None].repeat(2, 1, 1),
+            "text_emb": None,  # each row's branch's (``_forward``)
+        }
+        both = [(stream, Branch.COND), (stream, Branch.UNCOND)]
+        self._forward(both, video, update=2, action=False)
+        self._forward(both, action, update=2, action=True)
+        stream.frame_st_id += latents.shape[2]
+
+    def _negative_text(self, device: torch.device) -> torch.Tensor:
+        if self._negative is None:  # the empty prompt's embedding, the same for every request
+            self._negative = self._embed(*self._tokens(""))
+        return self._negative.to(device)
+
+    @staticmethod
+    def _context(rows: int, branch: Branch, device: torch.device) -> Context:
+        """The rows' indices into this batch's streams and their branch: the streams themselves (caches,
+        layouts) stay with this module, so a batched-CFG concatenation of contexts never copies them."""
         return {
-            "text": text,
-            "first": first,
-            "kv": layers,
-            "id": torch.full((rows, self.slots), -1, dtype=torch.long, device=text.device),
-            "mask": torch.zeros((rows, self.slots), dtype=torch.bool, device=text.device),
-            "is_pred": torch.zeros((rows, self.slots), dtype=torch.bool, device=text.device),
+            "row": torch.arange(rows, dtype=torch.long, device=device),
+            "branch": torch.full((rows,), int(branch), dtype=torch.long, device=device),
         }
 
     def condition(self, batch: dict[str, torch.Tensor]) -> Context:
-        text = torch.cat(
-            [
-                self._embed(batch[TOKENS_KEY][r : r + 1], batch[TOKEN_MASK_KEY][r : r + 1])
-                for r in range(batch[TOKENS_KEY].shape[0])
-            ]
-        )
-        return self._context(text, self._first_latent(batch))
+        rows = self._rows(batch, store=True)
+        self._batch, self._pending = rows, True
+        return self._context(len(rows), Branch.COND, batch[TOKENS_KEY].device)
 
     def unconditional(self, batch: dict[str, torch.Tensor]) -> Context:
-        if self._negative is None:  # the empty prompt's embedding, the same for every request
-            self._negative = self._embed(*self._tokens(""))
-        rows = batch[TOKENS_KEY].shape[0]
-        return self._context(self._negative.expand(rows, -1, -1).clone(), self._first_latent(batch))
+        if self._pending:  # one rank runs both branches: the conditional one made this batch's streams
+            self._pending = False
+        else:  # cfgp=2's unconditional rank: its branch alone, of requests alone (the ingress tags none)
+            if SESSION_TAG in batch:
+                raise ValueError("LingBot-VA keeps session state on one rank only: serve sessions with cfgp=1")
+            self._batch = self._rows(batch, store=False, cond=False)
+        return self._context(len(self._batch), Branch.UNCOND, batch[TOKENS_KEY].device)
 
     # --- one model call ---------------------------------------------------------------
     def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -257,54 +432,82 @@ class LingBotVA(Family):
         rows = x.shape[0]
         f, (h, w), p = int(cfg.frame_chunk_size), self.latent_hw, cfg.patch_size
         device = x.device
+        who = [
+            (self._batch[r], Branch(b))
+            for r, b in zip(context["row"].tolist(), context["branch"].tolist(), strict=True)
+        ]
+        starts = [stream.frame_st_id for stream, _ in who]
+        first = torch.tensor([s == 0 for s in starts], device=device)  # a first chunk: frame 0 is the observation
         out = torch.zeros_like(x)
         if i <= video_steps:
             tv = self._two_stage.video_t[i]
             latents = x[:, : self.split].reshape(rows, *self.latent_shape[1:]).clone()
-            latents[:, :, 0:1] = context["first"][:, :, 0:1]
-            times = torch.ones([f], dtype=torch.float32, device=device) * tv
-            times[0:1] *= 0
-            grid = get_mesh_id(latents.shape[-3] // p[0], latents.shape[-2] // p[1], latents.shape[-1] // p[2], 0, 1, 0)
-            inputs = {
-                "noisy_latents": latents,
-                "timesteps": times[None].repeat(rows, 1),
-                "grid_id": grid.to(device)[None].repeat(rows, 1, 1),
-                "text_emb": context["text"],
-            }
-            pred = self._forward(context, inputs, update=1 if i == video_steps else 0, action=False)
+            for r, (stream, _) in enumerate(who):
+                if starts[r] == 0:
+                    latents[r, :, 0:1] = stream.first[0, :, 0:1]
+            times = torch.ones([rows, f], dtype=torch.float32, device=device) * tv
+            times[:, 0:1] *= (~first).float()[:, None]
+            grids = [get_mesh_id(f // p[0], h // p[1], w // p[2], 0, 1, s).to(device) for s in starts]
+            inputs = {"noisy_latents": latents, "timesteps": times, "grid_id": torch.stack(grids), "text_emb": None}
+            pred = self._forward(who, inputs, update=1 if i == video_steps else 0, action=False)
             if i < video_steps:
                 pred = data_seq_to_patch(p, pred, f, h, w, batch_size=rows)
                 out[:, : self.split] = pred.flatten(1).to(x.dtype)
             return out
         j = i - video_steps - 1
         actions = x[:, self.split :].reshape(rows, *self.action_shape[1:]).clone()
-        actions[:, :, 0:1] = 0  # frame 0's actions: the zero condition of a first chunk
-        times = torch.ones([f], dtype=torch.float32, device=device) * self._two_stage.action_t[j]
-        times[0:1] *= 0
+        actions[:, :, 0:1] *= (~first).to(actions.dtype)[:, None, None, None, None]  # a first chunk's frame 0: zeros
+        times = torch.ones([rows, f], dtype=torch.float32, device=device) * self._two_stage.action_t[j]
+        times[:, 0:1] *= (~first).float()[:, None]
         actions[:, ~self.policy._action_mask] *= 0  # noqa: SLF001 - the unused channels, as LeRobot zeroes them
-        grid = get_mesh_id(actions.shape[-3], actions.shape[-2], actions.shape[-1], 1, 1, 0, action=True)
-        inputs = {
-            "noisy_latents": actions,
-            "timesteps": times[None].repeat(rows, 1),
-            "grid_id": grid.to(device)[None].repeat(rows, 1, 1),
-            "text_emb": context["text"],
-        }
-        pred = self._forward(context, inputs, update=0, action=True)
+        apf = actions.shape[-2]
+        grids = [get_mesh_id(f, apf, 1, 1, 1, s, action=True).to(device) for s in starts]
+        inputs = {"noisy_latents": actions, "timesteps": times, "grid_id": torch.stack(grids), "text_emb": None}
+        pred = self._forward(who, inputs, update=0, action=True)
         out[:, self.split :] = rearrange(pred, "b (f n) c -> b c f n 1", f=f).flatten(1).to(x.dtype)
         return out
 
-    def _forward(self, context: Context, inputs: dict[str, torch.Tensor], *, update: int, action: bool) -> torch.Tensor:
-        """The transformer with ``context``'s cache lent to its attention modules for this call (rows share a slot
-        layout: they run in lockstep from the same empty cache, so row 0's mask, ids and flags are every row's)."""
+    def _forward(
+        self, who: list[tuple[Stream, Branch]], inputs: dict[str, Any], *, update: int, action: bool
+    ) -> torch.Tensor:
+        """The transformer over ``who``'s rows, each with its stream's cache of its branch lent to the attention
+        modules for the call.  LeRobot's cache has one slot layout (mask, ids, is-predicted flags) for its whole
+        batch, so rows run together only where their layouts are equal (a request alone and its branches, or
+        sessions at the same point); each group's layout, evictions included, goes back to its streams."""
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for r, (stream, _) in enumerate(who):
+            layout = stream.layout
+            key = (
+                stream.frame_st_id,
+                layout["mask"].shape[0],
+                torch.cat([layout["id"], layout["mask"].long(), layout["is_pred"].long()]).cpu().numpy().tobytes(),
+            )
+            groups.setdefault(key, []).append(r)
+        preds: list[torch.Tensor | None] = [None] * len(who)
+        for members in groups.values():
+            text = torch.cat([who[r][0].text[who[r][1]] for r in members])
+            part = {k: (text if k == "text_emb" else v[members]) for k, v in inputs.items()}
+            pred = self._run([who[r] for r in members], part, update=update, action=action)
+            for n, r in enumerate(members):
+                preds[r] = pred[n : n + 1]
+        return torch.cat([pred for pred in preds if pred is not None])
+
+    def _run(
+        self, who: list[tuple[Stream, Branch]], inputs: dict[str, Any], *, update: int, action: bool
+    ) -> torch.Tensor:
         transformer = self.policy.transformer
+        layout = who[0][0].layout
+        alone = len(who) == 1
         lent = []
-        for block, (keys, values) in zip(transformer.blocks, context["kv"], strict=True):
+        for n, block in enumerate(transformer.blocks):
+            keys = [stream.kv[branch][n][0] for stream, branch in who]
+            values = [stream.kv[branch][n][1] for stream, branch in who]
             cache = {
-                "k": keys,
-                "v": values,
-                "id": context["id"][0].clone(),
-                "mask": context["mask"][0].clone(),
-                "is_pred": context["is_pred"][0].clone(),
+                "k": keys[0] if alone else torch.cat(keys),
+                "v": values[0] if alone else torch.cat(values),
+                "id": layout["id"].clone(),
+                "mask": layout["mask"].clone(),
+                "is_pred": layout["is_pred"].clone(),
             }
             block.attn1.attn_caches[CACHE] = cache
             lent.append(cache)
@@ -313,14 +516,31 @@ class LingBotVA(Family):
         finally:
             for block in transformer.blocks:
                 block.attn1.attn_caches[CACHE] = None
-        if update:  # every layer wrote the same slots: keep the slot layout in the context
+        for stream, _ in who:  # every layer allocated the same slots: the layout, evictions included, persists
             for name in ("id", "mask", "is_pred"):
-                context[name].copy_(lent[0][name].expand_as(context[name]))
+                stream.layout[name].copy_(lent[0][name])
+        if update and not alone:  # what the call wrote stays in each row's own cache
+            for n, cache in enumerate(lent):
+                for m, (stream, branch) in enumerate(who):
+                    stream.kv[branch][n][0].copy_(cache["k"][m : m + 1])
+                    stream.kv[branch][n][1].copy_(cache["v"][m : m + 1])
         return pred
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The chunk LeRobot returns (a first chunk drops frame 0, the observation's own); each session keeps
+        the chunk's actions as LeRobot keeps them for its next feedback (frame 0's zeros, unused channels zeroed)."""
         actions = x[:, self.split :].reshape(x.shape[0], *self.action_shape[1:])
-        a = actions[:, self.config.used_action_channel_ids][:, :, 1:]  # drop frame 0, as the first chunk does
+        first = self._batch[0].frame_st_id == 0
+        for r, stream in enumerate(self._batch[: x.shape[0]]):
+            kept = actions[r : r + 1].clone().to(self.policy.dtype)
+            if first:
+                kept[:, :, 0:1] = 0
+            kept[:, ~self.policy._action_mask] *= 0  # noqa: SLF001
+            stream.executed = kept
+            stream.chunks += 1
+        a = actions[:, self.config.used_action_channel_ids]
+        if first:
+            a = a[:, :, 1:]
         return a.squeeze(-1).flatten(2).transpose(1, 2).contiguous().to(torch.float32)
 
     def rtc_unsupported(self) -> str | None:
@@ -413,8 +633,8 @@ def tiny_config(root: Path, size: str) -> Any:
                 "freq_dim": 32,
                 "ffn_dim": 64,
                 "num_layers": 2,
-                "action_per_frame": 2,
-                "frame_chunk_size": 3,
+                "action_per_frame": 4,  # every observation a keyframe; 4 of them encode to one latent frame
+                "frame_chunk_size": 2,
                 "attn_window": 4,
                 "num_inference_steps": 3,
                 "action_num_inference_steps": 4,
