@@ -28,10 +28,18 @@ import torch
 from policy_operator.runtime import ipc
 from policy_operator.runtime.client import robolab_observation
 from policy_operator.runtime.engine_api import PreparedRequest
-from policy_operator.runtime.policy.observation import parse_seed, parse_session
 from policy_operator.runtime.policy.reference import PolicyConfig, ReferencePreprocessor
 from policy_operator.runtime.result import Result
 from policy_operator.runtime.serving import wire
+
+try:
+    from policy_operator.runtime.policy.observation import parse_request_keys
+except ImportError:  # a tree from before it (bench runs against older trees too)
+    from policy_operator.runtime.policy.observation import parse_seed, parse_session
+
+    def parse_request_keys(obs):  # type: ignore[no-redef]
+        return parse_seed(obs), parse_session(obs)
+
 
 WARMUP = 50
 GAP_S = 0.001
@@ -55,7 +63,7 @@ def main(checkpoint: Path, n: int) -> dict[str, float]:
         slot = i % slots
         t0 = time.thread_time()
         obs = wire.decode_observation(frames[i % len(frames)])
-        prepared = PreparedRequest(pre.prepare(obs), None, parse_seed(obs), parse_session(obs))
+        prepared = PreparedRequest(pre.prepare(obs), None, *parse_request_keys(obs))
         request = ipc.request_of(i, slot, ring, prepared, 8)
         sent = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
         t1, p1 = time.thread_time(), time.process_time()

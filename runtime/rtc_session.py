@@ -70,11 +70,8 @@ class RtcSession:
     for the process's life, so two connections never share a session's state."""
 
     def __init__(self) -> None:
-        self.last: np.ndarray | None = None
+        self.last: np.ndarray | None = None  # set by the front-end with every chunk the connection receives
         self.connection = next(_connections)
-
-    def received(self, actions: np.ndarray) -> None:
-        self.last = actions
 
 
 def _integer(entry: Mapping[str, Any], key: str) -> int | None:

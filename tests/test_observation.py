@@ -25,8 +25,7 @@ from policy_operator.runtime.policy.observation import (
     MAX_IMAGE_SIDE,
     MAX_PROMPT_CHARS,
     parse_observation,
-    parse_seed,
-    parse_session,
+    parse_request_keys,
 )
 from policy_operator.runtime.policy.reference import ReferencePolicy, camera_key
 
@@ -219,11 +218,11 @@ def test_state_of_absurd_magnitude_is_refused_naming_the_bound(value: float) -> 
     ],
 )
 def test_parse_seed_accepts(seed: Any, expected: int | None) -> None:
-    assert parse_seed({"seed": seed}) == expected
+    assert parse_request_keys({"seed": seed}) == (expected, None)
 
 
 def test_parse_seed_absent_is_none() -> None:
-    assert parse_seed({}) is None
+    assert parse_request_keys({}) == (None, None)
 
 
 @pytest.mark.parametrize(
@@ -240,16 +239,16 @@ def test_parse_seed_absent_is_none() -> None:
 )
 def test_parse_seed_rejects(seed: Any, words: str) -> None:
     with pytest.raises(InvalidObservation, match="'seed'") as info:
-        parse_seed({"seed": seed})
+        parse_request_keys({"seed": seed, "session_id": 1.5})  # the seed is checked first
     assert words in str(info.value)
 
 
 @pytest.mark.parametrize(("session", "expected"), [(None, None), ("robot-1", "robot-1"), (12, "12")])
 def test_parse_session_accepts(session: Any, expected: str | None) -> None:
-    assert parse_session({"session_id": session}) == expected
+    assert parse_request_keys({"session_id": session}) == (None, expected)
 
 
 @pytest.mark.parametrize("session", [1.5, True, ["a"], {"a": 1}])
 def test_parse_session_rejects(session: Any) -> None:
     with pytest.raises(InvalidObservation, match="'session_id' must be a string"):
-        parse_session({"session_id": session})
+        parse_request_keys({"seed": 3, "session_id": session})

@@ -47,7 +47,7 @@ def test_both_forms_give_the_unexecuted_tail_in_the_returned_action_space() -> N
     np.testing.assert_array_equal(full.prev_actions, chunk(10))
     assert parse({"prev_actions": chunk(10).astype(np.float64).tolist(), "inference_delay": 0}).horizon == 10
     session = RtcSession()
-    session.received(chunk(16))
+    session.last = chunk(16)
     short = parse({"executed": 6, "inference_delay": np.int64(2)}, session)
     np.testing.assert_array_equal(short.prev_actions, chunk(16)[6:])
     assert (short.delay, short.horizon) == (2, 10)
@@ -102,7 +102,7 @@ def test_the_short_form_needs_a_chunk_received_on_this_connection() -> None:
             parse({"executed": 2, "inference_delay": 1}, session)
         assert info.value.kind is ErrorKind.RTC_NO_PREVIOUS_CHUNK and "received none" in str(info.value)
     session = RtcSession()
-    session.received(chunk(16))
+    session.last = chunk(16)
     with pytest.raises(InvalidRtc, match="executed must be in 0..15") as bad:
         parse({"executed": 16, "inference_delay": 0}, session)
     assert bad.value.kind is ErrorKind.INVALID_RTC

@@ -122,30 +122,27 @@ def parse_observation(
     return Observation(tuple(img for _, img in cameras), np.concatenate([joints, gripper]), prompt)
 
 
-def parse_seed(obs: Mapping[str, Any]) -> int | None:
-    if SEED_KEY not in obs or obs[SEED_KEY] is None:
-        return None
-    seed = obs[SEED_KEY]
-    if isinstance(seed, np.ndarray) and seed.shape == ():
-        seed = seed.item()
-    if isinstance(seed, np.integer):
-        seed = int(seed)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InvalidObservation(f"{SEED_KEY!r} must be an integer, got {type(seed).__name__}")
-    if not 0 <= seed <= MAX_SEED:
-        raise InvalidObservation(f"{SEED_KEY!r} must be in 0..2**63-1, got {seed}")
-    return seed
-
-
-def parse_session(obs: Mapping[str, Any]) -> str | None:
-    """The session key, at most ``MAX_SESSION_BYTES`` of UTF-8 (a longer one is refused, never echoed)."""
+def parse_request_keys(obs: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    """The keys that are the request's, not the robot's, checked in one pass (the seed first): its ``seed``
+    (None: the server picks one) and its ``session_id``, at most ``MAX_SESSION_BYTES`` of UTF-8 (a longer one is
+    refused, never echoed; None: no session)."""
+    seed = obs.get(SEED_KEY)
+    if seed is not None:
+        if isinstance(seed, np.ndarray) and seed.shape == ():
+            seed = seed.item()
+        if isinstance(seed, np.integer):
+            seed = int(seed)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidObservation(f"{SEED_KEY!r} must be an integer, got {type(seed).__name__}")
+        if not 0 <= seed <= MAX_SEED:
+            raise InvalidObservation(f"{SEED_KEY!r} must be in 0..2**63-1, got {seed}")
     session = obs.get(SESSION_KEY)
     if session is None:
-        return None
+        return seed, None
     if not isinstance(session, (str, int)) or isinstance(session, bool):
         raise InvalidObservation(f"{SESSION_KEY!r} must be a string, got {type(session).__name__}")
     session = str(session)
     size = len(session.encode("utf-8", "surrogatepass"))
     if size > MAX_SESSION_BYTES:
         raise InvalidObservation(f"{SESSION_KEY!r} is {size} bytes of UTF-8; at most {MAX_SESSION_BYTES}")
-    return session
+    return seed, session

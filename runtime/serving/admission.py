@@ -22,7 +22,7 @@ from typing import Any
 from policy_operator.readyz import Readiness
 from policy_operator.runtime.engine_api import INLINE_MAX_BYTES, AdmissionSpec, EngineClient, PreparedRequest
 from policy_operator.runtime.errors import NotReady, RequestError
-from policy_operator.runtime.policy.observation import parse_seed, parse_session
+from policy_operator.runtime.policy.observation import parse_request_keys
 from policy_operator.runtime.result import Result
 from policy_operator.runtime.rtc_session import RTC_KEY, RtcSession, parse_rtc, scoped_session
 from policy_operator.runtime.serving import wire
@@ -36,7 +36,7 @@ def admit(spec: AdmissionSpec, scope: str, message: bytes | str, connection: Rtc
     t0 = time.perf_counter()
     obs = wire.decode_observation(message)
     t1 = time.perf_counter()
-    seed, session = parse_seed(obs), parse_session(obs)
+    seed, session = parse_request_keys(obs)
     sample = spec.preprocessor.prepare(obs) if spec.preprocessor is not None else None
     rtc = None
     if RTC_KEY in obs:
@@ -108,7 +108,7 @@ class FrontEnd:
                 self._pool, admit, spec, self.scope, message, connection
             )
         result = await self.engine.submit(prepared)  # the engine refuses it (NotReady) when it takes none now
-        connection.received(result.unwrap())
+        connection.last = result.unwrap()  # what its next short-form rtc entry refers to
         return result
 
     async def drain(self, grace_s: float) -> bool:
