@@ -23,6 +23,7 @@ class ErrorKind(str, Enum):
     INVALID_RTC = "invalid_rtc"  # the observation's ``rtc`` entry is unusable (shape, delay, NaN/inf...)
     RTC_NO_PREVIOUS_CHUNK = "rtc_no_previous_chunk"  # ``executed`` on a session that received no chunk yet
     RTC_UNSUPPORTED = "rtc_unsupported"  # ``rtc`` sent to a server with --rtc off, or whose policy cannot take it
+    NO_SESSION_STATE = "no_session_state"  # ``keyframes`` for a session the server keeps no model state of
     UNAVAILABLE = "unavailable"
     INFERENCE_FAILED = "inference_failed"
     NON_FINITE_ACTIONS = "non_finite_actions"  # NaN or inf in the actions: never sent to a robot
@@ -75,6 +76,14 @@ class RtcUnsupported(InvalidRtc):
     """Real-time chunking is off on this server (``--rtc off``) or its policy cannot take previous actions."""
 
     kind = ErrorKind.RTC_UNSUPPORTED
+
+
+class NoSessionState(RequestError, ValueError):
+    """A continuation (``keyframes``) the server cannot continue: no session id, no state kept for the session
+    (never started here, evicted, or its connection gone), or a layout that keeps none; the robot sends a first
+    chunk (docs/protocol.md, "Session continuation")."""
+
+    kind = ErrorKind.NO_SESSION_STATE
 
 
 class NotReady(RequestError):
@@ -133,6 +142,7 @@ _BY_KIND: dict[ErrorKind, type[RequestError]] = {
     ErrorKind.INVALID_RTC: InvalidRtc,
     ErrorKind.RTC_NO_PREVIOUS_CHUNK: RtcNoPreviousChunk,
     ErrorKind.RTC_UNSUPPORTED: RtcUnsupported,
+    ErrorKind.NO_SESSION_STATE: NoSessionState,
     ErrorKind.UNAVAILABLE: NotReady,
     ErrorKind.NON_FINITE_ACTIONS: NonFiniteActions,
     ErrorKind.REPLICA_FAILED: ReplicaFailed,

@@ -27,11 +27,14 @@ from policy_operator.builtin_policies import LEROBOT_FAMILIES, launch_has_uncond
 from policy_operator.cli import main as policyserver  # noqa: E402
 from policy_operator.exit_codes import CheckpointExit  # noqa: E402
 from policy_operator.layout import LayoutError  # noqa: E402
-from policy_operator.runtime.policy.interface import Branch, collate  # noqa: E402
+from policy_operator.runtime.engine.history import SessionHistory  # noqa: E402
+from policy_operator.runtime.errors import InvalidObservation, NoSessionState  # noqa: E402
+from policy_operator.runtime.policy.interface import Branch, Sample, collate  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.families import family_class  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
+from policy_operator.runtime.policy.session_state import KEYFRAMES, SESSION_TAG  # noqa: E402
 from tests.support.servers import serve_policy  # noqa: E402
 
 ATOL = 1e-5
@@ -208,3 +211,165 @@ def test_checkpoint_init_writes_the_family_and_it_verifies(lingbot_dir: Path, tm
     ):
         assert (written / name).read_bytes() == (lingbot_dir / name).read_bytes(), name
     assert policyserver(["checkpoint", "verify", str(written), "--hashes"]) == CheckpointExit.OK
+
+
+# --- a session's memory: the world model's KV cache across chunks, owned by the session ------------------------
+def lerobots_stream(policy: LeRobotPolicy, observations: list[dict[str, Any]], seeds: list[int]) -> list[np.ndarray]:
+    """LeRobot's own stream: ``select_action`` on every observation after ``reset()``, the global generator seeded
+    with chunk k's seed before the call that predicts it; each chunk ``predict_action_chunk`` answered, postprocessed.
+    Its ``select_action`` buffers every observation after the first as a keyframe (action_per_frame 4: a stride of
+    one) and feeds them back with the chunk's actions before the next chunk."""
+    loaded = policy.loaded
+    lerobot_policy = loaded.policy
+    chunks: list[torch.Tensor] = []
+    predict = lerobot_policy.predict_action_chunk
+
+    def recorded(batch: Any, **kwargs: Any) -> torch.Tensor:
+        chunks.append(predict(batch, **kwargs))
+        return chunks[-1]
+
+    lerobot_policy.reset()
+    lerobot_policy.predict_action_chunk = recorded
+    try:
+        for k, obs in enumerate(observations):
+            batch = loaded.preprocessor(policy.spec.parse(obs))
+            if k == 0 or not lerobot_policy._action_queue:  # noqa: SLF001 - this call predicts the next chunk
+                torch.manual_seed(seeds[len(chunks)])
+            with torch.inference_mode():
+                lerobot_policy.select_action(batch)
+    finally:
+        del lerobot_policy.predict_action_chunk
+        lerobot_policy.reset()
+    return [loaded.postprocessor(chunk)[0].numpy() for chunk in chunks]
+
+
+def session_requests(policy: LeRobotPolicy, observations: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same stream as a robot sends it to the server: the first observation alone (a first chunk), then each
+    chunk's latest observation with the ones recorded before it since the last chunk as ``keyframes``."""
+    family = policy.family
+    requests, at = [dict(observations[0])], 1
+    for chunk in range(1, len(STREAM_SEEDS)):
+        n = family.keyframes(chunk)
+        *earlier, latest = observations[at : at + n]
+        requests.append({**latest, KEYFRAMES: earlier})
+        at += n
+    return requests
+
+
+STREAM_SEEDS = [11, 12, 13]  # three chunks: the pool (attn_window 4: two chunks) evicts in the third
+
+
+def stream_observations(policy: LeRobotPolicy, base: int) -> list[dict[str, Any]]:
+    family = policy.family
+    count = 1 + sum(family.keyframes(k) for k in range(1, len(STREAM_SEEDS)))
+    return [policy.example_observation(base + k) for k in range(count)]
+
+
+def served(
+    policy: LeRobotPolicy,
+    history: SessionHistory,
+    session: str,
+    requests: list[dict[str, Any]],
+    seeds: list[int],
+    **kwargs: Any,
+) -> list[np.ndarray]:
+    """Each request through the ingress's session ledger (engine/history.py), then the sampler, one batch each."""
+    answers = []
+    for request, seed in zip(requests, seeds, strict=True):
+        sample = history.extend(session, policy.prepare(request), request)
+        answers.append(policy.postprocess_batch(sample_actions(policy, sample, [seed], **kwargs), sample)[0])
+    return answers
+
+
+@pytest.fixture(scope="module")
+def stream_a(lingbot: LeRobotPolicy) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+    observations = stream_observations(lingbot, 100)
+    return session_requests(lingbot, observations), lerobots_stream(lingbot, observations, STREAM_SEEDS)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "batched"])
+def test_a_session_continues_as_lerobots_own_stream(
+    lingbot: LeRobotPolicy, stream_a: tuple[list[dict[str, Any]], list[np.ndarray]], mode: str
+) -> None:
+    requests, theirs = stream_a
+    ours_ = served(lingbot, SessionHistory(lingbot), "a", requests, STREAM_SEEDS, guidance=5.0, mode=mode)
+    assert [a.shape for a in ours_] == [(4, 6), (8, 6), (8, 6)]  # a first chunk drops frame 0, later ones keep it
+    for k, (mine, lerobot) in enumerate(zip(ours_, theirs, strict=True)):
+        np.testing.assert_allclose(mine, lerobot, rtol=0, atol=ATOL, err_msg=f"chunk {k}")
+
+
+def test_interleaved_sessions_answer_as_each_alone(
+    lingbot: LeRobotPolicy, stream_a: tuple[list[dict[str, Any]], list[np.ndarray]]
+) -> None:
+    """Two robots' sessions, their second chunks in one batch and their third ones in turn, answer what each
+    answers alone (LeRobot's stream): neither sees the other's memory."""
+    a_requests, a_theirs = stream_a
+    b_observations = stream_observations(lingbot, 300)
+    b_requests, b_theirs = (
+        session_requests(lingbot, b_observations),
+        lerobots_stream(lingbot, b_observations, [21, 22, 23]),
+    )
+    history = SessionHistory(lingbot)
+    kwargs: dict[str, Any] = {"guidance": 5.0, "mode": "batched"}
+    got: dict[str, list[np.ndarray]] = {"a": [], "b": []}
+    got["b"] += served(lingbot, history, "b", b_requests[:1], [21], **kwargs)
+    got["a"] += served(lingbot, history, "a", a_requests[:1], [11], **kwargs)
+    both = collate([history.extend(s, lingbot.prepare(r), r) for s, r in (("a", a_requests[1]), ("b", b_requests[1]))])
+    together = lingbot.postprocess_batch(sample_actions(lingbot, both, [12, 22], **kwargs), both)
+    got["a"].append(together[0])
+    got["b"].append(together[1])
+    got["a"] += served(lingbot, history, "a", a_requests[2:], [13], **kwargs)
+    got["b"] += served(lingbot, history, "b", b_requests[2:], [23], **kwargs)
+    for name, theirs in (("a", a_theirs), ("b", b_theirs)):
+        for k, (mine, lerobot) in enumerate(zip(got[name], theirs, strict=True)):
+            np.testing.assert_allclose(mine, lerobot, rtol=0, atol=ATOL, err_msg=f"session {name}, chunk {k}")
+    assert not np.allclose(got["a"][2], got["b"][2], atol=1e-3)
+
+
+def test_a_continuation_that_cannot_continue_says_so(
+    lingbot: LeRobotPolicy, stream_a: tuple[list[dict[str, Any]], list[np.ndarray]]
+) -> None:
+    requests = stream_a[0]
+    first, second = requests[0], requests[1]
+    history = SessionHistory(lingbot, max_sessions=1)
+
+    def extend(session: str | None, request: dict[str, Any]) -> Sample:
+        return history.extend(session, lingbot.prepare(request), request)
+
+    with pytest.raises(NoSessionState, match="session_id"):
+        extend(None, second)  # no session id
+    with pytest.raises(NoSessionState, match="no state to continue"):
+        extend("never-started", second)
+    assert SESSION_TAG not in extend(None, first).tensors  # a request alone is a first chunk, no state kept
+    tag = extend("a", first).tensors[SESSION_TAG]
+    assert tag[0, 1] == 0  # a first chunk starts the session
+    with pytest.raises(InvalidObservation, match="list of the 3 observations"):
+        extend("a", {**second, KEYFRAMES: second[KEYFRAMES][:2]})  # one keyframe short
+    continued = extend("a", second)
+    assert continued.tensors[SESSION_TAG].tolist() == [[tag[0, 0].item(), 1]]
+    assert continued.tensors["observation.images.top"].shape[:2] == (1, 4)  # the keyframes, the latest last
+    with pytest.raises(InvalidObservation, match="list of the 7 observations"):
+        extend("a", second)  # chunk 2 follows chunk 1: F frames of keyframes now
+    extend("b", first)  # at most max_sessions keep state: a goes
+    with pytest.raises(NoSessionState, match="evicted"):
+        extend("a", requests[2])
+    extend("a", first)  # a first chunk starts it again
+    assert extend("a", second).tensors[SESSION_TAG][0, 1] == 1
+    with pytest.raises(InvalidObservation, match="keeps no session state"):
+        SessionHistory(None).extend("a", lingbot.prepare(first), second)
+    cfgp2 = SessionHistory(lingbot, cfgp=2)
+    assert SESSION_TAG not in cfgp2.extend("a", lingbot.prepare(first), first).tensors
+    with pytest.raises(NoSessionState, match="cfgp=1 only"):
+        cfgp2.extend("a", lingbot.prepare(second), second)
+
+
+def test_the_ranks_refuse_a_state_the_ingress_did_not_give_them(lingbot: LeRobotPolicy) -> None:
+    """A tag whose session this rank holds no state of (a replica restarted, a failed batch) fails before any
+    session's state changes, and the session must start again."""
+    observations = stream_observations(lingbot, 500)
+    requests = session_requests(lingbot, observations)
+    history = SessionHistory(lingbot)
+    history.extend("z", lingbot.prepare(requests[0]), requests[0])  # the ingress thinks chunk 0 was answered
+    sample = history.extend("z", lingbot.prepare(requests[1]), requests[1])
+    with pytest.raises(ValueError, match="no state of chunk 1"):
+        sample_actions(lingbot, sample, [1], guidance=5.0)

@@ -137,7 +137,7 @@ class Engine:
         front-end admits sessions.  ``bucket_ms``: warm-up's batch times under ``--latency-budget-ms``
         (readiness shows them next to the lanes' max batch)."""
         self.policy = policy
-        self.history = SessionHistory(policy)
+        self.history = SessionHistory(policy, cfgp=self.layout.cfgp)
         self.lanes = lanes
         self.bucket_ms = {size: round(ms, 3) for size, ms in bucket_ms.items()} if bucket_ms else None
         self.rtc = RtcIngress.of(policy, self.settings.rtc, self.settings.rtc_max_delay)
@@ -292,7 +292,8 @@ class Engine:
         """Queue the request at the lane of the replica the router picks; its outcome resolves ``answer``."""
         try:
             rtc = self.rtc.constraint(request.rtc) if request.rtc is not None else None
-            sample = self.history.extend(request.session, sample)  # on the loop: histories change on one thread
+            # on the loop: histories change on one thread; a continuation's keyframes are prepared here
+            sample = self.history.extend(request.session, sample, request.observation)
             inference = InferenceRequest(
                 f"{self._id_prefix}-{next(self._ids)}",
                 sample,

@@ -1,4 +1,4 @@
-"""Each session's last observations, for policies that read more than the latest one.
+"""Each session's past at the ingress: its last observations, and the ledger of a world model's session state.
 
 Diffusion Policy conditions on its last ``n_obs_steps`` observations; LeRobot
 keeps them in per-robot queues.  Here the ingress keeps, per ``session_id``,
@@ -11,39 +11,84 @@ observation, as LeRobot fills an empty queue; a request without a
 session's earlier ones (another camera size) starts the session's history
 afresh instead of failing.  The sessions kept are bounded (least recently used
 go first), as the router's are.
+
+A policy whose model keeps memory across calls (``session_state.SessionState``:
+LingBot-VA's KV cache of every frame seen) keeps that memory on its replica's
+ranks; here only its ledger lives: per session, the chunks answered.  A
+request without ``keyframes`` is a first chunk (it starts, or restarts, the
+session's episode, as LeRobot's ``reset()``); one with them continues the
+session: its keyframes are prepared as observations and stacked before the
+request's own (the latest), and the sample is tagged with the session's key and
+chunk index (``SESSION_TAG``) so the ranks find the state the ledger expects.
+A continuation that cannot continue -- no session id, a session never started
+here, evicted (``max_sessions``), or of a closed connection (a reconnect is a
+new session: runtime/rtc_session.py), or a layout that keeps no state --
+fails alone with ``no_session_state``; a wrong number of keyframes with
+``invalid_observation``.  The ledger is bounded as the ranks' states are
+(the policy's ``max_sessions``), so a session it still knows is one its
+replica still holds.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from collections.abc import Mapping
+from typing import Any
 
+import torch
+
+from policy_operator.runtime.errors import InvalidObservation, NoSessionState
 from policy_operator.runtime.policy.interface import Policy, Sample
+from policy_operator.runtime.policy.session_state import KEYFRAMES, SESSION_TAG, SessionState, session_state_of
 
 MAX_SESSIONS = 1024
 
 
+def _key(session: str) -> bytes:
+    return hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 class SessionHistory:
-    def __init__(self, policy: Policy | None, *, max_sessions: int = MAX_SESSIONS) -> None:
-        """``policy`` None (not loaded yet): every request passes as it is."""
+    def __init__(self, policy: Policy | None, *, max_sessions: int = MAX_SESSIONS, cfgp: int = 1) -> None:
+        """``policy`` None (not loaded yet): every request passes as it is.  ``cfgp``: the layout's; a policy's
+        session state lives on the rank of the conditional branch, so cfgp=2 serves first chunks only."""
         if policy is not None and policy.history < 1:
             raise ValueError(f"policy {policy.name} declares a history of {policy.history}; it must be >= 1")
         self.policy = policy
         self.length = policy.history if policy is not None else 1
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[bytes, deque[Sample]] = OrderedDict()
+        self.state: SessionState | None = session_state_of(policy) if policy is not None else None
+        self.state_unsupported = (
+            f"{policy.name} continues a session with cfgp=1 only: under cfgp=2 the unconditional rank never sees "
+            "a chunk's final actions, which its branch's memory is fed back with; every request is a first chunk"
+            if self.state is not None and policy is not None and cfgp > 1
+            else None
+        )
+        self._chunks: OrderedDict[bytes, int] = OrderedDict()  # session -> chunks answered (the next one's index)
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        return len(self._sessions) + len(self._chunks)
 
-    def extend(self, session: str | None, sample: Sample) -> Sample:
-        """The request for ``sample``, the session's latest observation: it and the ones before it."""
+    def extend(self, session: str | None, sample: Sample, observation: Mapping[str, Any] | None = None) -> Sample:
+        """The request for ``sample``, the session's latest observation: it and the ones before it (a policy with
+        a history), or it tagged with its session's state (a policy with ``SessionState``).  ``observation``: the
+        decoded frame, where its ``keyframes`` are."""
+        frames = observation.get(KEYFRAMES) if observation is not None else None
+        if self.state is not None:
+            return self._state(session, sample, frames)
+        if frames is not None:
+            name = self.policy.name if self.policy is not None else "this policy"
+            raise InvalidObservation(
+                f"{KEYFRAMES!r} continue a session of a world model; {name} keeps no session state"
+            )
         if self.length == 1 or self.policy is None:
             return sample
         if session is None:
             past: deque[Sample] = deque([sample], maxlen=self.length)
         else:
-            key = hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+            key = _key(session)
             past = self._sessions.pop(key) if key in self._sessions else deque(maxlen=self.length)
             if past and past[-1].group_key() != sample.group_key():
                 past.clear()
@@ -53,3 +98,49 @@ class SessionHistory:
                 self._sessions.popitem(last=False)
         samples = [past[0]] * (self.length - len(past)) + list(past)
         return self.policy.stack_history(samples)
+
+    def _state(self, session: str | None, sample: Sample, frames: Any) -> Sample:
+        assert self.state is not None and self.policy is not None
+        if frames is None:  # a first chunk: the session's episode starts (again) here
+            if session is None or self.state_unsupported is not None:
+                return sample
+            key = _key(session)
+            self._chunks.pop(key, None)
+            self._chunks[key] = 1
+            while len(self._chunks) > min(self.max_sessions, self.state.max_sessions):
+                self._chunks.popitem(last=False)
+            return _tagged(sample, key, 0)
+        if self.state_unsupported is not None:
+            raise NoSessionState(self.state_unsupported)
+        if session is None:
+            raise NoSessionState(
+                f"{KEYFRAMES!r} continue a session: send them with the session's 'session_id' (its first chunk, "
+                "without keyframes, starts it)"
+            )
+        key = _key(session)
+        chunk = self._chunks.get(key)
+        if chunk is None:
+            raise NoSessionState(
+                f"this session has no state to continue: its first chunk was not answered on this connection, it "
+                f"was evicted (at most {self.state.max_sessions} sessions keep state), or it failed; send a first "
+                f"chunk (the latest observation without {KEYFRAMES!r})"
+            )
+        want = self.state.keyframes(chunk) - 1
+        if not isinstance(frames, list | tuple) or len(frames) != want:
+            got = f"{len(frames)}" if isinstance(frames, list | tuple) else type(frames).__name__
+            raise InvalidObservation(
+                f"{KEYFRAMES!r} of chunk {chunk} must be a list of the {want} observations recorded while the last "
+                f"chunk ran (the request's own observation is the latest of {want + 1}), got {got}"
+            )
+        samples = [self.policy.prepare(frame) for frame in frames] + [sample]
+        if any(s.group_key() != sample.group_key() for s in samples):
+            raise InvalidObservation(f"every one of {KEYFRAMES!r} must have the request's keys and shapes")
+        self._chunks[key] = chunk + 1
+        self._chunks.move_to_end(key)
+        return _tagged(self.policy.stack_history(samples), key, chunk)
+
+
+def _tagged(sample: Sample, key: bytes, chunk: int) -> Sample:
+    """``sample`` with ``SESSION_TAG``: its session's key (64 bits of its digest) and chunk index."""
+    tag = torch.tensor([[int.from_bytes(key[:8], "little", signed=True), chunk]], dtype=torch.long)
+    return Sample({**sample.tensors, SESSION_TAG: tag}, dict(sample.meta))
