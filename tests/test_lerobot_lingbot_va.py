@@ -390,3 +390,18 @@ def test_a_robot_continues_its_session_over_the_wire(
         stranger = WebsocketClientPolicy(server.url)  # another connection: r1 is not its session
         with pytest.raises(RuntimeError, match="no_session_state: this session has no state to continue"):
             stranger.infer({**requests[2], "session_id": "r1", "seed": 1})
+
+
+def test_a_buckets_padded_copy_of_a_session_row_changes_nothing(
+    lingbot: LeRobotPolicy, stream_a: tuple[list[dict[str, Any]], list[np.ndarray]]
+) -> None:
+    """A compiled denoiser's bucket pads a batch with copies of its last request (parallel/dispatch.py): the
+    copy of a session's row runs on a copy of its stream, so the session's answers stay LeRobot's."""
+    requests, theirs = stream_a
+    history = SessionHistory(lingbot)
+    kwargs: dict[str, Any] = {"guidance": 5.0, "mode": "batched"}
+    for k, request in enumerate(requests):
+        sample = history.extend("a", lingbot.prepare(request), request)
+        padded = collate([sample, sample])
+        x = sample_actions(lingbot, padded, [STREAM_SEEDS[k]] * 2, **kwargs)[:1]
+        np.testing.assert_allclose(lingbot.postprocess_batch(x, padded)[0], theirs[k], rtol=0, atol=ATOL)

@@ -24,20 +24,31 @@ its CFG path (sequential, batched, or cfgp=2 with one branch per rank):
   action steps run the conditional branch alone (what LeRobot keeps of its
   batch-2 forward there), so under cfgp=2 only the conditional rank writes
   and reads the cache.
-* The context of a branch is its prompt embedding (the task's, or the empty
-  prompt's), the request's first-frame latent and an empty KV cache of the
-  transformer's own layout, row-major like every other context: per layer
-  ``[B, slots, heads, head_dim]`` keys and values, and each slot's mask, id and
-  is-predicted flag per row.  ``denoise`` lends those tensors to the
-  transformer's attention modules for the one call, so the cache write lands
-  in this request's context, never in the shared module.
+* Each row's memory is a ``Stream``: its cache for both branches (per layer
+  ``[1, slots, heads, head_dim]`` keys and values) under one slot layout (each
+  slot's id, mask and is-predicted flag), as LeRobot's CFG batch shares one;
+  the first observation's latent; the streaming VAE's causal cache; the last
+  chunk's actions.  The context of a branch is only the rows' indices into the
+  running batch's streams and the branch, so batched CFG's concatenation of
+  contexts copies nothing; ``denoise`` lends each row's cache to the
+  transformer's attention modules for the call (rows whose layouts are equal
+  run as one batch), so the cache writes and LeRobot's own evictions land in
+  the row's stream, never in the shared module.
 
-Every request is a first chunk: LeRobot's state after ``reset()`` (the first
-observation conditions the chunk, the actions of frame 0 are dropped).  Later
-chunks of LeRobot's stream also feed back the frames observed while the
-previous chunk ran and the actions executed, through the same cache; serving
-those needs the session to own the cache and the robot to send those frames,
-which this module does not do yet (docs/runtime.md says so).
+A request alone is a first chunk: LeRobot's state after ``reset()`` (the first
+observation conditions the chunk, the actions of frame 0 are dropped).  A
+session's stream is kept on this rank (``MAX_SESSIONS``, least recently used
+first) under the key the ingress tags its requests with (``SESSION_TAG``,
+engine/history.py keeps the ledger); its next request carries the observations
+recorded while the chunk ran (``keyframes``), which ``condition`` feeds back
+with the chunk's actions as LeRobot's ``_compute_kv_cache`` does (its
+predictions leave the cache; the keyframes' latents and the executed actions
+are written for both branches) before the chunk runs at the stream's frame
+offset and answers all F frames of actions.  Three chunks of a session equal
+LeRobot's own ``select_action`` stream (tests/test_lerobot_lingbot_va.py).
+Under cfgp=2 the unconditional rank never sees a chunk's final actions, so its
+branch's memory could not be fed back: the ingress serves first chunks only
+there.
 """
 
 from __future__ import annotations
@@ -338,12 +349,12 @@ class LingBotVA(Family):
                 continue
             assert key is not None
             if key[0] in done:  # a bucket's padding repeats the last row: it runs on a copy, never stored
-                out.append(done[key[0]].copy())
-                continue
-            stream = self._sessions[key[0]]
-            self._sessions.move_to_end(key[0])
-            if keys.count(key) > 1:
-                done[key[0]] = stream.copy()
+                stream = done[key[0]].copy()
+            else:
+                stream = self._sessions[key[0]]
+                self._sessions.move_to_end(key[0])
+                if keys.count(key) > 1:
+                    done[key[0]] = stream.copy()
             frames = [{k: batch[k][r : r + 1, j] for k in cams} for j in range(batch[cams[0]].shape[1])]
             self._feed_back(stream, self._encode(stream, frames, fresh=False))
             out.append(stream)
