@@ -140,15 +140,19 @@ class BoundedConnection(ServerConnection):
 
     budget: ReadBudget  # set by ``bounded_connection``
     _completed = False  # a data frame with FIN (a whole message) arrived in the chunk being processed
+    _reported = 0  # the bytes last told to the budget
 
     def data_received(self, data: bytes) -> None:
         """The chunk parsed, then the budget told the bytes of the message being received: the fragments already
         parsed (websockets counts them for its own ``max_size``; None between messages) and the partial frame in
-        the parser's buffer."""
+        the parser's buffer.  A chunk that leaves nothing unfinished, after one that left nothing either (a
+        whole frame in one read, the usual request), has nothing to account."""
         self._completed = False
         super().data_received(data)
         unfinished = (self.protocol.current_size or 0) + len(self.protocol.reader.buffer)
-        self.budget.update(self, unfinished, self._completed)
+        if unfinished or self._reported:
+            self._reported = unfinished
+            self.budget.update(self, unfinished, self._completed)
 
     def process_event(self, event: Event) -> None:
         if isinstance(event, Frame) and event.fin and event.opcode in DATA_OPCODES:
