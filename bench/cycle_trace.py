@@ -124,7 +124,8 @@ if DIR:
         # another module's attributes can be wrapped here
         wrap(server.Sessions, "request", "frame")
         wrap(wire, "decode_observation", "decode")
-        wrap(ipc.SlotRing, "write_sample", "ring-write")
+        # the prepared request into the ring (``write_request``; ``write_sample`` in a tree from before it)
+        wrap(ipc.SlotRing, "write_request" if hasattr(ipc.SlotRing, "write_request") else "write_sample", "ring-write")
         wrap(ipc.SlotRing, "write_object", "ring-write")
         # the reply written (``_reply``; ``_send`` in a tree from before it)
         writes = "_reply" if hasattr(server.PolicyWebSocketServer, "_reply") else "_send"

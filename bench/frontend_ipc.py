@@ -64,11 +64,15 @@ def main(checkpoint: Path, n: int) -> dict[str, float]:
         t0 = time.thread_time()
         obs = wire.decode_observation(frames[i % len(frames)])
         prepared = PreparedRequest(pre.prepare(obs), None, *parse_request_keys(obs))
-        request = ipc.request_of(i, slot, ring, prepared, 8)
+        request = (
+            ring.write_request(i, slot, prepared, 8)
+            if hasattr(ring, "write_request")
+            else ipc.request_of(i, slot, ring, prepared, 8)  # a tree from before write_request
+        )
         sent = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
         t1, p1 = time.thread_time(), time.process_time()
         got = pickle.loads(sent)
-        ipc.prepared_of(got, ring)
+        ring.read_request(got) if hasattr(ring, "read_request") else ipc.prepared_of(got, ring)
         answer = pickle.dumps(ipc.Answer(got.id, Result(actions, infer_ms=1.0)), protocol=pickle.HIGHEST_PROTOCOL)
         freed = pickle.dumps(ipc.Freed((got.slot,)), protocol=pickle.HIGHEST_PROTOCOL)
         t2, p2 = time.thread_time(), time.process_time()

@@ -88,7 +88,11 @@ def run_once(checkpoint: Path, burst: int, bursts: int) -> dict[str, float]:
                 frames = []
                 for slot, obs in enumerate(observations):
                     prepared = PreparedRequest(preprocessor.prepare(obs), None, None, f"robot-{slot}")
-                    request = ipc.request_of(ids, slot, ring, prepared, burst)
+                    request = (
+                        ring.write_request(ids, slot, prepared, burst)
+                        if hasattr(ring, "write_request")
+                        else ipc.request_of(ids, slot, ring, prepared, burst)  # a tree from before write_request
+                    )
                     ids += 1
                     frames.append(encode(request))
                 theirs.sendall(b"".join(frames))

@@ -180,49 +180,6 @@ class Drain:
     heartbeat_s: float
 
 
-def request_of(id: int, slot: int, ring: SlotRing, prepared: PreparedRequest, recent_sessions: int) -> Request:
-    """``prepared``'s bytes written into ``slot`` and its description for the socket."""
-    if prepared.sample is not None:
-        tensors: tuple[TensorSpec, ...] | None = ring.write_sample(slot, prepared.sample)
-        observation, meta = None, prepared.sample.meta
-    else:
-        tensors, observation, meta = None, ring.write_object(slot, prepared.observation), {}
-    return Request(
-        id,
-        slot,
-        tensors,
-        observation,
-        meta,
-        prepared.seed,
-        prepared.session,
-        prepared.rtc,
-        prepared.decode_ms,
-        prepared.prepare_ms,
-        prepared.frame_bytes,
-        recent_sessions,
-    )
-
-
-def prepared_of(request: Request, ring: SlotRing) -> PreparedRequest:
-    """The model process's ``PreparedRequest`` of ``request``, copied out of its slot (the slot is free after)."""
-    if request.tensors is not None:
-        sample: Sample | None = Sample(ring.read_tensors(request.slot, request.tensors), request.meta)
-        observation = None
-    else:
-        assert request.observation is not None
-        sample, observation = None, ring.read_object(request.slot, *request.observation)
-    return PreparedRequest(
-        sample,
-        observation,
-        request.seed,
-        request.session,
-        request.rtc,
-        request.decode_ms,
-        request.prepare_ms,
-        request.frame_bytes,
-    )
-
-
 # --- the socket --------------------------------------------------------------------------------------
 _HEADER = struct.Struct("!Q")  # each message: its pickled length, then the pickle
 
@@ -404,34 +361,52 @@ class SlotRing:
         self._map = mmap.mmap(fd, slots * slot_bytes)
         self._view = memoryview(self._map)
 
-    def write_sample(self, slot: int, sample: Sample) -> tuple[TensorSpec, ...]:
-        """Copy ``sample``'s tensors into ``slot``; WireError (bad_frame) when they do not fit."""
-        base = slot * self.slot_bytes
-        specs: list[TensorSpec] = []
-        offset = 0
-        flat: list[tuple[np.ndarray, int]] = []
-        for name, tensor in sample.tensors.items():
-            t = tensor.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            # its bytes as a flat numpy view: numpy's own calls where numpy has the dtype (each torch call costs
-            # more than the copy into the slot), torch's byte view where it has not (bfloat16)
-            if _numpy_dtype(t.dtype) is not None:
-                raw = np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8)
-            else:
-                raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-            specs.append(TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, raw.nbytes))
-            flat.append((raw, offset))
-            offset = -(-(offset + raw.nbytes) // ALIGN) * ALIGN
-        if offset > self.slot_bytes:
-            raise WireError(
-                f"the prepared observation takes {offset} bytes, more than the {self.slot_bytes} bytes "
-                "(--max-message-bytes) a request may hand to the model process"
-            )
-        for raw, off in flat:
-            if raw.nbytes:
-                self._view[base + off : base + off + raw.nbytes] = raw.data
-        return tuple(specs)
+    def write_request(self, id: int, slot: int, prepared: PreparedRequest, recent_sessions: int) -> Request:
+        """``prepared``'s bytes written into ``slot`` (a sample's tensors, or the observation: ``write_object``) and
+        its description for the socket; WireError (bad_frame) when they do not fit."""
+        if prepared.sample is None:
+            tensors, observation, meta = None, self.write_object(slot, prepared.observation), {}
+        else:
+            specs: list[TensorSpec] = []
+            offset = 0
+            flat: list[tuple[np.ndarray, int]] = []
+            for name, tensor in prepared.sample.tensors.items():
+                t = tensor.detach()
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                # its bytes as a flat numpy view: numpy's own calls where numpy has the dtype (each torch call
+                # costs more than the copy into the slot), torch's byte view where it has not (bfloat16)
+                if _numpy_dtype(t.dtype) is not None:
+                    raw = np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8)
+                else:
+                    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+                specs.append(TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, raw.nbytes))
+                flat.append((raw, offset))
+                offset = -(-(offset + raw.nbytes) // ALIGN) * ALIGN
+            if offset > self.slot_bytes:
+                raise WireError(
+                    f"the prepared observation takes {offset} bytes, more than the {self.slot_bytes} bytes "
+                    "(--max-message-bytes) a request may hand to the model process"
+                )
+            base = slot * self.slot_bytes
+            for raw, off in flat:
+                if raw.nbytes:
+                    self._view[base + off : base + off + raw.nbytes] = raw.data
+            tensors, observation, meta = tuple(specs), None, prepared.sample.meta
+        return Request(
+            id,
+            slot,
+            tensors,
+            observation,
+            meta,
+            prepared.seed,
+            prepared.session,
+            prepared.rtc,
+            prepared.decode_ms,
+            prepared.prepare_ms,
+            prepared.frame_bytes,
+            recent_sessions,
+        )
 
     def write_object(self, slot: int, obj: object) -> tuple[bytes, tuple[BufferSpec, ...]]:
         """``obj`` (a decoded observation) pickled with its arrays' bytes out of band, into ``slot``: the small
@@ -460,29 +435,44 @@ class SlotRing:
         buffers = [bytearray(self._view[base + spec.offset : base + spec.offset + spec.nbytes]) for spec in specs]
         return pickle.loads(data, buffers=buffers)
 
-    def read_tensors(self, slot: int, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
-        """The slot's tensors, copied out: the slot may be reused as soon as this returns."""
-        base = slot * self.slot_bytes
-        tensors = {}
-        for spec in specs:
-            dtype = getattr(torch, spec.dtype)
-            if spec.nbytes == 0:
-                tensors[spec.name] = torch.empty(spec.shape, dtype=dtype)
-                continue
-            # numpy's copy is one memcpy on this thread; torch's ``clone`` of a frame this size is an intra-op
-            # parallel copy that wakes (and leaves spinning) a team of as many threads as the host has cores,
-            # on the event loop's thread, against the model thread: ~0.7 ms of CPU per 150 KB frame on 2 cores.
-            # The dtype and shape are numpy's too where numpy has the dtype: each torch call (view, reshape)
-            # costs the event loop more than the copy itself.
-            start = base + spec.offset
-            np_dtype = _numpy_dtype(dtype)
-            if np_dtype is not None:
-                raw = np.frombuffer(self._map, dtype=np_dtype, count=spec.nbytes // np_dtype.itemsize, offset=start)
-                tensors[spec.name] = torch.from_numpy(raw.reshape(spec.shape).copy())
-                continue
-            raw = np.frombuffer(self._map, dtype=np.uint8, count=spec.nbytes, offset=start).copy()
-            tensors[spec.name] = torch.from_numpy(raw).view(dtype).reshape(spec.shape)
-        return tensors
+    def read_request(self, request: Request) -> PreparedRequest:
+        """The model process's ``PreparedRequest`` of ``request``, copied out of its slot: the slot may be reused
+        as soon as this returns."""
+        if request.tensors is None:
+            assert request.observation is not None
+            sample, observation = None, self.read_object(request.slot, *request.observation)
+        else:
+            base = request.slot * self.slot_bytes
+            tensors = {}
+            for spec in request.tensors:
+                dtype = getattr(torch, spec.dtype)
+                if spec.nbytes == 0:
+                    tensors[spec.name] = torch.empty(spec.shape, dtype=dtype)
+                    continue
+                # numpy's copy is one memcpy on this thread; torch's ``clone`` of a frame this size is an intra-op
+                # parallel copy that wakes (and leaves spinning) a team of as many threads as the host has cores,
+                # on the event loop's thread, against the model thread: ~0.7 ms of CPU per 150 KB frame on 2
+                # cores.  The dtype and shape are numpy's too where numpy has the dtype: each torch call (view,
+                # reshape) costs the event loop more than the copy itself.
+                start = base + spec.offset
+                np_dtype = _numpy_dtype(dtype)
+                if np_dtype is not None:
+                    raw = np.frombuffer(self._map, dtype=np_dtype, count=spec.nbytes // np_dtype.itemsize, offset=start)
+                    tensors[spec.name] = torch.from_numpy(raw.reshape(spec.shape).copy())
+                    continue
+                raw = np.frombuffer(self._map, dtype=np.uint8, count=spec.nbytes, offset=start).copy()
+                tensors[spec.name] = torch.from_numpy(raw).view(dtype).reshape(spec.shape)
+            sample, observation = Sample(tensors, request.meta), None
+        return PreparedRequest(
+            sample,
+            observation,
+            request.seed,
+            request.session,
+            request.rtc,
+            request.decode_ms,
+            request.prepare_ms,
+            request.frame_bytes,
+        )
 
 
 # --- the pod's open sessions ---------------------------------------------------------------------------

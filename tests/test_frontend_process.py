@@ -700,6 +700,7 @@ def test_the_ring_round_trips_every_dtype_and_refuses_what_does_not_fit() -> Non
     import torch
 
     from policy_operator.runtime import ipc
+    from policy_operator.runtime.engine_api import PreparedRequest
     from policy_operator.runtime.errors import ErrorKind, WireError
     from policy_operator.runtime.policy.interface import Sample
 
@@ -720,13 +721,27 @@ def test_the_ring_round_trips_every_dtype_and_refuses_what_does_not_fit() -> Non
         "strided": torch.randn(4, 2).t()[None],  # not contiguous
         "empty": torch.zeros(1, 0),
     }
-    specs = writer.write_sample(5, Sample(tensors, {"cameras": 1}))
-    back = reader.read_tensors(5, specs)
+    request = writer.write_request(
+        9, 5, PreparedRequest(Sample(tensors, {"cameras": 1}), None, 3, "s", None, 1.0, 2.0, 10), 4
+    )
+    assert (request.id, request.slot, request.recent_sessions, request.meta) == (9, 5, 4, {"cameras": 1})
+    prepared = reader.read_request(request)
+    assert prepared.observation is None and prepared.sample is not None and prepared.sample.meta == {"cameras": 1}
+    assert (prepared.seed, prepared.session, prepared.decode_ms, prepared.prepare_ms, prepared.frame_bytes) == (
+        3,
+        "s",
+        1.0,
+        2.0,
+        10,
+    )
+    back = prepared.sample.tensors
     assert set(back) == set(tensors)
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and back[name].shape == t.shape
         assert torch.equal(back[name], t), name
-    writer.write_sample(5, Sample({"state": torch.zeros(1, 7)}, {}))  # the slot reused: the copy stays
+    writer.write_request(
+        10, 5, PreparedRequest(Sample({"state": torch.zeros(1, 7)}, {}), None, None, None), 0
+    )  # reused
     assert torch.equal(back["state"], tensors["state"])
     # a policy without a Preprocessor: the decoded observation, its arrays out of band in the slot
     obs: dict[str, Any] = {
@@ -741,7 +756,9 @@ def test_the_ring_round_trips_every_dtype_and_refuses_what_does_not_fit() -> Non
     assert copied["prompt"] == "pick" and np.array_equal(copied["image"], obs["image"])
     assert np.array_equal(copied["state"], obs["state"]) and copied["image"].flags.writeable
     with pytest.raises(WireError) as too_big:
-        writer.write_sample(1, Sample({"image": torch.zeros(1, 2000, dtype=torch.uint8)}, {}))
+        writer.write_request(
+            11, 1, PreparedRequest(Sample({"image": torch.zeros(1, 2000, dtype=torch.uint8)}, {}), None, None, None), 0
+        )
     assert too_big.value.kind is ErrorKind.BAD_FRAME and "--max-message-bytes" in str(too_big.value)
     with pytest.raises(WireError):
         writer.write_object(1, {"image": np.zeros(2000, np.uint8)})

@@ -171,7 +171,7 @@ class FrontendLink:
             assert self.engine is not None
             self.recent_sessions = message.recent_sessions
             try:
-                prepared = ipc.prepared_of(message, self.ring)
+                prepared = self.ring.read_request(message)
             except Exception as exc:  # noqa: BLE001 - one request fails, the server carries on
                 log.error("request %d could not be read from its slot", message.id, exc_info=exc)
                 self.send(ipc.Answer(message.id, Result.failed(exc)))

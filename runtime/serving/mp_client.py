@@ -146,7 +146,7 @@ class MPClient:
     def _send(self, request_id: int, slot: int, request: PreparedRequest, future: asyncio.Future[Result]) -> None:
         try:
             self._recent_reported = recent = self._recent_sessions()  # the count the model process will have
-            message = ipc.request_of(request_id, slot, self.ring, request, recent)
+            message = self.ring.write_request(request_id, slot, request, recent)
         except Exception as exc:  # noqa: BLE001 - one request fails (a sample larger than a slot), the server carries on
             self._release([slot])
             if not future.done():
