@@ -30,6 +30,7 @@ import torch
 
 from policy_operator.builtin_policies import LEROBOT_FAMILIES
 from policy_operator.runtime.policy.interface import Context, EulerFlow, Integrator
+from policy_operator.runtime.policy.lerobot.attention import use_grouped_attention
 
 STATE_KEY = "observation.state"
 IMAGES_KEY = "observation.images"  # Diffusion Policy's stacked cameras
@@ -127,10 +128,7 @@ class Family(ABC):
 
     dtype = torch.float32  # what ``cast`` made the policy's weights
     #: ``LeRobotPolicy.compile`` compiles ``condition`` (vision tower + VLM prefix) per batch bucket too.  Off
-    #: where it was not measured to pay: SmolVLA's prefix did not finish compiling within 200 s on an H100
-    #: (then broken into 9 graphs by transformers' boolean-mask positions, one graph since smolvlm_positions.py;
-    #: not measured again), so its warm-up would outlast a pod's start; Diffusion Policy's is a ResNet, not
-    #: measured.
+    #: where it was not measured to pay: Diffusion Policy's is a ResNet, not measured.
     compile_prefix = False
 
     @property
@@ -216,6 +214,11 @@ class _Flow(Family):
 
 
 class SmolVLA(_Flow):
+    #: On an H100 (2 x 480x640, bf16): 5.2 ms at batch 1 compiled against 37.8 ms eager, 16.8 against 63.5 at
+    #: batch 8, 90 s to compile each bucket (bench/results/lerobot-kernels-h100.md); one graph since
+    #: smolvlm_positions.py (before it, nine, and no bucket finished compiling in 200 s)
+    compile_prefix = True
+
     def __init__(self, policy: Any) -> None:
         super().__init__(policy)
         from policy_operator.runtime.policy.lerobot.smolvlm_positions import mask_free_positions
@@ -275,20 +278,27 @@ class SmolVLA(_Flow):
 class Pi0(_Flow):
     """pi0: images and prompt in the prefix, the state in the action expert's suffix."""
 
-    compile_prefix = True  # pi0.5 on an H100 (2 x 224², bf16): 25 ms at batch 1 compiled, its capture 11 s
+    compile_prefix = True  # pi0.5 on an H100 (2 x 224², bf16): 11.6 ms at batch 1 compiled, 52 at batch 8
     #: LeRobot's bfloat16 mode keeps the SigLIP tower and its projector float32 (for training: the optimizer
     #: never sees a dtype toggle).  False: they run in the serving dtype too, casting the pixels to the patch
-    #: embedding's dtype as SigLIP itself does; the features leave the tower in LeRobot's dtype either way
-    float32_vision = True
+    #: embedding's dtype as SigLIP itself does; the features leave the tower in LeRobot's dtype either way.
+    #: pi0.5 on an H100, compiled prefix: 25.5 -> 11.6 ms at batch 1, 135 -> 52 ms at batch 8 (the float32 tower
+    #: was 40 % of it even on TF32); tiny pi0.5 bf16 against LeRobot fp32: 1.4e-3 of the action scale either way
+    float32_vision = False
+    #: In reduced precision, the prefix's and the expert's attention as one fused kernel with no copy of the
+    #: shared key/value head per query head (attention.py)
+    grouped_attention = True
 
     def cast(self, dtype: torch.dtype) -> None:
         if dtype == torch.bfloat16:  # LeRobot's own bfloat16 mode: the vision path and the norms stay float32
             paligemma_with_expert = self.policy.model.paligemma_with_expert
             paligemma_with_expert.to_bfloat16_for_selected_params("bfloat16")
+            paligemma = paligemma_with_expert.paligemma.model
             if not self.float32_vision:
-                paligemma = paligemma_with_expert.paligemma.model
                 paligemma.vision_tower.to(dtype)
                 paligemma.multi_modal_projector.to(dtype)
+            if self.grouped_attention:
+                use_grouped_attention([paligemma.language_model, paligemma_with_expert.gemma_expert.model])
             self.dtype = dtype
         else:
             super().cast(dtype)

@@ -57,10 +57,10 @@ class LeRobotPolicy(Policy):
         if dtype != torch.float32:
             self.family.cast(dtype)
             if device.type == "cuda":
-                # what stays float32 in a reduced-precision model (pi0/pi0.5's SigLIP tower, LeRobot keeps it so)
-                # multiplies on the tensor cores as TF32, within the bfloat16 bound.  By its FLOPs (~0.4 TFLOP per
-                # robot at full float32's ~50 TFLOP/s) the tower is about half of pi0.5's 135 ms prefix at batch 8
-                # on an H100; the gain is not measured yet (docs/benchmarks.md)
+                # what stays float32 in a reduced-precision model (projections LeRobot keeps float32) multiplies
+                # on the tensor cores as TF32, within the bfloat16 bound: pi0.5's float32 SigLIP tower (LeRobot's
+                # own mode, Pi0.float32_vision) took 135 ms of matrix products at batch 8 on an H100 in full
+                # float32, 49 ms as TF32 (bench/results/lerobot-kernels-h100.md)
                 torch.backends.cuda.matmul.allow_tf32 = True
         self.name = f"lerobot/{loaded.type}"
         self.history = self.family.history
