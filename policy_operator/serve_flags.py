@@ -84,6 +84,7 @@ class ServeOptions:
     rtc: str
     rtc_max_delay: int | None
     max_batch: int
+    batch_buckets: str | None  # None: 1, 2, 4 ... max_batch (bucket_sizes)
     batch_window_ms: float
     latency_budget_ms: float | None
     event_loop: str
@@ -239,6 +240,14 @@ def _batching_flags(g: argparse._ArgumentGroup) -> None:
         default=DEFAULT_MAX_BATCH,
         help="most requests of different sessions a replica runs as one batch; 1 = one request at a "
         "time (default %(default)s)",
+    )
+    g.add_argument(
+        "--batch-buckets",
+        default=None,
+        metavar="SIZES",
+        help="under --compile, the batch sizes captured as graphs at warm-up, ascending, comma-separated, the "
+        "last one --max-batch; a batch runs padded to the next one (default: 1, 2, 4 ... --max-batch). Fewer "
+        "buckets: a shorter warm-up, more padding",
     )
     g.add_argument(
         "--batch-window-ms",
@@ -437,6 +446,22 @@ def _check_connections(opts: ServeOptions) -> None:
         )
 
 
+def bucket_sizes(sizes: str | None, max_batch: int) -> tuple[int, ...] | None:
+    """``--batch-buckets``' sizes (None: not given), refused unless ascending, positive and ending at
+    ``max_batch`` (a batch larger than the last bucket could not be padded to one)."""
+    if sizes is None:
+        return None
+    try:
+        buckets = tuple(int(size) for size in sizes.split(","))
+    except ValueError:
+        raise ValueError(f"--batch-buckets must be comma-separated batch sizes, got {sizes!r}") from None
+    if buckets[0] < 1 or any(a >= b for a, b in zip(buckets, buckets[1:], strict=False)):
+        raise ValueError(f"--batch-buckets must be ascending sizes of at least 1, got {sizes!r}")
+    if buckets[-1] != max_batch:
+        raise ValueError(f"--batch-buckets must end at --max-batch ({max_batch}), got {sizes!r}")
+    return buckets
+
+
 def _check_batching(opts: ServeOptions) -> None:
     """The batch size, window and budget a replica batches requests with, and the GIL switch it runs under."""
     if opts.latency_budget_ms is not None and not (
@@ -449,6 +474,7 @@ def _check_batching(opts: ServeOptions) -> None:
         )
     if not 1 <= opts.max_batch <= MAX_MAX_BATCH:
         raise ValueError(f"--max-batch must be in 1..{MAX_MAX_BATCH}, got {opts.max_batch}")
+    bucket_sizes(opts.batch_buckets, opts.max_batch)
     if not (math.isfinite(opts.batch_window_ms) and 0 <= opts.batch_window_ms <= MAX_BATCH_WINDOW_MS):
         raise ValueError(
             f"--batch-window-ms must be in 0..{MAX_BATCH_WINDOW_MS:g} milliseconds, got {opts.batch_window_ms}"

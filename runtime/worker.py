@@ -191,7 +191,8 @@ class Runtime:
 
         # A compiled denoiser gets one graph per shape: pad every batch to a bucket, all captured at warm-up.
         # Eager, a batch runs at its own size (padding would only add work).
-        buckets = batch_buckets(opts.max_batch) if opts.compile else ()
+        chosen = serve_flags.bucket_sizes(opts.batch_buckets, opts.max_batch)
+        buckets = (chosen or batch_buckets(opts.max_batch)) if opts.compile else ()
         self.settings = SamplerSettings(
             opts.steps,
             opts.guidance,
