@@ -15,7 +15,9 @@ pi05 | smolvla)  # in one call: in-process against LeRobot eager, over the WebSo
         --families "$fam" --workdir /tmp/ck --reps 20 --out "$OUT/lerobot-$fam.md"
     stage "robots-$fam" "${SPARE_ROBOTS:-100}" python3 "$REPO/bench/lerobot_robots.py" --checkpoint "/tmp/ck/$fam" \
         --robots 1,8 --n 30 --logs "$OUT" --label "$fam (published size, random weights)" \
-        --out "$OUT/robots-$fam.md" --variant "bf16 graphs, max-batch 8=${FAST[*]} --max-batch 8"
+        --out "$OUT/robots-$fam.md" --variant "bf16 graphs, buckets 1 and 8=${FAST[*]} --max-batch 8 --batch-buckets 1,8"
+    [ -n "${THEN:-}" ] && stage "lerobot-$THEN" 5 python3 "$REPO/bench/lerobot_vs_server.py" "${FAST[@]}" \
+        --families "$THEN" --workdir /tmp/ck --reps 20 --out "$OUT/lerobot-$THEN.md"
     stage "lerobot-compiled-$fam" 5 python3 "$REPO/bench/lerobot_vs_server.py" --device cuda --families "$fam" \
         --workdir /tmp/ck --reps 10 --lerobot-compile-only --out "$OUT/lerobot-compiled-$fam.md"
     ;;
