@@ -71,16 +71,18 @@ _SCALAR_FIELDS: tuple[str, ...] = ("dtype", "data")
 
 
 class _Frame:
-    """msgpack's object and list hooks for one frame: they count its maps and lists as msgpack builds them
-    (bottom-up, once each), and turn array and numpy scalar maps into numpy values.  openpi packs those maps
-    with bin keys (``b"data"``); other msgpack writers use str keys."""
+    """msgpack's object and list hook for one frame (the same one for both): it counts the frame's maps and lists
+    as msgpack builds them (bottom-up, once each), and turns array and numpy scalar maps into numpy values.
+    openpi packs those maps with bin keys (``b"data"``); other msgpack writers use str keys."""
 
     left = MAX_CONTAINERS  # the instance's own count shadows this on the first container
 
-    def map(self, obj: dict) -> Any:
+    def built(self, obj: dict | list) -> Any:
         self.left -= 1
         if self.left < 0:
             raise WireError(f"frame holds more than {MAX_CONTAINERS} maps and lists")
+        if isinstance(obj, list):
+            return obj
         if b"__ndarray__" in obj or "__ndarray__" in obj:
             fields = _ARRAY_FIELDS
         elif b"__npgeneric__" in obj or "__npgeneric__" in obj:
@@ -111,12 +113,6 @@ class _Frame:
             )
         return np.ndarray(buffer=data, dtype=dtype, shape=tuple(shape))
 
-    def list(self, obj: list) -> Any:
-        self.left -= 1
-        if self.left < 0:
-            raise WireError(f"frame holds more than {MAX_CONTAINERS} maps and lists")
-        return obj
-
 
 def unpackb(data: bytes | str) -> Any:
     """Decode one frame; any malformed input, a text frame included, raises WireError (never another type).
@@ -129,8 +125,8 @@ def unpackb(data: bytes | str) -> Any:
     try:
         obj = msgpack.unpackb(
             data,
-            object_hook=frame.map,
-            list_hook=frame.list,
+            object_hook=frame.built,
+            list_hook=frame.built,
             strict_map_key=False,
             max_map_len=MAX_MAP_LEN,
             max_array_len=MAX_ARRAY_LEN,
