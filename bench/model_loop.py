@@ -58,7 +58,7 @@ def run_once(checkpoint: Path, burst: int, bursts: int) -> dict[str, float]:
     from policy_operator.runtime.policy.sampler import SamplerSettings
 
     def encode(message: object) -> bytes:
-        """One frame of the channel's stream: ``ipc.frame``, or its format in a tree from before it."""
+        """One frame of the channel's stream (``ipc.Channel.send``'s format; ``ipc.frame`` where a tree has it)."""
         if hasattr(ipc, "frame"):
             return ipc.frame(message)
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)

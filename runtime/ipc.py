@@ -184,12 +184,6 @@ class Drain:
 _HEADER = struct.Struct("!Q")  # each message: its pickled length, then the pickle
 
 
-def frame(message: object) -> bytes:
-    """``message`` as one frame of a ``Channel``'s stream: its pickle's length, then the pickle."""
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(data)) + data
-
-
 _READ_CHUNK = 1 << 20
 
 
@@ -215,7 +209,10 @@ class Channel:
         return self._sock.fileno()
 
     def send(self, message: object) -> None:
-        data = frame(message)
+        """``message`` as one frame of the stream (its pickle's length, then the pickle): at once before ``listen``,
+        else queued and written with whatever else this loop iteration sends."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        data = _HEADER.pack(len(data)) + data
         if self._loop is None:
             self._sock.sendall(data)
             return
