@@ -34,7 +34,7 @@ from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.families import family_class  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
-from policy_operator.runtime.policy.session_state import KEYFRAMES, SESSION_TAG  # noqa: E402
+from policy_operator.runtime.policy.session_state import KEYFRAMES, SESSION_ACTIONS, SESSION_TAG  # noqa: E402
 from tests.support.servers import serve_policy  # noqa: E402
 
 ATOL = 1e-5
@@ -278,6 +278,7 @@ def served(
     for request, seed in zip(requests, seeds, strict=True):
         sample = history.extend(session, policy.prepare(request), request)
         answers.append(policy.postprocess_batch(sample_actions(policy, sample, [seed], **kwargs), sample)[0])
+        history.answered(session, answers[-1])  # what the engine tells it of each answer
     return answers
 
 
@@ -316,6 +317,8 @@ def test_interleaved_sessions_answer_as_each_alone(
     got["a"] += served(lingbot, history, "a", a_requests[:1], [11], **kwargs)
     both = collate([history.extend(s, lingbot.prepare(r), r) for s, r in (("a", a_requests[1]), ("b", b_requests[1]))])
     together = lingbot.postprocess_batch(sample_actions(lingbot, both, [12, 22], **kwargs), both)
+    history.answered("a", together[0])
+    history.answered("b", together[1])
     got["a"].append(together[0])
     got["b"].append(together[1])
     got["a"] += served(lingbot, history, "a", a_requests[2:], [13], **kwargs)
@@ -333,20 +336,27 @@ def test_a_continuation_that_cannot_continue_says_so(
     first, second = requests[0], requests[1]
     history = SessionHistory(lingbot, max_sessions=1)
 
-    def extend(session: str | None, request: dict[str, Any]) -> Sample:
-        return history.extend(session, lingbot.prepare(request), request)
+    def extend(session: str | None, request: dict[str, Any], answer: bool = True) -> Sample:
+        sample = history.extend(session, lingbot.prepare(request), request)
+        if answer:  # the engine tells the ledger of each answer (an answer's shape does not matter to it)
+            history.answered(session, np.zeros((4, 6), np.float32))
+        return sample
 
     with pytest.raises(NoSessionState, match="session_id"):
         extend(None, second)  # no session id
     with pytest.raises(NoSessionState, match="no state to continue"):
         extend("never-started", second)
     assert SESSION_TAG not in extend(None, first).tensors  # a request alone is a first chunk, no state kept
+    extend("a", first, answer=False)
+    with pytest.raises(NoSessionState, match="still running"):
+        extend("a", second)  # the first chunk's answer did not come yet (or it failed)
     tag = extend("a", first).tensors[SESSION_TAG]
     assert tag[0, 1] == 0  # a first chunk starts the session
     with pytest.raises(InvalidObservation, match="list of the 3 observations"):
         extend("a", {**second, KEYFRAMES: second[KEYFRAMES][:2]})  # one keyframe short
     continued = extend("a", second)
     assert continued.tensors[SESSION_TAG].tolist() == [[tag[0, 0].item(), 1]]
+    assert continued.tensors[SESSION_ACTIONS].shape == (1, 4, 6)  # the answer it continues from
     assert continued.tensors["observation.images.top"].shape[:2] == (1, 4)  # the keyframes, the latest last
     with pytest.raises(InvalidObservation, match="list of the 7 observations"):
         extend("a", second)  # chunk 2 follows chunk 1: F frames of keyframes now
@@ -357,10 +367,7 @@ def test_a_continuation_that_cannot_continue_says_so(
     assert extend("a", second).tensors[SESSION_TAG][0, 1] == 1
     with pytest.raises(InvalidObservation, match="keeps no session state"):
         SessionHistory(None).extend("a", lingbot.prepare(first), second)
-    cfgp2 = SessionHistory(lingbot, cfgp=2)
-    assert SESSION_TAG not in cfgp2.extend("a", lingbot.prepare(first), first).tensors
-    with pytest.raises(NoSessionState, match="cfgp=1 only"):
-        cfgp2.extend("a", lingbot.prepare(second), second)
+    assert SessionHistory(lingbot, cfgp=2).state_unsupported is None  # cfgp=2 continues too
 
 
 def test_the_ranks_refuse_a_state_the_ingress_did_not_give_them(lingbot: LeRobotPolicy) -> None:
@@ -369,7 +376,8 @@ def test_the_ranks_refuse_a_state_the_ingress_did_not_give_them(lingbot: LeRobot
     observations = stream_observations(lingbot, 500)
     requests = session_requests(lingbot, observations)
     history = SessionHistory(lingbot)
-    history.extend("z", lingbot.prepare(requests[0]), requests[0])  # the ingress thinks chunk 0 was answered
+    history.extend("z", lingbot.prepare(requests[0]), requests[0])
+    history.answered("z", np.zeros((4, 6), np.float32))  # the ingress thinks chunk 0 was answered
     sample = history.extend("z", lingbot.prepare(requests[1]), requests[1])
     with pytest.raises(ValueError, match="no state of chunk 1"):
         sample_actions(lingbot, sample, [1], guidance=5.0)
@@ -404,4 +412,38 @@ def test_a_buckets_padded_copy_of_a_session_row_changes_nothing(
         sample = history.extend("a", lingbot.prepare(request), request)
         padded = collate([sample, sample])
         x = sample_actions(lingbot, padded, [STREAM_SEEDS[k]] * 2, **kwargs)[:1]
-        np.testing.assert_allclose(lingbot.postprocess_batch(x, padded)[0], theirs[k], rtol=0, atol=ATOL)
+        answer = lingbot.postprocess_batch(x, padded)[0]
+        history.answered("a", answer)
+        np.testing.assert_allclose(answer, theirs[k], rtol=0, atol=ATOL)
+
+
+def test_cfgp2s_two_ranks_continue_a_session_as_one_rank(
+    lingbot_dir: Path, lingbot: LeRobotPolicy, stream_a: tuple[list[dict[str, Any]], list[np.ndarray]]
+) -> None:
+    """cfgp=2's split in one process: the conditional rank's policy runs every step, a second instance (the
+    unconditional rank, its own streams) the guided ones only, as sampler._parallel does (without the gather).
+    The unconditional rank feeds back the actions the robot received (mapped back through the checkpoint's
+    statistics: exact within 1e-7) and replays the layout of the steps it skipped: three chunks equal one rank's
+    sequential CFG within 1e-6, and LeRobot's stream."""
+    requests, theirs = stream_a
+    uncond_rank = LeRobotPolicy.load(str(lingbot_dir), device=CPU)
+    history = SessionHistory(lingbot, cfgp=2)
+    one_rank = served(lingbot, SessionHistory(lingbot), "a", requests, STREAM_SEEDS, guidance=5.0)
+    for k, (request, seed) in enumerate(zip(requests, STREAM_SEEDS, strict=True)):
+        sample = history.extend("a", lingbot.prepare(request), request)
+        integ = lingbot.integrator()
+        plan = lingbot.guided_steps(integ.steps)
+        with torch.inference_mode():
+            x = lingbot.init_noise(seed)
+            ctx_c, ctx_u = lingbot.condition(sample, Branch.COND), uncond_rank.condition(sample, Branch.UNCOND)
+            for i in range(integ.steps):
+                t = integ.time(i, 1, x.device)
+                c = lingbot.denoise_step(ctx_c, x, t)
+                if plan[i]:
+                    u = uncond_rank.denoise_step(ctx_u, x, t)
+                    c = u + 5.0 * (c - u)  # sampler.py's guided output
+                x = integ.step(x, c, i)
+        answer = lingbot.postprocess_batch(x, sample)[0]
+        history.answered("a", answer)
+        np.testing.assert_allclose(answer, theirs[k], rtol=0, atol=ATOL, err_msg=f"chunk {k}")
+        assert np.abs(answer - one_rank[k]).max() < 1e-6, f"chunk {k}"

@@ -342,6 +342,8 @@ class Engine:
         actions, rtc = outcome.actions, routed.request.rtc
         if actions is not None and outcome.error_kind is None and rtc is not None:
             actions = rtc.frozen(actions)
+        if self.history.state is not None and outcome.error_kind is None:  # a world model's session continues
+            self.history.answered(routed.request.session, actions)  # from a chunk its robot received only
         answer.set_result(
             Result(
                 actions,

@@ -36,11 +36,18 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from policy_operator.runtime.errors import InvalidObservation, NoSessionState
 from policy_operator.runtime.policy.interface import Policy, Sample
-from policy_operator.runtime.policy.session_state import KEYFRAMES, SESSION_TAG, SessionState, session_state_of
+from policy_operator.runtime.policy.session_state import (
+    KEYFRAMES,
+    SESSION_ACTIONS,
+    SESSION_TAG,
+    SessionState,
+    session_state_of,
+)
 
 MAX_SESSIONS = 1024
 
@@ -51,8 +58,8 @@ def _key(session: str) -> bytes:
 
 class SessionHistory:
     def __init__(self, policy: Policy | None, *, max_sessions: int = MAX_SESSIONS, cfgp: int = 1) -> None:
-        """``policy`` None (not loaded yet): every request passes as it is.  ``cfgp``: the layout's; a policy's
-        session state lives on the rank of the conditional branch, so cfgp=2 serves first chunks only."""
+        """``policy`` None (not loaded yet): every request passes as it is.  ``cfgp``: the layout's (a policy may
+        keep its session state on one rank only: ``SessionState.cfgp2_unsupported``)."""
         if policy is not None and policy.history < 1:
             raise ValueError(f"policy {policy.name} declares a history of {policy.history}; it must be >= 1")
         self.policy = policy
@@ -60,13 +67,9 @@ class SessionHistory:
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[bytes, deque[Sample]] = OrderedDict()
         self.state: SessionState | None = session_state_of(policy) if policy is not None else None
-        self.state_unsupported = (
-            f"{policy.name} continues a session with cfgp=1 only: under cfgp=2 the unconditional rank never sees "
-            "a chunk's final actions, which its branch's memory is fed back with; every request is a first chunk"
-            if self.state is not None and policy is not None and cfgp > 1
-            else None
-        )
-        self._chunks: OrderedDict[bytes, int] = OrderedDict()  # session -> chunks answered (the next one's index)
+        self.state_unsupported = self.state.cfgp2_unsupported if self.state is not None and cfgp > 1 else None
+        # session -> (the next chunk's index, the last chunk's answer: None until it came)
+        self._chunks: OrderedDict[bytes, tuple[int, np.ndarray | None]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._sessions) + len(self._chunks)
@@ -106,7 +109,7 @@ class SessionHistory:
                 return sample
             key = _key(session)
             self._chunks.pop(key, None)
-            self._chunks[key] = 1
+            self._chunks[key] = (1, None)
             while len(self._chunks) > min(self.max_sessions, self.state.max_sessions):
                 self._chunks.popitem(last=False)
             return _tagged(sample, key, 0)
@@ -118,12 +121,12 @@ class SessionHistory:
                 "without keyframes, starts it)"
             )
         key = _key(session)
-        chunk = self._chunks.get(key)
-        if chunk is None:
+        chunk, last = self._chunks.get(key, (0, None))
+        if last is None:
             raise NoSessionState(
                 f"this session has no state to continue: its first chunk was not answered on this connection, it "
-                f"was evicted (at most {self.state.max_sessions} sessions keep state), or it failed; send a first "
-                f"chunk (the latest observation without {KEYFRAMES!r})"
+                f"was evicted (at most {self.state.max_sessions} sessions keep state), or its last chunk failed or is "
+                f"still running; send a first chunk (the latest observation without {KEYFRAMES!r})"
             )
         want = self.state.keyframes(chunk) - 1
         if not isinstance(frames, list | tuple) or len(frames) != want:
@@ -135,12 +138,29 @@ class SessionHistory:
         samples = [self.policy.prepare(frame) for frame in frames] + [sample]
         if any(s.group_key() != sample.group_key() for s in samples):
             raise InvalidObservation(f"every one of {KEYFRAMES!r} must have the request's keys and shapes")
-        self._chunks[key] = chunk + 1
+        self._chunks[key] = (chunk + 1, None)
         self._chunks.move_to_end(key)
-        return _tagged(self.policy.stack_history(samples), key, chunk)
+        return _tagged(self.policy.stack_history(samples), key, chunk, last)
+
+    def answered(self, session: str | None, actions: np.ndarray | None) -> None:
+        """A request of ``session`` was answered with ``actions`` (None: it failed, and the session cannot continue
+        from a chunk its ranks may hold half-written: its next continuation is refused until a first chunk)."""
+        if self.state is None or session is None:
+            return
+        key = _key(session)
+        if key not in self._chunks:
+            return
+        if actions is None:
+            del self._chunks[key]
+        else:
+            self._chunks[key] = (self._chunks[key][0], actions)
 
 
-def _tagged(sample: Sample, key: bytes, chunk: int) -> Sample:
-    """``sample`` with ``SESSION_TAG``: its session's key (64 bits of its digest) and chunk index."""
-    tag = torch.tensor([[int.from_bytes(key[:8], "little", signed=True), chunk]], dtype=torch.long)
-    return Sample({**sample.tensors, SESSION_TAG: tag}, dict(sample.meta))
+def _tagged(sample: Sample, key: bytes, chunk: int, last: np.ndarray | None = None) -> Sample:
+    """``sample`` with ``SESSION_TAG`` (its session's key, 64 bits of its digest, and chunk index) and, for a
+    continuation, ``SESSION_ACTIONS`` (the last chunk's answer)."""
+    tensors = dict(sample.tensors)
+    tensors[SESSION_TAG] = torch.tensor([[int.from_bytes(key[:8], "little", signed=True), chunk]], dtype=torch.long)
+    if last is not None:
+        tensors[SESSION_ACTIONS] = torch.from_numpy(np.asarray(last, dtype=np.float32))[None]
+    return Sample(tensors, dict(sample.meta))

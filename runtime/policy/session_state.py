@@ -25,6 +25,9 @@ from typing import Any, Final, Protocol, runtime_checkable
 KEYFRAMES: Final = "keyframes"
 #: A tagged request's tensor: int64 ``[rows, 2]``, each row's session key and its chunk index (0: a first chunk).
 SESSION_TAG: Final = "session.tag"
+#: A continuation's tensor: float32 ``[rows, h, action_dim]``, the actions the session's last chunk answered (what
+#: a rank that never saw that chunk's end feeds back: cfgp=2's unconditional rank).
+SESSION_ACTIONS: Final = "session.actions"
 
 
 @runtime_checkable
@@ -33,6 +36,8 @@ class SessionState(Protocol):
 
     #: Session states a replica keeps at most (least recently used go first); their device memory bounds it.
     max_sessions: int
+    #: Why a session cannot continue with cfgp=2, or None when it can.
+    cfgp2_unsupported: str | None
 
     def keyframes(self, chunk: int) -> int:
         """Observations (the request's own included) the continuation answering chunk ``chunk`` (>= 1) carries."""

@@ -58,13 +58,13 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from policy_operator.runtime.policy.interface import Branch, Context, Integrator
 from policy_operator.runtime.policy.lerobot.families import Family
-from policy_operator.runtime.policy.session_state import SESSION_TAG
+from policy_operator.runtime.policy.session_state import SESSION_ACTIONS, SESSION_TAG
 
 WAN_DIR = "wan"  # the bundled VAE, text encoder and tokenizer (what ``wan_pretrained_path`` names)
 CACHE = "pos"  # the transformer's cache name in LeRobot's code
@@ -94,8 +94,9 @@ class Stream:
     first: torch.Tensor | None = None  # the first observation's latent: frame 0 of the first chunk, then fed back
     vae: list[Any] = field(default_factory=list)  # the streaming VAE's causal cache after the stream's last frames
     frame_st_id: int = 0  # latent frames fed back so far (LeRobot's ``_frame_st_id``): 0 during a first chunk
-    executed: torch.Tensor | None = None  # the last chunk's actions as LeRobot feeds them back
-    chunks: int = 0  # chunks answered
+    executed: torch.Tensor | None = None  # the last chunk's actions as LeRobot feeds them back (the output rank's)
+    chunks: int = 0  # chunks run
+    replay: bool = False  # cfgp=2's unconditional rank skipped its last chunk's unguided steps (``_replay``)
 
     def copy(self) -> Stream:
         return Stream(
@@ -107,6 +108,7 @@ class Stream:
             self.frame_st_id,
             _clone(self.executed),
             self.chunks,
+            self.replay,
         )
 
 
@@ -144,6 +146,27 @@ class LingBotVA(Family):
     has_unconditional = True
     references = ("wan_pretrained_path",)
     compile_prefix = False  # condition runs the streaming VAE (a Python list of cached features) row by row
+    #: The map from the actions a robot received back to LeRobot's model space, made from the checkpoint's saved
+    #: statistics when its pipelines load (``pipelines_loaded``) and taken by the family built right after.
+    _loaded_actions_back: ClassVar[Any] = None
+
+    @classmethod
+    def pipelines_loaded(cls, preprocessor: Any, root: Path) -> None:
+        """LingBot-VA's postprocessor unnormalizes the actions with their QUANTILES statistics whatever the
+        config's mapping (``make_lingbot_va_pre_post_processors``); its inverse is that normalization, made here
+        from the preprocessor's normalizer (the same saved statistics) for cfgp=2's unconditional rank."""
+        import copy
+
+        from lerobot.configs.types import FeatureType, NormalizationMode
+        from lerobot.processor import NormalizerProcessorStep
+
+        for step in preprocessor.steps:
+            if isinstance(step, NormalizerProcessorStep) and "action" in step._tensor_stats:  # noqa: SLF001
+                back = copy.deepcopy(step)
+                back.norm_map = {**back.norm_map, FeatureType.ACTION: NormalizationMode.QUANTILES}
+                cls._loaded_actions_back = back
+                return
+        cls._loaded_actions_back = None
 
     def __init__(self, policy: Any) -> None:
         super().__init__(policy)
@@ -173,6 +196,15 @@ class LingBotVA(Family):
         self._negative: torch.Tensor | None = None
         self._two_stage = self._schedules()
         self.max_sessions = MAX_SESSIONS
+        # cfgp=2's unconditional rank feeds back the actions its robot received (the ingress's SESSION_ACTIONS),
+        # mapped back through the checkpoint's own statistics
+        self._actions_back, type(self)._loaded_actions_back = type(self)._loaded_actions_back, None
+        self.cfgp2_unsupported = (
+            None
+            if self._actions_back is not None
+            else "this LingBot-VA checkpoint's preprocessor holds no action statistics to map the answered actions "
+            "back with, which cfgp=2's unconditional rank feeds back: it continues a session with cfgp=1 only"
+        )
         self._sessions: OrderedDict[int, Stream] = OrderedDict()  # session key -> its stream, on this rank
         self._batch: list[Stream] = []  # the running batch's rows (``denoise`` and ``finish`` read them)
         self._pending = False  # ``condition`` made this batch's streams; ``unconditional`` takes them
@@ -312,37 +344,33 @@ class LingBotVA(Family):
             stream.vae = vae.feat_cache
             vae.clear_cache()
 
-    def _rows(self, batch: Mapping[str, torch.Tensor], *, store: bool, cond: bool = True) -> list[Stream]:
-        """Each row's stream: a first chunk's new one (kept as its session's when the row is tagged and ``store``),
-        or a continuation's session stream with the keyframes and last chunk's actions fed back into its cache.
-        Every row is checked before any state changes, so a refused batch leaves every session as it was."""
+    def _rows(self, batch: Mapping[str, torch.Tensor], *, alone: bool = False) -> list[Stream]:
+        """Each row's stream: a first chunk's new one (kept as its session's when the row is tagged), or a
+        continuation's session stream with the keyframes and last chunk's actions fed back into its cache.
+        ``alone``: cfgp=2's unconditional rank (no conditional text for a request alone; a session's stream
+        replays the steps it skips).  Every row is checked before any state changes, so a refused batch leaves
+        every session as it was."""
         cams = self.config.obs_cam_keys
         rows = batch[cams[0]].shape[0]
         continuing = batch[cams[0]].dim() == 5  # [B, K, C, H, W]: the keyframes of a continuation
         tags = batch.get(SESSION_TAG)
-        keys = [None if tags is None else (int(tags[r, 0]), int(tags[r, 1])) for r in range(rows)]
+        keys: list[tuple[int, int] | None] = [
+            None if tags is None else (int(tags[r, 0]), int(tags[r, 1])) for r in range(rows)
+        ]
         if continuing:
-            for key in keys:
-                if key is None:
-                    raise ValueError("LingBot-VA keyframes arrived without a session tag (the ingress adds it)")
-                stream = self._sessions.get(key[0])
-                if stream is None or stream.chunks != key[1]:
-                    self._sessions.pop(key[0], None)
-                    raise ValueError(
-                        f"LingBot-VA has no state of chunk {key[1]} for this session on this replica "
-                        f"({'none' if stream is None else f'it answered {stream.chunks} chunks'}); the session "
-                        "must start again with a first chunk"
-                    )
+            self._check(keys)
         tokens = batch[TOKENS_KEY] if batch[TOKENS_KEY].dim() == 2 else batch[TOKENS_KEY][:, -1]
         masks = batch[TOKEN_MASK_KEY] if batch[TOKEN_MASK_KEY].dim() == 2 else batch[TOKEN_MASK_KEY][:, -1]
         out: list[Stream] = []
         done: dict[int, Stream] = {}  # a session's stream before this batch, for a padded copy of its row
         for r, key in enumerate(keys):
             if not continuing:
-                text = self._embed(tokens[r : r + 1], masks[r : r + 1]) if cond else None
+                # a session's feedback writes both branches as one batch: both texts on both ranks
+                text = self._embed(tokens[r : r + 1], masks[r : r + 1]) if key is not None or not alone else None
                 stream = self._new_stream(text, key is not None, tokens.device)
                 stream.first = self._encode(stream, [{k: batch[k][r : r + 1] for k in cams}], fresh=True)
-                if key is not None and store and key[0] not in done:
+                stream.chunks, stream.replay = 1, alone
+                if key is not None and key[0] not in done:
                     self._keep(key[0], stream)
                     done[key[0]] = stream
                 out.append(stream)
@@ -356,9 +384,69 @@ class LingBotVA(Family):
                 if keys.count(key) > 1:
                     done[key[0]] = stream.copy()
             frames = [{k: batch[k][r : r + 1, j] for k in cams} for j in range(batch[cams[0]].shape[1])]
+            if stream.replay:
+                self._replay(stream.layout)
+            if stream.executed is None:  # cfgp=2's unconditional rank: the actions the robot received
+                stream.executed = self._answered(batch[SESSION_ACTIONS][r])
             self._feed_back(stream, self._encode(stream, frames, fresh=False))
+            stream.executed, stream.chunks, stream.replay = None if alone else stream.executed, key[1] + 1, alone
             out.append(stream)
         return out
+
+    def _check(self, keys: list[tuple[int, int] | None]) -> None:
+        """Every continuation row's session has the state of the chunk its tag names, on this rank."""
+        for key in keys:
+            if key is None:
+                raise ValueError("LingBot-VA keyframes arrived without a session tag (the ingress adds it)")
+            stream = self._sessions.get(key[0])
+            if stream is None or stream.chunks != key[1]:
+                self._sessions.pop(key[0], None)
+                raise ValueError(
+                    f"LingBot-VA has no state of chunk {key[1]} for this session on this replica "
+                    f"({'none' if stream is None else f'it ran {stream.chunks} chunks'}); the session must start "
+                    "again with a first chunk"
+                )
+
+    def _answered(self, actions: torch.Tensor) -> torch.Tensor:
+        """A chunk's answer ``[h, used]`` back in LeRobot's feedback layout ``[1, action_dim, F, apf, 1]``: the
+        postprocessor's statistics undone, then ``finish`` (a first chunk's frame 0 and the unused channels
+        zeros).  Exact up to the statistics' float rounding (about 1e-7)."""
+        f, apf = int(self.config.frame_chunk_size), int(self.config.action_per_frame)
+        frames = actions.shape[0] // apf
+        assert self._actions_back is not None, "the ingress refuses continuations under cfgp2_unsupported"
+        actions = self._actions_back._normalize_action(actions[None].float().cpu(), inverse=False)[0]  # noqa: SLF001
+        full = torch.zeros(self.action_shape, dtype=self.policy.dtype, device=actions.device)
+        used = torch.as_tensor(self.config.used_action_channel_ids, device=actions.device)
+        full[0, used, f - frames :, :, 0] = actions.t().reshape(len(used), frames, apf).to(full.dtype)
+        return full
+
+    def _replay(self, layout: dict[str, torch.Tensor]) -> None:
+        """What the unguided steps of the last chunk did to the slot layout on the conditional rank, done here
+        without computing them: the cache write (the clean latents' slots, kept as predictions), then each action
+        step's slots (allocated, evicting the oldest when full, and freed), as LeRobot's ``update_cache``."""
+        self._allocate(layout, self.latent_tokens, keep=True)
+        for _ in range(int(self.config.action_num_inference_steps)):
+            self._allocate(layout, int(self.config.frame_chunk_size) * int(self.config.action_per_frame), keep=False)
+
+    @staticmethod
+    def _allocate(layout: dict[str, torch.Tensor], size: int, *, keep: bool) -> None:
+        """LeRobot's ``WanAttention.allocate_slots`` + ``update_cache`` (+ ``restore_cache`` unless ``keep``) on
+        the layout alone: the same tensors, the same ops."""
+        mask, ids = layout["mask"], layout["id"]
+        free = (~mask).nonzero(as_tuple=False).squeeze(-1)
+        if free.numel() < size:
+            used = mask.nonzero(as_tuple=False).squeeze(-1)
+            to_free = used[torch.argsort(ids[used])[: size - free.numel()]]
+            mask[to_free] = False
+            ids[to_free] = -1
+            free = (~mask).nonzero(as_tuple=False).squeeze(-1)
+        slots = free[:size]
+        new_id = ids[mask].max() + 1 if mask.any() else torch.tensor(0, device=ids.device, dtype=ids.dtype)
+        mask[slots] = True
+        ids[slots] = new_id
+        layout["is_pred"][slots] = True
+        if not keep:
+            mask[slots] = False
 
     def _keep(self, key: int, stream: Stream) -> None:
         self._sessions.pop(key, None)  # a session's new first chunk starts its episode afresh
@@ -419,17 +507,15 @@ class LingBotVA(Family):
         }
 
     def condition(self, batch: dict[str, torch.Tensor]) -> Context:
-        rows = self._rows(batch, store=True)
+        rows = self._rows(batch)
         self._batch, self._pending = rows, True
         return self._context(len(rows), Branch.COND, batch[TOKENS_KEY].device)
 
     def unconditional(self, batch: dict[str, torch.Tensor]) -> Context:
         if self._pending:  # one rank runs both branches: the conditional one made this batch's streams
             self._pending = False
-        else:  # cfgp=2's unconditional rank: its branch alone, of requests alone (the ingress tags none)
-            if SESSION_TAG in batch:
-                raise ValueError("LingBot-VA keeps session state on one rank only: serve sessions with cfgp=1")
-            self._batch = self._rows(batch, store=False, cond=False)
+        else:  # cfgp=2's unconditional rank: its branch alone (a session's stream kept on this rank too)
+            self._batch = self._rows(batch, alone=True)
         return self._context(len(self._batch), Branch.UNCOND, batch[TOKENS_KEY].device)
 
     # --- one model call ---------------------------------------------------------------
@@ -548,7 +634,6 @@ class LingBotVA(Family):
                 kept[:, :, 0:1] = 0
             kept[:, ~self.policy._action_mask] *= 0  # noqa: SLF001
             stream.executed = kept
-            stream.chunks += 1
         a = actions[:, self.config.used_action_channel_ids]
         if first:
             a = a[:, :, 1:]
