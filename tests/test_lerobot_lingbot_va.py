@@ -387,17 +387,25 @@ def test_the_ranks_refuse_a_state_the_ingress_did_not_give_them(lingbot: LeRobot
 def test_a_robot_continues_its_session_over_the_wire(
     lingbot_dir: Path, lingbot: LeRobotPolicy, stream_a: tuple[list[dict[str, Any]], list[np.ndarray]]
 ) -> None:
-    """The served path: ``keyframes`` decoded from the frame, the session's chunks as LeRobot's stream (a first
-    chunk of 4 actions, then 8), and a continuation of a session this server holds no state of refused alone."""
+    """The served path, on one rank and with cfgp=2 over gloo: ``keyframes`` decoded from the frame, the session's
+    chunks as LeRobot's stream (a first chunk of 4 actions, then 8) and as each other, and a continuation of a
+    session this server holds no state of refused alone."""
     requests, theirs = stream_a
-    with serve_policy(lingbot_dir, "--policy", "lerobot", "--threads", "1", "--max-batch", "1") as server:
-        robot = WebsocketClientPolicy(server.url)
-        for k, (request, seed) in enumerate(zip(requests[:2], STREAM_SEEDS, strict=False)):
-            actions = np.asarray(robot.infer({**request, "session_id": "r1", "seed": seed})["actions"])
-            np.testing.assert_allclose(actions, theirs[k], rtol=0, atol=ATOL, err_msg=f"chunk {k}")
-        stranger = WebsocketClientPolicy(server.url)  # another connection: r1 is not its session
-        with pytest.raises(RuntimeError, match="no_session_state: this session has no state to continue"):
-            stranger.infer({**requests[2], "session_id": "r1", "seed": 1})
+    answers: dict[str, list[np.ndarray]] = {}
+    for name, args in {"cfgp1": ("--cfg-mode", "sequential"), "cfgp2": ("--cfgp", "2", "--backend", "gloo")}.items():
+        with serve_policy(lingbot_dir, "--policy", "lerobot", "--threads", "1", "--max-batch", "1", *args) as server:
+            robot = WebsocketClientPolicy(server.url)
+            answers[name] = [
+                np.asarray(robot.infer({**request, "session_id": "r1", "seed": seed})["actions"])
+                for request, seed in zip(requests, STREAM_SEEDS, strict=True)
+            ]
+            stranger = WebsocketClientPolicy(server.url)  # another connection: r1 is not its session
+            with pytest.raises(RuntimeError, match="no_session_state: this session has no state to continue"):
+                stranger.infer({**requests[2], "session_id": "r1", "seed": 1})
+        for k, lerobot in enumerate(theirs):
+            np.testing.assert_allclose(answers[name][k], lerobot, rtol=0, atol=ATOL, err_msg=f"{name}, chunk {k}")
+    for k in range(len(theirs)):
+        assert np.abs(answers["cfgp2"][k] - answers["cfgp1"][k]).max() < 1e-6, f"chunk {k}"
 
 
 def test_a_buckets_padded_copy_of_a_session_row_changes_nothing(
