@@ -152,21 +152,33 @@ class LingBotVA(Family):
 
     @classmethod
     def pipelines_loaded(cls, preprocessor: Any, root: Path) -> None:
-        """LingBot-VA's postprocessor unnormalizes the actions with their QUANTILES statistics whatever the
-        config's mapping (``make_lingbot_va_pre_post_processors``); its inverse is that normalization, made here
-        from the preprocessor's normalizer (the same saved statistics) for cfgp=2's unconditional rank."""
-        import copy
+        """The inverse of the checkpoint's saved action unnormalizer (LingBot-VA's postprocessor: QUANTILES with
+        the statistics it saved), for cfgp=2's unconditional rank: the same step class built from the saved
+        postprocessor's config and statistics (data only, no code), run forward as policy.py's
+        ``actions_to_model`` runs it for real-time chunking."""
+        import json
 
-        from lerobot.configs.types import FeatureType, NormalizationMode
-        from lerobot.processor import NormalizerProcessorStep
+        from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
+        from lerobot.processor import UnnormalizerProcessorStep
+        from safetensors.torch import load_file
 
-        for step in preprocessor.steps:
-            if isinstance(step, NormalizerProcessorStep) and "action" in step._tensor_stats:  # noqa: SLF001
-                back = copy.deepcopy(step)
-                back.norm_map = {**back.norm_map, FeatureType.ACTION: NormalizationMode.QUANTILES}
-                cls._loaded_actions_back = back
-                return
+        from policy_operator.runtime.checkpoint.trusted_steps import POSTPROCESSOR_JSON
+
         cls._loaded_actions_back = None
+        saved = json.loads((root / POSTPROCESSOR_JSON).read_text())
+        steps = [s for s in saved.get("steps", []) if s.get("registry_name") == "unnormalizer_processor"]
+        if len(steps) != 1 or "state_file" not in steps[0]:
+            return
+        config = steps[0]["config"]
+        back = UnnormalizerProcessorStep(
+            features={
+                k: PolicyFeature(FeatureType[v["type"]], tuple(v["shape"])) for k, v in config["features"].items()
+            },
+            norm_map={FeatureType[k]: NormalizationMode[v] for k, v in config["norm_map"].items()},
+            eps=float(config.get("eps", 1e-8)),
+        )
+        back.load_state_dict(load_file(str(root / steps[0]["state_file"])))
+        cls._loaded_actions_back = back
 
     def __init__(self, policy: Any) -> None:
         super().__init__(policy)
@@ -202,8 +214,8 @@ class LingBotVA(Family):
         self.cfgp2_unsupported = (
             None
             if self._actions_back is not None
-            else "this LingBot-VA checkpoint's preprocessor holds no action statistics to map the answered actions "
-            "back with, which cfgp=2's unconditional rank feeds back: it continues a session with cfgp=1 only"
+            else "this LingBot-VA checkpoint's postprocessor is not one action unnormalizer, so the answered actions "
+            "cfgp=2's unconditional rank feeds back cannot be mapped back: it continues a session with cfgp=1 only"
         )
         self._sessions: OrderedDict[int, Stream] = OrderedDict()  # session key -> its stream, on this rank
         self._batch: list[Stream] = []  # the running batch's rows (``denoise`` and ``finish`` read them)
