@@ -14,16 +14,19 @@ go first), as the router's are.
 
 A policy whose model keeps memory across calls (``session_state.SessionState``:
 LingBot-VA's KV cache of every frame seen) keeps that memory on its replica's
-ranks; here only its ledger lives: per session, the chunks answered.  A
+ranks; here only its ledger lives: per session, the chunks routed and the last
+answer (``answered``, from the engine: cfgp=2's unconditional rank feeds it
+back, as it never sees a chunk's end).  A
 request without ``keyframes`` is a first chunk (it starts, or restarts, the
 session's episode, as LeRobot's ``reset()``); one with them continues the
 session: its keyframes are prepared as observations and stacked before the
 request's own (the latest), and the sample is tagged with the session's key and
 chunk index (``SESSION_TAG``) so the ranks find the state the ledger expects.
 A continuation that cannot continue -- no session id, a session never started
-here, evicted (``max_sessions``), or of a closed connection (a reconnect is a
-new session: runtime/rtc_session.py), or a layout that keeps no state --
-fails alone with ``no_session_state``; a wrong number of keyframes with
+here, evicted (``max_sessions``), of a closed connection (a reconnect is a new
+session: runtime/rtc_session.py), whose last chunk failed or is unanswered, or
+a layout the policy cannot continue on (``cfgp2_unsupported``) -- fails alone
+with ``no_session_state``; a wrong number of keyframes with
 ``invalid_observation``.  The ledger is bounded as the ranks' states are
 (the policy's ``max_sessions``), so a session it still knows is one its
 replica still holds.

@@ -46,9 +46,11 @@ predictions leave the cache; the keyframes' latents and the executed actions
 are written for both branches) before the chunk runs at the stream's frame
 offset and answers all F frames of actions.  Three chunks of a session equal
 LeRobot's own ``select_action`` stream (tests/test_lerobot_lingbot_va.py).
-Under cfgp=2 the unconditional rank never sees a chunk's final actions, so its
-branch's memory could not be fed back: the ingress serves first chunks only
-there.
+Under cfgp=2 each rank keeps its own stream of a session; the unconditional
+rank, which runs the guided video steps only, feeds back the actions the robot
+received (the ingress's ``SESSION_ACTIONS``, mapped back through the saved
+postprocessor's statistics) and replays on its slot layout what the skipped
+steps did (``_replay``).
 """
 
 from __future__ import annotations
