@@ -32,6 +32,7 @@ from policy_operator.runtime.errors import InvalidObservation, NoSessionState  #
 from policy_operator.runtime.policy.interface import Branch, Sample, collate  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.families import family_class  # noqa: E402
+from policy_operator.runtime.policy.lerobot.family_lingbot_va import LingBotVA  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import SamplerSettings, sample_actions  # noqa: E402
 from policy_operator.runtime.policy.session_state import KEYFRAMES, SESSION_ACTIONS, SESSION_TAG  # noqa: E402
@@ -246,7 +247,7 @@ def lerobots_stream(policy: LeRobotPolicy, observations: list[dict[str, Any]], s
 def session_requests(policy: LeRobotPolicy, observations: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The same stream as a robot sends it to the server: the first observation alone (a first chunk), then each
     chunk's latest observation with the ones recorded before it since the last chunk as ``keyframes``."""
-    family = policy.family
+    family = lingbot_family(policy)
     requests, at = [dict(observations[0])], 1
     for chunk in range(1, len(STREAM_SEEDS)):
         n = family.keyframes(chunk)
@@ -259,8 +260,13 @@ def session_requests(policy: LeRobotPolicy, observations: list[dict[str, Any]]) 
 STREAM_SEEDS = [11, 12, 13]  # three chunks: the pool (attn_window 4: two chunks) evicts in the third
 
 
+def lingbot_family(policy: LeRobotPolicy) -> LingBotVA:
+    assert isinstance(policy.family, LingBotVA)
+    return policy.family
+
+
 def stream_observations(policy: LeRobotPolicy, base: int) -> list[dict[str, Any]]:
-    family = policy.family
+    family = lingbot_family(policy)
     count = 1 + sum(family.keyframes(k) for k in range(1, len(STREAM_SEEDS)))
     return [policy.example_observation(base + k) for k in range(count)]
 

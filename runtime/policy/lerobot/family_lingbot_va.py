@@ -478,6 +478,7 @@ class LingBotVA(Family):
         layout = stream.layout
         layout["mask"][layout["is_pred"]] = False
         if stream.frame_st_id == 0:
+            assert stream.first is not None
             latents = torch.cat([stream.first, latents], dim=2)
         assert stream.executed is not None
         actions = stream.executed.to(latents)
