@@ -401,6 +401,12 @@ def test_a_robot_continues_its_session_over_the_wire(
     for name, args in {"cfgp1": ("--cfg-mode", "sequential"), "cfgp2": ("--cfgp", "2", "--backend", "gloo")}.items():
         with serve_policy(lingbot_dir, "--policy", "lerobot", "--threads", "1", "--max-batch", "1", *args) as server:
             robot = WebsocketClientPolicy(server.url)
+            assert robot.get_server_metadata()["session_state"] == {
+                "keyframes": {"after_first_chunk": 3, "after_later": 7},
+                "max_sessions": 8,
+                "continues": True,
+                "reason": None,
+            }
             answers[name] = [
                 np.asarray(robot.infer({**request, "session_id": "r1", "seed": seed})["actions"])
                 for request, seed in zip(requests, STREAM_SEEDS, strict=True)

@@ -168,6 +168,7 @@ class Engine:
                 "guidance": settings.guidance,
                 "action_shape": list(self.policy.action_shape),
                 "rtc": self.rtc.support.metadata(),
+                **self.history.metadata(),  # a world model's session continuation (LingBot-VA), else nothing
                 **self.extra_metadata,
             }
         )

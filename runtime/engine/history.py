@@ -145,6 +145,23 @@ class SessionHistory:
         self._chunks.move_to_end(key)
         return _tagged(self.policy.stack_history(samples), key, chunk, last)
 
+    def metadata(self) -> dict[str, Any]:
+        """The metadata frame's ``session_state`` (docs/protocol.md, "Session continuation"): what a robot needs
+        to continue its sessions; nothing for a policy that keeps no state."""
+        if self.state is None:
+            return {}
+        return {
+            "session_state": {
+                "keyframes": {
+                    "after_first_chunk": self.state.keyframes(1) - 1,
+                    "after_later": self.state.keyframes(2) - 1,
+                },
+                "max_sessions": min(self.max_sessions, self.state.max_sessions),
+                "continues": self.state_unsupported is None,
+                "reason": self.state_unsupported,
+            }
+        }
+
     def answered(self, session: str | None, actions: np.ndarray | None) -> None:
         """A request of ``session`` was answered with ``actions`` (None: it failed, and the session cannot continue
         from a chunk its ranks may hold half-written: its next continuation is refused until a first chunk)."""
