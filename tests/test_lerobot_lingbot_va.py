@@ -12,8 +12,10 @@ bitwise.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -467,3 +469,25 @@ def test_cfgp2s_two_ranks_continue_a_session_as_one_rank(
         history.answered("a", answer)
         np.testing.assert_allclose(answer, theirs[k], rtol=0, atol=ATOL, err_msg=f"chunk {k}")
         assert np.abs(answer - one_rank[k]).max() < 1e-6, f"chunk {k}"
+
+
+def test_a_postprocessor_it_cannot_invert_keeps_cfgp2_to_first_chunks(
+    lingbot: LeRobotPolicy, lingbot_dir: Path, tmp_path: Path
+) -> None:
+    """cfgp=2's unconditional rank maps the answered actions back with the saved unnormalizer; a checkpoint whose
+    postprocessor has none it can read (here: a state file outside the checkpoint) continues with cfgp=1 only,
+    and the ingress says so under cfgp=2."""
+    assert lingbot_family(lingbot).cfgp2_unsupported is None
+    saved = json.loads((lingbot_dir / "policy_postprocessor.json").read_text())
+    saved["steps"][0]["state_file"] = "../elsewhere.safetensors"
+    (tmp_path / "policy_postprocessor.json").write_text(json.dumps(saved))
+    LingBotVA.pipelines_loaded(lingbot.loaded.preprocessor, tmp_path)
+    family = LingBotVA(lingbot.loaded.policy)
+    assert family.cfgp2_unsupported is not None and "cfgp=1 only" in family.cfgp2_unsupported
+    policy = cast(LeRobotPolicy, SimpleNamespace(name="lerobot/lingbot_va", history=1, family=family))
+    first, second = session_requests(lingbot, stream_observations(lingbot, 700))[:2]
+    assert SessionHistory(policy, cfgp=1).state_unsupported is None
+    cfgp2 = SessionHistory(policy, cfgp=2)
+    cfgp2.extend("a", lingbot.prepare(first), first)
+    with pytest.raises(NoSessionState, match="cfgp=1 only"):
+        cfgp2.extend("a", lingbot.prepare(second), second)

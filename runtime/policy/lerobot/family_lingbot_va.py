@@ -166,20 +166,23 @@ class LingBotVA(Family):
 
         from policy_operator.runtime.checkpoint.trusted_steps import POSTPROCESSOR_JSON
 
-        cls._loaded_actions_back = None
-        saved = json.loads((root / POSTPROCESSOR_JSON).read_text())
-        steps = [s for s in saved.get("steps", []) if s.get("registry_name") == "unnormalizer_processor"]
-        if len(steps) != 1 or "state_file" not in steps[0]:
+        cls._loaded_actions_back = None  # a postprocessor it cannot read: sessions continue with cfgp=1 only
+        try:
+            saved = json.loads((root / POSTPROCESSOR_JSON).read_text())
+            steps = [s for s in saved.get("steps", []) if s.get("registry_name") == "unnormalizer_processor"]
+            if len(steps) != 1 or Path(str(steps[0].get("state_file"))).name != steps[0].get("state_file"):
+                return  # none, several, or a state file outside the checkpoint's own directory
+            config = steps[0]["config"]
+            back = UnnormalizerProcessorStep(
+                features={
+                    k: PolicyFeature(FeatureType[v["type"]], tuple(v["shape"])) for k, v in config["features"].items()
+                },
+                norm_map={FeatureType[k]: NormalizationMode[v] for k, v in config["norm_map"].items()},
+                eps=float(config.get("eps", 1e-8)),
+            )
+            back.load_state_dict(load_file(str(root / steps[0]["state_file"])))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return
-        config = steps[0]["config"]
-        back = UnnormalizerProcessorStep(
-            features={
-                k: PolicyFeature(FeatureType[v["type"]], tuple(v["shape"])) for k, v in config["features"].items()
-            },
-            norm_map={FeatureType[k]: NormalizationMode[v] for k, v in config["norm_map"].items()},
-            eps=float(config.get("eps", 1e-8)),
-        )
-        back.load_state_dict(load_file(str(root / steps[0]["state_file"])))
         cls._loaded_actions_back = back
 
     def __init__(self, policy: Any) -> None:
