@@ -286,8 +286,10 @@ class Pi0(_Flow):
     #: was 40 % of it even on TF32); tiny pi0.5 bf16 against LeRobot fp32: 1.4e-3 of the action scale either way
     float32_vision = False
     #: In reduced precision, the prefix's and the expert's attention as one fused kernel with no copy of the
-    #: shared key/value head per query head (attention.py)
-    grouped_attention = True
+    #: shared key/value head per query head (attention.py).  Off: on an H100 it made the 10 steps slower at
+    #: batch 1 (19.4 -> 28.2 ms: one key/value head leaves the kernel 7 blocks of work for 132 SMs) and no
+    #: faster at batch 8 (33.5 -> 35.8 ms); bench/lerobot_kernels.py's ``grouped-attention`` variant measures it
+    grouped_attention = False
 
     def cast(self, dtype: torch.dtype) -> None:
         if dtype == torch.bfloat16:  # LeRobot's own bfloat16 mode: the vision path and the norms stay float32
