@@ -23,14 +23,21 @@ import torch
 pytest.importorskip("grpc")
 pytest.importorskip("lerobot")
 
-from lerobot.async_inference.helpers import RemotePolicyConfig, TimedObservation  # noqa: E402
+from lerobot.async_inference.helpers import (  # noqa: E402
+    RemotePolicyConfig,
+    TimedObservation,
+    raw_observation_to_observation,
+)
+from lerobot.configs.types import FeatureType, PolicyFeature  # noqa: E402
 from lerobot.utils.feature_utils import hw_to_dataset_features  # noqa: E402
 
 from policy_operator.runtime.serving.lerobot_grpc import (  # noqa: E402
     AsyncInferenceService,
     InstructionsRefused,
     Served,
+    answer_pickle,
     check_instructions,
+    frame_of,
 )
 from policy_operator.runtime.serving.safe_pickle import RefusedPickle, restricted_loads  # noqa: E402
 
@@ -165,3 +172,51 @@ def test_matching_instructions_are_taken_and_never_name_what_is_loaded() -> None
 def test_instructions_that_do_not_describe_the_served_policy_are_refused(change: dict[str, Any], words: str) -> None:
     with pytest.raises(InstructionsRefused, match=words):
         check_instructions(instructions(**change), SERVED)
+
+
+@pytest.mark.parametrize(
+    "camera",
+    [
+        np.arange(48 * 64 * 3, dtype=np.uint8).reshape(48, 64, 3),  # the policy's size: taken as it is
+        np.arange(60 * 80 * 3, dtype=np.uint8).reshape(60, 80, 3),  # resized by LeRobot's own resize
+        np.linspace(0, 1, 48 * 64 * 3, dtype=np.float32).reshape(48, 64, 3),  # float: LeRobot's path throughout
+    ],
+    ids=["uint8-policy-size", "uint8-other-size", "float32"],
+)
+def test_a_frame_is_what_lerobots_own_conversion_gives_the_policy(camera: np.ndarray) -> None:
+    """What the policy reads from a frame (a uint8 camera scaled to [0, 1], channels first) is exactly LeRobot's
+    ``raw_observation_to_observation`` of the same raw observation, whatever the camera's size and type."""
+    served = Served(
+        SERVED.policy_type,
+        SERVED.features,
+        SERVED.chunk,
+        True,
+        {"observation.images.top": PolicyFeature(FeatureType.VISUAL, (3, 48, 64))},
+    )
+    hw = {**{f"j{i}.pos": float for i in range(6)}, "top": camera.shape}
+    checked = check_instructions(instructions(lerobot_features=hw_to_dataset_features(hw, "observation")), served)
+    raw: dict[str, Any] = {f"j{i}.pos": 0.25 * i for i in range(6)}
+    raw.update(top=camera, task="pick up the cube", seed=3)
+    frame, seed = frame_of(raw, checked, served)
+    lerobots = raw_observation_to_observation(raw, checked.lerobot_features, served.image_features)
+    assert seed == 3 and frame["task"] == "pick up the cube"
+    assert torch.equal(torch.from_numpy(frame["observation.state"]), lerobots["observation.state"][0])
+    image = torch.from_numpy(frame["observation.images.top"])
+    if image.dtype == torch.uint8:  # HWC bytes, as a WebSocket robot sends them
+        image = image.permute(2, 0, 1).float() / 255
+    assert image.shape == (3, 48, 64) and torch.equal(image, lerobots["observation.images.top"][0])
+
+
+def test_an_answer_is_lerobots_list_of_timed_actions() -> None:
+    """GetActions' pickle reads back, with ``pickle.loads`` as robot_client reads it, as LeRobot's TimedActions:
+    one float32 tensor per row, from the observation's timestep and timestamp, one 1/fps apart."""
+    actions = np.arange(24, dtype=np.float32).reshape(4, 6)
+    answer = pickle.loads(answer_pickle(actions[:3], 2.0, 7))
+    assert [(a.timestep, round(a.timestamp, 6)) for a in answer] == [
+        (7, 2.0),
+        (8, round(2 + 1 / 30, 6)),
+        (9, round(2 + 2 / 30, 6)),
+    ]
+    for row, action in zip(actions, answer, strict=False):
+        assert type(action).__name__ == "TimedAction" and type(action.action) is torch.Tensor
+        assert action.action.dtype == torch.float32 and torch.equal(action.action, torch.from_numpy(row))

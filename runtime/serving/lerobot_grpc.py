@@ -37,7 +37,6 @@ observation above ``INLINE_MAX_BYTES`` is unpickled and converted on a thread.
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import pickle
 import threading
@@ -55,6 +54,7 @@ from lerobot.async_inference import helpers
 from lerobot.async_inference.constants import DEFAULT_FPS, DEFAULT_OBS_QUEUE_TIMEOUT
 from lerobot.configs.types import FeatureType, PolicyFeature
 from lerobot.transport import services_pb2, services_pb2_grpc
+from lerobot.utils.constants import OBS_STATE
 
 from policy_operator.runtime.engine_api import INLINE_MAX_BYTES, EngineClient, PreparedRequest, scoped_session
 from policy_operator.runtime.errors import ErrorKind, InvalidObservation, RequestError
@@ -208,25 +208,13 @@ def frame_of(raw: Any, instructions: Instructions, served: Served) -> tuple[dict
     seed = raw.pop(SEED_KEY, None)
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
         raise InvalidObservation(f"{SEED_KEY!r} must be an integer in 0..2**63-1, got {seed!r}")
-    try:  # LeRobot's own conversion (raw_observation_to_observation), less its last step, which the policy does
-        converted = helpers.prepare_raw_observation(raw, instructions.lerobot_features, served.image_features)
+    try:
+        frame = _converted(raw, instructions, served)
     except Exception as exc:  # noqa: BLE001 - whatever LeRobot's conversion trips on is this observation's fault
         raise InvalidObservation(
             f"the observation does not match the robot's features sent in its policy instructions: "
             f"{type(exc).__name__}: {exc}"
         ) from None
-    frame: dict[str, Any] = {}
-    for key, value in converted.items():
-        if key == TASK_KEY:
-            continue
-        if not isinstance(value, torch.Tensor):
-            raise InvalidObservation(f"{key!r} is not an array")
-        if served.features.get(key, ("", ()))[0] == "VISUAL" and value.dtype == torch.uint8:
-            # a camera's bytes, resized, as a WebSocket robot sends them (HWC): the policy scales them to [0, 1]
-            # as LeRobot's prepare_image does, and the two protocols' requests share one batch shape
-            frame[key] = value.permute(1, 2, 0).contiguous().numpy()
-        else:
-            frame[key] = value[0].numpy() if value.ndim > 1 and key not in served.image_features else value.numpy()
     if served.needs_task:
         task = raw.get(TASK_KEY)
         if task is not None:
@@ -234,22 +222,50 @@ def frame_of(raw: Any, instructions: Instructions, served: Served) -> tuple[dict
     return frame, seed
 
 
-class _TensorsAsArrays(pickle.Pickler):
-    """Pickles a CPU tensor as ``torch.from_numpy`` of its numpy array: the client unpickles the same float32
-    tensor, where a tensor's own pickle is a ``torch.save`` archive per tensor (0.38 ms to write a 5-action answer
-    and 0.58 ms to read it, against 0.03 and 0.015: on both ends, per request)."""
+def _converted(raw: dict[str, Any], instructions: Instructions, served: Served) -> dict[str, Any]:
+    """LeRobot's ``prepare_raw_observation`` (``raw_observation_to_observation`` less its last step, which the
+    policy does), its state and cameras as arrays: a camera's bytes as a WebSocket robot sends them (HWC uint8;
+    the policy scales them to [0, 1] as LeRobot's ``prepare_image`` does, and the two protocols' requests share
+    one batch shape).  A uint8 camera already of the policy's size is taken as it is: LeRobot's bilinear resize
+    to its own size is the identity, and skipping it (a copy, the resize and a copy back, per camera) is most of
+    this conversion's time."""
+    lerobot_obs = helpers.make_lerobot_observation(raw, instructions.lerobot_features)
+    state = helpers.extract_state_from_raw_observation(lerobot_obs)
+    frame: dict[str, Any] = {OBS_STATE: state[0].numpy() if state.ndim > 1 else state.numpy()}
+    for key in filter(helpers.is_image_key, lerobot_obs):
+        image, shape = lerobot_obs[key], served.image_features[key].shape  # the policy's C, H, W
+        if isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.shape == (*shape[1:], shape[0]):
+            frame[key] = np.ascontiguousarray(image)
+            continue
+        resized = helpers.resize_robot_observation_image(torch.tensor(image), shape)
+        frame[key] = resized.permute(1, 2, 0).contiguous().numpy() if resized.dtype == torch.uint8 else resized.numpy()
+    return frame
 
-    def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
-            return (torch.from_numpy, (obj.numpy().copy(),))
-        return NotImplemented
+
+class _ActionRow:
+    """One action of an answer, pickled as ``torch.from_numpy`` of its row: robot_client unpickles the same
+    tensor as from LeRobot's server, where a tensor's own pickle is a ``torch.save`` archive per tensor (0.38 ms to
+    write a 5-action answer and 0.58 ms to read it, on both ends, per request).  A stand-in rather than a tensor
+    turned into an array by a ``Pickler.reducer_override``, which pickle calls for every object of the answer."""
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: np.ndarray) -> None:
+        self.row = row
+
+    def __reduce__(self) -> tuple[Any, tuple[np.ndarray]]:
+        return (torch.from_numpy, (self.row,))
 
 
-def answer_pickle(actions: list[Any]) -> bytes:
-    """GetActions' answer: LeRobot's list of ``TimedAction`` as robot_client unpickles it (``pickle.loads``)."""
-    out = io.BytesIO()
-    _TensorsAsArrays(out, protocol=pickle.HIGHEST_PROTOCOL).dump(actions)
-    return out.getvalue()
+def answer_pickle(actions: np.ndarray, timestamp: float, timestep: int) -> bytes:
+    """GetActions' answer: LeRobot's list of ``TimedAction`` as robot_client unpickles it (``pickle.loads``), one
+    per row of ``actions``, ``ENVIRONMENT_DT_S`` apart from the observation's ``timestamp`` and ``timestep``."""
+    rows = np.ascontiguousarray(actions)
+    timed = [
+        helpers.TimedAction(timestamp=timestamp + i * ENVIRONMENT_DT_S, timestep=timestep + i, action=_ActionRow(row))
+        for i, row in enumerate(rows)
+    ]
+    return pickle.dumps(timed, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 # --- one client ---------------------------------------------------------------------------
@@ -450,14 +466,8 @@ class AsyncInferenceService(services_pb2_grpc.AsyncInferenceServicer):
             await context.abort(status_of(exc), f"{exc.kind.value}: {exc}")
             raise AssertionError("abort raises") from None
         session.last_active = time.monotonic()
-        rows = torch.from_numpy(np.ascontiguousarray(actions[: session.instructions.actions_per_chunk]))
-        timed = [
-            helpers.TimedAction(
-                timestamp=obs.get_timestamp() + i * ENVIRONMENT_DT_S, timestep=obs.get_timestep() + i, action=row
-            )
-            for i, row in enumerate(rows)
-        ]
-        return services_pb2.Actions(data=answer_pickle(timed))
+        answer = answer_pickle(actions[: session.instructions.actions_per_chunk], obs.timestamp, obs.timestep)
+        return services_pb2.Actions(data=answer)
 
 
 class LeRobotGrpcFront:
