@@ -24,9 +24,10 @@ its CFG path (sequential, batched, or cfgp=2 with one branch per rank):
   action steps run the conditional branch alone (what LeRobot keeps of its
   batch-2 forward there), so under cfgp=2 only the conditional rank writes
   and reads the cache.
-* Each row's memory is a ``Stream``: its cache for both branches (per layer
-  ``[1, slots, heads, head_dim]`` keys and values) under one slot layout (each
-  slot's id, mask and is-predicted flag), as LeRobot's CFG batch shares one;
+* Each row's memory is a ``Stream``: its cache for each branch this rank runs
+  (per layer ``[1, slots, heads, head_dim]`` keys and values) under one slot
+  layout (each slot's id, mask and is-predicted flag), as LeRobot's CFG batch
+  shares one;
   the first observation's latent; the streaming VAE's causal cache; the last
   chunk's actions.  The context of a branch is only the rows' indices into the
   running batch's streams and the branch, so batched CFG's concatenation of
@@ -43,7 +44,7 @@ engine/history.py keeps the ledger); its next request carries the observations
 recorded while the chunk ran (``keyframes``), which ``condition`` feeds back
 with the chunk's actions as LeRobot's ``_compute_kv_cache`` does (its
 predictions leave the cache; the keyframes' latents and the executed actions
-are written for both branches) before the chunk runs at the stream's frame
+are written for each branch it keeps) before the chunk runs at the stream's frame
 offset and answers all F frames of actions.  Three chunks of a session equal
 LeRobot's own ``select_action`` stream (tests/test_lerobot_lingbot_va.py).
 Under cfgp=2 each rank keeps its own stream of a session; the unconditional
@@ -74,8 +75,9 @@ TOKENS_KEY = "lingbot_va.task_tokens"  # the task, tokenized by prepare on the C
 TOKEN_MASK_KEY = "lingbot_va.task_mask"
 LATENT_CHANNELS = 48  # LeRobot draws the latents with 48 channels whatever the config (the Wan2.2 VAE's z_dim)
 # Sessions a replica keeps the memory of (the least recently used go first).  At the published size one
-# session's caches are LeRobot's whole pool for both branches: 30 layers x (keys, values) x 2160 slots x 24 heads
-# x 128 x 2 bytes x 2 branches = 1.6 GB of bfloat16, so 8 sessions hold 12.7 GB next to the 5B model.
+# session's caches are LeRobot's whole pool per branch: 30 layers x (keys, values) x 2160 slots x 24 heads x 128
+# x 2 bytes = 0.8 GB of bfloat16, twice with guidance on one rank (cfgp=2: once per rank), so 8 sessions hold
+# 12.7 GB next to the 5B model.
 MAX_SESSIONS = 8
 
 
@@ -323,20 +325,21 @@ class LingBotVA(Family):
         f, apf = int(self.config.frame_chunk_size), int(self.config.action_per_frame)
         return (int(self.config.attn_window) // 2) * (self.latent_tokens + f * apf)
 
-    def _new_stream(self, text: torch.Tensor | None, session: bool, device: torch.device) -> Stream:
+    def _empty(self, slots: int, device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """One branch's empty cache: per layer keys and values ``[1, slots, heads, head_dim]``."""
         transformer = self.policy.transformer
-        slots = self._pool(session)
         shape = (1, slots, transformer.num_attention_heads, transformer.attention_head_dim)
-
-        def empty() -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-            return tuple(
-                (
-                    torch.zeros(shape, dtype=self.policy.dtype, device=device),
-                    torch.zeros(shape, dtype=self.policy.dtype, device=device),
-                )
-                for _ in transformer.blocks
+        return tuple(
+            (
+                torch.zeros(shape, dtype=self.policy.dtype, device=device),
+                torch.zeros(shape, dtype=self.policy.dtype, device=device),
             )
+            for _ in transformer.blocks
+        )
 
+    def _new_stream(self, text: torch.Tensor | None, session: bool, device: torch.device, branch: Branch) -> Stream:
+        """A stream with ``branch``'s cache (the other one's is added when this rank runs it too)."""
+        slots = self._pool(session)
         layout = {
             "id": torch.full((slots,), -1, dtype=torch.long, device=device),
             "mask": torch.zeros((slots,), dtype=torch.bool, device=device),
@@ -345,7 +348,7 @@ class LingBotVA(Family):
         texts = {Branch.UNCOND: self._negative_text(device)}
         if text is not None:
             texts[Branch.COND] = text
-        return Stream(layout, {Branch.COND: empty(), Branch.UNCOND: empty()}, texts)
+        return Stream(layout, {branch: self._empty(slots, device)}, texts)
 
     def _encode(self, stream: Stream, frames: list[dict[str, torch.Tensor]], *, fresh: bool) -> torch.Tensor:
         """``frames`` encoded by LeRobot's own ``_encode_frames`` through the streaming VAE holding ``stream``'s
@@ -382,9 +385,9 @@ class LingBotVA(Family):
         done: dict[int, Stream] = {}  # a session's stream before this batch, for a padded copy of its row
         for r, key in enumerate(keys):
             if not continuing:
-                # a session's feedback writes both branches as one batch: both texts on both ranks
-                text = self._embed(tokens[r : r + 1], masks[r : r + 1]) if key is not None or not alone else None
-                stream = self._new_stream(text, key is not None, tokens.device)
+                text = None if alone else self._embed(tokens[r : r + 1], masks[r : r + 1])
+                branch = Branch.UNCOND if alone else Branch.COND
+                stream = self._new_stream(text, key is not None, tokens.device, branch)
                 stream.first = self._encode(stream, [{k: batch[k][r : r + 1] for k in cams}], fresh=True)
                 stream.chunks, stream.replay = 1, alone
                 if key is not None and key[0] not in done:
@@ -473,8 +476,9 @@ class LingBotVA(Family):
 
     def _feed_back(self, stream: Stream, latents: torch.Tensor) -> None:
         """LeRobot's ``_compute_kv_cache``: its predictions leave the cache, then the observed keyframes' latents
-        (after the first observation's, the first time) and the actions executed are written into both branches'
-        caches as one batch of two, as LeRobot's CFG batch writes them."""
+        (after the first observation's, the first time) and the actions executed are written into the caches of
+        the branches this rank runs, as one batch (two on one rank with CFG, as LeRobot's CFG batch writes them;
+        one under cfgp=2 or without guidance)."""
         from lerobot.policies.lingbot_va.utils import get_mesh_id
 
         p = self.config.patch_size
@@ -487,27 +491,28 @@ class LingBotVA(Family):
         actions = stream.executed.to(latents)
         actions[:, ~self.policy._action_mask] *= 0  # noqa: SLF001
         device = latents.device
+        rows = [(stream, branch) for branch in (Branch.COND, Branch.UNCOND) if branch in stream.kv]
+        n = len(rows)
         grid = get_mesh_id(
             latents.shape[-3] // p[0], latents.shape[-2] // p[1], latents.shape[-1] // p[2], 0, 1, stream.frame_st_id
         )
         video = {
-            "noisy_latents": latents.repeat(2, 1, 1, 1, 1),
-            "timesteps": torch.zeros([2, latents.shape[2]], dtype=torch.float32, device=device),
-            "grid_id": grid.to(device)[None].repeat(2, 1, 1),
+            "noisy_latents": latents.repeat(n, 1, 1, 1, 1),
+            "timesteps": torch.zeros([n, latents.shape[2]], dtype=torch.float32, device=device),
+            "grid_id": grid.to(device)[None].repeat(n, 1, 1),
             "text_emb": None,  # each row's branch's (``_forward``)
         }
         grid = get_mesh_id(
             actions.shape[-3], actions.shape[-2], actions.shape[-1], 1, 1, stream.frame_st_id, action=True
         )
         action = {
-            "noisy_latents": actions.repeat(2, 1, 1, 1, 1),
-            "timesteps": torch.zeros([2, actions.shape[2]], dtype=torch.float32, device=device),
-            "grid_id": grid.to(device)[None].repeat(2, 1, 1),
+            "noisy_latents": actions.repeat(n, 1, 1, 1, 1),
+            "timesteps": torch.zeros([n, actions.shape[2]], dtype=torch.float32, device=device),
+            "grid_id": grid.to(device)[None].repeat(n, 1, 1),
             "text_emb": None,  # each row's branch's (``_forward``)
         }
-        both = [(stream, Branch.COND), (stream, Branch.UNCOND)]
-        self._forward(both, video, update=2, action=False)
-        self._forward(both, action, update=2, action=True)
+        self._forward(rows, video, update=2, action=False)
+        self._forward(rows, action, update=2, action=True)
         stream.frame_st_id += latents.shape[2]
 
     def _negative_text(self, device: torch.device) -> torch.Tensor:
@@ -532,6 +537,9 @@ class LingBotVA(Family):
     def unconditional(self, batch: dict[str, torch.Tensor]) -> Context:
         if self._pending:  # one rank runs both branches: the conditional one made this batch's streams
             self._pending = False
+            for stream in self._batch:  # a session's first chunk on this rank: its unconditional cache starts
+                if Branch.UNCOND not in stream.kv:
+                    stream.kv[Branch.UNCOND] = self._empty(stream.layout["mask"].shape[0], stream.layout["mask"].device)
         else:  # cfgp=2's unconditional rank: its branch alone (a session's stream kept on this rank too)
             self._batch = self._rows(batch, alone=True)
         return self._context(len(self._batch), Branch.UNCOND, batch[TOKENS_KEY].device)
