@@ -14,7 +14,9 @@ rest.  Variants:
   float32, matrix products in full float32 (TF32 off);
 - ``tf32``: the same weights, float32 products on the tensor cores as TF32;
 - ``vision-bf16``: the vision tower and projector in bfloat16 as well
-  (``Pi0.float32_vision = False``).
+  (``Pi0.float32_vision = False``, the default since this measured it);
+- ``grouped-attention``: that, and the prefix's and expert's attention as one
+  fused call (``Pi0.grouped_attention``, off by default since this measured it).
 
     python bench/lerobot_kernels.py --family pi05 --workdir /tmp/ck --compile   # on the GPU
 """
@@ -32,7 +34,7 @@ from typing import Any
 
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
-VARIANTS = ("lerobot", "tf32", "vision-bf16")
+VARIANTS = ("lerobot", "tf32", "vision-bf16", "grouped-attention")
 
 
 def device_ms(fn: Callable[[], Any], reps: int) -> float:
@@ -154,7 +156,8 @@ def main() -> int:
     for variant in args.variants.split(","):
         policy = None
         torch.cuda.empty_cache()
-        Pi0.float32_vision = variant != "vision-bf16"
+        Pi0.float32_vision = variant in ("lerobot", "tf32")
+        Pi0.grouped_attention = variant == "grouped-attention"
         policy = LeRobotPolicy.load(str(root), device=device, dtype=torch.bfloat16)
         torch.backends.cuda.matmul.allow_tf32 = variant != "lerobot"
         for b in batches:
