@@ -54,6 +54,9 @@ class LeRobotFamily:
 
     has_unconditional: bool  # trained with a null condition: cfgp=2 and a guidance other than 1.0 can run
     summary: str
+    #: config.json keys naming other hub repositories the policy loads (the fetch Job downloads each,
+    #: runtime/checkpoint/references.py; loading resolves each offline, runtime/policy/lerobot/loading.py)
+    references: tuple[str, ...] = ()
 
 
 #: The LeRobot family registry: a type served here has a row, and its split is runtime/policy/lerobot/families.py's
@@ -65,7 +68,11 @@ LEROBOT_FAMILIES: Final[Mapping[str, LeRobotFamily]] = MappingProxyType(
         "pi0": LeRobotFamily(False, "pi0"),
         "pi05": LeRobotFamily(False, "pi0.5"),
         "diffusion": LeRobotFamily(False, "Diffusion Policy"),
-        "lingbot_va": LeRobotFamily(True, "LingBot-VA (video guided by its empty prompt)"),
+        "lingbot_va": LeRobotFamily(
+            True,
+            "LingBot-VA (video guided by its empty prompt)",
+            ("wan_pretrained_path",),  # VAE, UMT5, tokenizer
+        ),
         "xvla": LeRobotFamily(False, "X-VLA"),
         "groot": LeRobotFamily(False, "GR00T N1.7 (served without remote code)"),
     }

@@ -239,3 +239,19 @@ def test_a_checkpoint_without_a_manifest_verifies_against_the_fetch_marker(polic
     assert verify().returncode == CheckpointExit.INVALID  # without the marker nothing vouches for the files
     (dest / request_key(str(ckpt)) / "model.safetensors").write_bytes(b"truncated")
     assert verify("--require-marker").returncode == CheckpointExit.INVALID
+
+
+def test_a_familys_own_reference_keys_are_fetched(tmp_path: Path) -> None:
+    """LingBot-VA names its VAE, text encoder and tokenizer repository in ``wan_pretrained_path``: the fetch finds
+    it as it finds a VLM, or the pod could not load the published checkpoint offline."""
+    from policy_operator.runtime.checkpoint.references import find_references
+
+    root = tmp_path / "lingbot"
+    root.mkdir()
+    (root / "config.json").write_text(
+        json.dumps({"type": "lingbot_va", "wan_pretrained_path": "robbyant/lingbot-va-base"})
+    )
+    assert [(r.repo_id, r.key) for r in find_references(root)] == [("robbyant/lingbot-va-base", "wan_pretrained_path")]
+    (root / "wan").mkdir()  # bundled, as `checkpoint init --lerobot lingbot_va` writes it: nothing to fetch
+    (root / "config.json").write_text(json.dumps({"type": "lingbot_va", "wan_pretrained_path": "wan"}))
+    assert find_references(root) == []

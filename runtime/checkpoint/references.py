@@ -30,13 +30,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from policy_operator.builtin_policies import LEROBOT_FAMILIES
 from policy_operator.constants import HUB_VIEW_DIR
 from policy_operator.runtime.checkpoint.errors import FetchError, UsageError
 from policy_operator.runtime.checkpoint.marker import fsync_path, read_marker
 from policy_operator.source_uri import HF_SCHEME, request_key
 
 # keys whose string value LeRobot (or transformers under it) hands to from_pretrained
-REFERENCE_KEYS = ("vlm_model_name", "tokenizer_name", "processor_name")
+#: The keys naming another hub repository: LeRobot's VLM and processor-step names, and each served family's own
+REFERENCE_KEYS = (
+    "vlm_model_name",
+    "tokenizer_name",
+    "processor_name",
+    *sorted({key for family in LEROBOT_FAMILIES.values() for key in family.references}),
+)
 DEFAULT_REF = "main"  # what from_pretrained("ORG/REPO") asks for without a revision
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _MAX_JSON_BYTES = 16 << 20

@@ -65,6 +65,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from policy_operator.builtin_policies import LEROBOT_FAMILIES
 from policy_operator.runtime.policy.interface import Branch, Context, Integrator
 from policy_operator.runtime.policy.lerobot.families import Family
 from policy_operator.runtime.policy.session_state import SESSION_ACTIONS, SESSION_TAG
@@ -148,7 +149,7 @@ class TwoStage(Integrator):
 
 class LingBotVA(Family):
     has_unconditional = True
-    references = ("wan_pretrained_path",)
+    references = LEROBOT_FAMILIES["lingbot_va"].references
     compile_prefix = False  # condition runs the streaming VAE (a Python list of cached features) row by row
     #: The map from the actions a robot received back to LeRobot's model space, made from the checkpoint's saved
     #: statistics when its pipelines load (``pipelines_loaded``) and taken by the family built right after.
