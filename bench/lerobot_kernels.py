@@ -15,8 +15,8 @@ rest.  Variants:
 - ``tf32``: the same weights, float32 products on the tensor cores as TF32;
 - ``vision-bf16``: the vision tower and projector in bfloat16 as well
   (``Pi0.float32_vision = False``, the default since this measured it);
-- ``grouped-attention``: that, and the prefix's and expert's attention as one
-  fused call (``Pi0.grouped_attention``, off by default since this measured it).
+- ``grouped-attention``: that, and the prefix's and expert's attention as eager's
+  products without the copies of the shared key/value head (``Pi0.grouped_attention``, off by default).
 
     python bench/lerobot_kernels.py --family pi05 --workdir /tmp/ck --compile   # on the GPU
 """

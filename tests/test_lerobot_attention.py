@@ -1,6 +1,6 @@
-"""pi0/pi0.5's grouped attention (runtime/policy/lerobot/attention.py): transformers' eager function, fused.
+"""pi0/pi0.5's grouped attention (runtime/policy/lerobot/attention.py): transformers' eager math, no copies.
 
-In float32 the fused call answers what LeRobot's ``eager`` attention answers
+In float32 it answers what LeRobot's ``eager`` attention answers
 (repeated key/value heads, additive mask, float32 softmax) for any grouping;
 a bfloat16 policy with ``Pi0.grouped_attention`` (off by default: slower on an
 H100, docs/benchmarks.md) routes every Gemma attention module of the prefix and the

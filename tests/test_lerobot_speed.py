@@ -27,7 +27,7 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from policy_operator.runtime.policy.interface import collate  # noqa: E402
+from policy_operator.runtime.policy.interface import Branch, collate, context_map  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import sample_actions  # noqa: E402
@@ -105,6 +105,40 @@ def test_the_prefix_traces_as_one_graph_with_no_host_sync(checkpoint: tuple[str,
     batch = policy._staging.finish(dict(sample.tensors)) if policy._staging is not None else dict(sample.tensors)  # noqa: SLF001
     with torch.inference_mode():
         explained = torch._dynamo.explain(policy.family.condition)(batch)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]
+
+
+def flatten(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    items = tree.values() if isinstance(tree, dict) else tree
+    return [leaf for item in items for leaf in flatten(item)]
+
+
+def test_a_step_traces_as_one_graph_and_leaves_its_context_as_it_was(checkpoint: tuple[str, Path]) -> None:
+    """What ``--compile`` captures per bucket for the step loop: one graph; and a step reads the prefix cache
+    without writing it (pi0/pi0.5 skip LeRobot's clone of the cache), so the next step sees the same context,
+    and answers exactly what LeRobot's own ``denoise_step`` answers."""
+    family, root = checkpoint
+    policy = LeRobotPolicy.load(str(root), device=CPU)
+    sample = policy.stack_history([policy.prepare(policy.example_observation(0))] * policy.history)
+    with torch.inference_mode():
+        context = policy.condition(sample, Branch.COND)
+        before = context_map(torch.clone, context)
+        x = policy.init_noise(0)
+        t = policy.integrator().time(0, 1, x.device)
+        step = policy.family.denoise(context, x, t)
+        for was, now in zip(flatten(before), flatten(context), strict=True):
+            assert torch.equal(was, now)
+        if family in ("pi0", "pi05"):
+            from policy_operator.runtime.policy.lerobot.families import kv_cache
+
+            kwargs = {"state": context["state"]} if family == "pi0" else {}
+            lerobot = policy.loaded.policy.model.denoise_step(
+                prefix_pad_masks=context["pad"], past_key_values=kv_cache(context["kv"]), x_t=x, timestep=t, **kwargs
+            )
+            assert torch.equal(step, lerobot)
+        explained = torch._dynamo.explain(policy.family.denoise)(context, x, t)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]
 
 

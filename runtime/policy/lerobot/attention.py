@@ -1,20 +1,22 @@
-"""pi0/pi0.5's attention in reduced precision: one fused kernel, the shared key/value head never copied per head.
+"""pi0/pi0.5's attention without the per-head copies of the shared key/value head: eager's math, fewer kernels.
 
 LeRobot runs PaliGemma's prefix and the action expert with transformers'
 ``eager`` attention: ``repeat_kv`` copies the one key/value head of Gemma's
 multi-query attention to all eight query heads, then a matrix product, the
-mask added, a float32 softmax and another product.  On an H100 the copies
-alone took 2.1 ms of each denoising step's 3.4 ms at batch 8
-(bench/results/lerobot-kernels-h100.md).  ``grouped_attention`` computes the
-same function with one ``scaled_dot_product_attention`` call: each key/value
-head's query heads become more query rows against that one head (a reshape
-of the queries, no copy of the keys), the additive mask broadcast over them.
-Its softmax accumulates in float32 inside the kernel rather than over
-bfloat16 scores, so it serves reduced precision only (``use_grouped_attention``
-is called for ``--dtype bfloat16``); float32 keeps LeRobot's eager path and its
-1e-5 equality.  LeRobot sets ``_attn_implementation = "eager"`` on the model's
-config at every call; each attention module gets its own copy of that config
-naming this function, which those assignments do not reach.
+mask added, a float32 softmax and another product.  ``grouped_attention``
+makes the same products over the same numbers without the copies: each
+key/value head's query heads become more query rows against that one head
+(a reshape of the queries), the mask broadcast over them, the softmax as
+eager's.  A first version called ``scaled_dot_product_attention`` on those
+rows instead; on an H100 it made pi0.5's ten steps slower at batch 1 (one
+key/value head left the fused kernel 7 blocks of work for 132 SMs; 19.4 ->
+28.2 ms) and no faster at batch 8.  This one keeps the products as matrix
+multiplications with 8x the rows; it is not measured on a GPU yet, so it is
+off by default (``Pi0.grouped_attention``; bench/lerobot_kernels.py's
+``grouped-attention`` variant measures it).  LeRobot sets
+``_attn_implementation = "eager"`` on the model's config at every call; each
+attention module gets its own copy of that config naming this function, which
+those assignments do not reach.
 """
 
 from __future__ import annotations
@@ -35,22 +37,25 @@ def grouped_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
+    scaling: float = 1.0,
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: ``query`` [B, H, L, D], ``key``/``value`` [B, Hkv, S, D], an
-    additive ``attention_mask`` [B, 1 or H, L, >= S]; answers [B, L, H, D] as ``eager_attention_forward`` does."""
+    additive ``attention_mask`` [B, 1 or H, L, >= S]; answers [B, L, H, D] as ``eager_attention_forward`` does
+    (inference: ``dropout`` is not applied)."""
     batch, heads, length, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
     rows = query.reshape(batch, kv_heads, group * length, dim)
-    mask = None
+    scores = (torch.matmul(rows, key.transpose(2, 3)) * scaling).view(batch, kv_heads, group, length, keys)
     if attention_mask is not None:
-        mask = attention_mask[:, :, :, :keys].to(query.dtype)
-        mask = mask.expand(batch, heads, length, keys).reshape(batch, kv_heads, group * length, keys)
-    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+        mask = attention_mask[:, :, :, :keys]
+        mask = mask[:, :, None] if mask.shape[1] == 1 else mask.view(batch, kv_heads, group, length, keys)
+        scores = scores + mask
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(weights.view(batch, kv_heads, group * length, keys), value)
+    return out.view(batch, heads, length, dim).transpose(1, 2).contiguous(), None
 
 
 def use_grouped_attention(models: Iterable[torch.nn.Module]) -> int:

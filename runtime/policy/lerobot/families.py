@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from policy_operator.builtin_policies import LEROBOT_FAMILIES
 from policy_operator.runtime.policy.interface import Context, EulerFlow, Integrator
@@ -72,9 +73,11 @@ def kv_tree(cache: Any) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
 
 
 def kv_cache(tree: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> Any:
-    """A ``DynamicCache`` holding ``tree``'s tensors themselves (its own ``update`` would copy each of them)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    """A ``DynamicCache`` holding ``tree``'s tensors themselves (its own ``update`` would copy each of them).
 
+    Its ``update`` concatenates a step's keys into new tensors and rebinds its own layer to them, never
+    writing into ``tree``'s: a cache built per step leaves the context as the next step needs it, without the
+    clone of every layer LeRobot's ``denoise_step`` makes first."""
     cache = DynamicCache()
     layers: list[Any] = []
     for keys, values in tree:
@@ -285,10 +288,9 @@ class Pi0(_Flow):
     #: pi0.5 on an H100, compiled prefix: 25.5 -> 11.6 ms at batch 1, 135 -> 52 ms at batch 8 (the float32 tower
     #: was 40 % of it even on TF32); tiny pi0.5 bf16 against LeRobot fp32: 1.4e-3 of the action scale either way
     float32_vision = False
-    #: In reduced precision, the prefix's and the expert's attention as one fused kernel with no copy of the
-    #: shared key/value head per query head (attention.py).  Off: on an H100 it made the 10 steps slower at
-    #: batch 1 (19.4 -> 28.2 ms: one key/value head leaves the kernel 7 blocks of work for 132 SMs) and no
-    #: faster at batch 8 (33.5 -> 35.8 ms); bench/lerobot_kernels.py's ``grouped-attention`` variant measures it
+    #: In reduced precision, the prefix's and the expert's attention without the copies of the shared
+    #: key/value head per query head (attention.py).  Off until measured on a GPU: its first version (one
+    #: fused SDPA call) slowed pi0.5's 10 steps at batch 1 on an H100 (19.4 -> 28.2 ms)
     grouped_attention = False
 
     def cast(self, dtype: torch.dtype) -> None:
@@ -328,14 +330,36 @@ class Pi0(_Flow):
         context["state"] = self.policy.prepare_state(batch)
         return context
 
+    def _suffix(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(self.policy.model.embed_suffix(context["state"], x, t))
+
     def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.policy.model.denoise_step(
-            state=context["state"],
-            prefix_pad_masks=context["pad"],
+        """LeRobot's ``denoise_step`` line for line, less its clone of the whole prefix cache (``kv_cache`` builds a
+        fresh cache over the context's tensors each step): the same values, four fewer copies per layer per
+        step (the clone, and the cache rebuilt from it through ``update``)."""
+        from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
+
+        model = self.policy.model
+        suffix_embs, suffix_pad_masks, suffix_att_masks, adarms_cond = self._suffix(context, x, t)
+        prefix_pad_masks = context["pad"]
+        suffix_len = suffix_pad_masks.shape[1]
+        batch_size, prefix_len = prefix_pad_masks.shape
+        prefix_pad_2d_masks = prefix_pad_masks[:, None, :].expand(batch_size, suffix_len, prefix_len)
+        suffix_att_2d_masks = make_att_2d_masks(suffix_pad_masks, suffix_att_masks)
+        full_att_2d_masks = torch.cat([prefix_pad_2d_masks, suffix_att_2d_masks], dim=2)
+        prefix_offsets = torch.sum(prefix_pad_masks, dim=-1)[:, None]
+        position_ids = prefix_offsets + torch.cumsum(suffix_pad_masks, dim=1) - 1
+        model.paligemma_with_expert.gemma_expert.model.config._attn_implementation = "eager"
+        outputs_embeds, _ = model.paligemma_with_expert.forward(
+            attention_mask=prepare_attention_masks_4d(full_att_2d_masks),
+            position_ids=position_ids,
             past_key_values=kv_cache(context["kv"]),
-            x_t=x,
-            timestep=t,
+            inputs_embeds=[None, suffix_embs],
+            use_cache=False,
+            adarms_cond=[None, adarms_cond],
         )
+        suffix_out = outputs_embeds[1][:, -self.config.chunk_size :]
+        return model.action_out_proj(suffix_out.to(dtype=torch.float32))
 
 
 class Pi05(Pi0):
@@ -345,10 +369,8 @@ class Pi05(Pi0):
         images, img_masks = self.policy._preprocess_images(batch)
         return self._prefix(images, img_masks, batch[TOKENS_KEY], batch[TOKEN_MASK_KEY])
 
-    def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.policy.model.denoise_step(
-            prefix_pad_masks=context["pad"], past_key_values=kv_cache(context["kv"]), x_t=x, timestep=t
-        )
+    def _suffix(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(self.policy.model.embed_suffix(x, t))
 
 
 class Diffusion(Family):
