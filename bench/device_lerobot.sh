@@ -30,3 +30,9 @@ kernels)  # where the prefix and a step spend the GPU per variant, then as serve
         --compile-prefix --workdir /tmp/ck --out "$OUT/kernels-smolvla.md"
     ;;
 esac
+case "${1:-pi05}" in
+next)  # the levers built after the last call, against their baselines in the same call (pi0.5, as served)
+    stage "next-pi05" 10 python3 "$REPO/bench/lerobot_kernels.py" --family pi05 --compile \
+        --variants lerobot-step,vision-bf16,grouped-attention --workdir /tmp/ck --out "$OUT/next-pi05.md"
+    ;;
+esac

@@ -6,7 +6,8 @@ bench/lerobot_vs_server.py writes it), ``--policy lerobot``'s own
 (cameras staged, vision tower, VLM prefix: ``condition``) and one denoising
 step, median device time over ``--reps`` (CUDA events), eager and -- with
 ``--compile`` -- as served (``--compile reduce-overhead``, one graph per
-bucket, its compile time); then, eager, the profiler's heaviest kernels of
+bucket, its compile time, and one request's kernel time against the span
+from its first kernel to its last, with its trace); then, eager, the profiler's heaviest kernels of
 one prefix and one step and the share of matrix products, attention and the
 rest.  Variants:
 
@@ -15,7 +16,9 @@ rest.  Variants:
 - ``tf32``: the same weights, float32 products on the tensor cores as TF32;
 - ``vision-bf16``: the vision tower and projector in bfloat16 as well
   (``Pi0.float32_vision = False``, the default since this measured it);
-- ``grouped-attention``: that, and the prefix's and expert's attention as eager's
+- ``lerobot-step``: that, with LeRobot's own ``denoise_step`` (the prefix cache
+  cloned every step; ``Pi0.lerobot_step``) instead of the family's;
+- ``grouped-attention``: ``vision-bf16``, and the prefix's and expert's attention as eager's
   products without the copies of the shared key/value head (``Pi0.grouped_attention``, off by default).
 
     python bench/lerobot_kernels.py --family pi05 --workdir /tmp/ck --compile   # on the GPU
@@ -34,7 +37,7 @@ from typing import Any
 
 from report import publish  # bench/ is sys.path[0] when a benchmark runs as a script
 
-VARIANTS = ("lerobot", "tf32", "vision-bf16", "grouped-attention")
+VARIANTS = ("lerobot", "tf32", "vision-bf16", "lerobot-step", "grouped-attention")
 
 
 def device_ms(fn: Callable[[], Any], reps: int) -> float:
@@ -81,6 +84,26 @@ def kernels(fn: Callable[[], Any], top: int) -> tuple[list[tuple[str, float]], d
     return per.most_common(top), dict(kinds), sum(per.values())
 
 
+def timeline(fn: Callable[[], Any], out: str, batch: int) -> tuple[float, float]:
+    """One served request's kernels: their summed time and the span from the first one's start to the last one's
+    end (ms; the difference is the device idle between them: launches the host did not queue in time), with
+    its trace beside ``out`` (chrome://tracing, Perfetto)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(Path(out).with_suffix(f".b{batch}.{time.monotonic_ns()}.trace.json")))
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    if not kernels:
+        return 0.0, 0.0
+    busy = sum(e.device_time_total for e in kernels) / 1e3
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3
+    return busy, span
+
+
 def split(kinds: dict[str, float]) -> str:
     main = ("matmul", "attention/softmax")
     rest = sum(v for k, v in kinds.items() if k not in main)
@@ -109,6 +132,55 @@ def measure(policy: Any, b: int, reps: int, top: int) -> tuple[str, list[str]]:
     return f"{prefix_ms:.2f} | {step_ms:.2f} | {split(pkinds)} | {split(skinds)}", listed
 
 
+def served(
+    policy: Any, args: argparse.Namespace, variant: str, batches: list[int], out: str, lines: list[str]
+) -> list[str]:
+    """``variant`` compiled as served (``--compile reduce-overhead``): per bucket, the compile and capture time,
+    the prefix, the 10 steps, and one request's kernel time against its span; ``lines`` so far are saved with
+    each row, so a stage cut short by its bound leaves them."""
+    import torch
+    import torch._dynamo
+
+    from policy_operator.runtime.policy.interface import Branch, collate
+    from policy_operator.runtime.policy.lerobot.families import family_class
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    if args.compile_prefix:
+        family_class(args.family).compile_prefix = True
+    policy.compile("reduce-overhead")
+    integ = policy.integrator()
+    rows = [
+        "",
+        f"{variant} as served (`--compile reduce-overhead`):",
+        "",
+        "| batch | compile + capture s | prefix ms | 10 steps ms | one request: kernels busy / first to last kernel ms |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for b in batches:
+        batch = collate([policy.prepare(policy.example_observation(i)) for i in range(b)])
+        x0 = torch.cat([policy.init_noise(100 + i) for i in range(b)])
+
+        def steps(context: Any, x: Any = x0, b: int = b) -> Any:
+            for i in range(integ.steps):
+                x = integ.step(x, policy.denoise_step(context, x, integ.time(i, b, policy.device)), i)
+            return x
+
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(3):
+                steps(policy.condition(batch, Branch.COND))
+            torch.cuda.synchronize()
+            warm = time.perf_counter() - t0
+            context = policy.condition(batch, Branch.COND)
+            prefix_ms = device_ms(lambda batch=batch: policy.condition(batch, Branch.COND), args.reps)
+            steps_ms = device_ms(lambda c=context: steps(c), args.reps)
+            busy, span = timeline(lambda batch=batch: steps(policy.condition(batch, Branch.COND)), out, b)
+        rows.append(f"| {b} | {warm:.1f} | {prefix_ms:.2f} | {steps_ms:.2f} | {busy:.2f} / {span:.2f} |")
+        print(rows[-1], flush=True)
+        Path(out).write_text("\n".join(lines + rows) + "\n")
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", default="pi05", choices=["pi05", "pi0", "smolvla"])
@@ -117,16 +189,16 @@ def main() -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--top", type=int, default=8)
-    p.add_argument("--compile", action="store_true", help="also time the last variant as served (reduce-overhead)")
+    p.add_argument("--compile", action="store_true", help="also time each variant as served (reduce-overhead)")
     p.add_argument("--compile-prefix", action="store_true", help="compile the prefix too where the family does not")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
     import torch
+    import torch._dynamo
 
-    from policy_operator.runtime.policy.interface import Branch, collate
     from policy_operator.runtime.policy.lerobot import LeRobotPolicy
-    from policy_operator.runtime.policy.lerobot.families import Pi0, family_class
+    from policy_operator.runtime.policy.lerobot.families import Pi0
     from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint
 
     device = torch.device("cuda")
@@ -152,12 +224,15 @@ def main() -> int:
         "|---|---:|---:|---:|---|---|",
     ]
     tops: list[str] = []
+    compiled: list[str] = []
     policy: Any = None
     for variant in args.variants.split(","):
         policy = None
+        torch._dynamo.reset()  # the last variant's graphs hold its model
         torch.cuda.empty_cache()
         Pi0.float32_vision = variant in ("lerobot", "tf32")
         Pi0.grouped_attention = variant == "grouped-attention"
+        Pi0.lerobot_step = variant == "lerobot-step"
         policy = LeRobotPolicy.load(str(root), device=device, dtype=torch.bfloat16)
         torch.backends.cuda.matmul.allow_tf32 = variant != "lerobot"
         for b in batches:
@@ -167,38 +242,9 @@ def main() -> int:
             Path(out).write_text("\n".join(lines) + "\n")  # what a stage cut short by its bound leaves
             tops.append(f"\n{variant}, batch {b}, the prefix's and then one step's heaviest kernels (ms):")
             tops += top
-    if args.compile and policy is not None:
-        import torch._dynamo
-
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-        if args.compile_prefix:
-            family_class(args.family).compile_prefix = True
-        policy.compile("reduce-overhead")
-        integ = policy.integrator()
-        lines += ["", "As served (`--compile reduce-overhead`, the last variant):", ""]
-        lines += ["| batch | compile + capture s | prefix ms | 10 steps ms |", "|---:|---:|---:|---:|"]
-        for b in batches:
-            batch = collate([policy.prepare(policy.example_observation(i)) for i in range(b)])
-            x0 = torch.cat([policy.init_noise(100 + i) for i in range(b)])
-
-            def steps(context: Any, x: Any = x0, b: int = b) -> Any:
-                for i in range(integ.steps):
-                    x = integ.step(x, policy.denoise_step(context, x, integ.time(i, b, device)), i)
-                return x
-
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                for _ in range(3):
-                    steps(policy.condition(batch, Branch.COND))
-                torch.cuda.synchronize()
-                warm = time.perf_counter() - t0
-                context = policy.condition(batch, Branch.COND)
-                prefix_ms = device_ms(lambda batch=batch: policy.condition(batch, Branch.COND), args.reps)
-                steps_ms = device_ms(lambda c=context: steps(c), args.reps)
-            lines.append(f"| {b} | {warm:.1f} | {prefix_ms:.2f} | {steps_ms:.2f} |")
-            print(lines[-1], flush=True)
-            Path(out).write_text("\n".join(lines) + "\n")
-    lines += tops
+        if args.compile:
+            compiled += served(policy, args, variant, batches, out, lines + compiled)
+    lines += compiled + tops
     lines += ["", f"Reproduce: `python bench/lerobot_kernels.py {' '.join(sys.argv[1:])}`"]
     publish(lines, out)
     return 0

@@ -333,6 +333,10 @@ class Pi0(_Flow):
     def _suffix(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> tuple[Any, ...]:
         return tuple(self.policy.model.embed_suffix(context["state"], x, t))
 
+    #: True: LeRobot's own ``denoise_step`` (cloning the prefix cache every step), the baseline
+    #: bench/lerobot_kernels.py's ``lerobot-step`` variant measures ``denoise`` against
+    lerobot_step = False
+
     def denoise(self, context: Context, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """LeRobot's ``denoise_step`` line for line, less its clone of the whole prefix cache (``kv_cache`` builds a
         fresh cache over the context's tensors each step): the same values, four fewer copies per layer per
@@ -340,6 +344,11 @@ class Pi0(_Flow):
         from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
 
         model = self.policy.model
+        if self.lerobot_step:
+            state = {"state": context["state"]} if "state" in context else {}
+            return model.denoise_step(
+                prefix_pad_masks=context["pad"], past_key_values=kv_cache(context["kv"]), x_t=x, timestep=t, **state
+            )
         suffix_embs, suffix_pad_masks, suffix_att_masks, adarms_cond = self._suffix(context, x, t)
         prefix_pad_masks = context["pad"]
         suffix_len = suffix_pad_masks.shape[1]
