@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import pickle
 import platform
+import queue
 import sys
 import tempfile
 import threading
@@ -80,10 +81,22 @@ def batches(port: int) -> tuple[float, float]:
     return count, total
 
 
-class Client:
-    """One robot: LeRobot's stub on its own connection, as RobotClient drives it."""
+PATTERNS = {
+    # RobotClient's own: its receive_actions thread keeps a GetActions pending; the control loop sends observations
+    "robot-client": "gRPC (LeRobot), GetActions pending",
+    # one RPC after the other on one thread: SendObservations, then GetActions
+    "sequential": "gRPC (LeRobot), one RPC after the other",
+}
 
-    def __init__(self, address: str, features: dict[str, Any], raw: dict[str, Any], chunk: int) -> None:
+
+class Client:
+    """One robot: LeRobot's stub on its own connection, as RobotClient drives it.  ``pattern`` ``robot-client``:
+    a thread keeps a GetActions pending, as RobotClient's ``receive_actions`` thread does, while the caller sends
+    the observations (RobotClient's control loop); ``sequential``: SendObservations then GetActions, one thread."""
+
+    def __init__(
+        self, address: str, features: dict[str, Any], raw: dict[str, Any], chunk: int, pattern: str = "robot-client"
+    ) -> None:
         import grpc
         from lerobot.async_inference.helpers import RemotePolicyConfig
         from lerobot.transport import services_pb2, services_pb2_grpc
@@ -98,6 +111,27 @@ class Client:
         self.stub.SendPolicyInstructions(services_pb2.PolicySetup(data=pickle.dumps(config)))
         self.raw = raw
         self.latencies: list[float] = []
+        self.running = True
+        self.answers: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.receiver: threading.Thread | None = None
+        if pattern == "robot-client":
+            self.receiver = threading.Thread(target=self._receive, name="receive_actions", daemon=True)
+            self.receiver.start()
+
+    def _receive(self) -> None:
+        """RobotClient's ``receive_actions``: GetActions again and again; an empty answer (no observation within
+        the server's wait) is skipped, a chunk goes to ``answers``."""
+        import grpc
+
+        while self.running:
+            try:
+                reply = self.stub.GetActions(self.pb.Empty(), timeout=120)
+            except grpc.RpcError as exc:
+                if self.running:
+                    self.answers.put(exc)
+                return
+            if reply.data:
+                self.answers.put(pickle.loads(reply.data))
 
     def one(self, step: int) -> None:
         from lerobot.async_inference.helpers import TimedObservation
@@ -106,19 +140,38 @@ class Client:
         started = time.perf_counter()
         obs = TimedObservation(timestamp=time.time(), timestep=step, observation=self.raw, must_go=True)
         self.stub.SendObservations(send_bytes_in_chunks(pickle.dumps(obs), self.pb.Observation))
-        reply = self.stub.GetActions(self.pb.Empty(), timeout=120)
-        if not reply.data or not pickle.loads(reply.data):
-            raise RuntimeError("GetActions answered empty")
+        if self.receiver is None:
+            reply = self.stub.GetActions(self.pb.Empty(), timeout=120)
+            if not reply.data or not pickle.loads(reply.data):
+                raise RuntimeError("GetActions answered empty")
+        else:
+            while True:  # this observation's chunk (it starts at its timestep)
+                answer = self.answers.get(timeout=120)
+                if isinstance(answer, Exception):
+                    raise answer
+                if answer and answer[0].get_timestep() == step:
+                    break
         self.latencies.append(time.perf_counter() - started)
+
+    def close(self) -> None:
+        self.running = False
+        self.channel.close()  # ends the pending GetActions
 
 
 def _robot_process(
-    address: str, seconds: float, features: dict[str, Any], raw: dict[str, Any], chunk: int, barrier: Any, out: Any
+    address: str,
+    seconds: float,
+    features: dict[str, Any],
+    raw: dict[str, Any],
+    chunk: int,
+    pattern: str,
+    barrier: Any,
+    out: Any,
 ) -> None:
     """One robot_client in a process of its own (as LeRobot runs one per robot): connect, one warm-up request, wait
     for the others, then a closed loop for ``seconds``; its latencies and CPU seconds go back through ``out``."""
     try:
-        robot = Client(address, features, raw, chunk)
+        robot = Client(address, features, raw, chunk, pattern)
         robot.one(0)
         robot.latencies.clear()
         barrier.wait(timeout=300)
@@ -129,7 +182,7 @@ def _robot_process(
             robot.one(step)
             step += 1
         cpu = time.process_time() - cpu
-        robot.channel.close()
+        robot.close()
         out.put((robot.latencies, cpu))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         out.put(repr(exc))
@@ -159,13 +212,14 @@ def run(
     raw: dict[str, Any],
     chunk: int,
     watch: Watch,
+    pattern: str = "robot-client",
 ) -> dict[str, float]:
     """``clients`` robot_clients at once, each in its own process (threads of one process would share its GIL, and
     the clients' pickling would bound the rate, not the server); ``watch`` starts at their common start."""
     ctx = multiprocessing.get_context("spawn")
     barrier, out = ctx.Barrier(clients + 1), ctx.Queue()
     procs = [
-        ctx.Process(target=_robot_process, args=(address, seconds, features, raw, chunk, barrier, out))
+        ctx.Process(target=_robot_process, args=(address, seconds, features, raw, chunk, pattern, barrier, out))
         for _ in range(clients)
     ]
     for proc in procs:
@@ -260,6 +314,12 @@ def main() -> int:
     p.add_argument("--device", default="cpu", help="the server's device: cpu, or cuda on a GPU host")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--serve-args", default="--threads 1", help="more serve flags, e.g. '--dtype bfloat16 --compile'")
+    p.add_argument(
+        "--pattern",
+        default="robot-client",
+        help="comma-separated: robot-client (a GetActions always pending, as RobotClient's receive thread keeps one) "
+        "and/or sequential (SendObservations then GetActions on one thread)",
+    )
     p.add_argument("--websocket", action="store_true", help="also the same client counts over the WebSocket port")
     p.add_argument(
         "--tree",
@@ -297,7 +357,8 @@ def main() -> int:
     raw["task"] = "pick up the cube"
 
     counts = [int(c) for c in args.clients.split(",")]
-    protocols = ("gRPC (LeRobot)", "WebSocket (openpi)") if args.websocket else ("gRPC (LeRobot)",)
+    patterns = {PATTERNS[name]: name for name in args.pattern.split(",")}
+    protocols = [*patterns, *(["WebSocket (openpi)"] if args.websocket else [])]
     rows: list[tuple[int, str, str, int, dict[str, float]]] = []
     started_load = os.getloadavg()[0]
     for round_ in range(args.rounds):
@@ -309,8 +370,9 @@ def main() -> int:
                 watch = Watch(srv.proc.pid, srv.port)
                 for n in counts:
                     for protocol in protocols:
-                        if protocol.startswith("gRPC"):
-                            result = run(f"127.0.0.1:{grpc_port}", n, args.seconds, features, raw, chunk, watch)
+                        if protocol in patterns:
+                            address = f"127.0.0.1:{grpc_port}"
+                            result = run(address, n, args.seconds, features, raw, chunk, watch, patterns[protocol])
                         else:
                             result = run_websocket(f"ws://127.0.0.1:{srv.port}", n, args.seconds, watch)
                         result["load"] = os.getloadavg()[0]
@@ -332,7 +394,9 @@ def report(
         f"Machine: {host}; device {args.device}; checkpoint "
         f"{'a tiny SmolVLA written offline' if not args.checkpoint else args.checkpoint}; --max-batch {args.max_batch} "
         f"{args.serve_args}; {args.seconds:g} s per row; each client a process of its own with its own gRPC "
-        "connection, one observation (must_go) then GetActions per request, as RobotClient sends them. LeRobot's own "
+        "connection; a request is one observation (must_go) answered with its chunk: either with a GetActions kept "
+        "pending by a thread of its own, as RobotClient's receive_actions thread keeps one, or SendObservations then "
+        "GetActions one after the other. LeRobot's own "
         "policy_server serves one client at a time (every Ready resets it). Server CPU: the server's process group, "
         "per request; client CPU: the clients' own processes (the WebSocket clients: threads of the bench's). "
         f"Load average (1 min) {started_load:.2f} at the start, at each row's end in its column.",
