@@ -681,8 +681,8 @@ class BatchingSpec(KubeModel):
     max_batch: int = Field(DEFAULT_MAX_BATCH, ge=1, le=MAX_MAX_BATCH)
     """Most requests one replica runs as one batch. 1 runs one request at a time (the behaviour before batching).
     With --compile in extraArgs (e.g. --compile=reduce-overhead: CUDA graphs) a batch is padded to a bucket (1, 2,
-    4, ... and maxBatch itself) and every bucket is compiled at warm-up: a larger value means a longer warm-up
-    (see startupTimeoutSeconds) and more GPU memory."""
+    4, ... and maxBatch itself, or the sizes --batch-buckets in extraArgs names) and every bucket is compiled at
+    warm-up: a larger value means a longer warm-up (see startupTimeoutSeconds) and more GPU memory."""
     window_ms: float = Field(DEFAULT_BATCH_WINDOW_MS, ge=0, le=MAX_BATCH_WINDOW_MS)
     """Milliseconds a batch with room waits for the next request expected soon (sessions that sent within the
     last second and have none queued: robots between reply and next request), counted from the latest request
