@@ -481,8 +481,8 @@ def test_a_postprocessor_it_cannot_invert_keeps_cfgp2_to_first_chunks(
     saved = json.loads((lingbot_dir / "policy_postprocessor.json").read_text())
     saved["steps"][0]["state_file"] = "../elsewhere.safetensors"
     (tmp_path / "policy_postprocessor.json").write_text(json.dumps(saved))
-    LingBotVA.pipelines_loaded(lingbot.loaded.preprocessor, tmp_path)
     family = LingBotVA(lingbot.loaded.policy)
+    family.attach(tmp_path)
     assert family.cfgp2_unsupported is not None and "cfgp=1 only" in family.cfgp2_unsupported
     policy = cast(LeRobotPolicy, SimpleNamespace(name="lerobot/lingbot_va", history=1, family=family))
     first, second = session_requests(lingbot, stream_observations(lingbot, 700))[:2]

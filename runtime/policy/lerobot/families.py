@@ -119,6 +119,10 @@ class Family(ABC):
         self.policy = policy
         self.config = policy.config
 
+    def attach(self, root: Path) -> None:  # noqa: B027 - optional: nothing by default
+        """Once built on the checkpoint at ``root``: what the family reads from its directory (LingBot-VA: its
+        saved action statistics, data only)."""
+
     @property
     def action_dim(self) -> int:
         return int(self.config.output_features["action"].shape[0])

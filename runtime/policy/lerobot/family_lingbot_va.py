@@ -61,7 +61,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -151,42 +151,6 @@ class LingBotVA(Family):
     has_unconditional = True
     references = LEROBOT_FAMILIES["lingbot_va"].references
     compile_prefix = False  # condition runs the streaming VAE (a Python list of cached features) row by row
-    #: The map from the actions a robot received back to LeRobot's model space, made from the checkpoint's saved
-    #: statistics when its pipelines load (``pipelines_loaded``) and taken by the family built right after.
-    _loaded_actions_back: ClassVar[Any] = None
-
-    @classmethod
-    def pipelines_loaded(cls, preprocessor: Any, root: Path) -> None:
-        """The inverse of the checkpoint's saved action unnormalizer (LingBot-VA's postprocessor: QUANTILES with
-        the statistics it saved), for cfgp=2's unconditional rank: the same step class built from the saved
-        postprocessor's config and statistics (data only, no code), run forward as policy.py's
-        ``actions_to_model`` runs it for real-time chunking."""
-        import json
-
-        from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
-        from lerobot.processor import UnnormalizerProcessorStep
-        from safetensors.torch import load_file
-
-        from policy_operator.runtime.checkpoint.trusted_steps import POSTPROCESSOR_JSON
-
-        cls._loaded_actions_back = None  # a postprocessor it cannot read: sessions continue with cfgp=1 only
-        try:
-            saved = json.loads((root / POSTPROCESSOR_JSON).read_text())
-            steps = [s for s in saved.get("steps", []) if s.get("registry_name") == "unnormalizer_processor"]
-            if len(steps) != 1 or Path(str(steps[0].get("state_file"))).name != steps[0].get("state_file"):
-                return  # none, several, or a state file outside the checkpoint's own directory
-            config = steps[0]["config"]
-            back = UnnormalizerProcessorStep(
-                features={
-                    k: PolicyFeature(FeatureType[v["type"]], tuple(v["shape"])) for k, v in config["features"].items()
-                },
-                norm_map={FeatureType[k]: NormalizationMode[v] for k, v in config["norm_map"].items()},
-                eps=float(config.get("eps", 1e-8)),
-            )
-            back.load_state_dict(load_file(str(root / steps[0]["state_file"])))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return
-        cls._loaded_actions_back = back
 
     def __init__(self, policy: Any) -> None:
         super().__init__(policy)
@@ -217,17 +181,46 @@ class LingBotVA(Family):
         self._two_stage = self._schedules()
         self.max_sessions = MAX_SESSIONS
         # cfgp=2's unconditional rank feeds back the actions its robot received (the ingress's SESSION_ACTIONS),
-        # mapped back through the checkpoint's own statistics
-        self._actions_back, type(self)._loaded_actions_back = type(self)._loaded_actions_back, None
-        self.cfgp2_unsupported = (
-            None
-            if self._actions_back is not None
-            else "this LingBot-VA checkpoint's postprocessor is not one action unnormalizer, so the answered actions "
+        # mapped back through the checkpoint's own statistics (``attach`` reads them)
+        self._actions_back: Any = None
+        self.cfgp2_unsupported: str | None = (
+            "this LingBot-VA checkpoint's postprocessor is not one action unnormalizer, so the answered actions "
             "cfgp=2's unconditional rank feeds back cannot be mapped back: it continues a session with cfgp=1 only"
         )
         self._sessions: OrderedDict[int, Stream] = OrderedDict()  # session key -> its stream, on this rank
         self._batch: list[Stream] = []  # the running batch's rows (``denoise`` and ``finish`` read them)
         self._pending = False  # ``condition`` made this batch's streams; ``unconditional`` takes them
+
+    def attach(self, root: Path) -> None:
+        """The inverse of the checkpoint's saved action unnormalizer (LingBot-VA's postprocessor: QUANTILES with
+        the statistics it saved), for cfgp=2's unconditional rank: the same step class built from the saved
+        postprocessor's config and statistics (data only, no code), run forward as policy.py's
+        ``actions_to_model`` runs it for real-time chunking."""
+        import json
+
+        from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
+        from lerobot.processor import UnnormalizerProcessorStep
+        from safetensors.torch import load_file
+
+        from policy_operator.runtime.checkpoint.trusted_steps import POSTPROCESSOR_JSON
+
+        try:
+            saved = json.loads((root / POSTPROCESSOR_JSON).read_text())
+            steps = [s for s in saved.get("steps", []) if s.get("registry_name") == "unnormalizer_processor"]
+            if len(steps) != 1 or Path(str(steps[0].get("state_file"))).name != steps[0].get("state_file"):
+                return  # none, several, or a state file outside the checkpoint's own directory
+            config = steps[0]["config"]
+            back = UnnormalizerProcessorStep(
+                features={
+                    k: PolicyFeature(FeatureType[v["type"]], tuple(v["shape"])) for k, v in config["features"].items()
+                },
+                norm_map={FeatureType[k]: NormalizationMode[v] for k, v in config["norm_map"].items()},
+                eps=float(config.get("eps", 1e-8)),
+            )
+            back.load_state_dict(load_file(str(root / steps[0]["state_file"])))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return
+        self._actions_back, self.cfgp2_unsupported = back, None
 
     # --- shapes and steps --------------------------------------------------------
     @property

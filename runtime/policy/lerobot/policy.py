@@ -50,6 +50,7 @@ class LeRobotPolicy(Policy):
     def __init__(self, loaded: Loaded, device: torch.device, dtype: torch.dtype) -> None:
         self.loaded = loaded
         self.family: Family = family_of(loaded.policy)
+        self.family.attach(loaded.root)
         self.has_unconditional = self.family.has_unconditional  # the family's, not the built-in's default
         self.default_guidance = self.family.default_guidance
         self._device = device
