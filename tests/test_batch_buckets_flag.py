@@ -1,7 +1,7 @@
 """``--batch-buckets``: the batch sizes a compiled server captures, chosen by the user (fewer: a shorter warm-up).
 
 A CUDA graph per bucket costs 60-100 s of compile on an H100 for pi0.5 or
-SmolVLA (bench/results/lerobot-kernels-h100.md), so the default 1, 2, 4, 8 is
+SmolVLA (bench/results/lerobot-h100-round2.md), so the default 1, 2, 4, 8 is
 a four-bucket warm-up; ``--batch-buckets 1,8`` halves it, padding 2-7 robots
 to 8.  The flag is refused before anything loads unless the sizes can hold
 every batch up to ``--max-batch``.

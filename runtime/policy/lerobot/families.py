@@ -222,7 +222,7 @@ class _Flow(Family):
 
 class SmolVLA(_Flow):
     #: On an H100 (2 x 480x640, bf16): 5.2 ms at batch 1 compiled against 37.8 ms eager, 16.8 against 63.5 at
-    #: batch 8, 90 s to compile each bucket (bench/results/lerobot-kernels-h100.md); one graph since
+    #: batch 8, 90 s to compile each bucket (bench/results/lerobot-h100-round2.md); one graph since
     #: smolvlm_positions.py (before it, nine, and no bucket finished compiling in 200 s)
     compile_prefix = True
 
@@ -289,8 +289,9 @@ class Pi0(_Flow):
     #: LeRobot's bfloat16 mode keeps the SigLIP tower and its projector float32 (for training: the optimizer
     #: never sees a dtype toggle).  False: they run in the serving dtype too, casting the pixels to the patch
     #: embedding's dtype as SigLIP itself does; the features leave the tower in LeRobot's dtype either way.
-    #: pi0.5 on an H100, compiled prefix: 25.5 -> 11.6 ms at batch 1, 135 -> 52 ms at batch 8 (the float32 tower
-    #: was 40 % of it even on TF32); tiny pi0.5 bf16 against LeRobot fp32: 1.4e-3 of the action scale either way
+    #: pi0.5 on an H100, compiled prefix: 25.5 -> 11.6 ms at batch 1, 135 -> 52 ms at batch 8 (a batch of 8's
+    #: products, eager: 135.6 ms with the tower in full float32, 49.5 on TF32, 37.1 in bf16); tiny pi0.5 bf16
+    #: against LeRobot fp32: 1.4e-3 of the action scale either way
     float32_vision = False
     #: In reduced precision, the prefix's and the expert's attention without the copies of the shared
     #: key/value head per query head (attention.py).  Off until measured on a GPU: its first version (one
@@ -298,7 +299,7 @@ class Pi0(_Flow):
     grouped_attention = False
 
     def cast(self, dtype: torch.dtype) -> None:
-        if dtype == torch.bfloat16:  # LeRobot's own bfloat16 mode: the vision path and the norms stay float32
+        if dtype == torch.bfloat16:  # LeRobot's own bfloat16 mode (norms float32), the tower as float32_vision says
             paligemma_with_expert = self.policy.model.paligemma_with_expert
             paligemma_with_expert.to_bfloat16_for_selected_params("bfloat16")
             paligemma = paligemma_with_expert.paligemma.model

@@ -61,7 +61,7 @@ class LeRobotPolicy(Policy):
                 # what stays float32 in a reduced-precision model (projections LeRobot keeps float32) multiplies
                 # on the tensor cores as TF32, within the bfloat16 bound: pi0.5's float32 SigLIP tower (LeRobot's
                 # own mode, Pi0.float32_vision) took 135 ms of matrix products at batch 8 on an H100 in full
-                # float32, 49 ms as TF32 (bench/results/lerobot-kernels-h100.md)
+                # float32, 49 ms as TF32 (bench/results/lerobot-h100-round2.md)
                 torch.backends.cuda.matmul.allow_tf32 = True
         self.name = f"lerobot/{loaded.type}"
         self.history = self.family.history
