@@ -59,17 +59,14 @@ def test_example_server_command_passes_serves_own_checks(path: Path) -> None:
     """The command the operator writes into the pods (managed flags, the GPU defaults, extraArgs) parses and
     passes ``serve``'s value checks: an extraArg the CRD admits but serve refuses (e.g. batch buckets that do
     not end at the spec's maxBatch) would crash-loop every pod."""
-    import argparse
-
-    from policy_operator import serve_flags
+    from policy_operator import cli, serve_flags
     from policy_operator.operator import manifests
 
     for doc in documents(path):
         spec = parse_spec(doc["spec"], name=doc["metadata"]["name"], namespace="default")
-        parser = argparse.ArgumentParser()
-        serve_flags.add_arguments(parser)
-        argv = manifests.worker_command(spec, manifests.ServingCheckpoint.of(spec))[len(serve_flags.SERVE_COMMAND) :]
-        serve_flags.check_values(serve_flags.ServeOptions.from_args(parser.parse_args(argv)))
+        command = manifests.worker_command(spec, manifests.ServingCheckpoint.of(spec))
+        args = cli.build_parser().parse_args(command[1:])  # `serve ...`, as the pod's policyserver parses it
+        serve_flags.check_values(serve_flags.ServeOptions.from_args(args))
 
 
 def test_every_hub_source_is_a_documented_public_repository() -> None:

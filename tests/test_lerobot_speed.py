@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 pytest.importorskip("lerobot")
 
@@ -109,13 +110,6 @@ def test_the_prefix_traces_as_one_graph_with_no_host_sync(checkpoint: tuple[str,
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]
 
 
-def flatten(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    items = tree.values() if isinstance(tree, dict) else tree
-    return [leaf for item in items for leaf in flatten(item)]
-
-
 def test_a_step_traces_as_one_graph_and_leaves_its_context_as_it_was(checkpoint: tuple[str, Path]) -> None:
     """What ``--compile`` captures per bucket for the step loop: one graph; and a step reads the prefix cache
     without writing it (pi0/pi0.5 skip LeRobot's clone of the cache), so the next step sees the same context,
@@ -129,7 +123,7 @@ def test_a_step_traces_as_one_graph_and_leaves_its_context_as_it_was(checkpoint:
         x = policy.init_noise(0)
         t = policy.integrator().time(0, 1, x.device)
         step = policy.family.denoise(context, x, t)
-        for was, now in zip(flatten(before), flatten(context), strict=True):
+        for was, now in zip(pytree.tree_leaves(before), pytree.tree_leaves(context), strict=True):
             assert torch.equal(was, now)
         if family in ("pi0", "pi05"):
             from policy_operator.runtime.policy.lerobot.families import kv_cache
