@@ -21,18 +21,15 @@ pi05 | smolvla)  # in one call: in-process against LeRobot eager, over the WebSo
     stage "lerobot-compiled-$fam" 5 python3 "$REPO/bench/lerobot_vs_server.py" --device cuda --families "$fam" \
         --workdir /tmp/ck --reps 10 --lerobot-compile-only --out "$OUT/lerobot-compiled-$fam.md"
     ;;
-esac
-case "${1:-pi05}" in
-kernels)  # where the prefix and a step spend the GPU per variant, then as served (bench/lerobot_kernels.py)
-    stage "kernels-pi05" "${SPARE_PI05:-240}" python3 "$REPO/bench/lerobot_kernels.py" --family pi05 --compile \
-        --workdir /tmp/ck --out "$OUT/kernels-pi05.md"
-    stage "kernels-smolvla" 10 python3 "$REPO/bench/lerobot_kernels.py" --family smolvla --variants tf32 --compile \
-        --compile-prefix --workdir /tmp/ck --out "$OUT/kernels-smolvla.md"
+kernels)  # where the prefix and a step spend the GPU per variant, then the shipped one as served (lerobot_kernels.py)
+    stage "kernels-pi05" "${SPARE_PI05:-240}" python3 "$REPO/bench/lerobot_kernels.py" --family pi05 \
+        --variants lerobot,tf32,vision-bf16 --compile vision-bf16 --workdir /tmp/ck --out "$OUT/kernels-pi05.md"
+    stage "kernels-smolvla" 10 python3 "$REPO/bench/lerobot_kernels.py" --family smolvla --variants tf32 \
+        --compile tf32 --compile-prefix --workdir /tmp/ck --out "$OUT/kernels-smolvla.md"
     ;;
-esac
-case "${1:-pi05}" in
 next)  # the levers built after the last call, against their baselines in the same call (pi0.5, as served)
-    stage "next-pi05" 10 python3 "$REPO/bench/lerobot_kernels.py" --family pi05 --compile \
-        --variants lerobot-step,vision-bf16,grouped-attention --workdir /tmp/ck --out "$OUT/next-pi05.md"
+    variants=lerobot-step,vision-bf16,grouped-attention
+    stage "next-pi05" 10 python3 "$REPO/bench/lerobot_kernels.py" --family pi05 --variants $variants \
+        --compile $variants --workdir /tmp/ck --out "$OUT/next-pi05.md"
     ;;
 esac

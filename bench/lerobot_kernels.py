@@ -21,7 +21,7 @@ rest.  Variants:
 - ``grouped-attention``: ``vision-bf16``, and the prefix's and expert's attention as eager's
   products without the copies of the shared key/value head (``Pi0.grouped_attention``, off by default).
 
-    python bench/lerobot_kernels.py --family pi05 --workdir /tmp/ck --compile   # on the GPU
+    python bench/lerobot_kernels.py --family pi05 --workdir /tmp/ck --compile vision-bf16   # on the GPU
 """
 
 from __future__ import annotations
@@ -110,15 +110,24 @@ def split(kinds: dict[str, float]) -> str:
     return " / ".join(f"{kinds.get(k, 0.0):.2f}" for k in main) + f" / {rest:.2f}"
 
 
+def robots(policy: Any, b: int) -> tuple[Any, Any]:
+    """``b`` robots' prepared observations as one batch, and their initial noise (seeds 100, 101, ...)."""
+    import torch
+
+    from policy_operator.runtime.policy.interface import collate
+
+    batch = collate([policy.prepare(policy.example_observation(i)) for i in range(b)])
+    return batch, torch.cat([policy.init_noise(100 + i) for i in range(b)])
+
+
 def measure(policy: Any, b: int, reps: int, top: int) -> tuple[str, list[str]]:
     """One variant at batch ``b``, eager: the table row's cells after the batch, and the heaviest kernels."""
     import torch
 
-    from policy_operator.runtime.policy.interface import Branch, collate
+    from policy_operator.runtime.policy.interface import Branch
 
     integ = policy.integrator()
-    batch = collate([policy.prepare(policy.example_observation(i)) for i in range(b)])
-    x = torch.cat([policy.init_noise(100 + i) for i in range(b)])
+    batch, x = robots(policy, b)
     t = integ.time(0, b, policy.device)
     with torch.inference_mode():
         context = policy.condition(batch, Branch.COND)
@@ -141,7 +150,7 @@ def served(
     import torch
     import torch._dynamo
 
-    from policy_operator.runtime.policy.interface import Branch, collate
+    from policy_operator.runtime.policy.interface import Branch
     from policy_operator.runtime.policy.lerobot.families import family_class
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
@@ -157,8 +166,7 @@ def served(
         "|---:|---:|---:|---:|---:|",
     ]
     for b in batches:
-        batch = collate([policy.prepare(policy.example_observation(i)) for i in range(b)])
-        x0 = torch.cat([policy.init_noise(100 + i) for i in range(b)])
+        batch, x0 = robots(policy, b)
 
         def steps(context: Any, x: Any = x0, b: int = b) -> Any:
             for i in range(integ.steps):
@@ -189,7 +197,12 @@ def main() -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--top", type=int, default=8)
-    p.add_argument("--compile", action="store_true", help="also time each variant as served (reduce-overhead)")
+    p.add_argument(
+        "--compile",
+        default="",
+        metavar="VARIANTS",
+        help="comma-separated: also time these variants as served (reduce-overhead; 90-110 s a bucket for pi0.5)",
+    )
     p.add_argument("--compile-prefix", action="store_true", help="compile the prefix too where the family does not")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -242,7 +255,7 @@ def main() -> int:
             Path(out).write_text("\n".join(lines) + "\n")  # what a stage cut short by its bound leaves
             tops.append(f"\n{variant}, batch {b}, the prefix's and then one step's heaviest kernels (ms):")
             tops += top
-        if args.compile:
+        if variant in args.compile.split(","):
             compiled += served(policy, args, variant, batches, out, lines + compiled)
     lines += compiled + tops
     lines += ["", f"Reproduce: `python bench/lerobot_kernels.py {' '.join(sys.argv[1:])}`"]
