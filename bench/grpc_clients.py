@@ -361,6 +361,8 @@ def main() -> int:
     protocols = [*patterns, *(["WebSocket (openpi)"] if args.websocket else [])]
     rows: list[tuple[int, str, str, int, dict[str, float]]] = []
     started_load = os.getloadavg()[0]
+    host = machine(args.device)
+    out = args.out or REPO / "bench" / "results" / f"grpc-clients-{args.device}.md"
     for round_ in range(args.rounds):
         for label, env in trees.items():
             grpc_port = free_port()
@@ -378,8 +380,7 @@ def main() -> int:
                         result["load"] = os.getloadavg()[0]
                         rows.append((round_, label, protocol, n, result))
                         print(round_, label, protocol, n, {k: round(v, 2) for k, v in result.items()}, flush=True)
-    lines = report(rows, args, machine(args.device), started_load)
-    publish(lines, args.out or REPO / "bench" / "results" / f"grpc-clients-{args.device}.md")
+                        publish(report(rows, args, host, started_load), out)  # a call cut short keeps its rows
     return 0
 
 

@@ -62,18 +62,27 @@ def main() -> int:
     p.add_argument("--n", type=int, default=10, help="measured requests per robot")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--two-gpus", action="store_true", help="also cfgp=2 over NCCL, one branch per GPU")
+    p.add_argument(
+        "--variants",
+        default="sequential,batched,cfgp2",
+        help="which layouts, comma-separated: sequential, batched, cfgp2 (gloo, one GPU); --two-gpus adds nccl",
+    )
     p.add_argument("--logs", default="/tmp")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "lerobot-cfg.md"))
     args = p.parse_args()
-    root = write_checkpoint(args)
     common = f"--device {args.device} --max-batch 8" + (" --threads 1" if args.device == "cpu" else "")
-    variants = [
-        f"sequential CFG=--cfg-mode sequential {common}",
-        f"batched CFG=--cfg-mode batched {common}",
-        f"cfgp 2 gloo, one GPU=--cfgp 2 --backend gloo {'--share-gpu ' if args.device == 'cuda' else ''}{common}",
-    ]
-    if args.two_gpus:
-        variants.append(f"cfgp 2 NCCL, two GPUs=--cfgp 2 --backend nccl {common}")
+    layouts = {
+        "sequential": f"sequential CFG=--cfg-mode sequential {common}",
+        "batched": f"batched CFG=--cfg-mode batched {common}",
+        "cfgp2": f"cfgp 2 gloo, one GPU=--cfgp 2 --backend gloo {'--share-gpu ' if args.device == 'cuda' else ''}{common}",
+        "nccl": f"cfgp 2 NCCL, two GPUs=--cfgp 2 --backend nccl {common}",
+    }
+    picked = args.variants.split(",") + (["nccl"] if args.two_gpus else [])
+    unknown = sorted(set(picked) - set(layouts))
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(layouts)})")
+    variants = [layouts[name] for name in dict.fromkeys(picked)]
+    root = write_checkpoint(args)
     cmd = [sys.executable, str(REPO / "bench" / "lerobot_robots.py"), "--checkpoint", str(root)]
     cmd += ["--robots", args.robots, "--n", str(args.n), "--warmup", str(args.warmup), "--logs", args.logs]
     label = f"LingBot-VA {args.size}{f', {args.layers} layers' if args.layers else ''} (random weights), guidance 5.0"

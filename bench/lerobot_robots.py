@@ -111,7 +111,9 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     robots = [int(r) for r in args.robots.split(",")]
-    rows = []
+    rows: list[dict[str, Any]] = []
+    gpu = gpu_name()
+    out = args.out or REPO / "bench" / "results" / "lerobot-robots.md"
     for index, variant in enumerate(args.variant):
         name, _, flags = variant.partition("=")
         log = Path(args.logs) / f"serve-{index}.log"
@@ -124,8 +126,14 @@ def main() -> int:
                 row = drive(served.url, r, args.n, args.warmup) | {"variant": name, "robots": r, "ready_s": ready_s}
                 rows.append(row)
                 print(row, flush=True)
+                publish(table(rows, args, gpu), out)  # a call cut short still leaves the rows it measured
         start = [line.split("warmed up ", 1)[1] for line in log.read_text().splitlines() if "warmed up" in line]
         rows[-1]["start_line"] = start[0] if start else ""
+        publish(table(rows, args, gpu), out)
+    return 0
+
+
+def gpu_name() -> str:
     gpu = ""
     try:
         gpu = subprocess.run(
@@ -133,6 +141,10 @@ def main() -> int:
         ).stdout.strip()
     except OSError:
         pass
+    return gpu
+
+
+def table(rows: list[dict[str, Any]], args: argparse.Namespace, gpu: str) -> list[str]:
     lines = [
         f"# {args.label or args.checkpoint}: over the WebSocket, one process per robot, closed loop",
         "",
@@ -158,8 +170,7 @@ def main() -> int:
         f"Reproduce: `python bench/lerobot_robots.py --checkpoint CKPT --robots {args.robots} --n {args.n} {variants}`",
         "",
     ]
-    publish(lines, args.out or REPO / "bench" / "results" / "lerobot-robots.md")
-    return 0
+    return lines
 
 
 if __name__ == "__main__":
