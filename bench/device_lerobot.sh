@@ -4,6 +4,7 @@
 # wheels the image lacks (.whl: lerobot 0.6.1 and its pins, websockets, pydantic; docs/benchmarks.md lists them):
 #   run(command="cd .snap && bash bench/device_lerobot.sh pi05", carry=[".whl", ".snap"])
 #   run(command="cd .snap && bash bench/device_lerobot.sh smolvla", carry=[".whl", ".snap"])
+#   run(command="cd .snap && BUDGET_S=400 bash bench/device_lerobot.sh load", carry=[".whl", ".snap"])
 # Each stage is bounded so that a slow one leaves the others' tables; every table lands in $OUT.
 DEFAULT_BUDGET_S=580
 source "$(dirname "$0")/device_lib.sh"
@@ -31,5 +32,12 @@ next)  # the levers built after the last call, against their baselines in the sa
     variants=lerobot-step,vision-bf16,grouped-attention
     stage "next-pi05" 10 python3 "$REPO/bench/lerobot_kernels.py" --family pi05 --variants $variants \
         --compile $variants --workdir /tmp/ck --out "$OUT/next-pi05.md"
+    ;;
+load)  # where a pod's load goes (bench/lerobot_load.py: fresh processes, pi0.5 and SmolVLA), then the step variants
+    # built after the last call, eager, against the shipped one in the same process
+    stage "lerobot-load" "${SPARE_LOAD:-110}" python3 "$REPO/bench/lerobot_load.py" --families pi05,smolvla \
+        --workdir /tmp/ck --out "$OUT/lerobot-load.md"
+    stage "next-pi05" 5 python3 "$REPO/bench/lerobot_kernels.py" --family pi05 \
+        --variants vision-bf16,lerobot-step,grouped-attention --workdir /tmp/ck --out "$OUT/next-pi05.md"
     ;;
 esac
