@@ -67,7 +67,10 @@ from policy_operator.operator.kube_model import (
     named_pattern,
 )
 from policy_operator.serve_flags import (
+    COMPILE_FLAG,
     COMPILE_KEY_FLAG,
+    COMPILE_MODES,
+    COMPILE_OFF,
     DEFAULT_BATCH_WINDOW_MS,
     DEFAULT_FRONTEND,
     DEFAULT_MAX_BATCH,
@@ -83,6 +86,7 @@ from policy_operator.serve_flags import (
     MAX_SESSION_IDLE_TIMEOUT_S,
     MIN_LATENCY_BUDGET_MS,
     RTC_MODES,
+    check_compile_args,
     policy_guidance,
 )
 from policy_operator.serve_flags import DEFAULT_DRAIN_GRACE_S as RUNTIME_DRAIN_GRACE_S
@@ -315,6 +319,8 @@ def _prefixes(flag: str) -> str:
 # An extra argument that is a managed flag, an abbreviation of one (argparse expands unique prefixes,
 # so "--guid 1" would override --guidance), or either with "=VALUE".
 MANAGED_FLAG_PATTERN: Final = f"^--({'|'.join(_prefixes(f) for f in MANAGED_FLAGS)})(=.*)?$"
+# ``--compile=MODE`` as one word: a mode torch.compile takes, or none (eager); serve refuses any other only at start.
+COMPILE_WORDS: Final = tuple(f"{COMPILE_FLAG}={mode}" for mode in (*COMPILE_MODES, COMPILE_OFF))
 
 OPERATOR_ONLY_CHECKS: Final = {
     "spec.checkpoint.source": "the key of an hf:// source is computed with the fetcher's own request_key, "
@@ -340,6 +346,9 @@ OPERATOR_ONLY_CHECKS: Final = {
     "/etc/ld.so.preload...), and no projected source is a serviceAccountToken; the operator refuses both, and the "
     "chart's admission policy on PolicyServers refuses them at admission (operator/admission.py): a CEL rule over "
     "Kubernetes' unbounded Volume and VolumeMount schemas would exceed the CRD's cost budget",
+    f"spec.runtime.extraArgs ({COMPILE_FLAG} MODE as two words)": f"a CEL rule sees one word of the list at a "
+    f"time: {COMPILE_FLAG}=MODE is checked at admission, a mode in the word after {COMPILE_FLAG} by the operator, "
+    "with serve's own flag definition (serve_flags.check_compile_args)",
     "spec.storage.mode": "the mode cannot change on an existing PolicyServer (a StatefulSet's "
     "volumeClaimTemplates are immutable): the operator keeps the pods as they are and reports "
     "StorageReady=False ImmutableChange",
@@ -670,6 +679,11 @@ ExtraArg = Annotated[
         f"runtime.extraArgs must not set {', '.join(MANAGED_FLAGS)} (nor an abbreviation of one): the operator "
         f"sets them from the spec; change the corresponding field instead",
         reason="FieldValueForbidden",
+    ),
+    Rule(
+        f"!self.startsWith('{COMPILE_FLAG}=') || self in {list(COMPILE_WORDS)}",
+        f"runtime.extraArgs: {COMPILE_FLAG} takes one of {', '.join(COMPILE_MODES)} (torch.compile's modes) or "
+        f"{COMPILE_OFF} (eager); another mode would fail only at warm-up, after the model loaded",
     ),
 ]
 
@@ -1136,5 +1150,9 @@ def parse_spec(spec: Any, *, name: str, namespace: str) -> PolicyServerSpec:
         parsed.checkpoint.key  # noqa: B018 - the fetcher's own split of hf://repo@rev against revision
     except InvalidSource as exc:
         raise SpecError("spec.checkpoint.source", str(exc)) from None
+    try:
+        check_compile_args(parsed.runtime.extra_args)  # "--compile foo" as two words: no CEL rule can see it
+    except ValueError as exc:
+        raise SpecError("spec.runtime.extraArgs", str(exc)) from None
     parsed._name, parsed._namespace = name, namespace
     return parsed

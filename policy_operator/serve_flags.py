@@ -59,9 +59,14 @@ COMPILE_KEY_FLAG: Final = "--compile-key-file"
 #: The flags a LeRobot policy (``spec.policy.type: lerobot``) is served with on a GPU unless extraArgs set them
 #: (issue 37, measured in docs/benchmarks.md): each family in LeRobot's own bfloat16 mode, and CUDA graphs per
 #: batch bucket (1, 2, 4 ... maxBatch, default DEFAULT_MAX_BATCH) for the step loop and, for pi0 / pi0.5, the
-#: VLM prefix.  extraArgs ``--dtype=float32`` (LeRobot's fp32 answers within 1e-5) or ``--compile=default``
-#: replace either.
+#: VLM prefix.  extraArgs ``--dtype=float32`` (LeRobot's fp32 answers within 1e-5), ``--compile=default`` or
+#: ``--compile=none`` (eager: no compile, no buckets) replace either.
 LEROBOT_GPU_DEFAULTS: Final = (("--dtype", "bfloat16"), ("--compile", "reduce-overhead"))
+COMPILE_FLAG: Final = "--compile"
+#: ``--compile MODE``: torch.compile's own modes (its ``mode=``), the only ones serve passes to it.
+COMPILE_MODES: Final = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: ``--compile=none``: eager, as without the flag; the one way extraArgs turn LEROBOT_GPU_DEFAULTS' compile off.
+COMPILE_OFF: Final = "none"
 
 
 @dataclass(frozen=True)
@@ -141,14 +146,7 @@ def _model_flags(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default %(default)s)")
-    g.add_argument(
-        "--compile",
-        nargs="?",
-        const="default",
-        default=None,
-        metavar="MODE",
-        help="torch.compile the denoiser; MODE default | reduce-overhead (CUDA graphs) | max-autotune",
-    )
+    add_compile_flag(g)
     g.add_argument(
         "--compile-cache-dir",
         default=None,
@@ -179,6 +177,27 @@ def _model_flags(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="torch intra-op threads of every thread of a rank (model, event loop, prepare); default: "
         "OMP_NUM_THREADS when set, else 1 on a GPU (as torchrun sets for several ranks), else torch's own",
+    )
+
+
+def _compile_mode(value: str) -> str | None:
+    """``--compile``'s word as ServeOptions holds it: ``none`` is None (eager), so every ``if opts.compile`` reads it
+    as no flag; any other word is kept for ``check_compile`` to accept or refuse in one line."""
+    return None if value == COMPILE_OFF else value
+
+
+def add_compile_flag(g: argparse._ActionsContainer) -> None:
+    """``--compile [MODE]``: ``serve``'s parser and the operator's check of extraArgs (``check_compile_args``)."""
+    g.add_argument(
+        COMPILE_FLAG,
+        nargs="?",
+        const="default",
+        default=None,
+        type=_compile_mode,
+        metavar="MODE",
+        help=f"torch.compile the denoiser; MODE {' | '.join(COMPILE_MODES)} (torch.compile's modes; "
+        f"reduce-overhead: CUDA graphs) or {COMPILE_OFF} (eager, as without the flag: what turns off the "
+        f"compile a LeRobot policy on a GPU gets from the operator); bare: default",
     )
 
 
@@ -392,6 +411,7 @@ def check_values(opts: ServeOptions) -> None:
     _check_batching(opts)
     _check_lerobot_grpc_port(opts)
     _check_lerobot_family(opts)
+    check_compile(opts.compile)
     if opts.threads is not None and opts.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {opts.threads}")
     if opts.rtc_max_delay is not None and not 0 <= opts.rtc_max_delay <= MAX_RTC_DELAY:
@@ -483,6 +503,26 @@ def _check_batching(opts: ServeOptions) -> None:
         raise ValueError(
             f"--gil-switch-ms must be in (0, {MAX_GIL_SWITCH_MS:g}] milliseconds, got {opts.gil_switch_ms}"
         )
+
+
+def check_compile(mode: str | None) -> None:
+    """``--compile``'s mode is one torch.compile takes (None: eager); another would fail only deep in warm-up, after
+    every rank loaded the model (a crash loop for a pod)."""
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ValueError(
+            f"{COMPILE_FLAG} must be one of {', '.join(COMPILE_MODES)} or {COMPILE_OFF} (eager), got {mode!r}"
+        )
+
+
+def check_compile_args(args: Sequence[str]) -> None:
+    """``check_compile`` on the mode ``args`` (a PolicyServer's extraArgs) set, read as serve's parser reads them.
+
+    The CRD's rule sees one word at a time (``--compile=MODE``); ``--compile MODE``
+    as two words is checked here, by the operator, before any pod runs it.
+    """
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_compile_flag(parser)
+    check_compile(parser.parse_known_args(list(args))[0].compile)
 
 
 def _check_lerobot_family(opts: ServeOptions) -> None:

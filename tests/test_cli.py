@@ -109,6 +109,7 @@ def test_serve_requires_a_checkpoint(policyserver_main) -> None:
         (["--cfgp", "2", "--steps", "0"], "--steps must be >= 1"),  # caught before torchrun is exec'd
         (["--auth-token-file", "{missing}"], "--auth-token-file {missing}: cannot read it"),
         (["--dp", "2", "--auth-token-file", "{empty}"], "the file is empty"),
+        (["--compile=foo"], "--compile must be one of default, reduce-overhead, max-autotune, "),
     ],
     ids=[
         "cfgp3",
@@ -119,6 +120,7 @@ def test_serve_requires_a_checkpoint(policyserver_main) -> None:
         "cfgp2-steps0",
         "token-missing",
         "token-empty",
+        "compile-foo",
     ],
 )
 def test_serve_refuses_bad_launches_with_one_line(

@@ -10,7 +10,7 @@ import pytest
 
 from policy_operator import serve_flags
 from policy_operator.operator import manifests as M
-from policy_operator.operator.spec import parse_spec
+from policy_operator.operator.spec import SpecError, parse_spec
 
 
 def served_args(runtime: dict[str, Any], policy: str = "lerobot") -> tuple[argparse.Namespace, list[str]]:
@@ -45,3 +45,21 @@ def test_extra_args_replace_the_defaults_never_doubled(extra: list[str]) -> None
 def test_other_policies_and_the_cpu_keep_the_serve_defaults(runtime: dict[str, Any], policy: str) -> None:
     args, _ = served_args(runtime, policy)
     assert (args.dtype, args.compile) == ("float32", None)
+
+
+@pytest.mark.parametrize("extra", [["--compile=none"], ["--compile", "none"]])
+def test_compile_none_serves_eager_without_the_compile_default(extra: list[str]) -> None:
+    """The one way to serve a LeRobot policy on a GPU eager: the operator adds no --compile, serve reads None."""
+    args, argv = served_args({"extraArgs": extra})
+    assert (args.dtype, args.compile) == ("bfloat16", None)  # the dtype default stays
+    assert "reduce-overhead" not in argv and sum(a.startswith("--compile") for a in argv) == 1
+    assert serve_flags.ServeOptions.from_args(args).compile is None
+    assert not any(a.startswith("--compile") for a in serve_flags.to_argv(serve_flags.ServeOptions.from_args(args)))
+
+
+@pytest.mark.parametrize(
+    ("extra", "path"), [(["--compile=foo"], r"extraArgs\[0\]"), (["--compile", "foo"], "extraArgs")]
+)
+def test_an_unknown_compile_mode_is_refused_before_any_pod(extra: list[str], path: str) -> None:
+    with pytest.raises(SpecError, match=rf"spec\.runtime\.{path}: .*--compile .*reduce-overhead.*none \(eager\)"):
+        served_args({"extraArgs": extra})

@@ -172,6 +172,8 @@ INVALID = [
     (base(runtime={"extraArgs": ["--max-batch", "32"]}), "spec.runtime.extraArgs[0]"),
     (base(runtime={"extraArgs": ["--threads", "2", "--batch-window-ms=0"]}), "spec.runtime.extraArgs[2]"),
     (base(runtime={"extraArgs": ["--max-b", "32"]}), "spec.runtime.extraArgs[0]"),
+    (base(runtime={"extraArgs": ["--threads", "2", "--compile=foo"]}), "spec.runtime.extraArgs[2]"),
+    (base(runtime={"extraArgs": ["--compile", "foo", "--threads", "2"]}), "spec.runtime.extraArgs"),  # operator's
 ]
 
 
@@ -332,6 +334,11 @@ def test_extra_args_refuse_every_managed_flag_and_abbreviation_and_nothing_else(
         elif flag == serve_flags.COMPILE_KEY_FLAG:  # not a spec field, the operator's own key: refused too
             for form in [*forms, "--compile-k", "--compile-key=/x"]:
                 assert refused(base(runtime={"extraArgs": [form]})).path == "spec.runtime.extraArgs[0]", form
+        elif flag == serve_flags.COMPILE_FLAG:  # a mode torch.compile takes, or none (eager); no other
+            assert refused(base(runtime={"extraArgs": [f"{flag}=1"]})).path == "spec.runtime.extraArgs[0]"
+            for mode in (*serve_flags.COMPILE_MODES, serve_flags.COMPILE_OFF):
+                parse(base(runtime={"extraArgs": [f"{flag}={mode}"]}))
+            parse(base(runtime={"extraArgs": [flag]}))
         else:
             for form in forms:
                 parse(base(runtime={"extraArgs": [form]}))
