@@ -22,6 +22,10 @@ from typing import Final
 
 PALIGEMMA_TOKENIZER: Final = "google/paligemma-3b-pt-224"  # pi0 / pi0.5's tokenizer (LeRobot's processors name it)
 SMOLVLM: Final = "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"  # SmolVLA's VLM config and processor
+# LingBot-VA's frozen VAE, UMT5-XXL text encoder and tokenizer: its config's wan_pretrained_path (LeRobot's default).
+# The authors' release (the Robbyant/lingbot-va README's model table, Apache-2.0), which LeRobot pulls without a
+# token; its hub page (gated or not) was not seen from this project: listed ungated on that evidence.
+LINGBOT_VA_WAN: Final = "robbyant/lingbot-va-base"
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,11 @@ PUBLIC_CHECKPOINTS: Final[Mapping[str, PublicCheckpoint]] = MappingProxyType(
             "pi0", "pi0 base (PaliGemma 3B + action expert)", (PALIGEMMA_TOKENIZER,), (PALIGEMMA_TOKENIZER,)
         ),
         "lerobot/diffusion_pusht": PublicCheckpoint("diffusion", "Diffusion Policy trained on PushT (one camera)"),
+        "lerobot/lingbot_va_base": PublicCheckpoint(
+            "lingbot_va",
+            "LingBot-VA base, a ~5B Wan2.2 video-action world model (guidance 5.0 on its video)",
+            (LINGBOT_VA_WAN,),
+        ),
     }
 )
 

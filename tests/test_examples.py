@@ -110,6 +110,30 @@ def test_each_served_family_has_a_fast_gpu_example_with_both_robot_sides() -> No
         assert f"kubectl apply -f examples/{path.name}" in text, path.name
 
 
+def test_the_cfg_family_example_serves_the_layout_measured_on_one_gpu() -> None:
+    """LingBot-VA as bench/results/lerobot-cfg-h100.md measured it: bfloat16, eager (the GPU defaults' compile
+    never ran on it), both CFG branches in one forward, the checkpoint's guidance, 8 robots, one GPU; its
+    sessions (keyframes) over the WebSocket only, and the two-GPU layout its comment names admitted as written."""
+    from policy_operator import cli
+    from policy_operator.operator import manifests
+
+    path = REPO / "examples" / "lerobot-lingbot-va-base.yaml"
+    (doc,) = documents(path)
+    name, text = doc["metadata"]["name"], path.read_text()
+    spec = parse_spec(doc["spec"], name=name, namespace="default")
+    assert PUBLIC_CHECKPOINTS[doc["spec"]["checkpoint"]["source"].removeprefix(HF_SCHEME)].lerobot_type == "lingbot_va"
+    assert spec.policy.family == "lingbot_va" and spec.gpus_per_pod == 1 and spec.service.lerobot_grpc_port is None
+    command = manifests.worker_command(spec, manifests.ServingCheckpoint.of(spec))
+    args = cli.build_parser().parse_args(command[1:])
+    served = (args.dtype, args.compile, args.cfg_mode, args.guidance, args.max_batch, args.cfgp, args.dp)
+    assert served == ("bfloat16", None, "batched", None, 8, 1, 1)
+    assert "reduce-overhead" not in command
+    assert f"policyserver client --url ws://{name}.default.svc:{spec.service.port}" in text
+    assert all(word in text for word in ("session_id", "keyframes", "no_session_state", "parallelism: {cfgp: 2}"))
+    two_gpus = doc["spec"] | {"parallelism": {"cfgp": 2, "dp": 1}}
+    assert parse_spec(two_gpus, name=name, namespace="default").gpus_per_pod == 2
+
+
 def test_docs_show_the_public_repositories_as_the_module_lists_them() -> None:
     assert render_table() in DOC.read_text(), (
         "docs/examples.md is stale: .venv/bin/python -m policy_operator.public_checkpoints docs/examples.md"
