@@ -40,4 +40,16 @@ load)  # where a pod's load goes (bench/lerobot_load.py: fresh processes, pi0.5 
     stage "next-pi05" 5 python3 "$REPO/bench/lerobot_kernels.py" --family pi05 \
         --variants vision-bf16,lerobot-step,grouped-attention --workdir /tmp/ck --out "$OUT/next-pi05.md"
     ;;
+imports)  # serve's imports of LeRobot (pi0.5) in fresh processes, from the sources as installed here (--no-compile),
+    # then after compileall as the image ships them (runtime/Dockerfile)
+    probe='import time; t = time.perf_counter(); import torch; a = time.perf_counter()
+from lerobot.policies.factory import get_policy_class, make_pre_post_processors; get_policy_class("pi05")
+from policy_operator.runtime.policy.lerobot.policy import LeRobotPolicy
+import sys; print(f"{sys.argv[1]}: import torch {a - t:.2f} s, LeRobot (pi0.5) {time.perf_counter() - a:.2f} s")'
+    python3 -c 'import sys; print("dont_write_bytecode", sys.dont_write_bytecode)'
+    for i in 1 2; do python3 -c "$probe" "sources, process $i"; done
+    python3 -m compileall -q -j 16 "$SITE" >/dev/null 2>&1
+    echo "compileall done after $(( $(date +%s) - start )) s"
+    for i in 1 2; do python3 -c "$probe" "bytecode, process $i"; done
+    ;;
 esac
