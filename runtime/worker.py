@@ -233,10 +233,12 @@ class Runtime:
         before_load_s = process_age_s()
         started = time.perf_counter()
         cls = load_policy_class(self.opts.policy)
+        cls.import_dependencies()
+        imports_s = time.perf_counter() - started
         # --trust-remote-code reaches a policy only when given: a plug-in's load() need not know the keyword
         opt_in = {"trust_remote_code": True} if self.opts.trust_remote_code else {}
         policy = cls.load(path, device=self.device, dtype=parse_dtype(self.opts.dtype), **opt_in)
-        weights_s = time.perf_counter() - started
+        weights_s = time.perf_counter() - started - imports_s
         cache_s = 0.0
         if self.opts.compile:
             import torch._dynamo
@@ -283,16 +285,17 @@ class Runtime:
             # where a start's time goes (a second pod's target is seconds): process start to here, the load's
             # weights and compile-cache parts, each bucket's compile-or-load and CUDA-graph capture
             log.info(
-                "replica %d warmed up %.1fs after its process started (%.1fs before the load; load %.1fs: weights "
-                "%.1fs, compile cache %.1fs, setup %.1fs; warm-up %.1fs, seconds per batch bucket %s; artifacts "
-                "saved in %.1fs)",
+                "replica %d warmed up %.1fs after its process started (%.1fs before the load; load %.1fs: imports "
+                "%.1fs, weights %.1fs, compile cache %.1fs, setup %.1fs; warm-up %.1fs, seconds per batch bucket %s; "
+                "artifacts saved in %.1fs)",
                 self.groups.dp_index,
                 process_age_s(),
                 before_load_s,
                 self.load_s,
+                imports_s,
                 weights_s,
                 cache_s,
-                self.load_s - weights_s - cache_s,
+                self.load_s - imports_s - weights_s - cache_s,
                 self.warmup_s,
                 per_bucket,
                 saved_s,

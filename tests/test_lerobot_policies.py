@@ -278,3 +278,21 @@ def test_serve_answers_an_openpi_client_in_lerobot_keys(smolvla_dir: Path, smolv
         assert error["error"]["kind"] == "invalid_observation", error
         assert "observation.images.wrist" in error["error"]["message"]
         np.testing.assert_array_equal(client.infer(obs)["actions"], actions)  # only that request failed
+
+
+def test_lerobot_is_imported_before_the_load_is_timed_and_offline() -> None:
+    """serve's start line tells LeRobot's imports (11-15 s on the H100 host, from sources) from the weights (2.1-2.5
+    s for pi0.5): the worker calls ``import_dependencies`` first, which turns the hub off before any of them."""
+    probe = (
+        "import sys\n"
+        "from policy_operator.runtime.policy.interface import load_policy_class\n"
+        "cls = load_policy_class('lerobot')\n"
+        "assert 'lerobot.policies.factory' not in sys.modules, 'imported with the policy class: nothing to time'\n"
+        "cls.import_dependencies()\n"
+        "import huggingface_hub.constants\n"
+        "print('lerobot.policies.factory' in sys.modules, huggingface_hub.constants.HF_HUB_OFFLINE)\n"
+    )
+    env = {k: v for k, v in subprocess_env().items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    done = subprocess.run([str(VENV_BIN / "python"), "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"]

@@ -514,6 +514,7 @@ def test_readyz_is_503_until_the_model_is_loaded_and_warm(tmp_path: Path, tiny_c
             ready = s.wait_ready(timeout=90).json()
             assert ready["ready"] is True and ready["ranks"][0]["state"] in ("warm", "serving")
             assert "replica 0 warmed up" in s.log_text(), "ready only after the warm-up request"
+            assert re.search(r"load [\d.]+s: imports [\d.]+s, weights [\d.]+s", s.log_text()), "the start's split"
             get_actions(s)
             assert site.count("/ckpt/model.safetensors") == 1
 

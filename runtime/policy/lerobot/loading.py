@@ -55,6 +55,13 @@ def go_offline() -> None:
     huggingface_hub.constants.HF_HUB_OFFLINE = True
 
 
+def import_lerobot() -> None:
+    """LeRobot's policy factory and with it every family's modules, transformers and diffusers: offline first, so
+    nothing imported on the way can reach a hub."""
+    go_offline()
+    import lerobot.policies.factory  # noqa: F401 - imported for its cost, timed apart from the weights
+
+
 @dataclass
 class Loaded:
     """What one LeRobot pretrained directory holds, built on ``device``."""

@@ -28,7 +28,7 @@ import torch
 from policy_operator.builtin_policies import BUILTIN_POLICIES, LEROBOT
 from policy_operator.runtime.policy.interface import Branch, Context, Integrator, Policy, Sample, context_map
 from policy_operator.runtime.policy.lerobot.families import Family, family_of
-from policy_operator.runtime.policy.lerobot.loading import Loaded, load_pretrained
+from policy_operator.runtime.policy.lerobot.loading import Loaded, import_lerobot, load_pretrained
 from policy_operator.runtime.policy.lerobot.relative_actions import STATE_KEY, RelativeActions
 from policy_operator.runtime.policy.lerobot.staging import DeviceStaging, TokenCache
 from policy_operator.runtime.policy.lerobot.wire import ObservationSpec
@@ -97,6 +97,10 @@ class LeRobotPolicy(Policy):
                     "the request's observation, so actions cannot be mapped back to the model's space"
                 )
         return normalizers, None
+
+    @classmethod
+    def import_dependencies(cls) -> None:
+        import_lerobot()
 
     @classmethod
     def load(
