@@ -11,8 +11,8 @@ its JSON has an ``auto_map`` and the caller passes ``trust_remote_code=True``,
 which LeRobot's ``action_tokenizer_processor`` does by default; and a pickled
 weights file is code when unpickled.
 
-So the checkpoint's JSON is read and checked here, before anything of LeRobot
-is imported: the policy type is one this server serves (``SERVED_TYPES``, the
+So the checkpoint's JSON is read and checked here, before LeRobot reads
+anything of it: the policy type is one this server serves (``SERVED_TYPES``, the
 LeRobot family registry), every step is named by a registry name on
 ``TRUSTED_STEPS`` (never an import path), its state file is a safetensors file
 of the checkpoint, no weights file is a pickle, and -- unless the user opted

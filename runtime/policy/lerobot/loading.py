@@ -10,7 +10,7 @@ them), else to the offline hub cache (``HF_HUB_CACHE``), where the fetch Job
 puts them.  A missing one fails the load with the name, never a download.
 
 A checkpoint never runs code unless the user opted in by name: before
-anything of LeRobot is imported, ``checkpoint/trusted_steps.py`` checks the
+LeRobot reads anything of it, ``checkpoint/trusted_steps.py`` checks the
 policy type against the served families, every saved processor step against
 LeRobot's registered steps (by name, never an import path), the weights for
 pickles and -- without ``trust_remote_code`` -- the checkpoint's JSON for
@@ -136,7 +136,7 @@ def load_pretrained(
     """
     go_offline()
     root = Path(checkpoint)
-    trusted = check_lerobot_checkpoint(root, trust_remote_code=trust_remote_code)  # before any LeRobot import
+    trusted = check_lerobot_checkpoint(root, trust_remote_code=trust_remote_code)  # before LeRobot reads any of it
     with _remote_code(trust_remote_code):
         return _load(trusted, device, trust_remote_code)
 
