@@ -23,8 +23,8 @@ from typing import Final
 PALIGEMMA_TOKENIZER: Final = "google/paligemma-3b-pt-224"  # pi0 / pi0.5's tokenizer (LeRobot's processors name it)
 SMOLVLM: Final = "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"  # SmolVLA's VLM config and processor
 # LingBot-VA's frozen VAE, UMT5-XXL text encoder and tokenizer: its config's wan_pretrained_path (LeRobot's default).
-# The authors' release (the Robbyant/lingbot-va README's model table, Apache-2.0), which LeRobot pulls without a
-# token; its hub page (gated or not) was not seen from this project: listed ungated on that evidence.
+# The authors' release (the Robbyant/lingbot-va README's model table, Apache-2.0), which LeRobot, the authors'
+# instructions and third-party guides download without a token (`huggingface-cli download robbyant/lingbot-va-base`).
 LINGBOT_VA_WAN: Final = "robbyant/lingbot-va-base"
 
 
