@@ -23,7 +23,7 @@ export PYTHONUNBUFFERED=1
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=/tmp/pycache
 PYTHONPATH=/tmp/site-new python3 -c "import torch, torch._dynamo, torch._inductor.compile_fx, triton, sympy, \
-policy_operator.runtime.worker, policy_operator.runtime.serving.ingress" >/dev/null 2>&1
+policy_operator.runtime.worker, policy_operator.runtime.serving.server" >/dev/null 2>&1
 cd /tmp
 PYTHONPATH=/tmp/site-new python3 -m policy_operator.cli checkpoint init /tmp/base --size base >/dev/null
 echo "installed, checkpoint after $(( $(date +%s) - start )) s"
