@@ -47,7 +47,7 @@ def apply(kube: Kube, plan: Plan, namespace: str) -> Applied:
             )
             break
         applied.results[f"{write.kind}/{write.name}"] = answer
-        if write.event:
+        if write.event and not answer.get("existed"):  # a create-once that found its object made nothing
             applied.events.append(write.event)
     applied.events.extend(plan.events)
     return applied

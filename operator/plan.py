@@ -51,6 +51,7 @@ from policy_operator.operator.kube_objects import api_json, meta_of
 from policy_operator.operator.manifests import Names, ServingCheckpoint
 from policy_operator.operator.observe import Observed
 from policy_operator.operator.ownership import adopted, conflict, controlled_by, labelled_ours
+from policy_operator.operator.pod_problems import setting_up
 from policy_operator.operator.rollout import fully_rolled, plan_rollout, start_ordinal
 from policy_operator.operator.spec import PolicyServerSpec
 from policy_operator.operator.storage_plan import StorageCheck, cache_modes, check_storage, plan_claim
@@ -133,20 +134,37 @@ def _plan_job(
 
 
 def _compile_key(
-    spec: PolicyServerSpec, owner: Mapping[str, Any], sts: V1StatefulSet | None, desired: Mapping[str, Any]
+    spec: PolicyServerSpec,
+    owner: Mapping[str, Any],
+    sts: V1StatefulSet | None,
+    desired: Mapping[str, Any],
+    pods: Sequence[V1Pod] = (),
 ) -> list[Write]:
     """The compile key Secret, created (never overwritten: the operator cannot read it) before the first template
-    that mounts it; later passes send nothing, so a pass at rest stays free of requests."""
+    that mounts it, and again while a pod that mounts it is setting up: a Secret deleted by hand is only seen as
+    a pod the kubelet cannot start (the operator cannot read Secrets), and a POST of an existing one is refused
+    (409) and changes nothing.  Passes at rest (no pod setting up) send nothing."""
     name = Names(spec.name).compile_key
     wanted = any(v.get("secret", {}).get("secretName") == name for v in desired["spec"]["template"]["spec"]["volumes"])
     template = sts.spec.template.spec if sts is not None and sts.spec is not None else None
     has = any(
         v.secret is not None and v.secret.secret_name == name for v in (template.volumes if template else None) or []
     )
-    if not wanted or has:
+    if not wanted:
         return []
+    event = None
+    if has:
+        waiting = [meta_of(p).name for p in pods if setting_up(p)]
+        if not waiting:
+            return []
+        event = Event(
+            "Warning",
+            "Recreated",
+            f"created compile key Secret {name} again: it was missing while pod {waiting[0]} set up its volumes; "
+            "compiled artifacts tagged with the old key are compiled again",
+        )
     secret = adopted(manifests.build_compile_key_secret(spec, secrets.token_hex(32)), owner)
-    return [Write(Verb.CREATE, "Secret", name, secret)]
+    return [Write(Verb.CREATE, "Secret", name, secret, event)]
 
 
 def _plan_statefulset(
@@ -161,7 +179,7 @@ def _plan_statefulset(
     assert plan.serving is not None
     desired = adopted(manifests.build_statefulset(spec, plan.serving, cache_modes(spec, pvc)), owner)
     want_hash = desired["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH]
-    plan.writes += _compile_key(spec, owner, sts, desired)
+    plan.writes += _compile_key(spec, owner, sts, desired, pods)
     if sts is None:
         plan.writes.append(
             Write(

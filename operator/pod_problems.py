@@ -48,6 +48,17 @@ def unschedulable_message(pod: V1Pod) -> str:
     return ""
 
 
+def setting_up(pod: V1Pod) -> bool:
+    """Scheduled to a node that has not started its containers yet (phase Pending): mounting its volumes,
+    pulling its image or running its init containers.  A volume whose Secret is missing holds a pod here, with
+    the kubelet's words only in an Event the operator does not read."""
+    status = pod.status
+    if meta_of(pod).deletion_timestamp or status is None or status.phase != "Pending":
+        return False
+    scheduled = next((c for c in status.conditions or [] if c.type == "PodScheduled"), None)
+    return scheduled is not None and scheduled.status == "True"
+
+
 def pod_claims(pod: V1Pod) -> list[str]:
     """The names of the claims the pod mounts."""
     volumes = (pod.spec.volumes if pod.spec else None) or []

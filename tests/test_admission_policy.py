@@ -6,7 +6,8 @@ scheduled); the operator runs as a local process with the token of the chart's S
 local node, and serves a PolicyServer whose fetch Job and StatefulSet both name Secrets.  As that
 ServiceAccount: a Job that mounts a Secret of the namespace is refused by the policy, however close to the
 operator's own it is made; a server pod's spec cannot be changed (a new image would run with its Secrets);
-no pod's log can be read.  The same requests as the admin are admitted: the policy matches the
+no pod's log can be read; a compile key Secret deleted by hand is created again (a new key, a Warning Event)
+for the pod that cannot start without it.  The same requests as the admin are admitted: the policy matches the
 ServiceAccount only.  With ``admissionPolicy.allowedImages`` set (a helm upgrade of the release), an image
 outside it is refused and one inside admitted, and a PolicyServer of another image says so in its status.
 The rules themselves are generated from operator/admission.py.
@@ -274,6 +275,40 @@ def test_the_operators_own_children_were_admitted_and_declare_their_secrets(env:
     # and the policy really guards this ServiceAccount: its binding names the policy, its condition the account
     policy = env.lc.api.get("admissionregistration.k8s.io/v1", "validatingadmissionpolicies", POLICY)
     assert policy is not None and env.username in policy["spec"]["matchConditions"][0]["expression"]
+
+
+def test_a_deleted_compile_key_is_created_again_for_the_pod_that_needs_it(env: Env) -> None:
+    """The operator cannot read Secrets, so a compile key deleted by hand shows only as a server pod the kubelet
+    cannot start; the operator, as the chart's ServiceAccount, creates a new key (the admission policy lets it)
+    and says so in an Event, and the pod starts.  Leaves the PolicyServer Ready, with its key."""
+    key = f"{NAME}-compile-key"
+    old = env.lc.existing("v1", "secrets", key)
+    (pod,) = env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={NAME},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+    env.lc.kubectl("delete", "secret", key)
+    env.lc.kubectl("delete", "pod", pod["metadata"]["name"], "--wait=false")
+
+    def recreated() -> dict[str, Any] | None:
+        secret = env.lc.get("v1", "secrets", key)
+        return secret if secret is not None and secret["metadata"]["uid"] != old["metadata"]["uid"] else None
+
+    secret = wait_for(recreated, 120, interval=0.2, what=f"{key} created again")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == env.owner["metadata"]["uid"]
+    assert secret["data"][manifests.COMPILE_KEY_DATA] != old["data"][manifests.COMPILE_KEY_DATA]  # a new key
+
+    def started() -> bool:
+        pods = env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={NAME},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+        return any(
+            p["metadata"]["uid"] != pod["metadata"]["uid"]
+            and any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
+            for p in pods
+        )
+
+    wait_for(started, 240, interval=0.2, what="a new server pod Ready with the new key")
+    env.lc.wait_status(NAME, lambda s: s.get("phase") == C.PHASE_READY, "Ready again", 60)
+    events = json.loads(env.lc.kubectl("get", "events", "--field-selector", "reason=Recreated", "-o", "json").stdout)[
+        "items"
+    ]
+    assert any(key in e["message"] and e["type"] == "Warning" for e in events), events
 
 
 def test_the_service_account_may_annotate_a_server_pod_but_not_change_it(env: Env) -> None:

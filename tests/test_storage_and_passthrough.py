@@ -21,7 +21,8 @@ from policy_operator.operator import download_state
 from policy_operator.operator import manifests as M
 from policy_operator.operator import plan as pl
 from policy_operator.operator import status as st
-from policy_operator.operator.conditions import Condition, Reason
+from policy_operator.operator.apply import apply
+from policy_operator.operator.conditions import Condition, Event, Reason
 from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
 from policy_operator.runtime.checkpoint.compile_file import checkpoint_identity, encode, path_for
 from policy_operator.runtime.checkpoint.marker import make_marker, write_marker
@@ -82,6 +83,58 @@ def test_per_pod_mode_gives_each_pod_its_claim_and_its_own_fetch() -> None:
     # the compile key Secret first (created once, before the first template that mounts it), then the pods
     assert [(w.kind, w.name) for w in result.writes][:2] == [("Secret", "ps-compile-key"), ("StatefulSet", "ps")]
     assert not [w for w in result.writes if w.kind in ("Job", "PersistentVolumeClaim")]
+
+
+def _owned(obj: dict[str, Any]) -> dict[str, Any]:
+    return {**obj, "metadata": {**obj["metadata"], "ownerReferences": [{"uid": "uid-1", "controller": True}]}}
+
+
+def _server_pod(phase: str, scheduled: bool, *, deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": "ps-0", "labels": M.labels("ps", C.COMPONENT_SERVER)}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-06T00:00:00Z"
+    condition = {"type": "PodScheduled", "status": "True" if scheduled else "False"}
+    return {"metadata": meta, "status": {"phase": phase, "conditions": [condition]}}
+
+
+@pytest.mark.parametrize(
+    ("pod", "posts"),
+    [
+        (None, False),  # at rest: nothing sent
+        (_server_pod("Running", True), False),  # warming up or serving: its volumes are mounted
+        (_server_pod("Pending", False), False),  # no node yet: nothing mounts anything
+        (_server_pod("Pending", True, deleting=True), False),
+        (_server_pod("Pending", True), True),  # setting up on its node: a missing key Secret holds it here
+    ],
+)
+def test_the_compile_key_is_created_again_only_while_a_pod_sets_up(pod: dict[str, Any] | None, posts: bool) -> None:
+    """A compile key Secret deleted by hand shows only as a pod the kubelet cannot start (the operator cannot read
+    Secrets): while a pod sets up, the pass POSTs the Secret, which the API server refuses (409) if it exists."""
+    s = spec()
+    sts = _owned(M.build_statefulset(s))
+    result = pl.plan(s, OWNER, observed_of(statefulset=sts, pods=[pod] if pod else []), READY)
+    writes = [w for w in result.writes if w.kind == "Secret"]
+    assert [(w.verb, w.name) for w in writes] == ([(pl.Verb.CREATE, "ps-compile-key")] if posts else [])
+    if posts:
+        assert writes[0].event is not None and writes[0].event.type == "Warning", writes[0].event
+        assert "ps-0" in writes[0].event.message
+
+
+def test_a_create_once_that_found_its_object_posts_no_event() -> None:
+    """The Event of a create-once write says it created something: not when the API server answered 409."""
+
+    class Kube:
+        def __init__(self, existed: bool) -> None:
+            self.existed = existed
+
+        def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+            return {"metadata": obj["metadata"], **({"existed": True} if self.existed else {})}
+
+    secret = M.build_compile_key_secret(spec(), "ab" * 32)
+    event = Event("Warning", "Recreated", "created it again")
+    plan = pl.Plan(writes=[pl.Write(pl.Verb.CREATE, "Secret", "ps-compile-key", secret, event)])
+    assert apply(Kube(existed=True), plan, "ns").events == []  # type: ignore[arg-type]
+    assert apply(Kube(existed=False), plan, "ns").events == [event]  # type: ignore[arg-type]
 
 
 def test_switching_the_mode_is_reported_and_leaves_the_pods_alone() -> None:
