@@ -10,10 +10,11 @@ chart's own ServiceAccount with RBAC enforced.  No node is needed: pods stay
 Pending (the node is ``tests/support/local_node*.py``'s business).
 
 The examples come from where users read them: valid ones from
-``examples/``, invalid ones from ``docs/crd.md`` (a fenced ``yaml`` block
-holding a PolicyServer under a heading that says "invalid" or "refused";
-the field path the server must name is the first ``spec.…``/``metadata.…``
-path written in the block's comments, else in the prose just before it).
+``examples/``, invalid and accepted ones from ``docs/crd.md`` (a fenced ``yaml`` block
+holding a PolicyServer whose first comment says "accepted" or "refused", else
+under a heading that says "invalid", "refused" or "accepted"; the field path
+the server must name is the first ``spec.…``/``metadata.…`` path written in
+the block's comments, else in the prose just before it).
 """
 
 from __future__ import annotations
@@ -74,10 +75,12 @@ _HEADING = re.compile(r"^#+\s+(.*)$", re.M)
 _PATH = re.compile(r"\b((?:spec|metadata)(?:\.[A-Za-z][A-Za-z0-9]*(?:\[\d*\])?)+)")
 
 
-def invalid_doc_examples() -> list[DocExample]:
-    """The invalid PolicyServers of docs/crd.md, read at test time so the doc and the test never drift."""
+def doc_examples() -> tuple[list[DocExample], list[DocExample]]:
+    """The invalid and the accepted PolicyServers of docs/crd.md, read at test time so the doc and the test never
+    drift.  A block's own first comment decides ("# accepted: ..." or "# refused: ..."), else its heading."""
     text = DOC.read_text()
-    found: list[DocExample] = []
+    invalid: list[DocExample] = []
+    accepted: list[DocExample] = []
     heading, previous_end = "", 0
     for match in _FENCE.finditer(text):
         prose, block = text[previous_end : match.start()], match.group(1)
@@ -85,20 +88,22 @@ def invalid_doc_examples() -> list[DocExample]:
         headings = _HEADING.findall(prose)  # only outside fences: a YAML comment is no heading
         heading = headings[-1].strip() if headings else heading
         comments = "\n".join(line for line in block.splitlines() if line.lstrip().startswith("#"))
-        if not re.search(r"invalid|refused|rejected", f"{heading}\n{comments}", re.I):
+        verdict = re.match(r"#\s*(accepted|refused|invalid|rejected)\b", comments.lstrip(), re.I)
+        said = verdict.group(1).lower() if verdict else heading.lower()
+        found = accepted if said.startswith("accepted") else invalid
+        if found is invalid and not re.search(r"invalid|refused|rejected", said):
             continue
         lead_in = prose.strip().split("\n\n")[-1]
         path = _PATH.search(comments) or _PATH.search(lead_in)
         for doc in yaml.safe_load_all(block):
             if isinstance(doc, dict) and doc.get("kind") == C.KIND:
                 name = doc.get("metadata", {}).get("name", f"example-{len(found)}")
-                found.append(
-                    DocExample(f"{name} ({path.group(1) if path else 'no path'})", doc, path.group(1) if path else None)
-                )
-    return found
+                where = path.group(1) if path and found is invalid else None
+                found.append(DocExample(f"{name} ({where or 'no path'})" if found is invalid else name, doc, where))
+    return invalid, accepted
 
 
-INVALID = invalid_doc_examples()
+INVALID, ACCEPTED = doc_examples()
 
 
 def crd() -> dict[str, Any]:
@@ -381,6 +386,18 @@ def test_invalid_doc_example_is_refused_at_admission(
         or "unknown field" in message
     ), message
     assert example.field_path and example.field_path in message, (example.field_path, message)
+
+
+def test_docs_crd_md_has_accepted_examples() -> None:
+    """The reader is not blind: the doc's "Accepted" section is read as accepted, the rest of it as refused."""
+    assert ACCEPTED and {"many-robots", "lerobot-eager"} <= {str(e) for e in ACCEPTED}, [str(e) for e in ACCEPTED]
+    assert not {str(e) for e in ACCEPTED} & {e.manifest["metadata"]["name"] for e in INVALID}
+
+
+@pytest.mark.parametrize("example", ACCEPTED, ids=str)
+def test_accepted_doc_example_is_admitted(cluster: ControlPlane, admission_namespace: str, example: DocExample) -> None:
+    result = apply_stdin(cluster, admission_namespace, example.manifest, "--dry-run=server", check=False)
+    assert result.returncode == 0, f"refused by the apiserver: {example}\n{result.stderr}"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

@@ -3,7 +3,7 @@ generated-from note, a doc's reference.
 
 Python imports are checked by the interpreter and the linters; these names are strings that nothing imports
 until an image is built or a script runs on a device.  runtime/Dockerfile's build check imported
-``policy_operator.runtime.serving.ingress`` for months after that module became ``serving/admission.py`` and
+``policy_operator.runtime.serving.ingress`` after that module had become ``serving/admission.py`` and
 ``serving/server.py``: every ``docker build`` of the runtime image failed at that line, and no test ran it.
 ``bench/results/`` is left out: each result records the tree it measured.
 """
