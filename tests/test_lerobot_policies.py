@@ -280,6 +280,7 @@ def test_serve_answers_an_openpi_client_in_lerobot_keys(smolvla_dir: Path, smolv
         np.testing.assert_array_equal(client.infer(obs)["actions"], actions)  # only that request failed
 
 
+@pytest.mark.slow  # a subprocess that imports torch and lerobot (docs/testing.md, tiers)
 def test_lerobot_is_imported_before_the_load_is_timed_and_offline() -> None:
     """serve's start line tells LeRobot's imports (11-15 s on the H100 host, from sources) from the weights (2.1-2.5
     s for pi0.5): the worker calls ``import_dependencies`` first, which turns the hub off before any of them."""
