@@ -11,6 +11,7 @@ test hands all of them to the real apiserver in one server-side dry run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,40 @@ def test_each_served_family_has_a_fast_gpu_example_with_both_robot_sides() -> No
         assert f"lerobot.async_inference.robot_client --server_address={name}.default.svc:" in text, path.name
         assert f"--policy_type={family} " in text, path.name
         assert f"kubectl apply -f examples/{path.name}" in text, path.name
+
+
+def _robot_client_commands() -> list[tuple[str, str]]:
+    """(file, command) of every ``lerobot.async_inference.robot_client`` command in examples/ and the README, its
+    comment lines and backslash continuations joined."""
+    found = []
+    for path in [*EXAMPLE_FILES, REPO / "README.md"]:
+        text = "\n".join(line.lstrip("# ").rstrip() for line in path.read_text().splitlines())
+        text = text.replace("\\\n", " ")
+        for line in text.splitlines():
+            if "lerobot.async_inference.robot_client" in line:
+                found.append((path.name, line[line.index("lerobot.async_inference.robot_client") :]))
+    return found
+
+
+def test_every_robot_client_command_names_only_lerobots_own_options() -> None:
+    """The robot-side commands are LeRobot's RobotClientConfig: every ``--name`` (or ``--name.field``) a file
+    gives is one of its fields, and ``--robot.type`` a robot it knows, so a copied command is not refused by
+    LeRobot's parser."""
+    import lerobot.async_inference.robot_client  # noqa: F401 - registers the robots robot_client knows
+    from lerobot.async_inference.configs import RobotClientConfig
+    from lerobot.robots.config import RobotConfig
+
+    fields = {f.name for f in dataclasses.fields(RobotClientConfig)}
+    robots = set(RobotConfig.get_known_choices())
+    commands = _robot_client_commands()
+    assert {name for name, _ in commands} >= {p.name for p, d in policyservers() if "lerobot" in json.dumps(d)} - {
+        "lerobot-lingbot-va-base.yaml"  # WebSocket only: its comment says why
+    }, commands
+    for name, command in commands:
+        given = {a[2:].split("=", 1)[0].split(".", 1)[0] for a in command.split() if a.startswith("--")}
+        assert given and given <= fields, (name, sorted(given - fields), command)
+        robot = next((a.split("=", 1)[1] for a in command.split() if a.startswith("--robot.type=")), None)
+        assert robot is None or robot.rstrip("`") == "..." or robot in robots, (name, robot, sorted(robots))
 
 
 def test_the_cfg_family_example_serves_the_layout_measured_on_one_gpu() -> None:
