@@ -128,8 +128,10 @@ def test_every_robot_client_command_names_only_lerobots_own_options() -> None:
     """The robot-side commands are LeRobot's RobotClientConfig: every ``--name`` (or ``--name.field``) a file
     gives is one of its fields, and ``--robot.type`` a robot it knows, so a copied command is not refused by
     LeRobot's parser."""
-    import lerobot.async_inference.robot_client  # noqa: F401 - registers the robots robot_client knows
+    # the robot types robot_client registers, imported as it imports them: importing robot_client itself would
+    # also start its file log under ./logs for the rest of this process
     from lerobot.async_inference.configs import RobotClientConfig
+    from lerobot.robots import bi_so_follower, koch_follower, omx_follower, so_follower  # noqa: F401
     from lerobot.robots.config import RobotConfig
 
     fields = {f.name for f in dataclasses.fields(RobotClientConfig)}
