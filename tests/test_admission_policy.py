@@ -281,9 +281,9 @@ def test_a_deleted_compile_key_is_created_again_for_the_pod_that_needs_it(env: E
     """The operator cannot read Secrets, so a compile key deleted by hand shows only as a server pod the kubelet
     cannot start; the operator, as the chart's ServiceAccount, creates a new key (the admission policy lets it)
     and says so in an Event, and the pod starts.  Leaves the PolicyServer Ready, with its key."""
-    key = f"{NAME}-compile-key"
+    key, servers = f"{NAME}-compile-key", f"{C.LABEL_INSTANCE}={NAME},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}"
     old = env.lc.existing("v1", "secrets", key)
-    (pod,) = env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={NAME},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+    (pod,) = env.lc.list("v1", "pods", servers)
     env.lc.kubectl("delete", "secret", key)
     env.lc.kubectl("delete", "pod", pod["metadata"]["name"], "--wait=false")
 
@@ -296,7 +296,7 @@ def test_a_deleted_compile_key_is_created_again_for_the_pod_that_needs_it(env: E
     assert secret["data"][manifests.COMPILE_KEY_DATA] != old["data"][manifests.COMPILE_KEY_DATA]  # a new key
 
     def started() -> bool:
-        pods = env.lc.list("v1", "pods", f"{C.LABEL_INSTANCE}={NAME},{C.LABEL_COMPONENT}={C.COMPONENT_SERVER}")
+        pods = env.lc.list("v1", "pods", servers)
         return any(
             p["metadata"]["uid"] != pod["metadata"]["uid"]
             and any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))

@@ -88,19 +88,10 @@ def _parser(script: str, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentPa
 
 
 def _parse(script: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
-    """Run ``script`` as ``__main__`` with ``argv`` until its parser answers; that parser (its errors exit 2)."""
-    real = argparse.ArgumentParser.parse_args
-
-    def parse_args(self: argparse.ArgumentParser, args: list[str] | None = None, namespace: object = None) -> object:
-        real(self, args, namespace)
-        raise _Parsed(self)
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
-    monkeypatch.setattr(sys, "argv", [str(REPO / script), *argv])
-    monkeypatch.syspath_prepend(str(REPO / "bench"))  # as when it runs as a script: bench/ is sys.path[0]
-    with pytest.raises(_Parsed) as parsed:
-        runpy.run_path(str(REPO / script), run_name="__main__")
-    return parsed.value.parser
+    """``script``'s parser once it parsed ``argv`` (its errors exit 2)."""
+    parser = _parser(script, monkeypatch)
+    parser.parse_args(argv)
+    return parser
 
 
 def test_the_docs_give_benchmark_commands() -> None:

@@ -23,6 +23,7 @@ from policy_operator.operator import plan as pl
 from policy_operator.operator import status as st
 from policy_operator.operator.apply import apply
 from policy_operator.operator.conditions import Condition, Event, Reason
+from policy_operator.operator.ownership import adopted
 from policy_operator.operator.spec import PolicyServerSpec, SpecError, parse_spec
 from policy_operator.runtime.checkpoint.compile_file import checkpoint_identity, encode, path_for
 from policy_operator.runtime.checkpoint.marker import make_marker, write_marker
@@ -85,10 +86,6 @@ def test_per_pod_mode_gives_each_pod_its_claim_and_its_own_fetch() -> None:
     assert not [w for w in result.writes if w.kind in ("Job", "PersistentVolumeClaim")]
 
 
-def _owned(obj: dict[str, Any]) -> dict[str, Any]:
-    return {**obj, "metadata": {**obj["metadata"], "ownerReferences": [{"uid": "uid-1", "controller": True}]}}
-
-
 def _server_pod(phase: str, scheduled: bool, *, deleting: bool = False) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": "ps-0", "labels": M.labels("ps", C.COMPONENT_SERVER)}
     if deleting:
@@ -111,7 +108,7 @@ def test_the_compile_key_is_created_again_only_while_a_pod_sets_up(pod: dict[str
     """A compile key Secret deleted by hand shows only as a pod the kubelet cannot start (the operator cannot read
     Secrets): while a pod sets up, the pass POSTs the Secret, which the API server refuses (409) if it exists."""
     s = spec()
-    sts = _owned(M.build_statefulset(s))
+    sts = adopted(M.build_statefulset(s), OWNER)
     result = pl.plan(s, OWNER, observed_of(statefulset=sts, pods=[pod] if pod else []), READY)
     writes = [w for w in result.writes if w.kind == "Secret"]
     assert [(w.verb, w.name) for w in writes] == ([(pl.Verb.CREATE, "ps-compile-key")] if posts else [])
