@@ -15,11 +15,11 @@ rest.  Variants:
   float32, matrix products in full float32 (TF32 off);
 - ``tf32``: the same weights, float32 products on the tensor cores as TF32;
 - ``vision-bf16``: the vision tower and projector in bfloat16 as well
-  (``Pi0.float32_vision = False``, the default since this measured it);
+  (``Pi0.float32_vision = False``, the default since this measured it), attention as LeRobot's;
 - ``lerobot-step``: that, with LeRobot's own ``denoise_step`` (the prefix cache
   cloned every step; ``Pi0.lerobot_step``) instead of the family's;
 - ``grouped-attention``: ``vision-bf16``, and the prefix's and expert's attention as eager's
-  products without the copies of the shared key/value head (``Pi0.grouped_attention``, off by default).
+  products without the copies of the shared key/value head (``Pi0.grouped_attention``, on by default since round 4).
 
     python bench/lerobot_kernels.py --family pi05 --workdir /tmp/ck --compile vision-bf16   # on the GPU
 """

@@ -2,7 +2,7 @@
 
 In float32 it answers what LeRobot's ``eager`` attention answers
 (repeated key/value heads, additive mask, float32 softmax) for any grouping;
-a bfloat16 policy with ``Pi0.grouped_attention`` (off by default: slower on an
+a bfloat16 policy (``Pi0.grouped_attention``, on by default: faster on an
 H100, docs/benchmarks.md) routes every Gemma attention module of the prefix and the
 action expert through it, and LeRobot's per-call ``_attn_implementation =
 "eager"`` on the model's config does not undo that; a float32 policy keeps
@@ -22,7 +22,6 @@ pytest.importorskip("lerobot")
 from policy_operator.runtime.policy.interface import Branch, collate  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.attention import NAME, grouped_attention  # noqa: E402
-from policy_operator.runtime.policy.lerobot.families import Pi0  # noqa: E402
 from tests.support.lerobot_tiny import reduced_paligemma, write_small_pi  # noqa: E402
 
 
@@ -65,10 +64,7 @@ def _attention_configs(policy: LeRobotPolicy) -> list[str]:
     ]
 
 
-def test_a_bfloat16_pi05_attends_through_it_and_float32_keeps_lerobots_eager(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(Pi0, "grouped_attention", True)  # off by default: measured slower on an H100
+def test_a_bfloat16_pi05_attends_through_it_and_float32_keeps_lerobots_eager(tmp_path: Path) -> None:
     root = write_small_pi("pi05", tmp_path, seed=4)
     with reduced_paligemma():
         bf16 = LeRobotPolicy.load(str(root), device=torch.device("cpu"), dtype=torch.bfloat16)

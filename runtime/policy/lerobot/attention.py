@@ -11,9 +11,11 @@ eager's.  A first version called ``scaled_dot_product_attention`` on those
 rows instead; on an H100 it made pi0.5's ten steps slower at batch 1 (one
 key/value head left the fused kernel 7 blocks of work for 132 SMs; 19.4 ->
 28.2 ms) and no faster at batch 8.  This one keeps the products as matrix
-multiplications with 8x the rows; it is not measured on a GPU yet, so it is
-off by default (``Pi0.grouped_attention``; bench/lerobot_kernels.py's
-``grouped-attention`` variant measures it).  LeRobot sets
+multiplications with 8x the rows: compiled on an H100 it takes pi0.5's ten
+steps from 33.3 to 29.0 ms at batch 8 and leaves batch 1 within its spread
+(bench/results/lerobot-h100-round4.md), so it is on in bfloat16
+(``Pi0.grouped_attention``; bench/lerobot_kernels.py's ``grouped-attention``
+variant measures it against the step without it).  LeRobot sets
 ``_attn_implementation = "eager"`` on the model's config at every call; each
 attention module gets its own copy of that config naming this function, which
 those assignments do not reach.

@@ -294,9 +294,10 @@ class Pi0(_Flow):
     #: against LeRobot fp32: 1.4e-3 of the action scale either way
     float32_vision = False
     #: In reduced precision, the prefix's and the expert's attention without the copies of the shared
-    #: key/value head per query head (attention.py).  Off until measured on a GPU: its first version (one
-    #: fused SDPA call) slowed pi0.5's 10 steps at batch 1 on an H100 (19.4 -> 28.2 ms)
-    grouped_attention = False
+    #: key/value head per query head (attention.py).  pi0.5 compiled on an H100: 10 steps 33.3 -> 29.0 ms at
+    #: batch 8, 18.9 -> 19.3 ms at batch 1 (inside the 17.7-18.9 ms the shipped steps spread over that session's
+    #: calls), the prefix unchanged (bench/results/lerobot-h100-round4.md)
+    grouped_attention = True
 
     def cast(self, dtype: torch.dtype) -> None:
         if dtype == torch.bfloat16:  # LeRobot's own bfloat16 mode (norms float32), the tower as float32_vision says
