@@ -8,6 +8,7 @@ tests/test_crd.py).  tests/test_admission_policy.py has the API server apply it.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import celpy
@@ -40,8 +41,13 @@ def _last_index_of(text: Any, part: Any) -> Any:  # and its lastIndexOf (-1 when
 _FUNCTIONS = {"split": _split, "join": _join, "substring": _substring, "lastIndexOf": _last_index_of}
 
 
+@functools.cache
+def _program(expression: str) -> Any:  # parsing is most of an evaluation's time, and the expressions are few
+    return _ENV.program(_ENV.compile(expression), functions=_FUNCTIONS)
+
+
 def _run(expression: str, activation: dict[str, Any]) -> Any:
-    result = _ENV.program(_ENV.compile(expression), functions=_FUNCTIONS).evaluate(activation)
+    result = _program(expression).evaluate(activation)
     if isinstance(result, Exception):
         raise result
     return result
