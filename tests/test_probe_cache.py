@@ -12,16 +12,32 @@ from policy_operator.runtime.serving.probe_cache import ProbePacer, Recomputed, 
 from tests.support.servers import PolicyServerProcess
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 64.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_recomputed_is_fresh_within_its_rate_and_the_same_value_past_it() -> None:
     values = iter(range(1000))
-    answer = Recomputed(lambda: next(values), rate=10.0, burst=3.0)
+    clock = Clock()
+    answer = Recomputed(lambda: next(values), rate=10.0, burst=3.0, clock=clock)
     assert [answer.get() for _ in range(10)] == [0, 1, 2, 2, 2, 2, 2, 2, 2, 2]  # a burst of 3, then the last one
-    time.sleep(0.15)  # a controlled clock would do; 0.15 s at 10/s refills one token at least
-    assert answer.get() == 3 and answer.computed == 4
+    clock.now += 0.09  # 0.9 of a token at 10/s: still the last value
+    assert answer.get() == 2
+    clock.now += 0.02
+    assert answer.get() == 3 and answer.get() == 3 and answer.computed == 4
 
 
-def test_token_bucket_refills_at_its_rate() -> None:
-    bucket = TokenBucket(rate=1000.0, burst=2.0)
+def test_token_bucket_refills_at_its_rate_up_to_its_burst() -> None:
+    clock = Clock()
+    bucket = TokenBucket(rate=4.0, burst=2.0, clock=clock)
+    assert [bucket.take() for _ in range(3)] == [True, True, False]
+    clock.now += 0.25  # one token at 4/s (times exact in binary)
+    assert [bucket.take() for _ in range(2)] == [True, False]
+    clock.now += 60.0  # idle for a minute: the burst, not 600 tokens
     assert [bucket.take() for _ in range(3)] == [True, True, False]
 
 

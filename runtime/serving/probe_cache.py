@@ -28,47 +28,47 @@ PACE_S = 0.2  # how much later the rest are answered
 MAX_PACED = 1024
 
 
-class Recomputed[T]:
-    """``compute()``'s value, recomputed while a token bucket (``rate`` a second, ``burst`` deep) allows."""
-
-    def __init__(self, compute: Callable[[], T], rate: float = FRESH_PER_S, burst: float = FRESH_BURST) -> None:
-        self._compute = compute
-        self._rate = rate
-        self._burst = burst
-        self._tokens = burst
-        self._at = time.monotonic()
-        self._value: T | None = None
-        self._have = False
-        self.computed = 0  # how many times it was computed, for tests
-
-    def get(self) -> T:
-        now = time.monotonic()
-        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
-        self._at = now
-        if not self._have or self._tokens >= 1.0:
-            self._tokens -= 1.0
-            self._value = self._compute()
-            self._have = True
-            self.computed += 1
-        return self._value  # type: ignore[return-value]
-
-
 class TokenBucket:
-    """``rate`` a second, ``burst`` deep."""
+    """``rate`` a second, ``burst`` deep, on ``clock`` (seconds; tests drive their own)."""
 
-    def __init__(self, rate: float, burst: float) -> None:
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate, self.burst = rate, burst
+        self._clock = clock
         self._tokens = burst
-        self._at = time.monotonic()
+        self._at = clock()
 
     def take(self) -> bool:
-        now = time.monotonic()
+        now = self._clock()
         self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
         self._at = now
         if self._tokens < 1.0:
             return False
         self._tokens -= 1.0
         return True
+
+
+class Recomputed[T]:
+    """``compute()``'s value, recomputed while a token bucket (``rate`` a second, ``burst`` deep) allows."""
+
+    def __init__(
+        self,
+        compute: Callable[[], T],
+        rate: float = FRESH_PER_S,
+        burst: float = FRESH_BURST,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._compute = compute
+        self._bucket = TokenBucket(rate, burst, clock)
+        self._value: T | None = None
+        self._have = False
+        self.computed = 0  # how many times it was computed, for tests
+
+    def get(self) -> T:
+        if self._bucket.take() or not self._have:
+            self._value = self._compute()
+            self._have = True
+            self.computed += 1
+        return self._value  # type: ignore[return-value]
 
 
 class ProbePacer:
