@@ -6,30 +6,17 @@
 #   run(command="bash bench/device_batching.sh gil", carry=[".whl"])     # the table, and --gil-switch-ms 0.5
 #   run(command="bash bench/device_batching.sh repeat", carry=[".whl"])  # the table, and max-batch 1 and 8 again
 #   run(command="bash bench/device_batching.sh robots", carry=[".whl"])  # issue 24: robots x max-batch 1/8/32
-set -u
-REPO=$(pwd)
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-SITE=/tmp/site
-start=$(date +%s)
-left() { echo $(( ${BUDGET_S:-570} - ($(date +%s) - start) )); }
-
-pip install -q --target "$SITE" "$REPO"/.whl/*.whl >"$OUT/install.log" 2>&1
-pip install -q --no-deps --no-build-isolation --target "$SITE" "$REPO" >>"$OUT/install.log" 2>&1
-export PYTHONPATH=$SITE
-cd /tmp
-python -c "import torch, uvloop; print('torch', torch.__version__, torch.cuda.get_device_name(), 'uvloop', uvloop.__version__)"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-echo "installed after $(( $(date +%s) - start )) s"
-python -m policy_operator.cli checkpoint init /tmp/base --size base >/dev/null
-echo "checkpoint after $(( $(date +%s) - start )) s"
+DEFAULT_BUDGET_S=570
+source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"  # the wheels and this build, /tmp/base, left()
+export PYTHONPATH=/tmp/site-new
+python3 -c "import torch, uvloop; print('torch', torch.__version__, torch.cuda.get_device_name(), 'uvloop', uvloop.__version__)"
 
 COMMON=(--device cuda --size base --steps 10 --dtype bfloat16 --compile reduce-overhead --checkpoint /tmp/base)
 # one batching table into $OUT/h200-$1.md (stderr in $1.err); $2: seconds to leave over; the rest: runtime.py flags
 batching_run() {
     local name=$1 spare=$2
     shift 2
-    timeout $(( $(left) - spare )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
+    timeout $(( $(left) - spare )) python3 "$REPO/bench/runtime.py" "${COMMON[@]}" --n 25 --tables batching \
         --batch-window-ms 2 --out "$OUT/h200-$name.md" "$@" 2>"$OUT/$name.err" | grep -v '^|'
     echo "$name rc=$? after $(( $(date +%s) - start )) s"
 }
@@ -41,7 +28,7 @@ case "${1:-table}" in
 table)
     batching_table 150
     # in-process: what a batch of B costs, and how far a request in a batch is from it alone (bf16)
-    timeout $(( $(left) - 20 )) python "$REPO/bench/batching.py" "${COMMON[@]}" --sizes 1,2,4,8,16 --reps 30 \
+    timeout $(( $(left) - 20 )) python3 "$REPO/bench/batching.py" "${COMMON[@]}" --sizes 1,2,4,8,16 --reps 30 \
         --out "$OUT/h200-batching-inprocess.md" 2>"$OUT/batching-inprocess.err" | tail -12
     grep '^|' "$OUT/h200-batching.md"
     ;;
@@ -56,7 +43,7 @@ gil)
 robots)
     # issue 24's table: 1/4/8/16/32 robots (one process each, closed loop, 5 warm-up + 40 requests per robot) x
     # max-batch 1/8/32, then the same model in-process for batches of 1..32, and the targets as ratios
-    timeout $(( $(left) - 5 )) python "$REPO/bench/runtime.py" "${COMMON[@]}" --tables robots \
+    timeout $(( $(left) - 5 )) python3 "$REPO/bench/runtime.py" "${COMMON[@]}" --tables robots \
         --robot-max-batch "${MAX_BATCH:-1,8,32}" --robots "${ROBOTS:-1,4,8,16,32}" --robot-n "${ROBOT_N:-40}" \
         --batch-window-ms 2 --out "$OUT/h200-robots.md" 2>"$OUT/robots.err" | grep -v '^|'
     echo "robots rc=$? after $(( $(date +%s) - start )) s"

@@ -1,5 +1,6 @@
-# Sourced by the device-call scripts (bench/device_robots.sh, bench/device_lone_robot.sh): the wheels the lent
-# machine lacks (.whl, carried) and this build into /tmp/site-new, the build in .old (when carried) into
+# Sourced by the device-call scripts (bench/device_robots.sh, bench/device_lone_robot.sh, bench/device_batching.sh):
+# the wheels the lent machine lacks (.whl, carried beside the tree or one folder up when the tree travels as .snap,
+# as bench/device_lib.sh finds them) and this build into /tmp/site-new, the build in .old (when carried) into
 # /tmp/site-old, the base checkpoint at /tmp/base, bytecode under /tmp/pycache; then `left` says how many seconds of BUDGET_S remain
 # (default DEFAULT_BUDGET_S, set by the caller).  Leaves the shell in /tmp with REPO, OUT and start set.
 set -u
@@ -8,8 +9,10 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 start=$(date +%s)
 left() { echo $(( ${BUDGET_S:-$DEFAULT_BUDGET_S} - ($(date +%s) - start) )); }
+WHL=$REPO/.whl
+[ -d "$WHL" ] || WHL=$REPO/../.whl
 install() {  # install() SITE SRC: the wheels and the project at SRC, no dependencies, into SITE
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$1" "$REPO"/.whl/*.whl \
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$1" "$WHL"/*.whl \
         >"$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
     python3 -m pip install -q --no-deps --no-build-isolation --target "$1" "$2" >>"$OUT/install.log" 2>&1 \
         || { tail -5 "$OUT/install.log"; exit 1; }
