@@ -41,7 +41,7 @@ test: install lint cluster-binary  ## lint, then every test (the CI run)
 # The unit tier: no multi-process (slow) and no control-plane (cluster) test.  README, "Tests", says which tier a
 # change needs.
 test-fast: install  ## the unit tier (neither slow nor cluster), a few minutes
-	$(PY) -m pytest -m "not slow and not cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest -n auto -m "not slow and not cluster" $(PYTEST_ARGS)
 
 # `make lint` (a prerequisite of `make test`): ruff over the tree, the formatter's check over FORMATTED; mypy and
 # import-linter (the layers contracts in pyproject.toml) over the package as it is imported (policy_operator.runtime
