@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 
 pytest.importorskip("lerobot")
 
-from policy_operator.runtime.policy.interface import Branch, collate, context_map  # noqa: E402
+from policy_operator.runtime.policy.interface import Branch, Sample, collate, context_map  # noqa: E402
 from policy_operator.runtime.policy.lerobot import LeRobotPolicy  # noqa: E402
 from policy_operator.runtime.policy.lerobot.tiny import write_tiny_checkpoint  # noqa: E402
 from policy_operator.runtime.policy.sampler import sample_actions  # noqa: E402
@@ -58,10 +58,21 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         yield family, write_tiny_checkpoint(family, directory, seed=1)
 
 
+def first_requests(policy: LeRobotPolicy, observations: list[dict[str, Any]]) -> list[Sample]:
+    """Each observation prepared as its session's first request."""
+    return [policy.stack_history([policy.prepare(obs)] * policy.history) for obs in observations]
+
+
 def answer(policy: LeRobotPolicy, obs: dict[str, Any], seed: int) -> np.ndarray:
-    sample = policy.prepare(obs)
-    sample = policy.stack_history([sample] * policy.history)  # a session's first request
+    (sample,) = first_requests(policy, [obs])
     return policy.postprocess(sample_actions(policy, sample, [seed], guidance=1.0))
+
+
+def batch_answers(policy: LeRobotPolicy, samples: list[Sample], seeds: list[int]) -> list[np.ndarray]:
+    """Each robot's actions from one batch of them, padded to a bucket one larger (the copy's row dropped)."""
+    padded = collate([*samples, samples[-1]])
+    actions = sample_actions(policy, padded, [*seeds, seeds[-1]], guidance=1.0)
+    return policy.postprocess_batch(actions, padded)[: len(samples)]
 
 
 def test_bfloat16_stays_within_its_bound_of_lerobots_float32_actions(checkpoint: tuple[str, Path]) -> None:
@@ -91,9 +102,7 @@ def test_a_bfloat16_batch_stays_within_the_bound_for_each_robot(checkpoint: tupl
     tasks = ("pick", "pick up the cube", "pick up the red cube and put it in the bowl on the left")
     observations = [fp32.spec.example(k, task=task) for k, task in enumerate(tasks)]
     seeds = [31, 32, 33]
-    samples = [bf16.stack_history([bf16.prepare(obs)] * bf16.history) for obs in observations]
-    padded = collate([*samples, samples[-1]])
-    rows = bf16.postprocess_batch(sample_actions(bf16, padded, [*seeds, seeds[-1]], guidance=1.0), padded)[:3]
+    rows = batch_answers(bf16, first_requests(bf16, observations), seeds)
     for obs, seed, row in zip(observations, seeds, rows, strict=True):
         reference = lerobots_own(fp32, [obs], seed)
         scale = np.abs(reference).max()
@@ -109,13 +118,11 @@ def test_a_device_staged_batch_answers_each_robot_as_lerobot(checkpoint: tuple[s
     assert policy._staging is not None  # noqa: SLF001 - every family's saved preprocessor is reproduced
     observations = [policy.example_observation(k) for k in range(3)]
     seeds = [21, 22, 23]
-    samples = [policy.stack_history([policy.prepare(obs)] * policy.history) for obs in observations]
+    samples = first_requests(policy, observations)
     cameras = [f.key for f in policy.spec.features if f.kind == "VISUAL"]
     for key in cameras:  # the frames travel as the robot sent them: uint8, a quarter of float32's bytes
         assert all(s.tensors[key].dtype == torch.uint8 for s in samples)
-    padded = collate([*samples, samples[-1]])  # a bucket of 4: the copy's row is dropped
-    rows = policy.postprocess_batch(sample_actions(policy, padded, [*seeds, seeds[-1]], guidance=1.0), padded)[:3]
-    for obs, seed, row in zip(observations, seeds, rows, strict=True):
+    for obs, seed, row in zip(observations, seeds, batch_answers(policy, samples, seeds), strict=True):
         np.testing.assert_allclose(row, lerobots_own(policy, [obs], seed), rtol=0, atol=ATOL)
     if policy.spec.needs_task:  # the same task string tokenized once, for every robot
         assert policy._tokens and all(t._cached.cache_info().hits >= 2 for t in policy._tokens)  # noqa: SLF001
