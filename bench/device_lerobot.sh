@@ -34,6 +34,11 @@ next)  # the lever round 3 measured eager (grouped attention: 1.96 ms less a ste
     stage "next-pi05" 10 python3 "$REPO/bench/lerobot_kernels.py" --family pi05 --variants $variants \
         --compile $variants --batches "${BATCHES:-8}" --workdir /tmp/ck --out "$OUT/next-pi05.md"
     ;;
+one-graph)  # the next lever for one robot, measured: the whole request (cameras, prefix, every step) as one CUDA
+    # graph, against the shipped graphs (one for the prefix, one per step) in the same process (pi0.5)
+    stage "one-graph-pi05" 5 python3 "$REPO/bench/lerobot_kernels.py" --family pi05 --variants grouped-attention \
+        --compile grouped-attention --one-graph --batches "${BATCHES:-1}" --workdir /tmp/ck --out "$OUT/one-graph-pi05.md"
+    ;;
 load)  # where a pod's load goes (bench/lerobot_load.py: fresh processes, pi0.5 and SmolVLA), then the step variants
     # built after the last call, eager, against the shipped one in the same process
     stage "lerobot-load" "${SPARE_LOAD:-110}" python3 "$REPO/bench/lerobot_load.py" --families pi05,smolvla \

@@ -189,6 +189,123 @@ def served(
     return rows
 
 
+def wall_ms(fn: Callable[[], Any], reps: int) -> float:
+    """Median host time of ``fn`` up to its last kernel's end: what a robot waits, launches included."""
+    import torch
+
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def one_graph(policy: Any, batches: list[int], reps: int, out: str, lines: list[str]) -> list[str]:
+    """The lever round 4 measured the room for: the whole request -- cameras staged, prefix, every step -- as one
+    CUDA graph per bucket, against the served path (``policy`` compiled ``reduce-overhead`` by ``served``: a graph
+    for the prefix and one per step, replayed by torch's graph trees) in the same process.  Both from the batch's
+    CPU tensors and its noise to the final x on the device (the postprocessor is the same host work for both).
+    The one graph is torch.compile's default mode (no graphs of its own), captured whole after three warm-up
+    runs, replayed after copying the inputs into its buffers."""
+    import torch
+    import torch._dynamo
+
+    from policy_operator.runtime.policy.interface import Branch
+    from policy_operator.runtime.policy.lerobot.relative_actions import STATE_KEY
+
+    integ = policy.integrator()
+    device = policy.device
+    rows = [
+        "",
+        "The whole request as one CUDA graph against the served graphs, same process (wall: host clock to the last "
+        "kernel's end, median):",
+        "",
+        "| batch | served wall ms | one graph wall ms | one graph: compile + capture s | kernels busy / first to last "
+        "kernel ms | max abs diff of x |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    inputs = {}
+    served_ms: dict[int, float] = {}
+    served_x: dict[int, Any] = {}
+    for b in batches:
+        sample, noise = robots(policy, b)
+        inputs[b] = (sample, noise)
+
+        def request(sample: Any = sample, noise: Any = noise, b: int = b) -> Any:
+            context = policy.condition(sample, Branch.COND)
+            x = noise
+            for i in range(integ.steps):
+                x = integ.step(x, policy.denoise_step(context, x, integ.time(i, b, device)), i)
+            return x
+
+        with torch.inference_mode():
+            request()
+            served_ms[b] = wall_ms(request, reps)
+            served_x[b] = request().float().cpu()
+    torch._dynamo.reset()  # the served graphs go; the same functions compile again without graphs of their own
+    prefix = torch.compile(policy.family.condition, dynamic=False)
+    denoise = torch.compile(policy.family.denoise, dynamic=False)
+    staging = policy._staging  # noqa: SLF001 - the served cameras' device step, as ``condition`` runs it
+    for b in batches:
+        sample, noise = inputs[b]
+        static = {k: v.to(device) for k, v in sample.tensors.items() if k != STATE_KEY}
+        x_in = noise.clone()
+
+        def whole(static: dict[str, Any] = static, x_in: Any = x_in, b: int = b) -> Any:
+            batch = staging.finish(static) if staging is not None else dict(static)
+            context = prefix(batch)
+            x = x_in
+            for i in range(integ.steps):
+                x = integ.step(x, denoise(context, x, integ.time(i, b, device)), i)
+            return x
+
+        t0 = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.inference_mode():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        whole()
+                torch.cuda.current_stream().wait_stream(side)
+                with torch.cuda.graph(graph):
+                    x_out = whole()
+        except Exception as exc:  # noqa: BLE001 - what stops the capture is the finding: the row says it
+            rows.append(f"| {b} | {served_ms[b]:.2f} | not captured: {type(exc).__name__}: {str(exc)[:200]} | | | |")
+            print(rows[-1], flush=True)
+            Path(out).write_text("\n".join(lines + rows) + "\n")
+            continue
+        build_s = time.perf_counter() - t0
+        with torch.inference_mode():
+
+            def replay(
+                sample: Any = sample,
+                noise: Any = noise,
+                static: dict[str, Any] = static,
+                x_in: Any = x_in,
+                graph: Any = graph,
+                x_out: Any = x_out,
+            ) -> Any:
+                for k, v in static.items():
+                    v.copy_(sample.tensors[k], non_blocking=True)
+                x_in.copy_(noise, non_blocking=True)
+                graph.replay()
+                return x_out
+
+            replay()
+            ms = wall_ms(replay, reps)
+            busy, span = timeline(replay, out, b)
+            diff = float((replay().float().cpu() - served_x[b]).abs().max())
+        rows.append(f"| {b} | {served_ms[b]:.2f} | {ms:.2f} | {build_s:.1f} | {busy:.2f} / {span:.2f} | {diff:.1e} |")
+        print(rows[-1], flush=True)
+        Path(out).write_text("\n".join(lines + rows) + "\n")
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", default="pi05", choices=["pi05", "pi0", "smolvla"])
@@ -204,6 +321,11 @@ def main() -> int:
         help="comma-separated: also time these variants as served (reduce-overhead; 90-110 s a bucket for pi0.5)",
     )
     p.add_argument("--compile-prefix", action="store_true", help="compile the prefix too where the family does not")
+    p.add_argument(
+        "--one-graph",
+        action="store_true",
+        help="after the last --compile variant as served: the whole request as one CUDA graph, against it",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -257,6 +379,8 @@ def main() -> int:
             tops += top
         if variant in args.compile.split(","):
             compiled += served(policy, args, variant, batches, out, lines + compiled)
+            if args.one_graph and variant == args.compile.split(",")[-1]:
+                compiled += one_graph(policy, batches, args.reps, out, lines + compiled)
     lines += compiled + tops
     lines += ["", f"Reproduce: `python bench/lerobot_kernels.py {' '.join(sys.argv[1:])}`"]
     publish(lines, out)
