@@ -216,6 +216,15 @@ def test_sessions_batch_and_metrics_count_them(process: PolicyServerProcess) -> 
     assert doc["max_batch"] >= 1 and "batch_buckets_ms" not in doc  # no --latency-budget-ms: nothing measured
 
 
+def test_metrics_has_every_series_inline_has(inline: PolicyServerProcess, process: PolicyServerProcess) -> None:
+    """A series the dashboard reads exists in both modes from the first scrape: a multiprocess gauge that keeps
+    the most recent writer's value has no sample until a process sets one (the checkpoint's download bytes of a
+    server that downloads nothing read "no data" under --frontend process, 0 inline)."""
+    # (``_created`` timestamps are not kept by prometheus_client's multiprocess files)
+    names = [{name for name, _ in server.metrics() if not name.endswith("_created")} for server in (inline, process)]
+    assert names[0] - names[1] == set()
+
+
 @pytest.mark.slow  # a two-process server of its own (256 x 256 chunks)
 def test_large_replies_and_rtc_tails_cross_both_ways_at_once(tmp_path_factory: pytest.TempPathFactory) -> None:
     """256 x 256 action chunks (256 kB per reply, more than a socket buffer) to several robots at once, while

@@ -44,6 +44,10 @@ class ServerMetrics:
             self.connections_closed.labels(reason)
         self.world_size.set(layout.world_size)
         self.dp_replicas.set(layout.dp)
+        # A multiprocess gauge that keeps its most recent writer's value has no sample until some process sets
+        # it: 0 here, as a registry of its own reads before the first set, so the dashboard sees 0 in both modes
+        for gauge in (self.ranks_ready, self.load_seconds, self.warmup_seconds, self.download_done, self.download_size):
+            gauge.set(0)
         # every replica's series exists from the first scrape: rate() and the dashboard read 0, not "no data",
         # before a replica's first batch; kept, so a request does not look its labels up again
         self._replicas = [
