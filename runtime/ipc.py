@@ -145,6 +145,9 @@ class Snapshot:
 
     readiness: Readiness
     accepting: bool
+    # the pod's requests in flight that did not come over this link (the LeRobot gRPC port's, the other
+    # front-ends'): the front-end adds its own, which it counts fresher than a snapshot
+    elsewhere: int = 0
 
 
 @dataclass(frozen=True)

@@ -505,6 +505,7 @@ class Rank0:
         if self.lifecycle.stopping.is_set():  # a replica ended by the shutdown itself: no reason to restart the pod
             log.info("replica %d ended during the shutdown: %s", index, reason)
             return
+        log.error("replica %d failed, the pod goes down: %s", index, reason)
         self.code = ServeExit.REPLICA_FAILED
         self.rt.heartbeat.set_state(RankState.FAILED, public_reason(f"replica {index}: {reason}", self.rt.opts))
         self.front.push_readiness()

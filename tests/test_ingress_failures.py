@@ -10,7 +10,10 @@ test sets, so nothing here sleeps.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, cast
+
+import pytest
 
 from policy_operator.layout import ParallelLayout
 from policy_operator.readyz import RankReadiness, RankState
@@ -121,6 +124,32 @@ def test_a_replica_failed_outcome_after_the_request_gave_up_still_fails_the_repl
     result, failures, failed = asyncio.run(scenario())
     assert result.error_kind is ErrorKind.REPLICA_UNAVAILABLE
     assert failures == [(0, "boom")] and failed == {0: "boom"}
+
+
+@pytest.mark.parametrize("decides", [True, False], ids=["worker-decides", "no-worker"])
+def test_a_failed_replica_is_logged_by_whoever_takes_the_pod_down(
+    decides: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine hands a failed replica to ``on_replica_failed`` and logs nothing of its own: the worker logs an
+    error and takes the pod down, or an INFO line when the shutdown itself ended the replica (a drain's grace
+    period that ended inside a collective logged an ERROR under --frontend process).  An engine nobody
+    watches logs the error itself."""
+
+    async def scenario() -> list[tuple[int, str]]:
+        board, lane, clock, failures = Board(), HeldLane(), Clock(), []
+        hook = {"on_replica_failed": lambda index, reason: failures.append((index, reason))} if decides else {}
+        engine = held_engine(board, lane, clock, 0.25, **hook)
+        answer = engine.submit(prepared(7))
+        lane.answer(0, Outcome(lane.requests[0].request_id, 0.0, error_kind=ErrorKind.REPLICA_FAILED, error="boom"))
+        await settled()
+        assert answer.result().error_kind is ErrorKind.REPLICA_FAILED
+        return failures
+
+    with caplog.at_level(logging.INFO, logger="policy_operator.runtime.engine.core"):
+        failures = asyncio.run(scenario())
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert failures == ([(0, "boom")] if decides else [])
+    assert errors == ([] if decides else ["replica 0 failed: boom"])
 
 
 def test_the_bound_counts_one_unready_stretch_not_the_sum_of_several() -> None:

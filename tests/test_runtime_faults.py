@@ -296,7 +296,7 @@ def test_frontend_configs_give_each_process_its_share_and_a_ring_that_fits_it(pr
     config = ipc.FrontendConfig(server, ParallelLayout(cfgp=2, dp=1), 0.5, 30.0, "asyncio", 5.0, "info")
     configs = frontend_configs(config, processes)
     assert [c.index for c in configs] == list(range(processes))
-    assert {c.processes for c in configs} == {processes}  # each knows whether its in_flight is the pod's
+    assert {c.processes for c in configs} == {processes}  # each knows how many share the session counts
     assert [c.server.max_connections for c in configs] == [33] * processes  # 20 front-ends, 33 for the pod
     buffered = [c.server.max_buffered_bytes for c in configs]
     assert sum(buffered) == 20_000 and max(buffered) - min(buffered) <= 1

@@ -68,6 +68,11 @@ log = logging.getLogger(__name__)
 ROUTING_SNAPSHOT_S = 0.05
 
 
+def _log_failure(index: int, reason: str) -> None:
+    """A failed replica where nobody takes the pod down (an engine outside ``serve``)."""
+    log.error("replica %d failed: %s", index, reason)
+
+
 @dataclass(frozen=True, slots=True)
 class _Routed:
     """A request its lane has not answered: the caller's future, where it went, when, and what it was."""
@@ -91,11 +96,12 @@ class Engine:
         request_timeout_s: float,
         poll_s: float = 0.25,
         recent_sessions: Callable[[], int] = lambda: 0,
-        on_replica_failed: Callable[[int, str], None] = lambda index, reason: None,
+        on_replica_failed: Callable[[int, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``recent_sessions``: the front-end's count of sessions that may send soon (the batch window waits for
-        them); ``on_replica_failed``: the worker takes the pod down; ``clock``: monotonic seconds."""
+        them); ``on_replica_failed``: the worker takes the pod down, or says the shutdown ended the replica (None:
+        an error in the log); ``clock``: monotonic seconds."""
         self.layout = layout
         self.settings = settings
         self.board = board
@@ -103,7 +109,7 @@ class Engine:
         self.clock = clock
         self._poll_s = poll_s
         self._recent_sessions = recent_sessions
-        self._on_replica_failed = on_replica_failed
+        self._on_replica_failed = on_replica_failed or _log_failure
         self.router = Router(layout.dp)
         self._members = [frozenset(layout.replica_ranks(k)) for k in range(layout.dp)]  # each replica's ranks
         self.lanes: list[Lane] = []
@@ -215,9 +221,8 @@ class Engine:
         return problems
 
     def _replica_failed(self, index: int, reason: str) -> None:
-        if index not in self.failed:
+        if index not in self.failed:  # the worker says why (an error, or the shutdown's own end of the replica)
             self.failed[index] = reason
-            log.error("replica %d failed, the pod goes down: %s", index, reason)
             self._on_replica_failed(index, reason)
 
     # --- the request path --------------------------------------------------------------

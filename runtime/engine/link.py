@@ -52,6 +52,7 @@ class FrontendLink:
         self.heartbeat_s = heartbeat_s
         self.engine: Engine | None = None
         self.recent_sessions = 0  # the front-end's recent sessions, as of its latest request or report
+        self.outstanding = 0  # requests submitted from this link and not answered yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listening: asyncio.Future[int] | None = None
         self._drained: asyncio.Future[bool] | None = None
@@ -124,7 +125,8 @@ class FrontendLink:
     def push(self) -> None:
         """The readiness as of now."""
         assert self.engine is not None
-        self.send(ipc.Snapshot(self.engine.readiness(), self.engine.accepting))
+        readiness = self.engine.readiness()
+        self.send(ipc.Snapshot(readiness, self.engine.accepting, max(0, readiness.in_flight - self.outstanding)))
 
     async def _push_snapshots(self) -> None:
         period = min(SNAPSHOT_S, self.heartbeat_s / 4)
@@ -182,6 +184,7 @@ class FrontendLink:
                     self._loop.call_soon(self._flush_freed)  # after every request this read pass took
                 self._freed.append(message.slot)
             answer = self.engine.submit(prepared)
+            self.outstanding += 1
             answer.add_done_callback(functools.partial(self._answered, message.id))
         elif isinstance(message, ipc.RecentSessions):
             self.recent_sessions = message.sessions
@@ -199,6 +202,7 @@ class FrontendLink:
         self.send(ipc.Freed(freed))
 
     def _answered(self, request_id: int, answer: asyncio.Future[Result]) -> None:
+        self.outstanding -= 1
         if answer.cancelled():  # nothing here cancels one; were it to, the front-end still gets its answer
             result = Result.failed(RuntimeError("the request was cancelled in the model process"))
         else:

@@ -100,9 +100,9 @@ class MPClient:
             update={
                 "ready": doc.ready and not self.draining,
                 "draining": self.draining,
-                # requests sent and not answered: fresher than the snapshot's, and the pod's when it is the only
-                # front-end; with several, the model process's count (at most a snapshot period old) is the pod's
-                "in_flight": len(self._pending) if self.config.processes == 1 else doc.in_flight,
+                # this process's requests sent and not answered (fresher than a snapshot), and the pod's others as
+                # of the last snapshot (the LeRobot gRPC port's, the other front-ends')
+                "in_flight": len(self._pending) + snapshot.elsewhere,
             }
         )
 
