@@ -35,14 +35,14 @@ demo: install  ## serve a tiny checkpoint on 1 and 2 ranks and compare
 demo-cluster: install  ## the operator on the real control plane, with a sample PolicyServer
 	$(PY) -m tests.support.demo_cluster
 
-test: install lint cluster-binary  ## lint, then every test, then the unit tier's servers with --frontend process (CI)
+test: install lint cluster-binary  ## lint, every test, then the unit and slow tiers with --frontend process (CI)
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-process
 
-# The unit tier again with every server a test starts running its front-end in a process of its own
+# The unit and slow tiers again with every server a test starts running its front-end in a process of its own
 # (tests/support/servers.py reads POLICY_TEST_FRONTEND): the two modes answer alike, and nothing else runs them both.
-test-process: install  ## the unit tier with --frontend process servers, a few minutes
-	POLICY_TEST_FRONTEND=process $(PY) -m pytest -n auto -m "not slow and not cluster" $(PYTEST_ARGS)
+test-process: install  ## the unit and slow tiers with --frontend process servers, about 11 minutes on 2 cores
+	POLICY_TEST_FRONTEND=process $(PY) -m pytest -n auto -m "not cluster" $(PYTEST_ARGS)
 
 # The unit tier: no multi-process (slow) and no control-plane (cluster) test.  README, "Tests", says which tier a
 # change needs.
