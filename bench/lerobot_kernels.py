@@ -21,6 +21,11 @@ rest.  Variants:
 - ``grouped-attention``: ``vision-bf16``, and the prefix's and expert's attention as eager's
   products without the copies of the shared key/value head (``Pi0.grouped_attention``, on by default since round 4).
 
+With ``--one-graph``, after the last ``--compile`` variant as served: the whole
+request (cameras staged, prefix, every step) captured as one CUDA graph per
+batch, against the served graphs in the same process (``one_graph``;
+``bench/trace_gaps.py`` reads the traces both leave).
+
     python bench/lerobot_kernels.py --family pi05 --workdir /tmp/ck --compile vision-bf16   # on the GPU
 """
 
