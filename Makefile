@@ -35,11 +35,8 @@ demo: install  ## serve a tiny checkpoint on 1 and 2 ranks and compare
 demo-cluster: install  ## the operator on the real control plane, with a sample PolicyServer
 	$(PY) -m tests.support.demo_cluster
 
-# The unit tier on a worker per core as test-fast runs it; the slow and cluster tiers on one (the slow tier times
-# processes, the cluster tier shares one control plane); then test-process.
 test: install lint cluster-binary  ## lint, every test, then the unit and slow tiers with --frontend process (CI)
-	$(PY) -m pytest -n auto -m "not slow and not cluster" $(PYTEST_ARGS)
-	$(PY) -m pytest -m "slow or cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-process
 
 # The unit and slow tiers again with every server a test starts running its front-end in a process of its own
