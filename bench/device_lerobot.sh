@@ -37,13 +37,13 @@ next)  # the lever round 3 measured eager (grouped attention: 1.96 ms less a ste
 one-graph)  # the next lever for one robot, measured: the whole request (cameras, prefix, every step) as one CUDA
     # graph, against the shipped graphs (one for the prefix, one per step) in the same process (pi0.5)
     # (FAMILY=smolvla: its shipped step, TF32 products and the prefix compiled)
-    case "${FAMILY:-pi05}" in
+    fam=${FAMILY:-pi05}
+    case "$fam" in
     pi05) variant=grouped-attention ;;
     *) variant=tf32 ;;
     esac
-    stage "one-graph-${FAMILY:-pi05}" 5 python3 "$REPO/bench/lerobot_kernels.py" --family "${FAMILY:-pi05}" \
-        --variants $variant --compile $variant --one-graph --batches "${BATCHES:-1}" --workdir /tmp/ck \
-        --out "$OUT/one-graph-${FAMILY:-pi05}.md"
+    stage "one-graph-$fam" 5 python3 "$REPO/bench/lerobot_kernels.py" --family "$fam" --variants $variant \
+        --compile $variant --one-graph --batches "${BATCHES:-1}" --workdir /tmp/ck --out "$OUT/one-graph-$fam.md"
     ;;
 load)  # where a pod's load goes (bench/lerobot_load.py: fresh processes, pi0.5 and SmolVLA), then the step variants
     # built after the last call, eager, against the shipped one in the same process

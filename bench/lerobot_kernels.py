@@ -125,6 +125,13 @@ def robots(policy: Any, b: int) -> tuple[Any, Any]:
     return batch, torch.cat([policy.init_noise(100 + i) for i in range(b)])
 
 
+def integrate(denoise: Callable[[Any, Any, Any], Any], integ: Any, context: Any, x: Any, device: Any) -> Any:
+    """The unguided step loop as the sampler runs it: ``x`` after every step of ``integ`` with ``denoise``."""
+    for i in range(integ.steps):
+        x = integ.step(x, denoise(context, x, integ.time(i, x.shape[0], device)), i)
+    return x
+
+
 def measure(policy: Any, b: int, reps: int, top: int) -> tuple[str, list[str]]:
     """One variant at batch ``b``, eager: the table row's cells after the batch, and the heaviest kernels."""
     import torch
@@ -173,10 +180,8 @@ def served(
     for b in batches:
         batch, x0 = robots(policy, b)
 
-        def steps(context: Any, x: Any = x0, b: int = b) -> Any:
-            for i in range(integ.steps):
-                x = integ.step(x, policy.denoise_step(context, x, integ.time(i, b, policy.device)), i)
-            return x
+        def steps(context: Any, x: Any = x0) -> Any:
+            return integrate(policy.denoise_step, integ, context, x, policy.device)
 
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -239,12 +244,8 @@ def one_graph(policy: Any, batches: list[int], reps: int, out: str, lines: list[
         sample, noise = robots(policy, b)
         inputs[b] = (sample, noise)
 
-        def request(sample: Any = sample, noise: Any = noise, b: int = b) -> Any:
-            context = policy.condition(sample, Branch.COND)
-            x = noise
-            for i in range(integ.steps):
-                x = integ.step(x, policy.denoise_step(context, x, integ.time(i, b, device)), i)
-            return x
+        def request(sample: Any = sample, noise: Any = noise) -> Any:
+            return integrate(policy.denoise_step, integ, policy.condition(sample, Branch.COND), noise, device)
 
         with torch.inference_mode():
             request()
@@ -259,13 +260,9 @@ def one_graph(policy: Any, batches: list[int], reps: int, out: str, lines: list[
         static = {k: v.to(device) for k, v in sample.tensors.items() if k != STATE_KEY}
         x_in = noise.clone()
 
-        def whole(static: dict[str, Any] = static, x_in: Any = x_in, b: int = b) -> Any:
+        def whole(static: dict[str, Any] = static, x_in: Any = x_in) -> Any:
             batch = staging.finish(static) if staging is not None else dict(static)
-            context = prefix(batch)
-            x = x_in
-            for i in range(integ.steps):
-                x = integ.step(x, denoise(context, x, integ.time(i, b, device)), i)
-            return x
+            return integrate(denoise, integ, prefix(batch), x_in, device)
 
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
